@@ -1,0 +1,133 @@
+"""Block-sparse metadata: which (query block, key block) tiles are empty, full or partial.
+
+A tile is *live* when at least one pair in it is allowed, *full* when every pair is allowed and the key block
+lies inside the sequence (then the kernel needs no mask at all), and *partial* otherwise (live, masked).
+
+The lists are built from per-token bit vectors (see :mod:`mmsparse.topology`), so the cost is O(S * k) for the
+tokens plus O(blocks * k) for the tiles: no S x S tensor. Everything stays on the input device and needs no
+host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FAR = 1 << 40  # a position no token has
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """Per row block, the column blocks to visit: FULL ones first, then PARTIAL ones (CSR with fixed stride).
+
+    Attributes:
+        counts: int32 ``[Bm, R, 2]``: (number of full, number of partial) column blocks of each row block.
+        indices: int32 ``[Bm, R, C]``: column block ids; the first ``counts[..., 0] + counts[..., 1]`` are used.
+    Bm is 1 when the whole batch shares the lists.
+    """
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+
+
+def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
+    """Turn bool ``[Bm, R, C]`` live/full tile maps into :class:`BlockLists` over the last dim."""
+    rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
+    indices = torch.argsort(rank, dim=-1, stable=True).to(torch.int32)
+    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1)], dim=-1).to(torch.int32)
+    return BlockLists(counts.contiguous(), indices.contiguous())
+
+
+def _bits_to_flags(bits: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """int32 ``[Bm, S]`` -> bool ``[Bm, S, k]``: bit t of each token."""
+    t = torch.arange(num_segments, device=bits.device, dtype=torch.int32)
+    return ((bits[..., None] >> t) & 1).bool()
+
+
+def _pad_rows(x: torch.Tensor, total: int, value: bool) -> torch.Tensor:
+    if x.shape[1] == total:
+        return x
+    pad = x.new_full((x.shape[0], total - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def classify_blocks_from_bits(
+    q_bits: torch.Tensor,
+    k_bits: torch.Tensor,
+    num_segments: int,
+    block_m: int,
+    block_n: int,
+    causal: bool,
+    past_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact live/full maps of the tiles of a topology mask.
+
+    Args:
+        q_bits: int32 ``[Bm, Sq]`` row bits of the query tokens (positions past_len .. past_len + Sq - 1).
+        k_bits: int32 ``[Bm, Sk]`` one-hot column bits of the key tokens (0 for padding).
+        num_segments: k, the number of bits in use.
+        block_m, block_n: the tile.
+        causal: also require ``j <= past_len + i``.
+        past_len: Sk - Sq for causal alignment.
+
+    Returns:
+        ``(live, full)``, bool ``[Bm, NQ, NK]``.
+    """
+    bm = q_bits.shape[0]
+    sq, sk = q_bits.shape[1], k_bits.shape[1]
+    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
+    dev = q_bits.device
+    q_flags = _bits_to_flags(q_bits, num_segments)  # [Bm, Sq, k]
+    k_flags = _bits_to_flags(k_bits, num_segments)  # [Bm, Sk, k]
+
+    # Live: some segment t with a row that sees t at or after (causal) a column of segment t.
+    # Without causal the positions collapse to 1 (rows) and 0 (columns), so "exists" is all that counts.
+    if causal:
+        q_pos = past_len + torch.arange(nq * block_m, device=dev, dtype=torch.int64)
+        k_pos = torch.arange(nk * block_n, device=dev, dtype=torch.int64)
+    else:
+        q_pos = torch.ones(nq * block_m, device=dev, dtype=torch.int64)
+        k_pos = torch.zeros(nk * block_n, device=dev, dtype=torch.int64)
+    q_flags_p = _pad_rows(q_flags, nq * block_m, False)
+    k_flags_p = _pad_rows(k_flags, nk * block_n, False)
+    last_row = torch.where(q_flags_p, q_pos[None, :, None], -_FAR).view(bm, nq, block_m, -1).amax(2)
+    first_col = torch.where(k_flags_p, k_pos[None, :, None], _FAR).view(bm, nk, block_n, -1).amin(2)
+    live = (last_row[:, :, None, :] >= first_col[:, None, :, :]).any(-1)
+
+    # Full: every in-range row sees every segment present in the key block, the key block is all real tokens,
+    # and (causal) its last column is visible from the block's first row.
+    rows_see_all = _pad_rows(q_flags, nq * block_m, True).view(bm, nq, block_m, -1).all(2)  # [Bm, NQ, k]
+    present = first_col < _FAR  # [Bm, NK, k]
+    keys_clean = k_flags_p.any(-1).view(bm, nk, block_n).all(-1)  # [Bm, NK]
+    unseen = (present[:, None, :, :] & ~rows_see_all[:, :, None, :]).any(-1)
+    full = live & ~unseen & keys_clean[:, None, :]
+    if causal:
+        last_col = torch.clamp(torch.arange(1, nk + 1, device=dev) * block_n, max=sk) - 1
+        first_row = past_len + torch.arange(nq, device=dev) * block_m
+        full &= (last_col[None, :] <= first_row[:, None])[None]
+    return live, full
+
+
+def classify_blocks_from_mask(
+    mask: torch.Tensor, block_m: int, block_n: int, causal: bool, past_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live/full maps by reducing a dense bool mask ``[Bm, Sq, Sk]`` over each tile (the arbitrary-mask path).
+
+    This is also the pure-torch reference for :func:`classify_blocks_from_bits`.
+    """
+    bm, sq, sk = mask.shape
+    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
+    if causal:
+        i = torch.arange(sq, device=mask.device)[:, None]
+        j = torch.arange(sk, device=mask.device)[None, :]
+        mask = mask & (j <= past_len + i)
+    cols = torch.zeros(bm, sq, nk * block_n, dtype=torch.bool, device=mask.device)
+    cols[:, :, :sk] = mask
+    any_ = _pad_rows(cols, nq * block_m, False).view(bm, nq, block_m, nk, block_n).any(4).any(2)
+    all_ = _pad_rows(cols, nq * block_m, True).view(bm, nq, block_m, nk, block_n).all(4).all(2)
+    return any_, all_

@@ -1,0 +1,188 @@
+"""Public functional API: input checks, mask metadata (cached), dropout seed, then the autograd.Function."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+from .autograd import MBSAttentionFunction
+from .mask_info import MaskInfo
+from .ops.forward import _fwd_kernel
+from .topology import Topology, validate_seg_lens
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]
+
+_INFO_CACHE: OrderedDict[tuple, MaskInfo] = OrderedDict()
+_INFO_CACHE_SIZE = 64
+
+
+def interpreter_active() -> bool:
+    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 before triton was imported)."""
+    return type(_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a ValueError/TypeError naming the problem when q, k, v cannot go to the kernels."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast them first)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cuda":
+        pass
+    elif q.device.type == "cpu":
+        if not interpreter_active():
+            raise ValueError(
+                "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton/mmsparse, "
+                "or move q, k, v to a CUDA device"
+            )
+    else:
+        raise ValueError(f"unsupported device {q.device}: use CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    bq, hq, sq, d = q.shape
+    bk, hk, sk, dk = k.shape
+    if bq != bk:
+        raise ValueError(f"batch sizes differ: q has {bq}, k/v have {bk}")
+    if d != dk:
+        raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
+    if not (16 <= d <= 256 and d % 8 == 0):
+        raise ValueError(f"head dim {d} is not supported: use a multiple of 8 between 16 and 256")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
+    if sq > sk:
+        raise ValueError(f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions")
+
+
+def _lens_tensor(seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device) -> torch.Tensor:
+    """Validate lengths; return int32 ``[Bm, k]`` on device. One list of k ints -> Bm = 1 (shared)."""
+    k = topo.num_segments
+    if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
+        if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
+            raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")
+        if seg_lens.shape[1] != k:
+            raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
+        lens = seg_lens
+        if not (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            bad_neg, bad_sum = bool((lens < 0).any()), bool((lens.sum(-1) > seq_k).any())
+            if bad_neg:
+                raise ValueError("per-sample seg_lens contains negative lengths")
+            if bad_sum:
+                raise ValueError(f"a row of per-sample seg_lens sums to more than the sequence length {seq_k}")
+        return lens.to(device=device, dtype=torch.int32)
+    if isinstance(seg_lens, torch.Tensor) or (len(seg_lens) > 0 and not isinstance(seg_lens[0], Sequence)):
+        lens = validate_seg_lens(seg_lens, k)
+        if sum(lens) != seq_k:
+            raise ValueError(
+                f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_k} positions; the segments must cover "
+                "the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
+            )
+        return torch.tensor([lens], dtype=torch.int32, device=device)
+    rows = [validate_seg_lens(r, k) for r in seg_lens]
+    for b, r in enumerate(rows):
+        if sum(r) > seq_k:
+            raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_k}")
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def build_mask_info(
+    topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device
+) -> MaskInfo:
+    """Validated, cached :class:`MaskInfo` for a topology and lengths (host-side lengths are cached by value)."""
+    topo = topology if isinstance(topology, Topology) else Topology(topology)
+    key = None
+    if not isinstance(seg_lens, torch.Tensor):
+        key = (hash(topo), repr(seg_lens), seq_q, seq_k, causal, str(device))
+        hit = _INFO_CACHE.get(key)
+        if hit is not None:
+            _INFO_CACHE.move_to_end(key)
+            return hit
+    lens = _lens_tensor(seg_lens, topo, seq_k, device)
+    info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal)
+    if key is not None:
+        _INFO_CACHE[key] = info
+        if len(_INFO_CACHE) > _INFO_CACHE_SIZE:
+            _INFO_CACHE.popitem(last=False)
+    return info
+
+
+def _dense_info(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, causal: bool, device) -> MaskInfo:
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        raise TypeError("attn_mask must be a bool tensor [S, S] or [B, S, S] (True = may attend)")
+    m = attn_mask if attn_mask.dim() == 3 else attn_mask[None] if attn_mask.dim() == 2 else None
+    if m is None or m.shape[-1] != seq_k or m.shape[-2] not in (seq_q, seq_k) or m.shape[0] not in (1, batch):
+        raise ValueError(
+            f"attn_mask has shape {tuple(attn_mask.shape)}; expected [{seq_k}, {seq_k}], [{seq_q}, {seq_k}] or "
+            f"with a leading batch dim of 1 or {batch}"
+        )
+    m = m[:, seq_k - seq_q :]  # the query rows
+    return MaskInfo.from_dense(m.to(device), causal)
+
+
+def new_dropout_seed(device: torch.device) -> torch.Tensor:
+    """An int64 [1] seed from torch's default generator of the device (torch.manual_seed reproduces it)."""
+    return torch.randint(0, 2**30, (1,), device=device, dtype=torch.int64)
+
+
+def attention_with_info(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    # The kernels take any strides but need a unit-stride head dim: otherwise one copy.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.numel() == 0 or k.shape[2] == 0:
+        return q.new_zeros(q.shape) + 0 * q.sum()
+    seed = new_dropout_seed(q.device) if dropout_p > 0 else None
+    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
+
+
+def mbs_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topology: Any,
+    seg_lens: SegLensArg,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Block-sparse multimodal attention.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; the queries are the last Sq of the S key positions.
+        k, v: ``[B, Hkv, S, D]``, Hq a multiple of Hkv; fp16, bf16 or fp32; D a multiple of 8 in [16, 256].
+        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor), each row
+            summing to at most S; the rest of a row is padding (never attended; its queries output 0).
+        causal: also require key position <= query position.
+        dropout_p: attention dropout probability (pass 0.0 in eval mode).
+        softmax_scale: default ``1/sqrt(D)``.
+        attn_mask: optional bool ``[S, S]`` / ``[Sq, S]`` / ``[B, ...]`` mask used *instead of* the topology.
+
+    Returns:
+        ``[B, Hq, Sq, D]`` in q's dtype.
+    """
+    check_qkv(q, k, v)
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    if attn_mask is not None:
+        info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, causal, q.device)
+    else:
+        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device)
+    if info.batch not in (1, q.shape[0]):
+        raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)

@@ -1,0 +1,101 @@
+"""Everything the kernels need to know about one mask, built once per (topology, lengths, device) and cached.
+
+The token-level part is O(S): per-token bit vectors, or the user's dense mask on the arbitrary-mask path.
+Block lists are built lazily for each tile shape a kernel asks for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
+from .ops.common import MASK_BITS, MASK_DENSE
+from .topology import Topology, token_bits
+
+
+class MaskInfo:
+    """Mask description for queries at positions past_len .. seq_k - 1 over keys 0 .. seq_k - 1.
+
+    Use :meth:`from_topology` or :meth:`from_dense`. ``batch`` is 1 when the whole batch shares the mask.
+    """
+
+    def __init__(
+        self,
+        mode: int,
+        seq_q: int,
+        seq_k: int,
+        causal: bool,
+        q_bits: torch.Tensor | None = None,
+        k_bits: torch.Tensor | None = None,
+        num_segments: int = 0,
+        dense: torch.Tensor | None = None,
+    ) -> None:
+        self.mode = mode
+        self.seq_q, self.seq_k = seq_q, seq_k
+        self.past_len = seq_k - seq_q
+        self.causal = causal
+        self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
+        self.dense = dense
+        ref = q_bits if mode == MASK_BITS else dense
+        self.batch = ref.shape[0]
+        self.device = ref.device
+        self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lists: dict[tuple[int, int, bool], BlockLists] = {}
+
+    @classmethod
+    def from_topology(
+        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool
+    ) -> MaskInfo:
+        """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k."""
+        row_bits, col_bits = token_bits(topology, seg_lens, seq_k)
+        q_bits = row_bits[:, seq_k - seq_q :].contiguous()
+        return cls(MASK_BITS, seq_q, seq_k, causal, q_bits=q_bits, k_bits=col_bits.contiguous(),
+                   num_segments=topology.num_segments)
+
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:
+        """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
+        mask = mask.contiguous()
+        return cls(MASK_DENSE, mask.shape[1], mask.shape[2], causal, dense=mask)
+
+    def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
+        key = (block_m, block_n)
+        if key not in self._classes:
+            if self.mode == MASK_BITS:
+                self._classes[key] = classify_blocks_from_bits(
+                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.past_len
+                )
+            else:
+                self._classes[key] = classify_blocks_from_mask(
+                    self.dense, block_m, block_n, self.causal, self.past_len
+                )
+        return self._classes[key]
+
+    def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
+        """Per query block its key blocks, or (by_key) per key block its query blocks."""
+        key = (block_m, block_n, by_key)
+        if key not in self._lists:
+            live, full = self.classes(block_m, block_n)
+            if by_key:
+                live, full = live.transpose(1, 2), full.transpose(1, 2)
+            self._lists[key] = lists_from_classes(live, full)
+        return self._lists[key]
+
+    def mask_args(self) -> tuple:
+        """Kernel arguments: (q_bits, k_bits, dense mask, q_bits batch stride, k_bits batch stride, mask batch
+        stride, mask row stride). Unused tensors are stand-ins that are never read; a batch stride of 0 shares
+        one mask across the batch."""
+        shared = self.batch == 1
+        if self.mode == MASK_BITS:
+            qs = 0 if shared else self.q_bits.stride(0)
+            ks = 0 if shared else self.k_bits.stride(0)
+            return self.q_bits, self.k_bits, self.q_bits, qs, ks, 0, 0
+        dense = self.dense.view(torch.uint8)
+        return dense, dense, dense, 0, 0, 0 if shared else dense.stride(0), dense.stride(1)
+
+    def lists_args(self, lists: BlockLists) -> tuple:
+        """(counts, indices, counts batch stride, indices batch stride, indices row stride)."""
+        shared = self.batch == 1
+        return (lists.counts, lists.indices, 0 if shared else lists.counts.stride(0),
+                0 if shared else lists.indices.stride(0), lists.indices.stride(1))

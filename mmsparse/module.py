@@ -1,0 +1,91 @@
+"""TritonMBSAttnKernel: the seed's nn.Module interface over the block-sparse kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .blocks import cdiv
+from .functional import SegLensArg, attention_with_info, build_mask_info, check_qkv
+from .mask_info import MaskInfo
+from .ops.config import kernel_config
+from .topology import Topology, generate_interlaced_mask, validate_seg_lens
+
+
+class TritonMBSAttnKernel(nn.Module):
+    """Multimodal block-sparse attention for a fixed topology and segment lengths.
+
+    Args:
+        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        seg_lens: k segment lengths (the seed's ``mm_seq_seg``); S = sum(seg_lens).
+        causal_mask: also require key position <= query position.
+        dropout: attention dropout probability, applied in training mode only.
+        softmax_scale: default ``1/sqrt(D)``.
+        names: optional segment names, e.g. ``("text", "vision", "audio")``.
+
+    ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.
+    Masks and block lists are built on the inputs' device on first use and cached.
+    """
+
+    def __init__(
+        self,
+        topology: Any,
+        seg_lens: SegLensArg,
+        causal_mask: bool = False,
+        dropout: float = 0.0,
+        softmax_scale: float | None = None,
+        names: Any = None,
+    ) -> None:
+        super().__init__()
+        self.topology = Topology(topology, names)
+        self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        self.causal_mask = bool(causal_mask)
+        self.dropout = float(dropout)
+        self.softmax_scale = softmax_scale
+        self._infos: dict[tuple, MaskInfo] = {}
+        self._dense_mask: torch.Tensor | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.seg_lens)
+
+    @property
+    def dense_mask(self) -> torch.Tensor:
+        """The S x S interlaced token mask (built lazily, on the CPU: for pictures and tests)."""
+        if self._dense_mask is None:
+            self._dense_mask = generate_interlaced_mask(self.topology, self.seg_lens)
+        return self._dense_mask
+
+    @property
+    def block_sparse_mask(self) -> torch.Tensor:
+        """bool ``[NQ, NK]``: the live tiles of the forward kernel at its tile size on the current device kind
+        (CUDA tiles if a GPU is present, the interpreter's otherwise), self-attention over all S positions."""
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        tile = kernel_config(64, torch.bfloat16, device).fwd
+        info = self._info(self.seq_len, self.seq_len, torch.device("cpu"))
+        live, _ = info.classes(tile.block_m, tile.block_n)
+        assert live.shape[1:] == (cdiv(self.seq_len, tile.block_m), cdiv(self.seq_len, tile.block_n))
+        return live[0]
+
+    def _info(self, seq_q: int, seq_k: int, device: torch.device) -> MaskInfo:
+        key = (seq_q, seq_k, str(device))
+        if key not in self._infos:
+            self._infos[key] = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
+        return self._infos[key]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_qkv(q, k, v)
+        if k.shape[2] != self.seq_len:
+            raise ValueError(
+                f"k/v have {k.shape[2]} positions but the module's seg_lens {self.seg_lens} sum to {self.seq_len}"
+            )
+        info = self._info(q.shape[2], k.shape[2], q.device)
+        return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
+
+    def extra_repr(self) -> str:
+        return (f"topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, "
+                f"causal_mask={self.causal_mask}, dropout={self.dropout}")

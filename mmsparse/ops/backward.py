@@ -1,0 +1,257 @@
+"""Backward kernels: delta = rowsum(dO * O); dK/dV per key block; dQ per query block.
+
+Each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics and the
+result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..mask_info import MaskInfo
+from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .config import kernel_config
+from .forward import _DYNAMIC, head_dim_pad, uses_upcast
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr):
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
+    do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
+    tl.store(DELTA + offs_r, tl.sum(o * do, 1), mask=offs_r < n_rows)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
+    for it in range(start, stop):
+        m_blk = tl.load(idx_ptr + it)
+        offs_m = m_blk * BM + offs_m0
+        b_q = load_rows(q_ptr, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
+        b_do = load_rows(do_ptr, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
+        # Rows past the end get lse = +inf, hence p = 0.
+        lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
+        b_st = dot(b_k, tl.trans(b_q), UPCAST) * qk_scale  # [BN, BM]
+        b_pt = tl.math.exp2(b_st - lse[None, :])
+        if MASKED:
+            allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_pt = tl.where(allowed, b_pt, 0.0)
+        b_dpt = dot(b_v, tl.trans(b_do), UPCAST)  # [BN, BM]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, UPCAST)
+            b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
+        else:
+            dv += dot(b_pt.to(b_do.dtype), b_do, UPCAST)
+        b_dst = b_pt * (b_dpt - delta[None, :])
+        dk += dot(b_dst.to(b_q.dtype), b_q, UPCAST)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hk = pid_bh % NUM_KV_HEADS
+    b64 = b.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m0 = tl.arange(0, BM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    b_k = load_rows(K + b64 * stride_kb + hk * stride_kh, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True)
+    b_v = load_rows(V + b64 * stride_vb + hk * stride_vh, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True)
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_n * 2
+    n_full = tl.load(cnt_ptr)
+    n_part = tl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_n * stride_idx_r
+    q_bits_ptr = Q_BITS + b * stride_qbits_b
+    k_bits_ptr = K_BITS + b * stride_kbits_b
+    mask_ptr = MASK + b64 * stride_mask_b
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * NUM_HEADS + h
+        q_ptr = Q + b64 * stride_qb + h * stride_qh
+        row0 = bh.to(tl.int64) * seq_q
+        do_ptr = DO + row0 * HEAD_DIM
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
+            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        )
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        )
+    out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
+    store_rows(DK + out_row0, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM)
+    store_rows(DV + out_row0, dv.to(DV.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks idx[start:stop]."""
+    for it in range(start, stop):
+        n_blk = tl.load(idx_ptr + it)
+        offs_n = n_blk * BN + offs_n0
+        b_k = load_rows(k_ptr, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_v = load_rows(v_ptr, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_s = dot(b_q, tl.trans(b_k), UPCAST) * qk_scale  # [BM, BN]
+        b_p = tl.math.exp2(b_s - lse[:, None])
+        if MASKED:
+            allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_p = tl.where(allowed, b_p, 0.0)
+        b_dp = dot(b_do, tl.trans(b_v), UPCAST)  # [BM, BN]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            b_dp = tl.where(keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        b_ds = b_p * (b_dp - delta[:, None])
+        dq += dot(b_ds.to(b_k.dtype), b_k, UPCAST)
+    return dq
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row0 = pid_bh.to(tl.int64) * seq_q
+    b_q = load_rows(Q + b64 * stride_qb + h * stride_qh, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)
+    b_do = load_rows(DO + row0 * HEAD_DIM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True)
+    lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+    delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
+    n_full = tl.load(cnt_ptr)
+    n_part = tl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
+    q_bits_ptr = Q_BITS + b * stride_qbits_b
+    k_bits_ptr = K_BITS + b * stride_kbits_b
+    mask_ptr = MASK + b64 * stride_mask_b
+    k_ptr = K + b64 * stride_kb + (h // GROUP) * stride_kh
+    v_ptr = V + b64 * stride_vb + (h // GROUP) * stride_vh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
+    dq = _dq_tiles(
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+    )
+    dq = _dq_tiles(
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
+        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+    )
+    store_rows(DQ + row0 * HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q,
+               HEAD_DIM)
+
+
+def mbs_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    info: MaskInfo,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the three backward passes.
+
+    Args:
+        do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
+
+    Returns:
+        ``(dq, dk, dv)``, contiguous, in the inputs' dtypes; dk, dv are summed over each GQA group.
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    d_pad = head_dim_pad(head_dim)
+    cfg = kernel_config(head_dim, q.dtype, q.device)
+    qk_scale = softmax_scale * math.log2(math.e)
+    seed = seed if seed is not None else lse
+    flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+                 HAS_DROPOUT=dropout_p > 0.0, UPCAST=uses_upcast(q))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    mask_tensors, mask_strides = info.mask_args()[:3], info.mask_args()[3:]
+
+    delta = torch.empty_like(lse)
+    n_rows = batch * num_heads * seq_q
+    _delta_kernel[(triton.cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
+
+    dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
+    dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
+    tile = cfg.bwd_dkdv
+    lists = info.lists(tile.block_m, tile.block_n, by_key=True)
+    _dkdv_kernel[(triton.cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
+        *info.lists_args(lists)[2:], seq_q, seq_k, info.past_len, qk_scale, softmax_scale, dropout_p,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+    dq = torch.empty_like(out)
+    tile = cfg.bwd_dq
+    lists = info.lists(tile.block_m, tile.block_n)
+    _dq_kernel[(triton.cdiv(seq_q, tile.block_m), batch * num_heads)](
+        q, k, v, do, lse, delta, dq, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
+        *info.lists_args(lists)[2:], seq_q, seq_k, info.past_len, qk_scale, softmax_scale, dropout_p,
+        NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return dq, dk, dv

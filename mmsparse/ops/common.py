@@ -1,0 +1,85 @@
+"""Triton helpers shared by the forward and backward kernels: the exact tile mask, dropout, tile loads."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MASK_BITS = 0  # topology path: per-token row bits & column bits
+MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST feeds fp32 operands (Triton's CPU interpreter mishandles bf16 dots);
+    bf16 x bf16 products are exact in fp32, so the result matches the GPU's bf16 MMA."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def pair_mask(
+    offs_q,
+    offs_k,
+    q_bits_ptr,
+    k_bits_ptr,
+    mask_ptr,
+    stride_mask_q,
+    seq_q,
+    seq_k,
+    past_len,
+    MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """Which (query, key) pairs of a tile are allowed. offs_q/offs_k are broadcastable 2-D index tiles
+    ([BM, 1] x [1, BN] in the forward, [1, BM] x [BN, 1] in the dK/dV pass). Pointers are already at the
+    (batch) row of the bits or the dense mask."""
+    in_q = offs_q < seq_q
+    in_k = offs_k < seq_k
+    if MASK_MODE == 0:
+        q_bits = tl.load(q_bits_ptr + offs_q, mask=in_q, other=0)
+        k_bits = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
+        allowed = (q_bits & k_bits) != 0
+    else:
+        allowed = tl.load(mask_ptr + offs_q * stride_mask_q + offs_k, mask=in_q & in_k, other=0) != 0
+    allowed = allowed & in_k & in_q
+    if IS_CAUSAL:
+        allowed = allowed & (offs_k <= past_len + offs_q)
+    return allowed
+
+
+@triton.jit
+def dropout_keep(seed, bh, offs_q, offs_k, dropout_p):
+    """Bernoulli keep mask of one tile, a pure function of (seed, batch*head, query, key): the forward and
+    both backward passes regenerate exactly the same bits, in any tile shape or orientation."""
+    zero = (offs_q * 0 + offs_k * 0).to(tl.uint32)
+    c0 = offs_k.to(tl.uint32) + zero
+    c1 = offs_q.to(tl.uint32) + zero
+    c2 = zero + bh.to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
+    return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
+def load_rows(ptr, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a [rows, HEAD_DIM_PAD] tile; masks rows past n_rows only when CHECK_ROWS, columns past HEAD_DIM
+    only when the head dim is not a power of two."""
+    ptrs = ptr + offs_row[:, None] * stride_row + offs_d[None, :]
+    if CHECK_ROWS:
+        if HEAD_DIM == offs_d.shape[0]:
+            return tl.load(ptrs, mask=(offs_row < n_rows)[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=(offs_row < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        if HEAD_DIM == offs_d.shape[0]:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr):
+    ptrs = ptr + offs_row[:, None] * stride_row + offs_d[None, :]
+    tl.store(ptrs, value, mask=(offs_row < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])

@@ -1,0 +1,83 @@
+"""Tile sizes and launch settings, from a pre-tuned table keyed on head dim, dtype and device kind.
+
+Nothing here depends on the sequence or segment lengths, so a new length never triggers a new compile or a
+tuning sweep. The block metadata is built for exactly these tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    fwd: Tile
+    bwd_dkdv: Tile  # block_n: the key block a program owns; block_m: the query tiles it walks
+    bwd_dq: Tile  # block_m: the query block a program owns; block_n: the key tiles it walks
+
+
+# Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
+# exercise ragged ends and lists built at different granularities.
+_INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16))
+
+
+def _cuda_config(head_dim_pad: int) -> KernelConfig:
+    if head_dim_pad <= 64:
+        return KernelConfig(
+            fwd=Tile(128, 64, num_warps=4, num_stages=3),
+            bwd_dkdv=Tile(64, 128, num_warps=8, num_stages=3),
+            bwd_dq=Tile(128, 64, num_warps=8, num_stages=3),
+        )
+    if head_dim_pad <= 128:
+        return KernelConfig(
+            fwd=Tile(128, 64, num_warps=8, num_stages=3),
+            bwd_dkdv=Tile(64, 128, num_warps=8, num_stages=2),
+            bwd_dq=Tile(128, 64, num_warps=8, num_stages=2),
+        )
+    return KernelConfig(
+        fwd=Tile(64, 64, num_warps=4, num_stages=2),
+        bwd_dkdv=Tile(32, 64, num_warps=4, num_stages=1),
+        bwd_dq=Tile(64, 32, num_warps=4, num_stages=1),
+    )
+
+
+_override: KernelConfig | None = None
+
+
+def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The tiles for one call. ``use_config`` overrides them (tests, tuning)."""
+    if _override is not None:
+        return _override
+    if device.type != "cuda":
+        return _INTERPRETER
+    cfg = _cuda_config(max(16, 1 << (head_dim - 1).bit_length()))
+    if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
+        cfg = KernelConfig(
+            fwd=replace(cfg.fwd, block_n=max(16, cfg.fwd.block_n // 2)),
+            bwd_dkdv=replace(cfg.bwd_dkdv, block_m=max(16, cfg.bwd_dkdv.block_m // 2), num_stages=1),
+            bwd_dq=replace(cfg.bwd_dq, block_n=max(16, cfg.bwd_dq.block_n // 2), num_stages=1),
+        )
+    return cfg
+
+
+@contextlib.contextmanager
+def use_config(config: KernelConfig) -> Iterator[None]:
+    """Run the enclosed calls with fixed tiles, e.g. ``with use_config(KernelConfig(Tile(16,16), ...)):``."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = previous

@@ -1,0 +1,161 @@
+"""Forward kernel: FlashAttention-2 online softmax over the listed key blocks of each query block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..mask_info import MaskInfo
+from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .config import kernel_config
+
+# Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
+# so a new length reuses the compiled kernel.
+_DYNAMIC = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+            "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q", "stride_cnt_b",
+            "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "past_len"]
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
+    for it in range(start, stop):
+        n_blk = tl.load(idx_ptr + it)
+        offs_kv = n_blk * BN + offs_n
+        b_k = load_rows(k_ptr, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_v = load_rows(v_ptr, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_s = dot(b_q, tl.trans(b_k), UPCAST) * qk_scale  # [BM, BN], log2 units
+        if MASKED:
+            allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_s = tl.where(allowed, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row that has seen nothing yet keeps m = -inf: use 0 as the exponent base so that exp2 gives 0, not NaN.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.math.exp2(b_s - m_base[:, None])  # [BM, BN]
+        alpha = tl.math.exp2(m_i - m_base)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_kv[None, :], dropout_p)
+            b_p = tl.where(keep, b_p, 0.0)
+        acc = acc * alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def _fwd_kernel(
+    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, past_len, qk_scale, dropout_p,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+
+    q_ptr = Q + b64 * stride_qb + h * stride_qh
+    k_ptr = K + b64 * stride_kb + (h // GROUP) * stride_kh
+    v_ptr = V + b64 * stride_vb + (h // GROUP) * stride_vh
+    b_q = load_rows(q_ptr, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
+    n_full = tl.load(cnt_ptr)
+    n_part = tl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
+    q_bits_ptr = Q_BITS + b * stride_qbits_b
+    k_bits_ptr = K_BITS + b * stride_kbits_b
+    mask_ptr = MASK + b64 * stride_mask_b
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
+        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+    )
+
+    # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    o_ptr = O + pid_bh.to(tl.int64) * seq_q * HEAD_DIM
+    store_rows(o_ptr, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM)
+
+
+def head_dim_pad(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def uses_upcast(q: torch.Tensor) -> bool:
+    """The CPU interpreter gets bf16 dots wrong; feed it fp32 operands (exact for bf16 products)."""
+    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+
+
+def mbs_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    info: MaskInfo,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``; last dim contiguous.
+        info: the mask (bits or dense) and its block lists.
+        softmax_scale: multiplies q.k.
+        dropout_p, seed: dropout probability and an int64 ``[1]`` seed tensor on q's device.
+
+    Returns:
+        ``(out [B, Hq, Sq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    tile = kernel_config(head_dim, q.dtype, q.device).fwd
+    lists = info.lists(tile.block_m, tile.block_n)
+    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    seed = seed if seed is not None else lse  # never read without dropout
+    grid = (triton.cdiv(seq_q, tile.block_m), batch * num_heads)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, *info.mask_args()[:3], *info.lists_args(lists)[:2], seed,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *info.mask_args()[3:], *info.lists_args(lists)[2:],
+        seq_q, info.seq_k, info.past_len, softmax_scale * math.log2(math.e), dropout_p,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+        HAS_DROPOUT=dropout_p > 0.0, UPCAST=uses_upcast(q), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out, lse

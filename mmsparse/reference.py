@@ -1,0 +1,78 @@
+"""The one dense reference: plain masked softmax attention in float64, for tests and benchmarks.
+
+It is deliberately independent of the kernels' code path: it takes a dense bool mask (build it with
+:func:`reference_mask`) and uses ordinary torch ops, with autograd for the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .topology import Topology, segment_ids
+
+
+def reference_mask(
+    topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, seq_k: int,
+    seq_q: int | None = None, causal: bool = False,
+) -> torch.Tensor:
+    """Dense bool mask ``[B, Sq, Sk]`` (B = 1 for one set of lengths) by direct token-by-token lookup.
+
+    seg_lens: k lengths or ``[B, k]`` per-sample lengths; tokens past a sample's total are padding.
+    """
+    topo = Topology(topology)
+    lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
+    lens = lens[None] if lens.dim() == 1 else lens
+    seq_q = seq_k if seq_q is None else seq_q
+    seg = segment_ids(lens, seq_k)  # [B, Sk], k = padding
+    k = topo.num_segments
+    table = torch.zeros(k + 1, k + 1, dtype=torch.bool)
+    table[:k, :k] = topo.matrix
+    q_seg = seg[:, seq_k - seq_q :]
+    mask = table[q_seg[:, :, None], seg[:, None, :]]
+    if causal:
+        i = torch.arange(seq_q)[:, None] + (seq_k - seq_q)
+        j = torch.arange(seq_k)[None, :]
+        mask = mask & (j <= i)
+    return mask
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float | None = None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Masked attention computed densely in ``dtype`` (float64 by default).
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv).
+        mask: bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``; True where the query may attend the key.
+        softmax_scale: default 1/sqrt(D).
+        dropout_keep: optional bool ``[B, Hq, Sq, Sk]`` keep mask, applied as ``p * keep / (1 - dropout_p)``.
+
+    Returns:
+        ``[B, Hq, Sq, D]`` in ``dtype``. Rows that attend nothing are 0.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+    mask = mask.to(q.device)
+    mask = mask[None, None] if mask.dim() == 2 else mask[:, None]
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
+    e = torch.exp(s - row_max) * mask
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    if dropout_keep is not None:
+        p = p * dropout_keep / (1.0 - dropout_p)
+    return p @ vd

@@ -1,0 +1,166 @@
+"""Segment topology: which segment of a multimodal sequence may attend to which.
+
+A topology is a k x k 0/1 matrix: ``topology[r][c] == 1`` lets the rows (queries) of segment r see the
+columns (keys) of segment c. Together with k segment lengths it defines the token-level "interlaced" mask.
+
+The kernels never see an S x S mask. They see two int32 vectors of length S:
+  - ``row_bits[i]``: bit c set when query token i may see segment c (the topology row of its segment);
+  - ``col_bits[j]``: ``1 << seg(j)``, the one-hot bit of key token j's segment.
+A pair is allowed when ``row_bits[i] & col_bits[j] != 0``. Padding tokens get 0 in both, so a padded query
+sees nothing and a padded key is seen by nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+MAX_SEGMENTS = 32  # the bit vectors are int32
+
+SegLens = Union[Sequence[int], torch.Tensor]
+
+
+def _to_int32_bits(value: int) -> int:
+    """Two's-complement view of a 32-bit pattern, so that bit 31 fits an int32 tensor."""
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+class Topology:
+    """A validated k x k segment topology (1 <= k <= 32), with optional segment names.
+
+    Args:
+        matrix: k x k of 0/1 or bool, as nested lists/tuples, a numpy array or a torch tensor.
+        names: optional k segment names, e.g. ``("text", "vision", "audio")``.
+    """
+
+    def __init__(self, matrix: Any, names: Sequence[str] | None = None) -> None:
+        if isinstance(matrix, Topology):
+            names = names if names is not None else matrix.names
+            matrix = matrix.matrix
+        self.matrix = _validate_matrix(matrix)
+        k = self.num_segments
+        if names is not None:
+            names = tuple(str(n) for n in names)
+            if len(names) != k:
+                raise ValueError(f"topology has {k} segments but {len(names)} names were given: {names}")
+        self.names = names
+
+    @property
+    def num_segments(self) -> int:
+        return self.matrix.shape[0]
+
+    def row_bits(self) -> list[int]:
+        """Per segment r, the int32 bit pattern of the segments its rows may see."""
+        k = self.num_segments
+        rows = self.matrix.tolist()
+        return [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)]
+
+    def col_bits(self) -> list[int]:
+        """Per segment c, the one-hot int32 bit its keys carry."""
+        return [_to_int32_bits(1 << c) for c in range(self.num_segments)]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and torch.equal(self.matrix, other.matrix)
+
+    def __hash__(self) -> int:
+        return hash(tuple(map(tuple, self.matrix.tolist())))
+
+    def __repr__(self) -> str:
+        rows = ", ".join(str([int(x) for x in r]) for r in self.matrix.tolist())
+        names = f", names={self.names}" if self.names else ""
+        return f"Topology([{rows}]{names})"
+
+
+def _validate_matrix(matrix: Any) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(matrix).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"topology must be a k x k matrix of 0/1 (nested lists, numpy or torch); got {matrix!r}") from e
+    if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+        raise ValueError(f"topology must be a square k x k matrix with k >= 1; got shape {tuple(t.shape)}")
+    if t.shape[0] > MAX_SEGMENTS:
+        raise ValueError(f"topology has {t.shape[0]} segments; at most {MAX_SEGMENTS} are supported")
+    if t.dtype != torch.bool:
+        bad = ~((t == 0) | (t == 1))
+        if bool(bad.any()):
+            r, c = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"topology entries must be 0 or 1; topology[{r}][{c}] = {t[r, c].item()}")
+    return t.bool()
+
+
+def validate_seg_lens(seg_lens: SegLens, num_segments: int) -> tuple[int, ...]:
+    """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple."""
+    if isinstance(seg_lens, torch.Tensor):
+        if seg_lens.dim() != 1:
+            raise ValueError(f"seg_lens must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
+        if seg_lens.is_floating_point():
+            raise TypeError(f"seg_lens must hold integers; got dtype {seg_lens.dtype}")
+        seg_lens = seg_lens.tolist()
+    try:
+        lens = tuple(seg_lens)
+    except TypeError as e:
+        raise ValueError(f"seg_lens must be a sequence of {num_segments} non-negative ints; got {seg_lens!r}") from e
+    if len(lens) != num_segments:
+        raise ValueError(
+            f"topology has {num_segments} segments but seg_lens has {len(lens)} entries ({lens}); give one length "
+            "per segment, 0 for a segment absent from the sample"
+        )
+    for i, n in enumerate(lens):
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"seg_lens[{i}] must be an int; got {type(n).__name__} {n!r}")
+        if int(n) < 0:
+            raise ValueError(f"seg_lens[{i}] = {n} is negative; segment lengths must be >= 0")
+    return tuple(int(n) for n in lens)
+
+
+def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
+    """The dense token mask of a topology: ``mask[i, j]`` is True when query token i may attend key token j.
+
+    It is S x S: meant for tests, pictures and the arbitrary-mask path. The attention path never builds it.
+
+    Args:
+        topology: k x k 0/1 matrix (or a :class:`Topology`).
+        seg_lens: k segment lengths, S = sum(seg_lens).
+
+    Returns:
+        BoolTensor ``[S, S]`` on the CPU.
+    """
+    topo = Topology(topology)
+    lens = validate_seg_lens(seg_lens, topo.num_segments)
+    seg = segment_ids(torch.tensor([lens]), sum(lens))[0]
+    return topo.matrix[seg[:, None], seg[None, :]]
+
+
+def segment_ids(seg_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Token -> segment index for each sample.
+
+    Args:
+        seg_lens: int ``[B, k]`` lengths (on any device).
+        seq_len: S, the padded length. Tokens past a sample's total length get index k (padding).
+
+    Returns:
+        int64 ``[B, S]`` on seg_lens' device.
+    """
+    ends = torch.cumsum(seg_lens.to(torch.int64), dim=-1)
+    pos = torch.arange(seq_len, device=seg_lens.device, dtype=torch.int64)
+    return torch.searchsorted(ends.contiguous(), pos.expand(seg_lens.shape[0], seq_len).contiguous(), right=True)
+
+
+def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token row and column bit vectors (see the module docstring).
+
+    Args:
+        topology: the validated topology.
+        seg_lens: int ``[B, k]`` lengths on the target device; a row may sum to less than seq_len (padding).
+        seq_len: S.
+
+    Returns:
+        ``(row_bits, col_bits)``, each int32 ``[B, S]`` on seg_lens' device; padding tokens hold 0.
+    """
+    device = seg_lens.device
+    seg = segment_ids(seg_lens, seq_len)
+    row_table = torch.tensor(topology.row_bits() + [0], dtype=torch.int32, device=device)
+    col_table = torch.tensor(topology.col_bits() + [0], dtype=torch.int32, device=device)
+    return row_table[seg], col_table[seg]
