@@ -10,6 +10,7 @@ import torch
 
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
 from .ops.common import MASK_BITS, MASK_DENSE
+from .ops.config import KernelConfig
 from .topology import Topology, token_bits
 
 
@@ -81,6 +82,14 @@ class MaskInfo:
                 live, full = live.transpose(1, 2), full.transpose(1, 2)
             self._lists[key] = lists_from_classes(live, full)
         return self._lists[key]
+
+    def prepare(self, config: KernelConfig) -> MaskInfo:
+        """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
+        CUDA-graph capture."""
+        self.lists(config.fwd.block_m, config.fwd.block_n)
+        self.lists(config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, by_key=True)
+        self.lists(config.bwd_dq.block_m, config.bwd_dq.block_n)
+        return self
 
     def mask_args(self) -> tuple:
         """Kernel arguments: (q_bits, k_bits, dense mask, q_bits batch stride, k_bits batch stride, mask batch
