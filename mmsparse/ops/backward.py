@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .alloc import new_empty
 from .config import kernel_config
 from .forward import _DYNAMIC, head_dim_pad, uses_upcast
 
@@ -230,12 +231,12 @@ def mbs_attn_bwd(
                v.stride(0), v.stride(1), v.stride(2))
     mask_tensors, mask_strides = info.mask_args()[:3], info.mask_args()[3:]
 
-    delta = torch.empty_like(lse)
+    delta = new_empty(lse.shape, torch.float32, lse.device)
     n_rows = batch * num_heads * seq_q
     _delta_kernel[(triton.cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
-    dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
-    dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
+    dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
+    dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
     lists = info.lists(tile.block_m, tile.block_n, by_key=True)
     _dkdv_kernel[(triton.cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
@@ -245,7 +246,7 @@ def mbs_attn_bwd(
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
-    dq = torch.empty_like(out)
+    dq = new_empty(out.shape, q.dtype, q.device)
     tile = cfg.bwd_dq
     lists = info.lists(tile.block_m, tile.block_n)
     _dq_kernel[(triton.cdiv(seq_q, tile.block_m), batch * num_heads)](

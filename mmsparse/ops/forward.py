@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .alloc import new_empty
 from .config import kernel_config
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -145,8 +146,8 @@ def mbs_attn_fwd(
     group = num_heads // k.shape[1]
     tile = kernel_config(head_dim, q.dtype, q.device).fwd
     lists = info.lists(tile.block_m, tile.block_n)
-    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
+    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
     grid = (triton.cdiv(seq_q, tile.block_m), batch * num_heads)
     _fwd_kernel[grid](

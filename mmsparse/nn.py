@@ -1,0 +1,324 @@
+"""Drop-in layers: a multimodal self-attention layer and :func:`replace_attention` for existing models.
+
+``MultimodalSelfAttention`` is a full attention layer (q/k/v and output projections, GQA) for ``[B, S, E]`` inputs.
+``replace_attention`` swaps the ``nn.MultiheadAttention`` self-attention of existing layers (for example the
+``self_attn`` of ``nn.TransformerEncoderLayer``) for :class:`MultiheadMBSAttention`, which uses the same parameter
+objects, so the weights, the optimizer state and the ``state_dict`` keys stay as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .functional import SegLensArg, mbs_attention
+from .topology import Topology, validate_seg_lens
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def _check_dropout(dropout: Any) -> float:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1); got {dropout!r}")
+    return float(dropout)
+
+
+def _check_head_dim(embed_dim: int, num_heads: int) -> int:
+    if embed_dim % num_heads != 0:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    head_dim = embed_dim // num_heads
+    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+        raise ValueError(
+            f"head dim embed_dim / num_heads = {head_dim} is not supported by the kernels: "
+            "use a multiple of 8 between 16 and 256"
+        )
+    return head_dim
+
+
+def clip_seg_lens(seg_lens: SegLensArg, valid_lens: torch.Tensor) -> torch.Tensor:
+    """Per-sample segment lengths truncated to each sample's number of valid (non-padding) tokens.
+
+    Tokens past ``valid_lens[b]`` become padding: the segments are cut at that point, in order.
+
+    Args:
+        seg_lens: k lengths, or per-sample ``[B, k]`` lengths.
+        valid_lens: int ``[B]``, valid tokens per sample (a right-padded batch).
+
+    Returns:
+        int64 ``[B, k]`` on valid_lens' device.
+    """
+    lens = torch.as_tensor(seg_lens, dtype=torch.int64, device=valid_lens.device)
+    lens = lens.expand(valid_lens.shape[0], -1) if lens.dim() == 1 else lens
+    ends = torch.minimum(lens.cumsum(-1), valid_lens.to(torch.int64)[:, None])
+    return torch.diff(ends, dim=-1, prepend=torch.zeros_like(ends[:, :1]))
+
+
+def valid_lens_from_padding(keep: torch.Tensor) -> torch.Tensor:
+    """Number of valid tokens per sample from a right-padding mask, checking that it is one.
+
+    Args:
+        keep: bool ``[B, S]``, True for real tokens; each row must be True then False (padding at the end only).
+
+    Returns:
+        int64 ``[B]``.
+    """
+    n = keep.sum(-1)
+    expected = torch.arange(keep.shape[-1], device=keep.device)[None, :] < n[:, None]
+    if not torch.equal(keep, expected):
+        raise ValueError(
+            "mmsparse supports padding at the end of a sample only (right padding); this padding mask has padding "
+            "before real tokens (left padding?). Right-pad the batch, or pass per-sample seg_lens instead"
+        )
+    return n
+
+
+class _MBSAttentionCore(nn.Module):
+    """Shared state and the head-split / attention / head-merge step of the layers below."""
+
+    def _init_core(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, topology: Any, seg_lens: SegLensArg, causal: bool,
+        dropout: float,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.topology = Topology(topology)
+        self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
+        self.causal = bool(causal)
+        self.dropout = _check_dropout(dropout)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.seg_lens)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None, causal: bool
+    ) -> torch.Tensor:
+        """q: ``[B, S, Hq*D]``, k, v: ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``."""
+        b, s, _ = q.shape
+        if seg_lens is None:
+            if s != self.seq_len:
+                raise ValueError(
+                    f"the input has {s} positions but seg_lens {self.seg_lens} sum to {self.seq_len}; "
+                    "pass seg_lens for this call (per-sample [B, k] rows may sum to less, the rest is padding)"
+                )
+            seg_lens = self.seg_lens
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = self.attention(q, k, v, seg_lens, causal)
+        return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg, causal: bool
+    ) -> torch.Tensor:
+        """The attention step alone: q ``[B, Hq, S, D]``, k, v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``.
+
+        A subclass may override it (the training example swaps in dense masked SDPA, keeping the weights).
+        """
+        dropout_p = self.dropout if self.training else 0.0
+        return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p)
+
+
+class MultimodalSelfAttention(_MBSAttentionCore):
+    """Multi-head self-attention over a multimodal sequence with a segment topology (block-sparse kernels).
+
+    Args:
+        embed_dim: E, the model width; ``E / num_heads`` is the head dim (a multiple of 8 in [16, 256]).
+        num_heads: query heads.
+        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        seg_lens: k segment lengths, the default layout of the sequence (S = sum(seg_lens)).
+        num_kv_heads: key/value heads for GQA/MQA (divides num_heads); default num_heads.
+        causal: also require key position <= query position.
+        dropout: attention dropout probability, applied in training mode.
+        bias: bias in the q/k/v and output projections.
+
+    ``forward(x, seg_lens=None)``: x ``[B, S, E]`` -> ``[B, S, E]``. ``seg_lens`` overrides the default for one call:
+    k lengths summing to S, or per-sample ``[B, k]`` rows summing to at most S (the tail of a row is padding; its
+    outputs are the output projection's bias).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        topology: Any,
+        seg_lens: SegLensArg,
+        num_kv_heads: int | None = None,
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_dim = _check_positive_int("embed_dim", embed_dim)
+        num_heads = _check_positive_int("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim = _check_head_dim(embed_dim, num_heads)
+        self._init_core(num_heads, num_kv_heads, head_dim, topology, seg_lens, causal, dropout)
+        kv_dim = num_kv_heads * head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor, seg_lens: SegLensArg | None = None) -> torch.Tensor:
+        """x: ``[B, S, E]`` -> ``[B, S, E]``; seg_lens: optional lengths for this call (see the class docstring)."""
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"expected input [batch, seq, {self.embed_dim}]; got shape {tuple(x.shape)}")
+        out = self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), seg_lens, self.causal)
+        return self.out_proj(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, "
+            f"causal={self.causal}, dropout={self.dropout}"
+        )
+
+
+class MultiheadMBSAttention(_MBSAttentionCore):
+    """mmsparse self-attention that takes over an ``nn.MultiheadAttention``'s parameters (shared, not copied).
+
+    It keeps the MHA's call signature and parameter names (``in_proj_weight``, ``in_proj_bias``, ``out_proj``), so
+    ``state_dict`` keys are unchanged. It does self-attention only (``query``, ``key`` and ``value`` must be the same
+    tensor); the mask comes from the topology. ``key_padding_mask`` may mark right padding (True = padding); padded
+    queries then output the output projection's bias. ``attn_mask`` is accepted only together with
+    ``is_causal=True`` (it is then taken to be the causal mask). Attention weights are not computed: the second
+    output is None.
+
+    Args:
+        mha: the module to take over; self-attention shaped (``kdim == vdim == embed_dim``), head dim a multiple of 8
+            in [16, 256].
+        topology: k x k 0/1 matrix.
+        seg_lens: k segment lengths summing to the sequence length.
+        causal: also require key position <= query position (``is_causal=True`` at call time does the same).
+        dropout: attention dropout in training mode; default the MHA's own ``dropout``.
+    """
+
+    # nn.TransformerEncoderLayer (and nn.TransformerEncoder) run a fused C++ fast path in eval mode that reads the
+    # MHA's weights directly and would bypass this forward. They skip it when this attribute is False.
+    _qkv_same_embed_dim = False
+
+    def __init__(
+        self, mha: nn.MultiheadAttention, topology: Any, seg_lens: SegLensArg, causal: bool = False,
+        dropout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"expected an nn.MultiheadAttention; got {type(mha).__name__}")
+        if not mha._qkv_same_embed_dim:
+            raise ValueError("only self-attention MHA (kdim == vdim == embed_dim) can be replaced")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("MHA with add_bias_kv or add_zero_attn is not supported")
+        head_dim = _check_head_dim(mha.embed_dim, mha.num_heads)
+        self._init_core(mha.num_heads, mha.num_heads, head_dim, topology, seg_lens, causal,
+                        mha.dropout if dropout is None else dropout)
+        self.embed_dim = mha.embed_dim
+        self.batch_first = mha.batch_first
+        self.in_proj_weight = mha.in_proj_weight
+        self.in_proj_bias = mha.in_proj_bias
+        self.out_proj = mha.out_proj
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """query = key = value: ``[B, S, E]`` if batch_first else ``[S, B, E]``. Returns ``(output, None)``."""
+        if key is not query or value is not query:
+            raise ValueError("MultiheadMBSAttention does self-attention only: pass one tensor as query, key and value")
+        if attn_mask is not None and not is_causal:
+            raise ValueError(
+                "an attn_mask cannot be combined with the topology; describe the mask with topology/seg_lens "
+                "(and causal=True), or pass attn_mask with is_causal=True if it is the causal mask"
+            )
+        x = query if self.batch_first else query.transpose(0, 1)
+        if x.dim() != 3:
+            raise ValueError(f"expected a batched 3-D input; got shape {tuple(query.shape)}")
+        seg_lens = None
+        if key_padding_mask is not None:
+            if x.shape[1] != self.seq_len:
+                raise ValueError(
+                    f"the input has {x.shape[1]} positions but seg_lens {self.seg_lens} sum to {self.seq_len}"
+                )
+            keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask == 0
+            seg_lens = clip_seg_lens(self.seg_lens, valid_lens_from_padding(keep))
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        out = self.out_proj(self._attend(q, k, v, seg_lens, self.causal or is_causal))
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+            f"topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, causal={self.causal}, "
+            f"dropout={self.dropout}"
+        )
+
+
+def _is_cross_attention(parent: nn.Module, attr: str) -> bool:
+    return isinstance(parent, nn.TransformerDecoderLayer) and attr == "multihead_attn"
+
+
+def replace_attention(
+    model: nn.Module,
+    topology: Any,
+    seg_lens: SegLensArg,
+    causal: bool = False,
+    dropout: float | None = None,
+    include: Callable[[str, nn.MultiheadAttention], bool] | None = None,
+) -> list[str]:
+    """Swap the ``nn.MultiheadAttention`` self-attention modules of a model for mmsparse, in place, keeping weights.
+
+    Every ``nn.MultiheadAttention`` in the model (``model`` itself excluded) is replaced by a
+    :class:`MultiheadMBSAttention` that shares its parameters, except the cross-attention of
+    ``nn.TransformerDecoderLayer`` (``multihead_attn``). Covers ``nn.TransformerEncoderLayer``/``nn.TransformerEncoder``
+    (``batch_first`` True or False) and custom blocks that call an MHA as ``mha(x, x, x)``.
+
+    Args:
+        model: the model to change.
+        topology: k x k 0/1 matrix.
+        seg_lens: k segment lengths summing to the sequence length.
+        causal: also require key position <= query position.
+        dropout: attention dropout in training mode; default each MHA's own.
+        include: optional ``include(name, mha) -> bool`` choosing which modules to replace (name as in
+            ``model.named_modules()``).
+
+    Returns:
+        The names of the replaced modules. Raises ValueError when there is none.
+    """
+    Topology(topology)  # validate once, up front, before changing anything
+    targets = []
+    for name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            full = f"{name}.{attr}" if name else attr
+            if isinstance(child, nn.MultiheadAttention) and not _is_cross_attention(parent, attr):
+                if include is None or include(full, child):
+                    targets.append((parent, attr, full, child))
+    if not targets:
+        raise ValueError(
+            f"no nn.MultiheadAttention self-attention found in {type(model).__name__}; for a custom block that calls "
+            "F.scaled_dot_product_attention, call mmsparse.mbs_attention there instead (same q/k/v layout)"
+        )
+    new = [MultiheadMBSAttention(child, topology, seg_lens, causal, dropout) for _, _, _, child in targets]
+    for (parent, attr, _, _), module in zip(targets, new):
+        setattr(parent, attr, module)
+    return [full for _, _, full, _ in targets]

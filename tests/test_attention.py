@@ -1,0 +1,156 @@
+"""Sparse vs dense: output and dq/dk/dv of the Triton kernels against the float64 dense reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import assert_close, check_against_reference, make_qkv, reference_grads
+
+from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
+
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [16, 40, 64, 128]
+
+
+def _random_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    k = rng.randint(1, 6)
+    topo = [[int(rng.random() < 0.5) for _ in range(k)] for _ in range(k)]
+    lens = [rng.choice([0, 1, rng.randint(2, 20), rng.randint(20, 60)]) for _ in range(k)]
+    if sum(lens) == 0:
+        lens[0] = 7
+    seq_k = sum(lens)
+    heads, kv_heads = rng.choice([(2, 2), (4, 2), (3, 1)])
+    return dict(
+        topology=topo,
+        seg_lens=lens,
+        causal=rng.random() < 0.5,
+        seq_q=seq_k if rng.random() < 0.6 else rng.randint(1, seq_k),
+        batch=rng.choice([1, 2]),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=HEAD_DIMS[seed % len(HEAD_DIMS)],
+        dtype=DTYPES[seed % len(DTYPES)],
+    )
+
+
+def _case_id(seed: int) -> str:
+    c = _random_case(seed)
+    return (f"k{len(c['seg_lens'])}-B{c['batch']}-H{c['heads']}x{c['kv_heads']}-Sq{c['seq_q']}-S{sum(c['seg_lens'])}"
+            f"-D{c['head_dim']}-{str(c['dtype'])[6:]}{'-causal' if c['causal'] else ''}")
+
+
+@pytest.mark.parametrize("seed", range(24), ids=_case_id)
+def test_random_topologies(seed, device):
+    c = _random_case(seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    q, k, v = make_qkv(c["batch"], c["heads"], c["kv_heads"], c["seq_q"], sum(c["seg_lens"]), c["head_dim"],
+                       c["dtype"], device, gen)
+    check_against_reference(q, k, v, c["topology"], c["seg_lens"], causal=c["causal"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_seed_example(dtype, device):
+    """The seed's own case: cyclic topology, segments (50, 375, 500)."""
+    q, k, v = make_qkv(1, 2, 1, 925, 925, 16, dtype, device)
+    check_against_reference(q, k, v, CYCLIC, (50, 375, 500))
+
+
+def test_module_matches_functional_and_reference(device):
+    attn = TritonMBSAttnKernel(CYCLIC, (5, 30, 21), causal_mask=True, softmax_scale=0.3)
+    q, k, v = make_qkv(2, 2, 2, 40, 56, 32, torch.float32, device)
+    out = attn(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, mbs_attention(q, k, v, CYCLIC, (5, 30, 21), causal=True, softmax_scale=0.3),
+                               rtol=0, atol=0)
+    check_against_reference(q, k, v, CYCLIC, (5, 30, 21), causal=True, softmax_scale=0.3)
+
+
+def test_rows_that_attend_nothing_are_zero(device):
+    """Segment 1 sees nothing: its rows output exactly 0, its q gradients are 0, and nothing is NaN."""
+    topo = [[1, 1, 0], [0, 0, 0], [1, 0, 1]]
+    lens = (13, 22, 9)
+    q, k, v = make_qkv(1, 2, 2, 44, 44, 16, torch.float16, device)
+    out, _ = check_against_reference(q, k, v, topo, lens)
+    assert torch.all(out[:, :, 13:35] == 0)
+    assert torch.all(q.grad[:, :, 13:35] == 0)
+
+
+def test_zero_length_segments_and_single_tokens(device):
+    q, k, v = make_qkv(2, 2, 1, 35, 35, 40, torch.bfloat16, device)
+    check_against_reference(q, k, v, [[1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 1, 1]], (0, 1, 34, 0),
+                            causal=True)
+
+
+def test_decode_like_short_queries(device):
+    """q_len < kv_len: the queries are the last positions (the seed's PAST_LEN), with causal."""
+    q, k, v = make_qkv(2, 4, 2, 3, 70, 64, torch.float32, device)
+    check_against_reference(q, k, v, CYCLIC, (10, 40, 20), causal=True)
+
+
+def test_topology_path_equals_dense_mask_path(device):
+    """The same mask given as a topology or as a dense bool mask: bit-for-bit equal outputs and gradients."""
+    topo, lens = [[1, 0, 1], [1, 1, 0], [0, 1, 1]], (17, 29, 20)
+    results = []
+    for use_mask in (False, True):
+        gen = torch.Generator().manual_seed(7)
+        q, k, v = make_qkv(2, 2, 2, 50, 66, 32, torch.float16, device, gen)
+        mask = reference_mask(topo, lens, 66, 66)[0] if use_mask else None
+        out = mbs_attention(q, k, v, topo, lens, causal=True, attn_mask=mask)
+        out.backward(torch.randn(out.shape, generator=gen).to(device, out.dtype))
+        results.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_dense_mask_batch(device):
+    """Arbitrary per-sample masks [B, S, S] against the reference."""
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(2, 45, 45, generator=gen) < 0.3
+    mask[1, 7] = False  # a row that sees nothing
+    q, k, v = make_qkv(2, 2, 2, 45, 45, 16, torch.float32, device, gen)
+    out = mbs_attention(q, k, v, None, None, attn_mask=mask.to(device))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref, dq, dk, dv = reference_grads(q, k, v, mask, grad_out)
+    for name, a, e in (("out", out, ref), ("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
+        assert_close(name, a, e, torch.float32)
+
+
+def test_backward_is_deterministic(device):
+    q, k, v = make_qkv(1, 4, 1, 60, 60, 32, torch.bfloat16, device)
+    grads = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        out = mbs_attention(q, k, v, CYCLIC, (11, 27, 22))
+        out.backward(torch.ones_like(out))
+        grads.append((out.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs(device):
+    """q, k, v as transposed views of [B, S, H, D] tensors: strides are honoured without copies."""
+    base = [torch.randn(2, 50, 4, 40, device=device, dtype=torch.float16) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in base)
+    assert not q.is_contiguous()
+    check_against_reference(q, k, v, CYCLIC, (9, 21, 20), causal=True)
+
+
+def test_per_sample_lengths_with_padding(device):
+    """Per-sample [B, k] lengths: each sample's tail is padding; padded queries give 0 and zero gradients."""
+    lens = [(4, 20, 10), (0, 31, 5), (0, 0, 0)]
+    q, k, v = make_qkv(3, 2, 1, 40, 40, 16, torch.float32, device)
+    out = mbs_attention(q, k, v, CYCLIC, lens)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    mask = reference_mask(CYCLIC, lens, 40)
+    ref, dq, dk, dv = reference_grads(q, k, v, mask, grad_out)
+    for name, a, e in (("out", out, ref), ("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
+        assert_close(name, a, e, torch.float32)
+    assert torch.all(out[0, :, 34:] == 0) and torch.all(out[2] == 0)
+    assert torch.all(k.grad[1, :, 36:] == 0) and torch.all(v.grad[2] == 0)
