@@ -231,6 +231,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
         self.in_proj_weight = mha.in_proj_weight
         self.in_proj_bias = mha.in_proj_bias
         self.out_proj = mha.out_proj
+        self.train(mha.training)  # a model already in eval mode stays there (no attention dropout)
 
     def forward(
         self,
