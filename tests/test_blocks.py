@@ -1,0 +1,80 @@
+"""Block lists from segment bits against the pure-torch reduction of the dense mask."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from mmsparse import Topology, generate_interlaced_mask, reference_mask
+from mmsparse.blocks import classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
+from mmsparse.mask_info import MaskInfo
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    k = rng.randint(1, 6)
+    topo = [[int(rng.random() < 0.5) for _ in range(k)] for _ in range(k)]
+    lens = [rng.choice([0, 1, rng.randint(1, 40), rng.randint(40, 130)]) for _ in range(k)]
+    seq_k = max(sum(lens), 1)
+    lens[-1] += seq_k - sum(lens)
+    seq_q = seq_k if rng.random() < 0.5 else rng.randint(1, seq_k)
+    tile = rng.choice([(16, 16), (32, 16), (16, 32), (64, 128), (128, 64)])
+    return topo, lens, seq_q, seq_k, rng.random() < 0.5, tile
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_bits_match_dense_reduction(seed):
+    topo, lens, seq_q, seq_k, causal, (bm, bn) = _case(seed)
+    info = MaskInfo.from_topology(Topology(topo), torch.tensor([lens]), seq_q, seq_k, causal)
+    live, full = info.classes(bm, bn)
+    dense = reference_mask(topo, lens, seq_k, seq_q)  # causal is applied by the reduction
+    live_ref, full_ref = classify_blocks_from_mask(dense, bm, bn, causal, seq_k - seq_q)
+    assert torch.equal(live, live_ref), f"live differs at {(live != live_ref).nonzero()[:5].tolist()}"
+    assert torch.equal(full, full_ref), f"full differs at {(full != full_ref).nonzero()[:5].tolist()}"
+
+
+def test_per_sample_padding_blocks():
+    lens = torch.tensor([[10, 50, 0], [0, 0, 0], [3, 3, 3]])
+    info = MaskInfo.from_topology(Topology([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), lens, 64, 64, False)
+    live, full = info.classes(16, 16)
+    ref_live, ref_full = classify_blocks_from_mask(reference_mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]], lens, 64),
+                                                   16, 16, False, 0)
+    assert torch.equal(live, ref_live) and torch.equal(full, ref_full)
+    assert not live[1].any()  # an all-padding sample has no live tile
+
+
+def test_lists_put_full_blocks_first():
+    live = torch.tensor([[[True, True, False, True, True]]])
+    full = torch.tensor([[[False, True, False, False, True]]])
+    lists = lists_from_classes(live, full)
+    assert lists.counts.tolist() == [[[2, 2]]]
+    assert lists.indices[0, 0, :4].tolist() == [1, 4, 0, 3]
+    assert lists.indices.dtype == torch.int32
+
+
+def test_seed_block_mask_matches_any_reduction():
+    """The seed's construction: pad the dense mask to the block size and reduce each tile with any."""
+    topo, lens, block = [[0, 1, 0], [0, 0, 1], [1, 0, 0]], (50, 375, 500), 64
+    dense = generate_interlaced_mask(topo, lens).float()
+    pad = (-dense.shape[0]) % block
+    padded = torch.nn.functional.pad(dense, (0, pad, 0, pad))
+    n = padded.shape[0] // block
+    expected = padded.reshape(n, block, n, block).amax(dim=(1, 3)).bool()
+    live, _ = MaskInfo.from_topology(Topology(topo), torch.tensor([lens]), 925, 925, False).classes(block, block)
+    assert torch.equal(live[0], expected)
+
+
+def test_long_sequence_metadata_needs_no_square_memory():
+    """S = 400k tokens: an S x S bool mask would need 160 GB; the bit path builds its lists in O(S + blocks)."""
+    lens = torch.tensor([[20_000, 300_000, 80_000]])
+    start = time.perf_counter()
+    info = MaskInfo.from_topology(Topology([[0, 1, 0], [0, 0, 1], [1, 0, 0]]), lens, 400_000, 400_000, True)
+    lists = info.lists(512, 512)
+    assert time.perf_counter() - start < 30
+    assert lists.indices.shape == (1, 782, 782)
+    # segment 1 (vision, rows 20k..320k) sees only audio (320k..400k), which lies after it: causal leaves nothing
+    row_block = 100_000 // 512
+    assert lists.counts[0, row_block].tolist() == [0, 0]
