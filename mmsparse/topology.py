@@ -164,3 +164,21 @@ def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tupl
     row_table = torch.tensor(topology.row_bits() + [0], dtype=torch.int32, device=device)
     col_table = torch.tensor(topology.col_bits() + [0], dtype=torch.int32, device=device)
     return row_table[seg], col_table[seg]
+
+
+def count_allowed_pairs(topology: Any, seg_lens: SegLens, causal: bool = False, seq_q: int | None = None) -> int:
+    """Number of allowed (query, key) pairs, in O(S * k) without an S x S mask (for density and FLOP counts).
+
+    The queries are the last ``seq_q`` positions (default: all S).
+    """
+    topo = Topology(topology)
+    lens = torch.tensor(validate_seg_lens(seg_lens, topo.num_segments), dtype=torch.int64)
+    seq_k = int(lens.sum())
+    seq_q = seq_k if seq_q is None else seq_q
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    pos = torch.arange(seq_k - seq_q, seq_k)  # absolute query positions
+    seg = segment_ids(lens[None], seq_k)[0][pos]
+    visible_end = torch.minimum(ends[None, :], pos[:, None] + 1) if causal else ends[None, :].expand(seq_q, -1)
+    per_seg = (visible_end - starts[None, :]).clamp(min=0)  # [Sq, k]
+    return int((per_seg * topo.matrix[seg]).sum())

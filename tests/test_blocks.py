@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmsparse import Topology, generate_interlaced_mask, reference_mask
-from mmsparse.blocks import classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
+from mmsparse.blocks import classify_blocks_from_mask, lists_from_classes
 from mmsparse.mask_info import MaskInfo
 
 
@@ -78,3 +78,11 @@ def test_long_sequence_metadata_needs_no_square_memory():
     # segment 1 (vision, rows 20k..320k) sees only audio (320k..400k), which lies after it: causal leaves nothing
     row_block = 100_000 // 512
     assert lists.counts[0, row_block].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_count_allowed_pairs_matches_dense(seed):
+    from mmsparse.topology import count_allowed_pairs
+
+    topo, lens, seq_q, seq_k, causal, _ = _case(seed)
+    assert count_allowed_pairs(topo, lens, causal, seq_q) == int(reference_mask(topo, lens, seq_k, seq_q, causal).sum())

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..mask_info import MaskInfo
-from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
 from .alloc import new_empty
+from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
 from .config import kernel_config
 from .forward import _DYNAMIC, head_dim_pad, uses_upcast
 

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from ..mask_info import MaskInfo
-from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
 from .alloc import new_empty
+from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
 from .config import kernel_config
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
