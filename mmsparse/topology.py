@@ -77,7 +77,9 @@ def _validate_matrix(matrix: Any) -> torch.Tensor:
     try:
         t = torch.as_tensor(matrix).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"topology must be a k x k matrix of 0/1 (nested lists, numpy or torch); got {matrix!r}") from e
+        raise ValueError(
+            f"topology must be a k x k matrix of 0/1 (nested lists, numpy or torch); got {matrix!r}"
+        ) from e
     if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
         raise ValueError(f"topology must be a square k x k matrix with k >= 1; got shape {tuple(t.shape)}")
     if t.shape[0] > MAX_SEGMENTS:

@@ -12,8 +12,10 @@ CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 
 
 def qkv(device, b=1, hq=2, hk=2, sq=20, sk=20, d=16, dtype=torch.float32):
-    return (torch.randn(b, hq, sq, d, device=device, dtype=dtype), torch.randn(b, hk, sk, d, device=device, dtype=dtype),
-            torch.randn(b, hk, sk, d, device=device, dtype=dtype))
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    return rnd(b, hq, sq, d), rnd(b, hk, sk, d), rnd(b, hk, sk, d)
 
 
 @pytest.mark.parametrize(
