@@ -1,0 +1,94 @@
+"""Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
+
+    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--which fwd,bwd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+from mmsparse import mbs_attention
+from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.topology import count_allowed_pairs
+
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+CONFIGS = {
+    "mm13k_cyclic": (1, 16, 16, 128, (1024, 8192, 4096), CYCLIC, False),
+    "mm13k_hub": (1, 16, 16, 128, (1024, 8192, 4096), HUB, False),
+    "mm13k_hub_causal": (1, 16, 16, 128, (1024, 8192, 4096), HUB, True),
+    "mm13k_hub_d64": (1, 16, 16, 64, (1024, 8192, 4096), HUB, False),
+    "seed": (8, 16, 16, 64, (50, 375, 500), CYCLIC, False),
+}
+
+
+def flex_times(q, k, v, topo, lens, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.tensor(lens, device=q.device))
+    table = torch.tensor(topo, dtype=torch.bool, device=q.device)
+
+    def mask_mod(b, h, i, j):
+        ok = table[seg[i], seg[j]]
+        return ok & (j <= i) if causal else ok
+
+    s = q.shape[2]
+    bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
+    fn = torch.compile(flex_attention)
+    fwd = do_bench(lambda: fn(q, k, v, block_mask=bm), return_mode="median")
+    g = torch.randn_like(q)
+    both = do_bench(lambda: fn(q, k, v, block_mask=bm).backward(g), return_mode="median")
+    return fwd, both - fwd
+
+
+def ours(q, k, v, topo, lens, causal):
+    fwd = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal), return_mode="median")
+    g = torch.randn_like(q)
+    both = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal).backward(g), return_mode="median")
+    return fwd, both - fwd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
+    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
+    args = ap.parse_args()
+    for name in args.configs.split(","):
+        b, h, hk, d, lens, topo, causal = CONFIGS[name]
+        s = sum(lens)
+        q, k, v = (torch.randn(b, hh, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for hh in (h, hk, hk))
+        flops = 4 * b * h * d * count_allowed_pairs(topo, lens, causal)
+        tf = lambda ms, mult=1.0: flops * mult / ms / 1e9  # noqa: E731
+        try:
+            ff, fb = flex_times(q, k, v, topo, lens, causal)
+            print(f"{name:18s} flex            fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} flex failed: {e!r}"[:300])
+        base = kernel_config(d, torch.bfloat16, q.device)
+        variants = [base]
+        if args.sweep == "fwd":
+            for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
+                variants.append(KernelConfig(Tile(bm, bn, w, st), base.bwd_dkdv, base.bwd_dq))
+        elif args.sweep == "dkdv":
+            for bm, bn, w, st in itertools.product((32, 64), (64, 128), (4, 8), (2, 3)):
+                variants.append(KernelConfig(base.fwd, Tile(bm, bn, w, st), base.bwd_dq))
+        elif args.sweep == "dq":
+            for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+                variants.append(KernelConfig(base.fwd, base.bwd_dkdv, Tile(bm, bn, w, st)))
+        for cfg in variants:
+            try:
+                with use_config(cfg):
+                    f, bw = ours(q, k, v, topo, lens, causal)
+                print(f"{name:18s} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: fwd {f:7.3f} ms {tf(f):6.0f}  "
+                      f"bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)
+
+
+if __name__ == "__main__":
+    main()

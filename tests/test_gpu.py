@@ -1,0 +1,65 @@
+"""GPU runs at production tiles and large shapes (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_against_reference, make_qkv
+
+from mmsparse import mbs_attention
+from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
+from mmsparse.ops.forward import _fwd_kernel
+
+pytestmark = pytest.mark.gpu
+
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+
+LARGE = [
+    # (topology, seg_lens, causal, heads, kv_heads, seq_q or None, head_dim, dtype)
+    (CYCLIC, (1024, 8192, 6784), False, 1, 1, None, 128, torch.bfloat16),
+    (HUB, (1024, 8192, 6784), True, 2, 1, None, 64, torch.bfloat16),
+    (HUB, (777, 5000, 2501), False, 4, 2, None, 96, torch.float16),
+    (CYCLIC, (300, 4000, 3001), True, 2, 2, 129, 128, torch.bfloat16),
+    ([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]], (999, 1, 2000, 3100), False, 2, 1, None, 40,
+     torch.float16),
+    (HUB, (513, 2049, 1031), True, 2, 2, None, 256, torch.bfloat16),
+    (HUB, (513, 2049, 1031), False, 2, 2, None, 80, torch.float32),
+]
+
+
+def _id(case) -> str:
+    topo, lens, causal, h, hk, sq, d, dtype = case
+    return f"k{len(topo)}-S{sum(lens)}-Sq{sq or sum(lens)}-H{h}x{hk}-D{d}-{str(dtype)[6:]}{'-causal' if causal else ''}"
+
+
+@pytest.mark.parametrize("case", LARGE, ids=_id)
+def test_large_against_float64(case):
+    topo, lens, causal, heads, kv_heads, seq_q, head_dim, dtype = case
+    seq_k = sum(lens)
+    q, k, v = make_qkv(1, heads, kv_heads, seq_q or seq_k, seq_k, head_dim, dtype, torch.device("cuda"))
+    check_against_reference(q, k, v, topo, lens, causal=causal)
+
+
+def _compiled_count(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return len(kernel.cache[torch.cuda.current_device()])
+
+
+def test_new_lengths_do_not_recompile():
+    """After one warm-up, new sequence and segment lengths reuse the compiled kernels."""
+    dev = torch.device("cuda")
+
+    def step(lens):
+        s = sum(lens)
+        q, k, v = make_qkv(2, 4, 2, s, s, 64, torch.bfloat16, dev)
+        mbs_attention(q, k, v, CYCLIC, lens, causal=True).sum().backward()
+
+    step((100, 1000, 500))
+    before = [_compiled_count(kern) for kern in (_fwd_kernel, _dkdv_kernel, _dq_kernel)]
+    for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
+        step(lens)
+    after = [_compiled_count(kern) for kern in (_fwd_kernel, _dkdv_kernel, _dq_kernel)]
+    assert after == before, f"compiled variants grew from {before} to {after}"
