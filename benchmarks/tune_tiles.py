@@ -63,10 +63,13 @@ def main() -> None:
         q, k, v = (torch.randn(b, hh, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for hh in (h, hk, hk))
         flops = 4 * b * h * d * count_allowed_pairs(topo, lens, causal)
-        tf = lambda ms, mult=1.0: flops * mult / ms / 1e9  # noqa: E731
+
+        def tf(ms: float, mult: float = 1.0, flops: int = flops) -> float:
+            return flops * mult / ms / 1e9
+
         try:
             ff, fb = flex_times(q, k, v, topo, lens, causal)
-            print(f"{name:18s} flex            fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
+            print(f"{name:18s} flex  fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
         except Exception as e:  # noqa: BLE001
             print(f"{name} flex failed: {e!r}"[:300])
         base = kernel_config(d, torch.bfloat16, q.device)
