@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,9 +209,14 @@ def test_example_tiny_runs(tmp_path):
     path = Path(__file__).resolve().parents[1] / "examples" / "train_multimodal.py"
     spec = importlib.util.spec_from_file_location("train_multimodal", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = module.main(["--tiny", "--steps", "4", "--out", str(tmp_path)])
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        result = module.main(["--tiny", "--steps", "4", "--out", str(tmp_path)])
+    finally:
+        del sys.modules[spec.name]
     assert len(result["mmsparse"]["loss"]) == len(result["dense"]["loss"]) == 4
     diff = max(abs(a - b) for a, b in zip(result["mmsparse"]["loss"], result["dense"]["loss"]))
     assert diff < 1e-3, diff
     assert result["mmsparse"]["tokens_per_s"] > 0 and result["dense"]["tokens_per_s"] > 0
+    assert (tmp_path / "train_multimodal_tiny.json").exists()
