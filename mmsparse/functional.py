@@ -134,6 +134,10 @@ def new_dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**30, (1,), device=device, dtype=torch.int64)
 
 
+def _kernel_friendly(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+
+
 def attention_with_info(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float | None,
     dropout_p: float,
@@ -142,8 +146,9 @@ def attention_with_info(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    # The kernels take any strides but need a unit-stride head dim: otherwise one copy.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
+    # elements on a 16-byte aligned base (every layout of a tensor with such a head dim); otherwise one copy.
+    q, k, v = (t if _kernel_friendly(t) else t.contiguous() for t in (q, k, v))
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None

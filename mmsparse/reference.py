@@ -74,5 +74,5 @@ def reference_attention(
     denom = e.sum(-1, keepdim=True)
     p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
     if dropout_keep is not None:
-        p = p * dropout_keep / (1.0 - dropout_p)
+        p = p * dropout_keep.to(p.device) / (1.0 - dropout_p)
     return p @ vd

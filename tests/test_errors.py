@@ -84,7 +84,7 @@ def test_bad_tensors(device):
     with pytest.raises(ValueError, match="batch"):
         mbs_attention(q, *qkv(device, b=2)[1:], CYCLIC, (5, 5, 10))
     with pytest.raises(TypeError, match="torch.Tensor"):
-        mbs_attention(q.numpy(), k, v, CYCLIC, (5, 5, 10))
+        mbs_attention(q.tolist(), k, v, CYCLIC, (5, 5, 10))
     with pytest.raises(ValueError, match="dropout_p"):
         mbs_attention(q, k, v, CYCLIC, (5, 5, 10), dropout_p=1.0)
 

@@ -14,9 +14,9 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .common import dot, dropout_keep, hint_strides, load_rows, pair_mask, store_rows
 from .config import kernel_config
-from .forward import _DYNAMIC, head_dim_pad, uses_upcast
+from .forward import _DYNAMIC, dot_mode, head_dim_pad
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -33,7 +33,7 @@ def _dkdv_tiles(
     dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
@@ -44,22 +44,22 @@ def _dkdv_tiles(
         # Rows past the end get lse = +inf, hence p = 0.
         lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
-        b_st = dot(b_k, tl.trans(b_q), UPCAST) * qk_scale  # [BN, BM]
+        b_st = dot(b_k, tl.trans(b_q), DOT_MODE) * qk_scale  # [BN, BM]
         b_pt = tl.math.exp2(b_st - lse[None, :])
         if MASKED:
             allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
             b_pt = tl.where(allowed, b_pt, 0.0)
-        b_dpt = dot(b_v, tl.trans(b_do), UPCAST)  # [BN, BM]
+        b_dpt = dot(b_v, tl.trans(b_do), DOT_MODE)  # [BN, BM]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
             scale_keep = 1.0 / (1.0 - dropout_p)
-            dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, UPCAST)
+            dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, DOT_MODE)
             b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
         else:
-            dv += dot(b_pt.to(b_do.dtype), b_do, UPCAST)
+            dv += dot(b_pt.to(b_do.dtype), b_do, DOT_MODE)
         b_dst = b_pt * (b_dpt - delta[None, :])
-        dk += dot(b_dst.to(b_q.dtype), b_q, UPCAST)
+        dk += dot(b_dst.to(b_q.dtype), b_q, DOT_MODE)
     return dk, dv
 
 
@@ -71,8 +71,10 @@ def _dkdv_kernel(
     seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -106,12 +108,12 @@ def _dkdv_kernel(
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
             0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
-            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
             n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
     store_rows(DK + out_row0, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM)
@@ -123,7 +125,7 @@ def _dq_tiles(
     dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks idx[start:stop]."""
     for it in range(start, stop):
@@ -131,18 +133,18 @@ def _dq_tiles(
         offs_n = n_blk * BN + offs_n0
         b_k = load_rows(k_ptr, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
         b_v = load_rows(v_ptr, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
-        b_s = dot(b_q, tl.trans(b_k), UPCAST) * qk_scale  # [BM, BN]
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE) * qk_scale  # [BM, BN]
         b_p = tl.math.exp2(b_s - lse[:, None])
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
             b_p = tl.where(allowed, b_p, 0.0)
-        b_dp = dot(b_do, tl.trans(b_v), UPCAST)  # [BM, BN]
+        b_dp = dot(b_do, tl.trans(b_v), DOT_MODE)  # [BM, BN]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
             b_dp = tl.where(keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
         b_ds = b_p * (b_dp - delta[:, None])
-        dq += dot(b_ds.to(b_k.dtype), b_k, UPCAST)
+        dq += dot(b_ds.to(b_k.dtype), b_k, DOT_MODE)
     return dq
 
 
@@ -154,8 +156,10 @@ def _dq_kernel(
     seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // NUM_HEADS
@@ -187,12 +191,12 @@ def _dq_kernel(
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
     )
     store_rows(DQ + row0 * HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q,
                HEAD_DIM)
@@ -226,7 +230,7 @@ def mbs_attn_bwd(
     qk_scale = softmax_scale * math.log2(math.e)
     seed = seed if seed is not None else lse
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-                 HAS_DROPOUT=dropout_p > 0.0, UPCAST=uses_upcast(q))
+                 HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     mask_tensors, mask_strides = info.mask_args()[:3], info.mask_args()[3:]

@@ -9,14 +9,29 @@ MASK_BITS = 0  # topology path: per-token row bits & column bits
 MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
 
 
+DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
+DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
+DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
+
+
 @triton.jit
-def dot(a, b, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST feeds fp32 operands (Triton's CPU interpreter mishandles bf16 dots);
-    bf16 x bf16 products are exact in fp32, so the result matches the GPU's bf16 MMA."""
-    if UPCAST:
+def dot(a, b, DOT_MODE: tl.constexpr):
+    """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (see DOT_*)."""
+    if DOT_MODE == 1:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT_MODE == 2:
+        return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def hint_strides(stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn):
+    """The launcher guarantees q/k/v strides are multiples of 8 elements (head dims are). Saying so keeps the
+    loads vectorised even though these strides are not specialised on (a new length must not recompile)."""
+    return (tl.multiple_of(stride_qb, 8), tl.multiple_of(stride_qh, 8), tl.multiple_of(stride_qm, 8),
+            tl.multiple_of(stride_kb, 8), tl.multiple_of(stride_kh, 8), tl.multiple_of(stride_kn, 8),
+            tl.multiple_of(stride_vb, 8), tl.multiple_of(stride_vh, 8), tl.multiple_of(stride_vn, 8))
 
 
 @triton.jit

@@ -10,7 +10,17 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .common import dot, dropout_keep, load_rows, pair_mask, store_rows
+from .common import (
+    DOT_NATIVE,
+    DOT_TF32X3,
+    DOT_UPCAST,
+    dot,
+    dropout_keep,
+    hint_strides,
+    load_rows,
+    pair_mask,
+    store_rows,
+)
 from .config import kernel_config
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -25,7 +35,7 @@ def _fwd_tiles(
     acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
     for it in range(start, stop):
@@ -33,7 +43,7 @@ def _fwd_tiles(
         offs_kv = n_blk * BN + offs_n
         b_k = load_rows(k_ptr, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
         b_v = load_rows(v_ptr, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
-        b_s = dot(b_q, tl.trans(b_k), UPCAST) * qk_scale  # [BM, BN], log2 units
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE) * qk_scale  # [BM, BN], log2 units
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
@@ -47,7 +57,7 @@ def _fwd_tiles(
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_kv[None, :], dropout_p)
             b_p = tl.where(keep, b_p, 0.0)
-        acc = acc * alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, UPCAST)
+        acc = acc * alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, DOT_MODE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -60,8 +70,10 @@ def _fwd_kernel(
     seq_q, seq_k, past_len, qk_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // NUM_HEADS
@@ -93,12 +105,12 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, UPCAST,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
     )
 
     # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0.
@@ -117,9 +129,11 @@ def head_dim_pad(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def uses_upcast(q: torch.Tensor) -> bool:
-    """The CPU interpreter gets bf16 dots wrong; feed it fp32 operands (exact for bf16 products)."""
-    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+def dot_mode(q: torch.Tensor) -> int:
+    """How the kernels multiply tiles for this input (see mmsparse.ops.common.DOT_*)."""
+    if q.device.type != "cuda":
+        return DOT_UPCAST if q.dtype == torch.bfloat16 else DOT_NATIVE
+    return DOT_TF32X3 if q.dtype == torch.float32 else DOT_NATIVE
 
 
 def mbs_attn_fwd(
@@ -157,6 +171,6 @@ def mbs_attn_fwd(
         seq_q, info.seq_k, info.past_len, softmax_scale * math.log2(math.e), dropout_p,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-        HAS_DROPOUT=dropout_p > 0.0, UPCAST=uses_upcast(q), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out, lse
