@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import torch
 from triton.testing import do_bench
 
 from mmsparse import mbs_attention
-from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.ops.config import Tile, kernel_config, use_config
 from mmsparse.topology import count_allowed_pairs
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
@@ -77,20 +78,21 @@ def main() -> None:
             print(f"{name} flex failed: {e!r}"[:300])
         base = kernel_config(d, torch.bfloat16, q.device)
         variants = [base]
+        variants.append(replace(base, use_tma=False))
         if args.sweep == "fwd":
-            for bm, bn, w, st in itertools.product((128,), (64, 128), (4, 8), (2, 3)):
-                variants.append(KernelConfig(Tile(bm, bn, w, st), base.bwd_dkdv, base.bwd_dq))
+            for bn, w, st, ws in itertools.product((64, 128), (4, 8), (2, 3), (False, True)):
+                variants.append(replace(base, fwd=Tile(128, bn, w, st, ws)))
         elif args.sweep == "dkdv":
             for bm, bn, w, st in itertools.product((32, 64), (64, 128), (4, 8), (2, 3)):
-                variants.append(KernelConfig(base.fwd, Tile(bm, bn, w, st), base.bwd_dq))
+                variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))
         elif args.sweep == "dq":
             for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
-                variants.append(KernelConfig(base.fwd, base.bwd_dkdv, Tile(bm, bn, w, st)))
+                variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st)))
         for cfg in variants:
             try:
                 with use_config(cfg):
                     f, bw = ours(q, k, v, topo, lens, causal)
-                print(f"{name:18s} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: fwd {f:7.3f} ms {tf(f):6.0f}  "
+                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: fwd {f:7.3f} ms {tf(f):6.0f}  "
                       f"bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .common import dot, dropout_keep, hint_strides, load_rows, pair_mask, store_rows
-from .config import kernel_config
+from .common import dot, dropout_keep, hint_strides, load_block, load_rows, make_source, pair_mask, store_block
+from .config import ensure_tma_allocator, kernel_config
 from .forward import _DYNAMIC, dot_mode, head_dim_pad
 
 
@@ -30,17 +30,17 @@ def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
         m_blk = tl.load(idx_ptr + it)
         offs_m = m_blk * BM + offs_m0
-        b_q = load_rows(q_ptr, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
-        b_do = load_rows(do_ptr, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
+        b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         # Rows past the end get lse = +inf, hence p = 0.
         lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
@@ -71,7 +71,7 @@ def _dkdv_kernel(
     seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -83,8 +83,10 @@ def _dkdv_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m0 = tl.arange(0, BM)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    b_k = load_rows(K + b64 * stride_kb + hk * stride_kh, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True)
-    b_v = load_rows(V + b64 * stride_vb + hk * stride_vh, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True)
+    k_src = make_source(K + b64 * stride_kb + hk * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
+    b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
     cnt_ptr = COUNTS + b * stride_cnt_b + pid_n * 2
     n_full = tl.load(cnt_ptr)
@@ -102,37 +104,41 @@ def _dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * NUM_HEADS + h
-        q_ptr = Q + b64 * stride_qb + h * stride_qh
         row0 = bh.to(tl.int64) * seq_q
-        do_ptr = DO + row0 * HEAD_DIM
+        q_src = make_source(Q + b64 * stride_qb + h * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD,
+                            USE_TMA)
+        do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
             0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
-            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_ptr, do_ptr, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
             n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
-    store_rows(DK + out_row0, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM)
-    store_rows(DV + out_row0, dv.to(DV.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM)
+    dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    dv_dst = make_source(DV + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    store_block(dk_dst, pid_n * BN, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM,
+                USE_TMA)
+    store_block(dv_dst, pid_n * BN, dv.to(DV.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
 def _dq_tiles(
-    dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
+    dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks idx[start:stop]."""
     for it in range(start, stop):
         n_blk = tl.load(idx_ptr + it)
         offs_n = n_blk * BN + offs_n0
-        b_k = load_rows(k_ptr, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
-        b_v = load_rows(v_ptr, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_s = dot(b_q, tl.trans(b_k), DOT_MODE) * qk_scale  # [BM, BN]
         b_p = tl.math.exp2(b_s - lse[:, None])
         if MASKED:
@@ -156,7 +162,7 @@ def _dq_kernel(
     seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -169,8 +175,10 @@ def _dq_kernel(
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row0 = pid_bh.to(tl.int64) * seq_q
-    b_q = load_rows(Q + b64 * stride_qb + h * stride_qh, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)
-    b_do = load_rows(DO + row0 * HEAD_DIM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True)
+    q_src = make_source(Q + b64 * stride_qb + h * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
+    b_do = load_block(do_src, pid_m * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
@@ -181,25 +189,28 @@ def _dq_kernel(
     q_bits_ptr = Q_BITS + b * stride_qbits_b
     k_bits_ptr = K_BITS + b * stride_kbits_b
     mask_ptr = MASK + b64 * stride_mask_b
-    k_ptr = K + b64 * stride_kb + (h // GROUP) * stride_kh
-    v_ptr = V + b64 * stride_vb + (h // GROUP) * stride_vh
+    k_src = make_source(K + b64 * stride_kb + (h // GROUP) * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD,
+                        USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + (h // GROUP) * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD,
+                        USE_TMA)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
 
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(
-        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
     dq = _dq_tiles(
-        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
-    store_rows(DQ + row0 * HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q,
-               HEAD_DIM)
+    dq_dst = make_source(DQ + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    store_block(dq_dst, pid_m * BM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
+                USE_TMA)
 
 
 def mbs_attn_bwd(
@@ -230,7 +241,9 @@ def mbs_attn_bwd(
     qk_scale = softmax_scale * math.log2(math.e)
     seed = seed if seed is not None else lse
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-                 HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q))
+                 HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
+    if cfg.use_tma:
+        ensure_tma_allocator(q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     mask_tensors, mask_strides = info.mask_args()[:3], info.mask_args()[3:]

@@ -98,3 +98,33 @@ def load_rows(ptr, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr,
 def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr):
     ptrs = ptr + offs_row[:, None] * stride_row + offs_d[None, :]
     tl.store(ptrs, value, mask=(offs_row < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def make_source(ptr, n_rows, stride_row, BR: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Where [BR, HEAD_DIM_PAD] tiles of one (batch, head) matrix come from: a TMA tensor descriptor (rows past
+    n_rows and columns past HEAD_DIM read as 0, writes there are dropped), or the plain pointer."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, [n_rows, HEAD_DIM], [stride_row, 1], [BR, HEAD_DIM_PAD])
+    else:
+        return ptr
+
+
+@triton.jit
+def load_block(src, row0, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows row0 .. row0 + BR - 1 of a source made by make_source (offs_row = row0 + arange(BR))."""
+    if USE_TMA:
+        return src.load([row0, 0])
+    else:
+        return load_rows(src, offs_row, stride_row, offs_d, n_rows, HEAD_DIM, CHECK_ROWS)
+
+
+@triton.jit
+def store_block(dst, row0, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    if USE_TMA:
+        dst.store([row0, 0], value)
+    else:
+        store_rows(dst, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM)

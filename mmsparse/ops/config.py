@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Tile:
     block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class KernelConfig:
     fwd: Tile
     bwd_dkdv: Tile  # block_n: the key block a program owns; block_m: the query tiles it walks
     bwd_dq: Tile  # block_m: the query block a program owns; block_n: the key tiles it walks
+    use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
 
 
 # Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
@@ -63,8 +66,11 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Ke
     if device.type != "cuda":
         return _INTERPRETER
     cfg = _cuda_config(max(16, 1 << (head_dim - 1).bit_length()))
+    if torch.cuda.get_device_capability(device)[0] < 9:  # no TMA before Hopper
+        cfg = replace(cfg, use_tma=False)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
-        cfg = KernelConfig(
+        cfg = replace(
+            cfg,
             fwd=replace(cfg.fwd, block_n=max(16, cfg.fwd.block_n // 2)),
             bwd_dkdv=replace(cfg.bwd_dkdv, block_m=max(16, cfg.bwd_dkdv.block_m // 2), num_stages=1),
             bwd_dq=replace(cfg.bwd_dq, block_n=max(16, cfg.bwd_dq.block_n // 2), num_stages=1),
@@ -81,3 +87,18 @@ def use_config(config: KernelConfig) -> Iterator[None]:
         yield
     finally:
         _override = previous
+
+
+def ensure_tma_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need scratch memory from Triton's allocator. Install a torch-backed one
+    unless the user has set their own."""
+    if device.type != "cuda":
+        return
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))

@@ -17,11 +17,12 @@ from .common import (
     dot,
     dropout_keep,
     hint_strides,
-    load_rows,
+    load_block,
+    make_source,
     pair_mask,
-    store_rows,
+    store_block,
 )
-from .config import kernel_config
+from .config import ensure_tma_allocator, kernel_config
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
 # so a new length reuses the compiled kernel.
@@ -32,17 +33,18 @@ _DYNAMIC = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "st
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, start, stop,
+    acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
-    for it in range(start, stop):
+    for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
         n_blk = tl.load(idx_ptr + it)
         offs_kv = n_blk * BN + offs_n
-        b_k = load_rows(k_ptr, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
-        b_v = load_rows(v_ptr, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED)  # [BN, D]
+        b_k = load_block(k_src, n_blk * BN, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_v = load_block(v_src, n_blk * BN, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_s = dot(b_q, tl.trans(b_k), DOT_MODE) * qk_scale  # [BM, BN], log2 units
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
@@ -70,7 +72,7 @@ def _fwd_kernel(
     seq_q, seq_k, past_len, qk_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -86,7 +88,10 @@ def _fwd_kernel(
     q_ptr = Q + b64 * stride_qb + h * stride_qh
     k_ptr = K + b64 * stride_kb + (h // GROUP) * stride_kh
     v_ptr = V + b64 * stride_vb + (h // GROUP) * stride_vh
-    b_q = load_rows(q_ptr, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True)  # [BM, D]
+    q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    k_src = make_source(k_ptr, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
 
     cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
     n_full = tl.load(cnt_ptr)
@@ -103,14 +108,14 @@ def _fwd_kernel(
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, 0, n_full,
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_ptr, v_ptr, stride_kn, stride_vn, idx_ptr, n_full,
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, False,
     )
 
     # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0.
@@ -121,8 +126,9 @@ def _fwd_kernel(
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
     tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
-    o_ptr = O + pid_bh.to(tl.int64) * seq_q * HEAD_DIM
-    store_rows(o_ptr, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM)
+    o_dst = make_source(O + pid_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
+                        USE_TMA)
+    store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, USE_TMA)
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -158,7 +164,10 @@ def mbs_attn_fwd(
     """
     batch, num_heads, seq_q, head_dim = q.shape
     group = num_heads // k.shape[1]
-    tile = kernel_config(head_dim, q.dtype, q.device).fwd
+    cfg = kernel_config(head_dim, q.dtype, q.device)
+    tile = cfg.fwd
+    if cfg.use_tma:
+        ensure_tma_allocator(q.device)
     lists = info.lists(tile.block_m, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
@@ -171,6 +180,7 @@ def mbs_attn_fwd(
         seq_q, info.seq_k, info.past_len, softmax_scale * math.log2(math.e), dropout_p,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-        HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out, lse
