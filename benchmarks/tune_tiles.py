@@ -92,8 +92,8 @@ def main() -> None:
             try:
                 with use_config(cfg):
                     f, bw = ours(q, k, v, topo, lens, causal)
-                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: fwd {f:7.3f} ms {tf(f):6.0f}  "
-                      f"bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
+                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: "
+                      f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)
 
