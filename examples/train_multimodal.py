@@ -5,9 +5,9 @@ script prints both curves, the tokens/s of each attention path, and saves a loss
 installed) and the numbers (JSON).
 
 The task: each sample has a hidden class. Vision and audio tokens are noisy class-dependent features; the text is a
-class-dependent token sequence with half of its tokens masked. The model predicts the masked text tokens, which it
-can only do well by reading the other modalities. Topology (rows attend columns): text sees everything, vision sees
-text and vision, audio sees text and audio.
+class-dependent token pattern (period ``text_period``) with half of its tokens masked. The model predicts the masked
+text tokens from the visible ones and from the other modalities, which carry the class. Topology (rows attend
+columns): text sees everything, vision sees text and vision, audio sees text and audio.
 
     python examples/train_multimodal.py            # GPU, realistic lengths (256 text + 1024 vision + 768 audio)
     python examples/train_multimodal.py --tiny     # CPU through Triton's interpreter, well under a minute
@@ -50,11 +50,12 @@ class Config:
     vision_dim: int = 96
     audio_dim: int = 64
     classes: int = 32
+    text_period: int = 8
     seed: int = 0
 
 
 TINY = Config(seg_lens=(12, 24, 12), dim=32, heads=2, kv_heads=1, layers=1, batch=2, steps=10, warmup=1, lr=1e-2,
-              vocab=32, vision_dim=16, audio_dim=8, classes=4)
+              vocab=32, vision_dim=16, audio_dim=8, classes=4, text_period=4)
 
 
 class DenseMaskedAttention(MultimodalSelfAttention):
@@ -115,7 +116,8 @@ class SyntheticMultimodal:
         self.cfg, self.device = cfg, device
         g = torch.Generator().manual_seed(cfg.seed + 1)
         t, v, a = cfg.seg_lens
-        self.text = torch.randint(0, cfg.vocab, (cfg.classes, t), generator=g)
+        pattern = torch.randint(0, cfg.vocab, (cfg.classes, cfg.text_period), generator=g)
+        self.text = pattern.repeat(1, math.ceil(t / cfg.text_period))[:, :t]
         self.vision = torch.randn(cfg.classes, 1, cfg.vision_dim, generator=g) + 0.5 * torch.randn(1, v, cfg.vision_dim,
                                                                                                  generator=g)
         self.audio = torch.randn(cfg.classes, 1, cfg.audio_dim, generator=g) + 0.5 * torch.randn(1, a, cfg.audio_dim,

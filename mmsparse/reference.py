@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .topology import Topology, segment_ids
+from .topology import Topology, lookup_pairs, segment_ids
 
 
 def reference_mask(
@@ -31,7 +31,7 @@ def reference_mask(
     table = torch.zeros(k + 1, k + 1, dtype=torch.bool)
     table[:k, :k] = topo.matrix
     q_seg = seg[:, seq_k - seq_q :]
-    mask = table[q_seg[:, :, None], seg[:, None, :]]
+    mask = lookup_pairs(table, q_seg, seg)
     if causal:
         i = torch.arange(seq_q)[:, None] + (seq_k - seq_q)
         j = torch.arange(seq_k)[None, :]

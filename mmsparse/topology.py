@@ -131,8 +131,16 @@ def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
     """
     topo = Topology(topology)
     lens = validate_seg_lens(seg_lens, topo.num_segments)
-    seg = segment_ids(torch.tensor([lens]), sum(lens))[0]
-    return topo.matrix[seg[:, None], seg[None, :]]
+    seg = segment_ids(torch.tensor([lens]), sum(lens))
+    return lookup_pairs(topo.matrix, seg, seg)[0]
+
+
+def lookup_pairs(table: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
+    """``table[q_seg[b, i], k_seg[b, j]]`` as bool ``[B, Sq, Sk]``, with no S x S index temporaries (only the
+    output itself is S x S)."""
+    rows = table[q_seg]  # [B, Sq, C]
+    index = k_seg[:, None, :].expand(-1, rows.shape[1], -1)  # a stride-0 view, not materialised
+    return torch.gather(rows, 2, index)
 
 
 def segment_ids(seg_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
