@@ -151,10 +151,10 @@ def progress(iterable, total: int, desc: str):
     print(file=sys.stderr)
 
 
-def train(model: nn.Module, batches: list, cfg: Config, device: torch.device, desc: str) -> dict:
-    """Train on the given batches; loss per step and tokens/s over the steps after warmup."""
+def train(model: nn.Module, batches: list, cfg: Config, device: torch.device, desc: str, bf16: bool) -> dict:
+    """Train on the given batches (bf16 autocast if asked); loss per step and tokens/s over the steps after warmup."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     losses, start = [], None
     tokens = cfg.batch * sum(cfg.seg_lens)
     model.train()
@@ -175,7 +175,7 @@ def train(model: nn.Module, batches: list, cfg: Config, device: torch.device, de
     return {"loss": losses, "tokens_per_s": timed * tokens / elapsed, "step_ms": 1e3 * elapsed / timed}
 
 
-def save_plot(results: dict, cfg: Config, path: Path) -> str:
+def save_plot(results: dict, cfg: Config, precision: str, path: Path) -> str:
     try:
         import matplotlib
 
@@ -189,7 +189,7 @@ def save_plot(results: dict, cfg: Config, path: Path) -> str:
         ax.plot(range(1, len(r["loss"]) + 1), r["loss"], style, label=f"{name} ({r['tokens_per_s']:,.0f} tokens/s)")
     ax.set_xlabel("step")
     ax.set_ylabel("masked-text cross-entropy")
-    ax.set_title(f"seg_lens {cfg.seg_lens}, dim {cfg.dim}, {cfg.layers} layers, batch {cfg.batch}")
+    ax.set_title(f"seg_lens {cfg.seg_lens}, dim {cfg.dim}, {cfg.layers} layers, batch {cfg.batch}, {precision}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -205,6 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int)
     p.add_argument("--seg-lens", type=int, nargs=3, metavar=("TEXT", "VISION", "AUDIO"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default bf16 autocast on GPU, fp32 on CPU")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                    help="folder for the PNG and JSON")
     return p.parse_args(argv)
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         print("no CUDA device: the interpreter is slow, consider --tiny", file=sys.stderr)
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
 
     torch.manual_seed(cfg.seed)
     sparse_model = MultimodalTransformer(cfg).to(device)
@@ -232,9 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (Triton interpreter)'}, "
           f"torch {torch.__version__}, mmsparse {mmsparse.__version__}")
     print(f"segments {dict(zip(NAMES, cfg.seg_lens))}, topology {TOPOLOGY}, mask density {density:.3f}, "
-          f"{n_params / 1e6:.2f}M parameters, batch {cfg.batch}, {cfg.steps} steps")
+          f"{n_params / 1e6:.2f}M parameters, batch {cfg.batch}, {cfg.steps} steps, {precision}")
 
-    results = {name: train(model, batches, cfg, device, name)
+    results = {name: train(model, batches, cfg, device, name, precision == "bf16")
                for name, model in (("mmsparse", sparse_model), ("dense", dense_model))}
 
     every = max(1, cfg.steps // 10)
@@ -254,13 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"(chance {math.log(cfg.vocab):.3f})")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "train_multimodal_tiny" if args.tiny else "train_multimodal"
-    record = {"config": asdict(cfg), "device": str(device), "torch": torch.__version__, "density": density,
+    stem = "train_multimodal_tiny" if args.tiny else f"train_multimodal_{precision}"
+    record = {"config": asdict(cfg), "device": str(device), "torch": torch.__version__, "precision": precision,
+              "density": density,
               "max_loss_diff": diff, **results}
     if device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-    print(save_plot(results, cfg, args.out / f"{stem}.png"))
+    print(save_plot(results, cfg, precision, args.out / f"{stem}.png"))
     return results
 
 
