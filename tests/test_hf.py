@@ -138,6 +138,9 @@ def test_clear_errors(device):
         mm(ids, attention_mask=_sdpa_mask(SEG, 1, device), mm_topology=TOPO, mm_seg_lens=SEG)
     with pytest.raises(ValueError, match="sum to 39"):
         mm(ids, mm_topology=TOPO, mm_seg_lens=(5, 20, 14))
+    packed = torch.cat([torch.arange(20), torch.arange(20)])[None].to(device)  # two sequences in one row
+    with pytest.raises(NotImplementedError, match="mask function"):
+        mm(ids, position_ids=packed, use_cache=False, mm_topology=TOPO, mm_seg_lens=SEG)
 
 
 def test_register_is_idempotent_and_import_is_lazy():

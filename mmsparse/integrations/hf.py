@@ -46,34 +46,30 @@ def register(name: str = NAME) -> None:
     """
     global _PLAIN_MASK_FUNCTIONS
     try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import (
-            AttentionMaskInterface,
-            bidirectional_mask_function,
-            causal_mask_function,
-        )
+        from transformers import AttentionInterface, masking_utils
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError(
             "mmsparse.integrations.hf needs transformers >= 4.53 (AttentionInterface and masking_utils): "
             "pip install 'transformers>=4.53'"
         ) from e
-    _PLAIN_MASK_FUNCTIONS = (causal_mask_function, bidirectional_mask_function)
+    plain = (getattr(masking_utils, n, None) for n in ("causal_mask_function", "bidirectional_mask_function"))
+    _PLAIN_MASK_FUNCTIONS = tuple(f for f in plain if f is not None)
     AttentionInterface.register(name, mmsparse_attention_forward)
     AttentionMaskInterface.register(name, mmsparse_mask)
 
 
 def mmsparse_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: Any = 0,
-    kv_offset: int = 0,
+    kv_length: int | None = None,
     mask_function: Any = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """Mask hook for transformers' mask creation: the 2-D padding mask ``[B, kv_length]`` (bool, True = real token),
-    or None when nothing is padded. The topology, causality and padding are applied inside the kernels."""
+    or None when nothing is padded. The topology, causality and padding are applied inside the kernels.
+
+    transformers calls it with keywords (batch size, query length/offsets, ...): only these three are used.
+    """
     if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS:
         name = getattr(mask_function, "__name__", type(mask_function).__name__)
         raise NotImplementedError(
@@ -82,7 +78,7 @@ def mmsparse_mask(
         )
     if attention_mask is None:
         return None
-    mask = attention_mask[:, -kv_length:].bool()
+    mask = (attention_mask if kv_length is None else attention_mask[:, -kv_length:]).bool()
     return None if bool(mask.all()) else mask
 
 
