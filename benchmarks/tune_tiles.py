@@ -53,11 +53,24 @@ def ours(q, k, v, topo, lens, causal):
     return fwd, both - fwd
 
 
+def profile_kernels(q, k, v, topo, lens, causal) -> None:
+    g = torch.randn_like(q)
+    for _ in range(3):
+        mbs_attention(q, k, v, topo, lens, causal=causal).backward(g)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            mbs_attention(q, k, v, topo, lens, causal=causal).backward(g)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
     ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
     args = ap.parse_args()
     for name in args.configs.split(","):
         b, h, hk, d, lens, topo, causal = CONFIGS[name]
@@ -77,11 +90,14 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"{name} flex failed: {e!r}"[:300])
         base = kernel_config(d, torch.bfloat16, q.device)
+        if args.profile:
+            profile_kernels(q, k, v, topo, lens, causal)
         variants = [base]
         variants.append(replace(base, use_tma=False))
         if args.sweep == "fwd":
-            for bn, w, st, ws in itertools.product((64, 128), (4, 8), (2, 3), (False, True)):
-                variants.append(replace(base, fwd=Tile(128, bn, w, st, ws)))
+            for bm, bn, w, st, lazy in itertools.product((128,), (64, 128), (4, 8), (2, 3), (False, True)):
+                variants.append(replace(base, fwd=Tile(bm, bn, w, st, lazy_rescale=lazy)))
+            variants += [replace(base, fwd=Tile(256, 64, 8, 2, lazy_rescale=lazy)) for lazy in (False, True)]
         elif args.sweep == "dkdv":
             for bm, bn, w, st in itertools.product((32, 64), (64, 128), (4, 8), (2, 3)):
                 variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))

@@ -146,6 +146,8 @@ def attention_with_info(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not 0.0 < scale < float("inf"):
+        raise ValueError(f"softmax_scale must be a finite positive number; got {softmax_scale}")
     # The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
     # elements on a 16-byte aligned base (every layout of a tensor with such a head dim); otherwise one copy.
     q, k, v = (t if _kernel_friendly(t) else t.contiguous() for t in (q, k, v))

@@ -87,6 +87,8 @@ def test_bad_tensors(device):
         mbs_attention(q.tolist(), k, v, CYCLIC, (5, 5, 10))
     with pytest.raises(ValueError, match="dropout_p"):
         mbs_attention(q, k, v, CYCLIC, (5, 5, 10), dropout_p=1.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        mbs_attention(q, k, v, CYCLIC, (5, 5, 10), softmax_scale=-1.0)
 
 
 def test_bad_attn_mask(device):

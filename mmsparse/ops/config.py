@@ -21,6 +21,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
+    lazy_rescale: bool = False  # forward only: skip the accumulator rescale while row maxima barely move
 
 
 @dataclass(frozen=True)
