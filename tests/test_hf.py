@@ -141,6 +141,9 @@ def test_clear_errors(device):
     packed = torch.cat([torch.arange(20), torch.arange(20)])[None].to(device)  # two sequences in one row
     with pytest.raises(NotImplementedError, match="mask function"):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=TOPO, mm_seg_lens=SEG)
+    static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
+    with pytest.raises(NotImplementedError, match="last key positions"):
+        mm(ids, past_key_values=static, mm_topology=TOPO, mm_seg_lens=SEG, mm_extend_last_segment=True)
 
 
 def test_register_is_idempotent_and_import_is_lazy():

@@ -14,8 +14,8 @@ attributes of the same names on the attention module's config (``config.mm_topol
 - ``mm_seg_lens``: k lengths summing to the key length, or per-sample ``[B, k]`` rows (a row summing to less is
   padded at the end).
 - A 2-D ``attention_mask`` with right padding is honoured: segments are cut at each sample's last real token and
-  padded queries output 0. Left padding, prepared 4-D masks, sliding windows, packed sequences and other custom mask
-  functions raise an error rather than being ignored.
+  padded queries output 0. Left padding, prepared 4-D masks, sliding windows, packed sequences, other custom mask
+  functions and static caches raise an error rather than being ignored.
 - KV cache: the queries are the last positions of the keys, so ``mm_seg_lens`` must cover the whole key length
   (prompt + cached tokens). With ``mm_extend_last_segment=True`` (kwarg or config), keys past the given segments join
   the last segment: ``generate()`` then works with the prompt's lengths.
@@ -60,7 +60,9 @@ def register(name: str = NAME) -> None:
 
 
 def mmsparse_mask(
+    q_length: int | None = None,
     kv_length: int | None = None,
+    q_offset: Any = None,
     mask_function: Any = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
@@ -68,8 +70,15 @@ def mmsparse_mask(
     """Mask hook for transformers' mask creation: the 2-D padding mask ``[B, kv_length]`` (bool, True = real token),
     or None when nothing is padded. The topology, causality and padding are applied inside the kernels.
 
-    transformers calls it with keywords (batch size, query length/offsets, ...): only these three are used.
+    transformers calls it with keywords (batch size, lengths, offsets, ...); the others are ignored.
     """
+    if q_length is not None and kv_length is not None and q_offset is not None:
+        if int(q_offset) + q_length != kv_length:
+            raise NotImplementedError(
+                f"attn_implementation='mmsparse' needs the queries to be the last key positions; here queries "
+                f"{int(q_offset)}..{int(q_offset) + q_length - 1} meet {kv_length} keys (a static or sliding cache?). "
+                "Use the default DynamicCache"
+            )
     if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS:
         name = getattr(mask_function, "__name__", type(mask_function).__name__)
         raise NotImplementedError(
