@@ -6,7 +6,7 @@ import torch
 
 from .mask_info import MaskInfo
 from .ops.backward import mbs_attn_bwd
-from .ops.forward import mbs_attn_fwd
+from .ops.forward import kernel_layout, mbs_attn_fwd
 
 
 class MBSAttentionFunction(torch.autograd.Function):
@@ -20,9 +20,7 @@ class MBSAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse, seed = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if grad_out.data_ptr() % 16:  # a view at an odd offset: the kernels want aligned rows
-            grad_out = grad_out.clone()
+        grad_out = kernel_layout(grad_out.contiguous())
         dq, dk, dv = mbs_attn_bwd(grad_out, q, k, v, out, lse, ctx.info, ctx.softmax_scale,
                                   ctx.dropout_p, seed)
         return dq, dk, dv, None, None, None, None

@@ -10,7 +10,9 @@ import torch
 
 from .autograd import MBSAttentionFunction
 from .mask_info import MaskInfo
-from .ops.forward import _fwd_kernel
+from .ops.config import kernel_config
+from .ops.forward import _fwd_kernel, kernel_layout
+from .ops.library import attention_fwd_op
 from .topology import Topology, validate_seg_lens
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -134,10 +136,6 @@ def new_dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**30, (1,), device=device, dtype=torch.int64)
 
 
-def _kernel_friendly(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-
-
 def attention_with_info(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float | None,
     dropout_p: float,
@@ -148,12 +146,14 @@ def attention_with_info(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not 0.0 < scale < float("inf"):
         raise ValueError(f"softmax_scale must be a finite positive number; got {softmax_scale}")
-    # The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
-    # elements on a 16-byte aligned base (every layout of a tensor with such a head dim); otherwise one copy.
-    q, k, v = (t if _kernel_friendly(t) else t.contiguous() for t in (q, k, v))
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
+    if torch.compiler.is_compiling():  # traceable path: a torch custom op with a fake implementation
+        meta = info.kernel_tensors(kernel_config(q.shape[-1], q.dtype, q.device))
+        out, _ = attention_fwd_op(q, k, v, meta, seed, info.mode, info.causal, scale, dropout_p)
+        return out
+    q, k, v = (kernel_layout(t) for t in (q, k, v))
     return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
 
 

@@ -11,7 +11,7 @@ import torch
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
 from .ops.common import MASK_BITS, MASK_DENSE
 from .ops.config import KernelConfig
-from .topology import Topology, token_bits
+from .topology import MAX_SEGMENTS, Topology, token_bits
 
 
 class MaskInfo:
@@ -86,10 +86,38 @@ class MaskInfo:
     def prepare(self, config: KernelConfig) -> MaskInfo:
         """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
         CUDA-graph capture."""
-        self.lists(config.fwd.block_m, config.fwd.block_n)
-        self.lists(config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, by_key=True)
-        self.lists(config.bwd_dq.block_m, config.bwd_dq.block_n)
+        for block_m, block_n, by_key in _list_keys(config):
+            self.lists(block_m, block_n, by_key)
         return self
+
+    def kernel_tensors(self, config: KernelConfig) -> list[torch.Tensor]:
+        """Every tensor the kernels of ``config`` read, in a fixed order (for the torch custom op):
+        q_bits, k_bits, dense mask (empty stand-ins for the unused path), then (counts, indices) of the forward,
+        dK/dV and dQ lists."""
+        self.prepare(config)
+        empty_bits = torch.empty((self.batch, 0), dtype=torch.int32, device=self.device)
+        if self.mode == MASK_BITS:
+            tensors = [self.q_bits, self.k_bits, torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)]
+        else:
+            tensors = [empty_bits, empty_bits, self.dense]
+        for key in _list_keys(config):
+            lists = self._lists[key]
+            tensors += [lists.counts, lists.indices]
+        return tensors
+
+    @classmethod
+    def from_kernel_tensors(
+        cls, tensors: list[torch.Tensor], config: KernelConfig, mode: int, seq_q: int, seq_k: int, causal: bool
+    ) -> MaskInfo:
+        """Inverse of :meth:`kernel_tensors`."""
+        q_bits, k_bits, dense = tensors[:3]
+        if mode == MASK_BITS:
+            info = cls(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=MAX_SEGMENTS)
+        else:
+            info = cls(mode, seq_q, seq_k, causal, dense=dense)
+        for i, key in enumerate(_list_keys(config)):
+            info._lists[key] = BlockLists(tensors[3 + 2 * i], tensors[4 + 2 * i])
+        return info
 
     def mask_args(self) -> tuple:
         """Kernel arguments: (q_bits, k_bits, dense mask, q_bits batch stride, k_bits batch stride, mask batch
@@ -108,3 +136,12 @@ class MaskInfo:
         shared = self.batch == 1
         return (lists.counts, lists.indices, 0 if shared else lists.counts.stride(0),
                 0 if shared else lists.indices.stride(0), lists.indices.stride(1))
+
+
+def _list_keys(config: KernelConfig) -> list[tuple[int, int, bool]]:
+    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read."""
+    return [
+        (config.fwd.block_m, config.fwd.block_n, False),
+        (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
+        (config.bwd_dq.block_m, config.bwd_dq.block_n, False),
+    ]

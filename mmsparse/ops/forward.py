@@ -145,6 +145,14 @@ def _fwd_kernel(
     store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, USE_TMA)
 
 
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
+    elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
+    if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
+
+
 def head_dim_pad(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
