@@ -95,14 +95,13 @@ def main() -> None:
         variants = [base]
         variants.append(replace(base, use_tma=False))
         if args.sweep == "fwd":
-            for bm, bn, w, st, lazy in itertools.product((128,), (64, 128), (4, 8), (2, 3), (False, True)):
-                variants.append(replace(base, fwd=Tile(bm, bn, w, st, lazy_rescale=lazy)))
-            variants += [replace(base, fwd=Tile(256, 64, 8, 2, lazy_rescale=lazy)) for lazy in (False, True)]
+            for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+                variants.append(replace(base, fwd=Tile(bm, bn, w, st)))
         elif args.sweep == "dkdv":
-            for bm, bn, w, st in itertools.product((32, 64), (64, 128), (4, 8), (2, 3)):
+            for bm, bn, w, st in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3, 4)):
                 variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))
         elif args.sweep == "dq":
-            for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+            for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
                 variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st)))
         for cfg in variants:
             try:

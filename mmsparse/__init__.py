@@ -5,10 +5,13 @@ variable is already set, so the same kernels run on CPU tensors. Import mmsparse
 """
 
 import os
+import sys
 
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+# Only before triton is imported: turning the interpreter on afterwards leaves triton half-configured (the
+# check in mbs_attention then reports that the interpreter is off, with the fix).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .functional import interpreter_active, mbs_attention  # noqa: E402

@@ -44,8 +44,8 @@ def _dkdv_tiles(
         # Rows past the end get lse = +inf, hence p = 0.
         lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
-        b_st = dot(b_k, tl.trans(b_q), DOT_MODE) * qk_scale  # [BN, BM]
-        b_pt = tl.math.exp2(b_st - lse[None, :])
+        b_st = dot(b_k, tl.trans(b_q), DOT_MODE)  # [BN, BM] raw scores
+        b_pt = tl.math.exp2(tl.fma(b_st, qk_scale, -lse[None, :]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
@@ -139,8 +139,8 @@ def _dq_tiles(
         offs_n = n_blk * BN + offs_n0
         b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
-        b_s = dot(b_q, tl.trans(b_k), DOT_MODE) * qk_scale  # [BM, BN]
-        b_p = tl.math.exp2(b_s - lse[:, None])
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores
+        b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)

@@ -37,7 +37,7 @@ def _fwd_tiles(
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
     for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
@@ -45,31 +45,21 @@ def _fwd_tiles(
         offs_kv = n_blk * BN + offs_n
         b_k = load_block(k_src, n_blk * BN, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
-        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN], raw scores; m_i is kept in scaled log2 units
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores; m_i is kept in raw units too
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
             b_s = tl.where(allowed, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-        if LAZY_RESCALE and not MASKED:
-            # Full tiles: every row sees every key, so m_new is finite. Rescale the accumulator only when some
-            # row's maximum grew by more than 2**8; otherwise keep the old base (p <= 256 is exact enough in
-            # fp32 and representable in fp16/bf16), saving a [BM, D] multiply per tile.
-            if tl.max(m_new - m_i) > 8.0:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            b_p = tl.math.exp2(b_s * qk_scale - m_i[:, None])  # [BM, BN]
-            l_i = l_i + tl.sum(b_p, 1)
-        else:
-            # A row that has seen nothing yet keeps m = -inf: use 0 as the exponent base so exp2 gives 0, not NaN.
-            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = tl.math.exp2(b_s * qk_scale - m_base[:, None])  # [BM, BN]
-            alpha = tl.math.exp2(m_i - m_base)
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row that has seen nothing yet keeps m = -inf: use 0 as the exponent base so exp2 gives 0, not NaN.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Subtract before scaling: a row's largest score gives exactly p = 1 (a fused multiply-add of the scaled
+        # score and a rounded scaled max would not), and no contraction can differ between kernel variants.
+        b_p = tl.math.exp2((b_s - m_base[:, None]) * qk_scale)  # [BM, BN]
+        alpha = tl.math.exp2((m_i - m_base) * qk_scale)
+        l_i = tl.fma(l_i, alpha, tl.sum(b_p, 1))
+        acc = acc * alpha[:, None]
+        m_i = m_new
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_kv[None, :], dropout_p)
             b_p = tl.where(keep, b_p, 0.0)
@@ -86,7 +76,6 @@ def _fwd_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -124,12 +113,12 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC, LAZY_RESCALE,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, False, False,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, False,
     )
 
     # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0.
@@ -138,7 +127,7 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+    lse = tl.where(empty, float("inf"), m_i * qk_scale + tl.math.log2(l_safe))
     tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
     o_dst = make_source(O + pid_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
                         USE_TMA)
@@ -203,7 +192,6 @@ def mbs_attn_fwd(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
-        LAZY_RESCALE=tile.lazy_rescale,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out, lse
