@@ -92,7 +92,9 @@ def test_decode_like_short_queries(device):
 
 
 def test_topology_path_equals_dense_mask_path(device):
-    """The same mask given as a topology or as a dense bool mask: bit-for-bit equal outputs and gradients."""
+    """The same mask given as a topology or as a dense bool mask: equal outputs and gradients. Bit for bit
+    through the interpreter; compiled for a GPU the two kernel variants may reduce rows in a different order
+    (the loaded mask tile changes Triton's layouts), so there they must agree to fp16 rounding."""
     topo, lens = [[1, 0, 1], [1, 1, 0], [0, 1, 1]], (17, 29, 20)
     results = []
     for use_mask in (False, True):
@@ -103,7 +105,10 @@ def test_topology_path_equals_dense_mask_path(device):
         out.backward(torch.randn(out.shape, generator=gen).to(device, out.dtype))
         results.append((out, q.grad, k.grad, v.grad))
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        if device.type == "cpu":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
 
 
 def test_dense_mask_batch(device):

@@ -45,11 +45,11 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
         )
     if head_dim_pad <= 128:
         # Measured on an H200 (benchmarks/NOTES.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
-        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV tile.
+        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile.
         return KernelConfig(
             fwd=Tile(128, 64, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=3),
-            bwd_dq=Tile(128, 64, num_warps=8, num_stages=2),
+            bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
         )
     return KernelConfig(
         fwd=Tile(64, 64, num_warps=4, num_stages=2),
