@@ -14,7 +14,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from .functional import interpreter_active, mbs_attention  # noqa: E402
+from .functional import interpreter_active, mbs_attention, mbs_attention_varlen  # noqa: E402
 from .module import TritonMBSAttnKernel  # noqa: E402
 from .reference import reference_attention, reference_mask  # noqa: E402
 from .topology import Topology, generate_interlaced_mask  # noqa: E402
@@ -25,6 +25,7 @@ __all__ = [
     "generate_interlaced_mask",
     "interpreter_active",
     "mbs_attention",
+    "mbs_attention_varlen",
     "reference_attention",
     "reference_mask",
 ]

@@ -66,7 +66,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions")
 
 
-def _lens_tensor(seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device) -> torch.Tensor:
+def _tracing_or_capturing(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _lens_tensor(
+    seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device, check_lengths: bool = True
+) -> torch.Tensor:
     """Validate lengths; return int32 ``[Bm, k]`` on device. One list of k ints -> Bm = 1 (shared)."""
     k = topo.num_segments
     if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
@@ -75,7 +81,7 @@ def _lens_tensor(seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch
         if seg_lens.shape[1] != k:
             raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
         lens = seg_lens
-        if not (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if check_lengths and not _tracing_or_capturing(lens):  # the check reads device values: a host sync
             bad_neg, bad_sum = bool((lens < 0).any()), bool((lens.sum(-1) > seq_k).any())
             if bad_neg:
                 raise ValueError("per-sample seg_lens contains negative lengths")
@@ -98,18 +104,21 @@ def _lens_tensor(seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch
 
 
 def build_mask_info(
-    topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device
+    topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
+    check_lengths: bool = True,
 ) -> MaskInfo:
-    """Validated, cached :class:`MaskInfo` for a topology and lengths (host-side lengths are cached by value)."""
+    """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
+    value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
+    skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
     topo = topology if isinstance(topology, Topology) else Topology(topology)
     key = None
-    if not isinstance(seg_lens, torch.Tensor):
+    if not isinstance(seg_lens, torch.Tensor) and not torch.compiler.is_compiling():
         key = (hash(topo), repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             _INFO_CACHE.move_to_end(key)
             return hit
-    lens = _lens_tensor(seg_lens, topo, seq_k, device)
+    lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
     info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal)
     if key is not None:
         _INFO_CACHE[key] = info
@@ -167,6 +176,7 @@ def mbs_attention(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    check_lengths: bool = True,
 ) -> torch.Tensor:
     """Block-sparse multimodal attention.
 
@@ -180,6 +190,9 @@ def mbs_attention(
         dropout_p: attention dropout probability (pass 0.0 in eval mode).
         softmax_scale: default ``1/sqrt(D)``.
         attn_mask: optional bool ``[S, S]`` / ``[Sq, S]`` / ``[B, ...]`` mask used *instead of* the topology.
+        check_lengths: validate a device tensor of lengths (reads it back: a host sync). Pass False in a
+            training loop that feeds device lengths every step; nothing is checked under torch.compile or
+            CUDA-graph capture either.
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.
@@ -189,7 +202,58 @@ def mbs_attention(
     if attn_mask is not None:
         info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, causal, q.device)
     else:
-        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device)
+        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths)
     if info.batch not in (1, q.shape[0]):
         raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+
+
+def mbs_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topology: Any,
+    seg_lens: SegLensArg,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    check_lengths: bool = True,
+) -> torch.Tensor:
+    """Packed ("varlen") batches: samples laid end to end along one sequence, no padding.
+
+    Sample n owns the next ``sum(seg_lens[n])`` positions; its tokens attend per the topology within the
+    sample only. Implemented as one sequence whose topology is block-diagonal over the samples, so empty
+    cross-sample tiles are skipped like any other; this needs ``samples * k <= 32``.
+
+    Args:
+        q: ``[1, Hq, total, D]``; k, v: ``[1, Hkv, total, D]``.
+        topology: k x k 0/1 matrix shared by the samples.
+        seg_lens: ``[N, k]`` per-sample lengths (list of N tuples or an int tensor), summing to ``total``.
+        causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
+
+    Returns:
+        ``[1, Hq, total, D]``.
+    """
+    check_qkv(q, k, v)
+    if q.shape[0] != 1:
+        raise ValueError(f"packed q/k/v have batch size 1 (samples laid end to end); got {q.shape[0]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("packed attention needs q and k/v over the same positions")
+    topo = topology if isinstance(topology, Topology) else Topology(topology)
+    lens = seg_lens if isinstance(seg_lens, torch.Tensor) else torch.tensor(
+        [validate_seg_lens(r, topo.num_segments) for r in seg_lens], dtype=torch.int64)
+    if lens.dim() != 2 or lens.shape[1] != topo.num_segments:
+        raise ValueError(f"seg_lens must be [samples, {topo.num_segments}]; got shape {tuple(lens.shape)}")
+    samples = lens.shape[0]
+    if samples * topo.num_segments > 32:
+        raise ValueError(
+            f"{samples} samples x {topo.num_segments} segments = {samples * topo.num_segments} > 32: split the "
+            "pack, or pad the samples and pass per-sample lengths to mbs_attention"
+        )
+    total = k.shape[2]
+    if check_lengths and not _tracing_or_capturing(lens) and int(lens.sum()) != total:
+        raise ValueError(f"per-sample lengths sum to {int(lens.sum())} but q/k/v have {total} positions")
+    block_diagonal = Topology(torch.block_diag(*[topo.matrix.to(torch.int64)] * samples))
+    flat = lens.reshape(1, -1).to(device=q.device, dtype=torch.int32)
+    info = MaskInfo.from_topology(block_diagonal, flat, total, total, causal)
     return attention_with_info(q, k, v, info, softmax_scale, dropout_p)

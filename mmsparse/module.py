@@ -72,13 +72,26 @@ class TritonMBSAttnKernel(nn.Module):
         return live[0]
 
     def _info(self, seq_q: int, seq_k: int, device: torch.device) -> MaskInfo:
+        if torch.compiler.is_compiling():  # traced into the graph: plain tensor ops, no Python-side cache
+            return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
         key = (seq_q, seq_k, str(device))
         if key not in self._infos:
             self._infos[key] = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
         return self._infos[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None = None,
+        check_lengths: bool = True,
+    ) -> torch.Tensor:
+        """q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, S, D]``. ``seg_lens`` overrides the module's lengths for this
+        call: per-sample ``[B, k]`` (int tensor or list of B tuples), rows summing to at most S, padding after."""
         check_qkv(q, k, v)
+        if seg_lens is not None:
+            info = build_mask_info(self.topology, seg_lens, q.shape[2], k.shape[2], self.causal_mask, q.device,
+                                   check_lengths)
+            if info.batch not in (1, q.shape[0]):
+                raise ValueError(f"seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+            return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
             raise ValueError(
                 f"k/v have {k.shape[2]} positions but the module's seg_lens {self.seg_lens} sum to {self.seq_len}"

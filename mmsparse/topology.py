@@ -46,6 +46,11 @@ class Topology:
             if len(names) != k:
                 raise ValueError(f"topology has {k} segments but {len(names)} names were given: {names}")
         self.names = names
+        # Plain ints, computed once: torch.compile then sees constants rather than reading a tensor back.
+        rows = self.matrix.tolist()
+        self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)]
+        self._col_bits = [_to_int32_bits(1 << c) for c in range(k)]
+        self._hash = hash(tuple(map(tuple, rows)))
 
     @property
     def num_segments(self) -> int:
@@ -53,19 +58,17 @@ class Topology:
 
     def row_bits(self) -> list[int]:
         """Per segment r, the int32 bit pattern of the segments its rows may see."""
-        k = self.num_segments
-        rows = self.matrix.tolist()
-        return [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)]
+        return list(self._row_bits)
 
     def col_bits(self) -> list[int]:
         """Per segment c, the one-hot int32 bit its keys carry."""
-        return [_to_int32_bits(1 << c) for c in range(self.num_segments)]
+        return list(self._col_bits)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and torch.equal(self.matrix, other.matrix)
 
     def __hash__(self) -> int:
-        return hash(tuple(map(tuple, self.matrix.tolist())))
+        return self._hash
 
     def __repr__(self) -> str:
         rows = ", ".join(str([int(x) for x in r]) for r in self.matrix.tolist())
