@@ -565,6 +565,9 @@ def environment(device: torch.device) -> dict[str, str]:
 
 
 def git_commit() -> str:
+    """HEAD of the checkout; MMSPARSE_COMMIT overrides it for copies without .git (e.g. a GPU machine)."""
+    if os.environ.get("MMSPARSE_COMMIT"):
+        return os.environ["MMSPARSE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_DIR, capture_output=True,
                               text=True, check=True).stdout.strip()

@@ -7,6 +7,7 @@ tuning sweep. The block metadata is built for exactly these tiles.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -37,12 +38,6 @@ _INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile
 
 
 def _cuda_config(head_dim_pad: int) -> KernelConfig:
-    if head_dim_pad <= 64:
-        return KernelConfig(
-            fwd=Tile(128, 64, num_warps=4, num_stages=3),
-            bwd_dkdv=Tile(64, 128, num_warps=8, num_stages=3),
-            bwd_dq=Tile(128, 64, num_warps=8, num_stages=3),
-        )
     if head_dim_pad <= 128:
         # Measured on an H200 (benchmarks/NOTES.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
         # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile.
@@ -67,8 +62,14 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Ke
         return _override
     if device.type != "cuda":
         return _INTERPRETER
-    cfg = _cuda_config(max(16, 1 << (head_dim - 1).bit_length()))
-    if torch.cuda.get_device_capability(device)[0] < 9:  # no TMA before Hopper
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cached_cuda_config(max(16, 1 << (head_dim - 1).bit_length()), dtype, index)
+
+
+@functools.cache
+def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> KernelConfig:
+    cfg = _cuda_config(head_dim_pad)
+    if torch.cuda.get_device_capability(device_index)[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
