@@ -14,7 +14,17 @@ import triton.language as tl
 
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .common import dot, dropout_keep, hint_strides, load_block, load_rows, make_source, pair_mask, store_block
+from .common import (
+    dot,
+    dropout_keep,
+    hint_strides,
+    load_block,
+    load_rows,
+    make_source,
+    pair_mask,
+    program_setup,
+    store_block,
+)
 from .config import ensure_tma_allocator, kernel_config
 from .forward import _DYNAMIC, dot_mode, head_dim_pad
 
@@ -88,16 +98,9 @@ def _dkdv_kernel(
     b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_n * 2
-    n_full = tl.load(cnt_ptr)
-    n_part = tl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_n * stride_idx_r
-    q_bits_ptr = Q_BITS + b * stride_qbits_b
-    k_bits_ptr = K_BITS + b * stride_kbits_b
-    mask_ptr = MASK + b64 * stride_mask_b
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
 
     dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
     dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
@@ -182,20 +185,13 @@ def _dq_kernel(
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
-    n_full = tl.load(cnt_ptr)
-    n_part = tl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
-    q_bits_ptr = Q_BITS + b * stride_qbits_b
-    k_bits_ptr = K_BITS + b * stride_kbits_b
-    mask_ptr = MASK + b64 * stride_mask_b
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
     k_src = make_source(K + b64 * stride_kb + (h // GROUP) * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD,
                         USE_TMA)
     v_src = make_source(V + b64 * stride_vb + (h // GROUP) * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD,
                         USE_TMA)
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
 
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(

@@ -101,6 +101,22 @@ def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.co
 
 
 @triton.jit
+def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
+                  stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT: tl.constexpr):
+    """What every kernel reads first for batch b and its own row block: (number of full blocks, number of
+    partial blocks, pointer to its block list, its mask pointers, the dropout seed)."""
+    cnt_ptr = COUNTS + b * stride_cnt_b + row * 2
+    n_full = tl.load(cnt_ptr)
+    n_part = tl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + row * stride_idx_r
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    return (n_full, n_part, idx_ptr, Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b,
+            MASK + b.to(tl.int64) * stride_mask_b, seed)
+
+
+@triton.jit
 def make_source(ptr, n_rows, stride_row, BR: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 USE_TMA: tl.constexpr):
     """Where [BR, HEAD_DIM_PAD] tiles of one (batch, head) matrix come from: a TMA tensor descriptor (rows past

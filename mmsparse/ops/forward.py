@@ -20,6 +20,7 @@ from .common import (
     load_block,
     make_source,
     pair_mask,
+    program_setup,
     store_block,
 )
 from .config import ensure_tma_allocator, kernel_config
@@ -96,16 +97,9 @@ def _fwd_kernel(
     v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
-    n_full = tl.load(cnt_ptr)
-    n_part = tl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
-    q_bits_ptr = Q_BITS + b * stride_qbits_b
-    k_bits_ptr = K_BITS + b * stride_kbits_b
-    mask_ptr = MASK + b64 * stride_mask_b
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
