@@ -40,15 +40,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast them first)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cuda":
-        pass
-    elif q.device.type == "cpu":
-        if not interpreter_active():
-            raise ValueError(
-                "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton/mmsparse, "
-                "or move q, k, v to a CUDA device"
-            )
-    else:
+    if q.device.type == "cpu" and not interpreter_active():
+        raise ValueError(
+            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton/mmsparse, "
+            "or move q, k, v to a CUDA device"
+        )
+    if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {q.device}: use CUDA tensors (or CPU with TRITON_INTERPRET=1)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -75,6 +72,8 @@ def _lens_tensor(
 ) -> torch.Tensor:
     """Validate lengths; return int32 ``[Bm, k]`` on device. One list of k ints -> Bm = 1 (shared)."""
     k = topo.num_segments
+    if seg_lens is None:
+        raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
     if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
         if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
             raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")
@@ -88,7 +87,7 @@ def _lens_tensor(
             if bad_sum:
                 raise ValueError(f"a row of per-sample seg_lens sums to more than the sequence length {seq_k}")
         return lens.to(device=device, dtype=torch.int32)
-    if isinstance(seg_lens, torch.Tensor) or (len(seg_lens) > 0 and not isinstance(seg_lens[0], Sequence)):
+    if isinstance(seg_lens, torch.Tensor) or len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_k:
             raise ValueError(

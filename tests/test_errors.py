@@ -54,8 +54,11 @@ def test_topology_accepts_all_containers():
         ([(5, 5, 10), (5, 5)], ValueError, "3 segments"),
         ([(5, 5, 10), (5, 5, 11)], ValueError, "more than"),
         (torch.tensor([[5, 5, 10], [1, 1, 1]]), ValueError, "rows"),
+        (None, ValueError, "required"),
+        ([], ValueError, "3 segments"),
     ],
-    ids=["count", "negative", "sum", "float", "ragged-per-sample", "per-sample-too-long", "batch-mismatch"],
+    ids=["count", "negative", "sum", "float", "ragged-per-sample", "per-sample-too-long", "batch-mismatch", "none",
+         "empty"],
 )
 def test_bad_seg_lens(seg_lens, exc, match, device):
     q, k, v = qkv(device)
