@@ -131,3 +131,22 @@ def classify_blocks_from_mask(
     any_ = _pad_rows(cols, nq * block_m, False).view(bm, nq, block_m, nk, block_n).any(4).any(2)
     all_ = _pad_rows(cols, nq * block_m, True).view(bm, nq, block_m, nk, block_n).all(4).all(2)
     return any_, all_
+
+
+def pool_classes(live: torch.Tensor, full: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live/full maps of tiles ``rows`` x ``cols`` times larger, from the finer maps ``[Bm, NQ, NK]``.
+
+    A coarse tile is live when any fine tile is, full when all are. Fine rows past the last query block do not
+    exist (they would be past the end of the queries), so they count as full; missing fine columns would be
+    past the end of the keys, which a full tile may not reach, so they count as not full.
+    """
+    bm, nq, nk = live.shape
+    nq2, nk2 = cdiv(nq, rows), cdiv(nk, cols)
+
+    def pad(x: torch.Tensor, row_value: bool, col_value: bool) -> torch.Tensor:
+        out = x.new_full((bm, nq2 * rows, nk2 * cols), col_value)
+        out[:, nq:, :] = row_value
+        out[:, :nq, :nk] = x
+        return out.view(bm, nq2, rows, nk2, cols)
+
+    return pad(live, False, False).any(4).any(2), pad(full, True, False).all(4).all(2)

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes
+from .blocks import (
+    BlockLists,
+    classify_blocks_from_bits,
+    classify_blocks_from_mask,
+    lists_from_classes,
+    pool_classes,
+)
 from .ops.common import MASK_BITS, MASK_DENSE
 from .ops.config import KernelConfig
 from .topology import MAX_SEGMENTS, Topology, token_bits
@@ -62,6 +68,10 @@ class MaskInfo:
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
         key = (block_m, block_n)
+        finer = [k for k in self._classes if block_m % k[0] == 0 and block_n % k[1] == 0 and k != key]
+        if key not in self._classes and finer:  # a coarser tile is a union of finer ones: pool, don't recompute
+            fine_m, fine_n = finer[0]
+            self._classes[key] = pool_classes(*self._classes[finer[0]], block_m // fine_m, block_n // fine_n)
         if key not in self._classes:
             if self.mode == MASK_BITS:
                 self._classes[key] = classify_blocks_from_bits(
@@ -86,7 +96,10 @@ class MaskInfo:
     def prepare(self, config: KernelConfig) -> MaskInfo:
         """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
         CUDA-graph capture."""
-        for block_m, block_n, by_key in _list_keys(config):
+        keys = _list_keys(config)
+        for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
+            self.classes(block_m, block_n)
+        for block_m, block_n, by_key in keys:
             self.lists(block_m, block_n, by_key)
         return self
 

@@ -86,3 +86,15 @@ def test_count_allowed_pairs_matches_dense(seed):
 
     topo, lens, seq_q, seq_k, causal, _ = _case(seed)
     assert count_allowed_pairs(topo, lens, causal, seq_q) == int(reference_mask(topo, lens, seq_k, seq_q, causal).sum())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_coarse_tiles_pooled_from_fine_ones_match_direct(seed):
+    topo, lens, seq_q, seq_k, causal, _ = _case(seed)
+    lens_t = torch.tensor([lens])
+    pooled = MaskInfo.from_topology(Topology(topo), lens_t, seq_q, seq_k, causal)
+    pooled.classes(16, 16)
+    for bm, bn in [(32, 16), (16, 64), (64, 32), (128, 64)]:
+        direct = MaskInfo.from_topology(Topology(topo), lens_t, seq_q, seq_k, causal).classes(bm, bn)
+        for a, b in zip(pooled.classes(bm, bn), direct):
+            assert torch.equal(a, b), (bm, bn)
