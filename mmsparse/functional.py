@@ -102,23 +102,37 @@ def _lens_tensor(
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+def _q_start_tensor(q_start, seq_q: int, seq_k: int, device: torch.device, check: bool) -> torch.Tensor:
+    t = torch.as_tensor(q_start)
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"q_start must be a 1-D integer tensor or list [batch]; got {q_start!r}")
+    if check and not _tracing_or_capturing(t) and bool(((t < 0) | (t + seq_q > seq_k)).any()):
+        raise ValueError(f"q_start {t.tolist()} must keep every query inside 0..{seq_k - 1} (q_len {seq_q})")
+    return t.to(device=device, dtype=torch.int32)
+
+
 def build_mask_info(
     topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
     check_lengths: bool = True,
+    q_start: torch.Tensor | Sequence[int] | None = None,
 ) -> MaskInfo:
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
     topo = topology if isinstance(topology, Topology) else Topology(topology)
     key = None
-    if not isinstance(seg_lens, torch.Tensor) and not torch.compiler.is_compiling():
+    if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
         key = (hash(topo), repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             _INFO_CACHE.move_to_end(key)
             return hit
     lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
-    info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal)
+    if q_start is not None:
+        q_start = _q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
+        if lens.shape[0] not in (1, q_start.shape[0]):
+            raise ValueError(f"q_start has {q_start.shape[0]} entries but seg_lens has {lens.shape[0]} rows")
+    info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
     if key is not None:
         _INFO_CACHE[key] = info
         if len(_INFO_CACHE) > _INFO_CACHE_SIZE:
@@ -176,6 +190,7 @@ def mbs_attention(
     softmax_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     check_lengths: bool = True,
+    q_start: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Block-sparse multimodal attention.
 
@@ -192,6 +207,8 @@ def mbs_attention(
         check_lengths: validate a device tensor of lengths (reads it back: a host sync). Pass False in a
             training loop that feeds device lengths every step; nothing is checked under torch.compile or
             CUDA-graph capture either.
+        q_start: optional int ``[B]``: the position of each sample's first query, e.g. each cache's length
+            when decoding over caches of different lengths (default: the last Sq positions, ``S - Sq``).
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.
@@ -201,7 +218,7 @@ def mbs_attention(
     if attn_mask is not None:
         info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, causal, q.device)
     else:
-        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths)
+        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths, q_start)
     if info.batch not in (1, q.shape[0]):
         raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
     return attention_with_info(q, k, v, info, softmax_scale, dropout_p)

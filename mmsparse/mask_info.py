@@ -36,28 +36,42 @@ class MaskInfo:
         k_bits: torch.Tensor | None = None,
         num_segments: int = 0,
         dense: torch.Tensor | None = None,
+        q_start: torch.Tensor | None = None,
     ) -> None:
         self.mode = mode
         self.seq_q, self.seq_k = seq_q, seq_k
-        self.past_len = seq_k - seq_q
         self.causal = causal
         self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
         self.dense = dense
         ref = q_bits if mode == MASK_BITS else dense
         self.batch = ref.shape[0]
         self.device = ref.device
+        # Position of each sample's first query: by default the queries are the last seq_q positions.
+        if q_start is None:
+            q_start = torch.full((1,), seq_k - seq_q, dtype=torch.int32, device=self.device)
+        self.past = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[tuple[int, int, bool], BlockLists] = {}
 
     @classmethod
     def from_topology(
-        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool
+        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
+        q_start: torch.Tensor | None = None,
     ) -> MaskInfo:
-        """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k."""
+        """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
+        int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
         row_bits, col_bits = token_bits(topology, seg_lens, seq_k)
-        q_bits = row_bits[:, seq_k - seq_q :].contiguous()
-        return cls(MASK_BITS, seq_q, seq_k, causal, q_bits=q_bits, k_bits=col_bits.contiguous(),
-                   num_segments=topology.num_segments)
+        if q_start is None:
+            q_bits = row_bits[:, seq_k - seq_q :].contiguous()
+        else:
+            q_start = q_start.to(device=row_bits.device, dtype=torch.int64).reshape(-1)
+            rows = q_start.shape[0]
+            row_bits, col_bits = row_bits.expand(rows, -1), col_bits.expand(rows, -1)  # stride 0 if shared
+            pos = q_start[:, None] + torch.arange(seq_q, device=row_bits.device)
+            inside = (pos >= 0) & (pos < seq_k)
+            q_bits = torch.where(inside, row_bits.gather(1, pos.clamp(0, max(seq_k - 1, 0))), 0).to(torch.int32)
+        return cls(MASK_BITS, seq_q, seq_k, causal, q_bits=q_bits, k_bits=col_bits,
+                   num_segments=topology.num_segments, q_start=q_start)
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:
@@ -75,12 +89,10 @@ class MaskInfo:
         if key not in self._classes:
             if self.mode == MASK_BITS:
                 self._classes[key] = classify_blocks_from_bits(
-                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.past_len
+                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.past
                 )
             else:
-                self._classes[key] = classify_blocks_from_mask(
-                    self.dense, block_m, block_n, self.causal, self.past_len
-                )
+                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.past)
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
@@ -113,6 +125,7 @@ class MaskInfo:
             tensors = [self.q_bits, self.k_bits, torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)]
         else:
             tensors = [empty_bits, empty_bits, self.dense]
+        tensors.append(self.past)
         for key in _list_keys(config):
             lists = self._lists[key]
             tensors += [lists.counts, lists.indices]
@@ -123,13 +136,14 @@ class MaskInfo:
         cls, tensors: list[torch.Tensor], config: KernelConfig, mode: int, seq_q: int, seq_k: int, causal: bool
     ) -> MaskInfo:
         """Inverse of :meth:`kernel_tensors`."""
-        q_bits, k_bits, dense = tensors[:3]
+        q_bits, k_bits, dense, past = tensors[:4]
         if mode == MASK_BITS:
-            info = cls(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=MAX_SEGMENTS)
+            info = cls(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=MAX_SEGMENTS,
+                       q_start=past)
         else:
-            info = cls(mode, seq_q, seq_k, causal, dense=dense)
+            info = cls(mode, seq_q, seq_k, causal, dense=dense, q_start=past)
         for i, key in enumerate(_list_keys(config)):
-            info._lists[key] = BlockLists(tensors[3 + 2 * i], tensors[4 + 2 * i])
+            info._lists[key] = BlockLists(tensors[4 + 2 * i], tensors[5 + 2 * i])
         return info
 
     def mask_args(self) -> tuple:
@@ -139,10 +153,14 @@ class MaskInfo:
         shared = self.batch == 1
         if self.mode == MASK_BITS:
             qs = 0 if shared else self.q_bits.stride(0)
-            ks = 0 if shared else self.k_bits.stride(0)
+            ks = 0 if shared else self.k_bits.stride(0)  # 0 too when the key bits are shared (expanded)
             return self.q_bits, self.k_bits, self.q_bits, qs, ks, 0, 0
         dense = self.dense.view(torch.uint8)
         return dense, dense, dense, 0, 0, 0 if shared else dense.stride(0), dense.stride(1)
+
+    def past_args(self) -> tuple:
+        """(first-query positions int32 [Bm or 1], batch stride)."""
+        return self.past, 0 if self.past.shape[0] == 1 else self.past.stride(0)
 
     def lists_args(self, lists: BlockLists) -> tuple:
         """(counts, indices, counts batch stride, indices batch stride, indices row stride)."""

@@ -16,11 +16,12 @@ from .topology import Topology, lookup_pairs, segment_ids
 
 def reference_mask(
     topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, seq_k: int,
-    seq_q: int | None = None, causal: bool = False,
+    seq_q: int | None = None, causal: bool = False, q_start: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Dense bool mask ``[B, Sq, Sk]`` (B = 1 for one set of lengths) by direct token-by-token lookup.
 
     seg_lens: k lengths or ``[B, k]`` per-sample lengths; tokens past a sample's total are padding.
+    q_start: per-sample position of the first query (default Sk - Sq).
     """
     topo = Topology(topology)
     lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
@@ -30,12 +31,14 @@ def reference_mask(
     k = topo.num_segments
     table = torch.zeros(k + 1, k + 1, dtype=torch.bool)
     table[:k, :k] = topo.matrix
-    q_seg = seg[:, seq_k - seq_q :]
+    starts = torch.full((seg.shape[0],), seq_k - seq_q) if q_start is None else torch.as_tensor(q_start).cpu()
+    if starts.shape[0] != seg.shape[0]:
+        seg = seg.expand(starts.shape[0], -1)
+    q_pos = starts[:, None].to(torch.int64) + torch.arange(seq_q)  # [B, Sq]
+    q_seg = torch.where((q_pos >= 0) & (q_pos < seq_k), seg.gather(1, q_pos.clamp(0, seq_k - 1)), k)
     mask = lookup_pairs(table, q_seg, seg)
     if causal:
-        i = torch.arange(seq_q)[:, None] + (seq_k - seq_q)
-        j = torch.arange(seq_k)[None, :]
-        mask = mask & (j <= i)
+        mask = mask & (torch.arange(seq_k)[None, None, :] <= q_pos[:, :, None])
     return mask
 
 

@@ -149,3 +149,19 @@ def test_cuda_graph_replay_matches_eager():
     assert not torch.equal(out, eager)
     for t, before in zip((q, k, v), eager_grads):
         assert t.grad is not None and not torch.equal(t.grad, before)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_decode_over_caches_of_different_lengths(q_len, device):
+    """Per-sample caches: sample b's queries sit at its own last positions (q_start = length - q_len)."""
+    lens = [(20, 33, 9), (20, 10, 2), (0, 40, 30)]
+    totals = [sum(r) for r in lens]
+    q_start = [t - q_len for t in totals]
+    topo = [[1, 0, 0], [0, 1, 1], [1, 1, 1]]
+    q, k, v = make_qkv(3, 4, 2, q_len, 72, 32, torch.float16, device)
+    out = mbs_attention(q, k, v, topo, lens, causal=True, q_start=q_start)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, 72, q_len, causal=True, q_start=q_start))
+    with pytest.raises(ValueError, match="q_start"):
+        mbs_attention(q, k, v, topo, lens, causal=True, q_start=[72, 0, 0])

@@ -98,3 +98,14 @@ def test_coarse_tiles_pooled_from_fine_ones_match_direct(seed):
         direct = MaskInfo.from_topology(Topology(topo), lens_t, seq_q, seq_k, causal).classes(bm, bn)
         for a, b in zip(pooled.classes(bm, bn), direct):
             assert torch.equal(a, b), (bm, bn)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_per_sample_query_positions_match_dense_reduction(seed):
+    topo, lens, _, seq_k, causal, (bm, bn) = _case(seed)
+    seq_q = max(1, seq_k // 3)
+    starts = torch.tensor([0, seq_k - seq_q, (seq_k - seq_q) // 2])
+    info = MaskInfo.from_topology(Topology(topo), torch.tensor([lens]), seq_q, seq_k, causal, q_start=starts)
+    dense = reference_mask(topo, lens, seq_k, seq_q, q_start=starts)
+    for got, want in zip(info.classes(bm, bn), classify_blocks_from_mask(dense, bm, bn, causal, starts)):
+        assert torch.equal(got, want)

@@ -78,7 +78,7 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
-    seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -98,9 +98,9 @@ def _dkdv_kernel(
     b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
-    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
-        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
 
     dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
     dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
@@ -162,7 +162,7 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
-    seq_q, seq_k, past_len, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -185,9 +185,9 @@ def _dq_kernel(
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
-    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
-        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
-        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
     k_src = make_source(K + b64 * stride_kb + (h // GROUP) * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD,
                         USE_TMA)
     v_src = make_source(V + b64 * stride_vb + (h // GROUP) * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD,
@@ -254,7 +254,7 @@ def mbs_attn_bwd(
     lists = info.lists(tile.block_m, tile.block_n, by_key=True)
     _dkdv_kernel[(triton.cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
-        *info.lists_args(lists)[2:], seq_q, seq_k, info.past_len, qk_scale, softmax_scale, dropout_p,
+        *info.lists_args(lists)[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -264,7 +264,7 @@ def mbs_attn_bwd(
     lists = info.lists(tile.block_m, tile.block_n)
     _dq_kernel[(triton.cdiv(seq_q, tile.block_m), batch * num_heads)](
         q, k, v, do, lse, delta, dq, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
-        *info.lists_args(lists)[2:], seq_q, seq_k, info.past_len, qk_scale, softmax_scale, dropout_p,
+        *info.lists_args(lists)[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
         NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

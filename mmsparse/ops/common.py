@@ -101,10 +101,12 @@ def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.co
 
 
 @triton.jit
-def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
-                  stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT: tl.constexpr):
+def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
+                  stride_idx_r, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b,
+                  HAS_DROPOUT: tl.constexpr):
     """What every kernel reads first for batch b and its own row block: (number of full blocks, number of
-    partial blocks, pointer to its block list, its mask pointers, the dropout seed)."""
+    partial blocks, pointer to its block list, its mask pointers, the dropout seed, the position of the
+    sample's first query)."""
     cnt_ptr = COUNTS + b * stride_cnt_b + row * 2
     n_full = tl.load(cnt_ptr)
     n_part = tl.load(cnt_ptr + 1)
@@ -113,7 +115,7 @@ def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cn
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     return (n_full, n_part, idx_ptr, Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b,
-            MASK + b.to(tl.int64) * stride_mask_b, seed)
+            MASK + b.to(tl.int64) * stride_mask_b, seed, tl.load(PAST + b * stride_past_b))
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from .config import ensure_tma_allocator, kernel_config
 # so a new length reuses the compiled kernel.
 _DYNAMIC = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
             "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q", "stride_cnt_b",
-            "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "past_len"]
+            "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "stride_past_b"]
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _fwd_kernel(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
-    seq_q, seq_k, past_len, qk_scale, dropout_p,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -97,9 +97,9 @@ def _fwd_kernel(
     v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
 
-    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed = program_setup(
-        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, stride_cnt_b, stride_idx_b, stride_idx_r,
-        stride_qbits_b, stride_kbits_b, stride_mask_b, HAS_DROPOUT)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -182,7 +182,7 @@ def mbs_attn_fwd(
         q, k, v, out, lse, *info.mask_args()[:3], *info.lists_args(lists)[:2], seed,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *info.mask_args()[3:], *info.lists_args(lists)[2:],
-        seq_q, info.seq_k, info.past_len, softmax_scale * math.log2(math.e), dropout_p,
+        seq_q, info.seq_k, *info.past_args(), softmax_scale * math.log2(math.e), dropout_p,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
