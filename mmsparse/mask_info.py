@@ -21,7 +21,8 @@ from .topology import MAX_SEGMENTS, Topology, token_bits
 
 
 class MaskInfo:
-    """Mask description for queries at positions past_len .. seq_k - 1 over keys 0 .. seq_k - 1.
+    """Mask description for seq_q queries (at positions q_start .. q_start + seq_q - 1; by default the last seq_q)
+    over keys 0 .. seq_k - 1.
 
     Use :meth:`from_topology` or :meth:`from_dense`. ``batch`` is 1 when the whole batch shares the mask.
     """
