@@ -1,6 +1,6 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
-    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--which fwd,bwd]
+    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
 """
 
 from __future__ import annotations
@@ -10,21 +10,12 @@ import itertools
 from dataclasses import replace
 
 import torch
+from configs import CONFIGS  # benchmarks/configs.py: the one list of benchmark shapes
 from triton.testing import do_bench
 
 from mmsparse import mbs_attention
 from mmsparse.ops.config import Tile, kernel_config, use_config
 from mmsparse.topology import count_allowed_pairs
-
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
-CONFIGS = {
-    "mm13k_cyclic": (1, 16, 16, 128, (1024, 8192, 4096), CYCLIC, False),
-    "mm13k_hub": (1, 16, 16, 128, (1024, 8192, 4096), HUB, False),
-    "mm13k_hub_causal": (1, 16, 16, 128, (1024, 8192, 4096), HUB, True),
-    "mm13k_hub_d64": (1, 16, 16, 64, (1024, 8192, 4096), HUB, False),
-    "seed": (8, 16, 16, 64, (50, 375, 500), CYCLIC, False),
-}
 
 
 def flex_times(q, k, v, topo, lens, causal):
@@ -73,7 +64,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
     args = ap.parse_args()
     for name in args.configs.split(","):
-        b, h, hk, d, lens, topo, causal = CONFIGS[name]
+        c = CONFIGS[name]
+        b, h, hk, d, lens, causal = c.batch, c.heads_q, c.heads_kv, c.head_dim, c.seg_lens, c.causal
+        topo = [list(row) for row in c.topology]
         s = sum(lens)
         q, k, v = (torch.randn(b, hh, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for hh in (h, hk, hk))

@@ -242,7 +242,8 @@ def mbs_attn_bwd(
         ensure_tma_allocator(q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
-    mask_tensors, mask_strides = info.mask_args()[:3], info.mask_args()[3:]
+    mask_args = info.mask_args()
+    mask_tensors, mask_strides = mask_args[:3], mask_args[3:]
 
     delta = new_empty(lse.shape, torch.float32, lse.device)
     n_rows = batch * num_heads * seq_q
@@ -251,20 +252,20 @@ def mbs_attn_bwd(
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
-    lists = info.lists(tile.block_m, tile.block_n, by_key=True)
+    list_args = info.lists_args(info.lists(tile.block_m, tile.block_n, by_key=True))
     _dkdv_kernel[(triton.cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
-        *info.lists_args(lists)[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *list_args[:2], seed, *strides, *mask_strides,
+        *list_args[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
     dq = new_empty(out.shape, q.dtype, q.device)
     tile = cfg.bwd_dq
-    lists = info.lists(tile.block_m, tile.block_n)
+    list_args = info.lists_args(info.lists(tile.block_m, tile.block_n))
     _dq_kernel[(triton.cdiv(seq_q, tile.block_m), batch * num_heads)](
-        q, k, v, do, lse, delta, dq, *mask_tensors, *info.lists_args(lists)[:2], seed, *strides, *mask_strides,
-        *info.lists_args(lists)[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
+        q, k, v, do, lse, delta, dq, *mask_tensors, *list_args[:2], seed, *strides, *mask_strides,
+        *list_args[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
         NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

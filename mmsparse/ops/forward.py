@@ -178,10 +178,11 @@ def mbs_attn_fwd(
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
     grid = (triton.cdiv(seq_q, tile.block_m), batch * num_heads)
+    mask_args, list_args = info.mask_args(), info.lists_args(lists)
     _fwd_kernel[grid](
-        q, k, v, out, lse, *info.mask_args()[:3], *info.lists_args(lists)[:2], seed,
+        q, k, v, out, lse, *mask_args[:3], *list_args[:2], seed,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *info.mask_args()[3:], *info.lists_args(lists)[2:],
+        v.stride(0), v.stride(1), v.stride(2), *mask_args[3:], *list_args[2:],
         seq_q, info.seq_k, *info.past_args(), softmax_scale * math.log2(math.e), dropout_p,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
