@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from configs import ALL_CONFIGS, CONFIGS, QUICK, TINY, BenchConfig, live_pairs
+from configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, QUICK, TINY, BenchConfig, live_pairs
 
 import mmsparse  # before triton: on a machine without CUDA it turns on Triton's interpreter
 
@@ -647,11 +647,6 @@ class Runner:
     def run_config(self, cfg: BenchConfig, impls: Sequence[str]) -> None:
         rows = {name: base_row(cfg, name, self.env, self.timing) for name in impls}
         log(f"== {cfg.name}: {cfg.describe()}")
-        if cfg.mode != "prefill":  # hook for the decode rows of a later issue
-            for row in rows.values():
-                row["error"] = "decode benchmarks are not implemented yet"
-                self.emit(row)
-            return
         case: Case | None = None
         try:
             case = Case.make(cfg, self.device, torch.bfloat16)
@@ -874,7 +869,7 @@ def select(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str]]:
     if args.configs:
         names = [n.strip() for n in args.configs.split(",") if n.strip()]
     else:
-        names = list(TINY if args.tiny else QUICK if args.quick else CONFIGS)
+        names = list(TINY if args.tiny else QUICK if args.quick else {**CONFIGS, **DECODE_CONFIGS})
     unknown = [n for n in names if n not in ALL_CONFIGS]
     impls = [n.strip() for n in args.impls.split(",") if n.strip()]
     unknown += [n for n in impls if n not in IMPLS]

@@ -28,8 +28,7 @@ class BenchConfig:
         seg_lens: k segment lengths; S = sum(seg_lens) key positions.
         topology: k x k 0/1 tuple of tuples; ``topology[r][c] == 1`` lets segment r attend segment c.
         causal: also require key position <= query position.
-        seq_q: query positions (the last seq_q of the S); None means S (prefill). Decode rows (a later issue) set
-            it; ``bench_attention.py`` only runs prefill rows so far.
+        seq_q: query positions (the last seq_q of the S); None means S (prefill). Decode rows set it.
     """
 
     name: str
@@ -143,9 +142,19 @@ CONFIGS: dict[str, BenchConfig] = {
 
 QUICK = ("seed", "mm13k_cyclic", "mm13k_hub")
 
-# Decode rows (a few queries against a long cache) are a later issue: add them here with seq_q set, and give
-# bench_attention.py a runner for mode "decode". Until then a decode config is reported as not implemented.
-DECODE_CONFIGS: dict[str, BenchConfig] = {}
+# Decode rows: a few new text queries (the last segment) against a long multimodal cache of (vision, audio,
+# text). Text sees vision and text but not audio; vision and audio see themselves. Not causal, so that every
+# implementation computes the same mask for q_len > 1; with q_len = 1 causal changes nothing.
+DECODE_TOPOLOGY = ((1, 0, 0), (0, 1, 0), (1, 0, 1))
+DECODE_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(f"decode_q{q}_kv{kv // 1024}k", 8, 32, 8, 128, (kv * 3 // 4, kv // 4 - 512, 512), DECODE_TOPOLOGY,
+                    seq_q=q, tags=("decode",))
+        for q in (1, 16)
+        for kv in (8192, 32768)
+    )
+}
 
 # Smoke-test shapes for ``--tiny`` (CPU, Triton interpreter): ragged lengths, D 16/32, GQA, causal.
 TINY: dict[str, BenchConfig] = {
@@ -153,6 +162,7 @@ TINY: dict[str, BenchConfig] = {
     for c in (
         BenchConfig("tiny_cyclic", 2, 2, 2, 16, (10, 45, 41), CYCLIC),
         BenchConfig("tiny_hub_causal_gqa", 1, 4, 2, 32, (13, 50, 37), HUB, causal=True),
+        BenchConfig("tiny_decode", 2, 4, 2, 32, (40, 30, 11), DECODE_TOPOLOGY, seq_q=4, tags=("decode",)),
     )
 }
 
