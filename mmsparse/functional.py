@@ -119,14 +119,14 @@ def build_mask_info(
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
-    topo = topology if isinstance(topology, Topology) else Topology(topology)
     key = None
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = (hash(topo), repr(seg_lens), seq_q, seq_k, causal, str(device))
+        key = (_topology_key(topology), repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             _INFO_CACHE.move_to_end(key)
             return hit
+    topo = topology if isinstance(topology, Topology) else Topology(topology)
     lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = _q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
@@ -138,6 +138,16 @@ def build_mask_info(
         if len(_INFO_CACHE) > _INFO_CACHE_SIZE:
             _INFO_CACHE.popitem(last=False)
     return info
+
+
+def _topology_key(topology: Any) -> Any:
+    """A cache key for a topology that costs less than validating it: nested lists/tuples of ints are keyed by
+    value (their repr), so the steady state of a call with host lengths builds nothing."""
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (list, tuple)):
+        return ("value", repr(topology))
+    return Topology(topology)  # tensors, arrays: validated and hashed by value
 
 
 def _dense_info(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, causal: bool, device) -> MaskInfo:

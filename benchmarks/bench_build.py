@@ -1,0 +1,172 @@
+"""Time the block-metadata build for a new set of segment lengths (issues 3 and 4), next to Flex's create_block_mask.
+
+What is timed: ``build_mask_info(topology, lens, ...)`` with a device length tensor (no cache: every call builds
+from scratch) plus ``MaskInfo.prepare`` (the block lists of the forward, dK/dV and dQ tiles), host wall time with a
+device sync before and after each call, median over the calls. It also checks that the build makes no host sync
+(``torch.cuda.set_sync_debug_mode("error")``) and that its lists equal the pure-torch reference's.
+
+    python benchmarks/bench_build.py                 # GPU: B=8 S=16k per-sample lengths, S=43k shared
+    python benchmarks/bench_build.py --device cpu    # smoke test through the Triton interpreter (small shapes)
+
+Writes ``build.json`` and ``build.md`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from bench_attention import environment, sync
+from configs import CYCLIC, HUB
+
+import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
+from mmsparse.blocks import classify_blocks_from_bits, lists_from_classes
+from mmsparse.functional import build_mask_info
+from mmsparse.ops.config import kernel_config
+
+
+@dataclass(frozen=True)
+class BuildCase:
+    name: str
+    batch: int  # rows of per-sample lengths (1: one set shared by the batch)
+    seq_len: int
+    topology: tuple[tuple[int, ...], ...]
+    causal: bool
+    head_dim: int = 128
+
+
+GPU_CASES = (
+    BuildCase("b8_s16k_hub", 8, 16384, HUB, False),
+    BuildCase("b8_s16k_hub_causal", 8, 16384, HUB, True),
+    BuildCase("b1_s43k_cyclic", 1, 43008, CYCLIC, False),
+)
+CPU_CASES = (BuildCase("tiny_b4_hub", 4, 200, HUB, False), BuildCase("tiny_b1_cyclic_causal", 1, 300, CYCLIC, True))
+
+
+def random_lengths(case: BuildCase, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Per-sample lengths [batch, 3] that fill 60-100% of the sequence (the rest is padding)."""
+    rows = []
+    for _ in range(case.batch):
+        total = int(case.seq_len * (0.6 + 0.4 * torch.rand((), generator=gen).item()))
+        cuts = sorted(torch.randint(0, total + 1, (2,), generator=gen).tolist())
+        rows.append([cuts[0], cuts[1] - cuts[0], total - cuts[1]])
+    if case.batch == 1:
+        rows = [[2048, 32768, 8192]] if case.seq_len == 43008 else rows
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def host_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def check_lists(info: Any, cfg: Any) -> bool:
+    """The built lists against the pure-torch classification (counts and the used part of each list)."""
+    for (bm, bn, by_key), lists in info._lists.items():
+        live, full = classify_blocks_from_bits(info.q_bits, info.k_bits, info.num_segments, bm, bn, info.causal,
+                                               info.past)
+        if by_key:
+            live, full = live.transpose(1, 2), full.transpose(1, 2)
+        ref = lists_from_classes(live, full)
+        if not torch.equal(ref.counts, lists.counts):
+            return False
+        used = ref.counts.sum(-1)
+        cols = torch.arange(ref.indices.shape[-1], device=used.device)
+        keep = cols < used[..., None]
+        if not torch.equal(torch.where(keep, ref.indices, 0), torch.where(keep, lists.indices, 0)):
+            return False
+    return True
+
+
+def flex_ms(case: BuildCase, lens: torch.Tensor, device: torch.device, reps: int) -> float | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError:
+        return None
+    table = torch.tensor(case.topology, dtype=torch.bool, device=device)
+    pos = torch.arange(case.seq_len, device=device)
+    ends = lens.to(torch.int64).cumsum(-1)
+    seg = torch.searchsorted(ends.contiguous(), pos.expand(lens.shape[0], -1).contiguous(), right=True)
+    real = seg < lens.shape[1]
+    seg = seg.clamp(max=lens.shape[1] - 1)
+
+    def mask_mod(b, h, i, j):
+        ok = table[seg[b, i], seg[b, j]] & real[b, i] & real[b, j]
+        return ok & (j <= i) if case.causal else ok
+
+    batch = lens.shape[0] if lens.shape[0] > 1 else None
+    return host_ms(lambda: create_block_mask(mask_mod, batch, None, case.seq_len, case.seq_len, device=device),
+                   device, reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cases = GPU_CASES if device.type == "cuda" else CPU_CASES
+    reps = args.reps if device.type == "cuda" else 3
+    gen = torch.Generator().manual_seed(0)
+    env = environment(device)
+    rows = []
+    for case in cases:
+        lens = random_lengths(case, device, gen)
+        cfg = kernel_config(case.head_dim, torch.bfloat16, device)
+
+        def build(lens: torch.Tensor = lens, case: BuildCase = case, cfg: Any = cfg) -> Any:
+            return build_mask_info(case.topology, lens, case.seq_len, case.seq_len, case.causal, device,
+                                   check_lengths=False).prepare(cfg)
+
+        ms = host_ms(build, device, reps)
+        no_sync = None
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                build()
+                no_sync = True
+            except RuntimeError:
+                no_sync = False
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        exact = check_lists(build(), cfg)
+        fms = None if args.no_flex else flex_ms(case, lens, device, min(reps, 10))
+        row = {"case": case.name, "batch": case.batch, "seq_len": case.seq_len, "causal": case.causal,
+               "build_ms": round(ms, 4), "flex_build_ms": None if fms is None else round(fms, 3),
+               "no_host_sync": no_sync, "lists_exact": exact, **env}
+        rows.append(row)
+        print(f"{case.name:22s} mmsparse build {ms:7.3f} ms   flex create_block_mask "
+              f"{'-' if fms is None else f'{fms:7.2f}'} ms   no host sync: {no_sync}   lists exact: {exact}",
+              flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "build.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"Run: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}. Host wall "
+             "time with a device sync around each call, median.", "",
+             "| case | B | S | causal | mmsparse build ms | flex create_block_mask ms | no host sync | lists exact |",
+             "|---|---:|---:|---|---:|---:|---|---|"]
+    for r in rows:
+        flex = "-" if r["flex_build_ms"] is None else f"{r['flex_build_ms']:.2f}"
+        lines.append(f"| {r['case']} | {r['batch']} | {r['seq_len']} | {r['causal']} | {r['build_ms']:.3f} | {flex} "
+                     f"| {r['no_host_sync']} | {r['lists_exact']} |")
+    (out / "build.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
