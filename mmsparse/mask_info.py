@@ -15,6 +15,7 @@ from .blocks import (
     lists_from_classes,
     pool_classes,
 )
+from .ops.block_lists import build_block_lists, kernels_run_on
 from .ops.common import MASK_BITS, MASK_DENSE
 from .ops.config import KernelConfig
 from .topology import MAX_SEGMENTS, Topology, token_bits
@@ -97,8 +98,13 @@ class MaskInfo:
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
-        """Per query block its key blocks, or (by_key) per key block its query blocks."""
+        """Per query block its key blocks, or (by_key) per key block its query blocks. Topology masks: built by
+        Triton kernels straight from the token bits (two launches); dense masks, or CPU tensors without Triton's
+        interpreter: reduced from :meth:`classes` in torch."""
         key = (block_m, block_n, by_key)
+        if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
+            self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
+                                                 self.causal, self.past, by_key)
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
@@ -110,8 +116,9 @@ class MaskInfo:
         """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
         CUDA-graph capture."""
         keys = _list_keys(config)
-        for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
-            self.classes(block_m, block_n)
+        if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
+            for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
+                self.classes(block_m, block_n)
         for block_m, block_n, by_key in keys:
             self.lists(block_m, block_n, by_key)
         return self
