@@ -300,7 +300,7 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
 
     t = tiles
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
-                     for n, x in (("fwd", t.fwd), ("dkdv", t.bwd_dkdv), ("dq", t.bwd_dq)))
+                     for n, x in (("fwd", t.forward_tile(cfg.q_len)), ("dkdv", t.bwd_dkdv), ("dq", t.bwd_dq)))
     return Impl(fn, build_ms=build_ms, state_mib=state_mib, info={"backend": "triton", "tiles": desc})
 
 

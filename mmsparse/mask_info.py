@@ -115,7 +115,7 @@ class MaskInfo:
     def prepare(self, config: KernelConfig) -> MaskInfo:
         """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
         CUDA-graph capture."""
-        keys = _list_keys(config)
+        keys = _list_keys(config, self.seq_q)
         if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
@@ -134,7 +134,7 @@ class MaskInfo:
         else:
             tensors = [empty_bits, empty_bits, self.dense]
         tensors.append(self.past)
-        for key in _list_keys(config):
+        for key in _list_keys(config, self.seq_q):
             lists = self._lists[key]
             tensors += [lists.counts, lists.indices]
         return tensors
@@ -150,7 +150,7 @@ class MaskInfo:
                        q_start=past)
         else:
             info = cls(mode, seq_q, seq_k, causal, dense=dense, q_start=past)
-        for i, key in enumerate(_list_keys(config)):
+        for i, key in enumerate(_list_keys(config, seq_q)):
             info._lists[key] = BlockLists(tensors[4 + 2 * i], tensors[5 + 2 * i])
         return info
 
@@ -177,10 +177,11 @@ class MaskInfo:
                 0 if shared else lists.indices.stride(0), lists.indices.stride(1))
 
 
-def _list_keys(config: KernelConfig) -> list[tuple[int, int, bool]]:
-    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read."""
+def _list_keys(config: KernelConfig, seq_q: int) -> list[tuple[int, int, bool]]:
+    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries."""
+    fwd = config.forward_tile(seq_q)
     return [
-        (config.fwd.block_m, config.fwd.block_n, False),
+        (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
         (config.bwd_dq.block_m, config.bwd_dq.block_n, False),
     ]

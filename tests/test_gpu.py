@@ -8,7 +8,7 @@ from helpers import check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
 from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
-from mmsparse.ops.forward import _fwd_kernel
+from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def _compiled_count(kernel) -> int:
 
 
 def test_new_lengths_do_not_recompile():
-    """After one warm-up, new sequence and segment lengths reuse the compiled kernels."""
+    """After a warm-up of each forward variant, new sequence and segment lengths reuse the compiled kernels."""
     dev = torch.device("cuda")
 
     def step(lens):
@@ -57,9 +57,27 @@ def test_new_lengths_do_not_recompile():
         q, k, v = make_qkv(2, 4, 2, s, s, 64, torch.bfloat16, dev)
         mbs_attention(q, k, v, CYCLIC, lens, causal=True).sum().backward()
 
+    # Warm-up of the forward's variants: long query tiles writing the output (a grid that fills the GPU) or
+    # fp32 partials (a small grid splits its key lists), and the short-query (decode) tile.
+    step((640, 4096, 2048))
     step((100, 1000, 500))
-    before = [_compiled_count(kern) for kern in (_fwd_kernel, _dkdv_kernel, _dq_kernel)]
+    step((2, 3, 4))
+    before = [_compiled_count(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
     for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
         step(lens)
-    after = [_compiled_count(kern) for kern in (_fwd_kernel, _dkdv_kernel, _dq_kernel)]
+    after = [_compiled_count(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
     assert after == before, f"compiled variants grew from {before} to {after}"
+
+
+@pytest.mark.parametrize("q_len", [1, 16])
+def test_decode_over_a_long_cache_against_float64(q_len):
+    """Few queries over an 8k cache: short query tiles with the key lists split over programs and merged."""
+    from mmsparse.ops.config import kernel_config
+    from mmsparse.ops.forward import num_splits
+
+    lens = (6000, 1680, 512)  # vision, audio, text (the queries are the last text tokens)
+    topo = [[1, 0, 0], [0, 1, 0], [1, 0, 1]]
+    q, k, v = make_qkv(2, 8, 2, q_len, sum(lens), 128, torch.bfloat16, torch.device("cuda"))
+    tile = kernel_config(128, q.dtype, q.device).forward_tile(q_len)
+    assert num_splits(2 * 8, -(-sum(lens) // tile.block_n), q.device) > 1
+    check_against_reference(q, k, v, topo, lens, causal=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,10 +19,12 @@ from .common import (
     dropout_keep,
     hint_strides,
     load_block,
+    load_rows,
     make_source,
     pair_mask,
     program_setup,
     store_block,
+    store_rows,
 )
 from .config import ensure_tma_allocator, kernel_config
 
@@ -30,6 +33,7 @@ from .config import ensure_tma_allocator, kernel_config
 _DYNAMIC = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
             "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q", "stride_cnt_b",
             "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "stride_past_b"]
+_FWD_DYNAMIC = [*_DYNAMIC, "n_splits", "split_len"]  # (an int arg equal to 1 would otherwise be a constant)
 
 
 @triton.jit
@@ -68,20 +72,26 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=_FWD_DYNAMIC)
 def _fwd_kernel(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
-    seq_q, seq_k, PAST, stride_past_b, qk_scale, dropout_p,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, dropout_p, n_splits, split_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
+    """One program per (query block, split, batch*head). With n_splits > 1, split s takes list entries
+    [s * split_len, (s + 1) * split_len) and writes an fp32 partial (out, lse) at row block s * B * H + batch*head
+    of O/LSE for _combine_kernel (flash-decoding: few queries, long lists). The split count is a runtime value,
+    so splitting or not is one compiled kernel."""
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
-    pid_m = tl.program_id(0)
+    split = tl.program_id(0) % n_splits
+    pid_m = tl.program_id(0) // n_splits
     pid_bh = tl.program_id(1)
+    out_bh = split * tl.num_programs(1) + pid_bh
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     b64 = b.to(tl.int64)
@@ -101,31 +111,65 @@ def _fwd_kernel(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
 
+    n_total = n_full + n_part
+    lo = tl.minimum(split * split_len, n_total)
+    hi = tl.minimum(lo + split_len, n_total)
+
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, lo,
+        tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale,
+        seed, pid_bh, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
-        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, False,
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr,
+        tl.maximum(lo, n_full), hi, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+        qk_scale, seed, pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        False,
     )
 
-    # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0.
+    # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0
+    # (a split's partial says -inf instead: weight 0 in the combine).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(empty, float("inf"), m_i * qk_scale + tl.math.log2(l_safe))
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
-    o_dst = make_source(O + pid_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
+    lse = tl.where(empty, tl.where(n_splits > 1, float("-inf"), float("inf")), m_i * qk_scale + tl.math.log2(l_safe))
+    tl.store(LSE + out_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    o_dst = make_source(O + out_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
                         USE_TMA)
     store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, USE_TMA)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+def _combine_kernel(
+    O_PART, LSE_PART, O, LSE, n_rows, n_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
+):
+    """Merge the fp32 partials of n_splits forward splits, [n_splits, n_rows, D] and [n_splits, n_rows], in split
+    order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s)."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_r = offs_r < n_rows
+    m = tl.full([BR], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(LSE_PART + s * n_rows + offs_r, mask=in_r, other=float("-inf")))
+    m_base = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, HEAD_DIM_PAD], tl.float32)
+    for s in range(n_splits):
+        w = tl.math.exp2(tl.load(LSE_PART + s * n_rows + offs_r, mask=in_r, other=float("-inf")) - m_base)
+        p_part = O_PART + (s * n_rows).to(tl.int64) * HEAD_DIM
+        part = load_rows(p_part, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True)  # [BR, D]
+        w_sum += w
+        acc += w[:, None] * part
+    empty = w_sum == 0.0
+    w_safe = tl.where(empty, 1.0, w_sum)
+    tl.store(LSE + offs_r, tl.where(empty, float("inf"), m_base + tl.math.log2(w_safe)), mask=in_r)
+    store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
@@ -170,23 +214,58 @@ def mbs_attn_fwd(
     batch, num_heads, seq_q, head_dim = q.shape
     group = num_heads // k.shape[1]
     cfg = kernel_config(head_dim, q.dtype, q.device)
-    tile = cfg.fwd
+    tile = cfg.forward_tile(seq_q)
     if cfg.use_tma:
         ensure_tma_allocator(q.device)
     lists = info.lists(tile.block_m, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
-    grid = (triton.cdiv(seq_q, tile.block_m), batch * num_heads)
+    row_blocks = triton.cdiv(seq_q, tile.block_m)
+    key_blocks = triton.cdiv(info.seq_k, tile.block_n)
+    n_splits = num_splits(row_blocks * batch * num_heads, key_blocks, q.device)
+    split_len = triton.cdiv(key_blocks, n_splits)
+    o_dst, lse_dst = out, lse
+    if n_splits > 1:
+        o_dst = new_empty((n_splits, batch, num_heads, seq_q, head_dim), torch.float32, q.device)
+        lse_dst = new_empty((n_splits, batch, num_heads, seq_q), torch.float32, q.device)
     mask_args, list_args = info.mask_args(), info.lists_args(lists)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, *mask_args[:3], *list_args[:2], seed,
+    d_pad = head_dim_pad(head_dim)
+    _fwd_kernel[(row_blocks * n_splits, batch * num_heads)](
+        q, k, v, o_dst, lse_dst, *mask_args[:3], *list_args[:2], seed,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *mask_args[3:], *list_args[2:],
-        seq_q, info.seq_k, *info.past_args(), softmax_scale * math.log2(math.e), dropout_p,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        seq_q, info.seq_k, *info.past_args(), softmax_scale * math.log2(math.e), dropout_p, n_splits, split_len,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+    if n_splits > 1:
+        n_rows = batch * num_heads * seq_q
+        _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
+            o_dst, lse_dst, out, lse, n_rows, n_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS,
+        )
     return out, lse
+
+
+_COMBINE_ROWS = 16
+
+
+def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
+    """How many programs share one row block's key list (flash-decoding): only when the grid is too small to
+    fill the GPU (a few queries over a long cache), each split keeping at least 4 key blocks. Through the
+    interpreter the bar is 8 programs and 1 block, so that the CPU tests exercise splits and the combine."""
+    target, min_blocks = (2 * _sm_count(device), 4) if device.type == "cuda" else (8, 1)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), key_blocks // min_blocks))
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
