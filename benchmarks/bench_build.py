@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -143,6 +144,7 @@ def main() -> None:
                 no_sync = True
             except RuntimeError:
                 no_sync = False
+                print("host sync in the build:\n" + "".join(traceback.format_exc(limit=-4)), flush=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         exact = check_lists(build(), cfg)

@@ -126,7 +126,7 @@ def build_mask_info(
         if hit is not None:
             _INFO_CACHE.move_to_end(key)
             return hit
-    topo = topology if isinstance(topology, Topology) else Topology(topology)
+    topo = _as_topology(topology)
     lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = _q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
@@ -138,6 +138,23 @@ def build_mask_info(
         if len(_INFO_CACHE) > _INFO_CACHE_SIZE:
             _INFO_CACHE.popitem(last=False)
     return info
+
+
+_TOPOLOGIES: dict[Any, Topology] = {}
+
+
+def _as_topology(topology: Any) -> Topology:
+    """The validated Topology of a user's matrix; list/tuple matrices are validated once and kept (with their
+    per-device bit tables), so that a call with a new length tensor builds only the lengths' part."""
+    key = _topology_key(topology)
+    if isinstance(key, Topology):
+        return key
+    topo = _TOPOLOGIES.get(key)
+    if topo is None:
+        if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
+            _TOPOLOGIES.clear()
+        topo = _TOPOLOGIES[key] = Topology(topology)
+    return topo
 
 
 def _topology_key(topology: Any) -> Any:
@@ -265,7 +282,7 @@ def mbs_attention_varlen(
         raise ValueError(f"packed q/k/v have batch size 1 (samples laid end to end); got {q.shape[0]}")
     if q.shape[2] != k.shape[2]:
         raise ValueError("packed attention needs q and k/v over the same positions")
-    topo = topology if isinstance(topology, Topology) else Topology(topology)
+    topo = _as_topology(topology)
     lens = seg_lens if isinstance(seg_lens, torch.Tensor) else torch.tensor(
         [validate_seg_lens(r, topo.num_segments) for r in seg_lens], dtype=torch.int64)
     if lens.dim() != 2 or lens.shape[1] != topo.num_segments:

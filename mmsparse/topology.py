@@ -51,6 +51,7 @@ class Topology:
         self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)]
         self._col_bits = [_to_int32_bits(1 << c) for c in range(k)]
         self._hash = hash(tuple(map(tuple, rows)))
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def num_segments(self) -> int:
@@ -63,6 +64,16 @@ class Topology:
     def col_bits(self) -> list[int]:
         """Per segment c, the one-hot int32 bit its keys carry."""
         return list(self._col_bits)
+
+    def bit_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 ``[k + 1]`` row and column bits per segment index on ``device`` (index k: padding, 0). Kept per
+        device, so that building metadata for new lengths copies nothing from the host (no sync)."""
+        if torch.compiler.is_compiling():  # traced: constants in the graph, never cached tensors
+            return _bit_table(self._row_bits, device), _bit_table(self._col_bits, device)
+        tables = self._tables.get(device)
+        if tables is None:
+            tables = self._tables[device] = (_bit_table(self._row_bits, device), _bit_table(self._col_bits, device))
+        return tables
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and torch.equal(self.matrix, other.matrix)
@@ -172,11 +183,13 @@ def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tupl
     Returns:
         ``(row_bits, col_bits)``, each int32 ``[B, S]`` on seg_lens' device; padding tokens hold 0.
     """
-    device = seg_lens.device
     seg = segment_ids(seg_lens, seq_len)
-    row_table = torch.tensor(topology.row_bits() + [0], dtype=torch.int32, device=device)
-    col_table = torch.tensor(topology.col_bits() + [0], dtype=torch.int32, device=device)
+    row_table, col_table = topology.bit_tables(seg_lens.device)
     return row_table[seg], col_table[seg]
+
+
+def _bit_table(bits: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([*bits, 0], dtype=torch.int32, device=device)
 
 
 def count_allowed_pairs(topology: Any, seg_lens: SegLens, causal: bool = False, seq_q: int | None = None) -> int:
