@@ -29,10 +29,8 @@ class KernelConfig:
     fwd: Tile
     bwd_dkdv: Tile  # block_n: the key block a program owns; block_m: the query tiles it walks
     bwd_dq: Tile  # block_m: the query block a program owns; block_n: the key tiles it walks
+    decode: Tile  # the forward's tile when seq_q <= DECODE_MAX_Q (decoding)
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
-    # Forward tile when seq_q <= DECODE_MAX_Q. H100, 8 x 32 heads over 8k-32k caches: 2 warps, 3 stages best of
-    # 16x{32,64,128} with 2/4 warps (q_len 1 over 32k: 0.47 ms vs 0.64 with 4 warps and 0.86 with 128x64 tiles).
-    decode: Tile = Tile(16, 64, num_warps=2, num_stages=3)
 
     def forward_tile(self, seq_q: int) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows."""
@@ -54,14 +52,18 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             fwd=Tile(64, 64, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=3),
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
+            decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
     if head_dim_pad <= 128:
         # Measured on an H200 (benchmarks/NOTES.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
-        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile.
+        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile. Decode (H100, 8 x 32
+        # heads over 8k-32k caches): 16x64 with 2 warps and 3 stages is the best of 16x{32,64,128} with 2/4
+        # warps (q_len 1 over 32k: 0.47 ms, vs 0.64 with 4 warps and 0.86 with the 128x64 forward tile).
         return KernelConfig(
             fwd=Tile(128, 64, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=3),
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
+            decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
     return KernelConfig(
         fwd=Tile(64, 64, num_warps=4, num_stages=2),
