@@ -54,6 +54,7 @@ class MaskInfo:
         self.past = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[tuple[int, int, bool], BlockLists] = {}
+        self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
 
     @classmethod
     def from_topology(
@@ -104,7 +105,7 @@ class MaskInfo:
         key = (block_m, block_n, by_key)
         if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
             self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
-                                                 self.causal, self.past, by_key)
+                                                 self.causal, self.past, by_key, self._summaries)
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:

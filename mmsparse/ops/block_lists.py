@@ -178,6 +178,7 @@ def build_block_lists(
     causal: bool,
     past: torch.Tensor,
     by_key: bool = False,
+    summaries: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
@@ -188,6 +189,8 @@ def build_block_lists(
         causal: also require key position <= query position.
         past: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
         by_key: per key block its query blocks instead of per query block its key blocks.
+        summaries: optional cache of the block summaries per tile, for lists of one mask (the dK/dV lists and
+            the dQ lists of one tile share them: one launch and one allocation fewer).
 
     Returns:
         :class:`BlockLists` with counts ``[Bm, R, 2]`` and indices ``[Bm, R, C]`` ((R, C) = (NQ, NK), or (NK, NQ)
@@ -197,12 +200,14 @@ def build_block_lists(
         counts, indices = torch.ops.mmsparse.block_lists(q_bits, k_bits, past, num_segments, block_m, block_n,
                                                          causal, by_key)
         return BlockLists(counts, indices)
-    return launch_block_lists(q_bits, k_bits, num_segments, block_m, block_n, causal, past, by_key)
+    return launch_block_lists(q_bits, k_bits, num_segments, block_m, block_n, causal, past, by_key,
+                              summaries=summaries)
 
 
 def launch_block_lists(
     q_bits: torch.Tensor, k_bits: torch.Tensor, num_segments: int, block_m: int, block_n: int, causal: bool,
     past: torch.Tensor, by_key: bool = False, tile_elems: int | None = None, fit: bool | None = None,
+    summaries: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> BlockLists:
     """:func:`build_block_lists` eagerly. ``tile_elems`` and ``fit`` override the program sizes (see
     :func:`_program_sizes`; tests use small tiles to cover several chunks and row groups)."""
@@ -231,14 +236,18 @@ def launch_block_lists(
     elems = tile_elems or (_INTERPRETER_TILE if interpret else _GPU_TILE)
     gq, gk, cb, br = _program_sizes(n_q, n_k, n_r, n_c, block_m, block_n, k, causal, elems,
                                     interpret if fit is None else fit)
-    summary = torch.empty((bm, n_q + n_k, w), dtype=torch.int32, device=dev)
-    block_summary_kernel[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
-        q_bits, k_bits, past, summary,
-        q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
-        past.stride(0) if past.shape[0] > 1 else 0, summary.stride(0),
-        seq_q, seq_k, n_q, n_k, -1 if num_segments == 32 else (1 << num_segments) - 1,
-        BM=block_m, BN=block_n, GQ=gq, GK=gk, K=k, W=w, IS_CAUSAL=causal,
-    )
+    summary = None if summaries is None else summaries.get((block_m, block_n))
+    if summary is None:
+        summary = torch.empty((bm, n_q + n_k, w), dtype=torch.int32, device=dev)
+        block_summary_kernel[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
+            q_bits, k_bits, past, summary,
+            q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
+            past.stride(0) if past.shape[0] > 1 else 0, summary.stride(0),
+            seq_q, seq_k, n_q, n_k, -1 if num_segments == 32 else (1 << num_segments) - 1,
+            BM=block_m, BN=block_n, GQ=gq, GK=gk, K=k, W=w, IS_CAUSAL=causal,
+        )
+        if summaries is not None:
+            summaries[(block_m, block_n)] = summary
     block_lists_kernel[(cdiv(n_r, br), bm)](
         summary, counts, indices,
         summary.stride(0), counts.stride(0), indices.stride(0), indices.stride(1),
