@@ -63,7 +63,7 @@ def random_lengths(case: BuildCase, device: torch.device, gen: torch.Generator) 
 
 
 def host_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    for _ in range(3):
+    for _ in range(max(3, reps // 2)):  # compiles, caches, allocator pools, CPU clocks
         fn()
     times = []
     for _ in range(reps):
