@@ -166,20 +166,25 @@ class Timing:
             times.append(call())
         return statistics.median(times)
 
-    def host_ms(self, fn: Callable[[], Any], min_reps: int = 5, max_reps: int = 50, budget_s: float = 0.5) -> float:
-        """Median wall time in ms of a host-heavy ``fn`` (metadata builds), synchronising around each call."""
-        for _ in range(2):
-            fn()
-        sync(self.device)
-        times: list[float] = []
-        start = time.perf_counter()
-        while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - start < budget_s):
-            sync(self.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(self.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+    def host_ms(self, fn: Callable[[], Any]) -> float:
+        return host_ms(fn, self.device)
+
+
+def host_ms(fn: Callable[[], Any], device: torch.device, min_reps: int = 5, max_reps: int = 50,
+            budget_s: float = 0.5, warmup_calls: int = 2) -> float:
+    """Median wall time in ms of a host-heavy ``fn`` (metadata builds), synchronising around each call."""
+    for _ in range(warmup_calls):
+        fn()
+    sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - start < budget_s):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------------------------

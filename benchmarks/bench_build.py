@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from bench_attention import environment, sync
+from bench_attention import environment, host_ms
 from configs import CYCLIC, HUB
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
@@ -62,17 +60,9 @@ def random_lengths(case: BuildCase, device: torch.device, gen: torch.Generator) 
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def host_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    for _ in range(max(3, reps // 2)):  # compiles, caches, allocator pools, CPU clocks
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def build_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """``reps`` timed calls after a long warm-up (compiles, caches, allocator pools, CPU clocks)."""
+    return host_ms(fn, device, min_reps=reps, max_reps=reps, warmup_calls=max(3, reps // 2))
 
 
 def check_lists(info: Any, cfg: Any) -> bool:
@@ -110,7 +100,7 @@ def flex_ms(case: BuildCase, lens: torch.Tensor, device: torch.device, reps: int
         return ok & (j <= i) if case.causal else ok
 
     batch = lens.shape[0] if lens.shape[0] > 1 else None
-    return host_ms(lambda: create_block_mask(mask_mod, batch, None, case.seq_len, case.seq_len, device=device),
+    return build_ms(lambda: create_block_mask(mask_mod, batch, None, case.seq_len, case.seq_len, device=device),
                    device, reps)
 
 
@@ -135,7 +125,7 @@ def main() -> None:
             return build_mask_info(case.topology, lens, case.seq_len, case.seq_len, case.causal, device,
                                    check_lengths=False).prepare(cfg)
 
-        ms = host_ms(build, device, reps)
+        ms = build_ms(build, device, reps)
         no_sync = None
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("error")

@@ -30,6 +30,7 @@ from torch import nn
 import mmsparse  # before anything imports triton: without CUDA it turns on Triton's interpreter
 from mmsparse import TritonMBSAttnKernel, reference_attention, reference_mask
 from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
+from mmsparse.ops.config import compiled_variants
 from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
 
 TOPOLOGY = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]  # text sees everything; vision and audio see text and themselves
@@ -100,12 +101,7 @@ def random_lengths(cfg: Config, gen: torch.Generator) -> torch.Tensor:
 
 
 def triton_variants() -> int:
-    total = 0
-    for kernel in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel):
-        caches = getattr(kernel, "device_caches", None)
-        if caches is not None:
-            total += sum(len(entry[0]) for entry in caches.values())
-    return total
+    return sum(compiled_variants(kernel) for kernel in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel))
 
 
 def real_tokens(seg_lens: torch.Tensor, seq_len: int) -> torch.Tensor:

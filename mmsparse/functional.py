@@ -10,8 +10,9 @@ import torch
 
 from .autograd import MBSAttentionFunction
 from .mask_info import MaskInfo
+from .ops.common import interpreter_active
 from .ops.config import kernel_config
-from .ops.forward import _fwd_kernel, kernel_layout
+from .ops.forward import kernel_layout
 from .ops.library import attention_fwd_op
 from .topology import Topology, validate_seg_lens
 
@@ -20,11 +21,6 @@ SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 
 _INFO_CACHE: OrderedDict[tuple, MaskInfo] = OrderedDict()
 _INFO_CACHE_SIZE = 64
-
-
-def interpreter_active() -> bool:
-    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 before triton was imported)."""
-    return type(_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -119,14 +115,14 @@ def build_mask_info(
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
-    key = None
+    topo_key, key = _topology_key(topology), None
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = (_topology_key(topology), repr(seg_lens), seq_q, seq_k, causal, str(device))
+        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             _INFO_CACHE.move_to_end(key)
             return hit
-    topo = _as_topology(topology)
+    topo = _as_topology(topology, topo_key)
     lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = _q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
@@ -143,10 +139,11 @@ def build_mask_info(
 _TOPOLOGIES: dict[Any, Topology] = {}
 
 
-def _as_topology(topology: Any) -> Topology:
+def _as_topology(topology: Any, key: Any = None) -> Topology:
     """The validated Topology of a user's matrix; list/tuple matrices are validated once and kept (with their
-    per-device bit tables), so that a call with a new length tensor builds only the lengths' part."""
-    key = _topology_key(topology)
+    per-device bit tables), so that a call with a new length tensor builds only the lengths' part. ``key``: the
+    matrix's :func:`_topology_key`, when the caller has it already."""
+    key = _topology_key(topology) if key is None else key
     if isinstance(key, Topology):
         return key
     topo = _TOPOLOGIES.get(key)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from mmsparse import mbs_attention, reference_attention, reference_mask
@@ -98,3 +103,16 @@ def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_s
     mask = reference_mask(topology, seg_lens, k.shape[2], q.shape[2], causal=causal)
     check_outputs(q, k, v, out, grad_out, mask, softmax_scale)
     return out, mask
+
+
+def run_example(name: str, argv: list[str]) -> Any:
+    """Import ``examples/<name>.py`` and return ``main(argv)``."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        return module.main(argv)
+    finally:
+        del sys.modules[spec.name]

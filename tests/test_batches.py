@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_outputs, make_qkv
+from helpers import check_outputs, make_qkv, run_example
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, mbs_attention_varlen, reference_mask
 from mmsparse.ops.config import kernel_config
@@ -188,20 +188,9 @@ def test_split_key_lists_match_reference(q_len, causal, device):
 def test_varying_lengths_training_example_runs(tmp_path):
     """examples/train_varying_lengths.py: new lengths every step under torch.compile(fullgraph=True), no
     recompiles after warm-up, output and weight gradients equal to the float64 reference."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_varying_lengths.py"
-    spec = importlib.util.spec_from_file_location("train_varying_lengths", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        code = module.main(["--tiny", "--steps", "4", "--out", str(tmp_path)])
-    finally:
-        del sys.modules[spec.name]
+    code = run_example("train_varying_lengths", ["--tiny", "--steps", "4", "--out", str(tmp_path)])
     result = json.loads(next(tmp_path.glob("train_varying_lengths_*.json")).read_text())
     assert code == 0 and result["ok"], result
     assert result["recompiles_after_warmup"] == 0 and result["max_abs_err_vs_reference"] < result["tolerance"]

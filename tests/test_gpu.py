@@ -8,6 +8,7 @@ from helpers import check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
 from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
+from mmsparse.ops.config import compiled_variants
 from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
 
 pytestmark = pytest.mark.gpu
@@ -41,13 +42,6 @@ def test_large_against_float64(case):
     check_against_reference(q, k, v, topo, lens, causal=causal)
 
 
-def _compiled_count(kernel) -> int:
-    caches = getattr(kernel, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return len(kernel.cache[torch.cuda.current_device()])
-
-
 def test_new_lengths_do_not_recompile():
     """After a warm-up of each forward variant, new sequence and segment lengths reuse the compiled kernels."""
     dev = torch.device("cuda")
@@ -62,10 +56,10 @@ def test_new_lengths_do_not_recompile():
     step((640, 4096, 2048))
     step((100, 1000, 500))
     step((2, 3, 4))
-    before = [_compiled_count(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
+    before = [compiled_variants(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
     for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
         step(lens)
-    after = [_compiled_count(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
+    after = [compiled_variants(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
     assert after == before, f"compiled variants grew from {before} to {after}"
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, run_example
 from torch import nn
 
 from mmsparse import reference_attention, reference_mask
@@ -206,15 +203,7 @@ def test_replace_bare_mha_and_keep_cross_attention(device):
 
 
 def test_example_tiny_runs(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_multimodal.py"
-    spec = importlib.util.spec_from_file_location("train_multimodal", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        result = module.main(["--tiny", "--steps", "4", "--out", str(tmp_path)])
-    finally:
-        del sys.modules[spec.name]
+    result = run_example("train_multimodal", ["--tiny", "--steps", "4", "--out", str(tmp_path)])
     assert len(result["mmsparse"]["loss"]) == len(result["dense"]["loss"]) == 4
     diff = max(abs(a - b) for a, b in zip(result["mmsparse"]["loss"], result["dense"]["loss"]))
     assert diff < 1e-3, diff

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..blocks import BlockLists, cdiv
 from . import alloc
+from .common import interpreter_active
 
 _NEG = tl.constexpr(-(2**31) + 1)  # below every position
 _POS = tl.constexpr(2**31 - 1)  # above every position
@@ -166,7 +167,7 @@ def block_lists_kernel(
 
 def kernels_run_on(device: torch.device) -> bool:
     """Whether these kernels take tensors of ``device``: CUDA, or the CPU when Triton's interpreter is on."""
-    return device.type == "cuda" or type(block_summary_kernel).__name__ == "InterpretedFunction"
+    return device.type == "cuda" or interpreter_active()
 
 
 def build_block_lists(

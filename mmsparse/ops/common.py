@@ -9,6 +9,11 @@ MASK_BITS = 0  # topology path: per-token row bits & column bits
 MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
 
 
+def interpreter_active() -> bool:
+    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 before triton was imported)."""
+    return type(dot).__name__ == "InterpretedFunction"
+
+
 DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
 DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
 DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)

@@ -139,3 +139,12 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
         buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
         _SCRATCH[key] = buf
     return buf
+
+
+def compiled_variants(kernel: triton.runtime.JITFunction) -> int:
+    """How many specialisations of a Triton kernel are compiled, over all devices (0 through the interpreter,
+    which compiles nothing). Tests and examples count them to show that new lengths compile nothing."""
+    caches = getattr(kernel, "device_caches", None)  # triton >= 3.3
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(cache) for cache in getattr(kernel, "cache", {}).values())
