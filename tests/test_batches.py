@@ -194,3 +194,18 @@ def test_varying_lengths_training_example_runs(tmp_path):
     result = json.loads(next(tmp_path.glob("train_varying_lengths_*.json")).read_text())
     assert code == 0 and result["ok"], result
     assert result["recompiles_after_warmup"] == 0 and result["max_abs_err_vs_reference"] < result["tolerance"]
+
+
+@pytest.mark.parametrize("q_len", [1, 5, 61])
+def test_split_key_lists_edge_cases(q_len, device):
+    """Split key lists with rows that see nothing (every split empty), a zero-length segment, GQA and a head dim
+    that is not a power of two, against the reference."""
+    lens = (0, 30, 22, 9)
+    topo = [[1, 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0]]  # the last segment's rows attend nothing
+    q, k, v = make_qkv(1, 2, 1, q_len, 61, 40, torch.float16, device)
+    tile = kernel_config(40, q.dtype, q.device).forward_tile(q_len)
+    assert num_splits(2 * -(-q_len // tile.block_m), -(-61 // tile.block_n), q.device) > 1 or device.type == "cuda"
+    out = mbs_attention(q, k, v, topo, lens)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, 61, q_len))
