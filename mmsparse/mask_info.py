@@ -55,6 +55,7 @@ class MaskInfo:
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[tuple[int, int, bool], BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
+        self._launch_args: dict[tuple[int, int, bool], tuple[tuple, tuple]] = {}
 
     @classmethod
     def from_topology(
@@ -155,27 +156,33 @@ class MaskInfo:
             info._lists[key] = BlockLists(tensors[4 + 2 * i], tensors[5 + 2 * i])
         return info
 
-    def mask_args(self) -> tuple:
-        """Kernel arguments: (q_bits, k_bits, dense mask, q_bits batch stride, k_bits batch stride, mask batch
-        stride, mask row stride). Unused tensors are stand-ins that are never read; a batch stride of 0 shares
-        one mask across the batch."""
+    def launch_args(self, block_m: int, block_n: int, by_key: bool = False) -> tuple[tuple, tuple]:
+        """The kernels' mask arguments at one tile, kept per tile (a small call is bound by host work):
+        ``(tensors, scalars)`` = ((q_bits, k_bits, dense mask, counts, indices), (q_bits batch stride, k_bits batch
+        stride, mask batch stride, mask row stride, counts batch stride, indices batch stride, indices row stride,
+        seq_q, seq_k, first-query positions int32 [Bm or 1], their batch stride)). Unused tensors are stand-ins
+        that are never read; a batch stride of 0 shares one mask (or list) across the batch."""
+        key = (block_m, block_n, by_key)
+        args = self._launch_args.get(key)
+        if args is not None:
+            return args
+        lists = self.lists(block_m, block_n, by_key)
         shared = self.batch == 1
         if self.mode == MASK_BITS:
-            qs = 0 if shared else self.q_bits.stride(0)
-            ks = 0 if shared else self.k_bits.stride(0)  # 0 too when the key bits are shared (expanded)
-            return self.q_bits, self.k_bits, self.q_bits, qs, ks, 0, 0
-        dense = self.dense.view(torch.uint8)
-        return dense, dense, dense, 0, 0, 0 if shared else dense.stride(0), dense.stride(1)
-
-    def past_args(self) -> tuple:
-        """(first-query positions int32 [Bm or 1], batch stride)."""
-        return self.past, 0 if self.past.shape[0] == 1 else self.past.stride(0)
-
-    def lists_args(self, lists: BlockLists) -> tuple:
-        """(counts, indices, counts batch stride, indices batch stride, indices row stride)."""
-        shared = self.batch == 1
-        return (lists.counts, lists.indices, 0 if shared else lists.counts.stride(0),
-                0 if shared else lists.indices.stride(0), lists.indices.stride(1))
+            # k_bits' batch stride is 0 too when the key bits are shared (expanded)
+            mask = (self.q_bits, self.k_bits, self.q_bits)
+            mask_strides = (0 if shared else self.q_bits.stride(0), 0 if shared else self.k_bits.stride(0), 0, 0)
+        else:
+            dense = self.dense.view(torch.uint8)
+            mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
+        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0),
+                        lists.indices.stride(1))
+        past_stride = 0 if self.past.shape[0] == 1 else self.past.stride(0)
+        args = self._launch_args[key] = (
+            (*mask, lists.counts, lists.indices),
+            (*mask_strides, *list_strides, self.seq_q, self.seq_k, self.past, past_stride),
+        )
+        return args
 
 
 def _list_keys(config: KernelConfig, seq_q: int) -> list[tuple[int, int, bool]]:

@@ -75,3 +75,26 @@ def test_decode_over_a_long_cache_against_float64(q_len):
     tile = kernel_config(128, q.dtype, q.device).forward_tile(q_len)
     assert num_splits(2 * 8, -(-sum(lens) // tile.block_n), q.device) > 1
     check_against_reference(q, k, v, topo, lens, causal=True)
+
+
+def test_fast_launch_keys_on_alignment():
+    """The direct launch (mmsparse.ops.launch) must pick the kernel Triton would: a 16-byte aligned pointer and a
+    misaligned one are different specialisations (vector loads), so they must not share a cache entry."""
+    from mmsparse.ops import launch
+    from mmsparse.ops.backward import _delta_kernel
+
+    delta_launch = launch.FastKernel(_delta_kernel)  # a fresh cache, independent of the other tests
+    rows, d = 100, 16
+    dev = torch.device("cuda")
+    o_buf, do_buf = torch.randn(rows * d + 4, device=dev), torch.randn(rows * d + 4, device=dev)
+    variants = compiled_variants(_delta_kernel)
+    fast = []
+    for offset in (0, 0, 1, 1, 0):  # float32: an offset of 1 moves the pointer off 16-byte alignment
+        o, do = o_buf[offset : offset + rows * d], do_buf[offset : offset + rows * d]
+        delta = torch.full((rows,), float("nan"), device=dev)
+        before = launch.fast_launches
+        delta_launch[(2,)](o, do, delta, rows, HEAD_DIM=d, HEAD_DIM_PAD=d, BR=64)
+        fast.append(launch.fast_launches - before)
+        torch.testing.assert_close(delta, (o.view(rows, d).double() * do.view(rows, d).double()).sum(1).float())
+    assert fast == [0, 1, 0, 1, 1]
+    assert compiled_variants(_delta_kernel) - variants <= 2  # at most the aligned and the misaligned kernel

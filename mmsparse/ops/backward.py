@@ -6,12 +6,11 @@ result is bitwise reproducible. For GQA a dK/dV program walks all query heads of
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .alloc import new_empty
 from .common import (
@@ -26,7 +25,8 @@ from .common import (
     store_block,
 )
 from .config import ensure_tma_allocator, kernel_config
-from .forward import _DYNAMIC, dot_mode, head_dim_pad
+from .forward import _DYNAMIC, _LOG2E, dot_mode, head_dim_pad
+from .launch import FastKernel
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -209,6 +209,9 @@ def _dq_kernel(
                 USE_TMA)
 
 
+_DELTA, _DKDV, _DQ = FastKernel(_delta_kernel), FastKernel(_dkdv_kernel), FastKernel(_dq_kernel)
+
+
 def mbs_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -234,39 +237,34 @@ def mbs_attn_bwd(
     group = num_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
     cfg = kernel_config(head_dim, q.dtype, q.device)
-    qk_scale = softmax_scale * math.log2(math.e)
+    qk_scale = softmax_scale * _LOG2E
     seed = seed if seed is not None else lse
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
     if cfg.use_tma:
         ensure_tma_allocator(q.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    mask_args = info.mask_args()
-    mask_tensors, mask_strides = mask_args[:3], mask_args[3:]
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
     delta = new_empty(lse.shape, torch.float32, lse.device)
     n_rows = batch * num_heads * seq_q
-    _delta_kernel[(triton.cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
+    _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
-    list_args = info.lists_args(info.lists(tile.block_m, tile.block_n, by_key=True))
-    _dkdv_kernel[(triton.cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *list_args[:2], seed, *strides, *mask_strides,
-        *list_args[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
+    _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+        dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
+        **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
     dq = new_empty(out.shape, q.dtype, q.device)
     tile = cfg.bwd_dq
-    list_args = info.lists_args(info.lists(tile.block_m, tile.block_n))
-    _dq_kernel[(triton.cdiv(seq_q, tile.block_m), batch * num_heads)](
-        q, k, v, do, lse, delta, dq, *mask_tensors, *list_args[:2], seed, *strides, *mask_strides,
-        *list_args[2:], seq_q, seq_k, *info.past_args(), qk_scale, softmax_scale, dropout_p,
-        NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+    _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
+        q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+        dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return dq, dk, dv

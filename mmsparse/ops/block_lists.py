@@ -26,6 +26,7 @@ import triton.language as tl
 from ..blocks import BlockLists, cdiv
 from . import alloc
 from .common import interpreter_active
+from .launch import FastKernel
 
 _NEG = tl.constexpr(-(2**31) + 1)  # below every position
 _POS = tl.constexpr(2**31 - 1)  # above every position
@@ -165,6 +166,9 @@ def block_lists_kernel(
     tl.store(p_cnt + 1, i_part - n_full, mask=m_r)
 
 
+_SUMMARY, _LISTS = FastKernel(block_summary_kernel), FastKernel(block_lists_kernel)
+
+
 def kernels_run_on(device: torch.device) -> bool:
     """Whether these kernels take tensors of ``device``: CUDA, or the CPU when Triton's interpreter is on."""
     return device.type == "cuda" or interpreter_active()
@@ -240,7 +244,7 @@ def launch_block_lists(
     summary = None if summaries is None else summaries.get((block_m, block_n))
     if summary is None:
         summary = torch.empty((bm, n_q + n_k, w), dtype=torch.int32, device=dev)
-        block_summary_kernel[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
+        _SUMMARY[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
             q_bits, k_bits, past, summary,
             q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
             past.stride(0) if past.shape[0] > 1 else 0, summary.stride(0),
@@ -249,7 +253,7 @@ def launch_block_lists(
         )
         if summaries is not None:
             summaries[(block_m, block_n)] = summary
-    block_lists_kernel[(cdiv(n_r, br), bm)](
+    _LISTS[(cdiv(n_r, br), bm)](
         summary, counts, indices,
         summary.stride(0), counts.stride(0), indices.stride(0), indices.stride(1),
         n_q, n_k,

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .alloc import new_empty
 from .common import (
@@ -27,6 +28,7 @@ from .common import (
     store_rows,
 )
 from .config import ensure_tma_allocator, kernel_config
+from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
 # so a new length reuses the compiled kernel.
@@ -172,10 +174,14 @@ def _combine_kernel(
     store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
 
 
+_FWD, _COMBINE = FastKernel(_fwd_kernel), FastKernel(_combine_kernel)
+
+
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
     elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
-    if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+    *outer, inner = t.stride()
+    if inner == 1 and not any(s & 7 for s in outer) and not t.data_ptr() & 15:
         return t
     return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
 
@@ -217,25 +223,22 @@ def mbs_attn_fwd(
     tile = cfg.forward_tile(seq_q)
     if cfg.use_tma:
         ensure_tma_allocator(q.device)
-    lists = info.lists(tile.block_m, tile.block_n)
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
-    row_blocks = triton.cdiv(seq_q, tile.block_m)
-    key_blocks = triton.cdiv(info.seq_k, tile.block_n)
+    row_blocks = cdiv(seq_q, tile.block_m)
+    key_blocks = cdiv(info.seq_k, tile.block_n)
     n_splits = num_splits(row_blocks * batch * num_heads, key_blocks, q.device)
-    split_len = triton.cdiv(key_blocks, n_splits)
+    split_len = cdiv(key_blocks, n_splits)
     o_dst, lse_dst = out, lse
     if n_splits > 1:
         o_dst = new_empty((n_splits, batch, num_heads, seq_q, head_dim), torch.float32, q.device)
         lse_dst = new_empty((n_splits, batch, num_heads, seq_q), torch.float32, q.device)
-    mask_args, list_args = info.mask_args(), info.lists_args(lists)
     d_pad = head_dim_pad(head_dim)
-    _fwd_kernel[(row_blocks * n_splits, batch * num_heads)](
-        q, k, v, o_dst, lse_dst, *mask_args[:3], *list_args[:2], seed,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *mask_args[3:], *list_args[2:],
-        seq_q, info.seq_k, *info.past_args(), softmax_scale * math.log2(math.e), dropout_p, n_splits, split_len,
+    _FWD[(row_blocks * n_splits, batch * num_heads)](
+        q, k, v, o_dst, lse_dst, *mask_tensors, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *mask_scalars, softmax_scale * _LOG2E, dropout_p, n_splits, split_len,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
@@ -243,13 +246,14 @@ def mbs_attn_fwd(
     )
     if n_splits > 1:
         n_rows = batch * num_heads * seq_q
-        _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
+        _COMBINE[(cdiv(n_rows, _COMBINE_ROWS),)](
             o_dst, lse_dst, out, lse, n_rows, n_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS,
         )
     return out, lse
 
 
 _COMBINE_ROWS = 16
+_LOG2E = math.log2(math.e)
 
 
 def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
@@ -259,7 +263,7 @@ def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
     target, min_blocks = (2 * _sm_count(device), 4) if device.type == "cuda" else (8, 1)
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), key_blocks // min_blocks))
+    return max(1, min(cdiv(target, programs), key_blocks // min_blocks))
 
 
 @functools.cache
