@@ -41,6 +41,11 @@ def _arg_key(arg: Any) -> Any:
     return _MISS
 
 
+def _hooked(hook: Any) -> bool:
+    """A launch hook is set (a profiler). Triton >= 3.5 always has a HookChain there, empty by default."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
@@ -61,7 +66,7 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self._enabled or _knobs.runtime.launch_enter_hook is not None:
+        if not self._enabled or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
             self.fn[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
