@@ -52,7 +52,8 @@ def _current_stream(device: int) -> int:
 
 class FastKernel:
     """Wraps a ``@triton.jit`` kernel; call as ``kernel[grid](*runtime_args, **constexprs_and_options)`` with every
-    runtime argument positional and every constexpr by keyword."""
+    runtime argument positional, the first one a tensor (it picks the device to launch on), and every constexpr
+    by keyword."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -66,10 +67,17 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self._enabled or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+        if not self._enabled:
             self.fn[grid](*args, **kwargs)
             return
-        device = torch.cuda.current_device()
+        device, target = torch.cuda.current_device(), args[0].get_device()
+        if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one
+            with torch.cuda.device(target):
+                self.launch(grid, args, kwargs)
+            return
+        if _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+            self.fn[grid](*args, **kwargs)
+            return
         key = (device, tuple(kwargs.items()), *map(_arg_key, args))
         hit = self._cache.get(key)
         if hit is None:
