@@ -7,10 +7,11 @@ whole forward takes ~90 us of GPU time, so that host work decides the wall time.
 :class:`FastKernel` keys its own cache on what Triton's specialisation depends on (the tensors' dtypes and 16-byte
 alignment, each integer's width, whether it is 1 and whether it is a multiple of 16, the constexprs and launch
 options, the current device) and, on a hit, calls the compiled kernel's launcher directly. A miss goes through
-Triton, which compiles or finds the kernel, and the result is remembered. The key is coarser than Triton's where
-that is cheap (every integer is keyed as if specialised), never finer, so a hit always launches the kernel
-Triton would have chosen. Through the interpreter, under a launch hook (profilers), or with a Triton whose
-compiled kernels do not have the expected launcher, every launch goes through Triton.
+Triton, which compiles or finds the kernel, and the result is remembered. The key separates at least what
+Triton's separates (every integer is keyed as if specialised, so it may split where Triton does not, which only
+costs one extra trip through Triton), so a hit always launches the kernel Triton would have chosen. Through the
+interpreter, under a launch hook (profilers), or with a Triton whose compiled kernels do not have the expected
+launcher, every launch goes through Triton.
 """
 
 from __future__ import annotations
