@@ -24,8 +24,8 @@ from .common import (
     program_setup,
     store_block,
 )
-from .config import ensure_tma_allocator, kernel_config
-from .forward import _DYNAMIC, _LOG2E, dot_mode, head_dim_pad
+from .config import ensure_tma_allocator, head_dim_pad, kernel_config
+from .forward import _DYNAMIC, _LOG2E, dot_mode
 from .launch import FastKernel
 
 

@@ -84,8 +84,17 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Ke
         return _override
     if device.type != "cuda":
         return _INTERPRETER
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cached_cuda_config(max(16, 1 << (head_dim - 1).bit_length()), dtype, index)
+    return _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The head dim rounded up to a power of two (at least 16): the width of the kernels' tiles."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (the current one for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from .common import (
     store_block,
     store_rows,
 )
-from .config import ensure_tma_allocator, kernel_config
+from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
 from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -186,10 +186,6 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
 
 
-def head_dim_pad(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
 def dot_mode(q: torch.Tensor) -> int:
     """How the kernels multiply tiles for this input (see mmsparse.ops.common.DOT_*)."""
     if q.device.type != "cuda":
@@ -268,5 +264,4 @@ def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(cuda_index(device)).multi_processor_count

@@ -59,8 +59,8 @@ class FastKernel:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._cache: dict[tuple, tuple[Any, tuple]] = {}
-        jit = getattr(fn, "fn", None)  # the Python function (absent for the interpreter's wrapper in old tritons)
-        self._params = list(inspect.signature(jit).parameters) if jit is not None else []
+        self._signature = inspect.signature(fn.fn)  # fn.fn: the kernel's Python function
+        self._params = list(self._signature.parameters)
         # A compiling JITFunction (not the interpreter) in a Triton with launch hooks in knobs (>= 3.4).
         self._enabled = hasattr(fn, "device_caches") and _knobs is not None
 
@@ -97,7 +97,6 @@ class FastKernel:
     def _constexpr_tail(self, args: tuple, kwargs: dict[str, Any]) -> tuple:
         """The values of the parameters after the positional ones, in the kernel's order (all constexprs here),
         with the kernel's defaults for those not given."""
-        bound = inspect.signature(self.fn.fn).bind_partial(*args, **{k: v for k, v in kwargs.items()
-                                                                      if k in self._params})
+        bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in self._params})
         bound.apply_defaults()
         return tuple(bound.arguments[name] for name in self._params[len(args):])
