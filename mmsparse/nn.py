@@ -81,7 +81,12 @@ def valid_lens_from_padding(keep: torch.Tensor) -> torch.Tensor:
 
 
 class _MBSAttentionCore(nn.Module):
-    """Shared state and the head-split / attention / head-merge step of the layers below."""
+    """Shared state and the head-split / attention / head-merge step of the layers below.
+
+    ``layer.deterministic = False`` switches the layer to the faster, not bitwise reproducible backward (see
+    ``mbs_attention``)."""
+
+    deterministic: bool = True
 
     def _init_core(
         self, num_heads: int, num_kv_heads: int, head_dim: int, topology: Any, seg_lens: SegLensArg, causal: bool,
@@ -125,7 +130,8 @@ class _MBSAttentionCore(nn.Module):
         A subclass may override it (the training example swaps in dense masked SDPA, keeping the weights).
         """
         dropout_p = self.dropout if self.training else 0.0
-        return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p)
+        return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p,
+                             deterministic=self.deterministic)
 
 
 class MultimodalSelfAttention(_MBSAttentionCore):
