@@ -1,6 +1,6 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
-    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|atomic|none] [--profile]
+    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
 """
 
 from __future__ import annotations
@@ -37,13 +37,10 @@ def flex_times(q, k, v, topo, lens, causal):
     return fwd, both - fwd
 
 
-def ours(q, k, v, topo, lens, causal, deterministic=True):
-    def run():
-        return mbs_attention(q, k, v, topo, lens, causal=causal, deterministic=deterministic)
-
-    fwd = do_bench(run, return_mode="median")
+def ours(q, k, v, topo, lens, causal):
+    fwd = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal), return_mode="median")
     g = torch.randn_like(q)
-    both = do_bench(lambda: run().backward(g), return_mode="median")
+    both = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal).backward(g), return_mode="median")
     return fwd, both - fwd
 
 
@@ -62,7 +59,7 @@ def profile_kernels(q, k, v, topo, lens, causal) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
-    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq, atomic (dK/dV tiles with atomic dQ) or none")
+    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
     args = ap.parse_args()
@@ -89,8 +86,7 @@ def main() -> None:
         if args.profile:
             profile_kernels(q, k, v, topo, lens, causal)
         variants = [base]
-        if args.sweep != "atomic":
-            variants.append(replace(base, use_tma=False))
+        variants.append(replace(base, use_tma=False))
         if args.sweep == "fwd":
             for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
                 variants.append(replace(base, fwd=Tile(bm, bn, w, st)))
@@ -100,18 +96,11 @@ def main() -> None:
         elif args.sweep == "dq":
             for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
                 variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st)))
-        elif args.sweep == "atomic":
-            # The dQ tile adds registers: 8 warps, or 4 with small tiles. A wider key block halves the atomics.
-            for bm, bn, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3),
-                                  (128, 64, 8, 2), (128, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2)]:
-                variants.append(replace(base, bwd_atomic=Tile(bm, bn, w, st)))
-        for i, cfg in enumerate(variants):
-            deterministic = args.sweep != "atomic" or i == 0
+        for cfg in variants:
             try:
                 with use_config(cfg):
-                    f, bw = ours(q, k, v, topo, lens, causal, deterministic)
-                print(f"{name:18s} det={deterministic} tma={cfg.use_tma} fwd{cfg.fwd} "
-                      f"dkdv{cfg.dkdv_tile(deterministic)} dq{cfg.bwd_dq}: "
+                    f, bw = ours(q, k, v, topo, lens, causal)
+                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: "
                       f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)

@@ -11,11 +11,10 @@ from .ops.forward import kernel_layout, mbs_attn_fwd
 
 class MBSAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, info: MaskInfo, softmax_scale: float, dropout_p: float, seed,  # type: ignore[override]
-                deterministic: bool):
+    def forward(ctx, q, k, v, info: MaskInfo, softmax_scale: float, dropout_p: float, seed):  # type: ignore[override]
         out, lse = mbs_attn_fwd(q, k, v, info, softmax_scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, seed)
-        ctx.info, ctx.softmax_scale, ctx.dropout_p, ctx.deterministic = info, softmax_scale, dropout_p, deterministic
+        ctx.info, ctx.softmax_scale, ctx.dropout_p = info, softmax_scale, dropout_p
         return out
 
     @staticmethod
@@ -23,5 +22,5 @@ class MBSAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, seed = ctx.saved_tensors
         grad_out = kernel_layout(grad_out.contiguous())
         dq, dk, dv = mbs_attn_bwd(grad_out, q, k, v, out, lse, ctx.info, ctx.softmax_scale,
-                                  ctx.dropout_p, seed, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+                                  ctx.dropout_p, seed)
+        return dq, dk, dv, None, None, None, None

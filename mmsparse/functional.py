@@ -184,7 +184,7 @@ def new_dropout_seed(device: torch.device) -> torch.Tensor:
 
 def attention_with_info(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float | None,
-    dropout_p: float, deterministic: bool = True,
+    dropout_p: float,
 ) -> torch.Tensor:
     """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API)."""
     if not 0.0 <= dropout_p < 1.0:
@@ -197,10 +197,10 @@ def attention_with_info(
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
     if torch.compiler.is_compiling():  # traceable path: a torch custom op with a fake implementation
         meta = info.kernel_tensors(kernel_config(q.shape[-1], q.dtype, q.device))
-        out, _ = attention_fwd_op(q, k, v, meta, seed, info.mode, info.causal, scale, dropout_p, deterministic)
+        out, _ = attention_fwd_op(q, k, v, meta, seed, info.mode, info.causal, scale, dropout_p)
         return out
     q, k, v = (kernel_layout(t) for t in (q, k, v))
-    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic)
+    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
 
 
 def mbs_attention(
@@ -215,7 +215,6 @@ def mbs_attention(
     attn_mask: torch.Tensor | None = None,
     check_lengths: bool = True,
     q_start: torch.Tensor | Sequence[int] | None = None,
-    deterministic: bool = True,
 ) -> torch.Tensor:
     """Block-sparse multimodal attention.
 
@@ -234,10 +233,6 @@ def mbs_attention(
             CUDA-graph capture either.
         q_start: optional int ``[B]``: the position of each sample's first query, e.g. each cache's length
             when decoding over caches of different lengths (default: the last Sq positions, ``S - Sq``).
-        deterministic: True (default): a bitwise reproducible backward (separate dK/dV and dQ passes). False:
-            the dK/dV pass also adds dQ into an fp32 buffer with atomics (FlashAttention's default): 5 matmuls
-            per tile pair instead of 7, one more fp32 ``[B, Hq, Sq, D]`` buffer during the backward, and dQ's
-            last bits vary from run to run. dK and dV stay reproducible.
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.
@@ -250,7 +245,7 @@ def mbs_attention(
         info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths, q_start)
     if info.batch not in (1, q.shape[0]):
         raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
-    return attention_with_info(q, k, v, info, softmax_scale, dropout_p, deterministic)
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
 
 
 def mbs_attention_varlen(
@@ -263,7 +258,6 @@ def mbs_attention_varlen(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     check_lengths: bool = True,
-    deterministic: bool = True,
 ) -> torch.Tensor:
     """Packed ("varlen") batches: samples laid end to end along one sequence, no padding.
 
@@ -276,7 +270,6 @@ def mbs_attention_varlen(
         topology: k x k 0/1 matrix shared by the samples.
         seg_lens: ``[N, k]`` per-sample lengths (list of N tuples or an int tensor), summing to ``total``.
         causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
-        deterministic: see :func:`mbs_attention`.
 
     Returns:
         ``[1, Hq, total, D]``.
@@ -303,4 +296,4 @@ def mbs_attention_varlen(
     block_diagonal = Topology(torch.block_diag(*[topo.matrix.to(torch.int64)] * samples))
     flat = lens.reshape(1, -1).to(device=q.device, dtype=torch.int32)
     info = MaskInfo.from_topology(block_diagonal, flat, total, total, causal)
-    return attention_with_info(q, k, v, info, softmax_scale, dropout_p, deterministic)
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)

@@ -186,13 +186,10 @@ class MaskInfo:
 
 
 def _list_keys(config: KernelConfig, seq_q: int) -> list[tuple[int, int, bool]]:
-    """The (block_m, block_n, by_key) lists the forward, dK/dV (both variants) and dQ kernels of a config read for
-    seq_q queries."""
-    fwd, atomic = config.forward_tile(seq_q), config.dkdv_tile(deterministic=False)
-    keys = [
+    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries."""
+    fwd = config.forward_tile(seq_q)
+    return [
         (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
         (config.bwd_dq.block_m, config.bwd_dq.block_n, False),
-        (atomic.block_m, atomic.block_n, True),
     ]
-    return list(dict.fromkeys(keys))  # each list once, in a fixed order

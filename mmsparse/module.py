@@ -23,7 +23,6 @@ class TritonMBSAttnKernel(nn.Module):
         dropout: attention dropout probability, applied in training mode only.
         softmax_scale: default ``1/sqrt(D)``.
         names: optional segment names, e.g. ``("text", "vision", "audio")``.
-        deterministic: False trades a bitwise reproducible dQ for a faster backward (see ``mbs_attention``).
 
     ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.
     Masks and block lists are built on the inputs' device on first use and cached.
@@ -37,7 +36,6 @@ class TritonMBSAttnKernel(nn.Module):
         dropout: float = 0.0,
         softmax_scale: float | None = None,
         names: Any = None,
-        deterministic: bool = True,
     ) -> None:
         super().__init__()
         self.topology = Topology(topology, names)
@@ -47,7 +45,6 @@ class TritonMBSAttnKernel(nn.Module):
         self.causal_mask = bool(causal_mask)
         self.dropout = float(dropout)
         self.softmax_scale = softmax_scale
-        self.deterministic = bool(deterministic)
         self._infos: dict[tuple, MaskInfo] = {}
         self._dense_mask: torch.Tensor | None = None
 
@@ -92,17 +89,14 @@ class TritonMBSAttnKernel(nn.Module):
                                    check_lengths)
             if info.batch not in (1, q.shape[0]):
                 raise ValueError(f"seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
-            return self._attend(q, k, v, info)
+            return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
             raise ValueError(
                 f"k/v have {k.shape[2]} positions but the module's seg_lens {self.seg_lens} sum to {self.seq_len}"
             )
-        return self._attend(q, k, v, self._info(q.shape[2], k.shape[2], q.device))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo) -> torch.Tensor:
-        dropout_p = self.dropout if self.training else 0.0
-        return attention_with_info(q, k, v, info, self.softmax_scale, dropout_p, self.deterministic)
+        info = self._info(q.shape[2], k.shape[2], q.device)
+        return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
         return (f"topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, "
-                f"causal_mask={self.causal_mask}, dropout={self.dropout}, deterministic={self.deterministic}")
+                f"causal_mask={self.causal_mask}, dropout={self.dropout}")

@@ -81,12 +81,7 @@ def valid_lens_from_padding(keep: torch.Tensor) -> torch.Tensor:
 
 
 class _MBSAttentionCore(nn.Module):
-    """Shared state and the head-split / attention / head-merge step of the layers below.
-
-    ``layer.deterministic = False`` switches the layer to the faster, not bitwise reproducible backward (see
-    ``mbs_attention``)."""
-
-    deterministic: bool = True
+    """Shared state and the head-split / attention / head-merge step of the layers below."""
 
     def _init_core(
         self, num_heads: int, num_kv_heads: int, head_dim: int, topology: Any, seg_lens: SegLensArg, causal: bool,
@@ -130,8 +125,7 @@ class _MBSAttentionCore(nn.Module):
         A subclass may override it (the training example swaps in dense masked SDPA, keeping the weights).
         """
         dropout_p = self.dropout if self.training else 0.0
-        return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p,
-                             deterministic=self.deterministic)
+        return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p)
 
 
 class MultimodalSelfAttention(_MBSAttentionCore):

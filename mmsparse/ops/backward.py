@@ -1,10 +1,7 @@
 """Backward kernels: delta = rowsum(dO * O); dK/dV per key block; dQ per query block.
 
-By default each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics
-and the result is bitwise reproducible. With ``deterministic=False`` the dK/dV pass also computes dS K for each
-tile pair and adds it to an fp32 dQ buffer atomically (FlashAttention's default): 5 matmuls per tile pair
-instead of 7, and dQ's rounding then depends on the order of the additions. For GQA a dK/dV program walks all
-query heads of its group.
+Each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics and the
+result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group.
 """
 
 from __future__ import annotations
@@ -17,18 +14,15 @@ from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .alloc import new_empty
 from .common import (
-    add_block,
     dot,
     dropout_keep,
     hint_strides,
-    interpreter_active,
     load_block,
     load_rows,
     make_source,
     pair_mask,
     program_setup,
     store_block,
-    store_rows,
 )
 from .config import ensure_tma_allocator, head_dim_pad, kernel_config
 from .forward import _DYNAMIC, _LOG2E, dot_mode
@@ -36,38 +30,22 @@ from .launch import FastKernel
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _delta_kernel(O, DO, DELTA, DQ_ACC, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
-                  ZERO_DQ: tl.constexpr):
-    """delta = rowsum(dO * O); with ZERO_DQ also clears the same rows of the fp32 dQ buffer (saves a memset)."""
+def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr):
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
     do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
     tl.store(DELTA + offs_r, tl.sum(o * do, 1), mask=offs_r < n_rows)
-    if ZERO_DQ:
-        store_rows(DQ_ACC, tl.zeros([BR, HEAD_DIM_PAD], tl.float32), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _dq_finish_kernel(DQ_ACC, DQ, n_rows, sm_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                      BR: tl.constexpr):
-    """dQ = sm_scale * the fp32 sum of the atomic pass, rounded once to the output dtype."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    acc = load_rows(DQ_ACC, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True)
-    store_rows(DQ, (acc * sm_scale).to(DQ.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, dq_dst, lse_ptr, delta_ptr, stride_qm, idx_ptr,
-    start, stop, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
-    dropout_p, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM].
-    With ATOMIC_DQ also add this key block's share of dQ (unscaled) to each query block's fp32 rows."""
+    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
         m_blk = tl.load(idx_ptr + it)
         offs_m = m_blk * BM + offs_m0
@@ -91,24 +69,20 @@ def _dkdv_tiles(
             b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
         else:
             dv += dot(b_pt.to(b_do.dtype), b_do, DOT_MODE)
-        b_dst = (b_pt * (b_dpt - delta[None, :])).to(b_q.dtype)
-        dk += dot(b_dst, b_q, DOT_MODE)
-        if ATOMIC_DQ:
-            add_block(dq_dst, m_blk * BM, dot(tl.trans(b_dst), b_k, DOT_MODE), offs_m, HEAD_DIM, offs_d, seq_q,
-                      HEAD_DIM, TMA_REDUCE)
+        b_dst = b_pt * (b_dpt - delta[None, :])
+        dk += dot(b_dst.to(b_q.dtype), b_q, DOT_MODE)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -138,19 +112,15 @@ def _dkdv_kernel(
         q_src = make_source(Q + b64 * stride_qb + h * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD,
                             USE_TMA)
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-        # (TMA_REDUCE is only set with ATOMIC_DQ; otherwise DQ_ACC is a placeholder never touched.)
-        dq_dst = make_source(DQ_ACC + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, TMA_REDUCE)
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, dq_dst, LSE + row0, DELTA + row0, stride_qm,
-            idx_ptr, 0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale,
-            seed, bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
-            ATOMIC_DQ, TMA_REDUCE,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
+            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, dq_dst, LSE + row0, DELTA + row0, stride_qm,
-            idx_ptr, n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k,
-            past_len, qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE,
-            USE_TMA, ATOMIC_DQ, TMA_REDUCE,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
     dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
@@ -241,8 +211,6 @@ def _dq_kernel(
 
 
 _DELTA, _DKDV, _DQ = FastKernel(_delta_kernel), FastKernel(_dkdv_kernel), FastKernel(_dq_kernel)
-_DQ_FINISH = FastKernel(_dq_finish_kernel)
-_ROWS_PER_PROGRAM = 64  # of the row-wise delta and dQ-finish kernels
 
 
 def mbs_attn_bwd(
@@ -256,13 +224,11 @@ def mbs_attn_bwd(
     softmax_scale: float,
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
-    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward passes: delta, dK/dV, then dQ (deterministic) or the dQ rounding (atomic dQ).
+    """Launch the three backward passes.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
-        deterministic: False adds dQ atomically inside the dK/dV pass (faster, not bitwise reproducible).
 
     Returns:
         ``(dq, dk, dv)``, contiguous, in the inputs' dtypes; dk, dv are summed over each GQA group.
@@ -274,7 +240,6 @@ def mbs_attn_bwd(
     cfg = kernel_config(head_dim, q.dtype, q.device)
     qk_scale = softmax_scale * _LOG2E
     seed = seed if seed is not None else lse
-    atomic_dq = not deterministic
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
     if cfg.use_tma:
@@ -282,28 +247,20 @@ def mbs_attn_bwd(
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
     delta = new_empty(lse.shape, torch.float32, lse.device)
-    dq_acc = new_empty(out.shape, torch.float32, q.device) if atomic_dq else delta  # delta: an unused placeholder
     n_rows = batch * num_heads * seq_q
-    row_grid = (cdiv(n_rows, _ROWS_PER_PROGRAM),)
-    _DELTA[row_grid](out, do, delta, dq_acc, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_ROWS_PER_PROGRAM,
-                     ZERO_DQ=atomic_dq)
+    _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
-    tile = cfg.dkdv_tile(deterministic)
+    tile = cfg.bwd_dkdv
     mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
     _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, *mask_tensors, seed, *strides, *mask_scalars, qk_scale,
-        softmax_scale, dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
-        BN=tile.block_n, **flags, ATOMIC_DQ=atomic_dq, TMA_REDUCE=atomic_dq and cfg.use_tma and not
-        interpreter_active(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+        dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
+        **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
     dq = new_empty(out.shape, q.dtype, q.device)
-    if atomic_dq:
-        _DQ_FINISH[row_grid](dq_acc, dq, n_rows, softmax_scale, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-                             BR=_ROWS_PER_PROGRAM)
-        return dq, dk, dv
     tile = cfg.bwd_dq
     mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
     _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](

@@ -151,16 +151,3 @@ def store_block(dst, row0, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM
         dst.store([row0, 0], value)
     else:
         store_rows(dst, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM)
-
-
-@triton.jit
-def add_block(dst, row0, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr,
-              TMA_REDUCE: tl.constexpr):
-    """Atomically add an fp32 tile to rows row0 .. row0 + BR - 1: a TMA bulk reduction through a descriptor, or
-    relaxed per-element atomics through the plain pointer (Triton's interpreter has no descriptor reductions).
-    Either way the order of the additions, hence the rounding of the sum, depends on timing."""
-    if TMA_REDUCE:
-        dst.atomic_add([row0, 0], value)
-    else:
-        ptrs = dst + offs_row[:, None] * stride_row + offs_d[None, :]
-        tl.atomic_add(ptrs, value, mask=(offs_row < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")

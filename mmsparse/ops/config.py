@@ -31,11 +31,6 @@ class KernelConfig:
     bwd_dq: Tile  # block_m: the query block a program owns; block_n: the key tiles it walks
     decode: Tile  # the forward's tile when seq_q <= DECODE_MAX_Q (decoding)
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
-    bwd_atomic: Tile | None = None  # the dK/dV tile when that pass also adds dQ atomically; None: bwd_dkdv's
-
-    def dkdv_tile(self, deterministic: bool) -> Tile:
-        """The dK/dV pass's tile: it carries dQ too (more registers) when the backward is not deterministic."""
-        return self.bwd_dkdv if deterministic or self.bwd_atomic is None else self.bwd_atomic
 
     def forward_tile(self, seq_q: int) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows."""
