@@ -27,7 +27,7 @@ from .common import (
     store_block,
     store_rows,
 )
-from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
+from .config import DECODE_MAX_Q, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
 from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -83,31 +83,50 @@ def _fwd_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    PACK_GQA: tl.constexpr,
 ):
     """One program per (query block, split, batch*head). With n_splits > 1, split s takes list entries
     [s * split_len, (s + 1) * split_len) and writes an fp32 partial (out, lse) at row block s * B * H + batch*head
     of O/LSE for _combine_kernel (flash-decoding: few queries, long lists). The split count is a runtime value,
-    so splitting or not is one compiled kernel."""
+    so splitting or not is one compiled kernel.
+
+    PACK_GQA (decoding with GQA, GROUP * seq_q <= BM): one program per (split, batch * kv head) instead; row r of
+    its tile is query r % seq_q of the group's query head r // seq_q, so each K/V tile is read once for the
+    whole group rather than once per query head."""
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     split = tl.program_id(0) % n_splits
     pid_m = tl.program_id(0) // n_splits
     pid_bh = tl.program_id(1)
-    out_bh = split * tl.num_programs(1) + pid_bh
-    b = pid_bh // NUM_HEADS
-    h = pid_bh % NUM_HEADS
-    b64 = b.to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-
-    q_ptr = Q + b64 * stride_qb + h * stride_qh
-    k_ptr = K + b64 * stride_kb + (h // GROUP) * stride_kh
-    v_ptr = V + b64 * stride_vb + (h // GROUP) * stride_vh
-    q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    if PACK_GQA:
+        b = pid_bh // (NUM_HEADS // GROUP)
+        hk = pid_bh % (NUM_HEADS // GROUP)
+        rows = tl.arange(0, BM)
+        in_group = rows < GROUP * seq_q
+        offs_m = tl.where(in_group, rows % seq_q, seq_q)  # padding rows sit past the end: fully masked
+        bh = b * NUM_HEADS + hk * GROUP + rows // seq_q  # [BM]: each row's batch*head
+        q_rows = Q + b.to(tl.int64) * stride_qb + (bh - b * NUM_HEADS) * stride_qh + offs_m * stride_qm
+        in_d = offs_d < HEAD_DIM
+        b_q = tl.load(q_rows[:, None] + offs_d[None, :], mask=in_group[:, None] & in_d[None, :], other=0.0)
+        # Output rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
+        out_rows = (split * tl.num_programs(1) * GROUP + bh).to(tl.int64) * seq_q + offs_m
+        bh_rows = bh[:, None]
+    else:
+        b = pid_bh // NUM_HEADS
+        hk = (pid_bh % NUM_HEADS) // GROUP
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        q_ptr = Q + b.to(tl.int64) * stride_qb + (pid_bh % NUM_HEADS) * stride_qh
+        q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        out_bh = split * tl.num_programs(1) + pid_bh
+        bh_rows = pid_bh
+    b64 = b.to(tl.int64)
+    k_ptr = K + b64 * stride_kb + hk * stride_kh
+    v_ptr = V + b64 * stride_vb + hk * stride_vh
     k_src = make_source(k_ptr, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
 
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
@@ -123,12 +142,12 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, lo,
         tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale,
-        seed, pid_bh, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
+        seed, bh_rows, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr,
         tl.maximum(lo, n_full), hi, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-        qk_scale, seed, pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         False,
     )
 
@@ -140,10 +159,16 @@ def _fwd_kernel(
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, tl.where(n_splits > 1, float("-inf"), float("inf")), m_i * qk_scale + tl.math.log2(l_safe))
-    tl.store(LSE + out_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
-    o_dst = make_source(O + out_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
-                        USE_TMA)
-    store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, USE_TMA)
+    if PACK_GQA:
+        tl.store(LSE + out_rows, lse, mask=in_group)
+        tl.store(O + out_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=in_group[:, None] & in_d[None, :])
+    else:
+        tl.store(LSE + out_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+        o_dst = make_source(O + out_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
+                            USE_TMA)
+        store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
+                    USE_TMA)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_splits"])
@@ -223,22 +248,28 @@ def mbs_attn_fwd(
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
-    row_blocks = cdiv(seq_q, tile.block_m)
+    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
+    if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
+        block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
+        row_blocks, bh_programs = 1, batch * (num_heads // group)
+    else:
+        block_m, num_warps = tile.block_m, tile.num_warps
+        row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
     key_blocks = cdiv(info.seq_k, tile.block_n)
-    n_splits = num_splits(row_blocks * batch * num_heads, key_blocks, q.device)
+    n_splits = num_splits(row_blocks * bh_programs, key_blocks, q.device)
     split_len = cdiv(key_blocks, n_splits)
     o_dst, lse_dst = out, lse
     if n_splits > 1:
         o_dst = new_empty((n_splits, batch, num_heads, seq_q, head_dim), torch.float32, q.device)
         lse_dst = new_empty((n_splits, batch, num_heads, seq_q), torch.float32, q.device)
     d_pad = head_dim_pad(head_dim)
-    _FWD[(row_blocks * n_splits, batch * num_heads)](
+    _FWD[(row_blocks * n_splits, bh_programs)](
         q, k, v, o_dst, lse_dst, *mask_tensors, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *mask_scalars, softmax_scale * _LOG2E, dropout_p, n_splits, split_len,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-        BM=tile.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+        BM=block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PACK_GQA=pack_rows > 0, num_warps=num_warps, num_stages=tile.num_stages,
     )
     if n_splits > 1:
         n_rows = batch * num_heads * seq_q
@@ -250,6 +281,17 @@ def mbs_attn_fwd(
 
 _COMBINE_ROWS = 16
 _LOG2E = math.log2(math.e)
+_PACK_MAX_ROWS = 64
+
+
+def gqa_pack_rows(group: int, seq_q: int, block_m: int) -> int:
+    """Rows of the packed GQA tile for a short query block (decoding), 0 for no packing: the group's
+    ``group * seq_q`` query rows rounded up to a power of two, at least the decode tile's rows, at most 64
+    (more rows would cost registers that a separate program per head does not need)."""
+    rows = group * seq_q
+    if group == 1 or seq_q > min(block_m, DECODE_MAX_Q) or rows > _PACK_MAX_ROWS:
+        return 0
+    return max(block_m, 1 << (rows - 1).bit_length())
 
 
 def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:

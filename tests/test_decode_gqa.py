@@ -1,0 +1,56 @@
+"""Decoding with GQA: the forward packs a group's query heads into one tile (one K/V read per group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_against_reference, check_outputs, make_qkv
+
+from mmsparse import mbs_attention, reference_mask
+from mmsparse.functional import new_dropout_seed
+from mmsparse.ops.dropout import dropout_keep_mask
+from mmsparse.ops.forward import gqa_pack_rows
+
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+DECODE = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
+
+
+def test_pack_rows():
+    assert gqa_pack_rows(1, 1, 16) == 0  # no GQA: nothing to pack
+    assert gqa_pack_rows(4, 1, 16) == 16  # at least the decode tile's rows
+    assert gqa_pack_rows(4, 5, 16) == 32  # 20 rows, rounded up to a power of two
+    assert gqa_pack_rows(4, 16, 16) == 64
+    assert gqa_pack_rows(8, 16, 16) == 0  # 128 rows: one program per head instead
+    assert gqa_pack_rows(2, 17, 128) == 0  # not a decode step
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,q_len,causal,dtype",
+    [
+        (4, 2, 1, True, torch.float32),  # 2 rows in a 16-row tile
+        (8, 2, 3, True, torch.bfloat16),  # 12 rows
+        (6, 2, 5, False, torch.float16),  # group of 3: 15 rows
+        (4, 1, 16, True, torch.float32),  # 64 rows, the largest packed tile
+        (8, 1, 16, True, torch.float16),  # 128 rows: not packed, the per-head path
+    ],
+)
+def test_decode_with_gqa_against_float64(heads, kv_heads, q_len, causal, dtype, device):
+    q, k, v = make_qkv(2, heads, kv_heads, q_len, 70, 32, dtype, device)
+    check_against_reference(q, k, v, DECODE, (10, 40, 20), causal=causal)
+
+
+def test_packed_decode_with_per_sample_caches_and_dropout(device):
+    """Per-sample lengths and first-query positions, and dropout (the packed rows draw the bits of their own
+    head): output and gradients against the float64 reference with the same keep mask."""
+    p, q_len = 0.2, 2
+    lens = [(5, 30, 7), (12, 20, 20)]
+    q_start = [40, 50]
+    q, k, v = make_qkv(2, 8, 2, q_len, 52, 16, torch.float32, device)
+    torch.manual_seed(99)
+    out = mbs_attention(q, k, v, HUB, lens, causal=True, dropout_p=p, q_start=q_start)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    torch.manual_seed(99)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 8, q_len, 52, p)
+    mask = reference_mask(HUB, lens, 52, q_len, causal=True, q_start=q_start)
+    check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)
