@@ -54,3 +54,15 @@ def test_packed_decode_with_per_sample_caches_and_dropout(device):
     keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 8, q_len, 52, p)
     mask = reference_mask(HUB, lens, 52, q_len, causal=True, q_start=q_start)
     check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)
+
+
+def test_packed_decode_with_a_dense_mask(device):
+    """A user mask instead of a topology: the packed rows read the mask row of their query."""
+    s, q_len = 45, 3
+    mask = torch.rand(s, s, generator=torch.Generator().manual_seed(5)) < 0.5
+    mask[-2] = False  # a query that sees nothing: zero output and gradients
+    q, k, v = make_qkv(2, 4, 1, q_len, s, 16, torch.float32, device)
+    out = mbs_attention(q, k, v, None, None, attn_mask=mask.to(device))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, mask[None, s - q_len :])

@@ -52,10 +52,12 @@ def test_new_lengths_do_not_recompile():
         mbs_attention(q, k, v, CYCLIC, lens, causal=True).sum().backward()
 
     # Warm-up of the forward's variants: long query tiles writing the output (a grid that fills the GPU) or
-    # fp32 partials (a small grid splits its key lists), and the short-query (decode) tile.
+    # fp32 partials (a small grid splits its key lists), and the short-query (decode) tile with the GQA group
+    # packed into it, in the power-of-two row buckets these lengths reach (2 x 9 -> 32 rows, 2 x 4 -> 16).
     step((640, 4096, 2048))
     step((100, 1000, 500))
     step((2, 3, 4))
+    step((1, 2, 1))
     before = [compiled_variants(kern) for kern in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel)]
     for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
         step(lens)
