@@ -106,8 +106,9 @@ def _fwd_kernel(
         rows = tl.arange(0, BM)
         in_group = rows < GROUP * seq_q
         offs_m = tl.where(in_group, rows % seq_q, seq_q)  # padding rows sit past the end: fully masked
-        bh = b * NUM_HEADS + hk * GROUP + rows // seq_q  # [BM]: each row's batch*head
-        q_rows = Q + b.to(tl.int64) * stride_qb + (bh - b * NUM_HEADS) * stride_qh + offs_m * stride_qm
+        h = hk * GROUP + rows // seq_q  # [BM]: each row's query head
+        bh = b * NUM_HEADS + h
+        q_rows = Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m * stride_qm
         in_d = offs_d < HEAD_DIM
         b_q = tl.load(q_rows[:, None] + offs_d[None, :], mask=in_group[:, None] & in_d[None, :], other=0.0)
         # Output rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
