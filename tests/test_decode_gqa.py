@@ -66,3 +66,15 @@ def test_packed_decode_with_a_dense_mask(device):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, mask[None, s - q_len :])
+
+
+@pytest.mark.parametrize("head_dim", [40, 24])
+def test_packed_decode_with_padded_head_dim_and_empty_segment(head_dim, device):
+    """Head dims that are not powers of two (the packed loads and stores mask the padded columns), a
+    zero-length segment, ragged key tiles, and per-sample first-query positions."""
+    lens, q_start = (12, 0, 41), [0, 49]
+    q, k, v = make_qkv(2, 6, 2, 4, 53, head_dim, torch.float16, device)
+    out = mbs_attention(q, k, v, HUB, lens, causal=True, q_start=q_start)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, 53, 4, causal=True, q_start=q_start))
