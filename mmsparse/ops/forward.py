@@ -116,9 +116,10 @@ def _fwd_kernel(
         bh_rows = bh[:, None]
     else:
         b = pid_bh // NUM_HEADS
-        hk = (pid_bh % NUM_HEADS) // GROUP
+        h = pid_bh % NUM_HEADS
+        hk = h // GROUP
         offs_m = pid_m * BM + tl.arange(0, BM)
-        q_ptr = Q + b.to(tl.int64) * stride_qb + (pid_bh % NUM_HEADS) * stride_qh
+        q_ptr = Q + b.to(tl.int64) * stride_qb + h * stride_qh
         q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         out_bh = split * tl.num_programs(1) + pid_bh
