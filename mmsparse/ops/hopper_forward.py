@@ -1,0 +1,269 @@
+"""Hopper forward in Gluon: the FlashAttention-3 schedule over the listed key blocks of each query block.
+
+Why a second forward: the ``tl`` kernel is an FA2 loop, where one warpgroup alternates between matmuls and softmax,
+so the tensor cores idle while the exponentials run (benchmarks/NOTES.md). Here one CTA owns 128 query rows:
+- a one-warp producer streams the listed K and V tiles through a ring of shared-memory stages with TMA;
+- two consumer warpgroups each own 64 of the rows. Each issues the next block's Q K^T before the current block's
+  P V (both asynchronous), so its softmax runs while its own matmul does;
+- with ``PINGPONG`` the two warpgroups take turns to issue their matmuls, so one's softmax overlaps the other's
+  matmuls.
+
+The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
+exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
+Triton's Gluon API, which is experimental: :func:`mbs_attn_fwd_hopper` is only called where
+:func:`hopper_forward_supported` says so, and a kernel that fails to build falls back to the ``tl`` forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..blocks import cdiv
+from ..mask_info import MaskInfo
+from .alloc import new_empty
+from .config import ensure_tma_allocator
+from .launch import FastKernel
+
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
+BLOCK_M = 2 * WG_ROWS.value
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr, n_total,
+              row0, BN: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
+    can start before V lands)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [row0 + WG_ROWS, 0], q_bar, q_smem.index(1))
+    for it in range(n_total):
+        stage = it % STAGES
+        n_blk = gl.load(idx_ptr + it)
+        # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
+        mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n_blk * BN, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [n_blk * BN, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+                   BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
+    offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    in_q = gl.expand_dims(offs_m < seq_q, 1)
+    in_k = gl.expand_dims(offs_n < seq_k, 0)
+    if MASK_MODE == 0:
+        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
+        allowed = (gl.expand_dims(q_bits, 1) & gl.expand_dims(k_bits, 0)) != 0
+    else:
+        ptrs = mask_ptr + gl.expand_dims(offs_m * stride_mask_q, 1) + gl.expand_dims(offs_n, 0)
+        allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
+    allowed = allowed & in_q & in_k
+    if IS_CAUSAL:
+        allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(past_len + offs_m, 1))
+    return gl.where(allowed, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """Online softmax of one score tile: (p, alpha, m, l) with alpha the factor for what was accumulated before."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # A row that has seen nothing yet keeps m = -inf: 0 as the exponent base gives p = 0, not NaN.
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2((s - gl.expand_dims(m_base, 1)) * qk_scale)
+    alpha = gl.exp2((m_i - m_base) * qk_scale)
+    l_i = gl.fma(l_i, alpha, gl.sum(p, axis=1))
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
+              k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
+    softmax of S_j while the second matmul runs."""
+    q_smem, k_smem, v_smem = buffers
+    q_bar, k_ready, v_ready, kv_empty, turn = barriers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
+    q_bits = offs_m  # a stand-in: only the bit mask reads them
+    if MASK_MODE == 0:
+        q_bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+    q = q_smem.index(WG)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, rows)
+    l_i = gl.zeros([WG_ROWS], gl.float32, rows)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_total > 0:
+        turn_phase = 0
+        # Block 0: its scores alone.
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+            turn_phase ^= 1
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if n_full == 0:
+            s = _masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
+                               seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        for it in range(1, n_total):
+            stage = it % STAGES
+            prev = (it - 1) % STAGES
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), turn_phase)
+            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+                turn_phase ^= 1
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if it >= n_full:
+                s = _masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), k_bits_ptr, mask_ptr, stride_mask_q,
+                                   seq_q, seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(kv_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_total - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
+        mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        mbarrier.arrive(kv_empty.index(last))
+
+    # Rows that attend nothing: l = 0, output 0, lse = +inf (the backward's exp2(s - lse) is then 0).
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    gl.store(lse_ptr + offs_m, gl.where(empty, float("inf"), m_i * qk_scale + gl.log2(l_safe)), mask=offs_m < seq_q)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+    q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0 + WG * WG_ROWS, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_kernel_hopper(
+    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+    MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+):
+    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits)."""
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    b64 = b.to(gl.int64)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
+                                        [WG_ROWS, HEAD_DIM], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + (h // GROUP) * stride_kh, [seq_k, HEAD_DIM],
+                                        [stride_kn, 1], [BN, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
+                                        [stride_vn, 1], [BN, HEAD_DIM], kv_layout)
+    o_desc = tma.make_tensor_descriptor(O + pid_bh.to(gl.int64) * seq_q * HEAD_DIM, [seq_q, HEAD_DIM],
+                                        [HEAD_DIM, 1], [WG_ROWS, HEAD_DIM], q_layout)
+    lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
+    n_full = gl.load(cnt_ptr)
+    n_total = n_full + gl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
+    q_bits_ptr = Q_BITS + b * stride_qbits_b
+    k_bits_ptr = K_BITS + b * stride_kbits_b
+    mask_ptr = MASK + b64 * stride_mask_b
+    past_len = gl.load(PAST + b * stride_past_b)
+    row0 = pid_m * (2 * WG_ROWS)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+
+    buffers = (q_smem, k_smem, v_smem)
+    barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
+    gl.warp_specialize(
+        [
+            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
+                         k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN, HEAD_DIM, STAGES,
+                         MASK_MODE, IS_CAUSAL, PINGPONG)),
+            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
+                         k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN, HEAD_DIM, STAGES,
+                         MASK_MODE, IS_CAUSAL, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
+                         n_total, row0, BN, STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+_FWD_HOPPER = FastKernel(_fwd_kernel_hopper)
+
+
+def mbs_attn_fwd_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float,
+    block_n: int = 128, stages: int = 2, pingpong: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of ``forward.mbs_attn_fwd`` without dropout (qk_scale_log2 = softmax scale * log2(e)):
+    ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    ensure_tma_allocator(q.device)
+    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, block_n)
+    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
+    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
+    _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
+        q, k, v, out, lse, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars,
+        qk_scale_log2,
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BN=block_n, STAGES=stages,
+        MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=pingpong, num_warps=4, maxnreg=168,
+    )
+    return out, lse
