@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -22,6 +24,8 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
+    gluon: bool = False  # forward only: run the Gluon Hopper kernel (ops/hopper_forward.py) where it applies
+    pingpong: bool = False  # Gluon forward: the two consumer warpgroups take turns to issue their matmuls
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,9 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     cfg = _cuda_config(head_dim_pad)
     if torch.cuda.get_device_capability(device_index)[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and head_dim_pad in _GLUON_FWD and hopper_forward_available(device_index):
+        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad])
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -111,6 +118,34 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
             bwd_dq=replace(cfg.bwd_dq, block_n=max(16, cfg.bwd_dq.block_n // 2), num_stages=1),
         )
     return cfg
+
+
+# H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
+# tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
+# stages without ping-pong (1.27x). num_warps is for the tl kernel, which runs this tile where the Gluon one does
+# not apply (dropout, many splits): 128x128 needs 8 warps there.
+_GLUON_FWD = {
+    64: Tile(128, 128, num_warps=8, num_stages=2, gluon=True, pingpong=False),
+    128: Tile(128, 128, num_warps=8, num_stages=3, gluon=True, pingpong=True),
+}
+_gluon_failed = False
+
+
+def hopper_forward_available(device_index: int) -> bool:
+    """The Gluon forward may run: a Hopper GPU (sm_90), Triton with the Gluon API, MMSPARSE_GLUON not "0", and no
+    earlier failure to build it (see :func:`disable_hopper_forward`)."""
+    if _gluon_failed or os.environ.get("MMSPARSE_GLUON", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+def disable_hopper_forward() -> None:
+    """After the Gluon kernel failed to build (an incompatible Triton), use the tl forward from now on."""
+    global _gluon_failed
+    _gluon_failed = True
+    _cached_cuda_config.cache_clear()
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import triton
@@ -27,7 +28,7 @@ from .common import (
     store_block,
     store_rows,
 )
-from .config import DECODE_MAX_Q, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
+from .config import DECODE_MAX_Q, cuda_index, disable_hopper_forward, ensure_tma_allocator, head_dim_pad, kernel_config
 from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -244,12 +245,6 @@ def mbs_attn_fwd(
     group = num_heads // k.shape[1]
     cfg = kernel_config(head_dim, q.dtype, q.device)
     tile = cfg.forward_tile(seq_q)
-    if cfg.use_tma:
-        ensure_tma_allocator(q.device)
-    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
-    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
-    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
-    seed = seed if seed is not None else lse  # never read without dropout
     pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
     if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
         block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
@@ -259,6 +254,16 @@ def mbs_attn_fwd(
         row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
     key_blocks = cdiv(info.seq_k, tile.block_n)
     n_splits = num_splits(row_blocks * bh_programs, key_blocks, q.device)
+    if tile.gluon and dropout_p == 0.0 and n_splits == 1:
+        result = _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, tile)
+        if result is not None:
+            return result
+    if cfg.use_tma:
+        ensure_tma_allocator(q.device)
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
+    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
+    seed = seed if seed is not None else lse  # never read without dropout
     split_len = cdiv(key_blocks, n_splits)
     o_dst, lse_dst = out, lse
     if n_splits > 1:
@@ -279,6 +284,21 @@ def mbs_attn_fwd(
             o_dst, lse_dst, out, lse, n_rows, n_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS,
         )
     return out, lse
+
+
+def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
+    """The Gluon Hopper forward, or None if it cannot be built here (then the tl forward runs from now on)."""
+    try:
+        from .hopper_forward import mbs_attn_fwd_hopper
+
+        return mbs_attn_fwd_hopper(q, k, v, info, qk_scale_log2, tile)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # an experimental API: a Triton that cannot build it must not stop the user
+        warnings.warn(f"mmsparse: the Gluon Hopper forward failed to build ({type(err).__name__}: {err}); "
+                      "using the Triton forward instead", RuntimeWarning, stacklevel=3)
+        disable_hopper_forward()
+        return None
 
 
 _COMBINE_ROWS = 16

@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .config import ensure_tma_allocator
+from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .forward import _DYNAMIC
 from .launch import FastKernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
@@ -88,17 +89,18 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
-              k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
+              HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs."""
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
+    idx_ptr, n_full, n_total, row0 = blocks
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -111,7 +113,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_f
     q = q_smem.index(WG)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, rows)
     l_i = gl.zeros([WG_ROWS], gl.float32, rows)
-    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM_PAD], gl.float32, o_layout)
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     if n_total > 0:
@@ -172,32 +174,34 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_f
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_DYNAMIC)
 def _fwd_kernel_hopper(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale,
-    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
-    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits)."""
+    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits).
+    Tiles are HEAD_DIM_PAD wide: TMA reads the columns past HEAD_DIM as zeros and drops writes there."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     b64 = b.to(gl.int64)
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
     q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
-                                        [WG_ROWS, HEAD_DIM], q_layout)
+                                        [WG_ROWS, HEAD_DIM_PAD], q_layout)
     k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + (h // GROUP) * stride_kh, [seq_k, HEAD_DIM],
-                                        [stride_kn, 1], [BN, HEAD_DIM], kv_layout)
+                                        [stride_kn, 1], [BN, HEAD_DIM_PAD], kv_layout)
     v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
-                                        [stride_vn, 1], [BN, HEAD_DIM], kv_layout)
+                                        [stride_vn, 1], [BN, HEAD_DIM_PAD], kv_layout)
     o_desc = tma.make_tensor_descriptor(O + pid_bh.to(gl.int64) * seq_q * HEAD_DIM, [seq_q, HEAD_DIM],
-                                        [HEAD_DIM, 1], [WG_ROWS, HEAD_DIM], q_layout)
+                                        [HEAD_DIM, 1], [WG_ROWS, HEAD_DIM_PAD], q_layout)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
 
     cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
@@ -210,9 +214,9 @@ def _fwd_kernel_hopper(
     past_len = gl.load(PAST + b * stride_past_b)
     row0 = pid_m * (2 * WG_ROWS)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -230,13 +234,13 @@ def _fwd_kernel_hopper(
 
     buffers = (q_smem, k_smem, v_smem)
     barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
+    blocks = (idx_ptr, n_full, n_total, row0)
+    mask_args = (q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
-                         k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN, HEAD_DIM, STAGES,
+            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, PINGPONG)),
-            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, idx_ptr, n_full, n_total, row0, q_bits_ptr,
-                         k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, BN, HEAD_DIM, STAGES,
+            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, BN, STAGES)),
@@ -250,20 +254,21 @@ _FWD_HOPPER = FastKernel(_fwd_kernel_hopper)
 
 
 def mbs_attn_fwd_hopper(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float,
-    block_n: int = 128, stages: int = 2, pingpong: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float, tile: Tile,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of ``forward.mbs_attn_fwd`` without dropout (qk_scale_log2 = softmax scale * log2(e)):
-    ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
+    """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
+    at ``tile`` (block_m 128; block_n, num_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
+    lse [B, Hq, Sq] float32 in log2 units)``."""
     batch, num_heads, seq_q, head_dim = q.shape
     ensure_tma_allocator(q.device)
-    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, block_n)
+    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
         q, k, v, out, lse, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars,
         qk_scale_log2,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BN=block_n, STAGES=stages,
-        MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=pingpong, num_warps=4, maxnreg=168,
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BN=tile.block_n, STAGES=tile.num_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        num_warps=4, maxnreg=168,
     )
     return out, lse

@@ -1,0 +1,147 @@
+"""The Gluon Hopper forward (mmsparse/ops/hopper_forward.py): where it runs, what it computes, and the fall-backs.
+
+The kernel itself needs an sm_90 GPU (Gluon has no CPU interpreter); the dispatch and the fall-back after a failed
+build are tested everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_against_reference, check_outputs, make_qkv
+
+from mmsparse import mbs_attention, reference_mask
+from mmsparse.functional import new_dropout_seed
+from mmsparse.ops import config, forward
+from mmsparse.ops.config import KernelConfig, Tile, hopper_forward_available, kernel_config, use_config
+from mmsparse.ops.dropout import dropout_keep_mask
+
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+FOUR = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]]  # segment 1 sees nothing
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.is_available() and hopper_forward_available(torch.cuda.current_device())
+
+
+hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and Triton's Gluon API")
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch):
+    """Counts the calls that took the Gluon forward."""
+    from mmsparse.ops import hopper_forward
+
+    calls = []
+    real = hopper_forward.mbs_attn_fwd_hopper
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", spy)
+    return calls
+
+
+CASES = [
+    # (topology, seg_lens (or per-sample), causal, batch, heads, kv_heads, seq_q or None, head_dim, dtype)
+    (CYCLIC, (300, 1000, 777), False, 1, 4, 2, None, 128, torch.bfloat16),
+    (HUB, (513, 2049, 1031), True, 1, 2, 2, None, 64, torch.float16),
+    (HUB, [(100, 900, 300), (700, 200, 77)], False, 2, 2, 1, None, 128, torch.bfloat16),
+    (CYCLIC, (500, 1200, 900), True, 1, 2, 1, 300, 128, torch.bfloat16),
+    (FOUR, (999, 130, 700, 1100), False, 1, 2, 1, None, 96, torch.bfloat16),
+    (HUB, (10, 40, 27), False, 1, 1, 1, None, 128, torch.bfloat16),
+]
+
+
+def _id(case) -> str:
+    topo, lens, causal, b, h, hk, sq, d, dtype = case
+    return f"k{len(topo)}-B{b}-H{h}x{hk}-Sq{sq}-D{d}-{str(dtype)[6:]}{'-causal' if causal else ''}-{lens}"
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_against_float64(case, hopper_calls):
+    """Ragged segments (partial blocks), causal, GQA, per-sample lengths, fewer queries than keys, a segment that
+    sees nothing, a padded head dim (96 in 128-wide tiles), a sequence shorter than one tile; output and all three
+    gradients (the backward reads the Gluon forward's lse)."""
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype = case
+    seq_k = max(sum(r) for r in lens) if isinstance(lens, list) else sum(lens)
+    # Enough heads for a grid of 2 programs per SM, else the key lists are split (the tl forward's job).
+    programs = -(-(seq_q or seq_k) // 128) * batch * heads
+    more = -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // programs)
+    heads, kv_heads = heads * more, kv_heads * more
+    q, k, v = make_qkv(batch, heads, kv_heads, seq_q or seq_k, seq_k, head_dim, dtype, torch.device("cuda"))
+    check_against_reference(q, k, v, topo, lens, causal=causal)
+    assert len(hopper_calls) == 1
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_mask_with_an_empty_row(causal, hopper_calls):
+    dev = torch.device("cuda")
+    q, k, v = make_qkv(1, 64, 32, 1500, 1500, 128, torch.bfloat16, dev)
+    mask = torch.rand(1500, 1500, device=dev) < 0.3
+    mask[5] = False
+    out = mbs_attention(q, k, v, None, None, causal=causal, attn_mask=mask)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    want = mask & torch.ones_like(mask).tril() if causal else mask
+    check_outputs(q, k, v, out, grad_out, want.cpu())
+    assert len(hopper_calls) == 1
+    assert not out[:, :, 5].any()
+
+
+@hopper
+@pytest.mark.gpu
+def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_calls):
+    """Dropout, and a grid too small to fill the GPU (split key lists), are the tl kernel's: it runs the Gluon
+    tile (128 x 128, 8 warps) on the same block lists."""
+    dev = torch.device("cuda")
+    assert kernel_config(128, torch.bfloat16, dev).fwd.gluon
+    lens = (300, 1000, 777)
+    q, k, v = make_qkv(1, 2, 1, 2077, 2077, 128, torch.bfloat16, dev)
+    check_against_reference(q, k, v, CYCLIC, lens)  # 17 x 2 programs: split
+
+    q, k, v = make_qkv(1, 64, 32, 2077, 2077, 128, torch.bfloat16, dev)
+    torch.manual_seed(7)
+    out = mbs_attention(q, k, v, HUB, lens, dropout_p=0.2)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    torch.manual_seed(7)
+    keep = dropout_keep_mask(new_dropout_seed(dev), 1, 64, 2077, 2077, 0.2)
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, 2077), dropout_keep=keep, dropout_p=0.2)
+    assert hopper_calls == []
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
+    """An incompatible Triton: the Gluon forward raises on its first launch; the call still returns the right
+    answer from the tl forward, with a warning, and later calls go straight to the tl forward."""
+    from mmsparse.ops import hopper_forward
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("simulated build failure")
+
+    monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", broken)
+    monkeypatch.setattr(config, "_gluon_failed", False)
+    monkeypatch.setattr(forward, "num_splits", lambda *args: 1)  # a grid this small would split on a GPU
+    base = kernel_config(32, torch.float32, device)
+    gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon=True)
+    q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
+    with use_config(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
+        with pytest.warns(RuntimeWarning, match="Gluon Hopper forward failed to build"):
+            check_against_reference(q, k, v, HUB, (9, 30, 21))
+    assert calls == [1]
+    assert config._gluon_failed
+    assert not hopper_forward_available(0)
+
+
+def test_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("MMSPARSE_GLUON", "0")
+    assert not hopper_forward_available(0)
+    assert forward._hopper_forward is not None  # the dispatch itself stays importable everywhere
