@@ -12,7 +12,7 @@ from helpers import check_against_reference, check_outputs, make_qkv
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops import config, forward
-from mmsparse.ops.config import KernelConfig, Tile, hopper_forward_available, kernel_config, use_config
+from mmsparse.ops.config import KernelConfig, Tile, hopper_gluon_available, kernel_config, use_config
 from mmsparse.ops.dropout import dropout_keep_mask
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
@@ -21,7 +21,7 @@ FOUR = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]]  # segment 1 see
 
 
 def _on_hopper() -> bool:
-    return torch.cuda.is_available() and hopper_forward_available(torch.cuda.current_device())
+    return torch.cuda.is_available() and hopper_gluon_available(torch.cuda.current_device())
 
 
 hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and Triton's Gluon API")
@@ -134,14 +134,14 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon=True)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_config(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
-        with pytest.warns(RuntimeWarning, match="Gluon Hopper forward failed to build"):
+        with pytest.warns(RuntimeWarning, match="Gluon Hopper kernel failed to build"):
             check_against_reference(q, k, v, HUB, (9, 30, 21))
     assert calls == [1]
     assert config._gluon_failed
-    assert not hopper_forward_available(0)
+    assert not hopper_gluon_available(0)
 
 
 def test_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("MMSPARSE_GLUON", "0")
-    assert not hopper_forward_available(0)
+    assert not hopper_gluon_available(0)
     assert forward._hopper_forward is not None  # the dispatch itself stays importable everywhere

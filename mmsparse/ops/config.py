@@ -10,8 +10,10 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import triton
@@ -107,7 +109,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     if torch.cuda.get_device_capability(device_index)[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and head_dim_pad in _GLUON_FWD and hopper_forward_available(device_index):
+    if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
         cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad])
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
@@ -129,11 +131,12 @@ _GLUON_FWD = {
     128: Tile(128, 128, num_warps=8, num_stages=3, gluon=True, pingpong=True),
 }
 _gluon_failed = False
+T = TypeVar("T")
 
 
-def hopper_forward_available(device_index: int) -> bool:
-    """The Gluon forward may run: a Hopper GPU (sm_90), Triton with the Gluon API, MMSPARSE_GLUON not "0", and no
-    earlier failure to build it (see :func:`disable_hopper_forward`)."""
+def hopper_gluon_available(device_index: int) -> bool:
+    """The Gluon kernels may run: a Hopper GPU (sm_90), Triton with the Gluon API, MMSPARSE_GLUON not "0", and no
+    earlier failure to build one (see :func:`run_gluon`)."""
     if _gluon_failed or os.environ.get("MMSPARSE_GLUON", "1") == "0":
         return False
     if torch.cuda.get_device_capability(device_index) != (9, 0):
@@ -141,11 +144,20 @@ def hopper_forward_available(device_index: int) -> bool:
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def disable_hopper_forward() -> None:
-    """After the Gluon kernel failed to build (an incompatible Triton), use the tl forward from now on."""
+def run_gluon(launch: Callable[[], T]) -> T | None:
+    """Run a Gluon launch, or return None after it failed to build: Gluon is Triton's experimental API, and a
+    Triton that cannot build these kernels must not stop the user. The tl kernels then run from now on."""
     global _gluon_failed
-    _gluon_failed = True
-    _cached_cuda_config.cache_clear()
+    try:
+        return launch()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        warnings.warn(f"mmsparse: a Gluon Hopper kernel failed to build ({type(err).__name__}: {err}); using the "
+                      "Triton kernels instead", RuntimeWarning, stacklevel=4)
+        _gluon_failed = True
+        _cached_cuda_config.cache_clear()
+        return None
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import triton
@@ -28,7 +27,7 @@ from .common import (
     store_block,
     store_rows,
 )
-from .config import DECODE_MAX_Q, cuda_index, disable_hopper_forward, ensure_tma_allocator, head_dim_pad, kernel_config
+from .config import DECODE_MAX_Q, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
 from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -287,18 +286,14 @@ def mbs_attn_fwd(
 
 
 def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
-    """The Gluon Hopper forward, or None if it cannot be built here (then the tl forward runs from now on)."""
-    try:
+    """The Gluon Hopper forward, or None if it cannot be built here."""
+
+    def launch():
         from .hopper_forward import mbs_attn_fwd_hopper
 
         return mbs_attn_fwd_hopper(q, k, v, info, qk_scale_log2, tile)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # an experimental API: a Triton that cannot build it must not stop the user
-        warnings.warn(f"mmsparse: the Gluon Hopper forward failed to build ({type(err).__name__}: {err}); "
-                      "using the Triton forward instead", RuntimeWarning, stacklevel=3)
-        disable_hopper_forward()
-        return None
+
+    return run_gluon(launch)
 
 
 _COMBINE_ROWS = 16

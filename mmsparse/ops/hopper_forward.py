@@ -11,7 +11,7 @@ so the tensor cores idle while the exponentials run (benchmarks/NOTES.md). Here 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
 Triton's Gluon API, which is experimental: :func:`mbs_attn_fwd_hopper` is only called where
-:func:`hopper_forward_supported` says so, and a kernel that fails to build falls back to the ``tl`` forward.
+``config.hopper_gluon_available`` says so, and a kernel that fails to build falls back to the ``tl`` forward.
 """
 
 from __future__ import annotations
