@@ -104,6 +104,14 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
     lens = (300, 1000, 777)
     q, k, v = make_qkv(1, 2, 1, 2077, 2077, 128, torch.bfloat16, dev)
     check_against_reference(q, k, v, CYCLIC, lens)  # 17 x 2 programs: split
+    # The same with a dense mask, whose tiles the tl kernel also stages (3 stages would not fit).
+    mask = torch.rand(2077, 2077, device=dev) < 0.3
+    out = mbs_attention(q, k, v, None, None, causal=True, attn_mask=mask)
+    grad_out = torch.randn_like(out)
+    for t in (q, k, v):
+        t.grad = None
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, (mask & torch.ones_like(mask).tril()).cpu())
 
     q, k, v = make_qkv(1, 64, 32, 2077, 2077, 128, torch.bfloat16, dev)
     torch.manual_seed(7)

@@ -26,7 +26,7 @@ from .common import (
     program_setup,
     store_block,
 )
-from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
+from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
 from .forward import _DYNAMIC, _LOG2E, dot_mode
 from .launch import FastKernel
 
@@ -268,34 +268,18 @@ def mbs_attn_bwd(
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
 
+    dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
+    dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
-    dkdv = None
-    if tile.gluon and dropout_p == 0.0:
-        dkdv = _hopper_dkdv(q, k, v, do, lse, delta, info, qk_scale, softmax_scale, tile)
-    if dkdv is None:
-        dk, dv = (new_empty((batch, num_kv_heads, seq_k, head_dim), t.dtype, t.device) for t in (k, v))
-        mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
-        _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-            q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-            dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
-            BN=tile.block_n, **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        )
-    else:
-        dk, dv = dkdv
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
+    _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+        dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
+        **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
-
-
-def _hopper_dkdv(q, k, v, do, lse, delta, info, qk_scale_log2, softmax_scale, tile):
-    """The Gluon Hopper dK/dV pass, or None if it cannot be built here."""
-
-    def launch():
-        from .hopper_backward import mbs_attn_dkdv_hopper
-
-        return mbs_attn_dkdv_hopper(q, k, v, do, lse, delta, info, qk_scale_log2, softmax_scale, tile)
-
-    return run_gluon(launch)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

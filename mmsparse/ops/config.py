@@ -125,7 +125,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 # H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
 # stages without ping-pong (1.27x). num_warps is for the tl kernel, which runs this tile where the Gluon one does
-# not apply (dropout, many splits): 128x128 needs 8 warps there.
+# not apply (dropout, split key lists): 128x128 needs 8 warps there (and at most 2 stages, see forward.py).
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon=True, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=3, gluon=True, pingpong=True),
