@@ -304,8 +304,9 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
         return mmsparse.mbs_attention(q, k, v, cfg.topology, cfg.seg_lens, causal=cfg.causal)
 
     t = tiles
-    desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
-                     for n, x in (("fwd", t.forward_tile(cfg.q_len)), ("dkdv", t.bwd_dkdv), ("dq", t.bwd_dq)))
+    fwd = t.forward_tile(cfg.q_len, cfg.seq_k)
+    desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}{' gluon' if x.gluon else ''}"
+                     for n, x in (("fwd", fwd), ("dkdv", t.bwd_dkdv), ("dq", t.bwd_dq)))
     return Impl(fn, build_ms=build_ms, state_mib=state_mib, info={"backend": "triton", "tiles": desc})
 
 

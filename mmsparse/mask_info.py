@@ -117,7 +117,7 @@ class MaskInfo:
     def prepare(self, config: KernelConfig) -> MaskInfo:
         """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
         CUDA-graph capture."""
-        keys = _list_keys(config, self.seq_q)
+        keys = _list_keys(config, self.seq_q, self.seq_k)
         if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
@@ -136,7 +136,7 @@ class MaskInfo:
         else:
             tensors = [empty_bits, empty_bits, self.dense]
         tensors.append(self.past)
-        for key in _list_keys(config, self.seq_q):
+        for key in _list_keys(config, self.seq_q, self.seq_k):
             lists = self._lists[key]
             tensors += [lists.counts, lists.indices]
         return tensors
@@ -152,7 +152,7 @@ class MaskInfo:
                        q_start=past)
         else:
             info = cls(mode, seq_q, seq_k, causal, dense=dense, q_start=past)
-        for i, key in enumerate(_list_keys(config, seq_q)):
+        for i, key in enumerate(_list_keys(config, seq_q, seq_k)):
             info._lists[key] = BlockLists(tensors[4 + 2 * i], tensors[5 + 2 * i])
         return info
 
@@ -185,9 +185,10 @@ class MaskInfo:
         return args
 
 
-def _list_keys(config: KernelConfig, seq_q: int) -> list[tuple[int, int, bool]]:
-    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries."""
-    fwd = config.forward_tile(seq_q)
+def _list_keys(config: KernelConfig, seq_q: int, seq_k: int) -> list[tuple[int, int, bool]]:
+    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
+    over seq_k keys."""
+    fwd = config.forward_tile(seq_q, seq_k)
     return [
         (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),

@@ -177,7 +177,7 @@ def test_split_key_lists_match_reference(q_len, causal, device):
     lens = (70, 9, 71)  # vision, audio, text; the text tail is the queries
     topo = [[1, 0, 0], [0, 1, 0], [1, 0, 1]]
     q, k, v = make_qkv(1, 2, 1, q_len, 150, 32, torch.bfloat16, device)
-    tile = kernel_config(32, q.dtype, q.device).forward_tile(q_len)
+    tile = kernel_config(32, q.dtype, q.device).forward_tile(q_len, 150)
     assert num_splits(2 * -(-q_len // tile.block_m), -(-150 // tile.block_n), q.device) > 1 or device.type == "cuda"
     out = mbs_attention(q, k, v, topo, lens, causal=causal)
     grad_out = torch.randn_like(out)
@@ -203,7 +203,7 @@ def test_split_key_lists_edge_cases(q_len, device):
     lens = (0, 30, 22, 9)
     topo = [[1, 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0]]  # the last segment's rows attend nothing
     q, k, v = make_qkv(1, 2, 1, q_len, 61, 40, torch.float16, device)
-    tile = kernel_config(40, q.dtype, q.device).forward_tile(q_len)
+    tile = kernel_config(40, q.dtype, q.device).forward_tile(q_len, 61)
     assert num_splits(2 * -(-q_len // tile.block_m), -(-61 // tile.block_n), q.device) > 1 or device.type == "cuda"
     out = mbs_attention(q, k, v, topo, lens)
     grad_out = torch.randn_like(out)

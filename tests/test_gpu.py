@@ -79,7 +79,7 @@ def test_decode_over_a_long_cache_against_float64(q_len):
     lens = (6000, 1680, 512)  # vision, audio, text (the queries are the last text tokens)
     topo = [[1, 0, 0], [0, 1, 0], [1, 0, 1]]
     q, k, v = make_qkv(2, 8, 2, q_len, sum(lens), 128, torch.bfloat16, torch.device("cuda"))
-    tile = kernel_config(128, q.dtype, q.device).forward_tile(q_len)
+    tile = kernel_config(128, q.dtype, q.device).forward_tile(q_len, sum(lens))
     assert num_splits(2 * 8, -(-sum(lens) // tile.block_n), q.device) > 1
     check_against_reference(q, k, v, topo, lens, causal=True)
 

@@ -29,9 +29,11 @@ hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and Tri
 
 @pytest.fixture
 def hopper_calls(monkeypatch):
-    """Counts the calls that took the Gluon forward."""
+    """Counts the calls that took the Gluon forward, which runs at every length here (by default, short key ranges
+    take the tl tile: see test_few_keys_take_the_tl_tile)."""
     from mmsparse.ops import hopper_forward
 
+    monkeypatch.setattr(config, "SHORT_KEYS", 0)
     calls = []
     real = hopper_forward.mbs_attn_fwd_hopper
 
@@ -147,6 +149,27 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
     assert calls == [1]
     assert config._gluon_failed
     assert not hopper_gluon_available(0)
+
+
+@hopper
+@pytest.mark.gpu
+def test_few_keys_take_the_tl_tile(hopper_calls, monkeypatch):
+    """Below SHORT_KEYS keys (the seed: 925) the tl forward runs its own tile, with its own block lists."""
+    monkeypatch.setattr(config, "SHORT_KEYS", 2048)
+    q, k, v = make_qkv(8, 16, 16, 925, 925, 64, torch.bfloat16, torch.device("cuda"))
+    check_against_reference(q, k, v, CYCLIC, (50, 375, 500))
+    assert hopper_calls == []
+    cfg = kernel_config(64, torch.bfloat16, q.device)
+    assert not cfg.forward_tile(925, 925).gluon and cfg.forward_tile(925, 2048).gluon
+
+
+def test_forward_tile_choice():
+    short, long, decode = Tile(64, 64), Tile(128, 128, gluon=True), Tile(16, 64)
+    cfg = KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode, fwd_short=short)
+    assert cfg.forward_tile(925, 925) is short
+    assert cfg.forward_tile(925, config.SHORT_KEYS) is long
+    assert cfg.forward_tile(16, 10**5) is decode
+    assert KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode).forward_tile(100, 100) is long
 
 
 def test_can_be_switched_off(monkeypatch):

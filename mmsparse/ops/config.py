@@ -37,13 +37,19 @@ class KernelConfig:
     bwd_dq: Tile  # block_m: the query block a program owns; block_n: the key tiles it walks
     decode: Tile  # the forward's tile when seq_q <= DECODE_MAX_Q (decoding)
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
+    fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
 
-    def forward_tile(self, seq_q: int) -> Tile:
-        """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows."""
-        return self.decode if seq_q <= DECODE_MAX_Q else self.fwd
+    def forward_tile(self, seq_q: int, seq_k: int) -> Tile:
+        """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
+        get ``fwd_short``: the Gluon forward's fixed cost per program (descriptors, barriers, warp roles) is not
+        repaid by short key lists."""
+        if seq_q <= DECODE_MAX_Q:
+            return self.decode
+        return self.fwd_short if self.fwd_short is not None and seq_k < SHORT_KEYS else self.fwd
 
 
 DECODE_MAX_Q = 16
+SHORT_KEYS = 2048
 
 
 # Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
@@ -110,7 +116,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
-        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad])
+        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -124,8 +130,10 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 
 # H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
-# stages without ping-pong (1.27x). num_warps is for the tl kernel, which runs this tile where the Gluon one does
-# not apply (dropout, split key lists): 128x128 needs 8 warps there (and at most 2 stages, see forward.py).
+# stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
+# the tl tile runs (lengths between 925 and 13k were not measured). num_warps is for the tl kernel, which runs
+# this tile where the Gluon one does not apply (dropout, split key lists): 128x128 needs 8 warps there (and at
+# most 2 stages, see forward.py).
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon=True, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=3, gluon=True, pingpong=True),

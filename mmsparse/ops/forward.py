@@ -243,7 +243,7 @@ def mbs_attn_fwd(
     batch, num_heads, seq_q, head_dim = q.shape
     group = num_heads // k.shape[1]
     cfg = kernel_config(head_dim, q.dtype, q.device)
-    tile = cfg.forward_tile(seq_q)
+    tile = cfg.forward_tile(seq_q, info.seq_k)
     pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
     if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
         block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
