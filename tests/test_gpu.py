@@ -54,7 +54,9 @@ def test_new_lengths_do_not_recompile():
     # Warm-up of the forward's variants: long query tiles writing the output (a grid that fills the GPU) or
     # fp32 partials (a small grid splits its key lists), and the short-query (decode) tile with the GQA group
     # packed into it, in the power-of-two row buckets these lengths reach (2 x 9 -> 32 rows, 2 x 4 -> 16).
+    # On Hopper, 2048 keys and more take the Gluon tile: the Gluon forward, or the tl one splitting a small grid.
     step((640, 4096, 2048))
+    step((300, 1000, 800))
     step((100, 1000, 500))
     step((2, 3, 4))
     step((1, 2, 1))
