@@ -53,6 +53,7 @@ CASES = [
     (CYCLIC, (500, 1200, 900), True, 1, 2, 1, 300, 128, torch.bfloat16),
     (FOUR, (999, 130, 700, 1100), False, 1, 2, 1, None, 96, torch.bfloat16),
     (HUB, (10, 40, 27), False, 1, 1, 1, None, 128, torch.bfloat16),
+    (CYCLIC, (0, 2000, 600), True, 1, 2, 1, None, 128, torch.bfloat16),  # a zero-length segment
 ]
 
 
@@ -66,8 +67,8 @@ def _id(case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_against_float64(case, hopper_calls):
     """Ragged segments (partial blocks), causal, GQA, per-sample lengths, fewer queries than keys, a segment that
-    sees nothing, a padded head dim (96 in 128-wide tiles), a sequence shorter than one tile; output and all three
-    gradients (the backward reads the Gluon forward's lse)."""
+    sees nothing, a zero-length segment, a padded head dim (96 in 128-wide tiles), a sequence shorter than one
+    tile; output and all three gradients (the backward reads the Gluon forward's lse)."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype = case
     seq_k = max(sum(r) for r in lens) if isinstance(lens, list) else sum(lens)
     # Enough heads for a grid of 2 programs per SM, else the key lists are split (the tl forward's job).
@@ -100,7 +101,7 @@ def test_dense_mask_with_an_empty_row(causal, hopper_calls):
 @pytest.mark.gpu
 def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_calls):
     """Dropout, and a grid too small to fill the GPU (split key lists), are the tl kernel's: it runs the Gluon
-    tile (128 x 128, 8 warps) on the same block lists."""
+    tile (128 x 128, 8 warps, 2 stages) on the same block lists."""
     dev = torch.device("cuda")
     assert kernel_config(128, torch.bfloat16, dev).fwd.gluon
     lens = (300, 1000, 777)
@@ -141,7 +142,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
     monkeypatch.setattr(config, "_gluon_failed", False)
     monkeypatch.setattr(forward, "num_splits", lambda *args: 1)  # a grid this small would split on a GPU
     base = kernel_config(32, torch.float32, device)
-    gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon=True)
+    gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_config(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
         with pytest.warns(RuntimeWarning, match="Gluon Hopper kernel failed to build"):
@@ -164,7 +165,7 @@ def test_few_keys_take_the_tl_tile(hopper_calls, monkeypatch):
 
 
 def test_forward_tile_choice():
-    short, long, decode = Tile(64, 64), Tile(128, 128, gluon=True), Tile(16, 64)
+    short, long, decode = Tile(64, 64), Tile(128, 128, gluon_stages=3), Tile(16, 64)
     cfg = KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode, fwd_short=short)
     assert cfg.forward_tile(925, 925) is short
     assert cfg.forward_tile(925, config.SHORT_KEYS) is long

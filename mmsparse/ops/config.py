@@ -26,8 +26,14 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
-    gluon: bool = False  # forward only: run the Gluon Hopper kernel (ops/hopper_forward.py) where it applies
+    # Forward only: > 0 runs the Gluon Hopper kernel (ops/hopper_forward.py) at this tile with that many stages
+    # where it applies; num_warps and num_stages stay the tl kernel's, which runs the tile elsewhere.
+    gluon_stages: int = 0
     pingpong: bool = False  # Gluon forward: the two consumer warpgroups take turns to issue their matmuls
+
+    @property
+    def gluon(self) -> bool:
+        return self.gluon_stages > 0
 
 
 @dataclass(frozen=True)
@@ -131,12 +137,12 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 # H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
 # stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
-# the tl tile runs (lengths between 925 and 13k were not measured). num_warps is for the tl kernel, which runs
-# this tile where the Gluon one does not apply (dropout, split key lists): 128x128 needs 8 warps there (and at
-# most 2 stages, see forward.py).
+# the tl tile runs (lengths between 925 and 13k were not measured). num_warps and num_stages are the tl kernel's,
+# which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128 needs 8 warps there,
+# and 3 stages with a dense mask would need ~290 KB of shared memory.
 _GLUON_FWD = {
-    64: Tile(128, 128, num_warps=8, num_stages=2, gluon=True, pingpong=False),
-    128: Tile(128, 128, num_warps=8, num_stages=3, gluon=True, pingpong=True),
+    64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
+    128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
 _gluon_failed = False
 T = TypeVar("T")

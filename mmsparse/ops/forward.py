@@ -264,9 +264,6 @@ def mbs_attn_fwd(
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     seed = seed if seed is not None else lse  # never read without dropout
     split_len = cdiv(key_blocks, n_splits)
-    # The Gluon tile's stages are the Gluon kernel's; on this kernel a 128 x 128 tile fits 2 (3 with a dense mask
-    # need ~290 KB of shared memory).
-    num_stages = min(tile.num_stages, 2) if tile.gluon else tile.num_stages
     o_dst, lse_dst = out, lse
     if n_splits > 1:
         o_dst = new_empty((n_splits, batch, num_heads, seq_q, head_dim), torch.float32, q.device)
@@ -278,7 +275,7 @@ def mbs_attn_fwd(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         BM=block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
-        PACK_GQA=pack_rows > 0, num_warps=num_warps, num_stages=num_stages,
+        PACK_GQA=pack_rows > 0, num_warps=num_warps, num_stages=tile.num_stages,
     )
     if n_splits > 1:
         n_rows = batch * num_heads * seq_q

@@ -257,7 +257,7 @@ def mbs_attn_fwd_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float, tile: Tile,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
-    at ``tile`` (block_m 128; block_n, num_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
+    at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
     lse [B, Hq, Sq] float32 in log2 units)``."""
     batch, num_heads, seq_q, head_dim = q.shape
     ensure_tma_allocator(q.device)
@@ -268,7 +268,7 @@ def mbs_attn_fwd_hopper(
         q, k, v, out, lse, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars,
         qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        BN=tile.block_n, STAGES=tile.num_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
     return out, lse
