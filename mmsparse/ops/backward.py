@@ -26,7 +26,7 @@ from .common import (
     program_setup,
     store_block,
 )
-from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config
+from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
 from .forward import _DYNAMIC, _LOG2E, dot_mode
 from .launch import FastKernel
 
@@ -261,12 +261,14 @@ def mbs_attn_bwd(
         side.wait_stream(main)  # delta and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         tile = cfg.bwd_dq
-        mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
-        _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
-            q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-            dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
-        )
+        on_gluon = tile.gluon and dropout_p == 0.0
+        if not (on_gluon and _hopper_dq(q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale, tile)):
+            mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+            _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
+                q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+                dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
+                num_warps=tile.num_warps, num_stages=tile.num_stages,
+            )
 
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
@@ -280,6 +282,18 @@ def mbs_attn_bwd(
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
+
+
+def _hopper_dq(q, k, v, do, lse, delta, dq, info, qk_scale_log2, softmax_scale, tile) -> bool:
+    """Run the Gluon Hopper dQ pass into ``dq``; False if it cannot be built here."""
+
+    def launch():
+        from .hopper_dq import mbs_attn_dq_hopper
+
+        mbs_attn_dq_hopper(q, k, v, do, lse, delta, dq, info, qk_scale_log2, softmax_scale, tile)
+        return True
+
+    return run_gluon(launch) is not None
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

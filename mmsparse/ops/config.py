@@ -26,8 +26,9 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
-    # Forward only: > 0 runs the Gluon Hopper kernel (ops/hopper_forward.py) at this tile with that many stages
-    # where it applies; num_warps and num_stages stay the tl kernel's, which runs the tile elsewhere.
+    # Forward and dQ tiles: > 0 runs the Gluon Hopper kernel (ops/hopper_forward.py, ops/hopper_dq.py) at this
+    # tile with that many stages where it applies; num_warps and num_stages stay the tl kernel's, which runs the
+    # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
     pingpong: bool = False  # Gluon forward: the two consumer warpgroups take turns to issue their matmuls
 
@@ -123,6 +124,8 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
         cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd)
+        if head_dim_pad in _GLUON_DQ:
+            cfg = replace(cfg, bwd_dq=_GLUON_DQ[head_dim_pad])
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -144,6 +147,10 @@ _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
+# The Gluon dQ pass (ops/hopper_dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
+# process (benchmarks/NOTES.md, session 7), whole backward vs the tl dQ: 3 stages 1.04-1.09x at D=128, 2 stages
+# 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. The tl dQ kernel runs this tile with dropout.
+_GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)}
 _gluon_failed = False
 T = TypeVar("T")
 

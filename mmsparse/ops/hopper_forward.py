@@ -46,6 +46,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row0, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [row0 + WG_ROWS, 0], q_bar, q_smem.index(1))
+    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN, STAGES)
+
+
+@gluon.jit
+def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """The producer's loop: K and V of every listed key block into the stage ring, each stage refilled once both
+    consumer warpgroups released it (the forward and the Gluon dQ pass share it)."""
     for it in range(n_total):
         stage = it % STAGES
         n_blk = gl.load(idx_ptr + it)
@@ -58,7 +66,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 
 @gluon.jit
-def _masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
                    BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
     offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
@@ -128,7 +136,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             turn_phase ^= 1
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
-            s = _masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
+            s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
                                seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
@@ -146,7 +154,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
                 turn_phase ^= 1
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
-                s = _masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), k_bits_ptr, mask_ptr, stride_mask_q,
+                s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), k_bits_ptr, mask_ptr, stride_mask_q,
                                    seq_q, seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))

@@ -1,0 +1,278 @@
+"""Hopper dK/dV pass in Gluon: the key block's gradients with a TMA producer warp and two consumer warpgroups.
+
+One CTA owns 128 keys; each consumer warpgroup owns 64 of them (and their dK, dV accumulators) and walks the
+query blocks of the key block's list, for every head of the GQA group, as one flat sequence of steps. A one-warp
+producer streams Q and dO (TMA) and the lse and delta rows (loads, shared stores) through a ring of stages.
+
+Each warpgroup is software-pipelined so that its exponentials overlap its own matmuls (wgmma waits are in order):
+step i issues S^T_i = K Q_i^T and dP^T_i = V dO_i^T, then dK += dS^T_{i-1} Q_{i-1} from the previous step's dS
+(kept in registers); computes P^T_i once S^T_i is done (dP^T_i and dK_{i-1} still running); issues
+dV += P^T_i dO_i; waits for dP^T_i and dK_{i-1}, releases stage i-1, and forms dS^T_i while dV_i runs. A stage is
+thus held for two steps: at least 2 stages. The numerics are those of the ``tl`` dK/dV kernel
+(``backward._dkdv_tiles``). No dropout: that stays with the ``tl`` kernel. Called only where
+``config.hopper_gluon_available`` allows, like the Gluon forward.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..blocks import cdiv
+from ..mask_info import MaskInfo
+from .alloc import new_empty
+from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .forward import _DYNAMIC
+from .launch import FastKernel
+
+WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
+BLOCK_N = 2 * WG_KEYS.value
+
+
+@gluon.jit
+def _producer(Q, DO, LSE, DELTA, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, col0, b64, hk, stride_qb,
+              stride_qh, stride_qm, seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+    """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
+    every listed query block of every head of the group."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = buffers
+    kv_bar, ready, empty = barriers
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [col0 + half * WG_KEYS, 0], kv_bar, k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [col0 + half * WG_KEYS, 0], kv_bar, v_smem.index(half))
+    q_layout: gl.constexpr = q_smem.type.layout
+    rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
+                                            [BM, HEAD_DIM_PAD], q_layout)
+        row0 = (b64 * NUM_HEADS + h) * seq_q
+        do_desc = tma.make_tensor_descriptor(DO + row0 * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
+                                             [BM, HEAD_DIM_PAD], q_layout)
+        for it in range(n_total):
+            i = g * n_total + it
+            stage = i % STAGES
+            m_blk = gl.load(idx_ptr + it)
+            offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
+            # Rows past the end get lse = +inf, hence p = 0.
+            lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+            delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            lse_smem.index(stage).store(lse)
+            delta_smem.index(stage).store(delta)
+            # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
+            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [m_blk * BM, 0], ready.index(stage), q_smem.index(stage))
+            tma.async_copy_global_to_shared(do_desc, [m_blk * BM, 0], ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _masked_probs(pt, offs_n, offs_m, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+                  MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The exact token mask of one partial [keys, queries] tile (``common.pair_mask``): disallowed p -> 0."""
+    in_q = gl.expand_dims(offs_m < seq_q, 0)
+    in_k = gl.expand_dims(offs_n < seq_k, 1)
+    if MASK_MODE == 0:
+        q_bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
+        allowed = (gl.expand_dims(k_bits, 1) & gl.expand_dims(q_bits, 0)) != 0
+    else:
+        ptrs = mask_ptr + gl.expand_dims(offs_m * stride_mask_q, 0) + gl.expand_dims(offs_n, 1)
+        allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
+    allowed = allowed & in_q & in_k
+    if IS_CAUSAL:
+        allowed = allowed & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(past_len + offs_m, 0))
+    return gl.where(allowed, pt, 0.0)
+
+
+@gluon.jit
+def _probs(st, lse, qk_scale, it, n_full, m_blk, offs_n, mask_args, BM: gl.constexpr, MASK_MODE: gl.constexpr,
+           IS_CAUSAL: gl.constexpr):
+    """P^T of one [keys, queries] tile from the raw scores S^T, masked in the partial blocks (it >= n_full)."""
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernel
+    if it >= n_full:
+        offs_m = m_blk * BM + gl.arange(0, BM, layout=lse.type.layout)
+        pt = _masked_probs(pt, offs_n, offs_m, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k,
+                           past_len, MASK_MODE, IS_CAUSAL)
+    return pt
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args,
+              qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
+              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
+    sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
+    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = buffers
+    kv_bar, ready, empty = barriers
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
+    k_w = k_smem.index(WG)
+    v_w = v_smem.index(WG)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
+    total = GROUP * n_total
+    mbarrier.wait(kv_bar, 0)
+    if total > 0:
+        # Step 0: no dK of a previous step to issue.
+        mbarrier.wait(ready.index(0), 0)
+        do_s = do_smem.index(0)
+        st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt = _probs(st, lse_smem.index(0).load(cols), qk_scale, 0, n_full, gl.load(idx_ptr), offs_n, mask_args, BM,
+                    MASK_MODE, IS_CAUSAL)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        delta = delta_smem.index(0).load(cols)
+        dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        for i in range(1, total):
+            # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
+            stage = i % STAGES
+            prev = (i - 1) % STAGES
+            it = i % n_total
+            m_blk = gl.load(idx_ptr + it)
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            do_s = do_smem.index(stage)
+            st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
+            st = warpgroup_mma_wait(2, deps=(st,))
+            pt = _probs(st, lse_smem.index(stage).load(cols), qk_scale, it, n_full, m_blk, offs_n, mask_args, BM,
+                        MASK_MODE, IS_CAUSAL)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+            # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).
+            dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
+            mbarrier.arrive(empty.index(prev))
+            delta = delta_smem.index(stage).load(cols)
+            dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
+            # dV_i is drained here rather than in the next step: a wgmma still in flight across the loop's back edge
+            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
+            dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        last = (total - 1) % STAGES
+        dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
+        dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+        mbarrier.arrive(empty.index(last))
+    # K and V of this warpgroup are no longer read: stage dK and dV there for the TMA stores.
+    k_w.store((dk * sm_scale).to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [col0 + WG * WG_KEYS, 0], k_w)
+    tma.async_copy_shared_to_global(dv_desc, [col0 + WG * WG_KEYS, 0], v_w)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def _dkdv_kernel_hopper(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout)."""
+    gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hk = pid_bh % NUM_KV_HEADS
+    b64 = b.to(gl.int64)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hk * stride_kh, [seq_k, HEAD_DIM], [stride_kn, 1],
+                                        [WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk * stride_vh, [seq_k, HEAD_DIM], [stride_vn, 1],
+                                        [WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    out0 = pid_bh.to(gl.int64) * seq_k * HEAD_DIM
+    dk_desc = tma.make_tensor_descriptor(DK + out0, [seq_k, HEAD_DIM], [HEAD_DIM, 1], [WG_KEYS, HEAD_DIM_PAD],
+                                         kv_layout)
+    dv_desc = tma.make_tensor_descriptor(DV + out0, [seq_k, HEAD_DIM], [HEAD_DIM, 1], [WG_KEYS, HEAD_DIM_PAD],
+                                         kv_layout)
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_n * 2
+    n_full = gl.load(cnt_ptr)
+    n_total = n_full + gl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_n * stride_idx_r
+    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b64 * stride_mask_b, stride_mask_q,
+                 seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    col0 = pid_n * (2 * WG_KEYS)
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+
+    buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+    barriers = (kv_bar, ready, empty)
+    gl.warp_specialize(
+        [
+            (_consumer, (0, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL)),
+            (_consumer, (1, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL)),
+            (_producer, (Q, DO, LSE, DELTA, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, col0, b64, hk,
+                         stride_qb, stride_qh, stride_qm, seq_q, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_PAD, BM,
+                         STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+_DKDV_HOPPER = FastKernel(_dkdv_kernel_hopper)
+
+
+def mbs_attn_dkdv_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK and dV as ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m and
+    gluon_stages, at least 2, are read): ``(dk, dv)`` ``[B, Hkv, Sk, D]``, summed over each GQA group."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    ensure_tma_allocator(q.device)
+    mask_tensors, mask_scalars = info.launch_args(tile.block_m, BLOCK_N, by_key=True)
+    dk, dv = (new_empty((batch, num_kv_heads, seq_k, head_dim), t.dtype, t.device) for t in (k, v))
+    _DKDV_HOPPER[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *mask_scalars, qk_scale_log2, softmax_scale,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad(head_dim), BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
+        IS_CAUSAL=info.causal, num_warps=4, maxnreg=168,
+    )
+    return dk, dv

@@ -1,0 +1,217 @@
+"""Hopper dQ pass in Gluon: the query block's gradient with a TMA producer warp and two consumer warpgroups.
+
+The schedule is the Gluon forward's (``hopper_forward``): one CTA owns 128 query rows, a one-warp producer streams
+the listed K and V tiles through a ring of shared-memory stages, and each consumer warpgroup owns 64 rows and their
+dQ accumulator. Iteration j issues S_j = Q K_j^T and dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, all
+asynchronous, and forms dS_j while that last matmul runs, so the exponentials overlap the tensor cores within a
+warpgroup (the ``tl`` dQ kernel alternates between them).
+
+The numerics are the ``tl`` dQ kernel's (``backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
+mask in partial blocks only, dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
+with the ``tl`` kernel. Called only where ``config.hopper_gluon_available`` allows.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..blocks import cdiv
+from ..mask_info import MaskInfo
+from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .forward import _DYNAMIC
+from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, stream_kv_ring
+from .launch import FastKernel
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, BN: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp: Q and dO of both warpgroups once, then the K/V ring."""
+    q_smem, do_smem, k_smem, v_smem = buffers
+    qdo_bar, k_ready, v_ready, kv_empty = barriers
+    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [row0 + half * WG_ROWS, 0], qdo_bar, q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [row0 + half * WG_ROWS, 0], qdo_bar, do_smem.index(half))
+    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN, STAGES)
+
+
+@gluon.jit
+def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args, qk_scale, BN: gl.constexpr,
+                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """dS = P (dP - delta) of one tile. Rows past the end (lse = +inf) and disallowed pairs (s = -inf) get
+    p = 0."""
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    if masked:
+        s = masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+                          BN, MASK_MODE, IS_CAUSAL)
+    p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(neg_lse, 1)))  # explicit FMA, as the tl kernels
+    return p * (dp - gl.expand_dims(delta, 1))
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
+              BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """One warpgroup, 64 query rows: dQ over the listed key blocks."""
+    q_smem, do_smem, k_smem, v_smem = buffers
+    qdo_bar, k_ready, v_ready, kv_empty = barriers
+    lse_ptr, delta_ptr = row_ptrs
+    idx_ptr, n_full, n_total, row0 = blocks
+    q_bits_ptr = mask_args[0]
+    seq_q = mask_args[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
+    in_rows = offs_m < seq_q
+    q_bits = offs_m  # a stand-in: only the bit mask reads them
+    if MASK_MODE == 0:
+        q_bits = gl.load(q_bits_ptr + offs_m, mask=in_rows, other=0)
+    neg_lse = -gl.load(lse_ptr + offs_m, mask=in_rows, other=float("inf"))
+    delta = gl.load(delta_ptr + offs_m, mask=in_rows, other=0.0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    dq = gl.zeros([WG_ROWS, HEAD_DIM_PAD], gl.float32, dq_layout)
+    s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
+    mbarrier.wait(qdo_bar, 0)
+    if n_total > 0:
+        # Block 0: its dS alone.
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(0), 0)
+        dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, gl.load(idx_ptr), mask_args,
+                          qk_scale, BN, MASK_MODE, IS_CAUSAL)
+        ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
+        for it in range(1, n_total):
+            stage = it % STAGES
+            prev = (it - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
+            dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
+            # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
+            s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+            ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, gl.load(idx_ptr + it), mask_args,
+                              qk_scale, BN, MASK_MODE, IS_CAUSAL)
+            dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
+            mbarrier.arrive(kv_empty.index(prev))
+            ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
+        last = (n_total - 1) % STAGES
+        dq = warpgroup_mma(ds_prev, k_smem.index(last), dq, is_async=True)
+        dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
+        mbarrier.arrive(kv_empty.index(last))
+
+    q.store((dq * sm_scale).to(dtype))  # this warpgroup's Q rows are no longer read: stage dQ there
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [row0 + WG * WG_ROWS, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def _dq_kernel_hopper(
+    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+):
+    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout). dO and dQ
+    are contiguous ``[B, Hq, Sq, D]``; tiles are HEAD_DIM_PAD wide (TMA zero-fills the columns past HEAD_DIM)."""
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    b64 = b.to(gl.int64)
+    bh_rows = pid_bh.to(gl.int64) * seq_q
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
+                                        [WG_ROWS, HEAD_DIM_PAD], q_layout)
+    do_desc = tma.make_tensor_descriptor(DO + bh_rows * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
+                                         [WG_ROWS, HEAD_DIM_PAD], q_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ + bh_rows * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
+                                         [WG_ROWS, HEAD_DIM_PAD], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + (h // GROUP) * stride_kh, [seq_k, HEAD_DIM],
+                                        [stride_kn, 1], [BN, HEAD_DIM_PAD], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
+                                        [stride_vn, 1], [BN, HEAD_DIM_PAD], kv_layout)
+
+    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
+    n_full = gl.load(cnt_ptr)
+    n_total = n_full + gl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
+    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b64 * stride_mask_b, stride_mask_q,
+                 seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    row0 = pid_m * (2 * WG_ROWS)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(qdo_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+
+    buffers = (q_smem, do_smem, k_smem, v_smem)
+    barriers = (qdo_bar, k_ready, v_ready, kv_empty)
+    row_ptrs = (LSE + bh_rows, DELTA + bh_rows)
+    blocks = (idx_ptr, n_full, n_total, row0)
+    gl.warp_specialize(
+        [
+            (_consumer, (0, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL)),
+            (_consumer, (1, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, BN, STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+_DQ_HOPPER = FastKernel(_dq_kernel_hopper)
+
+
+def mbs_attn_dq_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
+) -> None:
+    """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as ``backward._dq_kernel`` computes it
+    without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read). ``do`` must be contiguous. The
+    caller allocates dq, so that it belongs to the caller's stream when this runs on a side stream."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    ensure_tma_allocator(q.device)
+    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
+    _DQ_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
+        q, k, v, do, lse, delta, dq, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *mask_scalars, qk_scale_log2, softmax_scale,
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+        num_warps=4, maxnreg=168,
+    )
