@@ -28,13 +28,13 @@ def dq_calls(monkeypatch):
     from mmsparse.ops import hopper_dq
 
     calls = []
-    real = hopper_dq.mbs_attn_dq_hopper
+    real = hopper_dq.run
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_dq, "mbs_attn_dq_hopper", spy)
+    monkeypatch.setattr(hopper_dq, "run", spy)
     return calls
 
 
@@ -105,7 +105,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
         calls.append(1)
         raise RuntimeError("simulated build failure")
 
-    monkeypatch.setattr(hopper_dq, "mbs_attn_dq_hopper", broken)
+    monkeypatch.setattr(hopper_dq, "run", broken)
     monkeypatch.setattr(config, "_gluon_failed", False)
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.bwd_dq.block_m, base.bwd_dq.block_n, gluon_stages=2)

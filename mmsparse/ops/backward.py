@@ -7,6 +7,7 @@ result is bitwise reproducible. For GQA a dK/dV program walks all query heads of
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 import triton
@@ -262,7 +263,8 @@ def mbs_attn_bwd(
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         tile = cfg.bwd_dq
         on_gluon = tile.gluon and dropout_p == 0.0
-        if not (on_gluon and _hopper_dq(q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale, tile)):
+        if not (on_gluon and _hopper_pass("hopper_dq", q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale,
+                                          tile)):
             mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
                 q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
@@ -273,25 +275,26 @@ def mbs_attn_bwd(
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
-    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
-    _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-        dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
-        **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )
+    on_gluon = tile.gluon and dropout_p == 0.0
+    if not (on_gluon and _hopper_pass("hopper_dkdv", q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
+                                      softmax_scale, tile)):
+        mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
+        _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+            dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
+            BN=tile.block_n, **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
 
 
-def _hopper_dq(q, k, v, do, lse, delta, dq, info, qk_scale_log2, softmax_scale, tile) -> bool:
-    """Run the Gluon Hopper dQ pass into ``dq``; False if it cannot be built here."""
+def _hopper_pass(module: str, *args) -> bool:
+    """Run a Gluon Hopper pass (``hopper_dq.run``, ``hopper_dkdv.run``) into its output buffers; False if it
+    cannot be built here (``config.run_gluon``). Imported on first use: Gluon is Triton's experimental API."""
 
     def launch():
-        from .hopper_dq import mbs_attn_dq_hopper
-
-        mbs_attn_dq_hopper(q, k, v, do, lse, delta, dq, info, qk_scale_log2, softmax_scale, tile)
-        return True
+        return importlib.import_module(f".{module}", __package__).run(*args)
 
     return run_gluon(launch) is not None
 

@@ -198,10 +198,10 @@ def _dq_kernel_hopper(
 _DQ_HOPPER = FastKernel(_dq_kernel_hopper)
 
 
-def mbs_attn_dq_hopper(
+def run(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> None:
+) -> bool:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as ``backward._dq_kernel`` computes it
     without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read). ``do`` must be contiguous. The
     caller allocates dq, so that it belongs to the caller's stream when this runs on a side stream."""
@@ -215,3 +215,4 @@ def mbs_attn_dq_hopper(
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
         num_warps=4, maxnreg=168,
     )
+    return True
