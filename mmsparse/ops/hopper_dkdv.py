@@ -27,7 +27,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .alloc import new_empty
 from .config import Tile, ensure_tma_allocator, head_dim_pad
 from .forward import _DYNAMIC
 from .launch import FastKernel
@@ -257,17 +256,18 @@ def _dkdv_kernel_hopper(
 _DKDV_HOPPER = FastKernel(_dkdv_kernel_hopper)
 
 
-def mbs_attn_dkdv_hopper(
+def run(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK and dV as ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m and
-    gluon_stages, at least 2, are read): ``(dk, dv)`` ``[B, Hkv, Sk, D]``, summed over each GQA group."""
+    dk_dv: tuple[torch.Tensor, torch.Tensor], info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
+) -> bool:
+    """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
+    ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages, at
+    least 2, are read)."""
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     ensure_tma_allocator(q.device)
     mask_tensors, mask_scalars = info.launch_args(tile.block_m, BLOCK_N, by_key=True)
-    dk, dv = (new_empty((batch, num_kv_heads, seq_k, head_dim), t.dtype, t.device) for t in (k, v))
+    dk, dv = dk_dv
     _DKDV_HOPPER[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *mask_scalars, qk_scale_log2, softmax_scale,
@@ -275,4 +275,4 @@ def mbs_attn_dkdv_hopper(
         HEAD_DIM_PAD=head_dim_pad(head_dim), BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
         IS_CAUSAL=info.causal, num_warps=4, maxnreg=168,
     )
-    return dk, dv
+    return True
