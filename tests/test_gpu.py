@@ -61,10 +61,19 @@ def test_new_lengths_do_not_recompile():
     step((2, 3, 4))
     step((1, 2, 1))
     kernels = [_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel]
-    if kernel_config(64, torch.bfloat16, dev).fwd.gluon:  # the Hopper forward runs the first length
+    cfg = kernel_config(64, torch.bfloat16, dev)
+    if cfg.fwd.gluon:  # the Hopper forward runs the first length
         from mmsparse.ops.hopper_forward import _fwd_kernel_hopper
 
         kernels.append(_fwd_kernel_hopper)
+    if cfg.bwd_dkdv.gluon:
+        from mmsparse.ops.hopper_dkdv import _dkdv_kernel_hopper
+
+        kernels.append(_dkdv_kernel_hopper)
+    if cfg.bwd_dq.gluon:
+        from mmsparse.ops.hopper_dq import _dq_kernel_hopper
+
+        kernels.append(_dq_kernel_hopper)
     before = [compiled_variants(kern) for kern in kernels]
     for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
         step(lens)

@@ -1,6 +1,7 @@
-"""The Gluon Hopper dQ pass (mmsparse/ops/hopper_dq.py): where it runs, what it computes, and the fall-backs.
+"""The Gluon Hopper backward passes (mmsparse/ops/hopper_dkdv.py, hopper_dq.py): where they run, what they compute,
+and the fall-backs.
 
-Like the Gluon forward, the kernel needs an sm_90 GPU; its dispatch and the fall-back after a failed build are
+Like the Gluon forward, the kernels need an sm_90 GPU; their dispatch and the fall-back after a failed build are
 tested everywhere."""
 
 from __future__ import annotations
@@ -15,52 +16,53 @@ from test_hopper_forward import CASES, CYCLIC, HUB, _id, hopper
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops import config
-from mmsparse.ops.config import KernelConfig, Tile, hopper_gluon_available, kernel_config, use_config
+from mmsparse.ops.config import KernelConfig, Tile, head_dim_pad, hopper_gluon_available, kernel_config, use_config
 from mmsparse.ops.dropout import dropout_keep_mask
 
 GLUON_DQ = Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)
 
 
 @pytest.fixture
-def dq_calls(monkeypatch):
-    """Counts the backward calls that took the Gluon dQ pass, which runs at every head dim here (by default only
-    at D=128: see config._GLUON_DQ)."""
-    from mmsparse.ops import hopper_dq
+def gluon_calls(monkeypatch):
+    """Records which Gluon backward passes ran ("dkdv", "dq"). The dQ pass runs at every head dim here (by default
+    only at D=128: see config._GLUON_DQ)."""
+    from mmsparse.ops import hopper_dkdv, hopper_dq
 
     calls = []
-    real = hopper_dq.run
+    for name, module in (("dkdv", hopper_dkdv), ("dq", hopper_dq)):
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+        def spy(*args, _real=module.run, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_dq, "run", spy)
+        monkeypatch.setattr(module, "run", spy)
     return calls
 
 
-def _with_gluon_dq(head_dim: int, dtype: torch.dtype) -> KernelConfig:
-    return replace(kernel_config(head_dim, dtype, torch.device("cuda")), bwd_dq=GLUON_DQ)
+def _with_gluon_backward(head_dim: int, dtype: torch.dtype) -> KernelConfig:
+    cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
+    return replace(cfg, bwd_dq=GLUON_DQ, bwd_dkdv=config._GLUON_DKDV[head_dim_pad(head_dim)])
 
 
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_against_float64(case, dq_calls):
+def test_against_float64(case, gluon_calls):
     """Ragged segments, causal, GQA, per-sample lengths, fewer queries than keys, a segment that sees nothing, a
     zero-length segment, D 64/96/128, fp16/bf16, a sequence shorter than one tile: output and all three
     gradients."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype = case
     seq_k = max(sum(r) for r in lens) if isinstance(lens, list) else sum(lens)
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q or seq_k, seq_k, head_dim, dtype, torch.device("cuda"))
-    with use_config(_with_gluon_dq(head_dim, dtype)):
+    with use_config(_with_gluon_backward(head_dim, dtype)):
         check_against_reference(q, k, v, topo, lens, causal=causal)
-    assert len(dq_calls) == 1
+    assert sorted(gluon_calls) == ["dkdv", "dq"]
 
 
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_mask_with_an_empty_row_and_column(causal, dq_calls):
+def test_dense_mask_with_an_empty_row_and_column(causal, gluon_calls):
     dev = torch.device("cuda")
     q, k, v = make_qkv(1, 4, 2, 1500, 1500, 128, torch.bfloat16, dev)
     mask = torch.rand(1500, 1500, device=dev) < 0.3
@@ -71,17 +73,19 @@ def test_dense_mask_with_an_empty_row_and_column(causal, dq_calls):
     out.backward(grad_out)
     want = mask & torch.ones_like(mask).tril() if causal else mask
     check_outputs(q, k, v, out, grad_out, want.cpu())
-    assert len(dq_calls) == 1
-    assert not q.grad[:, :, 5].any()
+    assert sorted(gluon_calls) == ["dkdv", "dq"]
+    assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
 
 @hopper
 @pytest.mark.gpu
-def test_default_tiles_and_dropout(dq_calls):
-    """By default the Gluon dQ pass runs at D=128 in half precision; dropout runs the tl dQ kernel at its tile."""
+def test_default_tiles_and_dropout(gluon_calls):
+    """By default the Gluon passes run in half precision (dQ at D=128 only); dropout runs the tl kernels at the
+    Gluon tiles."""
     dev = torch.device("cuda")
-    assert kernel_config(128, torch.bfloat16, dev).bwd_dq.gluon
-    assert not kernel_config(128, torch.float32, dev).bwd_dq.gluon
+    bf16, fp32 = kernel_config(128, torch.bfloat16, dev), kernel_config(128, torch.float32, dev)
+    assert bf16.bwd_dq.gluon and bf16.bwd_dkdv.gluon and kernel_config(64, torch.float16, dev).bwd_dkdv.gluon
+    assert not (fp32.bwd_dq.gluon or fp32.bwd_dkdv.gluon)
     lens = (300, 1000, 777)
     q, k, v = make_qkv(1, 4, 2, 2077, 2077, 128, torch.bfloat16, dev)
     torch.manual_seed(7)
@@ -91,13 +95,14 @@ def test_default_tiles_and_dropout(dq_calls):
     torch.manual_seed(7)
     keep = dropout_keep_mask(new_dropout_seed(dev), 1, 4, 2077, 2077, 0.2)
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, 2077), dropout_keep=keep, dropout_p=0.2)
-    assert dq_calls == []
+    assert gluon_calls == []
 
 
-def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
-    """An incompatible Triton: the Gluon dQ pass raises on its first launch; the backward still returns the right
-    gradients from the tl dQ kernel, with a warning, and Gluon is off from then on."""
-    from mmsparse.ops import hopper_dq
+@pytest.mark.parametrize("failing", ["hopper_dkdv", "hopper_dq"])
+def test_a_failed_build_warns_and_falls_back(failing, monkeypatch, device):
+    """An incompatible Triton: a Gluon backward pass raises on its first launch; the backward still returns the
+    right gradients from the tl kernels, with a warning, and Gluon is off from then on."""
+    import importlib
 
     calls = []
 
@@ -105,12 +110,14 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
         calls.append(1)
         raise RuntimeError("simulated build failure")
 
-    monkeypatch.setattr(hopper_dq, "run", broken)
+    monkeypatch.setattr(importlib.import_module(f"mmsparse.ops.{failing}"), "run", broken)
     monkeypatch.setattr(config, "_gluon_failed", False)
     base = kernel_config(32, torch.float32, device)
-    gluon_tile = Tile(base.bwd_dq.block_m, base.bwd_dq.block_n, gluon_stages=2)
+    gluon = {"hopper_dkdv": "bwd_dkdv", "hopper_dq": "bwd_dq"}[failing]
+    tile = getattr(base, gluon)
+    cfg = replace(base, **{gluon: Tile(tile.block_m, tile.block_n, gluon_stages=2)})
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
-    with use_config(KernelConfig(fwd=base.fwd, bwd_dkdv=base.bwd_dkdv, bwd_dq=gluon_tile, decode=base.decode)):
+    with use_config(cfg):
         with pytest.warns(RuntimeWarning, match="Gluon Hopper kernel failed to build"):
             check_against_reference(q, k, v, CYCLIC, (9, 30, 21))
     assert calls == [1]

@@ -26,7 +26,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
-    # Forward and dQ tiles: > 0 runs the Gluon Hopper kernel (ops/hopper_forward.py, ops/hopper_dq.py) at this
+    # > 0 runs the Gluon Hopper kernel of the pass (ops/hopper_forward.py, hopper_dkdv.py, hopper_dq.py) at this
     # tile with that many stages where it applies; num_warps and num_stages stay the tl kernel's, which runs the
     # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
@@ -124,8 +124,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
         cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd)
-        if head_dim_pad in _GLUON_DQ:
-            cfg = replace(cfg, bwd_dq=_GLUON_DQ[head_dim_pad])
+        cfg = replace(cfg, bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -151,6 +150,15 @@ _GLUON_FWD = {
 # process (benchmarks/NOTES.md, session 7), whole backward vs the tl dQ: 3 stages 1.04-1.09x at D=128, 2 stages
 # 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. The tl dQ kernel runs this tile with dropout.
 _GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)}
+# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups. H100, one process,
+# whole backward vs the tl dK/dV (benchmarks/NOTES.md, session 7): D=128 32-row query tiles with 3 stages and
+# 64-row tiles with 2 stages each won on half of the configs (1.02-1.07x over the default before); 32 rows is
+# kept, as it spills no registers. D=64: 64-row tiles, 3 stages (1.12-1.18x). The tl kernel runs the tile with
+# dropout.
+_GLUON_DKDV = {
+    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
+    128: Tile(32, 128, num_warps=8, num_stages=2, gluon_stages=3),
+}
 _gluon_failed = False
 T = TypeVar("T")
 
