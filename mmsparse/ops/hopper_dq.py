@@ -37,7 +37,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
               STAGES: gl.constexpr):
     """One warp: Q and dO of both warpgroups once, then the K/V ring."""
     q_smem, do_smem, k_smem, v_smem = buffers
-    qdo_bar, k_ready, v_ready, kv_empty = barriers
+    qdo_bar, k_ready, v_ready, kv_empty, _ = barriers
     mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [row0 + half * WG_ROWS, 0], qdo_bar, q_smem.index(half))
@@ -61,10 +61,11 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
               BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):
-    """One warpgroup, 64 query rows: dQ over the listed key blocks."""
+              IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup, 64 query rows: dQ over the listed key blocks. With PINGPONG the two warpgroups take turns
+    to issue each step's matmuls (n_total + 1 turns each), so one forms dS while the other's matmuls run."""
     q_smem, do_smem, k_smem, v_smem = buffers
-    qdo_bar, k_ready, v_ready, kv_empty = barriers
+    qdo_bar, k_ready, v_ready, kv_empty, turn = barriers
     lse_ptr, delta_ptr = row_ptrs
     idx_ptr, n_full, n_total, row0 = blocks
     q_bits_ptr = mask_args[0]
@@ -89,11 +90,17 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, ma
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(qdo_bar, 0)
     if n_total > 0:
+        turn_phase = 0
         # Block 0: its dS alone.
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(0), 0)
         dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+            turn_phase ^= 1
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, gl.load(idx_ptr), mask_args,
                           qk_scale, BN, MASK_MODE, IS_CAUSAL)
@@ -101,11 +108,16 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, ma
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), turn_phase)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
             dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+                turn_phase ^= 1
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, gl.load(idx_ptr + it), mask_args,
@@ -114,7 +126,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, ma
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         last = (n_total - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
         dq = warpgroup_mma(ds_prev, k_smem.index(last), dq, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
         dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
         mbarrier.arrive(kv_empty.index(last))
 
@@ -132,6 +148,7 @@ def _dq_kernel_hopper(
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout). dO and dQ
     are contiguous ``[B, Hq, Sq, D]``; tiles are HEAD_DIM_PAD wide (TMA zero-fills the columns past HEAD_DIM)."""
@@ -177,17 +194,21 @@ def _dq_kernel_hopper(
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
 
     buffers = (q_smem, do_smem, k_smem, v_smem)
-    barriers = (qdo_bar, k_ready, v_ready, kv_empty)
+    barriers = (qdo_bar, k_ready, v_ready, kv_empty, turn)
     row_ptrs = (LSE + bh_rows, DELTA + bh_rows)
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
             (_consumer, (1, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, BN, STAGES)),
         ],
         [4, 1],
@@ -203,8 +224,9 @@ def run(
     dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
 ) -> bool:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as ``backward._dq_kernel`` computes it
-    without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read). ``do`` must be contiguous. The
-    caller allocates dq, so that it belongs to the caller's stream when this runs on a side stream."""
+    without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read). ``do`` must be
+    contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
+    stream."""
     batch, num_heads, seq_q, head_dim = q.shape
     ensure_tma_allocator(q.device)
     mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
@@ -212,7 +234,7 @@ def run(
         q, k, v, do, lse, delta, dq, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
     return True
