@@ -150,14 +150,14 @@ _GLUON_FWD = {
 # process (benchmarks/NOTES.md, session 7), whole backward vs the tl dQ: 3 stages 1.04-1.09x at D=128, 2 stages
 # 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. The tl dQ kernel runs this tile with dropout.
 _GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)}
-# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups. H100, one process,
-# whole backward vs the tl dK/dV (benchmarks/NOTES.md, session 7): D=128 32-row query tiles with 3 stages and
-# 64-row tiles with 2 stages each won on half of the configs (1.02-1.07x over the default before); 32 rows is
-# kept, as it spills no registers. D=64: 64-row tiles, 3 stages (1.12-1.18x). The tl kernel runs the tile with
-# dropout.
+# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups. H100, one process
+# each, whole backward (benchmarks/NOTES.md, session 7): at D=128, 32-row query tiles with 3 stages and 64-row
+# tiles with 2 stages tied while the 64-row kernel spilled 256 B; with 16 B left it is 1.00-1.05x the 32-row one
+# (1.05x on the hub masks). D=64: 64-row tiles, 3 stages. The ping-pong option gave nothing (0.96-1.04x). The tl
+# kernel runs the tile with dropout.
 _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
-    128: Tile(32, 128, num_warps=8, num_stages=2, gluon_stages=3),
+    128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=2),
 }
 _gluon_failed = False
 T = TypeVar("T")

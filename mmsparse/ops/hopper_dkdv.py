@@ -9,7 +9,10 @@ step i issues S^T_i = K Q_i^T and dP^T_i = V dO_i^T, then dK += dS^T_{i-1} Q_{i-
 (kept in registers); computes P^T_i once S^T_i is done (dP^T_i and dK_{i-1} still running); issues
 dV += P^T_i dO_i; waits for dP^T_i and dK_{i-1}, releases stage i-1, and forms dS^T_i while dV_i runs. A stage is
 thus held for two steps: at least 2 stages. The numerics are those of the ``tl`` dK/dV kernel
-(``backward._dkdv_tiles``). No dropout: that stays with the ``tl`` kernel. Called only where
+(``backward._dkdv_tiles``), save that a partial block's token mask is the initial value of S^T (0 or -inf, from
+query indices and bits the producer stores per stage) rather than a where() on P^T: p = 0 all the same where the
+scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
+consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
 ``config.hopper_gluon_available`` allows, like the Gluon forward.
 """
 from __future__ import annotations
@@ -36,13 +39,16 @@ BLOCK_N = 2 * WG_KEYS.value
 
 
 @gluon.jit
-def _producer(Q, DO, LSE, DELTA, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, col0, b64, hk, stride_qb,
-              stride_qh, stride_qm, seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-              HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+def _producer(Q, DO, LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b64, hk,
+              stride_qb, stride_qh, stride_qm, seq_q, q_bits_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+              HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+              MASK_MODE: gl.constexpr):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
-    every listed query block of every head of the group."""
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = buffers
-    kv_bar, ready, empty = barriers
+    every listed query block of every head of the group, with the block's query indices (for the partial blocks'
+    token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done = barriers[:4]
+    k_desc, v_desc, dk_desc, dv_desc = descs
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [col0 + half * WG_KEYS, 0], kv_bar, k_smem.index(half))
@@ -67,53 +73,70 @@ def _producer(Q, DO, LSE, DELTA, k_desc, v_desc, buffers, barriers, idx_ptr, n_t
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             lse_smem.index(stage).store(lse)
             delta_smem.index(stage).store(delta)
+            rows_smem.index(stage).store(offs_m)
+            if MASK_MODE == 0:
+                if it >= n_full:
+                    # Rows past the end get no bits, hence no allowed pair.
+                    qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [m_blk * BM, 0], ready.index(stage), q_smem.index(stage))
             tma.async_copy_global_to_shared(do_desc, [m_blk * BM, 0], ready.index(stage), do_smem.index(stage))
+    # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
+    # across the consumers' loop (they spilled at D=128, BM=64).
+    mbarrier.wait(done, 0)
+    for half in gl.static_range(2):
+        tma.async_copy_shared_to_global(dk_desc, [col0 + half * WG_KEYS, 0], k_smem.index(half))
+        tma.async_copy_shared_to_global(dv_desc, [col0 + half * WG_KEYS, 0], v_smem.index(half))
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _masked_probs(pt, offs_n, offs_m, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-                  MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The exact token mask of one partial [keys, queries] tile (``common.pair_mask``): disallowed p -> 0."""
-    in_q = gl.expand_dims(offs_m < seq_q, 0)
-    in_k = gl.expand_dims(offs_n < seq_k, 1)
+def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, MASK_MODE: gl.constexpr,
+               IS_CAUSAL: gl.constexpr):
+    """The exact token mask of one partial [keys, queries] tile (``common.pair_mask``) as the initial value of
+    S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0."""
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    offs_m = rows_s.load(cols)
     if MASK_MODE == 0:
-        q_bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
-        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
-        allowed = (gl.expand_dims(k_bits, 1) & gl.expand_dims(q_bits, 0)) != 0
+        allowed = (gl.expand_dims(k_bits, 1) & gl.expand_dims(qbits_s.load(cols), 0)) != 0
     else:
+        in_q = gl.expand_dims(offs_m < seq_q, 0)
+        in_k = gl.expand_dims(offs_n < seq_k, 1)
         ptrs = mask_ptr + gl.expand_dims(offs_m * stride_mask_q, 0) + gl.expand_dims(offs_n, 1)
         allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
-    allowed = allowed & in_q & in_k
     if IS_CAUSAL:
         allowed = allowed & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(past_len + offs_m, 0))
-    return gl.where(allowed, pt, 0.0)
+    return gl.where(allowed, 0.0, float("-inf"))
 
 
 @gluon.jit
-def _probs(st, lse, qk_scale, it, n_full, m_blk, offs_n, mask_args, BM: gl.constexpr, MASK_MODE: gl.constexpr,
-           IS_CAUSAL: gl.constexpr):
-    """P^T of one [keys, queries] tile from the raw scores S^T, masked in the partial blocks (it >= n_full)."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
-    pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernel
-    if it >= n_full:
-        offs_m = m_blk * BM + gl.arange(0, BM, layout=lse.type.layout)
-        pt = _masked_probs(pt, offs_n, offs_m, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k,
-                           past_len, MASK_MODE, IS_CAUSAL)
-    return pt
+def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero, MASK_MODE: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+    """The accumulator S^T = K Q^T is issued onto: the mask bias in the partial blocks (it >= n_full), nothing in
+    the full ones: ``(initial value, use_acc)``. Built before the matmuls are issued, while only dK and dV hold
+    registers: as a where() on P^T it spilled at D=128, BM=64."""
+    cols: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
+    partial = it >= n_full
+    st0 = st_zero
+    if partial:
+        st0 = _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL)
+    return st0, partial
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args,
+def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
-              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
-    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does."""
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = buffers
-    kv_bar, ready, empty = barriers
+    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
+
+    With ``PINGPONG`` the warpgroups take turns to issue each step's first group of matmuls (S^T_i, dP^T_i,
+    dK_{i-1}; the last dK alone), so that one's exponentials run while the other's matmuls do. Both take the same
+    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done, turn = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -122,6 +145,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_
     dtype: gl.constexpr = q_smem.dtype
 
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
+    k_bits = offs_n  # a stand-in: only the bit mask reads them
+    if MASK_MODE == 0:
+        k_bits = gl.load(mask_args[1] + offs_n, mask=offs_n < mask_args[5], other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -131,13 +157,20 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_
     mbarrier.wait(kv_bar, 0)
     if total > 0:
         # Step 0: no dK of a previous step to issue.
+        turn_phase = 0
         mbarrier.wait(ready.index(0), 0)
+        st0, partial = _scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
+                                    st_zero, MASK_MODE, IS_CAUSAL)
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
         do_s = do_smem.index(0)
-        st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+            turn_phase ^= 1
         st = warpgroup_mma_wait(1, deps=(st,))
-        pt = _probs(st, lse_smem.index(0).load(cols), qk_scale, 0, n_full, gl.load(idx_ptr), offs_n, mask_args, BM,
-                    MASK_MODE, IS_CAUSAL)
+        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(0).load(cols), 0)))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
@@ -149,16 +182,21 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_
             stage = i % STAGES
             prev = (i - 1) % STAGES
             it = i % n_total
-            m_blk = gl.load(idx_ptr + it)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
+                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), turn_phase)
             do_s = do_smem.index(stage)
-            st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
             dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+                turn_phase ^= 1
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
-            pt = _probs(st, lse_smem.index(stage).load(cols), qk_scale, it, n_full, m_blk, offs_n, mask_args, BM,
-                        MASK_MODE, IS_CAUSAL)
+            pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(stage).load(cols), 0)))
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).
@@ -170,16 +208,19 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_
             # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
             dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         last = (total - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), turn_phase)
         dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
         dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
-    # K and V of this warpgroup are no longer read: stage dK and dV there for the TMA stores.
+    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [col0 + WG * WG_KEYS, 0], k_w)
-    tma.async_copy_shared_to_global(dv_desc, [col0 + WG * WG_KEYS, 0], v_w)
-    tma.store_wait(0)
+    gl.thread_barrier()  # every thread's stores and fence before the one arrival
+    mbarrier.arrive(done)
 
 
 @gluon.jit(do_not_specialize=_DYNAMIC)
@@ -190,7 +231,7 @@ def _dkdv_kernel_hopper(
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
@@ -227,26 +268,35 @@ def _dkdv_kernel_hopper(
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
+    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE == 0 else 1, BM], row_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
+    if PINGPONG:
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
 
-    buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
-    barriers = (kv_bar, ready, empty)
+    buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
+    barriers = (kv_bar, ready, empty, done, turn)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL)),
-            (_consumer, (1, buffers, barriers, dk_desc, dv_desc, idx_ptr, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL)),
-            (_producer, (Q, DO, LSE, DELTA, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, col0, b64, hk,
-                         stride_qb, stride_qh, stride_qm, seq_q, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_PAD, BM,
-                         STAGES)),
+            (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+            (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+            (_producer, (Q, DO, LSE, DELTA, (k_desc, v_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr, n_full,
+                         n_total, col0, b64, hk, stride_qb, stride_qh, stride_qm, seq_q, mask_args[0], NUM_HEADS,
+                         GROUP, HEAD_DIM, HEAD_DIM_PAD, BM, STAGES, MASK_MODE)),
         ],
         [4, 1],
         [240, 24],
@@ -261,8 +311,8 @@ def run(
     dk_dv: tuple[torch.Tensor, torch.Tensor], info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
 ) -> bool:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
-    ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages, at
-    least 2, are read)."""
+    ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
+    least 2) and pingpong are read)."""
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     ensure_tma_allocator(q.device)
@@ -273,6 +323,6 @@ def run(
         *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad(head_dim), BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
-        IS_CAUSAL=info.causal, num_warps=4, maxnreg=168,
+        IS_CAUSAL=info.causal, PINGPONG=tile.pingpong, num_warps=4, maxnreg=168,
     )
     return True
