@@ -32,6 +32,7 @@ from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .config import Tile, ensure_tma_allocator, head_dim_pad
 from .forward import _DYNAMIC
+from .hopper_forward import program_lists
 from .launch import FastKernel
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -253,12 +254,9 @@ def _dkdv_kernel_hopper(
     dv_desc = tma.make_tensor_descriptor(DV + out0, [seq_k, HEAD_DIM], [HEAD_DIM, 1], [WG_KEYS, HEAD_DIM_PAD],
                                          kv_layout)
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_n * 2
-    n_full = gl.load(cnt_ptr)
-    n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_n * stride_idx_r
-    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b64 * stride_mask_b, stride_mask_q,
-                 seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    n_full, n_total, idx_ptr, mask_args = program_lists(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
     col0 = pid_n * (2 * WG_KEYS)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

@@ -28,7 +28,7 @@ from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .config import Tile, ensure_tma_allocator, head_dim_pad
 from .forward import _DYNAMIC
-from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, stream_kv_ring
+from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, program_lists, stream_kv_ring
 from .launch import FastKernel
 
 
@@ -172,12 +172,9 @@ def _dq_kernel_hopper(
     v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
                                         [stride_vn, 1], [BN, HEAD_DIM_PAD], kv_layout)
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
-    n_full = gl.load(cnt_ptr)
-    n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
-    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b64 * stride_mask_b, stride_mask_q,
-                 seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    n_full, n_total, idx_ptr, mask_args = program_lists(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)

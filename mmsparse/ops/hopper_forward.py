@@ -66,6 +66,22 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
 
 
 @gluon.jit
+def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b,
+                  stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k,
+                  stride_past_b):
+    """One program's block list and mask arguments (``common.program_setup`` for the Gluon kernels): ``(n_full,
+    n_total, idx_ptr, mask_args)`` with mask_args = (q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
+    seq_k, past_len) of batch b; the list of row (or key) block blk starts with its n_full full blocks."""
+    cnt_ptr = COUNTS + b * stride_cnt_b + blk * 2
+    n_full = gl.load(cnt_ptr)
+    n_total = n_full + gl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b * stride_idx_b + blk * stride_idx_r
+    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b.to(gl.int64) * stride_mask_b,
+                 stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    return n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
 def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
                    BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
@@ -212,14 +228,9 @@ def _fwd_kernel_hopper(
                                         [HEAD_DIM, 1], [WG_ROWS, HEAD_DIM_PAD], q_layout)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
 
-    cnt_ptr = COUNTS + b * stride_cnt_b + pid_m * 2
-    n_full = gl.load(cnt_ptr)
-    n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + pid_m * stride_idx_r
-    q_bits_ptr = Q_BITS + b * stride_qbits_b
-    k_bits_ptr = K_BITS + b * stride_kbits_b
-    mask_ptr = MASK + b64 * stride_mask_b
-    past_len = gl.load(PAST + b * stride_past_b)
+    n_full, n_total, idx_ptr, mask_args = program_lists(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
@@ -243,7 +254,6 @@ def _fwd_kernel_hopper(
     buffers = (q_smem, k_smem, v_smem)
     barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
     blocks = (idx_ptr, n_full, n_total, row0)
-    mask_args = (q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
