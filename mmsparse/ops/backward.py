@@ -1,7 +1,8 @@
 """Backward kernels: delta = rowsum(dO * O); dK/dV per key block; dQ per query block.
 
 Each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics and the
-result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group.
+result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group. On sm_90 the dK/dV and
+dQ passes run as Gluon kernels (``hopper_dkdv``, ``hopper_dq``) where the tiles say so, with the same numerics.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def mbs_attn_bwd(
     return dq, dk, dv
 
 
-def _hopper_pass(module: str, *args) -> bool:
+def _hopper_pass(module: str, *args: object) -> bool:
     """Run a Gluon Hopper pass (``hopper_dq.run``, ``hopper_dkdv.run``) into its output buffers; False if it
     cannot be built here (``config.run_gluon``). Imported on first use: Gluon is Triton's experimental API."""
 

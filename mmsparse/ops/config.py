@@ -30,7 +30,7 @@ class Tile:
     # tile with that many stages where it applies; num_warps and num_stages stay the tl kernel's, which runs the
     # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
-    pingpong: bool = False  # Gluon forward: the two consumer warpgroups take turns to issue their matmuls
+    pingpong: bool = False  # Gluon kernels: the two consumer warpgroups take turns to issue their matmuls
 
     @property
     def gluon(self) -> bool:

@@ -83,7 +83,7 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qb
 
 @gluon.jit
 def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-                   BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                  BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
     offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
     in_q = gl.expand_dims(offs_m < seq_q, 1)
@@ -153,7 +153,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
             s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
-                               seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+                              seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(1, n_total):
@@ -171,7 +171,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
                 s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), k_bits_ptr, mask_ptr, stride_mask_q,
-                                   seq_q, seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+                                  seq_q, seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(kv_empty.index(prev))
