@@ -8,7 +8,6 @@ dQ passes run as Gluon kernels (``hopper_dkdv``, ``hopper_dq``) where the tiles 
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 import triton
@@ -264,8 +263,8 @@ def mbs_attn_bwd(
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         tile = cfg.bwd_dq
         on_gluon = tile.gluon and dropout_p == 0.0
-        if not (on_gluon and _hopper_pass("hopper_dq", q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale,
-                                          tile)):
+        if not (on_gluon and run_gluon("hopper_dq", "run", q, k, v, do, lse, delta, dq, info, qk_scale,
+                                       softmax_scale, tile)):
             mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
                 q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
@@ -277,8 +276,8 @@ def mbs_attn_bwd(
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
     on_gluon = tile.gluon and dropout_p == 0.0
-    if not (on_gluon and _hopper_pass("hopper_dkdv", q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
-                                      softmax_scale, tile)):
+    if not (on_gluon and run_gluon("hopper_dkdv", "run", q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
+                                   softmax_scale, tile)):
         mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
             q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
@@ -288,16 +287,6 @@ def mbs_attn_bwd(
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
-
-
-def _hopper_pass(module: str, *args: object) -> bool:
-    """Run a Gluon Hopper pass (``hopper_dq.run``, ``hopper_dkdv.run``) into its output buffers; False if it
-    cannot be built here (``config.run_gluon``). Imported on first use: Gluon is Triton's experimental API."""
-
-    def launch():
-        return importlib.import_module(f".{module}", __package__).run(*args)
-
-    return run_gluon(launch) is not None
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from types import ModuleType
+from typing import Any
 
 import torch
 import triton
@@ -123,8 +125,8 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
-        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd)
-        cfg = replace(cfg, bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
+        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd, bwd_dkdv=_GLUON_DKDV[head_dim_pad],
+                      bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -160,7 +162,6 @@ _GLUON_DKDV = {
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=2),
 }
 _gluon_failed = False
-T = TypeVar("T")
 
 
 def hopper_gluon_available(device_index: int) -> bool:
@@ -173,12 +174,14 @@ def hopper_gluon_available(device_index: int) -> bool:
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def run_gluon(launch: Callable[[], T]) -> T | None:
-    """Run a Gluon launch, or return None after it failed to build: Gluon is Triton's experimental API, and a
-    Triton that cannot build these kernels must not stop the user. The tl kernels then run from now on."""
+def run_gluon(module: str, launcher: str, *args: object) -> Any:
+    """Call the Gluon launcher ``mmsparse.ops.<module>.<launcher>(*args)``, or return None after it failed to build:
+    Gluon is Triton's experimental API, and a Triton that cannot build (or import) these kernels must not stop the
+    user. The tl kernels then run from now on. The module is imported on first use; the launcher is looked up on
+    every call, so that tests can replace it."""
     global _gluon_failed
     try:
-        return launch()
+        return getattr(_gluon_module(module), launcher)(*args)
     except torch.OutOfMemoryError:
         raise
     except Exception as err:
@@ -187,6 +190,11 @@ def run_gluon(launch: Callable[[], T]) -> T | None:
         _gluon_failed = True
         _cached_cuda_config.cache_clear()
         return None
+
+
+@functools.cache
+def _gluon_module(name: str) -> ModuleType:
+    return importlib.import_module(f".{name}", __package__)
 
 
 @contextlib.contextmanager

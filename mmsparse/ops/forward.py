@@ -287,13 +287,7 @@ def mbs_attn_fwd(
 
 def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
     """The Gluon Hopper forward, or None if it cannot be built here."""
-
-    def launch():
-        from .hopper_forward import mbs_attn_fwd_hopper
-
-        return mbs_attn_fwd_hopper(q, k, v, info, qk_scale_log2, tile)
-
-    return run_gluon(launch)
+    return run_gluon("hopper_forward", "mbs_attn_fwd_hopper", q, k, v, info, qk_scale_log2, tile)
 
 
 _COMBINE_ROWS = 16
