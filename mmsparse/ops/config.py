@@ -69,8 +69,11 @@ _INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile
 def _cuda_config(head_dim_pad: int) -> KernelConfig:
     if head_dim_pad <= 64:
         # H100, D=64: 64-row forward tiles beat 128 rows by 2-13% (seed 90 vs 104 us, mm13k 1352 vs 1382 us).
+        # Below SHORT_KEYS keys 32-key tiles skip more of the seed's ragged partial blocks: its forward kernel
+        # 79 vs 91 us (64x16 100, 128x32 117, 32x32 153 us; session 8), while 64x64 stays best at 13k.
         return KernelConfig(
             fwd=Tile(64, 64, num_warps=4, num_stages=2),
+            fwd_short=Tile(64, 32, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=3),
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
             decode=Tile(16, 64, num_warps=2, num_stages=3),
@@ -125,8 +128,8 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
-        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd, bwd_dkdv=_GLUON_DKDV[head_dim_pad],
-                      bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
+        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd_short or cfg.fwd,
+                      bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -141,7 +144,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 # H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
 # stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
-# the tl tile runs (lengths between 925 and 13k were not measured). num_warps and num_stages are the tl kernel's,
+# the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages are the tl kernel's,
 # which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128 needs 8 warps there,
 # and 3 stages with a dense mask would need ~290 KB of shared memory.
 _GLUON_FWD = {
