@@ -15,7 +15,10 @@ Method:
     reference (``mmsparse.reference_attention``) on one (batch, kv-head) slice, in row chunks so that no
     S x S float tensor is made. A mismatch prints a loud FAIL and is recorded in the row (``correct``).
   - ``fwd_ms``: median of ``triton.testing.do_bench`` over the forward with autograd on (the forward of training);
-    ``fwdbwd_ms``: forward + backward; ``bwd_ms`` = the difference.
+    ``fwdbwd_ms``: forward + backward; ``bwd_ms`` = the difference. ``--rounds`` (default 3) times every
+    implementation of a config that many times, interleaved (mmsparse, flex, ..., mmsparse, flex, ...), and each
+    row keeps its best round: a slow spell of the machine then does not land on one implementation alone. The
+    rounds are in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``.
   - TFLOP/s count live (allowed) pairs only: fwd 4·B·Hq·D·live, bwd 2.5x that. dense_flash is credited with the
     same live pairs (useful work); ``*_tflops_computed`` give its rate over the pairs it actually computes.
   - ``peak_mib``: peak CUDA memory of one forward + backward above what was allocated before it (inputs and the
@@ -134,12 +137,15 @@ class Timing:
     rep: int  # do_bench measuring time, ms
     cpu_warmup: int = 2  # CPU fallback: calls
     cpu_reps: int = 3
+    rounds: int = 1  # timing rounds over all implementations of a config, interleaved; the best is kept
 
     @property
     def method(self) -> str:
+        rounds = f"; best of {self.rounds} interleaved rounds" if self.rounds > 1 else ""
         if self.device.type == "cuda":
-            return f"triton do_bench median (warmup {self.warmup} ms, rep {self.rep} ms)"
-        return f"wall-clock median (CPU fallback; warmup {self.warmup} ms, rep {self.rep} ms, >= {self.cpu_reps} calls)"
+            return f"triton do_bench median (warmup {self.warmup} ms, rep {self.rep} ms){rounds}"
+        return (f"wall-clock median (CPU fallback; warmup {self.warmup} ms, rep {self.rep} ms, >= {self.cpu_reps} "
+                f"calls){rounds}")
 
     def kernel_ms(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
         """Median time of ``fn`` in ms: do_bench on CUDA, a wall-clock median on CPU."""
@@ -509,8 +515,9 @@ def peak_mib(case: Case, impl: Impl) -> float | None:
     return peak / 2**20
 
 
-def measure(case: Case, impl: Impl, timing: Timing, row: dict[str, Any]) -> None:
-    """Fill fwd/bwd times, TFLOP/s and peak memory; each stage's failure is recorded and the next one tried."""
+def time_round(case: Case, impl: Impl, timing: Timing, row: dict[str, Any]) -> None:
+    """One timing round: append this round's fwd and fwd+bwd medians to the row's ``*_rounds`` lists. A stage that
+    fails is recorded and not timed again."""
     q, k, v, dout = case.q, case.k, case.v, case.dout
 
     def fwd() -> torch.Tensor:
@@ -520,13 +527,25 @@ def measure(case: Case, impl: Impl, timing: Timing, row: dict[str, Any]) -> None
         impl.fn(q, k, v).backward(dout)
 
     for key, fn, grad_to_none in (("fwd_ms", fwd, None), ("fwdbwd_ms", fwd_bwd, [q, k, v])):
+        rounds = row.setdefault(f"{key}_rounds", [])
+        if rounds is None:  # failed in an earlier round
+            continue
         try:
-            row[key] = timing.kernel_ms(fn, grad_to_none)
+            rounds.append(timing.kernel_ms(fn, grad_to_none))
         except Exception as e:
+            row[f"{key}_rounds"] = None
             add_error(row, key.removesuffix("_ms"), e, case.device)
             free_memory(case.device)
         finally:
             case.clear_grads()
+
+
+def finish_row(case: Case, impl: Impl, row: dict[str, Any]) -> None:
+    """Times from the rounds (the best of each stage: every implementation gets the same rounds, interleaved, so a
+    slow spell of the machine does not land on one of them), TFLOP/s and peak memory."""
+    for key in ("fwd_ms", "fwdbwd_ms"):
+        rounds = row.get(f"{key}_rounds")
+        row[key] = min(rounds) if rounds else None
     if row.get("fwd_ms") is not None and row.get("fwdbwd_ms") is not None:
         row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
     try:
@@ -658,10 +677,13 @@ class Runner:
         try:
             case = Case.make(cfg, self.device, torch.bfloat16)
             setups = self.setup_and_check(case, rows)
+            for _ in range(self.timing.rounds):
+                for name, impl in setups.items():
+                    time_round(case, impl, self.timing, rows[name])
             for name, row in rows.items():
                 impl = setups.pop(name, None)
                 if impl is not None:
-                    measure(case, impl, self.timing, row)
+                    finish_row(case, impl, row)
                     del impl
                     free_memory(self.device)
                 self.emit(row)
@@ -731,7 +753,7 @@ def run_isolated(args: argparse.Namespace, configs: list[BenchConfig], impls: li
             with tempfile.TemporaryDirectory(prefix="mmsparse-bench-") as tmp:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--no-plot", "--configs", cfg.name,
                        "--impls", impl, "--out", tmp, "--device", args.device, "--warmup", str(timing.warmup),
-                       "--rep", str(timing.rep), "--cpu-reps", str(timing.cpu_reps)]
+                       "--rep", str(timing.rep), "--cpu-reps", str(timing.cpu_reps), "--rounds", str(timing.rounds)]
                 if not args.grad_check:
                     cmd.append("--no-grad-check")
                 proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
@@ -860,6 +882,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
     p.add_argument("--rep", type=int, default=None, help="do_bench measuring time in ms (default 200, quick 50)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timing rounds over the implementations of a config, interleaved; each row keeps its best "
+                        "(default 3, quick 1)")
     p.add_argument("--no-grad-check", dest="grad_check", action="store_false",
                    help="check only the outputs, not dq/dk/dv")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
@@ -904,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir is None:
         out_dir = Path(tempfile.mkdtemp(prefix="mmsparse-bench-tiny-")) if args.tiny else BENCH_DIR / "results"
     timing = Timing(device, args.warmup or (10 if args.quick else 25), args.rep or (50 if args.quick else 200),
-                    cpu_reps=args.cpu_reps)
+                    cpu_reps=args.cpu_reps, rounds=args.rounds or (1 if args.quick or args.tiny else 3))
     for name in ("recompile_limit", "cache_size_limit"):  # one Flex compile per config and grad mode
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
