@@ -18,7 +18,8 @@ from .blocks import (
 from .ops.block_lists import build_block_lists, kernels_run_on
 from .ops.common import MASK_BITS, MASK_DENSE
 from .ops.config import KernelConfig
-from .topology import MAX_SEGMENTS, Topology, token_bits
+from .ops.token_bits import token_bits
+from .topology import MAX_SEGMENTS, Topology
 
 
 class MaskInfo:

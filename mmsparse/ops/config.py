@@ -144,9 +144,9 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 # H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
 # stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
-# the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages are the tl kernel's,
-# which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128 needs 8 warps there,
-# and 3 stages with a dense mask would need ~290 KB of shared memory.
+# the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
+# are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
+# needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),

@@ -1,0 +1,60 @@
+"""Per-token row and column bits of a topology mask in one launch (``topology.token_bits`` in torch takes six ops:
+cumsum, arange, expand, searchsorted and two gathers; building metadata for new lengths every step is bound by
+that host work, not by the GPU)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..blocks import cdiv
+from ..topology import Topology
+from ..topology import token_bits as token_bits_torch
+from .block_lists import kernels_run_on
+from .launch import FastKernel
+
+_TOKENS = 1024  # tokens per program
+
+
+@triton.jit(do_not_specialize=["stride_lb", "seq_len"])
+def token_bits_kernel(
+    LENS, ROW_TABLE, COL_TABLE, ROW_BITS, COL_BITS, stride_lb, seq_len,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (b, i) writes the bits of tokens i*BLOCK .. i*BLOCK+BLOCK-1 of sample b. A token's segment is the
+    number of segment ends at or before it (``searchsorted(ends, pos, right=True)``): zero-length segments are
+    skipped, and tokens past the sample's total get K, the padding entry of the tables."""
+    b, i = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, KP)
+    lens = tl.load(LENS + b * stride_lb + offs_t, mask=offs_t < K, other=0)
+    ends = tl.cumsum(lens, 0)  # [KP]; the padded entries repeat the total
+    pos = i * BLOCK + tl.arange(0, BLOCK)
+    seg = tl.minimum(tl.sum((pos[:, None] >= ends[None, :]).to(tl.int32), 1), K)
+    inside = pos < seq_len
+    out = b.to(tl.int64) * seq_len + pos
+    tl.store(ROW_BITS + out, tl.load(ROW_TABLE + seg), mask=inside)
+    tl.store(COL_BITS + out, tl.load(COL_TABLE + seg), mask=inside)
+
+
+_TOKEN_BITS = FastKernel(token_bits_kernel)
+
+
+def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topology.token_bits`` (int32 ``[B, S]`` row and column bits; padding 0) with one kernel where the kernels
+    run; the torch ops elsewhere and when traced (the compiler fuses those)."""
+    if not kernels_run_on(seg_lens.device) or torch.compiler.is_compiling() or seg_lens.shape[0] == 0:
+        return token_bits_torch(topology, seg_lens, seq_len)
+    lens = seg_lens if seg_lens.dtype == torch.int32 and seg_lens.stride(-1) == 1 else (
+        seg_lens.to(torch.int32).contiguous())
+    row_table, col_table = topology.bit_tables(lens.device)
+    rows = lens.shape[0]
+    row_bits = torch.empty((rows, seq_len), dtype=torch.int32, device=lens.device)
+    col_bits = torch.empty((rows, seq_len), dtype=torch.int32, device=lens.device)
+    if seq_len > 0:
+        k = topology.num_segments
+        _TOKEN_BITS[(rows, cdiv(seq_len, _TOKENS))](
+            lens, row_table, col_table, row_bits, col_bits, lens.stride(0), seq_len,
+            K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=_TOKENS,
+        )
+    return row_bits, col_bits
