@@ -8,8 +8,10 @@ from helpers import check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
 from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
+from mmsparse.ops.block_lists import block_lists_kernel, block_summary_kernel
 from mmsparse.ops.config import compiled_variants, kernel_config
 from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
+from mmsparse.ops.token_bits import token_bits_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +45,8 @@ def test_large_against_float64(case):
 
 
 def test_new_lengths_do_not_recompile():
-    """After a warm-up of each forward variant, new sequence and segment lengths reuse the compiled kernels."""
+    """After a warm-up of each forward variant, new sequence and segment lengths reuse the compiled kernels, the
+    metadata builders' included."""
     dev = torch.device("cuda")
 
     def step(lens):
@@ -60,7 +63,8 @@ def test_new_lengths_do_not_recompile():
     step((100, 1000, 500))
     step((2, 3, 4))
     step((1, 2, 1))
-    kernels = [_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel]
+    kernels = [_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel, token_bits_kernel, block_summary_kernel,
+               block_lists_kernel]
     cfg = kernel_config(64, torch.bfloat16, dev)
     if cfg.fwd.gluon:  # the Hopper forward runs the first length
         from mmsparse.ops.hopper_forward import _fwd_kernel_hopper
