@@ -144,6 +144,23 @@ def test_non_contiguous_inputs(device):
     check_against_reference(q, k, v, CYCLIC, (9, 21, 20), causal=True)
 
 
+def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
+    """Unit head-dim stride, other strides multiples of 8 elements, a 16-byte aligned base: passed as is; else one
+    contiguous copy."""
+    from mmsparse.ops.forward import kernel_layout
+
+    x = torch.randn(2, 3, 5, 16)
+    for view in (x, torch.randn(2, 5, 3, 16).transpose(1, 2), x[..., :8]):
+        assert kernel_layout(view) is view
+    odd_rows = torch.randn(2, 3, 5, 20)[..., :16]  # row stride 20
+    misaligned = torch.randn(2 * 3 * 5 * 16 + 1)[1:].view(2, 3, 5, 16)  # base 4 bytes off
+    column_major = torch.randn(2, 3, 16, 5).transpose(2, 3)  # head dim not unit-stride
+    for view in (odd_rows, misaligned, column_major):
+        fixed = kernel_layout(view)
+        assert fixed is not view and fixed.is_contiguous() and torch.equal(fixed, view)
+        assert not fixed.data_ptr() & 15
+
+
 def test_per_sample_lengths_with_padding(device):
     """Per-sample [B, k] lengths: each sample's tail is padding; padded queries give 0 and zero gradients."""
     lens = [(4, 20, 10), (0, 31, 5), (0, 0, 0)]
