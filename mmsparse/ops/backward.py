@@ -27,7 +27,7 @@ from .common import (
     program_setup,
     store_block,
 )
-from .config import cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
+from .config import Tile, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
 from .forward import _DYNAMIC, _LOG2E, dot_mode
 from .launch import FastKernel
 
@@ -262,9 +262,7 @@ def mbs_attn_bwd(
         side.wait_stream(main)  # delta and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         tile = cfg.bwd_dq
-        on_gluon = tile.gluon and dropout_p == 0.0
-        if not (on_gluon and run_gluon("hopper_dq", "run", q, k, v, do, lse, delta, dq, info, qk_scale,
-                                       softmax_scale, tile)):
+        if not _gluon_pass("hopper_dq", tile, dropout_p, q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale):
             mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
                 q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
@@ -275,9 +273,8 @@ def mbs_attn_bwd(
     dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
     dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
     tile = cfg.bwd_dkdv
-    on_gluon = tile.gluon and dropout_p == 0.0
-    if not (on_gluon and run_gluon("hopper_dkdv", "run", q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
-                                   softmax_scale, tile)):
+    if not _gluon_pass("hopper_dkdv", tile, dropout_p, q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
+                       softmax_scale):
         mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
             q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
@@ -287,6 +284,12 @@ def mbs_attn_bwd(
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
+
+
+def _gluon_pass(module: str, tile: Tile, dropout_p: float, *args: object) -> bool:
+    """Run a backward pass as its Gluon kernel (``<module>.run(*args, tile)``) where the tile has one and there is
+    no dropout. False: the tl kernel must run (no Gluon tile, dropout, or the Gluon build failed)."""
+    return tile.gluon and dropout_p == 0.0 and bool(run_gluon(module, "run", *args, tile))
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
