@@ -873,6 +873,13 @@ def write_final(rows: list[dict[str, Any]], out_dir: Path, timing_method: str, p
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"configs {', '.join(QUICK)} and shorter timing")
@@ -882,7 +889,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
     p.add_argument("--rep", type=int, default=None, help="do_bench measuring time in ms (default 200, quick 50)")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=_at_least_one, default=None,
                    help="timing rounds over the implementations of a config, interleaved; each row keeps its best "
                         "(default 3, quick 1)")
     p.add_argument("--no-grad-check", dest="grad_check", action="store_false",

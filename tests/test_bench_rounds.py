@@ -60,3 +60,12 @@ def test_a_failing_stage_is_recorded_once_and_not_retried(bench):
     assert len(row["fwd_ms_rounds"]) == 2 and row["fwd_ms"] is not None
     assert row["fwdbwd_ms_rounds"] is None and row["fwdbwd_ms"] is None and row["bwd_ms"] is None
     assert row["error"].count("fwdbwd:") == 1
+
+
+@pytest.mark.parametrize("rounds", ["0", "-2"])
+def test_rounds_below_one_are_refused(bench, rounds, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", rounds])
+    assert "--rounds: must be at least 1" in capsys.readouterr().err
+    assert bench.parse_args(["--rounds", "2"]).rounds == 2
+
