@@ -30,9 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .hopper_forward import program_lists
+from .host_tma import box, box_descriptor
 from .launch import FastKernel
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -40,29 +41,23 @@ BLOCK_N = 2 * WG_KEYS.value
 
 
 @gluon.jit
-def _producer(Q, DO, LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b64, hk,
-              stride_qb, stride_qh, stride_qm, seq_q, q_bits_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, seq_q, q_bits_ptr,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
               MASK_MODE: gl.constexpr):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers[:4]
-    k_desc, v_desc, dk_desc, dv_desc = descs
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [col0 + half * WG_KEYS, 0], kv_bar, k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [col0 + half * WG_KEYS, 0], kv_bar, v_smem.index(half))
-    q_layout: gl.constexpr = q_smem.type.layout
+        tma.async_copy_global_to_shared(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(v_smem.index(half)))
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
-                                            [BM, HEAD_DIM_PAD], q_layout)
-        row0 = (b64 * NUM_HEADS + h) * seq_q
-        do_desc = tma.make_tensor_descriptor(DO + row0 * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
-                                             [BM, HEAD_DIM_PAD], q_layout)
+        row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
         for it in range(n_total):
             i = g * n_total + it
             stage = i % STAGES
@@ -81,14 +76,16 @@ def _producer(Q, DO, LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_to
                     qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [m_blk * BM, 0], ready.index(stage), q_smem.index(stage))
-            tma.async_copy_global_to_shared(do_desc, [m_blk * BM, 0], ready.index(stage), do_smem.index(stage))
+            tma.async_copy_global_to_shared(q_desc, [b, h, m_blk * BM, 0], ready.index(stage),
+                                            box(q_smem.index(stage)))
+            tma.async_copy_global_to_shared(do_desc, [b, h, m_blk * BM, 0], ready.index(stage),
+                                            box(do_smem.index(stage)))
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)
     for half in gl.static_range(2):
-        tma.async_copy_shared_to_global(dk_desc, [col0 + half * WG_KEYS, 0], k_smem.index(half))
-        tma.async_copy_shared_to_global(dv_desc, [col0 + half * WG_KEYS, 0], v_smem.index(half))
+        tma.async_copy_shared_to_global(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
+        tma.async_copy_shared_to_global(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
     tma.store_wait(0)
 
 
@@ -226,33 +223,23 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 
 @gluon.jit(do_not_specialize=_DYNAMIC)
 def _dkdv_kernel_hopper(
-    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
     IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr = False,
 ):
-    """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout)."""
+    """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
+    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
-    b64 = b.to(gl.int64)
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hk * stride_kh, [seq_k, HEAD_DIM], [stride_kn, 1],
-                                        [WG_KEYS, HEAD_DIM_PAD], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk * stride_vh, [seq_k, HEAD_DIM], [stride_vn, 1],
-                                        [WG_KEYS, HEAD_DIM_PAD], kv_layout)
-    out0 = pid_bh.to(gl.int64) * seq_k * HEAD_DIM
-    dk_desc = tma.make_tensor_descriptor(DK + out0, [seq_k, HEAD_DIM], [HEAD_DIM, 1], [WG_KEYS, HEAD_DIM_PAD],
-                                         kv_layout)
-    dv_desc = tma.make_tensor_descriptor(DV + out0, [seq_k, HEAD_DIM], [HEAD_DIM, 1], [WG_KEYS, HEAD_DIM_PAD],
-                                         kv_layout)
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
@@ -292,9 +279,9 @@ def _dkdv_kernel_hopper(
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
             (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
-            (_producer, (Q, DO, LSE, DELTA, (k_desc, v_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr, n_full,
-                         n_total, col0, b64, hk, stride_qb, stride_qh, stride_qm, seq_q, mask_args[0], NUM_HEADS,
-                         GROUP, HEAD_DIM, HEAD_DIM_PAD, BM, STAGES, MASK_MODE)),
+            (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
+                         n_full, n_total, col0, b, hk, seq_q, mask_args[0], NUM_HEADS, GROUP, BM, STAGES,
+                         MASK_MODE)),
         ],
         [4, 1],
         [240, 24],
@@ -313,12 +300,14 @@ def run(
     least 2) and pingpong are read)."""
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    ensure_tma_allocator(q.device)
     mask_tensors, mask_scalars = info.launch_args(tile.block_m, BLOCK_N, by_key=True)
     dk, dv = dk_dv
+    pad = head_dim_pad(head_dim)
+    q_rows, kv_rows = tile.block_m, WG_KEYS.value
     _DKDV_HOPPER[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *mask_scalars, qk_scale_log2, softmax_scale,
+        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+        box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
+        delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad(head_dim), BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
         IS_CAUSAL=info.causal, PINGPONG=tile.pingpong, num_warps=4, maxnreg=168,

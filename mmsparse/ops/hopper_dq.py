@@ -26,23 +26,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, program_lists, stream_kv_ring
+from .host_tma import box, box_descriptor
 from .launch import FastKernel
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, BN: gl.constexpr,
-              STAGES: gl.constexpr):
+def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, b, h, hk,
+              BN: gl.constexpr, STAGES: gl.constexpr):
     """One warp: Q and dO of both warpgroups once, then the K/V ring."""
     q_smem, do_smem, k_smem, v_smem = buffers
     qdo_bar, k_ready, v_ready, kv_empty, _ = barriers
     mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [row0 + half * WG_ROWS, 0], qdo_bar, q_smem.index(half))
-        tma.async_copy_global_to_shared(do_desc, [row0 + half * WG_ROWS, 0], qdo_bar, do_smem.index(half))
-    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN, STAGES)
+        tma.async_copy_global_to_shared(q_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(q_smem.index(half)))
+        tma.async_copy_global_to_shared(do_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(do_smem.index(half)))
+    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN, STAGES)
 
 
 @gluon.jit
@@ -59,7 +60,7 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
+def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
               BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup, 64 query rows: dQ over the listed key blocks. With PINGPONG the two warpgroups take turns
@@ -136,41 +137,30 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, row_ptrs, blocks, ma
 
     q.store((dq * sm_scale).to(dtype))  # this warpgroup's Q rows are no longer read: stage dQ there
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [row0 + WG * WG_ROWS, 0], q)
+    tma.async_copy_shared_to_global(dq_desc, [b, h, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=_DYNAMIC)
 def _dq_kernel_hopper(
-    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
-    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout). dO and dQ
-    are contiguous ``[B, Hq, Sq, D]``; tiles are HEAD_DIM_PAD wide (TMA zero-fills the columns past HEAD_DIM)."""
+    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout), save that
+    Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
+    HEAD_DIM_PAD wide (TMA zero-fills the columns past HEAD_DIM)."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
-    b64 = b.to(gl.int64)
     bh_rows = pid_bh.to(gl.int64) * seq_q
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
-                                        [WG_ROWS, HEAD_DIM_PAD], q_layout)
-    do_desc = tma.make_tensor_descriptor(DO + bh_rows * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
-                                         [WG_ROWS, HEAD_DIM_PAD], q_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ + bh_rows * HEAD_DIM, [seq_q, HEAD_DIM], [HEAD_DIM, 1],
-                                         [WG_ROWS, HEAD_DIM_PAD], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + (h // GROUP) * stride_kh, [seq_k, HEAD_DIM],
-                                        [stride_kn, 1], [BN, HEAD_DIM_PAD], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
-                                        [stride_vn, 1], [BN, HEAD_DIM_PAD], kv_layout)
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
@@ -202,11 +192,12 @@ def _dq_kernel_hopper(
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
+            (_consumer, (0, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
                          HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
-            (_consumer, (1, buffers, barriers, dq_desc, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
+            (_consumer, (1, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
                          HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, BN, STAGES)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, b, h, h // GROUP,
+                         BN, STAGES)),
         ],
         [4, 1],
         [240, 24],
@@ -225,11 +216,13 @@ def run(
     contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
     stream."""
     batch, num_heads, seq_q, head_dim = q.shape
-    ensure_tma_allocator(q.device)
     mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
+    pad = head_dim_pad(head_dim)
+    q_rows, kv_rows = WG_ROWS.value, tile.block_n
     _DQ_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        q, k, v, do, lse, delta, dq, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *mask_scalars, qk_scale_log2, softmax_scale,
+        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+        box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
+        qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,

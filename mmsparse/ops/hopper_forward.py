@@ -30,8 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .alloc import new_empty
-from .config import Tile, ensure_tma_allocator, head_dim_pad
+from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
+from .host_tma import box, box_descriptor
 from .launch import FastKernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
@@ -40,29 +41,31 @@ BLOCK_M = 2 * WG_ROWS.value
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr, n_total,
-              row0, BN: gl.constexpr, STAGES: gl.constexpr):
+              row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr):
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
     can start before V lands)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + WG_ROWS, 0], q_bar, q_smem.index(1))
-    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN, STAGES)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
+    stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN, STAGES)
 
 
 @gluon.jit
-def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, BN: gl.constexpr,
-                   STAGES: gl.constexpr):
-    """The producer's loop: K and V of every listed key block into the stage ring, each stage refilled once both
-    consumer warpgroups released it (the forward and the Gluon dQ pass share it)."""
+def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk,
+                   BN: gl.constexpr, STAGES: gl.constexpr):
+    """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring, each
+    stage refilled once both consumer warpgroups released it (the forward and the Gluon dQ pass share it)."""
     for it in range(n_total):
         stage = it % STAGES
         n_blk = gl.load(idx_ptr + it)
         # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
         mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n_blk * BN, 0], k_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage),
+                                        box(k_smem.index(stage)))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n_blk * BN, 0], v_ready.index(stage), v_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage),
+                                        box(v_smem.index(stage)))
 
 
 @gluon.jit
@@ -115,7 +118,7 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs."""
     q_smem, k_smem, v_smem = buffers
@@ -194,38 +197,30 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0 + WG * WG_ROWS, 0], q)
+    pid_bh = gl.program_id(1)  # (b, h) from here: held across the loop, they cost registers
+    tma.async_copy_shared_to_global(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=_DYNAMIC)
 def _fwd_kernel_hopper(
-    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
-    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits).
-    Tiles are HEAD_DIM_PAD wide: TMA reads the columns past HEAD_DIM as zeros and drops writes there."""
+    """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits),
+    save that Q, K, V and O come as ``host_tma`` descriptors. Tiles are HEAD_DIM_PAD wide: TMA reads the columns
+    past HEAD_DIM as zeros and drops writes there."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
-    b64 = b.to(gl.int64)
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h * stride_qh, [seq_q, HEAD_DIM], [stride_qm, 1],
-                                        [WG_ROWS, HEAD_DIM_PAD], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + (h // GROUP) * stride_kh, [seq_k, HEAD_DIM],
-                                        [stride_kn, 1], [BN, HEAD_DIM_PAD], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + (h // GROUP) * stride_vh, [seq_k, HEAD_DIM],
-                                        [stride_vn, 1], [BN, HEAD_DIM_PAD], kv_layout)
-    o_desc = tma.make_tensor_descriptor(O + pid_bh.to(gl.int64) * seq_q * HEAD_DIM, [seq_q, HEAD_DIM],
-                                        [HEAD_DIM, 1], [WG_ROWS, HEAD_DIM_PAD], q_layout)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
@@ -257,11 +252,11 @@ def _fwd_kernel_hopper(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         MASK_MODE, IS_CAUSAL, PINGPONG, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         MASK_MODE, IS_CAUSAL, PINGPONG, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
-                         n_total, row0, BN, STAGES)),
+                         n_total, row0, b, h, h // GROUP, BN, STAGES)),
         ],
         [4, 1],
         [240, 24],
@@ -278,13 +273,14 @@ def mbs_attn_fwd_hopper(
     at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
     lse [B, Hq, Sq] float32 in log2 units)``."""
     batch, num_heads, seq_q, head_dim = q.shape
-    ensure_tma_allocator(q.device)
     mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
+    pad = head_dim_pad(head_dim)
+    q_rows, kv_rows = WG_ROWS.value, tile.block_n
     _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        q, k, v, out, lse, *mask_tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars,
-        qk_scale_log2,
+        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+        box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,

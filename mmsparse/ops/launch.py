@@ -39,6 +39,8 @@ def _arg_key(arg: Any) -> Any:
         return arg
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() & 15 == 0)
+    if kind.__name__ == "TensorDescriptor":  # host-side TMA (tl's or Gluon's): Triton keys on these, not the sizes
+        return (kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None), arg.padding)
     return _MISS
 
 
@@ -53,8 +55,8 @@ def _current_stream(device: int) -> int:
 
 class FastKernel:
     """Wraps a ``@triton.jit`` kernel; call as ``kernel[grid](*runtime_args, **constexprs_and_options)`` with every
-    runtime argument positional, the first one a tensor (it picks the device to launch on), and every constexpr
-    by keyword."""
+    runtime argument positional, the first one a tensor or a TMA descriptor (it picks the device to launch on), and
+    every constexpr by keyword."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -71,7 +73,7 @@ class FastKernel:
         if not self._enabled:
             self.fn[grid](*args, **kwargs)
             return
-        device, target = torch.cuda.current_device(), args[0].get_device()
+        device, target = torch.cuda.current_device(), getattr(args[0], "base", args[0]).get_device()
         if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one
             with torch.cuda.device(target):
                 self.launch(grid, args, kwargs)

@@ -1,0 +1,48 @@
+"""Host-side TMA descriptors for the Gluon kernels: one per ``[B, H, S, D]`` tensor, with ``[1, 1, rows, D_pad]``
+boxes that a program addresses as ``[b, h, row, 0]``.
+
+A descriptor made on the host reaches every program as a launch parameter. Made in the kernel (as before), each
+program wrote and fenced its own four to six descriptors before its first load; on an H100 the host-side ones made
+the Gluon forward 1.04-1.08x, the dQ pass 1.05-1.11x and the dK/dV pass up to 1.03x faster (benchmarks/NOTES.md,
+session 9). The box reads rows past S and columns past D as zeros and drops writes there, per (b, h): a tile never
+touches the next head's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@functools.cache
+def _box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_DTYPES[dtype])
+
+
+def box_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
+    """The descriptor of ``t`` ([B, H, S, D], half precision, unit stride in D, 16-byte aligned base and strides,
+    as ``kernel_layout`` leaves the inputs and as fresh outputs are) with ``[1, 1, rows, width]`` boxes.
+
+    Built without ``TensorDescriptor``'s own checks: they cost ~6 us per descriptor, six per backward, on calls
+    whose host time decides the wall time (the seed config). A tensor that breaks the alignment rules still fails
+    loudly: the launcher's ``cuTensorMapEncodeTiled`` rejects it."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base = t
+    desc.shape = t.shape
+    desc.strides = t.stride()
+    desc.block_shape = [1, 1, rows, width]
+    desc.layout = _box_layout(rows, width, t.dtype)
+    desc.padding = "zero"
+    return desc
+
+
+@gluon.jit
+def box(smem):
+    """A ``[rows, D_pad]`` shared tile seen as the ``[1, 1, rows, D_pad]`` box of a ``box_descriptor``."""
+    return smem.reshape([1, 1, smem.shape[0], smem.shape[1]])
