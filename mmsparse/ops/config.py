@@ -153,16 +153,17 @@ _GLUON_FWD = {
 }
 # The Gluon dQ pass (ops/hopper_dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (benchmarks/NOTES.md, session 7), whole backward vs the tl dQ: 3 stages 1.04-1.09x at D=128, 2 stages
-# 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. The tl dQ kernel runs this tile with dropout.
-_GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)}
-# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups. H100, one process
-# each, whole backward (benchmarks/NOTES.md, session 7): at D=128, 32-row query tiles with 3 stages and 64-row
-# tiles with 2 stages tied while the 64-row kernel spilled 256 B; with 16 B left it is 1.00-1.05x the 32-row one
-# (1.05x on the hub masks). D=64: 64-row tiles, 3 stages. The ping-pong option gave nothing (0.96-1.04x). The tl
-# kernel runs the tile with dropout.
+# 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. 4 stages (192 KB of shared memory at D=128): the pass alone
+# 1.02-1.03x over 3 (session 9). The tl dQ kernel runs this tile with dropout.
+_GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4)}
+# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
+# A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
+# step waited for its loads. H100, the pass alone (benchmarks/NOTES.md, session 9): 4 stages (196 KB of shared
+# memory at D=128) 1.12-1.36x over 2 at D=128 (3 stages spill 48 B and gain less), 1.02-1.03x over 3 at D=64.
+# The ping-pong option gave nothing (0.96-1.04x, session 7). The tl kernel runs the tile with dropout.
 _GLUON_DKDV = {
-    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
-    128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=2),
+    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
+    128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
 _gluon_failed = False
 
