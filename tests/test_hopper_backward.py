@@ -19,7 +19,7 @@ from mmsparse.ops import config
 from mmsparse.ops.config import KernelConfig, Tile, head_dim_pad, hopper_gluon_available, kernel_config, use_config
 from mmsparse.ops.dropout import dropout_keep_mask
 
-GLUON_DQ = Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3)
+GLUON_DQ = config._GLUON_DQ[128]  # the shipped D=128 tile, run here at every head dim
 
 
 @pytest.fixture
