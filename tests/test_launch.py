@@ -40,3 +40,44 @@ def test_constexpr_tail_is_in_parameter_order_whatever_the_keyword_order():
     args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), 4)
     tail = kernel._constexpr_tail(args, {"BR": 64, "HEAD_DIM_PAD": 32, "HEAD_DIM": 24, "num_warps": 4})
     assert tail == (24, 32, 64)  # HEAD_DIM, HEAD_DIM_PAD, BR; launch options are not parameters
+
+
+def _descriptor_variants():
+    """Host-side TMA descriptors that differ in one thing each: the tensor (address, shape, strides), dtype, box."""
+    from mmsparse.ops.host_tma import box_descriptor
+
+    bf16 = torch.empty(2, 3, 100, 64, dtype=torch.bfloat16)
+    return {
+        "base": box_descriptor(bf16, 64, 64),
+        "other tensor and shape": box_descriptor(torch.empty(1, 5, 37, 64, dtype=torch.bfloat16), 64, 64),
+        "transposed storage": box_descriptor(torch.empty(2, 100, 3, 64, dtype=torch.bfloat16).transpose(1, 2), 64, 64),
+        "fp16": box_descriptor(bf16.to(torch.float16), 64, 64),
+        "rows": box_descriptor(bf16, 128, 64),
+        "head dim 40 in the same box": box_descriptor(torch.empty(2, 3, 100, 40, dtype=torch.bfloat16), 64, 64),
+        "width": box_descriptor(bf16, 64, 128),
+    }
+
+
+def test_descriptor_key_separates_exactly_what_triton_specialises():
+    """Two launches share a compiled kernel when their descriptors' keys are equal: that must hold exactly when
+    Triton's own specialisation of them is equal (dtype, box, layout; not the tensor's address, sizes or strides)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    descs = _descriptor_variants()
+    keys = {name: launch._arg_key(d) for name, d in descs.items()}
+    specs = {name: native_specialize_impl(BaseBackend, d, False, True, True)[0] for name, d in descs.items()}
+    assert launch._MISS not in keys.values()
+    for a in descs:
+        for b in descs:
+            assert (keys[a] == keys[b]) == (specs[a] == specs[b]), (a, b)
+    same = ("base", "other tensor and shape", "transposed storage", "head dim 40 in the same box")
+    assert len({keys[n] for n in same}) == 1
+    assert len({keys[n] for n in ("base", "fp16", "rows", "width")}) == 4
+
+
+def test_the_launch_device_comes_from_a_descriptor_base():
+    """FastKernel picks the device from its first argument, a tensor or a descriptor (its base tensor)."""
+    desc = _descriptor_variants()["base"]
+    first = desc
+    assert getattr(first, "base", first).get_device() == -1  # CPU tensor: -1, as for a tensor argument
