@@ -39,3 +39,56 @@ def test_descriptor_matches_the_checked_constructor():
     checked = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, 64, 64], fast.layout)
     assert (list(fast.shape), list(fast.strides), fast.block_shape, fast.layout, fast.padding) == (
         checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding)
+
+
+def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
+    """The three Gluon launchers, with the kernel launch replaced by a recorder: every kernel parameter is given
+    (positionally or by keyword), the tensors the kernels read through TMA arrive as descriptors with the boxes
+    their shared tiles take, and the tiles' stage counts arrive. On a GPU a mismatch would only show as the
+    warning of a failed build and a fall-back to the slower tl kernels."""
+    from mmsparse.functional import build_mask_info
+    from mmsparse.ops import hopper_dkdv, hopper_dq, hopper_forward
+    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, kernel_config
+
+    launched = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.params = name, list(kernel.arg_names)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
+                assert sorted(given) == sorted(p for p in self.params if p != "PINGPONG" or p in kwargs), self.name
+                launched[self.name] = dict(zip(self.params, args)) | kwargs
+
+            return launch
+
+    monkeypatch.setattr(hopper_dkdv, "_DKDV_HOPPER", Recorder("dkdv", hopper_dkdv._dkdv_kernel_hopper))
+    monkeypatch.setattr(hopper_dq, "_DQ_HOPPER", Recorder("dq", hopper_dq._dq_kernel_hopper))
+    monkeypatch.setattr(hopper_forward, "_FWD_HOPPER", Recorder("fwd", hopper_forward._fwd_kernel_hopper))
+    batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 300, 96
+    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    info = build_mask_info([[1, 1], [0, 1]], (100, 200), seq, seq, False, torch.device("cpu"))
+    info.prepare(kernel_config(head_dim, q.dtype, torch.device("cpu")))
+    rows = torch.zeros(batch, heads, seq)
+    hopper_dkdv.run(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0, 1.0,
+                    _GLUON_DKDV[128])
+    hopper_dq.run(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, _GLUON_DQ[128])
+    hopper_forward.mbs_attn_fwd_hopper(q, k, v, info, 1.0, _GLUON_FWD[128])
+
+    dkdv, dq, fwd = launched["dkdv"], launched["dq"], launched["fwd"]
+    dkdv_tile, dq_tile = _GLUON_DKDV[128], _GLUON_DQ[128]
+    assert {n: dkdv[n].block_shape for n in ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc")} == {
+        "q_desc": [1, 1, dkdv_tile.block_m, 128], "do_desc": [1, 1, dkdv_tile.block_m, 128],
+        **{n: [1, 1, 64, 128] for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")}}
+    assert {n: dq[n].block_shape for n in ("q_desc", "do_desc", "dq_desc", "k_desc", "v_desc")} == {
+        **{n: [1, 1, 64, 128] for n in ("q_desc", "do_desc", "dq_desc")},
+        **{n: [1, 1, dq_tile.block_n, 128] for n in ("k_desc", "v_desc")}}
+    assert fwd["k_desc"].block_shape == [1, 1, _GLUON_FWD[128].block_n, 128]
+    assert dkdv["k_desc"].base is k and dq["v_desc"].base is v and fwd["q_desc"].base is q
+    assert (dkdv["STAGES"], dq["STAGES"], fwd["STAGES"]) == (4, 4, _GLUON_FWD[128].gluon_stages)
+    assert dkdv["HEAD_DIM_PAD"] == dq["HEAD_DIM_PAD"] == fwd["HEAD_DIM_PAD"] == 128
+    assert dkdv["GROUP"] == dq["GROUP"] == fwd["GROUP"] == 2

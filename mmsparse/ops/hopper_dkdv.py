@@ -309,7 +309,7 @@ def run(
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad(head_dim), BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
+        HEAD_DIM_PAD=pad, BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
         IS_CAUSAL=info.causal, PINGPONG=tile.pingpong, num_warps=4, maxnreg=168,
     )
     return True

@@ -197,7 +197,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
-    pid_bh = gl.program_id(1)  # (b, h) from here: held across the loop, they cost registers
+    pid_bh = gl.program_id(1)  # (b, h) recomputed here, not held across the loop
     tma.async_copy_shared_to_global(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
@@ -281,7 +281,7 @@ def mbs_attn_fwd_hopper(
     _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=pad,
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
