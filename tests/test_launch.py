@@ -76,8 +76,10 @@ def test_descriptor_key_separates_exactly_what_triton_specialises():
     assert len({keys[n] for n in ("base", "fp16", "rows", "width")}) == 4
 
 
-def test_the_launch_device_comes_from_a_descriptor_base():
-    """FastKernel picks the device from its first argument, a tensor or a descriptor (its base tensor)."""
+def test_the_launch_device_comes_from_a_tensor_or_a_descriptor_base():
+    """FastKernel launches on the device of its first argument, a tensor or a descriptor (its base tensor)."""
     desc = _descriptor_variants()["base"]
-    first = desc
-    assert getattr(first, "base", first).get_device() == -1  # CPU tensor: -1, as for a tensor argument
+    assert launch._launch_device(desc) == launch._launch_device(desc.base) == -1  # CPU: -1, never a CUDA index
+    if torch.cuda.is_available():
+        on_gpu = torch.empty(4, device="cuda")
+        assert launch._launch_device(on_gpu) == on_gpu.device.index

@@ -49,6 +49,12 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _launch_device(first_arg: Any) -> int:
+    """The CUDA device index of a launch's first argument, a tensor or a TMA descriptor (its base tensor); -1 on
+    the CPU."""
+    return getattr(first_arg, "base", first_arg).get_device()
+
+
 def _current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
@@ -73,7 +79,7 @@ class FastKernel:
         if not self._enabled:
             self.fn[grid](*args, **kwargs)
             return
-        device, target = torch.cuda.current_device(), getattr(args[0], "base", args[0]).get_device()
+        device, target = torch.cuda.current_device(), _launch_device(args[0])
         if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one
             with torch.cuda.device(target):
                 self.launch(grid, args, kwargs)
