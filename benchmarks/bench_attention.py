@@ -313,7 +313,7 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
     fwd = t.forward_tile(cfg.q_len, cfg.seq_k)
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
-                     for n, x in (("fwd", fwd), ("dkdv", t.bwd_dkdv), ("dq", t.bwd_dq)))
+                     for n, x in (("fwd", fwd), ("dkdv", t.bwd_dkdv), ("dq", t.dq_tile(cfg.seq_k))))
     return Impl(fn, build_ms=build_ms, state_mib=state_mib, info={"backend": "triton", "tiles": desc})
 
 

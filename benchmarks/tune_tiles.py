@@ -89,13 +89,13 @@ def main() -> None:
         variants.append(replace(base, use_tma=False))
         if args.sweep == "fwd":
             for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
-                variants.append(replace(base, fwd=Tile(bm, bn, w, st)))
+                variants.append(replace(base, fwd=Tile(bm, bn, w, st), fwd_short=None))
         elif args.sweep == "dkdv":
             for bm, bn, w, st in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3, 4)):
                 variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))
         elif args.sweep == "dq":
             for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
-                variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st)))
+                variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st), bwd_dq_short=None))
         for cfg in variants:
             try:
                 with use_config(cfg):

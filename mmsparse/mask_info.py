@@ -189,9 +189,9 @@ class MaskInfo:
 def _list_keys(config: KernelConfig, seq_q: int, seq_k: int) -> list[tuple[int, int, bool]]:
     """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
     over seq_k keys."""
-    fwd = config.forward_tile(seq_q, seq_k)
+    fwd, dq = config.forward_tile(seq_q, seq_k), config.dq_tile(seq_k)
     return [
         (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
-        (config.bwd_dq.block_m, config.bwd_dq.block_n, False),
+        (dq.block_m, dq.block_n, False),
     ]

@@ -19,13 +19,10 @@ from mmsparse.ops import config
 from mmsparse.ops.config import KernelConfig, Tile, head_dim_pad, hopper_gluon_available, kernel_config, use_config
 from mmsparse.ops.dropout import dropout_keep_mask
 
-GLUON_DQ = config._GLUON_DQ[128]  # the shipped D=128 tile, run here at every head dim
-
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Records which Gluon backward passes ran ("dkdv", "dq"). The dQ pass runs at every head dim here (by default
-    only at D=128: see config._GLUON_DQ)."""
+    """Records which Gluon backward passes ran ("dkdv", "dq")."""
     from mmsparse.ops import hopper_dkdv, hopper_dq
 
     calls = []
@@ -40,8 +37,10 @@ def gluon_calls(monkeypatch):
 
 
 def _with_gluon_backward(head_dim: int, dtype: torch.dtype) -> KernelConfig:
-    cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
-    return replace(cfg, bwd_dq=GLUON_DQ, bwd_dkdv=config._GLUON_DKDV[head_dim_pad(head_dim)])
+    """The shipped Gluon tiles of the head dim, at every key length (by default D=64 runs the tl dQ tile over
+    short key lists: see config._GLUON_DQ)."""
+    cfg, pad = kernel_config(head_dim, dtype, torch.device("cuda")), head_dim_pad(head_dim)
+    return replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad])
 
 
 @hopper
@@ -80,11 +79,13 @@ def test_dense_mask_with_an_empty_row_and_column(causal, gluon_calls):
 @hopper
 @pytest.mark.gpu
 def test_default_tiles_and_dropout(gluon_calls):
-    """By default the Gluon passes run in half precision (dQ at D=128 only); dropout runs the tl kernels at the
-    Gluon tiles."""
+    """By default the Gluon passes run in half precision (at D=64 the dQ pass over SHORT_KEYS keys or more only);
+    dropout runs the tl kernels at the Gluon tiles."""
     dev = torch.device("cuda")
     bf16, fp32 = kernel_config(128, torch.bfloat16, dev), kernel_config(128, torch.float32, dev)
-    assert bf16.bwd_dq.gluon and bf16.bwd_dkdv.gluon and kernel_config(64, torch.float16, dev).bwd_dkdv.gluon
+    fp16_d64 = kernel_config(64, torch.float16, dev)
+    assert bf16.bwd_dq.gluon and bf16.bwd_dkdv.gluon and bf16.dq_tile(925).gluon and fp16_d64.bwd_dkdv.gluon
+    assert fp16_d64.dq_tile(config.SHORT_KEYS).gluon and not fp16_d64.dq_tile(925).gluon
     assert not (fp32.bwd_dq.gluon or fp32.bwd_dkdv.gluon)
     lens = (300, 1000, 777)
     q, k, v = make_qkv(1, 4, 2, 2077, 2077, 128, torch.bfloat16, dev)
@@ -123,3 +124,27 @@ def test_a_failed_build_warns_and_falls_back(failing, monkeypatch, device):
     assert calls == [1]
     assert config._gluon_failed
     assert not hopper_gluon_available(0)
+
+
+def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
+    """Below SHORT_KEYS keys the dQ pass runs ``bwd_dq_short`` (at D=64 on Hopper: the tl tile instead of the
+    Gluon one), over block lists prepared for that tile; the gradients stay exact on both sides."""
+    from mmsparse.mask_info import MaskInfo
+
+    long, short = Tile(16, 16), Tile(32, 32)
+    cfg = replace(kernel_config(32, torch.float32, device), bwd_dq=long, bwd_dq_short=short)
+    monkeypatch.setattr(config, "SHORT_KEYS", 64)
+    lists = []
+
+    def spy(self, block_m, block_n, by_key=False, _real=MaskInfo.launch_args):
+        lists.append((block_m, block_n, by_key))
+        return _real(self, block_m, block_n, by_key)
+
+    monkeypatch.setattr(MaskInfo, "launch_args", spy)
+    for seq, want, other in ((60, short, long), (70, long, short)):
+        lists.clear()
+        q, k, v = make_qkv(1, 2, 2, seq, seq, 32, torch.float32, device)
+        with use_config(cfg):
+            check_against_reference(q, k, v, CYCLIC, (9, 30, seq - 39))
+        assert (want.block_m, want.block_n, False) in lists
+        assert (other.block_m, other.block_n, False) not in lists

@@ -5,6 +5,8 @@ build are tested everywhere."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import check_against_reference, check_outputs, make_qkv
@@ -171,6 +173,25 @@ def test_forward_tile_choice():
     assert cfg.forward_tile(925, config.SHORT_KEYS) is long
     assert cfg.forward_tile(16, 10**5) is decode
     assert KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode).forward_tile(100, 100) is long
+
+
+def test_dq_tile_choice():
+    short, long = Tile(64, 64), Tile(128, 64, gluon_stages=3)
+    cfg = KernelConfig(fwd=short, bwd_dkdv=short, bwd_dq=long, decode=short, bwd_dq_short=short)
+    assert cfg.dq_tile(925) is short and cfg.dq_tile(config.SHORT_KEYS) is long
+    assert replace(cfg, bwd_dq_short=None).dq_tile(925) is long
+
+
+def test_block_lists_follow_the_tiles_by_length():
+    """The block lists prepared for a call are the ones its forward and dQ tiles read, short or long."""
+    from mmsparse.mask_info import _list_keys
+
+    fwd, fwd_short, dq, dq_short, dkdv = Tile(128, 128), Tile(64, 32), Tile(128, 64), Tile(64, 64), Tile(64, 128)
+    cfg = KernelConfig(
+        fwd=fwd, bwd_dkdv=dkdv, bwd_dq=dq, decode=Tile(16, 64), fwd_short=fwd_short, bwd_dq_short=dq_short
+    )
+    assert _list_keys(cfg, 925, 925) == [(64, 32, False), (64, 128, True), (64, 64, False)]
+    assert _list_keys(cfg, 4096, 4096) == [(128, 128, False), (64, 128, True), (128, 64, False)]
 
 
 def test_can_be_switched_off(monkeypatch):

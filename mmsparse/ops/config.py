@@ -47,6 +47,7 @@ class KernelConfig:
     decode: Tile  # the forward's tile when seq_q <= DECODE_MAX_Q (decoding)
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
+    bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
 
     def forward_tile(self, seq_q: int, seq_k: int) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -54,7 +55,15 @@ class KernelConfig:
         repaid by short key lists."""
         if seq_q <= DECODE_MAX_Q:
             return self.decode
-        return self.fwd_short if self.fwd_short is not None and seq_k < SHORT_KEYS else self.fwd
+        return _by_length(self.fwd, self.fwd_short, seq_k)
+
+    def dq_tile(self, seq_k: int) -> Tile:
+        """The dQ pass's tile: ``bwd_dq_short`` over few keys, for the same reason as the forward's."""
+        return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k)
+
+
+def _by_length(tile: Tile, short: Tile | None, seq_k: int) -> Tile:
+    return short if short is not None and seq_k < SHORT_KEYS else tile
 
 
 DECODE_MAX_Q = 16
@@ -129,7 +138,8 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
         cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd_short or cfg.fwd,
-                      bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ.get(head_dim_pad, cfg.bwd_dq))
+                      bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ[head_dim_pad],
+                      bwd_dq_short=cfg.bwd_dq if head_dim_pad in _GLUON_DQ_LONG_ONLY else None)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -152,10 +162,16 @@ _GLUON_FWD = {
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
 # The Gluon dQ pass (ops/hopper_dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
-# process (benchmarks/NOTES.md, session 7), whole backward vs the tl dQ: 3 stages 1.04-1.09x at D=128, 2 stages
-# 0.97-1.02x; D=64 0.99x, so D=64 keeps the tl pass. 4 stages (192 KB of shared memory at D=128): the pass alone
-# 1.02-1.03x over 3 (session 9). The tl dQ kernel runs this tile with dropout.
-_GLUON_DQ = {128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4)}
+# process (benchmarks/NOTES.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x
+# (session 7); 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3 (session 9). D=64 (session 10,
+# after the host-side descriptors): 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so
+# D=64 keeps the tl pass below SHORT_KEYS; 4 stages 0.95-1.06x, 5 stages as 3. The tl dQ kernel runs this tile
+# with dropout.
+_GLUON_DQ = {
+    64: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3),
+    128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4),
+}
+_GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ tile
 # The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
 # A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
 # step waited for its loads. H100, the pass alone (benchmarks/NOTES.md, session 9): 4 stages (196 KB of shared
