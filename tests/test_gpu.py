@@ -7,9 +7,10 @@ import torch
 from helpers import check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
+from mmsparse.ops import backward
 from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
 from mmsparse.ops.block_lists import block_lists_kernel, block_summary_kernel
-from mmsparse.ops.config import compiled_variants, kernel_config
+from mmsparse.ops.config import SHORT_KEYS, compiled_variants, kernel_config
 from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
 from mmsparse.ops.token_bits import token_bits_kernel
 
@@ -122,15 +123,18 @@ def test_fast_launch_keys_on_alignment():
     assert compiled_variants(_delta_kernel) - variants <= 2  # at most the aligned and the misaligned kernel
 
 
-def test_backward_on_a_user_stream_is_ordered_and_bit_equal():
+def test_backward_on_a_user_stream_is_ordered_and_bit_equal(monkeypatch):
     """The dQ pass runs on a side stream; work the caller queues on its own stream right after the backward must
-    see the finished gradients, equal bit for bit to a backward on the default stream."""
+    see the finished gradients, equal bit for bit to a backward on one stream."""
     dev = torch.device("cuda")
     lens = (300, 2000, 1100)
     q, k, v = make_qkv(2, 8, 2, 3400, 3400, 128, torch.bfloat16, dev)
     grad_out = torch.randn(2, 8, 3400, 128, device=dev, dtype=torch.bfloat16)
+    real_streams = backward._streams
+    monkeypatch.setattr(backward, "_streams", lambda device, seq_k: (None, None))  # one stream
     mbs_attention(q, k, v, CYCLIC, lens).backward(grad_out)
     expected = [t.grad.clone() for t in (q, k, v)]
+    monkeypatch.setattr(backward, "_streams", real_streams)  # the dQ pass on the side stream
     user = torch.cuda.Stream()
     user.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(user):
@@ -141,3 +145,13 @@ def test_backward_on_a_user_stream_is_ordered_and_bit_equal():
     user.synchronize()
     for name, got, want in zip(("dq", "dk", "dv"), copies, expected):
         assert torch.equal(got, want), f"{name} differs when read on the caller's stream"
+
+
+def test_side_stream_only_over_long_key_lists():
+    """A call over few keys is bound by host work, which switching streams adds to: it stays on the caller's
+    stream."""
+    dev = torch.device("cuda")
+    assert backward._streams(dev, SHORT_KEYS - 1) == (None, None)
+    main, side = backward._streams(dev, SHORT_KEYS)
+    assert main == torch.cuda.current_stream() and side is not None and side != main
+    assert backward._streams(torch.device("cpu"), SHORT_KEYS) == (None, None)

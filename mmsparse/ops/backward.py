@@ -27,7 +27,7 @@ from .common import (
     program_setup,
     store_block,
 )
-from .config import Tile, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
+from .config import Tile, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon, short_keys
 from .forward import _DYNAMIC, _LOG2E, dot_mode
 from .launch import FastKernel
 
@@ -228,10 +228,10 @@ def mbs_attn_bwd(
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward passes. On a GPU the dQ pass runs on a side stream, concurrently with dK/dV:
-    both need only delta, and their programs fill each other's idle SM slots (1-5% on the H100). The current
-    stream waits for the side stream before returning, so callers, CUDA graphs and the caching allocator
-    (whose blocks stay with the current stream) see one ordered stream.
+    """Launch the three backward passes. On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side
+    stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots
+    (1-5% on the H100). The current stream waits for the side stream before returning, so callers, CUDA graphs
+    and the caching allocator (whose blocks stay with the current stream) see one ordered stream.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -257,7 +257,7 @@ def mbs_attn_bwd(
     _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
     dq = new_empty(out.shape, q.dtype, q.device)
-    main, side = _streams(q.device)
+    main, side = _streams(q.device, seq_k)
     if side is not None:
         side.wait_stream(main)  # delta and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -295,9 +295,11 @@ def _gluon_pass(module: str, tile: Tile, dropout_p: float, *args: object) -> boo
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _streams(device: torch.device) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
-    """(current stream, this device's side stream for the dQ pass), or (None, None) off the GPU."""
-    if device.type != "cuda":
+def _streams(device: torch.device, seq_k: int) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+    """(current stream, this device's side stream for the dQ pass), or (None, None): off the GPU, and over short
+    key lists, where a call is bound by host work and switching streams adds ~75 us to it (H100 host, the seed:
+    0.48 ms with the side stream, 0.41 without; benchmarks/NOTES.md, session 10)."""
+    if device.type != "cuda" or short_keys(seq_k):
         return None, None
     index = cuda_index(device)
     side = _SIDE_STREAMS.get(index)

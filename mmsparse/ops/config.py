@@ -63,7 +63,12 @@ class KernelConfig:
 
 
 def _by_length(tile: Tile, short: Tile | None, seq_k: int) -> Tile:
-    return short if short is not None and seq_k < SHORT_KEYS else tile
+    return short if short is not None and short_keys(seq_k) else tile
+
+
+def short_keys(seq_k: int) -> bool:
+    """Fewer than SHORT_KEYS keys: a call this short is bound by host work and fixed costs per program."""
+    return seq_k < SHORT_KEYS
 
 
 DECODE_MAX_Q = 16
