@@ -226,9 +226,9 @@ def _dkdv_kernel_hopper(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
-    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr = False,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors."""
@@ -308,8 +308,8 @@ def run(
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=pad, BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode,
-        IS_CAUSAL=info.causal, PINGPONG=tile.pingpong, num_warps=4, maxnreg=168,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        num_warps=4, maxnreg=168,
     )
     return True

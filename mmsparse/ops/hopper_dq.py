@@ -146,13 +146,13 @@ def _dq_kernel_hopper(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
-    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout), save that
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
-    HEAD_DIM_PAD wide (TMA zero-fills the columns past HEAD_DIM)."""
+    HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
@@ -223,7 +223,7 @@ def run(
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
         qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=pad,
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
