@@ -75,14 +75,9 @@ def _lens_tensor(
             raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")
         if seg_lens.shape[1] != k:
             raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
-        lens = seg_lens
-        if check_lengths and not _tracing_or_capturing(lens):  # the check reads device values: a host sync
-            bad_neg, bad_sum = bool((lens < 0).any()), bool((lens.sum(-1) > seq_k).any())
-            if bad_neg:
-                raise ValueError("per-sample seg_lens contains negative lengths")
-            if bad_sum:
-                raise ValueError(f"a row of per-sample seg_lens sums to more than the sequence length {seq_k}")
-        return lens.to(device=device, dtype=torch.int32)
+        if check_lengths and not _tracing_or_capturing(seg_lens):  # one read of the lengths: one host sync
+            _check_rows(seg_lens.tolist(), k, seq_k)
+        return seg_lens.to(device=device, dtype=torch.int32)
     if isinstance(seg_lens, torch.Tensor) or len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_k:
@@ -91,11 +86,21 @@ def _lens_tensor(
                 "the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
             )
         return torch.tensor([lens], dtype=torch.int32, device=device)
-    rows = [validate_seg_lens(r, k) for r in seg_lens]
-    for b, r in enumerate(rows):
+    return torch.tensor(_check_rows(seg_lens, k, seq_k), dtype=torch.int32, device=device)
+
+
+def _check_rows(rows: Sequence[Sequence[int]], k: int, seq_k: int) -> list[tuple[int, ...]]:
+    """Validate per-sample lengths (host ints, one row per sample), naming the row at fault."""
+    checked = []
+    for b, row in enumerate(rows):
+        try:
+            r = validate_seg_lens(row, k)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"seg_lens[{b}]: {e}") from None
         if sum(r) > seq_k:
             raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_k}")
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+        checked.append(r)
+    return checked
 
 
 def _q_start_tensor(q_start, seq_q: int, seq_k: int, device: torch.device, check: bool) -> torch.Tensor:

@@ -54,11 +54,13 @@ def test_topology_accepts_all_containers():
         ([(5, 5, 10), (5, 5)], ValueError, "3 segments"),
         ([(5, 5, 10), (5, 5, 11)], ValueError, "more than"),
         (torch.tensor([[5, 5, 10], [1, 1, 1]]), ValueError, "rows"),
+        (torch.tensor([[5, -1, 16]]), ValueError, r"seg_lens\[0\].*negative"),
+        (torch.tensor([[5, 5, 11]]), ValueError, "more than"),
         (None, ValueError, "required"),
         ([], ValueError, "3 segments"),
     ],
-    ids=["count", "negative", "sum", "float", "ragged-per-sample", "per-sample-too-long", "batch-mismatch", "none",
-         "empty"],
+    ids=["count", "negative", "sum", "float", "ragged-per-sample", "per-sample-too-long", "batch-mismatch",
+         "tensor-negative", "tensor-too-long", "none", "empty"],
 )
 def test_bad_seg_lens(seg_lens, exc, match, device):
     q, k, v = qkv(device)
