@@ -66,7 +66,8 @@ def _tracing_or_capturing(t: torch.Tensor) -> bool:
 def _lens_tensor(
     seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device, check_lengths: bool = True
 ) -> torch.Tensor:
-    """Validate lengths; return int32 ``[Bm, k]`` on device. One list of k ints -> Bm = 1 (shared)."""
+    """Validate lengths; return int32 (or a caller's int64) ``[Bm, k]`` on device. One list of k ints -> Bm = 1
+    (shared)."""
     k = topo.num_segments
     if seg_lens is None:
         raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
@@ -77,7 +78,8 @@ def _lens_tensor(
             raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
         if check_lengths and not _tracing_or_capturing(seg_lens):  # one read of the lengths: one host sync
             _check_rows(seg_lens.tolist(), k, seq_k)
-        return seg_lens.to(device=device, dtype=torch.int32)
+        # int32 or int64 go to the kernels as they are (no cast launch); narrower ints are widened
+        return seg_lens.to(device) if seg_lens.dtype in (torch.int32, torch.int64) else seg_lens.to(device, torch.int32)
     if isinstance(seg_lens, torch.Tensor) or len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_k:
@@ -204,7 +206,7 @@ def attention_with_info(
         meta = info.kernel_tensors(kernel_config(q.shape[-1], q.dtype, q.device))
         out, _ = attention_fwd_op(q, k, v, meta, seed, info.mode, info.causal, scale, dropout_p)
         return out
-    q, k, v = (kernel_layout(t) for t in (q, k, v))
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
 
 

@@ -51,12 +51,14 @@ class MaskInfo:
         self.device = ref.device
         # Position of each sample's first query: by default the queries are the last seq_q positions.
         if q_start is None:
-            q_start = torch.full((1,), seq_k - seq_q, dtype=torch.int32, device=self.device)
-        self.past = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
+            self.past = _default_past(seq_k - seq_q, self.device)
+        else:
+            self.past = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[tuple[int, int, bool], BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
         self._launch_args: dict[tuple[int, int, bool], tuple[tuple, tuple]] = {}
+        self.forward_plans: dict[tuple, object] = {}  # the forward launcher's, per shapes and strides
 
     @classmethod
     def from_topology(
@@ -195,3 +197,21 @@ def _list_keys(config: KernelConfig, seq_q: int, seq_k: int) -> list[tuple[int, 
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
         (dq.block_m, dq.block_n, False),
     ]
+
+
+_PASTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _default_past(past: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[1]`` holding ``past`` on ``device``, shared by the masks that need it (the kernels only read it):
+    a mask built for new lengths skips one allocation and fill."""
+    key = (device, past)
+    t = _PASTS.get(key)
+    if t is None:
+        t = torch.full((1,), past, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return t  # filled only when the graph replays: not for eager masks
+        if len(_PASTS) >= 256:
+            _PASTS.clear()
+        _PASTS[key] = t
+    return t

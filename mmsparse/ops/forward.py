@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 import triton
@@ -205,10 +206,10 @@ _FWD, _COMBINE = FastKernel(_fwd_kernel), FastKernel(_combine_kernel)
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
+    """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
     elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
-    *outer, inner = t.stride()
-    if inner == 1 and not any(s & 7 for s in outer) and not t.data_ptr() & 15:
+    s = t.stride()  # 4-D
+    if s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15:
         return t
     return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
 
@@ -240,49 +241,85 @@ def mbs_attn_fwd(
     Returns:
         ``(out [B, Hq, Sq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
     """
-    batch, num_heads, seq_q, head_dim = q.shape
-    group = num_heads // k.shape[1]
-    cfg = kernel_config(head_dim, q.dtype, q.device)
-    tile = cfg.forward_tile(seq_q, info.seq_k)
-    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
-    if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
-        block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
-        row_blocks, bh_programs = 1, batch * (num_heads // group)
-    else:
-        block_m, num_warps = tile.block_m, tile.num_warps
-        row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
-    key_blocks = cdiv(info.seq_k, tile.block_n)
-    n_splits = num_splits(row_blocks * bh_programs, key_blocks, q.device)
-    if tile.gluon and dropout_p == 0.0 and n_splits == 1:
-        result = _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, tile)
+    cfg = kernel_config(q.shape[-1], q.dtype, q.device)
+    # id(cfg): the plan holds cfg, so the id stays its own while the plan is kept
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p, seed is None,
+           id(cfg))
+    plan = info.forward_plans.get(key)
+    if plan is None:
+        if len(info.forward_plans) >= _MAX_PLANS:
+            info.forward_plans.clear()
+        plan = info.forward_plans[key] = _ForwardPlan(q, k, v, info, cfg, softmax_scale, dropout_p)
+    if plan.gluon:
+        result = _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, plan.tile)
         if result is not None:
             return result
-    if cfg.use_tma:
-        ensure_tma_allocator(q.device)
-    mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
-    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
-    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
-    seed = seed if seed is not None else lse  # never read without dropout
-    split_len = cdiv(key_blocks, n_splits)
-    o_dst, lse_dst = out, lse
-    if n_splits > 1:
-        o_dst = new_empty((n_splits, batch, num_heads, seq_q, head_dim), torch.float32, q.device)
-        lse_dst = new_empty((n_splits, batch, num_heads, seq_q), torch.float32, q.device)
-    d_pad = head_dim_pad(head_dim)
-    _FWD[(row_blocks * n_splits, bh_programs)](
-        q, k, v, o_dst, lse_dst, *mask_tensors, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *mask_scalars, softmax_scale * _LOG2E, dropout_p, n_splits, split_len,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-        BM=block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-        HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
-        PACK_GQA=pack_rows > 0, num_warps=num_warps, num_stages=tile.num_stages,
-    )
-    if n_splits > 1:
-        n_rows = batch * num_heads * seq_q
-        _COMBINE[(cdiv(n_rows, _COMBINE_ROWS),)](
-            o_dst, lse_dst, out, lse, n_rows, n_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS,
+    return plan(q, k, v, seed)
+
+
+class _ForwardPlan:
+    """Everything about one forward launch except q, k, v, the outputs and the seed, worked out once per (mask,
+    shapes, strides, dtype, scale, dropout, tiles): a repeated small call is bound by host work. After its first
+    launch the plan calls the compiled kernel straight through its launcher (:meth:`FastKernel.bind`); the
+    strides and every other integer argument come from the plan's key, so each launch specialises alike."""
+
+    def __init__(self, q, k, v, info: MaskInfo, cfg, softmax_scale: float, dropout_p: float) -> None:
+        batch, num_heads, seq_q, head_dim = q.shape
+        group = num_heads // k.shape[1]
+        tile = cfg.forward_tile(seq_q, info.seq_k)
+        pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
+        if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
+            block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
+            row_blocks, bh_programs = 1, batch * (num_heads // group)
+        else:
+            block_m, num_warps = tile.block_m, tile.num_warps
+            row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
+        key_blocks = cdiv(info.seq_k, tile.block_n)
+        n_splits = num_splits(row_blocks * bh_programs, key_blocks, q.device)
+        self.cfg, self.tile, self.gluon = cfg, tile, tile.gluon and dropout_p == 0.0 and n_splits == 1
+        if cfg.use_tma:
+            ensure_tma_allocator(q.device)
+        self.mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+        self.device, self.dtype = q.device, q.dtype
+        self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
+        self.n_splits = n_splits
+        self.scalars = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars, softmax_scale * _LOG2E,
+                        dropout_p, n_splits, cdiv(key_blocks, n_splits))
+        d_pad = head_dim_pad(head_dim)
+        self.grid = (row_blocks * n_splits, bh_programs)
+        self.constexprs = dict(
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
+            BM=block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+            HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
+            PACK_GQA=pack_rows > 0, num_warps=num_warps, num_stages=tile.num_stages,
         )
-    return out, lse
+        n_rows = batch * num_heads * seq_q
+        self.combine_grid = (cdiv(n_rows, _COMBINE_ROWS),)
+        self.combine_args = (n_rows, n_splits)
+        self.combine_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS)
+        self._fwd: Callable[..., None] | None = None  # the bound launches, after the first call
+        self._combine: Callable[..., None] | None = None
+
+    def __call__(self, q, k, v, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = new_empty(self.out_shape, self.dtype, self.device)
+        lse = new_empty(self.lse_shape, torch.float32, self.device)
+        o_dst, lse_dst = out, lse
+        if self.n_splits > 1:
+            o_dst = new_empty((self.n_splits, *self.out_shape), torch.float32, self.device)
+            lse_dst = new_empty((self.n_splits, *self.lse_shape), torch.float32, self.device)
+        seed = seed if seed is not None else lse  # never read without dropout
+        args = (q, k, v, o_dst, lse_dst, *self.mask_tensors, seed, *self.scalars)
+        if self._fwd is not None:
+            self._fwd(*args)
+        else:
+            self._fwd = _FWD.bind(self.grid, args, self.constexprs)
+        if self.n_splits > 1:
+            args = (o_dst, lse_dst, out, lse, *self.combine_args)
+            if self._combine is not None:
+                self._combine(*args)
+            else:
+                self._combine = _COMBINE.bind(self.combine_grid, args, self.combine_constexprs)
+        return out, lse
 
 
 def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
@@ -291,6 +328,7 @@ def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
 
 
 _COMBINE_ROWS = 16
+_MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale) combinations kept
 _LOG2E = math.log2(math.e)
 _PACK_MAX_ROWS = 64
 

@@ -17,7 +17,7 @@ launcher, every launch goes through Triton.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -101,6 +101,36 @@ class FastKernel:
                      None, *args, *tail)
         global fast_launches
         fast_launches += 1
+
+    def bind(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Callable[..., None] | None:
+        """Launch, then return ``relaunch(*new_args)``: the same compiled kernel on the same grid, device and
+        constexprs, called straight through its launcher. The caller promises that ``new_args`` specialise as
+        ``args`` did (same dtypes, tensors 16-byte aligned, integers alike), e.g. by keying what it binds on the
+        shapes and strides the integers come from. None where launches go through Triton (the interpreter, an
+        argument kind not keyed); a relaunch under a launch hook or from another current device goes through
+        :meth:`launch`."""
+        self.launch(grid, args, kwargs)
+        if not self._enabled:
+            return None
+        target = _launch_device(args[0])
+        hit = self._cache.get((target, tuple(kwargs.items()), *map(_arg_key, args)))
+        if hit is None:
+            return None
+        compiled, tail = hit
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        grid3 = (*grid, 1, 1)
+
+        def relaunch(*new_args: Any) -> None:
+            if (torch.cuda.current_device() != target or _hooked(_knobs.runtime.launch_enter_hook)
+                    or _hooked(_knobs.runtime.launch_exit_hook)):
+                self.launch(grid, new_args, kwargs)
+                return
+            run(grid3[0], grid3[1], grid3[2], _current_stream(target), function, metadata, None, None, None,
+                *new_args, *tail)
+            global fast_launches
+            fast_launches += 1
+
+        return relaunch
 
     def _constexpr_tail(self, args: tuple, kwargs: dict[str, Any]) -> tuple:
         """The values of the parameters after the positional ones, in the kernel's order (all constexprs here),

@@ -45,7 +45,7 @@ def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tupl
     run; the torch ops elsewhere and when traced (the compiler fuses those)."""
     if not kernels_run_on(seg_lens.device) or torch.compiler.is_compiling() or seg_lens.shape[0] == 0:
         return token_bits_torch(topology, seg_lens, seq_len)
-    lens = seg_lens if seg_lens.dtype == torch.int32 and seg_lens.stride(-1) == 1 else (
+    lens = seg_lens if seg_lens.dtype in (torch.int32, torch.int64) and seg_lens.stride(-1) == 1 else (
         seg_lens.to(torch.int32).contiguous())
     row_table, col_table = topology.bit_tables(lens.device)
     rows = lens.shape[0]
