@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import check_against_reference, make_qkv
 
-from mmsparse import functional
+from mmsparse import functional, mbs_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.ops import launch
 
@@ -28,18 +28,18 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
 
 def test_plans_follow_layout_heads_and_scale(device):
     calls = [
-        # (heads, kv_heads, seq_q, transposed, softmax_scale)
-        (2, 2, S, False, None),
-        (2, 2, S, False, None),  # the same key: the plan is reused
-        (2, 2, S, True, None),  # other strides
-        (2, 2, S, False, 0.3),  # another scale
-        (4, 2, S, False, None),  # GQA: other heads
-        (2, 2, S, True, None),
-        (2, 2, S, False, None),
+        # (heads, kv_heads, transposed, softmax_scale)
+        (2, 2, False, None),
+        (2, 2, False, None),  # the same key: the plan is reused
+        (2, 2, True, None),  # other strides
+        (2, 2, False, 0.3),  # another scale
+        (4, 2, False, None),  # GQA: other heads
+        (2, 2, True, None),
+        (2, 2, False, None),
     ]
     generator = torch.Generator().manual_seed(0)
-    for heads, kv_heads, seq_q, transposed, scale in calls:
-        q, k, v = make_qkv(2, heads, kv_heads, seq_q, S, 16, torch.float32, device, generator)
+    for heads, kv_heads, transposed, scale in calls:
+        q, k, v = make_qkv(2, heads, kv_heads, S, S, 16, torch.float32, device, generator)
         if transposed:
             q, k, v = _transposed(q), _transposed(k), _transposed(v)
         check_against_reference(q, k, v, HUB, LENS, softmax_scale=scale)
@@ -67,7 +67,5 @@ def test_repeated_call_skips_the_launch_path():
     before = launch.fast_launches
     q, k, v = make_qkv(2, 2, 2, S, S, 64, torch.bfloat16, dev)
     with torch.no_grad():
-        from mmsparse import mbs_attention
-
         mbs_attention(q, k, v, HUB, LENS)
     assert launch.fast_launches - before == 1

@@ -208,7 +208,7 @@ _FWD, _COMBINE = FastKernel(_fwd_kernel), FastKernel(_combine_kernel)
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
     elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
-    s = t.stride()  # 4-D
+    s = t.stride()
     if s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15:
         return t
     return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
