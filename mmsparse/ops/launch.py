@@ -75,60 +75,47 @@ class FastKernel:
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """Launch; return the cache entry ``(compiled kernel, constexpr tail)`` that launched or was stored, None
+        when the launch went through Triton without one."""
         if not self._enabled:
             self.fn[grid](*args, **kwargs)
-            return
+            return None
         device, target = torch.cuda.current_device(), _launch_device(args[0])
         if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one
             with torch.cuda.device(target):
-                self.launch(grid, args, kwargs)
-            return
+                return self.launch(grid, args, kwargs)
         if _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
             self.fn[grid](*args, **kwargs)
-            return
+            return None
         key = (device, tuple(kwargs.items()), *map(_arg_key, args))
         hit = self._cache.get(key)
         if hit is None:
             compiled = self.fn[grid](*args, **kwargs)
             if _MISS not in key and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                self._cache[key] = (compiled, self._constexpr_tail(args, kwargs))
-            return
-        compiled, tail = hit
-        stream = _current_stream(device)
-        grid3 = (*grid, 1, 1)
-        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *tail)
-        global fast_launches
-        fast_launches += 1
+                hit = self._cache[key] = (compiled, self._constexpr_tail(args, kwargs))
+            return hit
+        _run_direct(hit, (*grid, 1, 1), device, args)
+        return hit
 
     def bind(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Callable[..., None] | None:
         """Launch, then return ``relaunch(*new_args)``: the same compiled kernel on the same grid, device and
         constexprs, called straight through its launcher. The caller promises that ``new_args`` specialise as
         ``args`` did (same dtypes, tensors 16-byte aligned, integers alike), e.g. by keying what it binds on the
-        shapes and strides the integers come from. None where launches go through Triton (the interpreter, an
-        argument kind not keyed); a relaunch under a launch hook or from another current device goes through
-        :meth:`launch`."""
-        self.launch(grid, args, kwargs)
-        if not self._enabled:
-            return None
-        target = _launch_device(args[0])
-        hit = self._cache.get((target, tuple(kwargs.items()), *map(_arg_key, args)))
+        shapes and strides the integers come from. None where launches go through Triton (the interpreter, a
+        launch hook, an argument kind not keyed); a relaunch under a launch hook or from another current device
+        goes through :meth:`launch`."""
+        hit = self.launch(grid, args, kwargs)
         if hit is None:
             return None
-        compiled, tail = hit
-        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-        grid3 = (*grid, 1, 1)
+        target, grid3 = _launch_device(args[0]), (*grid, 1, 1)
 
         def relaunch(*new_args: Any) -> None:
             if (torch.cuda.current_device() != target or _hooked(_knobs.runtime.launch_enter_hook)
                     or _hooked(_knobs.runtime.launch_exit_hook)):
                 self.launch(grid, new_args, kwargs)
-                return
-            run(grid3[0], grid3[1], grid3[2], _current_stream(target), function, metadata, None, None, None,
-                *new_args, *tail)
-            global fast_launches
-            fast_launches += 1
+            else:
+                _run_direct(hit, grid3, target, new_args)
 
         return relaunch
 
@@ -138,3 +125,12 @@ class FastKernel:
         bound = self._signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in self._params})
         bound.apply_defaults()
         return tuple(bound.arguments[name] for name in self._params[len(args):])
+
+
+def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple) -> None:
+    """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream."""
+    global fast_launches
+    compiled, tail = entry
+    compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *tail)
+    fast_launches += 1
