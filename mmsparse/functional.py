@@ -66,8 +66,8 @@ def _tracing_or_capturing(t: torch.Tensor) -> bool:
 def _lens_tensor(
     seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device, check_lengths: bool = True
 ) -> torch.Tensor:
-    """Validate lengths; return int32 (or a caller's int64) ``[Bm, k]`` on device. One list of k ints -> Bm = 1
-    (shared)."""
+    """Validate lengths; return an integer ``[Bm, k]`` tensor on device (int32 from host lengths, a tensor's own
+    dtype otherwise). One list of k ints -> Bm = 1 (shared)."""
     k = topo.num_segments
     if seg_lens is None:
         raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
@@ -78,8 +78,7 @@ def _lens_tensor(
             raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
         if check_lengths and not _tracing_or_capturing(seg_lens):  # one read of the lengths: one host sync
             _check_rows(seg_lens.tolist(), k, seq_k)
-        # int32 or int64 go to the kernels as they are (no cast launch); narrower ints are widened
-        return seg_lens.to(device) if seg_lens.dtype in (torch.int32, torch.int64) else seg_lens.to(device, torch.int32)
+        return seg_lens.to(device)  # any integer dtype: token_bits reads int32/int64 as they are, casts the rest
     if isinstance(seg_lens, torch.Tensor) or len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_k:

@@ -49,6 +49,11 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hooks_set() -> bool:
+    """A launch hook is set (a profiler): launches must go through Triton, which calls it."""
+    return _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook)
+
+
 def _launch_device(first_arg: Any) -> int:
     """The CUDA device index of a launch's first argument, a tensor or a TMA descriptor (its base tensor); -1 on
     the CPU."""
@@ -85,7 +90,7 @@ class FastKernel:
         if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one
             with torch.cuda.device(target):
                 return self.launch(grid, args, kwargs)
-        if _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
+        if _hooks_set():
             self.fn[grid](*args, **kwargs)
             return None
         key = (device, tuple(kwargs.items()), *map(_arg_key, args))
@@ -111,11 +116,10 @@ class FastKernel:
         target, grid3 = _launch_device(args[0]), (*grid, 1, 1)
 
         def relaunch(*new_args: Any) -> None:
-            if (torch.cuda.current_device() != target or _hooked(_knobs.runtime.launch_enter_hook)
-                    or _hooked(_knobs.runtime.launch_exit_hook)):
-                self.launch(grid, new_args, kwargs)
-            else:
+            if torch.cuda.current_device() == target and not _hooks_set():
                 _run_direct(hit, grid3, target, new_args)
+            else:
+                self.launch(grid, new_args, kwargs)
 
         return relaunch
 
