@@ -163,6 +163,8 @@ TINY: dict[str, BenchConfig] = {
         BenchConfig("tiny_cyclic", 2, 2, 2, 16, (10, 45, 41), CYCLIC),
         BenchConfig("tiny_hub_causal_gqa", 1, 4, 2, 32, (13, 50, 37), HUB, causal=True),
         BenchConfig("tiny_decode", 2, 4, 2, 32, (40, 30, 11), DECODE_TOPOLOGY, seq_q=4, tags=("decode",)),
+        # the A/B tool's CPU smoke test: a fraction of a second per call through the interpreter
+        BenchConfig("tiny_ab", 1, 2, 1, 16, (7, 20, 13), CYCLIC, causal=True),
     )
 }
 

@@ -1,0 +1,9 @@
+"""Benchmarks of mmsparse: shapes, baselines, timing harness, reports, and an A/B tool against a git ref.
+
+    python -m benchmarks                      # mmsparse vs Flex / SDPA on every config (``benchmarks.run``)
+    python -m benchmarks.ab --base REF        # the working tree against a git ref, interleaved, bit for bit
+    python -m benchmarks.bench_build          # the block-metadata build for new lengths
+    python -m benchmarks.tune_tiles           # tile sweeps of one pass
+
+Importing the package imports nothing heavy: the A/B parent process never loads torch or mmsparse.
+"""
