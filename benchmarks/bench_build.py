@@ -1,33 +1,38 @@
-"""Time the block-metadata build for a new set of segment lengths (issues 3 and 4), next to Flex's create_block_mask.
+"""Time the block-metadata build for a new set of segment lengths, next to Flex's create_block_mask.
 
 What is timed: ``build_mask_info(topology, lens, ...)`` with a device length tensor (no cache: every call builds
 from scratch) plus ``MaskInfo.prepare`` (the block lists of the forward, dK/dV and dQ tiles), host wall time with a
 device sync before and after each call, median over the calls. It also checks that the build makes no host sync
 (``torch.cuda.set_sync_debug_mode("error")``) and that its lists equal the pure-torch reference's.
 
-    python benchmarks/bench_build.py                 # GPU: B=8 S=16k per-sample lengths, S=43k shared
-    python benchmarks/bench_build.py --device cpu    # smoke test through the Triton interpreter (small shapes)
+    python -m benchmarks.bench_build                 # GPU: B=8 S=16k per-sample lengths, S=43k shared
+    python -m benchmarks.bench_build --device cpu    # smoke test through the Triton interpreter (small shapes)
 
-Writes ``build.json`` and ``build.md`` under ``--out`` (default ``benchmarks/results``).
+Writes ``build.json`` and ``build.md`` under ``--out`` (default ``benchmarks/results/<gpu>/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from bench_attention import environment, host_ms
-from configs import CYCLIC, HUB
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
 from mmsparse.blocks import classify_blocks_from_bits, lists_from_classes
 from mmsparse.functional import build_mask_info
 from mmsparse.ops.config import kernel_config
+
+from .configs import CYCLIC, HUB
+from .env import environment, results_dir
+from .flex_mask import flex_mask_mod, segment_ids
+from .report import write_record
+from .timing import host_ms
+
+TOPIC = "build"
 
 
 @dataclass(frozen=True)
@@ -88,29 +93,21 @@ def flex_ms(case: BuildCase, lens: torch.Tensor, device: torch.device, reps: int
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError:
         return None
-    table = torch.tensor(case.topology, dtype=torch.bool, device=device)
-    pos = torch.arange(case.seq_len, device=device)
-    ends = lens.to(torch.int64).cumsum(-1)
-    seg = torch.searchsorted(ends.contiguous(), pos.expand(lens.shape[0], -1).contiguous(), right=True)
-    real = seg < lens.shape[1]
-    seg = seg.clamp(max=lens.shape[1] - 1)
-
-    def mask_mod(b, h, i, j):
-        ok = table[seg[b, i], seg[b, j]] & real[b, i] & real[b, j]
-        return ok & (j <= i) if case.causal else ok
-
+    seg, real = segment_ids(lens, case.seq_len, device)
+    mask_mod = flex_mask_mod(case.topology, seg, case.causal, real=real)
     batch = lens.shape[0] if lens.shape[0] > 1 else None
     return build_ms(lambda: create_block_mask(mask_mod, batch, None, case.seq_len, case.seq_len, device=device),
-                   device, reps)
+                    device, reps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     cases = GPU_CASES if device.type == "cuda" else CPU_CASES
     reps = args.reps if device.type == "cuda" else 3
@@ -146,9 +143,6 @@ def main() -> None:
         print(f"{case.name:22s} mmsparse build {ms:7.3f} ms   flex create_block_mask "
               f"{'-' if fms is None else f'{fms:7.2f}'} ms   no host sync: {no_sync}   lists exact: {exact}",
               flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "build.json").write_text(json.dumps(rows, indent=1))
     lines = [f"Run: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}. Host wall "
              "time with a device sync around each call, median.", "",
              "| case | B | S | causal | mmsparse build ms | flex create_block_mask ms | no host sync | lists exact |",
@@ -157,8 +151,8 @@ def main() -> None:
         flex = "-" if r["flex_build_ms"] is None else f"{r['flex_build_ms']:.2f}"
         lines.append(f"| {r['case']} | {r['batch']} | {r['seq_len']} | {r['causal']} | {r['build_ms']:.3f} | {flex} "
                      f"| {r['no_host_sync']} | {r['lists_exact']} |")
-    (out / "build.md").write_text("\n".join(lines) + "\n")
-
+    path = write_record(args.out or results_dir(env["gpu"]), TOPIC, rows, "\n".join(lines) + "\n")
+    print(f"wrote {path} and its .md", flush=True)
 
 if __name__ == "__main__":
     main()

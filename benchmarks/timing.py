@@ -10,10 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .devices import sync
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
-    python benchmarks/tune_tiles.py [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
+    python -m benchmarks.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
 """
 
 from __future__ import annotations
@@ -10,24 +10,20 @@ import itertools
 from dataclasses import replace
 
 import torch
-from configs import CONFIGS  # benchmarks/configs.py: the one list of benchmark shapes
-from triton.testing import do_bench
 
-from mmsparse import mbs_attention
+from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
 from mmsparse.ops.config import Tile, kernel_config, use_config
 from mmsparse.topology import count_allowed_pairs
+
+from .configs import CONFIGS
+from .flex_mask import flex_mask_mod, segment_ids
 
 
 def flex_times(q, k, v, topo, lens, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from triton.testing import do_bench
 
-    seg = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.tensor(lens, device=q.device))
-    table = torch.tensor(topo, dtype=torch.bool, device=q.device)
-
-    def mask_mod(b, h, i, j):
-        ok = table[seg[i], seg[j]]
-        return ok & (j <= i) if causal else ok
-
+    mask_mod = flex_mask_mod(topo, segment_ids(lens, q.shape[2], q.device)[0], causal)
     s = q.shape[2]
     bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
     fn = torch.compile(flex_attention)
@@ -38,6 +34,8 @@ def flex_times(q, k, v, topo, lens, causal):
 
 
 def ours(q, k, v, topo, lens, causal):
+    from triton.testing import do_bench
+
     fwd = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal), return_mode="median")
     g = torch.randn_like(q)
     both = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal).backward(g), return_mode="median")
@@ -57,7 +55,8 @@ def profile_kernels(q, k, v, topo, lens, causal) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_tiles", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
     ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
     ap.add_argument("--no-flex", action="store_true")

@@ -1,9 +1,9 @@
-"""Plot a results JSON written by ``bench_attention.py``: time and live-pair TFLOP/s per config per implementation.
+"""Plot a results JSON written by ``python -m benchmarks``: time and live-pair TFLOP/s per config per implementation.
 
 Usage::
 
-    python benchmarks/plot_results.py benchmarks/results/latest.json            # -> benchmarks/results/latest.png
-    python benchmarks/plot_results.py results.json -o figure.png
+    python -m benchmarks.plot benchmarks/results/h100/latest.json     # -> benchmarks/results/h100/latest.png
+    python -m benchmarks.plot results.json -o figure.png
 
 Needs matplotlib (``pip install matplotlib`` or the project's ``bench`` extra); the benchmark itself does not.
 """
@@ -91,8 +91,9 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", type=Path, help="results JSON (a list of rows) from bench_attention.py")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", type=Path, help="results JSON (a list of rows) from python -m benchmarks")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG path (default: next to the JSON)")
     args = parser.parse_args(argv)
     rows = json.loads(args.json.read_text())

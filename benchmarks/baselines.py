@@ -1,0 +1,194 @@
+"""The implementations a benchmark compares: mmsparse and what a user would otherwise reach for.
+
+  - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology and segment lengths.
+  - ``flex``: ``torch.compile(flex_attention)`` with :func:`benchmarks.flex_mask.flex_mask_mod` and a block mask
+    from ``create_block_mask``.
+  - ``sdpa_mask``: ``F.scaled_dot_product_attention`` with a dense bool mask ``[1, 1, Sq, Sk]``, on the cuDNN
+    backend, else the memory-efficient one (never the math backend on CUDA).
+  - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on causal configs): the cost of
+    ignoring the sparsity.
+
+Each ``setup_*`` returns an :class:`Impl` (the call plus the cost of its mask state) or raises :class:`Skip`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import mmsparse
+
+from .cases import Case
+from .check import RTOL_OUT, compare
+from .devices import allocated, device_alive, free_memory, sync
+from .errors import DeviceLost, Skip, short_error
+from .flex_mask import flex_mask_mod, segment_ids
+from .timing import Timing
+
+IMPLS = ("mmsparse", "flex", "sdpa_mask", "dense_flash")
+SDPA_MASK_BYTES_PER_PAIR = 5  # bool mask + the bf16 bias SDPA makes from it on each call (+ alignment copies)
+SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this share of free memory
+
+TensorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Impl:
+    fn: TensorFn  # (q, k, v) -> out, autograd-capable
+    reference: str = "topology"  # the mask kind its output must match
+    build_ms: float | None = None
+    state_mib: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # extra row keys (backend, tiles, ...)
+
+
+def _build_state(case: Case, timing: Timing, build: Callable[[], Any]) -> tuple[Any, float | None, float]:
+    """Build once (keeping the result), report the memory it holds, then time fresh builds."""
+    base = allocated(case.device)
+    state = build()
+    sync(case.device)
+    state_mib = (allocated(case.device) - base) / 2**20 if case.device.type == "cuda" else None
+    return state, state_mib, timing.host_ms(build)
+
+
+def setup_mmsparse(case: Case, timing: Timing) -> Impl:
+    from mmsparse.functional import build_mask_info
+    from mmsparse.ops.config import kernel_config
+
+    cfg, dev = case.cfg, case.device
+    tiles = kernel_config(cfg.head_dim, case.q.dtype, dev)
+    lens = torch.tensor(cfg.seg_lens, device=dev)[None]  # a [1, k] tensor is not cached: every call rebuilds
+
+    def build() -> Any:
+        return build_mask_info(cfg.topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, dev).prepare(tiles)
+
+    state, state_mib, build_ms = _build_state(case, timing, build)
+    del state
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mmsparse.mbs_attention(q, k, v, cfg.topology, cfg.seg_lens, causal=cfg.causal)
+
+    fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k)
+    desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
+                     + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
+                     for n, x in (("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k))))
+    return Impl(fn, build_ms=build_ms, state_mib=state_mib, info={"backend": "triton", "tiles": desc})
+
+
+_FLEX: Any = None
+
+
+def compiled_flex() -> Any:
+    """``torch.compile(flex_attention)``, compiled once per process."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def setup_flex(case: Case, timing: Timing) -> Impl:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cfg, dev = case.cfg, case.device
+    seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)
+    mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
+
+    def build() -> Any:
+        return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev)
+
+    block_mask, state_mib, build_ms = _build_state(case, timing, build)
+    flex, gqa = compiled_flex(), cfg.heads_q != cfg.heads_kv
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+    info: dict[str, Any] = {"backend": "flex (torch.compile)", "tiles": f"block {block_mask.BLOCK_SIZE}"}
+    try:
+        info["flex_block_sparsity"] = round(float(block_mask.sparsity()), 2)
+    except Exception:
+        pass
+    return Impl(fn, build_ms=build_ms, state_mib=state_mib, info=info)
+
+
+def _sdpa(backend: Any, mask: torch.Tensor | None, is_causal: bool, group: int, repeat_kv: bool) -> TensorFn:
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if repeat_kv:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                  enable_gqa=group > 1 and not repeat_kv)
+
+    return fn
+
+
+def _first_sdpa_that_runs(case: Case, candidates: list[tuple[str, Any]], mask: torch.Tensor | None,
+                          is_causal: bool, reference: str) -> tuple[TensorFn, str]:
+    """The first backend (and, for GQA, native GQA before repeated k/v) whose forward + backward runs and whose
+    output matches the reference; failing that, the first one that runs (its row will then say FAIL)."""
+    reasons, fallback = [], None
+    b, _, hs = case.check_slice()
+    for name, backend in candidates:
+        for repeat_kv in (False, True) if case.group > 1 else (False,):
+            fn = _sdpa(backend, mask, is_causal, case.group, repeat_kv)
+            label = name + (" + repeat_interleave k/v" if repeat_kv else " + enable_gqa" if case.group > 1 else "")
+            try:
+                out = fn(case.q, case.k, case.v)
+                out.backward(case.dout)
+                sync(case.device)
+                _, rel, ok = compare(out.detach()[b, hs], case.reference(reference)["out"], RTOL_OUT)
+                del out
+                if ok:
+                    return fn, label
+                reasons.append(f"{label}: output rel err {rel:.1e}")
+                fallback = fallback or (fn, label)
+            except Exception as e:
+                if not device_alive(case.device):
+                    raise DeviceLost(f"{label}: {short_error(e)}") from e
+                reasons.append(f"{label}: {short_error(e, 200)}")
+            finally:
+                case.clear_grads()
+                free_memory(case.device)
+    if fallback is not None:
+        return fallback[0], f"{fallback[1]} (tried: {' | '.join(reasons)})"
+    raise RuntimeError("no SDPA backend ran: " + " | ".join(reasons))
+
+
+def setup_sdpa_mask(case: Case, timing: Timing) -> Impl:
+    from torch.nn.attention import SDPBackend
+
+    cfg, dev = case.cfg, case.device
+    if dev.type == "cuda":
+        need = SDPA_MASK_BYTES_PER_PAIR * cfg.q_len * cfg.seq_k
+        free, _ = torch.cuda.mem_get_info(dev)
+        if need > SDPA_MASK_MEM_FRACTION * free:
+            raise Skip(f"dense mask path needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+        candidates = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+    else:  # CPU smoke test only: the math backend materialises the scores, never used on CUDA
+        candidates = [("math", SDPBackend.MATH)]
+    mask = case.mask("topology")[None, None]  # [1, 1, Sq, Sk] view of the cached device mask
+    fn, label = _first_sdpa_that_runs(case, candidates, mask, is_causal=False, reference="topology")
+    return Impl(fn, state_mib=mask.numel() * mask.element_size() / 2**20 if dev.type == "cuda" else None,
+                info={"backend": label})
+
+
+def setup_dense_flash(case: Case, timing: Timing) -> Impl:
+    from torch.nn.attention import SDPBackend
+
+    candidates = ([("flash", SDPBackend.FLASH_ATTENTION)] if case.device.type == "cuda"
+                  else [("math", SDPBackend.MATH)])
+    fn, label = _first_sdpa_that_runs(case, candidates, None, is_causal=case.cfg.causal, reference="dense")
+    return Impl(fn, reference="dense", info={"backend": label + (" (is_causal)" if case.cfg.causal else "")})
+
+
+SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {
+    "mmsparse": setup_mmsparse,
+    "flex": setup_flex,
+    "sdpa_mask": setup_sdpa_mask,
+    "dense_flash": setup_dense_flash,
+}
