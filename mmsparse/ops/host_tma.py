@@ -4,8 +4,8 @@ boxes that a program addresses as ``[b, h, row, 0]``.
 A descriptor made on the host reaches every program as a launch parameter. Made in the kernel instead, each
 program would write and fence its own four to six descriptors before its first load; on an H100 the host-side ones
 make the Gluon forward 1.04-1.08x, the dQ pass 1.05-1.11x and the dK/dV pass up to 1.03x faster
-(docs/performance.md). The box reads rows past S and columns past D as zeros and drops writes there, per (b, h): a tile never
-touches the next head's rows.
+(docs/performance.md). The box reads rows past S and columns past D as zeros and drops writes there, per (b, h):
+a tile never touches the next head's rows.
 """
 
 from __future__ import annotations
