@@ -22,11 +22,7 @@ HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 FOUR = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]]  # segment 1 sees nothing
 
 
-def _on_hopper() -> bool:
-    return torch.cuda.is_available() and hopper_gluon_available(torch.cuda.current_device())
-
-
-hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and Triton's Gluon API")
+hopper = pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 
 
 @pytest.fixture
