@@ -99,3 +99,20 @@ def test_records_go_to_one_folder_per_gpu(tmp_path):
     path = write_record(tmp_path / "h100", "build", [{"ms": float("nan")}], "| table |\n")
     assert json.loads(path.read_text()) == [{"ms": None}]
     assert sorted(p.name for p in path.parent.iterdir()) == ["build.json", "build.md"]
+
+
+def test_the_benchmark_checks_times_and_writes_its_record(tmp_path, device):
+    """``python -m benchmarks`` end to end on a tiny config: every row checked ok, timed, written as latest.*."""
+    from benchmarks.run import main
+
+    threads = torch.get_num_threads()
+    try:
+        status = main(["--device", device.type, "--configs", "tiny_ab", "--impls", "mmsparse,sdpa_mask", "--no-plot",
+                       "--out", str(tmp_path), "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    rows = json.loads((tmp_path / "latest.json").read_text())
+    assert [(r["impl"], r["check"]) for r in rows] == [("mmsparse", "ok"), ("sdpa_mask", "ok")]
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] is not None for r in rows)
+    assert "| tiny_ab |" in (tmp_path / "latest.md").read_text()
