@@ -93,23 +93,28 @@ class Worker:
         self.info: dict[str, str] = {"label": tree.label}
 
     def wait_ready(self) -> None:
-        hello = self._read()
+        hello = self.read()
         if not hello.get("ok"):
             raise SystemExit(f"worker for {self.tree.label} did not start: {hello.get('error')}")
         self.info.update(hello["ready"])
 
-    def _read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
         if not line:
             return {"ok": False, "error": f"worker exited with status {self.proc.wait()}"}
         return json.loads(line)
 
-    def ask(self, op: str, config: str) -> dict[str, Any]:
+    def send(self, op: str, config: str) -> bool:
         if self.proc.poll() is not None:
-            return {"ok": False, "error": f"worker exited with status {self.proc.returncode}"}
+            return False
         self.proc.stdin.write(json.dumps({"op": op, "config": config}) + "\n")
         self.proc.stdin.flush()
-        return self._read()
+        return True
+
+    def ask(self, op: str, config: str) -> dict[str, Any]:
+        if not self.send(op, config):
+            return {"ok": False, "error": f"worker exited with status {self.proc.returncode}"}
+        return self.read()
 
     def close(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:
@@ -140,8 +145,9 @@ def measure(sides: dict[str, Worker], names: list[str], rounds: int) -> list[dic
     errors: dict[str, list[str]] = {n: [] for n in names}
     failed: set[str] = set()
     for name in names:
+        sent = {side: worker.send("prepare", name) for side, worker in sides.items()}  # both compile at once
         for side, worker in sides.items():
-            reply = worker.ask("prepare", name)
+            reply = worker.read() if sent[side] else {"ok": False, "error": "worker exited"}
             if reply["ok"]:
                 digests[name][side] = reply["digests"]
             else:
