@@ -34,7 +34,9 @@ from .launch import FastKernel
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr):
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    # 64-bit rows: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
+    # gives a wrong delta, hence wrong dq and dk, with no error.
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
     do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
