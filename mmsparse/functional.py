@@ -14,6 +14,7 @@ from .ops.common import interpreter_active
 from .ops.config import kernel_config
 from .ops.forward import kernel_layout
 from .ops.library import attention_fwd_op
+from .ops.limits import check_problem_size
 from .topology import Topology, validate_seg_lens
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,6 +58,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
     if sq > sk:
         raise ValueError(f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions")
+    check_problem_size(bq, hq, sq, sk)
 
 
 def _tracing_or_capturing(t: torch.Tensor) -> bool:
@@ -184,8 +186,9 @@ def _dense_info(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, cau
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
-    """An int64 [1] seed from torch's default generator of the device (torch.manual_seed reproduces it)."""
-    return torch.randint(0, 2**30, (1,), device=device, dtype=torch.int64)
+    """An int64 [1] seed over the full 64 bits (Philox's key), from torch's default generator of the device
+    (torch.manual_seed reproduces it): two calls share a dropout mask with odds 2^-64, not 2^-30."""
+    return torch.randint(-(2**63), 2**63 - 1, (1,), device=device, dtype=torch.int64)
 
 
 def attention_with_info(

@@ -7,7 +7,7 @@ It is deliberately independent of the kernels' code path: it takes a dense bool 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,3 +79,67 @@ def reference_attention(
     if dropout_keep is not None:
         p = p * dropout_keep.to(p.device) / (1.0 - dropout_p)
     return p @ vd
+
+
+
+MaskRows = Callable[[torch.Tensor], torch.Tensor]  # query rows [R] -> bool [R, Sk]: which keys they see
+KeepRows = Callable[[int, torch.Tensor], torch.Tensor]  # (head g, query rows [R]) -> bool [R, Sk] dropout keep
+
+
+def reference_group_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, allowed: MaskRows,
+    rows: torch.Tensor, cols: torch.Tensor, softmax_scale: float | None = None, dtype: torch.dtype = torch.float32,
+    chunk: int = 2048, keep: KeepRows | None = None, dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same attention as :func:`reference_attention`, for problems too large for an S x S tensor: one sample
+    and one GQA group, on sampled rows, a chunk of queries at a time (memory O(chunk * Sk)). Output and dq need
+    only their own rows; dk and dv need every query, so with ``cols`` the whole sequence is walked.
+
+    Args:
+        q, grad_out: ``[G, Sq, D]``, the group's query heads and the output gradient; k, v: ``[Sk, D]``.
+        allowed: which keys the given query rows see.
+        rows: query rows (int64 ``[R]``, ascending, distinct) whose output and dq are wanted; cols: key rows
+            (``[C]``, may be empty) whose dk and dv are wanted.
+        keep, dropout_p: optional dropout keep mask, per head and query rows.
+
+    Returns:
+        ``(out [G, R, D], dq [G, R, D], dk [C, D], dv [C, D])`` in ``dtype``; dk, dv summed over the group.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    rows, cols = rows.to(q.device), cols.to(q.device)
+    kd, vd = k.to(dtype), v.to(dtype)
+    out = q.new_zeros((q.shape[0], rows.numel(), q.shape[-1]), dtype=dtype)
+    dq = torch.zeros_like(out)
+    dk = q.new_zeros((cols.numel(), q.shape[-1]), dtype=dtype)
+    dv = torch.zeros_like(dk)
+    walk = torch.arange(q.shape[1], device=q.device) if cols.numel() else rows
+    for g in range(q.shape[0]):
+        for idx in walk.split(chunk):
+            qc, doc = q[g, idx].to(dtype), grad_out[g, idx].to(dtype)
+            mask = allowed(idx).to(q.device)
+            s = (qc @ kd.T) * scale
+            s = s.masked_fill(~mask, float("-inf"))
+            row_max = s.amax(-1, keepdim=True)
+            row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+            e = torch.exp(s - row_max) * mask
+            del s
+            denom = e.sum(-1, keepdim=True)
+            p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+            del e
+            dp = doc @ vd.T
+            if keep is not None:
+                kept = keep(g, idx).to(device=q.device, dtype=dtype) / (1.0 - dropout_p)
+                p_out, dp = p * kept, dp * kept
+            else:
+                p_out = p
+            o = p_out @ vd
+            ds = p * (dp - (doc * o).sum(-1, keepdim=True))  # delta = rowsum(dO * O)
+            if cols.numel():
+                dv += p_out[:, cols].T @ doc
+                dk += (ds[:, cols].T @ qc) * scale
+            hit = torch.isin(rows, idx).nonzero().flatten()  # wanted rows in this chunk
+            if hit.numel():
+                local = torch.searchsorted(idx, rows[hit])
+                out[g, hit] = o[local]
+                dq[g, hit] = (ds[local] @ kd) * scale
+    return out, dq, dk, dv

@@ -51,7 +51,7 @@ def test_packed_decode_with_per_sample_caches_and_dropout(device):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     torch.manual_seed(99)
-    keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 8, q_len, 52, p)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 8, q_len, 52, p, q_start=q_start)  # bits by position
     mask = reference_mask(HUB, lens, 52, q_len, causal=True, q_start=q_start)
     check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)
 

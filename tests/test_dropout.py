@@ -45,3 +45,37 @@ def test_module_dropout_only_in_training(device):
     exact = mbs_attention(q, k, v, CYCLIC, LENS)
     assert torch.equal(attn.eval()(q, k, v), exact)
     assert not torch.equal(attn.train()(q, k, v), exact)
+
+
+def test_dropout_bits_are_keyed_by_absolute_position(device):
+    """The last Sq queries of a call draw the bits of the same positions in the full call (sharded or offset
+    calls draw the same mask), and a per-sample q_start moves them with it."""
+    seed = new_dropout_seed(device)
+    full = dropout_keep_mask(seed, 2, 3, 70, 70, 0.5)
+    assert torch.equal(dropout_keep_mask(seed, 2, 3, 20, 70, 0.5), full[:, :, 50:])
+    shifted = dropout_keep_mask(seed, 2, 3, 20, 70, 0.5, q_start=[10, 31])
+    assert torch.equal(shifted[0], full[0, :, 10:30]) and torch.equal(shifted[1], full[1, :, 31:51])
+
+
+def test_dropout_seed_uses_all_64_bits(device):
+    torch.manual_seed(0)
+    seeds = torch.cat([new_dropout_seed(device) for _ in range(64)]).cpu()
+    assert (seeds >> 32).unique().numel() > 32, "seeds must vary in their high 32 bits"
+    low = torch.tensor([12345], dtype=torch.int64, device=device)
+    high = low + (1 << 40)  # same low 32 bits: Philox must see the high word
+    assert not torch.equal(dropout_keep_mask(low, 1, 1, 40, 40, 0.5), dropout_keep_mask(high, 1, 1, 40, 40, 0.5))
+
+
+def test_dropout_with_q_start_matches_reference(device):
+    p = 0.25
+    lens = [(9, 30, 21), (5, 20, 10)]
+    q_start = [44, 19]
+    q, k, v = make_qkv(2, 4, 2, 16, 60, 32, torch.float32, device)
+    torch.manual_seed(7)
+    out = mbs_attention(q, k, v, CYCLIC, lens, dropout_p=p, q_start=q_start)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    torch.manual_seed(7)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 16, 60, p, q_start=q_start)
+    mask = reference_mask(CYCLIC, lens, 60, 16, q_start=q_start)
+    check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)

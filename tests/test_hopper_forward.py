@@ -125,29 +125,48 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
     assert hopper_calls == []
 
 
-def test_a_failed_build_warns_and_falls_back(monkeypatch, device):
-    """An incompatible Triton: the Gluon forward raises on its first launch; the call still returns the right
-    answer from the tl forward, with a warning, and later calls go straight to the tl forward."""
+def test_a_failing_gluon_forward_raises(monkeypatch, device):
+    """An error inside the Gluon forward reaches the caller, on every call: no silent fallback to the tl forward."""
     from mmsparse.ops import hopper_forward
 
     calls = []
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("simulated build failure")
+        raise RuntimeError("simulated kernel failure")
 
     monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", broken)
-    monkeypatch.setattr(config, "_gluon_failed", False)
     monkeypatch.setattr(forward, "num_splits", lambda *args: 1)  # a grid this small would split on a GPU
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_config(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
-        with pytest.warns(RuntimeWarning, match="Gluon Hopper kernel failed to build"):
-            check_against_reference(q, k, v, HUB, (9, 30, 21))
-    assert calls == [1]
-    assert config._gluon_failed
-    assert not hopper_gluon_available(0)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="simulated kernel failure"):
+                mbs_attention(q, k, v, HUB, (9, 30, 21))
+    assert calls == [1, 1]
+
+
+def test_gluon_availability_is_decided_up_front(monkeypatch):
+    """Availability comes from the switch, the architecture, the Triton version and whether the Gluon modules
+    import; an import failure on an old Triton is told once and the tl kernels run."""
+    monkeypatch.setattr(config.torch.cuda, "get_device_capability", lambda index: (9, 0))
+    config._gluon_importable.cache_clear()
+    monkeypatch.setattr(config.triton, "__version__", "3.5.0")
+    assert not config.hopper_gluon_available(0)
+    config._gluon_importable.cache_clear()
+    monkeypatch.setattr(config.triton, "__version__", "3.6.0")
+
+    def missing(name):
+        raise ImportError(f"cannot import name 'x' for {name}")
+
+    monkeypatch.setattr(config, "_gluon_module", missing)
+    with pytest.warns(RuntimeWarning, match="do not import"):
+        assert not config.hopper_gluon_available(0)
+    config._gluon_importable.cache_clear()
+    monkeypatch.setattr(config.torch.cuda, "get_device_capability", lambda index: (8, 0))
+    assert not config.hopper_gluon_available(0)
+    config._gluon_importable.cache_clear()
 
 
 @hopper

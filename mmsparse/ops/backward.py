@@ -68,7 +68,7 @@ def _dkdv_tiles(
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
             b_pt = tl.where(allowed, b_pt, 0.0)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            keep = dropout_keep(seed, bh, past_len + offs_m[None, :], offs_n[:, None], dropout_p)
             scale_keep = 1.0 / (1.0 - dropout_p)
             dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, DOT_MODE)
             b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
@@ -99,8 +99,9 @@ def _dkdv_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m0 = tl.arange(0, BM)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k_src = make_source(K + b64 * stride_kb + hk * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    v_src = make_source(V + b64 * stride_vb + hk * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    hk64 = hk.to(tl.int64)  # one sample's H * S * D passes 2^31 at sizes users run
+    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
@@ -114,8 +115,8 @@ def _dkdv_kernel(
         h = hk * GROUP + g
         bh = b * NUM_HEADS + h
         row0 = bh.to(tl.int64) * seq_q
-        q_src = make_source(Q + b64 * stride_qb + h * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD,
-                            USE_TMA)
+        q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
+                            HEAD_DIM_PAD, USE_TMA)
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
@@ -156,7 +157,7 @@ def _dq_tiles(
                                 seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
             b_p = tl.where(allowed, b_p, 0.0)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = dropout_keep(seed, bh, past_len + offs_m[:, None], offs_n[None, :], dropout_p)
             b_dp = tl.where(keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
         b_ds = b_p * (b_dp - delta[:, None])
         dq += dot(b_ds.to(b_k.dtype), b_k, DOT_MODE)
@@ -184,7 +185,8 @@ def _dq_kernel(
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row0 = pid_bh.to(tl.int64) * seq_q
-    q_src = make_source(Q + b64 * stride_qb + h * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
+                        HEAD_DIM_PAD, USE_TMA)  # 64-bit: as in the dK/dV pass
     do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     b_do = load_block(do_src, pid_m * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
@@ -194,10 +196,9 @@ def _dq_kernel(
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
-    k_src = make_source(K + b64 * stride_kb + (h // GROUP) * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD,
-                        USE_TMA)
-    v_src = make_source(V + b64 * stride_vb + (h // GROUP) * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD,
-                        USE_TMA)
+    hk64 = (h // GROUP).to(tl.int64)
+    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
 
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(
@@ -290,8 +291,11 @@ def mbs_attn_bwd(
 
 def _gluon_pass(module: str, tile: Tile, dropout_p: float, *args: object) -> bool:
     """Run a backward pass as its Gluon kernel (``<module>.run(*args, tile)``) where the tile has one and there is
-    no dropout. False: the tl kernel must run (no Gluon tile, dropout, or the Gluon build failed)."""
-    return tile.gluon and dropout_p == 0.0 and bool(run_gluon(module, "run", *args, tile))
+    no dropout. False: the tl kernel must run."""
+    if not tile.gluon or dropout_p != 0.0:
+        return False
+    run_gluon(module, "run", *args, tile)
+    return True
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

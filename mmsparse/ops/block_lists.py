@@ -49,13 +49,14 @@ def block_summary_kernel(
     """Program (g, b) summarises query blocks g*GQ .. g*GQ+GQ-1 and key blocks g*GK .. g*GK+GK-1 of sample b
     into ``SUM[b, blk]`` and ``SUM[b, n_q + blk]`` (W words each)."""
     i_g, i_b = tl.program_id(0), tl.program_id(1)
+    b64 = i_b.to(tl.int64)  # B * S token bits may pass 2^31
     offs_t = tl.arange(0, K)
     p_sum = SUM + i_b * stride_sb
     if i_g * GQ < n_q:
         offs_qb = i_g * GQ + tl.arange(0, GQ)  # [GQ]
         offs_m = offs_qb[:, None] * BM + tl.arange(0, BM)[None, :]  # [GQ, BM]
         m_q = offs_m < seq_q
-        b_q = tl.load(Q_BITS + i_b * stride_qb + offs_m, mask=m_q, other=0)  # [GQ, BM]; bits >= k meet no key
+        b_q = tl.load(Q_BITS + b64 * stride_qb + offs_m, mask=m_q, other=0)  # [GQ, BM]; bits >= k meet no key
         b_see = (b_q[:, :, None] >> offs_t[None, None, :]) & 1  # [GQ, BM, K]
         p_s = p_sum + offs_qb * W
         m_s = offs_qb < n_q
@@ -70,7 +71,7 @@ def block_summary_kernel(
     if i_g * GK < n_k:
         offs_kb = i_g * GK + tl.arange(0, GK)  # [GK]
         offs_n = offs_kb[:, None] * BN + tl.arange(0, BN)[None, :]  # [GK, BN]
-        b_k = tl.load(K_BITS + i_b * stride_kb + offs_n, mask=offs_n < seq_k, other=0) & bit_mask  # [GK, BN]
+        b_k = tl.load(K_BITS + b64 * stride_kb + offs_n, mask=offs_n < seq_k, other=0) & bit_mask  # [GK, BN]
         b_has = (b_k[:, :, None] >> offs_t[None, None, :]) & 1  # [GK, BN, K]
         p_s = p_sum + (n_q + offs_kb) * W
         m_s = offs_kb < n_k

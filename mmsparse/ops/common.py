@@ -63,7 +63,8 @@ def pair_mask(
         k_bits = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
         allowed = (q_bits & k_bits) != 0
     else:
-        allowed = tl.load(mask_ptr + offs_q * stride_mask_q + offs_k, mask=in_q & in_k, other=0) != 0
+        # int64: one sample's Sq * S passes 2^31 from S = 46341 on
+        allowed = tl.load(mask_ptr + offs_q.to(tl.int64) * stride_mask_q + offs_k, mask=in_q & in_k, other=0) != 0
     allowed = allowed & in_k & in_q
     if IS_CAUSAL:
         allowed = allowed & (offs_k <= past_len + offs_q)
@@ -71,12 +72,14 @@ def pair_mask(
 
 
 @triton.jit
-def dropout_keep(seed, bh, offs_q, offs_k, dropout_p):
-    """Bernoulli keep mask of one tile, a pure function of (seed, batch*head, query, key): the forward and
-    both backward passes regenerate exactly the same bits, in any tile shape or orientation."""
-    zero = (offs_q * 0 + offs_k * 0).to(tl.uint32)
-    c0 = offs_k.to(tl.uint32) + zero
-    c1 = offs_q.to(tl.uint32) + zero
+def dropout_keep(seed, bh, pos_q, pos_k, dropout_p):
+    """Bernoulli keep mask of one tile, a pure function of (64-bit seed, batch*head, query position, key position):
+    the forward and both backward passes regenerate exactly the same bits, in any tile shape or orientation, and
+    a call over a shard or an offset query range (``q_start``) draws the bits of the same absolute positions.
+    Positions are below 2^31 and batch*head below 2^32, so each Philox counter word holds one of them exactly."""
+    zero = (pos_q * 0 + pos_k * 0).to(tl.uint32)
+    c0 = pos_k.to(tl.uint32) + zero
+    c1 = pos_q.to(tl.uint32) + zero
     c2 = zero + bh.to(tl.uint32)
     r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
     return tl.uint_to_uniform_float(r) >= dropout_p
@@ -112,15 +115,16 @@ def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, str
     """What every kernel reads first for batch b and its own row block: (number of full blocks, number of
     partial blocks, pointer to its block list, its mask pointers, the dropout seed, the position of the
     sample's first query)."""
-    cnt_ptr = COUNTS + b * stride_cnt_b + row * 2
+    b64 = b.to(tl.int64)  # per-sample lists hold B * row blocks * key blocks entries: past 2^31 at 1M tokens
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + row * 2
     n_full = tl.load(cnt_ptr)
     n_part = tl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + row * stride_idx_r
+    idx_ptr = INDICES + b64 * stride_idx_b + row.to(tl.int64) * stride_idx_r
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
-    return (n_full, n_part, idx_ptr, Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b,
-            MASK + b.to(tl.int64) * stride_mask_b, seed, tl.load(PAST + b * stride_past_b))
+    return (n_full, n_part, idx_ptr, Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b,
+            MASK + b64 * stride_mask_b, seed, tl.load(PAST + b * stride_past_b))
 
 
 @triton.jit
@@ -137,11 +141,14 @@ def make_source(ptr, n_rows, stride_row, BR: tl.constexpr, HEAD_DIM: tl.constexp
 @triton.jit
 def load_block(src, row0, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr,
                USE_TMA: tl.constexpr):
-    """Rows row0 .. row0 + BR - 1 of a source made by make_source (offs_row = row0 + arange(BR))."""
+    """Rows row0 .. row0 + BR - 1 of a source made by make_source (offs_row = row0 + arange(BR)). Pointer loads
+    start from a 64-bit row base and keep 32-bit offsets inside the tile: row * stride passes 2^31 in a
+    ``[B, S, H, D]`` view long before the tile's own offsets could."""
     if USE_TMA:
         return src.load([row0, 0])
     else:
-        return load_rows(src, offs_row, stride_row, offs_d, n_rows, HEAD_DIM, CHECK_ROWS)
+        base = src + row0.to(tl.int64) * stride_row
+        return load_rows(base, offs_row - row0, stride_row, offs_d, n_rows - row0, HEAD_DIM, CHECK_ROWS)
 
 
 @triton.jit
@@ -150,4 +157,5 @@ def store_block(dst, row0, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM
     if USE_TMA:
         dst.store([row0, 0], value)
     else:
-        store_rows(dst, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM)
+        base = dst + row0.to(tl.int64) * stride_row  # as in load_block
+        store_rows(base, value, offs_row - row0, stride_row, offs_d, n_rows - row0, HEAD_DIM)

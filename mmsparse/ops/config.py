@@ -186,35 +186,40 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-_gluon_failed = False
+_GLUON_MODULES = ("hopper_forward", "hopper_dkdv", "hopper_dq")
+GLUON_MIN_TRITON = (3, 6)  # the Gluon API these kernels are written for (it is experimental and still moves)
 
 
 def hopper_gluon_available(device_index: int) -> bool:
-    """The Gluon kernels may run: a Hopper GPU (sm_90), Triton with the Gluon API, MMSPARSE_GLUON not "0", and no
-    earlier failure to build one (see :func:`run_gluon`)."""
-    if _gluon_failed or os.environ.get("MMSPARSE_GLUON", "1") == "0":
+    """The Gluon kernels run on this device: ``MMSPARSE_GLUON`` is not "0", the GPU is a Hopper (sm_90), Triton
+    is at least GLUON_MIN_TRITON, and the Gluon kernel modules import. Decided before any kernel runs; after that
+    a failing Gluon kernel raises like any other (a fallback would turn a bug into a slowdown)."""
+    if os.environ.get("MMSPARSE_GLUON", "1") == "0":
         return False
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
-    return importlib.util.find_spec("triton.experimental.gluon") is not None
+    return _gluon_importable()
+
+
+@functools.cache
+def _gluon_importable() -> bool:
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if version < GLUON_MIN_TRITON or importlib.util.find_spec("triton.experimental.gluon") is None:
+        return False
+    try:
+        for name in _GLUON_MODULES:
+            _gluon_module(name)
+    except ImportError as err:  # an API this Triton lacks: the tl kernels run, and the user is told once
+        warnings.warn(f"mmsparse: the Gluon Hopper kernels do not import with triton {triton.__version__} "
+                      f"({err}); the tl kernels run instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def run_gluon(module: str, launcher: str, *args: object) -> Any:
-    """Call the Gluon launcher ``mmsparse.ops.<module>.<launcher>(*args)``, or return None after it failed to build:
-    Gluon is Triton's experimental API, and a Triton that cannot build (or import) these kernels must not stop the
-    user. The tl kernels then run from now on. The module is imported on first use; the launcher is looked up on
-    every call, so that tests can replace it."""
-    global _gluon_failed
-    try:
-        return getattr(_gluon_module(module), launcher)(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:
-        warnings.warn(f"mmsparse: a Gluon Hopper kernel failed to build ({type(err).__name__}: {err}); using the "
-                      "Triton kernels instead", RuntimeWarning, stacklevel=4)
-        _gluon_failed = True
-        _cached_cuda_config.cache_clear()
-        return None
+    """Call the Gluon launcher ``mmsparse.ops.<module>.<launcher>(*args)``. The module is imported on first use;
+    the launcher is looked up on every call, so that tests can replace it."""
+    return getattr(_gluon_module(module), launcher)(*args)
 
 
 @functools.cache

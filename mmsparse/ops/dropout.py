@@ -10,21 +10,46 @@ import triton.language as tl
 from .common import dropout_keep
 
 
-@triton.jit
-def _keep_mask_kernel(SEED, OUT, seq_q, seq_k, dropout_p, BM: tl.constexpr, BN: tl.constexpr):
-    pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+@triton.jit(do_not_specialize=["bh0", "row0", "seq_q", "seq_k"])
+def _keep_mask_kernel(SEED, OUT, PAST, bh0, row0, seq_q, seq_k, dropout_p, NUM_HEADS: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    """Program (i, j, r) writes tile (i, j) of the keep mask of (batch * head) bh0 + r, query rows row0 + ..."""
+    pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = bh0 + pid_bh
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    keep = dropout_keep(tl.load(SEED), bh, offs_m[:, None], offs_n[None, :], dropout_p)
-    ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
+    past = tl.load(PAST + bh // NUM_HEADS)
+    keep = dropout_keep(tl.load(SEED), bh, past + row0 + offs_m[:, None], offs_n[None, :], dropout_p)
+    # 64-bit: Sq * Sk passes 2^31 from 46341 tokens on
+    ptrs = OUT + pid_bh.to(tl.int64) * seq_q * seq_k + offs_m.to(tl.int64)[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :])
 
 
 def dropout_keep_mask(
-    seed: torch.Tensor, batch: int, num_heads: int, seq_q: int, seq_k: int, dropout_p: float
+    seed: torch.Tensor, batch: int, num_heads: int, seq_q: int, seq_k: int, dropout_p: float,
+    q_start: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
-    """bool ``[B, Hq, Sq, Sk]``: True where the kernels keep an attention weight for this seed."""
-    out = torch.empty((batch, num_heads, seq_q, seq_k), dtype=torch.int8, device=seed.device)
-    grid = (triton.cdiv(seq_q, 32), triton.cdiv(seq_k, 32), batch * num_heads)
-    _keep_mask_kernel[grid](seed, out, seq_q, seq_k, dropout_p, BM=32, BN=32)
+    """bool ``[B, Hq, Sq, Sk]``: True where the kernels keep an attention weight for this seed. The bits are keyed
+    by absolute positions: query i of sample b sits at ``q_start[b] + i`` (by default ``seq_k - seq_q``)."""
+    out = dropout_keep_rows(seed, 0, batch * num_heads, num_heads, 0, seq_q, seq_k, dropout_p,
+                            _past(seed, batch, seq_q, seq_k, q_start))
+    return out.reshape(batch, num_heads, seq_q, seq_k)
+
+
+def dropout_keep_rows(
+    seed: torch.Tensor, bh0: int, count: int, num_heads: int, row0: int, rows: int, seq_k: int, dropout_p: float,
+    past: torch.Tensor,
+) -> torch.Tensor:
+    """bool ``[count, rows, Sk]``: the keep mask of (batch * head) bh0 .. bh0 + count - 1, query rows row0 ..
+    row0 + rows - 1, for references computed a slice at a time. ``past``: int32 ``[B]``, each sample's first
+    query position."""
+    out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
+    grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
+    _keep_mask_kernel[grid](seed, out, past, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32, BN=32)
     return out.bool()
+
+
+def _past(seed: torch.Tensor, batch: int, seq_q: int, seq_k: int, q_start) -> torch.Tensor:
+    if q_start is None:
+        q_start = [seq_k - seq_q] * batch
+    return torch.as_tensor(q_start, dtype=torch.int32).to(seed.device).reshape(-1).expand(batch).contiguous()

@@ -69,7 +69,7 @@ def _fwd_tiles(
         acc = acc * alpha[:, None]
         m_i = m_new
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[:, None], offs_kv[None, :], dropout_p)
+            keep = dropout_keep(seed, bh, past_len + offs_m[:, None], offs_kv[None, :], dropout_p)
             b_p = tl.where(keep, b_p, 0.0)
         acc += dot(b_p.to(b_v.dtype), b_v, DOT_MODE)
     return acc, l_i, m_i
@@ -109,7 +109,8 @@ def _fwd_kernel(
         offs_m = tl.where(in_group, rows % seq_q, seq_q)  # padding rows sit past the end: fully masked
         h = hk * GROUP + rows // seq_q  # [BM]: each row's query head
         bh = b * NUM_HEADS + h
-        q_rows = Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m * stride_qm
+        # 64-bit: one sample's H * S * D, or a [B, S, H, D] view's S * H * D, passes 2^31 at sizes users run
+        q_rows = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m.to(tl.int64) * stride_qm
         in_d = offs_d < HEAD_DIM
         b_q = tl.load(q_rows[:, None] + offs_d[None, :], mask=in_group[:, None] & in_d[None, :], other=0.0)
         # Output rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
@@ -120,14 +121,14 @@ def _fwd_kernel(
         h = pid_bh % NUM_HEADS
         hk = h // GROUP
         offs_m = pid_m * BM + tl.arange(0, BM)
-        q_ptr = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+        q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh  # 64-bit: as above
         q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         out_bh = split * tl.num_programs(1) + pid_bh
         bh_rows = pid_bh
     b64 = b.to(tl.int64)
-    k_ptr = K + b64 * stride_kb + hk * stride_kh
-    v_ptr = V + b64 * stride_vb + hk * stride_vh
+    k_ptr = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_ptr = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     k_src = make_source(k_ptr, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
 
@@ -181,18 +182,19 @@ def _combine_kernel(
 ):
     """Merge the fp32 partials of n_splits forward splits, [n_splits, n_rows, D] and [n_splits, n_rows], in split
     order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s)."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit: rows * HEAD_DIM may pass 2^31
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     in_r = offs_r < n_rows
+    rows64 = n_rows.to(tl.int64)
     m = tl.full([BR], float("-inf"), tl.float32)
     for s in range(n_splits):
-        m = tl.maximum(m, tl.load(LSE_PART + s * n_rows + offs_r, mask=in_r, other=float("-inf")))
+        m = tl.maximum(m, tl.load(LSE_PART + s * rows64 + offs_r, mask=in_r, other=float("-inf")))
     m_base = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.zeros([BR], tl.float32)
     acc = tl.zeros([BR, HEAD_DIM_PAD], tl.float32)
     for s in range(n_splits):
-        w = tl.math.exp2(tl.load(LSE_PART + s * n_rows + offs_r, mask=in_r, other=float("-inf")) - m_base)
-        p_part = O_PART + (s * n_rows).to(tl.int64) * HEAD_DIM
+        w = tl.math.exp2(tl.load(LSE_PART + s * rows64 + offs_r, mask=in_r, other=float("-inf")) - m_base)
+        p_part = O_PART + s * rows64 * HEAD_DIM
         part = load_rows(p_part, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True)  # [BR, D]
         w_sum += w
         acc += w[:, None] * part
@@ -251,9 +253,7 @@ def mbs_attn_fwd(
             info.forward_plans.clear()
         plan = info.forward_plans[key] = _ForwardPlan(q, k, v, info, cfg, softmax_scale, dropout_p)
     if plan.gluon:
-        result = _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, plan.tile)
-        if result is not None:
-            return result
+        return _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, plan.tile)
     return plan(q, k, v, seed)
 
 
@@ -323,7 +323,7 @@ class _ForwardPlan:
 
 
 def _hopper_forward(q, k, v, info, qk_scale_log2, tile):
-    """The Gluon Hopper forward, or None if it cannot be built here."""
+    """The Gluon Hopper forward (``plan.gluon``: the tile has one, no dropout, no split key lists)."""
     return run_gluon("hopper_forward", "mbs_attn_fwd_hopper", q, k, v, info, qk_scale_log2, tile)
 
 

@@ -101,7 +101,7 @@ def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, M
     else:
         in_q = gl.expand_dims(offs_m < seq_q, 0)
         in_k = gl.expand_dims(offs_n < seq_k, 1)
-        ptrs = mask_ptr + gl.expand_dims(offs_m * stride_mask_q, 0) + gl.expand_dims(offs_n, 1)
+        ptrs = mask_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_mask_q, 0) + gl.expand_dims(offs_n, 1)
         allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
     if IS_CAUSAL:
         allowed = allowed & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(past_len + offs_m, 0))
@@ -294,7 +294,7 @@ _DKDV_HOPPER = FastKernel(_dkdv_kernel_hopper)
 def run(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> bool:
+) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
     least 2) and pingpong are read)."""
@@ -312,4 +312,3 @@ def run(
         BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
-    return True

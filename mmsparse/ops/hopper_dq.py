@@ -210,7 +210,7 @@ _DQ_HOPPER = FastKernel(_dq_kernel_hopper)
 def run(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> bool:
+) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as ``backward._dq_kernel`` computes it
     without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read). ``do`` must be
     contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
@@ -227,4 +227,3 @@ def run(
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
-    return True

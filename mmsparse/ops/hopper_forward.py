@@ -11,7 +11,7 @@ so the tensor cores idle while the exponentials run (benchmarks/NOTES.md). Here 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
 Triton's Gluon API, which is experimental: :func:`mbs_attn_fwd_hopper` is only called where
-``config.hopper_gluon_available`` says so, and a kernel that fails to build falls back to the ``tl`` forward.
+``config.hopper_gluon_available`` says so; an error in it raises.
 """
 
 from __future__ import annotations
@@ -75,11 +75,12 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qb
     """One program's block list and mask arguments (``common.program_setup`` for the Gluon kernels): ``(n_full,
     n_total, idx_ptr, mask_args)`` with mask_args = (q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
     seq_k, past_len) of batch b; the list of row (or key) block blk starts with its n_full full blocks."""
-    cnt_ptr = COUNTS + b * stride_cnt_b + blk * 2
+    b64 = b.to(gl.int64)  # per-sample lists: B * row blocks * key blocks entries pass 2^31 at 1M tokens
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 2
     n_full = gl.load(cnt_ptr)
     n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b * stride_idx_b + blk * stride_idx_r
-    mask_args = (Q_BITS + b * stride_qbits_b, K_BITS + b * stride_kbits_b, MASK + b.to(gl.int64) * stride_mask_b,
+    idx_ptr = INDICES + b64 * stride_idx_b + blk.to(gl.int64) * stride_idx_r
+    mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
                  stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
     return n_full, n_total, idx_ptr, mask_args
 
@@ -95,7 +96,8 @@ def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q,
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
         allowed = (gl.expand_dims(q_bits, 1) & gl.expand_dims(k_bits, 0)) != 0
     else:
-        ptrs = mask_ptr + gl.expand_dims(offs_m * stride_mask_q, 1) + gl.expand_dims(offs_n, 0)
+        # 64-bit: one sample's Sq * S passes 2^31 from S = 46341 on
+        ptrs = mask_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_mask_q, 1) + gl.expand_dims(offs_n, 0)
         allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
     allowed = allowed & in_q & in_k
     if IS_CAUSAL:
