@@ -54,11 +54,46 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
     if not (16 <= d <= 256 and d % 8 == 0):
         raise ValueError(f"head dim {d} is not supported: use a multiple of 8 between 16 and 256")
+    # k/v in [B, S, H, D] by mistake: more entries in dim 1 than in dim 2, rarely so in [B, H, S, D]
+    hint = f" (if q/k/v are [B, S, H, D]: {_LAYOUT_HINT})" if hk > sk else ""
     if hk == 0 or hq % hk != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA{hint}")
     if sq > sk:
-        raise ValueError(f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions")
+        raise ValueError(
+            f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions{hint}"
+        )
     check_problem_size(bq, hq, sq, sk)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A yes/no argument as a bool: True/False (0/1 and numpy bools too). Anything else, such as the string "yes"
+    (which Python would read as true), is a TypeError."""
+    if value is True or value is False:
+        return value
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if numpy_bool or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
+
+
+_LAYOUT_HINT = (
+    "mmsparse takes q/k/v as [B, H, S, D], as F.scaled_dot_product_attention does; for [B, S, H, D] tensors pass "
+    "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (views, no copy) and transpose the output back"
+)
+
+
+def _layout_hint(k: torch.Tensor, seg_lens: Any) -> str | None:
+    """The layout hint when k's dim 1 holds the positions the lengths ask for but dim 2 does not: a [B, S, H, D]
+    tensor passed by mistake. None otherwise (or when the lengths cannot be read)."""
+    try:
+        lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
+        rows = lens if len(lens) and isinstance(lens[0], (list, tuple)) else [lens]
+        needed = max(sum(int(n) for n in row) for row in rows)
+    except (TypeError, ValueError):
+        return None
+    if needed > k.shape[2] and needed <= k.shape[1]:
+        return f"k/v have {k.shape[1]} in dim 1 and {k.shape[2]} in dim 2: {_LAYOUT_HINT}"
+    return None
 
 
 def _tracing_or_capturing(t: torch.Tensor) -> bool:
@@ -123,6 +158,8 @@ def build_mask_info(
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
+    if causal is not True and causal is not False:
+        causal = check_flag("causal", causal)
     topo_key, key = _topology_key(topology), None
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
         key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device))
@@ -172,17 +209,51 @@ def _topology_key(topology: Any) -> Any:
     return Topology(topology)  # tensors, arrays: validated and hashed by value
 
 
-def _dense_info(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, causal: bool, device) -> MaskInfo:
-    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
-        raise TypeError("attn_mask must be a bool tensor [S, S] or [B, S, S] (True = may attend)")
-    m = attn_mask if attn_mask.dim() == 3 else attn_mask[None] if attn_mask.dim() == 2 else None
-    if m is None or m.shape[-1] != seq_k or m.shape[-2] not in (seq_q, seq_k) or m.shape[0] not in (1, batch):
-        raise ValueError(
-            f"attn_mask has shape {tuple(attn_mask.shape)}; expected [{seq_k}, {seq_k}], [{seq_q}, {seq_k}] or "
-            f"with a leading batch dim of 1 or {batch}"
+def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool, device: torch.device) -> MaskInfo:
+    """MaskInfo of a user's bool mask: ``[Sq or S, S]``, ``[B, Sq or S, S]`` or SDPA's ``[B, 1, Sq or S, S]``, with
+    B = 1 or the batch; a query dim of 1 (a key padding mask) is broadcast over the queries."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a bool torch.Tensor (True = may attend); got {type(attn_mask).__name__}")
+    if attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask has dtype {attn_mask.dtype}: additive float masks are not supported, only bool masks "
+            "(True = may attend). A float mask of 0 (attend) and -inf (masked) converts with attn_mask == 0; other "
+            "additive biases cannot be expressed"
         )
-    m = m[:, seq_k - seq_q :]  # the query rows
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(
+            f"attn_mask must be a bool tensor (True = may attend); got dtype {attn_mask.dtype} (for a 0/1 mask pass "
+            "attn_mask.bool())"
+        )
+    shape = tuple(attn_mask.shape)
+    rows_ok = (1, seq_q, seq_k)
+    m = None
+    if attn_mask.dim() == 2:
+        m = attn_mask[None]
+    elif attn_mask.dim() == 3:
+        m = attn_mask
+    elif attn_mask.dim() == 4:
+        if shape[1] != 1 and shape[0] in (1, batch) and shape[2] in rows_ok and shape[3] == seq_k:
+            raise ValueError(
+                f"attn_mask has shape {shape}: a mask per head ({shape[1]} heads) is not supported. One mask per "
+                "sample is, shared by all heads: [B, 1, Sq, S] as SDPA takes it, [B, Sq, S] or [Sq, S]"
+            )
+        m = attn_mask[:, 0] if shape[1] == 1 else None
+    if m is None or m.shape[0] not in (1, batch) or m.shape[1] not in rows_ok or m.shape[2] != seq_k:
+        raise ValueError(f"attn_mask has shape {shape}; {_mask_shapes(batch, seq_q, seq_k)}")
+    if m.shape[1] == 1 and seq_q != 1:
+        m = m.expand(-1, seq_q, -1)  # a key padding mask: the same keys for every query
+    m = m[:, m.shape[1] - seq_q :]  # the query rows: the last Sq positions
     return MaskInfo.from_dense(m.to(device), causal)
+
+
+def _mask_shapes(batch: int, seq_q: int, seq_k: int) -> str:
+    """The attn_mask shapes accepted for these sizes, in words."""
+    rows = str(seq_q) if seq_q == seq_k else f"{seq_q} or {seq_k}"
+    b = "1" if batch == 1 else f"1 or {batch}"
+    last = "" if seq_q == seq_k else f" (with {seq_k} rows, the last {seq_q} are the queries')"
+    return (f"expected a bool mask of queries x keys: [{rows}, {seq_k}]{last}, [B, {rows}, {seq_k}] or SDPA's "
+            f"[B, 1, {rows}, {seq_k}], with B = {b}; a query dim of 1 broadcasts over the queries")
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
@@ -216,8 +287,8 @@ def mbs_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    topology: Any,
-    seg_lens: SegLensArg,
+    topology: Any = None,
+    seg_lens: SegLensArg | None = None,
     causal: bool = False,
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
@@ -230,13 +301,16 @@ def mbs_attention(
     Args:
         q: ``[B, Hq, Sq, D]``; the queries are the last Sq of the S key positions.
         k, v: ``[B, Hkv, S, D]``, Hq a multiple of Hkv; fp16, bf16 or fp32; D a multiple of 8 in [16, 256].
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c. Give either a
+            topology with seg_lens, or attn_mask.
         seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor), each row
             summing to at most S; the rest of a row is padding (never attended; its queries output 0).
         causal: also require key position <= query position.
         dropout_p: attention dropout probability (pass 0.0 in eval mode).
         softmax_scale: default ``1/sqrt(D)``.
-        attn_mask: optional bool ``[S, S]`` / ``[Sq, S]`` / ``[B, ...]`` mask used *instead of* the topology.
+        attn_mask: a bool mask (True = may attend) *instead of* a topology: ``[Sq, S]`` (or ``[S, S]``),
+            ``[B, Sq, S]`` or SDPA's ``[B, 1, Sq, S]``, B being 1 or the batch; a query dim of 1 broadcasts.
+            Per-head masks and additive float masks are not supported.
         check_lengths: validate a device tensor of lengths (reads it back: a host sync). Pass False in a
             training loop that feeds device lengths every step; nothing is checked under torch.compile or
             CUDA-graph capture either.
@@ -249,9 +323,23 @@ def mbs_attention(
     check_qkv(q, k, v)
     seq_q, seq_k = q.shape[2], k.shape[2]
     if attn_mask is not None:
-        info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, causal, q.device)
+        if topology is not None or seg_lens is not None:
+            raise ValueError(
+                "pass either a topology with seg_lens, or attn_mask, not both: attn_mask replaces the topology"
+            )
+        if q_start is not None:
+            raise ValueError("q_start goes with a topology; with attn_mask the mask's rows place the queries")
+        info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, check_flag("causal", causal), q.device)
+    elif topology is None:
+        raise ValueError("mbs_attention needs a topology with seg_lens, or attn_mask (a bool [S, S] mask)")
     else:
-        info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths, q_start)
+        try:
+            info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths, q_start)
+        except ValueError as e:  # checked only on failure: the common path pays nothing for the hint
+            hint = _layout_hint(k, seg_lens)
+            if hint is None:
+                raise
+            raise ValueError(f"{e}. {hint}") from None
     if info.batch not in (1, q.shape[0]):
         raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
     return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
@@ -284,6 +372,7 @@ def mbs_attention_varlen(
         ``[1, Hq, total, D]``.
     """
     check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
     if q.shape[0] != 1:
         raise ValueError(f"packed q/k/v have batch size 1 (samples laid end to end); got {q.shape[0]}")
     if q.shape[2] != k.shape[2]:

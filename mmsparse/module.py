@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import SegLensArg, attention_with_info, build_mask_info, check_qkv
+from .functional import SegLensArg, _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
 from .mask_info import MaskInfo
 from .ops.config import kernel_config
 from .topology import Topology, generate_interlaced_mask, validate_seg_lens
@@ -42,7 +42,7 @@ class TritonMBSAttnKernel(nn.Module):
         self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        self.causal_mask = bool(causal_mask)
+        self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
         self.softmax_scale = softmax_scale
         self._infos: dict[tuple, MaskInfo] = {}
@@ -85,14 +85,22 @@ class TritonMBSAttnKernel(nn.Module):
         call: per-sample ``[B, k]`` (int tensor or list of B tuples), rows summing to at most S, padding after."""
         check_qkv(q, k, v)
         if seg_lens is not None:
-            info = build_mask_info(self.topology, seg_lens, q.shape[2], k.shape[2], self.causal_mask, q.device,
-                                   check_lengths)
+            try:
+                info = build_mask_info(self.topology, seg_lens, q.shape[2], k.shape[2], self.causal_mask, q.device,
+                                       check_lengths)
+            except ValueError as e:
+                hint = _layout_hint(k, seg_lens)
+                if hint is None:
+                    raise
+                raise ValueError(f"{e}. {hint}") from None
             if info.batch not in (1, q.shape[0]):
                 raise ValueError(f"seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
             return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
+            hint = _layout_hint(k, self.seg_lens)
             raise ValueError(
                 f"k/v have {k.shape[2]} positions but the module's seg_lens {self.seg_lens} sum to {self.seq_len}"
+                + (f". {hint}" if hint else "")
             )
         info = self._info(q.shape[2], k.shape[2], q.device)
         return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)

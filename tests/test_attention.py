@@ -100,8 +100,10 @@ def test_topology_path_equals_dense_mask_path(device):
     for use_mask in (False, True):
         gen = torch.Generator().manual_seed(7)
         q, k, v = make_qkv(2, 2, 2, 50, 66, 32, torch.float16, device, gen)
-        mask = reference_mask(topo, lens, 66, 66)[0] if use_mask else None
-        out = mbs_attention(q, k, v, topo, lens, causal=True, attn_mask=mask)
+        if use_mask:
+            out = mbs_attention(q, k, v, causal=True, attn_mask=reference_mask(topo, lens, 66, 66)[0])
+        else:
+            out = mbs_attention(q, k, v, topo, lens, causal=True)
         out.backward(torch.randn(out.shape, generator=gen).to(device, out.dtype))
         results.append((out, q.grad, k.grad, v.grad))
     for a, b in zip(*results):
