@@ -1,35 +1,32 @@
 """`python -m mmsparse`: the seed's example end to end, on the GPU if there is one, else through the interpreter.
 
 Prints the block mask as a picture, its density and skipped tiles, the errors of the output and of dq/dk/dv
-against dense float64 attention, and the time.
+against dense float64 attention, and the time. Exits 1 when an error exceeds the stated tolerance.
+
+With --topology and --seg-lens it draws that mask instead (density and skipped tiles; nothing runs):
+
+    python -m mmsparse --topology '[[1,1,0],[0,1,1],[1,0,1]]' --seg-lens 1024,8192,4096 --causal --tile 128
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from . import TritonMBSAttnKernel, interpreter_active, reference_attention, reference_mask
 from .ops.config import kernel_config
+from .picture import TileMap, parse_tile, tile_map
 from .topology import count_allowed_pairs
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 SEED_LENS = (50, 375, 500)
-
-
-def block_picture(live: torch.Tensor, full: torch.Tensor, max_side: int = 48) -> str:
-    """One character per tile: '#' full (no mask needed), '+' partial (exact mask), '.' skipped."""
-    step = max(1, -(-live.shape[0] // max_side))
-    rows = []
-    for i in range(0, live.shape[0], step):
-        row = ""
-        for j in range(0, live.shape[1], step):
-            lv, fl = live[i : i + step, j : j + step], full[i : i + step, j : j + step]
-            row += "#" if bool(fl.all()) else "+" if bool(lv.any()) else "."
-        rows.append(row)
-    return "\n".join(rows)
+# Largest relative L2 error against float64 accepted per dtype: the test suite's bounds for the same comparison.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def _timeit(fn, device: torch.device, reps: int) -> float:
@@ -44,11 +41,58 @@ def _timeit(fn, device: torch.device, reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--causal", action="store_true", help="combine the topology with a causal mask")
-    args = parser.parse_args(argv)
+def _parse_topology(text: str) -> list:
+    try:
+        return ast.literal_eval(text)  # JSON's nested lists are Python literals too
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--topology must be a nested list such as '[[1,1,0],[0,1,1],[1,0,1]]'; got {text!r}") from e
 
+
+def _parse_seg_lens(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.strip("()[] ").split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--seg-lens must be comma-separated non-negative ints such as 1024,8192,4096; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mmsparse",
+        description="Without --topology: run the seed example (cyclic topology, segments 50/375/500) forward and "
+        "backward, compare it with float64 attention and exit 1 if an error exceeds the tolerance. With "
+        "--topology and --seg-lens: draw that mask's tiles and report density and skipped tiles.",
+    )
+    parser.add_argument("--causal", action="store_true", help="combine the topology with a causal mask")
+    parser.add_argument("--topology", help="k x k 0/1 matrix as a nested list, e.g. '[[1,1,0],[0,1,1],[1,0,1]]'")
+    parser.add_argument("--seg-lens", help="k segment lengths, comma-separated, e.g. 1024,8192,4096")
+    parser.add_argument("--tile", help="tile to draw, e.g. 128 or 128x64 (default: 128 for --topology; the "
+                        "forward kernel's tile for the seed example)")
+    parser.add_argument("--width", type=int, default=64, help="most characters per line of the picture "
+                        "(larger maps are downsampled; default 64)")
+    parser.add_argument("--png", type=Path, help="also write the tiles as a PNG here (needs matplotlib)")
+    return parser
+
+
+def draw(args: argparse.Namespace, tiles: TileMap, topology: list, seg_lens: tuple[int, ...]) -> int:
+    """Draw a user's topology: picture, density and tile counts. Builds no S x S tensor and runs no kernel."""
+    print(f"topology {topology}, seg_lens {seg_lens} (S = {tiles.seq_len}), causal={args.causal}")
+    return _show(tiles, args)
+
+
+def _show(tiles: TileMap, args: argparse.Namespace) -> int:
+    print(tiles.picture(args.width))
+    print(tiles.summary())
+    if args.png is not None:
+        try:
+            print(f"PNG: {tiles.save_png(args.png)}")
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def run_seed_example(args: argparse.Namespace, tile: tuple[int, int] | None) -> int:
+    """The seed example forward and backward against float64 attention; 0 when every error is within TOLERANCE."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     batch, heads, head_dim, dtype = (8, 16, 64, torch.bfloat16) if on_gpu else (1, 1, 16, torch.float32)
@@ -56,18 +100,20 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if on_gpu else "CPU through Triton's interpreter"
     print(f"mmsparse demo: topology {CYCLIC}, segments (text, vision, audio) = {SEED_LENS}, causal={args.causal}")
     print(f"device: {where}; B={batch} H={heads} S={seq} D={head_dim} {str(dtype)[6:]}")
-    if not on_gpu:
-        assert interpreter_active(), "no GPU and no interpreter: set TRITON_INTERPRET=1"
+    if not on_gpu and not interpreter_active():
+        print("error: no CUDA device and Triton's interpreter is off: run with TRITON_INTERPRET=1 in the "
+              "environment", file=sys.stderr)
+        return 1
 
     attn = TritonMBSAttnKernel(CYCLIC, SEED_LENS, causal_mask=args.causal, names=("text", "vision", "audio"))
-    tile = kernel_config(head_dim, dtype, device).fwd
-    info = attn._info(seq, seq, device)
-    live, full = (t[0].cpu() for t in info.classes(tile.block_m, tile.block_n))
-    print(f"\nblock mask at {tile.block_m}x{tile.block_n} tiles ('#' full, '+' partial, '.' skipped):")
-    print(block_picture(live, full))
-    pairs = count_allowed_pairs(CYCLIC, SEED_LENS, causal=args.causal)
-    print(f"\ndensity {pairs / seq**2:.3f} of token pairs; tiles: {int(full.sum())} full, {int((live & ~full).sum())} "
-          f"partial, {int((~live).sum())} skipped ({(~live).float().mean().item():.1%})")
+    if tile is None:
+        fwd = kernel_config(head_dim, dtype, device).fwd
+        tile = (fwd.block_m, fwd.block_n)
+    live, full = (t[0].cpu() for t in attn._info(seq, seq, device).classes(*tile))
+    density = count_allowed_pairs(CYCLIC, SEED_LENS, causal=args.causal) / seq**2
+    print()
+    if _show(TileMap(live, full, tile, seq, density), args):
+        return 1
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=gen).to(device, dtype).requires_grad_()
@@ -80,10 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qd, kd, vd, reference_mask(CYCLIC, SEED_LENS, seq, causal=args.causal))
     ref.backward(grad_out.double())
-    print("\nerror vs dense float64 attention (relative L2):")
+    tol = TOLERANCE[dtype]
+    print(f"\nerror vs dense float64 attention (relative L2; tolerance {tol:.0e} for {str(dtype)[6:]}):")
+    failed = []
     for name, a, e in (("out", out, ref), ("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad), ("dv", v.grad, vd.grad)):
         rel = ((a.double() - e).norm() / e.norm()).item()
-        print(f"  {name}: {rel:.2e}")
+        ok = rel <= tol  # NaN fails too
+        failed += [] if ok else [name]
+        print(f"  {name}: {rel:.2e}{'' if ok else '  > tolerance'}")
 
     if on_gpu:
         with torch.no_grad():
@@ -93,6 +143,31 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"\ntime: forward+backward {first_ms / 1e3:.1f} s through the interpreter (a functional check, "
               "not a speed figure)")
+    if failed:
+        print(f"FAILED: {', '.join(failed)} beyond the tolerance {tol:.0e}", file=sys.stderr)
+        return 1
+    print(f"ok: every error within {tol:.0e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.topology is None) != (args.seg_lens is None):
+        parser.error("--topology and --seg-lens go together (the k lengths of the k segments)")
+    if args.width < 1:
+        parser.error(f"--width must be at least 1; got {args.width}")
+    try:  # only the user's arguments: errors of the run itself keep their traceback
+        tile = parse_tile(args.tile) if args.tile else None
+        if args.topology is not None:
+            topology, seg_lens = _parse_topology(args.topology), _parse_seg_lens(args.seg_lens)
+            tiles = tile_map(topology, seg_lens, tile or 128, causal=args.causal)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))  # exits 2 with the usage line
+    if args.topology is not None:
+        return draw(args, tiles, topology, seg_lens)
+    return run_seed_example(args, tile)
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

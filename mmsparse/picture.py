@@ -1,0 +1,201 @@
+"""Pictures of a mask's tiles: which tiles the kernels skip, run unmasked (full) or run with the exact mask (partial).
+
+Built from the block classification the kernels' metadata uses (O(S * k) tokens plus O(tiles * k)), never from an
+S x S mask, so it draws masks of any length::
+
+    from mmsparse import tile_map
+    tiles = tile_map([[1, 1, 0], [0, 1, 1], [1, 0, 1]], (1024, 8192, 4096), tile=128)
+    print(tiles.picture())          # text, at most 64 characters wide
+    print(tiles.summary())          # density, full / partial / skipped tiles
+    tiles.save_png("mask.png")      # needs matplotlib
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from .blocks import cdiv, classify_blocks_from_bits
+from .functional import check_flag
+from .topology import SegLens, Topology, count_allowed_pairs, token_bits, validate_seg_lens
+
+TileArg = Union[int, tuple[int, int]]
+
+# The classification holds [NQ, NK, k] booleans; past this many the tile is too small for the length.
+_MAX_TILE_CELLS = 1 << 28
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """The tiles of one mask (self-attention over all S positions).
+
+    Attributes:
+        live: bool ``[NQ, NK]``, the tile holds at least one allowed pair (the kernel visits it).
+        full: bool ``[NQ, NK]``, every pair is allowed (the kernel runs it without a mask).
+        tile: ``(block_m, block_n)``, query rows x key columns per tile.
+        seq_len: S.
+        density: allowed pairs / S^2.
+    """
+
+    live: torch.Tensor
+    full: torch.Tensor
+    tile: tuple[int, int]
+    seq_len: int
+    density: float
+
+    def counts(self) -> dict[str, int]:
+        """Number of full, partial and skipped tiles."""
+        full = int(self.full.sum())
+        live = int(self.live.sum())
+        return {"full": full, "partial": live - full, "skipped": self.live.numel() - live}
+
+    def summary(self) -> str:
+        """One line: density of token pairs and the tile counts."""
+        c = self.counts()
+        skipped = c["skipped"] / max(self.live.numel(), 1)
+        return (f"density {self.density:.3f} of token pairs; tiles: {c['full']} full, {c['partial']} partial, "
+                f"{c['skipped']} skipped ({skipped:.1%})")
+
+    def picture(self, width: int = 64) -> str:
+        """The tiles as text, one character per tile: '#' full (no mask), '+' partial (exact mask), '.' skipped.
+
+        Args:
+            width: the most characters per line. With more key tiles than that, each character stands for
+                g x g tiles (g the smallest factor that fits): '#' when all of them are full, '.' when all are
+                skipped, '+' otherwise.
+
+        Returns:
+            A header line naming the tile and the scale, then one line per row of characters.
+        """
+        if width < 1:
+            raise ValueError(f"width must be at least 1; got {width}")
+        nq, nk = self.live.shape
+        g = max(1, cdiv(max(nq, nk), width))
+        bm, bn = self.tile
+        if g == 1:
+            header = f"block mask at {bm}x{bn} tiles ('#' full, '+' partial, '.' skipped):"
+        else:
+            header = (f"block mask at {bm}x{bn} tiles, {g}x{g} tiles per character ('#' all full, '.' all "
+                      "skipped, '+' the rest):")
+        # Padding past the ragged edge counts as full and not live, so an edge group shows what its tiles are.
+        live, full = _pool(self.live, g, False, "any"), _pool(self.full, g, True, "all")
+        chars = torch.where(full, ord("#"), torch.where(live, ord("+"), ord(".")))
+        return "\n".join([header, *("".join(map(chr, row)) for row in chars.tolist())])
+
+    def save_png(self, path: str | Path, title: str | None = None) -> Path:
+        """Draw every tile (no downsampling) into a PNG. Needs matplotlib (``pip install matplotlib``).
+
+        Returns:
+            The path written.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            from matplotlib.colors import ListedColormap
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise ImportError("a PNG needs matplotlib: pip install matplotlib (or mmsparse[examples])") from e
+        path = Path(path)
+        classes = self.live.to(torch.int8) + self.full.to(torch.int8)  # 0 skipped, 1 partial, 2 full
+        colors = ["#f2f2f2", "#f4a259", "#2e5e8c"]
+        nq, nk = self.live.shape
+        fig, ax = plt.subplots(figsize=(6, 6 * max(nq, 1) / max(nk, 1) + 0.8))
+        ax.imshow(classes.numpy(), cmap=ListedColormap(colors), vmin=0, vmax=2, interpolation="nearest")
+        ax.set_xlabel(f"key tile ({self.tile[1]} keys)")
+        ax.set_ylabel(f"query tile ({self.tile[0]} queries)")
+        ax.set_title(title or f"S = {self.seq_len}, {self.tile[0]}x{self.tile[1]} tiles; {self.summary()}",
+                     fontsize=8, wrap=True)
+        ax.legend(handles=[Patch(color=c, label=n) for c, n in zip(colors[::-1], ("full", "partial", "skipped"))],
+                  loc="upper right", fontsize=7)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _pool(x: torch.Tensor, g: int, fill: bool, how: str) -> torch.Tensor:
+    """Reduce g x g groups of a bool ``[R, C]`` map (any/all), padding the ragged edge with ``fill``."""
+    if g == 1:
+        return x.clone()
+    r, c = x.shape
+    padded = x.new_full((cdiv(r, g) * g, cdiv(c, g) * g), fill)
+    padded[:r, :c] = x
+    groups = padded.view(cdiv(r, g), g, cdiv(c, g), g)
+    return groups.any(3).any(1) if how == "any" else groups.all(3).all(1)
+
+
+def parse_tile(tile: Any) -> tuple[int, int]:
+    """A tile as ``(block_m, block_n)`` from an int (square), a pair, or a string ``"128"`` / ``"128x64"``."""
+    if isinstance(tile, str):
+        parts = tile.lower().split("x")
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"tile must look like 128 or 128x64; got {tile!r}")
+        tile = tuple(int(p) for p in parts)
+    if isinstance(tile, int) and not isinstance(tile, bool):
+        tile = (tile, tile)
+    if (not isinstance(tile, (tuple, list)) or len(tile) not in (1, 2)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in tile)):
+        raise TypeError(f"tile must be an int or a pair of ints (query rows, key columns); got {tile!r}")
+    bm, bn = (tile[0], tile[0]) if len(tile) == 1 else tile
+    if bm < 1 or bn < 1:
+        raise ValueError(f"tile sizes must be positive; got {bm}x{bn}")
+    return bm, bn
+
+
+def tile_map(topology: Any, seg_lens: SegLens, tile: TileArg = 128, causal: bool = False) -> TileMap:
+    """Classify the tiles of a topology mask (self-attention over S = sum(seg_lens) positions).
+
+    Args:
+        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        seg_lens: k segment lengths.
+        tile: the tile, an int (square) or ``(query rows, key columns)``; the CUDA forward uses 128x64 or
+            64x64 tiles, the CPU interpreter 32x16.
+        causal: also require key position <= query position.
+
+    Returns:
+        A :class:`TileMap`; ``.picture()`` draws it as text, ``.summary()`` counts, ``.save_png()`` a PNG.
+    """
+    causal = check_flag("causal", causal)
+    bm, bn = parse_tile(tile)
+    topo = Topology(topology)
+    lens = validate_seg_lens(seg_lens, topo.num_segments)
+    seq = sum(lens)
+    if seq == 0:
+        raise ValueError(f"seg_lens {lens} sum to 0: there is nothing to draw")
+    cells = cdiv(seq, bm) * cdiv(seq, bn) * topo.num_segments
+    if cells > _MAX_TILE_CELLS:
+        raise ValueError(f"{cdiv(seq, bm)} x {cdiv(seq, bn)} tiles of {bm}x{bn} are too many to classify for "
+                         f"S = {seq}: use a larger tile")
+    row_bits, col_bits = token_bits(topo, torch.tensor([lens]), seq)  # torch ops on the CPU, O(S)
+    live, full = classify_blocks_from_bits(row_bits, col_bits, topo.num_segments, bm, bn, causal, 0)
+    density = count_allowed_pairs(topo, lens, causal=causal) / seq**2
+    return TileMap(live[0], full[0], (bm, bn), seq, density)
+
+
+def tile_picture(
+    topology: Any, seg_lens: SegLens, tile: TileArg = 128, causal: bool = False, width: int = 64,
+    png: str | Path | None = None,
+) -> str:
+    """The tile picture of a topology mask as text (see :meth:`TileMap.picture`), optionally also as a PNG.
+
+    Args:
+        topology: k x k 0/1 matrix.
+        seg_lens: k segment lengths.
+        tile: an int (square tiles) or ``(query rows, key columns)``.
+        causal: also require key position <= query position.
+        width: the most characters per line; larger maps are downsampled.
+        png: a path to also write the full-resolution PNG to (needs matplotlib).
+
+    Returns:
+        The picture (header line, then the rows) followed by the summary line.
+    """
+    tiles = tile_map(topology, seg_lens, tile, causal)
+    if png is not None:
+        tiles.save_png(png)
+    return f"{tiles.picture(width)}\n{tiles.summary()}"
