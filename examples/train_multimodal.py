@@ -2,7 +2,8 @@
 
 Both runs start from the same weights and see the same synthetic batches, so their loss curves should overlap; the
 script prints both curves, the tokens/s of each attention path, and saves a loss plot (PNG, if matplotlib is
-installed) and the numbers (JSON).
+installed: ``pip install -e '.[examples]'``) and the numbers (JSON) into ``--out DIR``, by default a new temporary
+directory whose path it prints.
 
 The task: each sample has a hidden class. Vision and audio tokens are noisy class-dependent features; the text is a
 class-dependent token pattern (period ``text_period``) with half of its tokens masked. The model predicts the masked
@@ -11,6 +12,7 @@ columns): text sees everything, vision sees text and vision, audio sees text and
 
     python examples/train_multimodal.py            # GPU, realistic lengths (256 text + 1024 vision + 768 audio)
     python examples/train_multimodal.py --tiny     # CPU through Triton's interpreter, well under a minute
+    python examples/train_multimodal.py --tiny --out results/   # keep the PNG and JSON in ./results
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -182,7 +185,7 @@ def save_plot(results: dict, cfg: Config, precision: str, path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
+        return "matplotlib is not installed: no plot (pip install matplotlib, or mmsparse's [examples] extra)"
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, style in (("dense", "-"), ("mmsparse", "--")):
         r = results[name]
@@ -198,7 +201,7 @@ def save_plot(results: dict, cfg: Config, precision: str, path: Path) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].replace("``", "").split()))
     p.add_argument("--tiny", action="store_true", help="tiny sizes for the CPU interpreter")
     p.add_argument("--steps", type=int, help="training steps (default 200, tiny 10)")
     p.add_argument("--batch", type=int)
@@ -206,8 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seg-lens", type=int, nargs=3, metavar=("TEXT", "VISION", "AUDIO"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default bf16 autocast on GPU, fp32 on CPU")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="folder for the PNG and JSON")
+    p.add_argument("--out", type=Path, help="folder for the PNG and JSON (default: a new temporary directory)")
     return p.parse_args(argv)
 
 
@@ -255,15 +257,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"first -> last loss {results['mmsparse']['loss'][0]:.3f} -> {results['mmsparse']['loss'][-1]:.3f} "
           f"(chance {math.log(cfg.vocab):.3f})")
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out or Path(tempfile.mkdtemp(prefix="mmsparse-train_multimodal-"))  # never inside the checkout
+    out.mkdir(parents=True, exist_ok=True)
     stem = "train_multimodal_tiny" if args.tiny else f"train_multimodal_{precision}"
     record = {"config": asdict(cfg), "device": str(device), "torch": torch.__version__, "precision": precision,
               "density": density,
               "max_loss_diff": diff, **results}
     if device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-    print(save_plot(results, cfg, precision, args.out / f"{stem}.png"))
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+    print(f"numbers: {out / f'{stem}.json'}")
+    print(save_plot(results, cfg, precision, out / f"{stem}.png"))
     return results
 
 

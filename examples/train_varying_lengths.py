@@ -1,5 +1,5 @@
 """A training loop over multimodal batches whose segment lengths change every step, under
-``torch.compile(fullgraph=True)``, with no recompiles after warm-up (issue 4).
+``torch.compile(fullgraph=True)``, with no recompiles after warm-up.
 
 Every step draws new per-sample lengths (text, vision, audio) for a padded batch: some samples have no audio,
 some are short, the tail of each row is padding. The lengths go in as a device tensor ``[B, 3]``, so the block
@@ -10,7 +10,8 @@ metadata is built on the device inside the compiled graph. The script counts
 
 and every few steps compares the compiled model's output and weight gradients with the same model whose
 attention is the float64 dense reference (``mmsparse.reference_attention`` under the exact token mask). It exits
-non-zero if anything recompiles or disagrees.
+non-zero if anything recompiles or disagrees. The summary (JSON) goes into ``--out DIR``, by default a new temporary
+directory whose path it prints.
 
     python examples/train_varying_lengths.py            # GPU: S = 4096, 2 blocks, 40 steps
     python examples/train_varying_lengths.py --tiny     # CPU through Triton's interpreter, about a minute
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,10 +134,10 @@ def check_against_reference(model: nn.Module, compiled: nn.Module, x: torch.Tens
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].replace("``", "").split()))
     ap.add_argument("--tiny", action="store_true", help="small shapes for the CPU interpreter")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default 40, tiny 6)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, help="folder for the JSON summary (default: a new temporary directory)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny or device.type != "cuda" else Config()
@@ -181,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                "mmsparse": mmsparse.__version__ if hasattr(mmsparse, "__version__") else None}
     print(json.dumps({k: summary[k] for k in ("dynamo_graphs", "recompiles_after_warmup",
                                                "triton_variants_after_warmup", "max_abs_err_vs_reference", "ok")}))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"train_varying_lengths_{device.type}.json").write_text(json.dumps({**summary, "log": log}, indent=1))
+    out = args.out or Path(tempfile.mkdtemp(prefix="mmsparse-train_varying_lengths-"))  # never inside the checkout
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"train_varying_lengths_{device.type}.json"
+    path.write_text(json.dumps({**summary, "log": log}, indent=1))
+    print(f"summary: {path}")
     return 0 if ok else 1
 
 
