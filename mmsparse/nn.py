@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import SegLensArg, mbs_attention
+from .functional import SegLensArg, check_flag, mbs_attention
 from .topology import Topology, validate_seg_lens
 
 
@@ -92,7 +92,7 @@ class _MBSAttentionCore(nn.Module):
         self.head_dim = head_dim
         self.topology = Topology(topology)
         self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
-        self.causal = bool(causal)
+        self.causal = check_flag("causal", causal)
         self.dropout = _check_dropout(dropout)
 
     @property

@@ -91,12 +91,9 @@ class TileMap:
         Returns:
             The path written.
         """
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+        try:  # a bare Figure, not pyplot: the caller's matplotlib backend and open figures stay as they are
             from matplotlib.colors import ListedColormap
+            from matplotlib.figure import Figure
             from matplotlib.patches import Patch
         except ImportError as e:
             raise ImportError("a PNG needs matplotlib: pip install matplotlib (or mmsparse[examples])") from e
@@ -104,7 +101,8 @@ class TileMap:
         classes = self.live.to(torch.int8) + self.full.to(torch.int8)  # 0 skipped, 1 partial, 2 full
         colors = ["#f2f2f2", "#f4a259", "#2e5e8c"]
         nq, nk = self.live.shape
-        fig, ax = plt.subplots(figsize=(6, 6 * max(nq, 1) / max(nk, 1) + 0.8))
+        fig = Figure(figsize=(6, 6 * max(nq, 1) / max(nk, 1) + 0.8))
+        ax = fig.subplots()
         ax.imshow(classes.numpy(), cmap=ListedColormap(colors), vmin=0, vmax=2, interpolation="nearest")
         ax.set_xlabel(f"key tile ({self.tile[1]} keys)")
         ax.set_ylabel(f"query tile ({self.tile[0]} queries)")
@@ -115,7 +113,6 @@ class TileMap:
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         return path
 
 

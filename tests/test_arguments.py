@@ -8,6 +8,7 @@ import torch
 from helpers import check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, generate_interlaced_mask, mbs_attention, mbs_attention_varlen
+from mmsparse.nn import MultimodalSelfAttention
 
 HUB = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 LENS = (9, 21, 14)  # S = 44: ragged against the interpreter's 32x16 tiles
@@ -97,6 +98,8 @@ def test_causal_must_be_a_bool(device):
         mbs_attention_varlen(q, k, v, HUB, [LENS], causal=None)
     with pytest.raises(TypeError, match="causal_mask must be True or False"):
         TritonMBSAttnKernel(HUB, LENS, causal_mask="no")
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        MultimodalSelfAttention(32, 2, HUB, LENS, causal="yes")
     # bool-like values are fine and mean what they say
     torch.testing.assert_close(mbs_attention(q, k, v, HUB, LENS, causal=np.bool_(True)),
                                mbs_attention(q, k, v, HUB, LENS, causal=True), rtol=0, atol=0)
