@@ -175,8 +175,8 @@ def test_one_sample_past_2_31(dialect, layout):
 
 
 def test_dense_mask_past_2_31(dialect):
-    """A dense mask of one sample with Sq * S = 2.3e9 (offs_q * stride_mask_q wraps): bit for bit the topology
-    path's result, and the float32 reference on rows past the boundary."""
+    """A dense mask of one sample with Sq * S = 2.3e9 (offs_q * stride_mask_q wraps): the topology path's result,
+    and the float32 reference on rows past the boundary."""
     gen = torch.Generator(device="cuda").manual_seed(20)
     seg = (6000, 30000, 12000)
     seq = sum(seg)
@@ -186,9 +186,11 @@ def test_dense_mask_past_2_31(dialect):
     k, v = (_randn(2, 2, seq, 64, gen=gen) for _ in "kv")
     out, grads = _run(q, k, v, do, topology=None, seg_lens=None, attn_mask=mask)
     out_t, grads_t = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True)
-    _assert_bit_equal("out", out, out_t)
+    # The same mask as a topology: compiled, the two kernel variants may reduce rows in another order (the loaded
+    # mask tile changes Triton's layouts), so they agree to rounding (bit for bit through the interpreter).
+    _check("out vs topology", out, out_t)
     for name, g, g1 in zip(("dq", "dk", "dv"), grads, grads_t):
-        _assert_bit_equal(name, g, g1)
+        _check(f"{name} vs topology", g, g1)
     rows = torch.tensor([TWO31 // seq - 1, TWO31 // seq, TWO31 // seq + 1, seq - 1], device="cuda")
     for b, h in ((0, 0), (1, 3)):
         ref = reference_group_rows(q[b, h:h + 1], k[b, h // 2], v[b, h // 2], do[b, h:h + 1], lambda idx: mask[idx],
