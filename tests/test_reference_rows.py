@@ -13,24 +13,24 @@ HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 
 
 def _dense(q, k, v, do, mask, keep=None, p=0.0):
-    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     out = reference_attention(qd, kd, vd, mask, dropout_keep=keep, dropout_p=p)
     out.backward(do.double())
     return out, qd.grad, kd.grad, vd.grad
 
 
-def test_sampled_rows_match_the_dense_reference():
+def test_sampled_rows_match_the_dense_reference(device):
     gen = torch.Generator().manual_seed(3)
     seg, seq, group = (13, 40, 18), 71, 3
-    q = torch.randn(1, group, seq, 32, generator=gen)
-    k, v = (torch.randn(1, 1, seq, 32, generator=gen) for _ in "kv")
-    do = torch.randn(1, group, seq, 32, generator=gen)
-    mask = reference_mask(HUB, seg, seq, causal=True)[0]  # [S, S]
-    seed = new_dropout_seed(torch.device("cpu"))
+    q = torch.randn(1, group, seq, 32, generator=gen, dtype=torch.float64).to(device)
+    k, v = (torch.randn(1, 1, seq, 32, generator=gen, dtype=torch.float64).to(device) for _ in "kv")
+    do = torch.randn(1, group, seq, 32, generator=gen, dtype=torch.float64).to(device)
+    mask = reference_mask(HUB, seg, seq, causal=True)[0].to(device)  # [S, S]
+    seed = new_dropout_seed(device)
     for keep in (None, dropout_keep_mask(seed, 1, group, seq, seq, 0.3)):
         p = 0.0 if keep is None else 0.3
         out, dq, dk, dv = _dense(q, k, v, do, mask, keep, p)
-        rows, cols = torch.tensor([0, 12, 13, 40, 70]), torch.tensor([1, 13, 52, 70])
+        rows, cols = torch.tensor([0, 12, 13, 40, 70], device=device), torch.tensor([1, 13, 52, 70], device=device)
         got = reference_group_rows(
             q[0], k[0, 0], v[0, 0], do[0], lambda idx: mask[idx], rows, cols, dtype=torch.float64, chunk=16,
             keep=None if keep is None else (lambda g, idx, keep=keep: keep[0, g, idx]), dropout_p=p,
