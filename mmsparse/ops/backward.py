@@ -304,7 +304,7 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def _streams(device: torch.device, seq_k: int) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
     """(current stream, this device's side stream for the dQ pass), or (None, None): off the GPU, and over short
     key lists, where a call is bound by host work and switching streams adds ~75 us to it (H100 host, the seed:
-    0.48 ms with the side stream, 0.41 without; benchmarks/NOTES.md, session 10)."""
+    0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
     if device.type != "cuda" or short_keys(seq_k):
         return None, None
     index = cuda_index(device)

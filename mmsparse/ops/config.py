@@ -84,7 +84,7 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
     if head_dim_pad <= 64:
         # H100, D=64: 64-row forward tiles beat 128 rows by 2-13% (seed 90 vs 104 us, mm13k 1352 vs 1382 us).
         # Below SHORT_KEYS keys 32-key tiles skip more of the seed's ragged partial blocks: its forward kernel
-        # 79 vs 91 us (64x16 100, 128x32 117, 32x32 153 us; session 8), while 64x64 stays best at 13k.
+        # 79 vs 91 us (64x16 100, 128x32 117, 32x32 153 us), while 64x64 stays best at 13k.
         return KernelConfig(
             fwd=Tile(64, 64, num_warps=4, num_stages=2),
             fwd_short=Tile(64, 32, num_warps=4, num_stages=2),
@@ -93,7 +93,7 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
     if head_dim_pad <= 128:
-        # Measured on an H200 (benchmarks/NOTES.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
+        # Measured on an H200 (docs/performance.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
         # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile. Decode (H100, 8 x 32
         # heads over 8k-32k caches): 16x64 with 2 warps and 3 stages is the best of 16x{32,64,128} with 2/4
         # warps (q_len 1 over 32k: 0.47 ms, vs 0.64 with 4 warps and 0.86 with the 128x64 forward tile).
@@ -156,7 +156,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     return cfg
 
 
-# H100, the six mm13k/mm43k configs, one process (benchmarks/NOTES.md, session 6): the Gluon forward with 128-key
+# H100, the six mm13k/mm43k configs, one process (docs/performance.md): the Gluon forward with 128-key
 # tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
 # stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
 # the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
@@ -167,11 +167,10 @@ _GLUON_FWD = {
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
 # The Gluon dQ pass (ops/hopper_dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
-# process (benchmarks/NOTES.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x
-# (session 7); 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3 (session 9). D=64 (session 10,
-# after the host-side descriptors): 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so
-# D=64 keeps the tl pass below SHORT_KEYS; 4 stages 0.95-1.06x, 5 stages as 3. The tl dQ kernel runs this tile
-# with dropout.
+# process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;
+# 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3. D=64 (with the host-side descriptors):
+# 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so D=64 keeps the tl pass below
+# SHORT_KEYS; 4 stages 0.95-1.06x, 5 stages as 3. The tl dQ kernel runs this tile with dropout.
 _GLUON_DQ = {
     64: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3),
     128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4),
@@ -179,9 +178,9 @@ _GLUON_DQ = {
 _GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ tile
 # The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
 # A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
-# step waited for its loads. H100, the pass alone (benchmarks/NOTES.md, session 9): 4 stages (196 KB of shared
+# step waited for its loads. H100, the pass alone (docs/performance.md): 4 stages (196 KB of shared
 # memory at D=128) 1.12-1.36x over 2 at D=128 (3 stages spill 48 B and gain less), 1.02-1.03x over 3 at D=64.
-# The ping-pong option gave nothing (0.96-1.04x, session 7). The tl kernel runs the tile with dropout.
+# The ping-pong option gave nothing (0.96-1.04x). The tl kernel runs the tile with dropout.
 _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),

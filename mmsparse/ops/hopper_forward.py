@@ -1,7 +1,7 @@
 """Hopper forward in Gluon: the FlashAttention-3 schedule over the listed key blocks of each query block.
 
 Why a second forward: the ``tl`` kernel is an FA2 loop, where one warpgroup alternates between matmuls and softmax,
-so the tensor cores idle while the exponentials run (benchmarks/NOTES.md). Here one CTA owns 128 query rows:
+so the tensor cores idle while the exponentials run (docs/performance.md). Here one CTA owns 128 query rows:
 - a one-warp producer streams the listed K and V tiles through a ring of shared-memory stages with TMA;
 - two consumer warpgroups each own 64 of the rows. Each issues the next block's Q K^T before the current block's
   P V (both asynchronous), so its softmax runs while its own matmul does;
