@@ -1,5 +1,6 @@
 """Context parallelism: one multimodal sequence over the ranks of a process group, planned from the topology."""
 
+from .context_parallel import ContextParallel
 from .plan import ContextParallelPlan, chunk_pairs, plan_context_parallel
 
-__all__ = ["ContextParallelPlan", "chunk_pairs", "plan_context_parallel"]
+__all__ = ["ContextParallel", "ContextParallelPlan", "chunk_pairs", "plan_context_parallel"]

@@ -1,0 +1,300 @@
+"""ContextParallel: one multimodal sequence over the ranks of a process group.
+
+    cp = ContextParallel(topology, seg_lens, causal=False, group=None)   # group: ProcessGroup or 1-D DeviceMesh
+    ids_l = cp.shard(input_ids, seq_dim=1)     # this rank's tokens of any tensor with a sequence dim
+    o_l = cp.attention(q_l, k_l, v_l)          # [B, Hq, S_local, D], differentiable in q_l, k_l, v_l
+    o = cp.unshard(o_l, seq_dim=2)             # the whole sequence on every rank, differentiable
+
+Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
+``unshard`` hide it. The attention fetches the K/V chunks its queries see, runs the pieces of :mod:`.pieces`,
+and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV contribution to the chunk's owner,
+which sums them in rank order: deterministic, no atomics. Only O(S / P) state is saved per rank (fetched K/V is
+fetched again in the backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..topology import Topology, token_bits, validate_seg_lens
+from .pieces import Piece, make_piece, merge, piece_backward, piece_forward
+from .plan import ContextParallelPlan, plan_context_parallel
+
+
+class ContextParallel:
+    """Context parallelism for one topology and set of lengths over a process group.
+
+    Args:
+        topology: k x k 0/1 matrix, as for ``mbs_attention``.
+        seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
+        causal: the global causal flag.
+        group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (the context-parallel dim of a larger mesh: pass
+            ``mesh["cp"]``), or None for the default group.
+        chunk: tokens per chunk (default: the plan's, about 16 chunks a rank).
+    """
+
+    def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+                 causal: bool = False, group: Any = None, chunk: int | None = None) -> None:
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool; got {causal!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
+        self.group = _process_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.topology = Topology(topology)
+        lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
+        k = self.topology.num_segments
+        per_sample = lens and isinstance(lens[0], (list, tuple))
+        rows = [validate_seg_lens(r, k) for r in lens] if per_sample else [validate_seg_lens(lens, k)]
+        self.causal = causal
+        self.seq_len = max(sum(r) for r in rows)
+        # Chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)
+        tile = 128 if torch.cuda.is_available() else 16
+        self.plan: ContextParallelPlan = plan_context_parallel(self.topology, rows, self.world_size, causal,
+                                                               self.seq_len, chunk, tile)
+        self._lens = torch.tensor(rows, dtype=torch.int64)
+        self._index = self.plan.token_index(self.rank)
+        self._bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
+
+    @property
+    def local_len(self) -> int:
+        return int(self._index.numel())
+
+    def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
+        """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
+        the same ``x``): differentiable, a gather along that dim."""
+        if x.shape[seq_dim] != self.seq_len:
+            raise ValueError(f"x has {x.shape[seq_dim]} positions along dim {seq_dim}; expected the whole sequence "
+                             f"({self.seq_len}) to shard")
+        return x.index_select(seq_dim, self._index.to(x.device))
+
+    def unshard(self, x_local: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
+        """The whole sequence from every rank's shard, on every rank, in sequence order; differentiable (the
+        gradient of each rank's copy flows back to the rank that holds the token, summed over ranks)."""
+        if x_local.shape[seq_dim] != self.local_len:
+            raise ValueError(f"x_local has {x_local.shape[seq_dim]} positions along dim {seq_dim}; this rank holds "
+                             f"{self.local_len}")
+        return _Unshard.apply(x_local, seq_dim, self)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  softmax_scale: float | None = None) -> torch.Tensor:
+        """Attention of this rank's queries over every key its topology lets them see.
+
+        Args:
+            q: ``[B, Hq, S_local, D]``; k, v: ``[B, Hkv, S_local, D]``: this rank's tokens (from ``shard``).
+        Returns:
+            ``[B, Hq, S_local, D]``.
+        """
+        if dropout_p != 0.0:
+            raise ValueError("dropout is not supported with context parallelism yet: the kernels key dropout bits "
+                             "by key position, which a gathered key set does not have; pass dropout_p=0.0")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4 or t.shape[2] != self.local_len:
+                raise ValueError(f"{name} must be [B, H, S_local={self.local_len}, D] (this rank's tokens); got "
+                                 f"{tuple(t.shape)}")
+        if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[0] != k.shape[0]:
+            raise ValueError(f"q, k, v must share dtype and batch, k and v one shape; got {q.dtype} "
+                             f"{tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+        if self._lens.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return _Attention.apply(q, k, v, self, scale)
+
+    # internals -------------------------------------------------------------------------------------------------
+
+    def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        bits = self._bits.get(device)
+        if bits is None:
+            bits = self._bits[device] = token_bits(self.topology, self._lens.to(device), self.seq_len)
+        return bits
+
+    def _gathered_positions(self) -> torch.Tensor:
+        chunks = self.plan.needed_kv[self.rank]
+        spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
+
+    def _local_pieces(self, device: torch.device) -> list[Piece]:
+        """The pieces of this rank's attention (see :mod:`.pieces`), built once per device."""
+        cached = self._pieces.get(device)
+        if cached is not None:
+            return cached[0]
+        row_bits, col_bits = self._token_bits(device)
+        num_segments = self.topology.num_segments
+        gathered = self._gathered_positions().to(device)
+        local = self._index.to(device)
+        pieces: list[Piece] = []
+        if not self.causal and gathered.numel():
+            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
+                                     row_bits[:, local], col_bits[:, gathered], num_segments))
+        else:
+            chunk, start = self.plan.chunk, 0
+            for c in self.plan.local_chunks[self.rank]:
+                n = self.plan.chunk_tokens(c)
+                rows = slice(start, start + n)
+                q_pos = local[rows]
+                before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
+                if before:
+                    pieces.append(make_piece(rows, slice(0, before), False, False, row_bits[:, q_pos],
+                                             col_bits[:, gathered[:before]], num_segments))
+                pieces.append(make_piece(rows, rows, True, True, row_bits[:, q_pos], col_bits[:, q_pos],
+                                         num_segments))
+                start += n
+        self._pieces[device] = (pieces, gathered)
+        return pieces
+
+
+def _process_group(group: Any) -> Any:
+    if group is None:
+        return dist.group.WORLD
+    get_group = getattr(group, "get_group", None)  # a DeviceMesh
+    if get_group is not None:
+        if group.ndim != 1:
+            raise ValueError(f"pass the context-parallel dim of the mesh (mesh['cp']), not a {group.ndim}-D mesh")
+        return get_group()
+    return group
+
+
+def _gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the chunks this rank needs, in sequence order. Every rank's local K/V is all-gathered (padded
+    to the longest shard) and the needed chunks are cut out."""
+    kv = torch.cat([k, v], dim=1)  # [B, 2 Hkv, L, D]
+    longest = max(len(cp.plan.token_index(r)) for r in range(cp.world_size))
+    padded = torch.zeros((*kv.shape[:2], longest, kv.shape[3]), dtype=kv.dtype, device=kv.device)
+    padded[:, :, : kv.shape[2]] = kv
+    shards = [torch.empty_like(padded) for _ in range(cp.world_size)]
+    dist.all_gather(shards, padded.contiguous(), group=cp.group)
+    parts = []
+    for c in cp.plan.needed_kv[cp.rank]:
+        owner = cp.plan.owner[c]
+        offset = _offset_in_owner(cp.plan, owner, c)
+        parts.append(shards[owner][:, :, offset : offset + cp.plan.chunk_tokens(c)])
+    if not parts:
+        empty = kv[:, :, :0]
+        return empty[:, : k.shape[1]], empty[:, k.shape[1] :]
+    gathered = torch.cat(parts, dim=2)
+    return gathered[:, : k.shape[1]], gathered[:, k.shape[1] :]
+
+
+def _offset_in_owner(plan: ContextParallelPlan, owner: int, c: int) -> int:
+    offset = 0
+    for other in plan.local_chunks[owner]:
+        if other == c:
+            return offset
+        offset += plan.chunk_tokens(other)
+    raise AssertionError(f"chunk {c} is not held by rank {owner}")
+
+
+def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
+    """Send each gathered chunk's dK/dV to its owner; every owner sums what it receives with its own, in rank
+    order (deterministic). dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
+    plan = cp.plan
+    chunk_start = {}
+    start = 0
+    for c in plan.needed_kv[cp.rank]:
+        chunk_start[c] = start
+        start += plan.chunk_tokens(c)
+    total = None
+    for dst in range(cp.world_size):
+        # what this rank contributes to dst's tokens
+        length = len(plan.token_index(dst))
+        contribution = dkv_local.new_zeros((*dkv_local.shape[:2], length, dkv_local.shape[3]))
+        if dst == cp.rank:
+            contribution += dkv_local
+        offset = 0
+        for c in plan.local_chunks[dst]:
+            n = plan.chunk_tokens(c)
+            if c in chunk_start:
+                contribution[:, :, offset : offset + n] += dkv_gathered[:, :, chunk_start[c] : chunk_start[c] + n]
+            offset += n
+        received = [torch.empty_like(contribution) for _ in range(cp.world_size)] if dst == cp.rank else None
+        dist.gather(contribution, received, dst=dist.get_global_rank(cp.group, dst), group=cp.group)
+        if dst == cp.rank:
+            total = received[0].clone()
+            for part in received[1:]:
+                total += part
+    return total
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, scale: float):  # type: ignore[override]
+        pieces = cp._local_pieces(q.device)
+        k_g, v_g = _gather_kv(cp, k, v)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+        for rows, group in _by_rows(pieces):
+            parts = [piece_forward(q[:, :, rows], *_keys(p, k, v, k_g, v_g), p, scale) for p in group]
+            out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        cp: ContextParallel = ctx.cp
+        pieces = cp._local_pieces(q.device)
+        k_g, v_g = _gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
+        hkv = k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv_g = torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+        dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+        for piece in pieces:
+            rows = piece.q_rows
+            kk, vv = _keys(piece, k, v, k_g, v_g)
+            dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows],
+                                              lse[:, :, rows], piece, ctx.scale)
+            dq[:, :, rows] += dq_p
+            target = dkv_l if piece.local_keys else dkv_g
+            target[:, :hkv, piece.k_rows] += dk_p
+            target[:, hkv:, piece.k_rows] += dv_p
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l)
+        return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None
+
+
+def _keys(piece: Piece, k, v, k_g, v_g):
+    src_k, src_v = (k, v) if piece.local_keys else (k_g, v_g)
+    return src_k[:, :, piece.k_rows], src_v[:, :, piece.k_rows]
+
+
+def _by_rows(pieces: list[Piece]):
+    """Pieces grouped by their query rows, in order (pieces of one query range are adjacent)."""
+    groups: list[tuple[slice, list[Piece]]] = []
+    for p in pieces:
+        if groups and groups[-1][0] == p.q_rows:
+            groups[-1][1].append(p)
+        else:
+            groups.append((p.q_rows, [p]))
+    return groups
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, seq_dim: int, cp: ContextParallel):  # type: ignore[override]
+        ctx.seq_dim, ctx.cp = seq_dim, cp
+        moved = x_local.movedim(seq_dim, 0).contiguous()
+        longest = max(len(cp.plan.token_index(r)) for r in range(cp.world_size))
+        padded = moved.new_zeros((longest, *moved.shape[1:]))
+        padded[: moved.shape[0]] = moved
+        shards = [torch.empty_like(padded) for _ in range(cp.world_size)]
+        dist.all_gather(shards, padded, group=cp.group)
+        full = moved.new_empty((cp.seq_len, *moved.shape[1:]))
+        for r, shard in enumerate(shards):
+            index = cp.plan.token_index(r).to(full.device)
+            full[index] = shard[: index.numel()]
+        return full.movedim(0, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        cp: ContextParallel = ctx.cp
+        moved = grad.movedim(ctx.seq_dim, 0).contiguous()
+        total = moved.clone()
+        dist.all_reduce(total, group=cp.group)  # every rank's use of every token
+        local = total[cp._index.to(total.device)]
+        return local.movedim(0, ctx.seq_dim), None, None

@@ -1,0 +1,72 @@
+"""One rank's attention as pieces that the block-sparse kernels run as they are, and their log-sum-exp merge.
+
+A rank's queries are chunks of the sequence; the keys it holds after the exchange are the needed chunks, in
+sequence order. The topology part of the mask comes from per-token bits, whatever the tokens' positions. The
+causal part needs positions, and the kernels compare local indices (key j <= first query + i), so with
+``causal`` each query chunk runs as two pieces whose positions the kernels get right: the key chunks before it
+(all visible: no causal test) and its own chunk (queries and keys at the same positions). Pieces merge by their
+log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp, which gives exactly its
+share of the gradients (the ring-attention identity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..mask_info import MaskInfo
+from ..ops.backward import mbs_attn_bwd
+from ..ops.common import MASK_BITS
+from ..ops.forward import kernel_layout, mbs_attn_fwd
+
+
+@dataclass
+class Piece:
+    """Queries ``q_rows`` (a range of the rank's local tokens) against keys ``k_rows`` (a range of the gathered
+    keys, or of the local keys when ``local_keys``), with the causal test when ``causal``."""
+
+    q_rows: slice
+    k_rows: slice
+    local_keys: bool
+    causal: bool
+    info: MaskInfo
+
+
+def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_bits: torch.Tensor,
+               k_bits: torch.Tensor, num_segments: int) -> Piece:
+    """q_bits: int32 ``[Bm, Sq_piece]`` row bits of the piece's queries; k_bits: ``[Bm, Sk_piece]`` column bits."""
+    info = MaskInfo(MASK_BITS, q_bits.shape[1], k_bits.shape[1], causal, q_bits=q_bits.contiguous(),
+                    k_bits=k_bits.contiguous(), num_segments=num_segments)
+    return Piece(q_rows, k_rows, local_keys, causal, info)
+
+
+def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing."""
+    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), piece.info, scale)
+
+
+def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, piece: Piece, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one piece, against the merged out and lse of its query rows."""
+    return mbs_attn_bwd(do.contiguous(), kernel_layout(q), kernel_layout(k), kernel_layout(v), out.contiguous(),
+                        lse.contiguous(), piece.info, scale)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial results over disjoint key sets, in list order (deterministic): out = sum_p 2^(lse_p - lse)
+    out_p, lse = log2 sum_p 2^lse_p; rows that see nothing anywhere give 0 and lse = +inf."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = torch.stack(lses)  # [P, B, H, Sq]
+    seen = lse != float("inf")
+    top = torch.where(seen, lse, float("-inf")).amax(0)
+    base = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weights = torch.where(seen, torch.exp2(lse - base), torch.zeros_like(lse))
+    total = weights.sum(0)
+    acc = sum(w[..., None] * o.float() for w, o in zip(weights, outs))
+    out = acc / torch.where(total == 0, torch.ones_like(total), total)[..., None]
+    merged = torch.where(total > 0, base + torch.log2(torch.where(total > 0, total, torch.ones_like(total))),
+                         torch.full_like(total, float("inf")))
+    return out.to(outs[0].dtype), merged

@@ -1,0 +1,105 @@
+"""Context parallelism on CPU: 2, 3 and 4 processes over gloo, through Triton's interpreter.
+
+Each world size is spawned once and runs every case inside. A case shards full inputs, runs ``cp.attention``
+forward and backward on each rank, puts the gradients back together, and checks them against the float64
+reference (and the single-process ``mbs_attention``); a second run must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CASES = [
+    # topology, seg_lens, causal, batch, heads, kv heads, dtype
+    ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),
+    ([[1, 1, 1], [1, 1, 0], [1, 0, 1]], (12, 0, 41), True, 1, 4, 2, torch.float32),
+    ([[0, 1, 0], [0, 0, 1], [1, 0, 0]], [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
+    ([[1, 1], [0, 0]], (37, 20), False, 1, 2, 1, torch.float32),  # the second segment attends nothing
+]
+
+
+def _run_case(rank: int, world: int, case, group=None) -> None:
+    from helpers import check_outputs
+
+    from mmsparse import mbs_attention, reference_mask
+    from mmsparse.distributed import ContextParallel
+
+    topology, lens, causal, batch, heads, kv_heads, dtype = case
+    seq = max(sum(r) for r in (lens if isinstance(lens[0], tuple) else [lens]))
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
+    cp = ContextParallel(topology, lens, causal=causal, group=group)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        q_l, k_l, v_l = (cp.shard(t) for t in leaves)
+        o_l = cp.attention(q_l, k_l, v_l)
+        o_l.backward(cp.shard(do))
+        grads = [t.grad.clone() for t in leaves]
+        for g in grads:  # each token's gradient lives on the rank that holds it
+            dist.all_reduce(g, group=cp.group)
+        return cp.unshard(o_l.detach()), grads
+
+    out, grads = run()
+    out2, grads2 = run()
+    for a, b in zip((out, *grads), (out2, *grads2)):
+        assert torch.equal(a, b), "a second run at the same world size must be bitwise equal"
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_single = mbs_attention(*leaves, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens],
+                               causal=causal)
+    torch.testing.assert_close(out, out_single, rtol=2e-3, atol=2e-3)
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    for t, g in zip((qd, kd, vd), grads):
+        t.grad = g
+    mask = reference_mask(topology, lens, seq, causal=causal)
+    check_outputs(qd, kd, vd, out, do, mask)
+
+
+def _check_unshard(rank: int, world: int) -> None:
+    from mmsparse.distributed import ContextParallel
+
+    cp = ContextParallel([[1, 1], [1, 1]], (21, 30))
+    x = torch.arange(2 * 51 * 3, dtype=torch.float32).reshape(2, 51, 3)
+    x_l = cp.shard(x, seq_dim=1).requires_grad_()
+    full = cp.unshard(x_l, seq_dim=1)
+    assert torch.equal(full, x)
+    (full * (rank + 1)).sum().backward()  # each rank's copy is a use: the gradient sums them
+    assert torch.equal(x_l.grad, torch.full_like(x_l, world * (world + 1) / 2))
+
+
+def _worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        _check_unshard(rank, world)
+        for case in CASES:
+            _run_case(rank, world, case)
+        if world == 4:  # context parallel x data parallel: the CP group is one dim of a 2-D mesh
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+            _run_case(rank, world, CASES[1], group=mesh["cp"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_context_parallel_matches_the_reference(world, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU/gloo test; GPUs run the NCCL one")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+def test_plan_errors_without_a_process_group():
+    from mmsparse.distributed import ContextParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is up")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ContextParallel([[1]], (10,))
