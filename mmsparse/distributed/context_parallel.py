@@ -6,9 +6,9 @@
     o = cp.unshard(o_l, seq_dim=2)             # the whole sequence on every rank, differentiable
 
 Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
-``unshard`` hide it. The attention fetches the K/V chunks its queries see, runs the pieces of :mod:`.pieces`,
-and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV contribution to the chunk's owner,
-which sums them in rank order: deterministic, no atomics. Only O(S / P) state is saved per rank (fetched K/V is
+``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
+runs the pieces of :mod:`.pieces`, and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
+contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state is saved per rank (fetched K/V is
 fetched again in the backward).
 """
 
@@ -160,64 +160,99 @@ def _process_group(group: Any) -> Any:
     return group
 
 
+def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+              like: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Point-to-point: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from each
+    (group ranks; empty tensors are not sent)."""
+    ops, received = [], {}
+    for peer in range(cp.world_size):
+        if peer == cp.rank:
+            continue
+        global_peer = dist.get_global_rank(cp.group, peer)
+        if sends.get(peer) is not None and sends[peer].numel():
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), global_peer, cp.group))
+        shape = recv_shapes.get(peer)
+        if shape is not None and shape[2]:
+            received[peer] = like.new_empty(shape)
+            ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, cp.group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return received
+
+
+def _held_ranges(plan: ContextParallelPlan, rank: int) -> dict[int, tuple[int, int]]:
+    """Chunk -> (start, end) within ``rank``'s local tokens."""
+    ranges, start = {}, 0
+    for c in plan.local_chunks[rank]:
+        ranges[c] = (start, start + plan.chunk_tokens(c))
+        start += plan.chunk_tokens(c)
+    return ranges
+
+
 def _gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the chunks this rank needs, in sequence order. Every rank's local K/V is all-gathered (padded
-    to the longest shard) and the needed chunks are cut out."""
+    """K and V of the chunks this rank needs, in sequence order: each owner sends each rank just the chunks that
+    rank's queries see (the plan's ``needed_kv``), point to point."""
+    plan, rank = cp.plan, cp.rank
     kv = torch.cat([k, v], dim=1)  # [B, 2 Hkv, L, D]
-    longest = max(len(cp.plan.token_index(r)) for r in range(cp.world_size))
-    padded = torch.zeros((*kv.shape[:2], longest, kv.shape[3]), dtype=kv.dtype, device=kv.device)
-    padded[:, :, : kv.shape[2]] = kv
-    shards = [torch.empty_like(padded) for _ in range(cp.world_size)]
-    dist.all_gather(shards, padded.contiguous(), group=cp.group)
+    mine = _held_ranges(plan, rank)
+    sends = {}
+    for peer in range(cp.world_size):
+        wanted = [mine[c] for c in plan.needed_kv[peer] if plan.owner[c] == rank]
+        if peer != rank and wanted:
+            sends[peer] = torch.cat([kv[:, :, a:b] for a, b in wanted], dim=2)
+    recv_shapes = {}
+    for peer in range(cp.world_size):
+        n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] == peer)
+        recv_shapes[peer] = (kv.shape[0], kv.shape[1], n, kv.shape[3])
+    received = _exchange(cp, sends, recv_shapes, kv)
+    offsets = dict.fromkeys(range(cp.world_size), 0)
     parts = []
-    for c in cp.plan.needed_kv[cp.rank]:
-        owner = cp.plan.owner[c]
-        offset = _offset_in_owner(cp.plan, owner, c)
-        parts.append(shards[owner][:, :, offset : offset + cp.plan.chunk_tokens(c)])
-    if not parts:
-        empty = kv[:, :, :0]
-        return empty[:, : k.shape[1]], empty[:, k.shape[1] :]
-    gathered = torch.cat(parts, dim=2)
+    for c in plan.needed_kv[rank]:
+        owner, n = plan.owner[c], plan.chunk_tokens(c)
+        if owner == rank:
+            parts.append(kv[:, :, mine[c][0] : mine[c][1]])
+        else:
+            parts.append(received[owner][:, :, offsets[owner] : offsets[owner] + n])
+            offsets[owner] += n
+    gathered = torch.cat(parts, dim=2) if parts else kv[:, :, :0]
     return gathered[:, : k.shape[1]], gathered[:, k.shape[1] :]
 
 
-def _offset_in_owner(plan: ContextParallelPlan, owner: int, c: int) -> int:
-    offset = 0
-    for other in plan.local_chunks[owner]:
-        if other == c:
-            return offset
-        offset += plan.chunk_tokens(other)
-    raise AssertionError(f"chunk {c} is not held by rank {owner}")
-
-
 def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
-    """Send each gathered chunk's dK/dV to its owner; every owner sums what it receives with its own, in rank
-    order (deterministic). dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
-    plan = cp.plan
-    chunk_start = {}
-    start = 0
-    for c in plan.needed_kv[cp.rank]:
-        chunk_start[c] = start
+    """Send each gathered chunk's dK/dV to its owner; every owner sums its chunks' contributions in rank order
+    (its own at its rank's place): deterministic, no atomics. dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
+    plan, rank = cp.plan, cp.rank
+    starts, start = {}, 0
+    for c in plan.needed_kv[rank]:
+        starts[c] = start
         start += plan.chunk_tokens(c)
-    total = None
-    for dst in range(cp.world_size):
-        # what this rank contributes to dst's tokens
-        length = len(plan.token_index(dst))
-        contribution = dkv_local.new_zeros((*dkv_local.shape[:2], length, dkv_local.shape[3]))
-        if dst == cp.rank:
-            contribution += dkv_local
-        offset = 0
-        for c in plan.local_chunks[dst]:
-            n = plan.chunk_tokens(c)
-            if c in chunk_start:
-                contribution[:, :, offset : offset + n] += dkv_gathered[:, :, chunk_start[c] : chunk_start[c] + n]
-            offset += n
-        received = [torch.empty_like(contribution) for _ in range(cp.world_size)] if dst == cp.rank else None
-        dist.gather(contribution, received, dst=dist.get_global_rank(cp.group, dst), group=cp.group)
-        if dst == cp.rank:
-            total = received[0].clone()
-            for part in received[1:]:
-                total += part
+    sends = {}
+    for peer in range(cp.world_size):
+        chunks = [c for c in plan.needed_kv[rank] if plan.owner[c] == peer]
+        if peer != rank and chunks:
+            sends[peer] = torch.cat([dkv_gathered[:, :, starts[c] : starts[c] + plan.chunk_tokens(c)]
+                                     for c in chunks], dim=2)
+    mine = _held_ranges(plan, rank)
+    recv_shapes = {}
+    for peer in range(cp.world_size):
+        n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
+        recv_shapes[peer] = (*dkv_local.shape[:2], n, dkv_local.shape[3])
+    received = _exchange(cp, sends, recv_shapes, dkv_local)
+    total = torch.zeros_like(dkv_local)
+    for peer in range(cp.world_size):  # rank order
+        if peer == rank:
+            total += dkv_local
+            for c, (a, b) in mine.items():
+                if c in starts:
+                    total[:, :, a:b] += dkv_gathered[:, :, starts[c] : starts[c] + b - a]
+        elif peer in received:
+            offset = 0
+            for c in plan.needed_kv[peer]:
+                if plan.owner[c] == rank:
+                    a, b = mine[c]
+                    total[:, :, a:b] += received[peer][:, :, offset : offset + b - a]
+                    offset += b - a
     return total
 
 
