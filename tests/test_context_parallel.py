@@ -103,3 +103,20 @@ def test_plan_errors_without_a_process_group():
         pytest.skip("a process group is up")
     with pytest.raises(RuntimeError, match="init_process_group"):
         ContextParallel([[1]], (10,))
+
+
+def test_the_torchrun_example_runs_on_cpu(tmp_path):
+    """The README's torchrun command, on CPU over gloo: two processes against one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU/gloo run")
+    example = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
+         "--causal"], capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "ok: tolerance" in result.stdout
