@@ -1,0 +1,61 @@
+"""The context-parallel plan's balance and volume for the long-sequence configs: ``python -m benchmarks.cp_plan``.
+
+Host arithmetic only (no GPU): live pairs per rank (max/mean) and the K/V bytes the busiest rank receives under
+the plan, against an all-gather (which a ring moves too, in P - 1 steps). All rows: Hkv=4, D=128, bf16. Writes
+``--out DIR/cp_plan.{json,md}`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mmsparse.distributed import plan_context_parallel
+
+from .configs import CYCLIC, HUB
+
+CONFIGS = {  # name: (topology, seg_lens, causal)
+    "mm43k_cyclic": (CYCLIC, (4096, 24576, 14336), False),
+    "hub_causal_256k": (HUB, (16384, 196608, 49152), True),
+    "long_1m": (HUB, (8192, 786432, 253952), True),
+}
+KV_BYTES_PER_TOKEN = 2 * 4 * 128 * 2  # K and V, 4 kv heads, D=128, bf16
+WORLD_SIZES = (2, 4, 8)
+
+
+def rows() -> list[dict]:
+    out = []
+    for name, (topology, seg_lens, causal) in CONFIGS.items():
+        for world in WORLD_SIZES:
+            plan = plan_context_parallel(topology, seg_lens, world, causal=causal, tile=128)
+            s = plan.summary(KV_BYTES_PER_TOKEN)
+            out.append({"config": name, "world_size": world, "chunk": plan.chunk, "imbalance": s["imbalance"],
+                        "max_recv_mib": max(s["recv_bytes"]) / 2**20,
+                        "all_gather_mib": max(s["all_gather_bytes"]) / 2**20, "live_pairs": s["live_pairs"]})
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| config | ranks | chunk | live pairs max/mean | K/V received, busiest rank (MiB) | all-gather (MiB) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['config']} | {r['world_size']} | {r['chunk']} | {r['imbalance']:.3f} | {r['max_recv_mib']:.1f} | "
+              f"{r['all_gather_mib']:.1f} |" for r in table]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for cp_plan.json and cp_plan.md")
+    args = parser.parse_args(argv)
+    table = rows()
+    print(markdown(table), end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cp_plan.json").write_text(json.dumps(table, indent=1) + "\n")
+        (args.out / "cp_plan.md").write_text(markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
