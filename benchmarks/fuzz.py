@@ -95,7 +95,7 @@ def draw_case(seed: int, device: torch.device) -> Case:
     else:
         rows = [lengths(rng.randint(1, max_seq))]
         seq_k = sum(rows[0])
-    seq_k = max(seq_k, 1)
+    seq_k = max(seq_k, 1, *(sum(r) for r in rows))  # the zeros and ones drawn above may lengthen a row
     decode = not packed and rng.random() < 0.25
     seq_q = rng.randint(1, min(16, seq_k)) if decode else seq_k
     q_start = [rng.randint(0, seq_k - seq_q) for _ in range(batch)] if decode and per_sample else None
