@@ -94,6 +94,7 @@ def draw_case(seed: int, device: torch.device) -> Case:
         rows[0] = lengths(seq_k)  # one sample fills the sequence
     else:
         rows = [lengths(rng.randint(1, max_seq))]
+        rows[0][-1] += sum(rows[0]) == 0  # shared lengths cover the sequence, which has a token at least
         seq_k = sum(rows[0])
     seq_k = max(seq_k, 1, *(sum(r) for r in rows))  # the zeros and ones drawn above may lengthen a row
     decode = not packed and rng.random() < 0.25
