@@ -61,8 +61,14 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
     tiles = kernel_config(cfg.head_dim, case.q.dtype, dev)
     lens = torch.tensor(cfg.seg_lens, device=dev)[None]  # a [1, k] tensor is not cached: every call rebuilds
 
+    try:
+        from mmsparse.ops.kernel_args import prepare
+    except ImportError:  # an A/B side from before mmsparse.ops.kernel_args: MaskInfo.prepare took the config
+        def prepare(info: Any, config: Any) -> Any:
+            return info.prepare(config)
+
     def build() -> Any:
-        return build_mask_info(cfg.topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, dev).prepare(tiles)
+        return prepare(build_mask_info(cfg.topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, dev), tiles)
 
     state, state_mib, build_ms = _build_state(case, timing, build)
     del state

@@ -25,6 +25,7 @@ import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, befo
 from mmsparse.blocks import classify_blocks_from_bits, lists_from_classes
 from mmsparse.functional import build_mask_info
 from mmsparse.ops.config import kernel_config
+from mmsparse.ops.kernel_args import prepare
 
 from .configs import CYCLIC, HUB
 from .env import environment, results_dir
@@ -74,7 +75,7 @@ def check_lists(info: Any, cfg: Any) -> bool:
     """The built lists against the pure-torch classification (counts and the used part of each list)."""
     for (bm, bn, by_key), lists in info._lists.items():
         live, full = classify_blocks_from_bits(info.q_bits, info.k_bits, info.num_segments, bm, bn, info.causal,
-                                               info.past)
+                                               info.q_start)
         if by_key:
             live, full = live.transpose(1, 2), full.transpose(1, 2)
         ref = lists_from_classes(live, full)
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = kernel_config(case.head_dim, torch.bfloat16, device)
 
         def build(lens: torch.Tensor = lens, case: BuildCase = case, cfg: Any = cfg) -> Any:
-            return build_mask_info(case.topology, lens, case.seq_len, case.seq_len, case.causal, device,
-                                   check_lengths=False).prepare(cfg)
+            return prepare(build_mask_info(case.topology, lens, case.seq_len, case.seq_len, case.causal, device,
+                                           check_lengths=False), cfg)
 
         ms = build_ms(build, device, reps)
         no_sync = None

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange
 from torch import nn
 
 import mmsparse  # before anything imports triton: without CUDA it turns on Triton's interpreter
@@ -67,14 +68,14 @@ class Block(nn.Module):
         self.reference = False
 
     def forward(self, x: torch.Tensor, seg_lens: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        s = x.shape[1]
+        q, k, v = rearrange(self.qkv(self.norm1(x)), "b s (three h d) -> three b h s d", three=3, h=self.heads)
         if self.reference:
             mask = reference_mask(TOPOLOGY, seg_lens.tolist(), s).to(x.device)
             y = reference_attention(q, k, v, mask).to(q.dtype)
         else:
             y = self.attn(q, k, v, seg_lens=seg_lens, check_lengths=False)  # no host sync: device lengths
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        x = x + self.proj(rearrange(y, "b h s d -> b s (h d)"))
         return x + self.mlp(self.norm2(x))
 
 

@@ -1,4 +1,4 @@
-"""mmsparse: block-sparse multimodal attention with exact masks, forward and backward, in Triton.
+"""mmsparse: multimodal block-sparse (MBS) attention with exact masks, forward and backward, in Triton.
 
 On a machine without CUDA, importing mmsparse turns on Triton's CPU interpreter (TRITON_INTERPRET=1) unless the
 variable is already set, so the same kernels run on CPU tensors. That only works before triton is imported; if
@@ -44,8 +44,8 @@ def _use_interpreter_without_cuda() -> None:
 _use_interpreter_without_cuda()
 
 from .functional import interpreter_active, mbs_attention, mbs_attention_varlen  # noqa: E402
-from .module import TritonMBSAttnKernel  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
+from .qkv_module import TritonMBSAttnKernel  # noqa: E402
 from .reference import reference_attention, reference_mask  # noqa: E402
 from .topology import Topology, generate_interlaced_mask  # noqa: E402
 

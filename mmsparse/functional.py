@@ -1,24 +1,22 @@
-"""Public functional API: input checks, mask metadata (cached), dropout seed, then the autograd.Function."""
+"""Public functional API of multimodal block-sparse (MBS) attention: input checks, the mask (cached), the dropout
+seed, then the autograd.Function."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from .autograd import MBSAttentionFunction
+from .lengths import SegLensArg, lens_tensor, q_start_tensor, tracing_or_capturing, validate_seg_lens
 from .mask_info import MaskInfo
 from .ops.common import interpreter_active
-from .ops.config import kernel_config
-from .ops.forward import kernel_layout
-from .ops.library import attention_fwd_op
 from .ops.limits import check_problem_size
-from .topology import Topology, validate_seg_lens
+from .topology import Topology
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 
 _INFO_CACHE: OrderedDict[tuple, MaskInfo] = OrderedDict()
 _INFO_CACHE_SIZE = 64
@@ -96,60 +94,6 @@ def _layout_hint(k: torch.Tensor, seg_lens: Any) -> str | None:
     return None
 
 
-def _tracing_or_capturing(t: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-def _lens_tensor(
-    seg_lens: SegLensArg, topo: Topology, seq_k: int, device: torch.device, check_lengths: bool = True
-) -> torch.Tensor:
-    """Validate lengths; return an integer ``[Bm, k]`` tensor on device (int32 from host lengths, a tensor's own
-    dtype otherwise). One list of k ints -> Bm = 1 (shared)."""
-    k = topo.num_segments
-    if seg_lens is None:
-        raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
-    if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
-        if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
-            raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")
-        if seg_lens.shape[1] != k:
-            raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
-        if check_lengths and not _tracing_or_capturing(seg_lens):  # one read of the lengths: one host sync
-            _check_rows(seg_lens.tolist(), k, seq_k)
-        return seg_lens.to(device)  # any integer dtype: token_bits reads int32/int64 as they are, casts the rest
-    if isinstance(seg_lens, torch.Tensor) or len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
-        lens = validate_seg_lens(seg_lens, k)
-        if sum(lens) != seq_k:
-            raise ValueError(
-                f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_k} positions; the segments must cover "
-                "the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
-            )
-        return torch.tensor([lens], dtype=torch.int32, device=device)
-    return torch.tensor(_check_rows(seg_lens, k, seq_k), dtype=torch.int32, device=device)
-
-
-def _check_rows(rows: Sequence[Sequence[int]], k: int, seq_k: int) -> list[tuple[int, ...]]:
-    """Validate per-sample lengths (host ints, one row per sample), naming the row at fault."""
-    checked = []
-    for b, row in enumerate(rows):
-        try:
-            r = validate_seg_lens(row, k)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"seg_lens[{b}]: {e}") from None
-        if sum(r) > seq_k:
-            raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_k}")
-        checked.append(r)
-    return checked
-
-
-def _q_start_tensor(q_start, seq_q: int, seq_k: int, device: torch.device, check: bool) -> torch.Tensor:
-    t = torch.as_tensor(q_start)
-    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
-        raise ValueError(f"q_start must be a 1-D integer tensor or list [batch]; got {q_start!r}")
-    if check and not _tracing_or_capturing(t) and bool(((t < 0) | (t + seq_q > seq_k)).any()):
-        raise ValueError(f"q_start {t.tolist()} must keep every query inside 0..{seq_k - 1} (q_len {seq_q})")
-    return t.to(device=device, dtype=torch.int32)
-
-
 def build_mask_info(
     topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
     check_lengths: bool = True,
@@ -161,6 +105,7 @@ def build_mask_info(
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
     topo_key, key = _topology_key(topology), None
+    # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
         key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
@@ -168,9 +113,9 @@ def build_mask_info(
             _INFO_CACHE.move_to_end(key)
             return hit
     topo = _as_topology(topology, topo_key)
-    lens = _lens_tensor(seg_lens, topo, seq_k, device, check_lengths)
+    lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
-        q_start = _q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
+        q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
         if lens.shape[0] not in (1, q_start.shape[0]):
             raise ValueError(f"q_start has {q_start.shape[0]} entries but seg_lens has {lens.shape[0]} rows")
     info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
@@ -275,11 +220,6 @@ def attention_with_info(
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
-    if torch.compiler.is_compiling():  # traceable path: a torch custom op with a fake implementation
-        meta = info.kernel_tensors(kernel_config(q.shape[-1], q.dtype, q.device))
-        out, _ = attention_fwd_op(q, k, v, meta, seed, info.mode, info.causal, scale, dropout_p)
-        return out
-    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
 
 
@@ -389,7 +329,7 @@ def mbs_attention_varlen(
             "pack, or pad the samples and pass per-sample lengths to mbs_attention"
         )
     total = k.shape[2]
-    if check_lengths and not _tracing_or_capturing(lens) and int(lens.sum()) != total:
+    if check_lengths and not tracing_or_capturing(lens) and int(lens.sum()) != total:
         raise ValueError(f"per-sample lengths sum to {int(lens.sum())} but q/k/v have {total} positions")
     block_diagonal = Topology(torch.block_diag(*[topo.matrix.to(torch.int64)] * samples))
     flat = lens.reshape(1, -1).to(device=q.device, dtype=torch.int32)

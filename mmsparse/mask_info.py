@@ -1,7 +1,8 @@
-"""Everything the kernels need to know about one mask, built once per (topology, lengths, device) and cached.
+"""The mask of one call: built once per (topology, lengths, device) and cached.
 
 The token-level part is O(S): per-token bit vectors, or the user's dense mask on the arbitrary-mask path.
-Block lists are built lazily for each tile shape a kernel asks for.
+Block lists are built lazily for each tile shape asked for. Nothing here knows the attention kernels' signatures:
+:mod:`mmsparse.ops.kernel_args` turns a mask into their arguments.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from .blocks import (
 )
 from .ops.block_lists import build_block_lists, kernels_run_on
 from .ops.common import MASK_BITS, MASK_DENSE
-from .ops.config import KernelConfig
-from .ops.token_bits import token_bits
-from .topology import MAX_SEGMENTS, Topology
+from .ops.token_bits import launch_token_bits
+from .topology import Topology
+
+TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
 
 
 class MaskInfo:
@@ -49,16 +51,17 @@ class MaskInfo:
         ref = q_bits if mode == MASK_BITS else dense
         self.batch = ref.shape[0]
         self.device = ref.device
-        # Position of each sample's first query: by default the queries are the last seq_q positions.
+        # int32 [1 or Bm]: the position of each sample's first query; by default the last seq_q positions.
         if q_start is None:
-            self.past = _default_past(seq_k - seq_q, self.device)
+            self.q_start = _default_q_start(seq_k - seq_q, self.device)
         else:
-            self.past = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
+            self.q_start = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lists: dict[tuple[int, int, bool], BlockLists] = {}
+        self._lists: dict[TileKey, BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
-        self._launch_args: dict[tuple[int, int, bool], tuple[tuple, tuple]] = {}
-        self.forward_plans: dict[tuple, object] = {}  # the forward launcher's, per shapes and strides
+        # The kernels' view of this mask (an mmsparse.ops.kernel_args.KernelArgs), made on first use and kept as
+        # long as the mask; opaque here.
+        self.kernel_args: object | None = None
 
     @classmethod
     def from_topology(
@@ -67,7 +70,7 @@ class MaskInfo:
     ) -> MaskInfo:
         """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
         int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
-        row_bits, col_bits = token_bits(topology, seg_lens, seq_k)
+        row_bits, col_bits = launch_token_bits(topology, seg_lens, seq_k)
         if q_start is None:
             q_bits = row_bits[:, seq_k - seq_q :].contiguous()
         else:
@@ -96,10 +99,10 @@ class MaskInfo:
         if key not in self._classes:
             if self.mode == MASK_BITS:
                 self._classes[key] = classify_blocks_from_bits(
-                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.past
+                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start
                 )
             else:
-                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.past)
+                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
@@ -109,7 +112,7 @@ class MaskInfo:
         key = (block_m, block_n, by_key)
         if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
             self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
-                                                 self.causal, self.past, by_key, self._summaries)
+                                                 self.causal, self.q_start, by_key, summaries=self._summaries)
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
@@ -117,101 +120,30 @@ class MaskInfo:
             self._lists[key] = lists_from_classes(live, full)
         return self._lists[key]
 
-    def prepare(self, config: KernelConfig) -> MaskInfo:
-        """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
-        CUDA-graph capture."""
-        keys = _list_keys(config, self.seq_q, self.seq_k)
+    def prepare(self, tiles: list[TileKey]) -> MaskInfo:
+        """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture
+        (``mmsparse.ops.kernel_args.prepare`` names them for a kernel config)."""
         if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
-            for block_m, block_n, _ in sorted(keys, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
+            for block_m, block_n, _ in sorted(tiles, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
-        for block_m, block_n, by_key in keys:
+        for block_m, block_n, by_key in tiles:
             self.lists(block_m, block_n, by_key)
         return self
 
-    def kernel_tensors(self, config: KernelConfig) -> list[torch.Tensor]:
-        """Every tensor the kernels of ``config`` read, in a fixed order (for the torch custom op):
-        q_bits, k_bits, dense mask (empty stand-ins for the unused path), then (counts, indices) of the forward,
-        dK/dV and dQ lists."""
-        self.prepare(config)
-        empty_bits = torch.empty((self.batch, 0), dtype=torch.int32, device=self.device)
-        if self.mode == MASK_BITS:
-            tensors = [self.q_bits, self.k_bits, torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)]
-        else:
-            tensors = [empty_bits, empty_bits, self.dense]
-        tensors.append(self.past)
-        for key in _list_keys(config, self.seq_q, self.seq_k):
-            lists = self._lists[key]
-            tensors += [lists.counts, lists.indices]
-        return tensors
 
-    @classmethod
-    def from_kernel_tensors(
-        cls, tensors: list[torch.Tensor], config: KernelConfig, mode: int, seq_q: int, seq_k: int, causal: bool
-    ) -> MaskInfo:
-        """Inverse of :meth:`kernel_tensors`."""
-        q_bits, k_bits, dense, past = tensors[:4]
-        if mode == MASK_BITS:
-            info = cls(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=MAX_SEGMENTS,
-                       q_start=past)
-        else:
-            info = cls(mode, seq_q, seq_k, causal, dense=dense, q_start=past)
-        for i, key in enumerate(_list_keys(config, seq_q, seq_k)):
-            info._lists[key] = BlockLists(tensors[4 + 2 * i], tensors[5 + 2 * i])
-        return info
-
-    def launch_args(self, block_m: int, block_n: int, by_key: bool = False) -> tuple[tuple, tuple]:
-        """The kernels' mask arguments at one tile, kept per tile (a small call is bound by host work):
-        ``(tensors, scalars)`` = ((q_bits, k_bits, dense mask, counts, indices), (q_bits batch stride, k_bits batch
-        stride, mask batch stride, mask row stride, counts batch stride, indices batch stride, indices row stride,
-        seq_q, seq_k, first-query positions int32 [Bm or 1], their batch stride)). Unused tensors are stand-ins
-        that are never read; a batch stride of 0 shares one mask (or list) across the batch."""
-        key = (block_m, block_n, by_key)
-        args = self._launch_args.get(key)
-        if args is not None:
-            return args
-        lists = self.lists(block_m, block_n, by_key)
-        shared = self.batch == 1
-        if self.mode == MASK_BITS:
-            # k_bits' batch stride is 0 too when the key bits are shared (expanded)
-            mask = (self.q_bits, self.k_bits, self.q_bits)
-            mask_strides = (0 if shared else self.q_bits.stride(0), 0 if shared else self.k_bits.stride(0), 0, 0)
-        else:
-            dense = self.dense.view(torch.uint8)
-            mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
-        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0),
-                        lists.indices.stride(1))
-        past_stride = 0 if self.past.shape[0] == 1 else self.past.stride(0)
-        args = self._launch_args[key] = (
-            (*mask, lists.counts, lists.indices),
-            (*mask_strides, *list_strides, self.seq_q, self.seq_k, self.past, past_stride),
-        )
-        return args
+_Q_STARTS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _list_keys(config: KernelConfig, seq_q: int, seq_k: int) -> list[tuple[int, int, bool]]:
-    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
-    over seq_k keys."""
-    fwd, dq = config.forward_tile(seq_q, seq_k), config.dq_tile(seq_k)
-    return [
-        (fwd.block_m, fwd.block_n, False),
-        (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
-        (dq.block_m, dq.block_n, False),
-    ]
-
-
-_PASTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _default_past(past: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[1]`` holding ``past`` on ``device``, shared by the masks that need it (the kernels only read it):
+def _default_q_start(q_start: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[1]`` holding ``q_start`` on ``device``, shared by the masks that need it (the kernels only read it):
     a mask built for new lengths skips one allocation and fill."""
-    key = (device, past)
-    t = _PASTS.get(key)
+    key = (device, q_start)
+    t = _Q_STARTS.get(key)
     if t is None:
-        t = torch.full((1,), past, dtype=torch.int32, device=device)
+        t = torch.full((1,), q_start, dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return t  # filled only when the graph replays: not for eager masks
-        if len(_PASTS) >= 256:
-            _PASTS.clear()
-        _PASTS[key] = t
+        if len(_Q_STARTS) >= 256:
+            _Q_STARTS.clear()
+        _Q_STARTS[key] = t
     return t

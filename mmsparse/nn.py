@@ -1,4 +1,5 @@
-"""Drop-in layers: a multimodal self-attention layer and :func:`replace_attention` for existing models.
+"""Layers with weights: a multimodal block-sparse (MBS) self-attention layer and :func:`replace_attention` for
+existing models. (:class:`mmsparse.TritonMBSAttnKernel` is the weight-free module over q, k, v.)
 
 ``MultimodalSelfAttention`` is a full attention layer (q/k/v and output projections, GQA) for ``[B, S, E]`` inputs.
 ``replace_attention`` swaps the ``nn.MultiheadAttention`` self-attention of existing layers (for example the
@@ -13,10 +14,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
-from .functional import SegLensArg, check_flag, mbs_attention
-from .topology import Topology, validate_seg_lens
+from .functional import check_flag, mbs_attention
+from .lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
+from .topology import Topology
+
+__all__ = [  # clip_seg_lens and valid_lens_from_padding live in mmsparse.lengths; importing them from here works
+    "MultiheadMBSAttention", "MultimodalSelfAttention", "clip_seg_lens", "replace_attention",
+    "valid_lens_from_padding",
+]
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -43,43 +51,6 @@ def _check_head_dim(embed_dim: int, num_heads: int) -> int:
     return head_dim
 
 
-def clip_seg_lens(seg_lens: SegLensArg, valid_lens: torch.Tensor) -> torch.Tensor:
-    """Per-sample segment lengths truncated to each sample's number of valid (non-padding) tokens.
-
-    Tokens past ``valid_lens[b]`` become padding: the segments are cut at that point, in order.
-
-    Args:
-        seg_lens: k lengths, or per-sample ``[B, k]`` lengths.
-        valid_lens: int ``[B]``, valid tokens per sample (a right-padded batch).
-
-    Returns:
-        int64 ``[B, k]`` on valid_lens' device.
-    """
-    lens = torch.as_tensor(seg_lens, dtype=torch.int64, device=valid_lens.device)
-    lens = lens.expand(valid_lens.shape[0], -1) if lens.dim() == 1 else lens
-    ends = torch.minimum(lens.cumsum(-1), valid_lens.to(torch.int64)[:, None])
-    return torch.diff(ends, dim=-1, prepend=torch.zeros_like(ends[:, :1]))
-
-
-def valid_lens_from_padding(keep: torch.Tensor) -> torch.Tensor:
-    """Number of valid tokens per sample from a right-padding mask, checking that it is one.
-
-    Args:
-        keep: bool ``[B, S]``, True for real tokens; each row must be True then False (padding at the end only).
-
-    Returns:
-        int64 ``[B]``.
-    """
-    n = keep.sum(-1)
-    expected = torch.arange(keep.shape[-1], device=keep.device)[None, :] < n[:, None]
-    if not torch.equal(keep, expected):
-        raise ValueError(
-            "mmsparse supports padding at the end of a sample only (right padding); this padding mask has padding "
-            "before real tokens (left padding?). Right-pad the batch, or pass per-sample seg_lens instead"
-        )
-    return n
-
-
 class _MBSAttentionCore(nn.Module):
     """Shared state and the head-split / attention / head-merge step of the layers below."""
 
@@ -103,7 +74,7 @@ class _MBSAttentionCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None, causal: bool
     ) -> torch.Tensor:
         """q: ``[B, S, Hq*D]``, k, v: ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``."""
-        b, s, _ = q.shape
+        s = q.shape[1]
         if seg_lens is None:
             if s != self.seq_len:
                 raise ValueError(
@@ -111,11 +82,11 @@ class _MBSAttentionCore(nn.Module):
                     "pass seg_lens for this call (per-sample [B, k] rows may sum to less, the rest is padding)"
                 )
             seg_lens = self.seg_lens
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = rearrange(q, "b s (h d) -> b h s d", d=self.head_dim)
+        k = rearrange(k, "b s (h d) -> b h s d", d=self.head_dim)
+        v = rearrange(v, "b s (h d) -> b h s d", d=self.head_dim)
         out = self.attention(q, k, v, seg_lens, causal)
-        return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return rearrange(out, "b h s d -> b s (h d)")
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg, causal: bool

@@ -20,7 +20,8 @@ import torch
 
 from .blocks import cdiv, classify_blocks_from_bits
 from .functional import check_flag
-from .topology import SegLens, Topology, count_allowed_pairs, token_bits, validate_seg_lens
+from .lengths import SegLens, validate_seg_lens
+from .topology import Topology, count_allowed_pairs, token_bits_torch
 
 TileArg = Union[int, tuple[int, int]]
 
@@ -169,7 +170,7 @@ def tile_map(topology: Any, seg_lens: SegLens, tile: TileArg = 128, causal: bool
     if cells > _MAX_TILE_CELLS:
         raise ValueError(f"{cdiv(seq, bm)} x {cdiv(seq, bn)} tiles of {bm}x{bn} are too many to classify for "
                          f"S = {seq}: use a larger tile")
-    row_bits, col_bits = token_bits(topo, torch.tensor([lens]), seq)  # torch ops on the CPU, O(S)
+    row_bits, col_bits = token_bits_torch(topo, torch.tensor([lens]), seq)  # torch ops on the CPU, O(S)
     live, full = classify_blocks_from_bits(row_bits, col_bits, topo.num_segments, bm, bn, causal, 0)
     density = count_allowed_pairs(topo, lens, causal=causal) / seq**2
     return TileMap(live[0], full[0], (bm, bn), seq, density)

@@ -1,4 +1,8 @@
-"""TritonMBSAttnKernel: the seed's nn.Module interface over the block-sparse kernels."""
+"""TritonMBSAttnKernel: multimodal block-sparse (MBS) attention over q, k, v as an nn.Module with no weights.
+
+Its name is the seed's API. Layers with weights (q/k/v and output projections over ``[B, S, E]`` inputs) are in
+:mod:`mmsparse.nn`.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import SegLensArg, _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
+from .functional import _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
+from .lengths import SegLensArg, validate_seg_lens
 from .mask_info import MaskInfo
 from .ops.config import kernel_config
-from .topology import Topology, generate_interlaced_mask, validate_seg_lens
+from .topology import Topology, generate_interlaced_mask
 
 
 class TritonMBSAttnKernel(nn.Module):
-    """Multimodal block-sparse attention for a fixed topology and segment lengths.
+    """An ``nn.Module`` (not a kernel, despite the seed's name): multimodal block-sparse (MBS) attention for a fixed
+    topology and segment lengths, over q, k, v; it holds no weights.
 
     Args:
         topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
@@ -70,7 +76,7 @@ class TritonMBSAttnKernel(nn.Module):
         return live[0]
 
     def _info(self, seq_q: int, seq_k: int, device: torch.device) -> MaskInfo:
-        if torch.compiler.is_compiling():  # traced into the graph: plain tensor ops, no Python-side cache
+        if torch.compiler.is_compiling():  # traced: built in the graph; a kept mask would hold another call's tensors
             return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
         key = (seq_q, seq_k, str(device))
         if key not in self._infos:

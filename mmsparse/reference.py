@@ -11,11 +11,12 @@ from typing import Any, Callable
 
 import torch
 
+from .lengths import SegLensArg
 from .topology import Topology, lookup_pairs, segment_ids
 
 
 def reference_mask(
-    topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, seq_k: int,
+    topology: Any, seg_lens: SegLensArg, seq_k: int,
     seq_q: int | None = None, causal: bool = False, q_start: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Dense bool mask ``[B, Sq, Sk]`` (B = 1 for one set of lengths) by direct token-by-token lookup.

@@ -13,13 +13,18 @@ sees nothing and a padded key is seen by nobody.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-MAX_SEGMENTS = 32  # the bit vectors are int32
+from .lengths import SegLens, validate_seg_lens
 
-SegLens = Union[Sequence[int], torch.Tensor]
+__all__ = [  # validate_seg_lens and SegLens live in mmsparse.lengths; importing them from here still works
+    "MAX_SEGMENTS", "SegLens", "Topology", "count_allowed_pairs", "generate_interlaced_mask", "lookup_pairs",
+    "segment_ids", "token_bits_torch", "validate_seg_lens",
+]
+
+MAX_SEGMENTS = 32  # the bit vectors are int32
 
 
 def _to_int32_bits(value: int) -> int:
@@ -106,31 +111,6 @@ def _validate_matrix(matrix: Any) -> torch.Tensor:
     return t.bool()
 
 
-def validate_seg_lens(seg_lens: SegLens, num_segments: int) -> tuple[int, ...]:
-    """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple."""
-    if isinstance(seg_lens, torch.Tensor):
-        if seg_lens.dim() != 1:
-            raise ValueError(f"seg_lens must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
-        if seg_lens.is_floating_point():
-            raise TypeError(f"seg_lens must hold integers; got dtype {seg_lens.dtype}")
-        seg_lens = seg_lens.tolist()
-    try:
-        lens = tuple(seg_lens)
-    except TypeError as e:
-        raise ValueError(f"seg_lens must be a sequence of {num_segments} non-negative ints; got {seg_lens!r}") from e
-    if len(lens) != num_segments:
-        raise ValueError(
-            f"topology has {num_segments} segments but seg_lens has {len(lens)} entries ({lens}); give one length "
-            "per segment, 0 for a segment absent from the sample"
-        )
-    for i, n in enumerate(lens):
-        if isinstance(n, bool) or not hasattr(n, "__index__"):
-            raise TypeError(f"seg_lens[{i}] must be an int; got {type(n).__name__} {n!r}")
-        if int(n) < 0:
-            raise ValueError(f"seg_lens[{i}] = {n} is negative; segment lengths must be >= 0")
-    return tuple(int(n) for n in lens)
-
-
 def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
     """The dense token mask of a topology: ``mask[i, j]`` is True when query token i may attend key token j.
 
@@ -172,8 +152,8 @@ def segment_ids(seg_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.searchsorted(ends.contiguous(), pos.expand(seg_lens.shape[0], seq_len).contiguous(), right=True)
 
 
-def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token row and column bit vectors (see the module docstring).
+def token_bits_torch(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token row and column bit vectors (see the module docstring), built with torch ops.
 
     Args:
         topology: the validated topology.

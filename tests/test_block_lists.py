@@ -10,7 +10,7 @@ import torch
 from mmsparse import Topology, mask_info
 from mmsparse.blocks import BlockLists, classify_blocks_from_bits, lists_from_classes
 from mmsparse.mask_info import MaskInfo
-from mmsparse.ops.block_lists import build_block_lists, launch_block_lists
+from mmsparse.ops.block_lists import build_block_lists
 
 TILES = [(16, 16), (32, 16), (16, 32), (64, 64), (128, 64)]
 
@@ -35,7 +35,7 @@ def _assert_same(got: BlockLists, want: BlockLists) -> None:
 
 def _check(q_bits, k_bits, k, tile, causal, past, tile_elems=None, fit=None) -> None:
     for by_key in (False, True):
-        got = launch_block_lists(q_bits, k_bits, k, *tile, causal, past, by_key, tile_elems, fit)
+        got = build_block_lists(q_bits, k_bits, k, *tile, causal, past, by_key, tile_elems, fit)
         _assert_same(got, _reference(q_bits, k_bits, k, *tile, causal, past, by_key))
 
 
@@ -69,7 +69,7 @@ def test_random_topologies_match_reference(seed, device):
     tile = rng.choice(TILES)
     # Small tiles cover several chunks and row groups per sample; fit=False the fixed sizes used on a GPU.
     tile_elems, fit = rng.choice([(None, None), (None, None), (16, None), (256, None), (4096, False)])
-    _check(info.q_bits, info.k_bits, k, tile, info.causal, info.past, tile_elems, fit)
+    _check(info.q_bits, info.k_bits, k, tile, info.causal, info.q_start, tile_elems, fit)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -99,7 +99,7 @@ def test_decode_rows_over_a_long_cache(causal, seq_q, device):
     for q_start in (None, torch.tensor([377 - seq_q, 95 - seq_q, 398], device=device)):  # the last runs past the end
         info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start=q_start)
         for tile in [(16, 32), (64, 64)]:
-            _check(info.q_bits, info.k_bits, 3, tile, causal, info.past)
+            _check(info.q_bits, info.k_bits, 3, tile, causal, info.q_start)
 
 
 def test_causal_diagonal_boundaries(device):
@@ -130,28 +130,28 @@ def test_strided_and_expanded_bits(device):
     wide[1, 20:60] = 2  # make the samples differ
     q_bits, k_bits = wide[:, 20:150], info.k_bits.expand(4, -1)
     assert q_bits.stride(0) == 200 and k_bits.stride(0) == 0
-    _check(q_bits, k_bits, 2, (16, 16), True, info.past, 256)
-    _check(q_bits, k_bits, 2, (32, 16), False, info.past)
+    _check(q_bits, k_bits, 2, (16, 16), True, info.q_start, 256)
+    _check(q_bits, k_bits, 2, (32, 16), False, info.q_start)
 
 
 def test_all_padding_and_tiny_inputs(device):
     topo = Topology([[1]])
     info = MaskInfo.from_topology(topo, torch.tensor([[0], [17]], device=device), 17, 17, True)
-    lists = build_block_lists(info.q_bits, info.k_bits, 1, 16, 16, True, info.past)
+    lists = build_block_lists(info.q_bits, info.k_bits, 1, 16, 16, True, info.q_start)
     assert lists.counts[0].sum() == 0  # the all-padding sample has no tile
     assert lists.counts[1].tolist() == [[0, 1], [1, 1]]  # causal diagonal partial; key block 1 runs past Sk
     assert lists.indices[1, 0, :1].tolist() == [0] and lists.indices[1, 1, :2].tolist() == [0, 1]
-    _check(info.q_bits, info.k_bits, 1, (16, 16), True, info.past)
-    _check(info.q_bits, info.k_bits, 1, (128, 64), False, info.past)
+    _check(info.q_bits, info.k_bits, 1, (16, 16), True, info.q_start)
+    _check(info.q_bits, info.k_bits, 1, (128, 64), False, info.q_start)
 
 
 def test_mask_info_lists_come_from_the_kernels(device, monkeypatch):
     """MaskInfo.lists builds through the kernels and agrees with the lists of MaskInfo.classes (torch)."""
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[3:5])
-        return build_block_lists(*args)
+        return build_block_lists(*args, **kwargs)
 
     monkeypatch.setattr(mask_info, "build_block_lists", counted)
     lens = torch.tensor([[30, 100, 0, 70], [5, 5, 5, 5]], device=device)

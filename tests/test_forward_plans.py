@@ -10,6 +10,7 @@ from helpers import check_against_reference, make_qkv
 from mmsparse import functional, mbs_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.ops import launch
+from mmsparse.ops.kernel_args import kernel_args
 
 HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 LENS = (5, 9, 7)
@@ -43,7 +44,7 @@ def test_plans_follow_layout_heads_and_scale(device):
         if transposed:
             q, k, v = _transposed(q), _transposed(k), _transposed(v)
         check_against_reference(q, k, v, HUB, LENS, softmax_scale=scale)
-    assert len(build_mask_info(HUB, LENS, S, S, False, q.device).forward_plans) == 4
+    assert len(kernel_args(build_mask_info(HUB, LENS, S, S, False, q.device)).forward_plans) == 4
 
 
 def test_decode_plans_split_and_combine(device):
@@ -53,7 +54,7 @@ def test_decode_plans_split_and_combine(device):
     for _ in range(3):
         q, k, v = make_qkv(1, 2, 1, seq_q, S, 16, torch.float32, device, generator)
         check_against_reference(q, k, v, HUB, LENS, causal=True)
-    (plan,) = build_mask_info(HUB, LENS, seq_q, S, True, q.device).forward_plans.values()
+    (plan,) = kernel_args(build_mask_info(HUB, LENS, seq_q, S, True, q.device)).forward_plans.values()
     if device.type == "cpu":
         assert plan.n_splits > 1
 

@@ -128,18 +128,18 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
 def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
     """Below SHORT_KEYS keys the dQ pass runs ``bwd_dq_short`` (at D=64 on Hopper: the tl tile instead of the
     Gluon one), over block lists prepared for that tile; the gradients stay exact on both sides."""
-    from mmsparse.mask_info import MaskInfo
+    from mmsparse.ops.kernel_args import KernelArgs
 
     long, short = Tile(16, 16), Tile(32, 32)
     cfg = replace(kernel_config(32, torch.float32, device), bwd_dq=long, bwd_dq_short=short)
     monkeypatch.setattr(config, "SHORT_KEYS", 64)
     lists = []
 
-    def spy(self, block_m, block_n, by_key=False, _real=MaskInfo.launch_args):
+    def spy(self, block_m, block_n, by_key=False, _real=KernelArgs.tile):
         lists.append((block_m, block_n, by_key))
         return _real(self, block_m, block_n, by_key)
 
-    monkeypatch.setattr(MaskInfo, "launch_args", spy)
+    monkeypatch.setattr(KernelArgs, "tile", spy)
     for seq, want, other in ((60, short, long), (70, long, short)):
         lists.clear()
         q, k, v = make_qkv(1, 2, 2, seq, seq, 32, torch.float32, device)

@@ -199,14 +199,14 @@ def test_dq_tile_choice():
 
 def test_block_lists_follow_the_tiles_by_length():
     """The block lists prepared for a call are the ones its forward and dQ tiles read, short or long."""
-    from mmsparse.mask_info import _list_keys
+    from mmsparse.ops.kernel_args import list_tiles
 
     fwd, fwd_short, dq, dq_short, dkdv = Tile(128, 128), Tile(64, 32), Tile(128, 64), Tile(64, 64), Tile(64, 128)
     cfg = KernelConfig(
         fwd=fwd, bwd_dkdv=dkdv, bwd_dq=dq, decode=Tile(16, 64), fwd_short=fwd_short, bwd_dq_short=dq_short
     )
-    assert _list_keys(cfg, 925, 925) == [(64, 32, False), (64, 128, True), (64, 64, False)]
-    assert _list_keys(cfg, 4096, 4096) == [(128, 128, False), (64, 128, True), (128, 64, False)]
+    assert list_tiles(cfg, 925, 925) == [(64, 32, False), (64, 128, True), (64, 64, False)]
+    assert list_tiles(cfg, 4096, 4096) == [(128, 128, False), (64, 128, True), (128, 64, False)]
 
 
 def test_can_be_switched_off(monkeypatch):

@@ -49,6 +49,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     from mmsparse.functional import build_mask_info
     from mmsparse.ops import hopper_dkdv, hopper_dq, hopper_forward
     from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, kernel_config
+    from mmsparse.ops.kernel_args import prepare
 
     launched = {}
 
@@ -72,7 +73,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     info = build_mask_info([[1, 1], [0, 1]], (100, 200), seq, seq, False, torch.device("cpu"))
-    info.prepare(kernel_config(head_dim, q.dtype, torch.device("cpu")))
+    prepare(info, kernel_config(head_dim, q.dtype, torch.device("cpu")))
     rows = torch.zeros(batch, heads, seq)
     hopper_dkdv.run(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0, 1.0,
                     _GLUON_DKDV[128])

@@ -36,4 +36,5 @@ def test_wheel_declares_numpy_and_ships_license_and_py_typed(tmp_path):
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.startswith("numpy") for r in requires), requires
+    assert any(r.startswith("einops") for r in requires), requires
     assert "License-Expression: Apache-2.0" in metadata

@@ -10,7 +10,7 @@ import torch
 from mmsparse import Topology
 from mmsparse.ops import alloc
 from mmsparse.ops import token_bits as token_bits_module
-from mmsparse.ops.token_bits import token_bits
+from mmsparse.ops.token_bits import launch_token_bits
 
 
 def _expected(topology: Topology, lens: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +48,7 @@ def test_token_bits_match_the_segments(k, device, monkeypatch):
             sample[rng.randrange(k)] //= 2
     lens[2] = [seq_len - sum(lens[2][1:])] + lens[2][1:]  # one sample covers the sequence exactly
     for dtype in (torch.int32, torch.int64):
-        got = token_bits(topology, torch.tensor(lens, dtype=dtype, device=device), seq_len)
+        got = launch_token_bits(topology, torch.tensor(lens, dtype=dtype, device=device), seq_len)
         want = _expected(topology, lens, seq_len)
         for g, w in zip(got, want):
             assert g.dtype == torch.int32 and g.shape == (3, seq_len)
@@ -58,7 +58,7 @@ def test_token_bits_match_the_segments(k, device, monkeypatch):
 def test_token_bits_of_a_strided_length_view(device):
     topology = Topology([[1, 1], [0, 1]])
     lens = torch.tensor([[5, 3, 99], [2, 7, 99]], dtype=torch.int32, device=device)[:, :2]  # row stride 3
-    got = token_bits(topology, lens, 12)
+    got = launch_token_bits(topology, lens, 12)
     for g, w in zip(got, _expected(topology, lens.tolist(), 12)):
         assert torch.equal(g.cpu(), w)
 
@@ -69,8 +69,8 @@ def test_the_kernel_runs_where_kernels_run(device, monkeypatch):
     real = token_bits_module.token_bits_torch
     monkeypatch.setattr(token_bits_module, "token_bits_torch", lambda *a: calls.append(1) or real(*a))
     topology = Topology([[1, 0], [1, 1]])
-    token_bits(topology, torch.tensor([[3, 4]], device=device), 7)
+    launch_token_bits(topology, torch.tensor([[3, 4]], device=device), 7)
     assert calls == []
     monkeypatch.setattr(token_bits_module, "kernels_run_on", lambda dev: False)
-    token_bits(topology, torch.tensor([[3, 4]], device=device), 7)
+    launch_token_bits(topology, torch.tensor([[3, 4]], device=device), 7)
     assert calls == [1]

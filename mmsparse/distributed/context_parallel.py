@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology, token_bits, validate_seg_lens
+from ..topology import Topology, token_bits_torch, validate_seg_lens
 from .pieces import Piece, make_piece, merge, piece_backward, piece_forward
 from .plan import ContextParallelPlan, plan_context_parallel
 
@@ -111,7 +111,7 @@ class ContextParallel:
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = self._bits.get(device)
         if bits is None:
-            bits = self._bits[device] = token_bits(self.topology, self._lens.to(device), self.seq_len)
+            bits = self._bits[device] = token_bits_torch(self.topology, self._lens.to(device), self.seq_len)
         return bits
 
     def _gathered_positions(self) -> torch.Tensor:

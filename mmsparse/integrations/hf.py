@@ -25,14 +25,14 @@ transformers is an optional dependency: it is imported by :func:`register`, neve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from ..functional import mbs_attention
-from ..nn import clip_seg_lens, valid_lens_from_padding
+from ..lengths import clip_seg_lens, is_per_sample, valid_lens_from_padding
 
 NAME = "mmsparse"
 _PLAIN_MASK_FUNCTIONS: tuple = ()  # transformers' causal / bidirectional mask functions, set by register()
@@ -107,10 +107,7 @@ def _segments(module: nn.Module, kwargs: dict, kv_len: int) -> tuple[Any, Any]:
             "attn_implementation='mmsparse' needs a topology and segment lengths: pass mm_topology=... and "
             "mm_seg_lens=... to the model's forward, or set config.mm_topology and config.mm_seg_lens"
         )
-    per_sample = (isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2) or (
-        not isinstance(seg_lens, torch.Tensor) and len(seg_lens) > 0 and isinstance(seg_lens[0], Sequence)
-    )
-    if per_sample:
+    if is_per_sample(seg_lens):
         return topology, seg_lens
     lens = [int(n) for n in seg_lens]
     total = sum(lens)
@@ -171,4 +168,4 @@ def mmsparse_attention_forward(
     out = mbs_attention(
         query, key, value, topology, seg_lens, causal=bool(causal), dropout_p=dropout, softmax_scale=scaling
     )
-    return out.transpose(1, 2), None
+    return rearrange(out, "b h s d -> b s h d"), None

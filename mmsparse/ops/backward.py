@@ -29,6 +29,7 @@ from .common import (
 )
 from .config import Tile, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon, short_keys
 from .forward import _DYNAMIC, _LOG2E, dot_mode
+from .kernel_args import kernel_args
 from .launch import FastKernel
 
 
@@ -266,7 +267,7 @@ def mbs_attn_bwd(
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         tile = cfg.dq_tile(seq_k)
         if not _gluon_pass("hopper_dq", tile, dropout_p, q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale):
-            mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+            mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n)
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
                 q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
                 dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
@@ -278,7 +279,7 @@ def mbs_attn_bwd(
     tile = cfg.bwd_dkdv
     if not _gluon_pass("hopper_dkdv", tile, dropout_p, q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
                        softmax_scale):
-        mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n, by_key=True)
+        mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n, by_key=True)
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
             q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
             dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,

@@ -182,19 +182,23 @@ def build_block_lists(
     block_m: int,
     block_n: int,
     causal: bool,
-    past: torch.Tensor,
+    q_start: torch.Tensor,
     by_key: bool = False,
+    tile_elems: int | None = None,
+    fit: bool | None = None,
     summaries: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
     Args:
-        q_bits: int32 ``[Bm, Sq]`` row bits of the queries (at positions past .. past + Sq - 1).
+        q_bits: int32 ``[Bm, Sq]`` row bits of the queries (at positions q_start .. q_start + Sq - 1).
         k_bits: int32 ``[Bm or 1, Sk]`` one-hot column bits of the keys (0 for padding); may be an expanded view.
         num_segments: k <= 32; bits from k up are ignored.
         causal: also require key position <= query position.
-        past: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
+        q_start: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
         by_key: per key block its query blocks instead of per query block its key blocks.
+        tile_elems, fit: override the program sizes (see :func:`_program_sizes`; tests use small tiles to cover
+            several chunks and row groups).
         summaries: optional cache of the block summaries per tile, for lists of one mask (the dK/dV lists and
             the dQ lists of one tile share them: one launch and one allocation fewer).
 
@@ -202,30 +206,15 @@ def build_block_lists(
         :class:`BlockLists` with counts ``[Bm, R, 2]`` and indices ``[Bm, R, C]`` ((R, C) = (NQ, NK), or (NK, NQ)
         when by_key) on the input device.
     """
-    if torch.compiler.is_compiling():  # an opaque op in the graph: the kernels run when the graph runs
-        counts, indices = torch.ops.mmsparse.block_lists(q_bits, k_bits, past, num_segments, block_m, block_n,
-                                                         causal, by_key)
-        return BlockLists(counts, indices)
-    return launch_block_lists(q_bits, k_bits, num_segments, block_m, block_n, causal, past, by_key,
-                              summaries=summaries)
-
-
-def launch_block_lists(
-    q_bits: torch.Tensor, k_bits: torch.Tensor, num_segments: int, block_m: int, block_n: int, causal: bool,
-    past: torch.Tensor, by_key: bool = False, tile_elems: int | None = None, fit: bool | None = None,
-    summaries: dict[tuple[int, int], torch.Tensor] | None = None,
-) -> BlockLists:
-    """:func:`build_block_lists` eagerly. ``tile_elems`` and ``fit`` override the program sizes (see
-    :func:`_program_sizes`; tests use small tiles to cover several chunks and row groups)."""
     bm, seq_q, seq_k = q_bits.shape[0], q_bits.shape[1], k_bits.shape[1]
     if not 1 <= num_segments <= 32:
         raise ValueError(f"num_segments must be in [1, 32]; got {num_segments}")
-    if k_bits.shape[0] not in (1, bm) or past.numel() not in (1, bm):
-        raise ValueError(f"q_bits has {bm} rows but k_bits has {k_bits.shape[0]} and past {past.numel()}")
+    if k_bits.shape[0] not in (1, bm) or q_start.numel() not in (1, bm):
+        raise ValueError(f"q_bits has {bm} rows but k_bits has {k_bits.shape[0]} and q_start {q_start.numel()}")
     dev = q_bits.device
     q_bits, k_bits = (t if t.stride(1) == 1 else t.contiguous() for t in (q_bits, k_bits))
-    if past.dtype != torch.int32 or past.device != dev or past.dim() != 1:
-        past = past.to(device=dev, dtype=torch.int32).reshape(-1)
+    if q_start.dtype != torch.int32 or q_start.device != dev or q_start.dim() != 1:
+        q_start = q_start.to(device=dev, dtype=torch.int32).reshape(-1)
     n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=dev)
@@ -246,9 +235,9 @@ def launch_block_lists(
     if summary is None:
         summary = torch.empty((bm, n_q + n_k, w), dtype=torch.int32, device=dev)
         _SUMMARY[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
-            q_bits, k_bits, past, summary,
+            q_bits, k_bits, q_start, summary,
             q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
-            past.stride(0) if past.shape[0] > 1 else 0, summary.stride(0),
+            q_start.stride(0) if q_start.shape[0] > 1 else 0, summary.stride(0),
             seq_q, seq_k, n_q, n_k, -1 if num_segments == 32 else (1 << num_segments) - 1,
             BM=block_m, BN=block_n, GQ=gq, GK=gk, K=k, W=w, IS_CAUSAL=causal,
         )
@@ -279,19 +268,3 @@ def _program_sizes(
     per_col = max(k if causal else 1, 4)  # [BR, CB] index and pointer tiles take more registers than their size
     cb = size(n_c, elems // per_col if fit else min(elems // per_col, _GPU_CHUNK))
     return size(n_q, elems // (block_m * k)), size(n_k, elems // (block_n * k)), cb, size(n_r, elems // (cb * per_col))
-
-
-@torch.library.custom_op("mmsparse::block_lists", mutates_args=())
-def _block_lists_op(
-    q_bits: torch.Tensor, k_bits: torch.Tensor, past: torch.Tensor, num_segments: int, block_m: int, block_n: int,
-    causal: bool, by_key: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lists = launch_block_lists(q_bits, k_bits, num_segments, block_m, block_n, causal, past, by_key)
-    return lists.counts, lists.indices
-
-
-@_block_lists_op.register_fake
-def _(q_bits, k_bits, past, num_segments, block_m, block_n, causal, by_key):
-    n_q, n_k = cdiv(q_bits.shape[1], block_m), cdiv(k_bits.shape[1], block_n)
-    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
-    return q_bits.new_empty((q_bits.shape[0], n_r, 2)), q_bits.new_empty((q_bits.shape[0], n_r, n_c))

@@ -29,6 +29,7 @@ from .common import (
     store_rows,
 )
 from .config import DECODE_MAX_Q, cuda_index, ensure_tma_allocator, head_dim_pad, kernel_config, run_gluon
+from .kernel_args import kernel_args
 from .launch import FastKernel
 
 # Sequence lengths, offsets and batch/head strides change with every new length: never specialise on them,
@@ -247,11 +248,12 @@ def mbs_attn_fwd(
     # id(cfg): the plan holds cfg, so the id stays its own while the plan is kept
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p, seed is None,
            id(cfg))
-    plan = info.forward_plans.get(key)
+    plans = kernel_args(info).forward_plans
+    plan = plans.get(key)
     if plan is None:
-        if len(info.forward_plans) >= _MAX_PLANS:
-            info.forward_plans.clear()
-        plan = info.forward_plans[key] = _ForwardPlan(q, k, v, info, cfg, softmax_scale, dropout_p)
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = _ForwardPlan(q, k, v, info, cfg, softmax_scale, dropout_p)
     if plan.gluon:
         return _hopper_forward(q, k, v, info, softmax_scale * _LOG2E, plan.tile)
     return plan(q, k, v, seed)
@@ -279,7 +281,7 @@ class _ForwardPlan:
         self.cfg, self.tile, self.gluon = cfg, tile, tile.gluon and dropout_p == 0.0 and n_splits == 1
         if cfg.use_tma:
             ensure_tma_allocator(q.device)
-        self.mask_tensors, mask_scalars = info.launch_args(tile.block_m, tile.block_n)
+        self.mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n)
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
         self.n_splits = n_splits

@@ -34,6 +34,7 @@ from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .hopper_forward import program_lists
 from .host_tma import box, box_descriptor
+from .kernel_args import kernel_args
 from .launch import FastKernel
 
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -300,7 +301,7 @@ def run(
     least 2) and pingpong are read)."""
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    mask_tensors, mask_scalars = info.launch_args(tile.block_m, BLOCK_N, by_key=True)
+    mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, BLOCK_N, by_key=True)
     dk, dv = dk_dv
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = tile.block_m, WG_KEYS.value

@@ -30,6 +30,7 @@ from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, program_lists, stream_kv_ring
 from .host_tma import box, box_descriptor
+from .kernel_args import kernel_args
 from .launch import FastKernel
 
 
@@ -216,7 +217,7 @@ def run(
     contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
     stream."""
     batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
+    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = WG_ROWS.value, tile.block_n
     _DQ_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](

@@ -33,6 +33,7 @@ from .alloc import new_empty
 from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .host_tma import box, box_descriptor
+from .kernel_args import kernel_args
 from .launch import FastKernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
@@ -275,7 +276,7 @@ def mbs_attn_fwd_hopper(
     at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
     lse [B, Hq, Sq] float32 in log2 units)``."""
     batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = info.launch_args(BLOCK_M, tile.block_n)
+    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
     out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
     pad = head_dim_pad(head_dim)

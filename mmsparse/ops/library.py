@@ -1,7 +1,9 @@
-"""The kernels as torch custom ops (``torch.ops.mmsparse.fwd`` / ``.bwd``) with fake implementations and
-autograd, so that ``torch.compile(fullgraph=True)`` traces through mmsparse without graph breaks.
+"""The op boundary: one forward and one backward, and the torch custom ops over them.
 
-Eager calls use the lighter autograd.Function in :mod:`mmsparse.autograd`; both run the same launchers.
+``torch.ops.mmsparse.fwd`` / ``.bwd`` (registered here, with fake implementations) make the kernels opaque to
+torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Eager calls run the same
+implementations directly: a call through the op dispatcher costs 25-35 us, which a small host-bound call feels.
+:class:`mmsparse.autograd.MBSAttentionFunction` is the one autograd definition over both.
 """
 
 from __future__ import annotations
@@ -10,56 +12,80 @@ import torch
 
 from ..mask_info import MaskInfo
 from .backward import mbs_attn_bwd
-from .config import kernel_config
 from .forward import kernel_layout, mbs_attn_fwd
+from .kernel_args import pack, unpack
 
 
-def _info(q: torch.Tensor, k: torch.Tensor, meta: list[torch.Tensor], mode: int, causal: bool) -> MaskInfo:
-    cfg = kernel_config(q.shape[-1], q.dtype, q.device)
-    return MaskInfo.from_kernel_tensors(meta, cfg, mode, q.shape[2], k.shape[2], causal)
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels cannot read)."""
+    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), info, softmax_scale, dropout_p, seed)
+
+
+def _backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the forward's inputs, as :func:`_forward` laid them out."""
+    grad_out = kernel_layout(grad_out.contiguous())
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units)``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``.
+        info: the mask; softmax_scale: multiplies q.k; dropout_p, seed: dropout and its int64 ``[1]`` seed.
+    """
+    if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
+        mask, mode, causal, num_segments = pack(info)
+        return _fwd_op(q, k, v, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p)
+    return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
+
+
+def attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group."""
+    if torch.compiler.is_compiling():  # traced: as in attention_forward
+        mask, mode, causal, num_segments = pack(info)
+        return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
 @torch.library.custom_op("mmsparse::fwd", mutates_args=())
-def attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: list[torch.Tensor], seed: torch.Tensor | None,
-    mode: int, causal: bool, softmax_scale: float, dropout_p: float,
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
+    num_segments: int, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (kernel_layout(t) for t in (q, k, v))
-    return mbs_attn_fwd(q, k, v, _info(q, k, meta, mode, causal), softmax_scale, dropout_p, seed)
+    info = unpack(mask, mode, causal, num_segments, q.shape[2], k.shape[2])
+    return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
-@attention_fwd_op.register_fake
-def _(q, k, v, meta, seed, mode, causal, softmax_scale, dropout_p):
+@_fwd_op.register_fake
+def _(q, k, v, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("mmsparse::bwd", mutates_args=())
-def attention_bwd_op(
+def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    meta: list[torch.Tensor], seed: torch.Tensor | None, mode: int, causal: bool, softmax_scale: float,
-    dropout_p: float,
+    mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, seed: torch.Tensor | None,
+    softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_out, q, k, v = (kernel_layout(t) for t in (grad_out.contiguous(), q, k, v))
-    return mbs_attn_bwd(grad_out, q, k, v, out, lse, _info(q, k, meta, mode, causal), softmax_scale, dropout_p, seed)
+    info = unpack(mask, mode, causal, num_segments, q.shape[2], k.shape[2])
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
-@attention_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, meta, seed, mode, causal, softmax_scale, dropout_p):
+@_bwd_op.register_fake
+def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, meta, seed, mode, causal, softmax_scale, dropout_p = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, *meta)
-    ctx.flags = (mode, causal, softmax_scale, dropout_p)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, seed, *meta = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(grad_out, q, k, v, out, lse, meta, seed, *ctx.flags)
-    return dq, dk, dv, [None] * len(meta), None, None, None, None, None
-
-
-attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)

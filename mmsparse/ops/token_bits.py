@@ -1,4 +1,4 @@
-"""Per-token row and column bits of a topology mask in one launch (``topology.token_bits`` in torch takes six ops:
+"""Per-token row and column bits of a topology mask in one launch (``topology.token_bits_torch`` takes six torch ops:
 cumsum, arange, expand, searchsorted and two gathers; building metadata for new lengths every step is bound by
 that host work, not by the GPU)."""
 
@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from ..blocks import cdiv
-from ..topology import Topology
-from ..topology import token_bits as token_bits_torch
+from ..topology import Topology, token_bits_torch
 from .block_lists import kernels_run_on
 from .launch import FastKernel
 
@@ -40,9 +39,9 @@ def token_bits_kernel(
 _TOKEN_BITS = FastKernel(token_bits_kernel)
 
 
-def token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topology.token_bits`` (int32 ``[B, S]`` row and column bits; padding 0) with one kernel where the kernels
-    run; the torch ops elsewhere and when traced (the compiler fuses those)."""
+def launch_token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topology.token_bits_torch`` (int32 ``[B, S]`` row and column bits; padding 0) with one kernel where the
+    kernels run; the torch ops elsewhere and when traced (the compiler fuses those; it cannot trace a launch)."""
     if not kernels_run_on(seg_lens.device) or torch.compiler.is_compiling() or seg_lens.shape[0] == 0:
         return token_bits_torch(topology, seg_lens, seq_len)
     lens = seg_lens if seg_lens.dtype in (torch.int32, torch.int64) and seg_lens.stride(-1) == 1 else (

@@ -1,0 +1,146 @@
+"""Segment lengths and query positions: parsing, validation and clipping, in one place.
+
+A sample's layout is k segment lengths (one per topology segment); a batch gives one row shared by every sample
+or one row per sample (``[B, k]``), a row summing to less than the sequence being padded at its end. ``q_start``
+places each sample's first query (decoding over caches of different lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+SegLens = Union[Sequence[int], torch.Tensor]  # one sample's k lengths
+SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # shared k lengths, or per sample [B, k]
+
+
+def tracing_or_capturing(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` back to the host is impossible now: under torch.compile the lengths are symbolic, and
+    a host read during CUDA-graph capture would break the capture. Lengths then go unchecked."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def validate_seg_lens(seg_lens: SegLens, num_segments: int) -> tuple[int, ...]:
+    """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple."""
+    if isinstance(seg_lens, torch.Tensor):
+        if seg_lens.dim() != 1:
+            raise ValueError(f"seg_lens must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
+        if seg_lens.is_floating_point():
+            raise TypeError(f"seg_lens must hold integers; got dtype {seg_lens.dtype}")
+        seg_lens = seg_lens.tolist()
+    try:
+        lens = tuple(seg_lens)
+    except TypeError as e:
+        raise ValueError(f"seg_lens must be a sequence of {num_segments} non-negative ints; got {seg_lens!r}") from e
+    if len(lens) != num_segments:
+        raise ValueError(
+            f"topology has {num_segments} segments but seg_lens has {len(lens)} entries ({lens}); give one length "
+            "per segment, 0 for a segment absent from the sample"
+        )
+    for i, n in enumerate(lens):
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"seg_lens[{i}] must be an int; got {type(n).__name__} {n!r}")
+        if int(n) < 0:
+            raise ValueError(f"seg_lens[{i}] = {n} is negative; segment lengths must be >= 0")
+    return tuple(int(n) for n in lens)
+
+
+def is_per_sample(seg_lens: SegLensArg) -> bool:
+    """Whether ``seg_lens`` gives one row per sample (``[B, k]``) rather than one row shared by the batch."""
+    if isinstance(seg_lens, torch.Tensor):
+        return seg_lens.dim() == 2
+    return len(seg_lens) > 0 and isinstance(seg_lens[0], Sequence)
+
+
+def check_rows(rows: Sequence[Sequence[int]], num_segments: int, seq_len: int) -> list[tuple[int, ...]]:
+    """Validate per-sample lengths (host ints, one row per sample), naming the row at fault."""
+    checked = []
+    for b, row in enumerate(rows):
+        try:
+            r = validate_seg_lens(row, num_segments)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"seg_lens[{b}]: {e}") from None
+        if sum(r) > seq_len:
+            raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_len}")
+        checked.append(r)
+    return checked
+
+
+def lens_tensor(
+    seg_lens: SegLensArg | None, num_segments: int, seq_len: int, device: torch.device, check_lengths: bool = True
+) -> torch.Tensor:
+    """Validate lengths; return an integer ``[Bm, k]`` tensor on device (int32 from host lengths, a tensor's own
+    dtype otherwise). One list of k ints -> Bm = 1 (shared), and it must cover the sequence; a per-sample row may
+    sum to less (padding at its end). ``check_lengths=False`` skips reading a device tensor back (no host sync)."""
+    k = num_segments
+    if seg_lens is None:
+        raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
+    if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
+        if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
+            raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")
+        if seg_lens.shape[1] != k:
+            raise ValueError(f"per-sample seg_lens has shape {tuple(seg_lens.shape)}; expected [batch, {k}]")
+        if check_lengths and not tracing_or_capturing(seg_lens):  # one read of the lengths: one host sync
+            check_rows(seg_lens.tolist(), k, seq_len)
+        return seg_lens.to(device)  # any integer dtype: the token bits read int32/int64 as they are, cast the rest
+    if not is_per_sample(seg_lens):
+        lens = validate_seg_lens(seg_lens, k)
+        if sum(lens) != seq_len:
+            raise ValueError(
+                f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_len} positions; the segments must cover "
+                "the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
+            )
+        return torch.tensor([lens], dtype=torch.int32, device=device)
+    return torch.tensor(check_rows(seg_lens, k, seq_len), dtype=torch.int32, device=device)
+
+
+def q_start_tensor(
+    q_start: torch.Tensor | Sequence[int], seq_q: int, seq_k: int, device: torch.device, check: bool = True
+) -> torch.Tensor:
+    """int32 ``[B]`` on device: the position of each sample's first query, checked to keep every query inside
+    0..seq_k - 1 (unless ``check`` is False or the values cannot be read back now)."""
+    t = torch.as_tensor(q_start)
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"q_start must be a 1-D integer tensor or list [batch]; got {q_start!r}")
+    if check and not tracing_or_capturing(t) and bool(((t < 0) | (t + seq_q > seq_k)).any()):
+        raise ValueError(f"q_start {t.tolist()} must keep every query inside 0..{seq_k - 1} (q_len {seq_q})")
+    return t.to(device=device, dtype=torch.int32)
+
+
+def clip_seg_lens(seg_lens: SegLensArg, valid_lens: torch.Tensor) -> torch.Tensor:
+    """Per-sample segment lengths truncated to each sample's number of valid (non-padding) tokens.
+
+    Tokens past ``valid_lens[b]`` become padding: the segments are cut at that point, in order.
+
+    Args:
+        seg_lens: k lengths, or per-sample ``[B, k]`` lengths.
+        valid_lens: int ``[B]``, valid tokens per sample (a right-padded batch).
+
+    Returns:
+        int64 ``[B, k]`` on valid_lens' device.
+    """
+    lens = torch.as_tensor(seg_lens, dtype=torch.int64, device=valid_lens.device)
+    lens = lens.expand(valid_lens.shape[0], -1) if lens.dim() == 1 else lens
+    ends = torch.minimum(lens.cumsum(-1), valid_lens.to(torch.int64)[:, None])
+    return torch.diff(ends, dim=-1, prepend=torch.zeros_like(ends[:, :1]))
+
+
+def valid_lens_from_padding(keep: torch.Tensor) -> torch.Tensor:
+    """Number of valid tokens per sample from a right-padding mask, checking that it is one.
+
+    Args:
+        keep: bool ``[B, S]``, True for real tokens; each row must be True then False (padding at the end only).
+
+    Returns:
+        int64 ``[B]``.
+    """
+    n = keep.sum(-1)
+    expected = torch.arange(keep.shape[-1], device=keep.device)[None, :] < n[:, None]
+    if not torch.equal(keep, expected):
+        raise ValueError(
+            "mmsparse supports padding at the end of a sample only (right padding); this padding mask has padding "
+            "before real tokens (left padding?). Right-pad the batch, or pass per-sample seg_lens instead"
+        )
+    return n

@@ -1,0 +1,111 @@
+"""The attention kernels' mask arguments (their ABI): which tensors and scalars, in which order.
+
+Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the same mask arguments:
+
+    tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES
+    scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
+             stride_idx_r, seq_q, seq_k, PAST (the first-query positions, int32 [1 or Bm]), stride_past_b
+
+(the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as the
+token-level tensors of :func:`pack`. Adding a kernel argument touches this module and the kernels, nothing above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mask_info import MaskInfo, TileKey
+from .common import MASK_BITS
+from .config import KernelConfig
+
+LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
+
+
+class KernelArgs:
+    """The kernels' view of one mask: its arguments per tile, kept (a small call is bound by host work), and the
+    forward launcher's plans (:mod:`mmsparse.ops.forward` owns them)."""
+
+    __slots__ = ("info", "forward_plans", "_tiles")
+
+    def __init__(self, info: MaskInfo) -> None:
+        self.info = info
+        self.forward_plans: dict[tuple, object] = {}
+        self._tiles: dict[TileKey, LaunchArgs] = {}
+
+    def tile(self, block_m: int, block_n: int, by_key: bool = False) -> LaunchArgs:
+        """The mask arguments at one tile, in the order of the module docstring. Unused tensors are stand-ins that
+        are never read; a batch stride of 0 shares one mask (or list) across the batch."""
+        key = (block_m, block_n, by_key)
+        args = self._tiles.get(key)
+        if args is not None:
+            return args
+        info = self.info
+        lists = info.lists(block_m, block_n, by_key)
+        shared = info.batch == 1
+        if info.mode == MASK_BITS:
+            # k_bits' batch stride is 0 too when the key bits are shared (expanded)
+            mask = (info.q_bits, info.k_bits, info.q_bits)
+            mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0, 0)
+        else:
+            dense = info.dense.view(torch.uint8)
+            mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
+        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0),
+                        lists.indices.stride(1))
+        q_start = info.q_start
+        q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
+        args = self._tiles[key] = (
+            (*mask, lists.counts, lists.indices),
+            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride),
+        )
+        return args
+
+
+def kernel_args(info: MaskInfo) -> KernelArgs:
+    """The kernel arguments of ``info``, made on first use and kept on it."""
+    args = info.kernel_args
+    if args is None:
+        args = info.kernel_args = KernelArgs(info)
+    return args  # type: ignore[return-value]
+
+
+def list_tiles(config: KernelConfig, seq_q: int, seq_k: int) -> list[TileKey]:
+    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
+    over seq_k keys."""
+    fwd, dq = config.forward_tile(seq_q, seq_k), config.dq_tile(seq_k)
+    return [
+        (fwd.block_m, fwd.block_n, False),
+        (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
+        (dq.block_m, dq.block_n, False),
+    ]
+
+
+def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
+    """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
+    CUDA-graph capture."""
+    return info.prepare(list_tiles(config, info.seq_q, info.seq_k))
+
+
+PackedMask = tuple[list[torch.Tensor], int, bool, int]  # (tensors, mode, causal, num_segments)
+
+
+def pack(info: MaskInfo) -> PackedMask:
+    """A mask as a torch custom op takes it: the token-level tensors (q_bits, k_bits, dense mask, first-query
+    positions; empty stand-ins for the unused path) and its mode, causality and segment count. The op builds the
+    block lists it needs from them (:func:`unpack`)."""
+    if info.mode == MASK_BITS:
+        dense = torch.empty((info.batch, 0, 0), dtype=torch.bool, device=info.device)
+        tensors = [info.q_bits, info.k_bits, dense, info.q_start]
+    else:
+        bits = torch.empty((info.batch, 0), dtype=torch.int32, device=info.device)
+        tensors = [bits, bits, info.dense, info.q_start]
+    return tensors, info.mode, info.causal, info.num_segments
+
+
+def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, seq_q: int,
+           seq_k: int) -> MaskInfo:
+    """Inverse of :func:`pack`, for seq_q queries over seq_k keys."""
+    q_bits, k_bits, dense, q_start = tensors
+    if mode == MASK_BITS:
+        return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
+                        q_start=q_start)
+    return MaskInfo(mode, seq_q, seq_k, causal, dense=dense, q_start=q_start)

@@ -1,0 +1,101 @@
+"""The package's layers, bottom to top: a module imports only from its own layer or the ones below it. The mask
+sits below the kernels' tiles, arguments and launchers and knows none of them.
+
+Read from the source with ``ast`` (imports inside functions count too), so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mmsparse"
+
+# Bottom to top. An entry names a module, or a package and everything in it.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("lengths", ["mmsparse.lengths"]),
+    ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks"]),
+    ("launching and shared kernel helpers", [
+        "mmsparse.ops.limits", "mmsparse.ops.alloc", "mmsparse.ops.launch", "mmsparse.ops.common",
+        "mmsparse.ops.dropout",
+    ]),
+    ("mask-building kernels", ["mmsparse.ops.token_bits", "mmsparse.ops.block_lists"]),
+    ("the mask: lengths, token bits, block lists per tile", ["mmsparse.mask_info"]),
+    ("tiles, kernel dispatch and TMA", ["mmsparse.ops.config", "mmsparse.ops.host_tma"]),
+    ("the kernels' mask arguments", ["mmsparse.ops.kernel_args"]),
+    ("attention kernels and their launchers", [
+        "mmsparse.ops.forward", "mmsparse.ops.backward", "mmsparse.ops.hopper_forward", "mmsparse.ops.hopper_dkdv",
+        "mmsparse.ops.hopper_dq",
+    ]),
+    ("op boundary: custom ops, autograd", ["mmsparse.ops.library", "mmsparse.autograd"]),
+    ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
+    ("modules, integrations, tools", [
+        "mmsparse.qkv_module", "mmsparse.nn", "mmsparse.picture", "mmsparse.integrations", "mmsparse.distributed",
+        "mmsparse.__main__", "mmsparse",
+    ]),
+]
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _layer(module: str) -> int:
+    """Index of the layer holding ``module``: the longest entry that names it or a package above it."""
+    best, found = -1, -1
+    for i, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and len(entry) > best:
+                best, found = len(entry), i
+    assert found >= 0, f"{module} is in no layer: add it to LAYERS"
+    return found
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The mmsparse modules ``module`` imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:  # ``from . import alloc`` imports a module
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {name for name in found if name == "mmsparse" or name.startswith("mmsparse.")}
+
+
+def test_every_module_has_a_layer():
+    for module in _module_names():
+        _layer(module)
+
+
+def test_no_import_points_upwards():
+    modules = _module_names()
+    upward = []
+    for module, path in sorted(modules.items()):
+        for target in sorted(_imports(module, path, set(modules))):
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
+                              f"({LAYERS[_layer(target)][0]})")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_imports():
+    """The parser finds relative, absolute and from-package imports (a check that sees nothing passes)."""
+    modules = _module_names()
+    known = set(modules)
+    assert "mmsparse.mask_info" in _imports("mmsparse.ops.forward", modules["mmsparse.ops.forward"], known)
+    assert "mmsparse.ops.alloc" in _imports("mmsparse.ops.block_lists", modules["mmsparse.ops.block_lists"], known)
+    assert "mmsparse.functional" in _imports("mmsparse", modules["mmsparse"], known)
