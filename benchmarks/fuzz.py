@@ -39,7 +39,11 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # A case passes when the kernel is within SLACK times the error of the same reference computed in the input
 # dtype (FlashAttention's calibrated check), plus a floor.
 SLACK = 3.0
-FLOOR = {"fp16": 2e-3, "bf16": 1.6e-2, "fp32": 1e-4}  # absolute, for unit-scale inputs (times the output's max)
+# The floor, absolute for unit-scale inputs (times the output's max): 8 units in the last place of the input
+# dtype. The backward reads the output rounded to that dtype (delta = rowsum(dO * O)), which the reference does
+# not, so a gradient that is 0 in exact arithmetic (a query that sees one key) comes out at a few ulps; dK and dV
+# sum that over the query heads of a GQA group (times sqrt(group)).
+FLOOR = {"fp16": 8 * 2.0**-11, "bf16": 8 * 2.0**-8, "fp32": 1e-4}
 SAMPLED_ROWS = 24
 
 
@@ -185,13 +189,13 @@ def run_case(case: Case, device: torch.device) -> list[str]:
                 *args, dtype=dtype, keep=keep, dropout_p=case.dropout_p, chunk=1024)
             got = (out[b, heads][:, rows], q.grad[b, heads][:, rows], k.grad[b, hk][cols], v.grad[b, hk][cols])
             for name, a, e, p in zip(("out", "dq", "dk", "dv"), got, ref, plain):
-                msg = _compare(a, e, p, case.dtype)
+                msg = _compare(a, e, p, case.dtype, group ** 0.5 if name in ("dk", "dv") else 1.0)
                 if msg:
                     failures.append(f"{name}[b={b}, kv head {hk}]: {msg}")
     return failures
 
 
-def _compare(actual: torch.Tensor, expected: torch.Tensor, plain: torch.Tensor, dtype: str) -> str:
+def _compare(actual: torch.Tensor, expected: torch.Tensor, plain: torch.Tensor, dtype: str, widen: float = 1.0) -> str:
     """'' when ``actual`` is as close to ``expected`` (float32) as SLACK times ``plain`` (the same reference in
     the input dtype) plus a floor, in max and RMS error (the tests' calibrated check); else what is wrong."""
     a, e, p = actual.detach().double(), expected.detach().double(), plain.detach().double()
@@ -201,9 +205,9 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, plain: torch.Tensor, 
         return ""
     scale = max(e.abs().max().item(), 1.0)
     err, err_plain = (a - e).abs(), (p - e).abs()
-    max_tol = SLACK * err_plain.max().item() + FLOOR[dtype] * scale
+    max_tol = SLACK * err_plain.max().item() + FLOOR[dtype] * widen * scale
     rms, rms_plain = err.pow(2).mean().sqrt().item(), err_plain.pow(2).mean().sqrt().item()
-    rms_tol = SLACK * rms_plain + FLOOR[dtype] * scale / 4
+    rms_tol = SLACK * rms_plain + FLOOR[dtype] * widen * scale / 4
     if err.max().item() > max_tol or rms > rms_tol:
         rel = (a - e).norm().item() / max(e.norm().item(), 1e-30)
         return (f"max err {err.max().item():.2e} (tol {max_tol:.1e}), rms err {rms:.2e} (tol {rms_tol:.1e}; plain "
