@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .ab_stats import config_row, markdown, verdict
+from .arguments import at_least_one
 from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS
 from .env import REPO_DIR, git_commit
 
@@ -177,13 +178,6 @@ def _equal(digests: dict[str, Any]) -> bool:
     return None not in digests.values() and digests["base"] == digests["new"]
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=None,
                    help=f"comma-separated names (default: every GPU config; tiny_ab on CPU); from: "
                         f"{', '.join(ALL_CONFIGS)}")
-    p.add_argument("--rounds", type=_at_least_one, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--rounds", type=at_least_one, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here (and a .md beside it)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")

@@ -43,6 +43,7 @@ import torch
 
 import mmsparse  # before triton: on a machine without CUDA it turns on Triton's interpreter
 
+from .arguments import at_least_one
 from .baselines import IMPLS
 from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, QUICK, TINY, BenchConfig
 from .env import environment, results_dir
@@ -52,13 +53,6 @@ from .runner import Runner, base_row, run_isolated
 from .timing import Timing
 
 TOPIC = "latest"
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
     p.add_argument("--rep", type=int, default=None, help="do_bench measuring time in ms (default 200, quick 50)")
-    p.add_argument("--rounds", type=_at_least_one, default=None,
+    p.add_argument("--rounds", type=at_least_one, default=None,
                    help="timing rounds over the implementations of a config, interleaved; each row keeps its best "
                         "(default 3, quick 1)")
     p.add_argument("--no-grad-check", dest="grad_check", action="store_false",
