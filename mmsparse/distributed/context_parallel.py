@@ -181,10 +181,11 @@ def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: 
     return received
 
 
-def _held_ranges(plan: ContextParallelPlan, rank: int) -> dict[int, tuple[int, int]]:
-    """Chunk -> (start, end) within ``rank``'s local tokens."""
+def _ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """Chunk -> (start, end) of its tokens when ``chunks`` are laid end to end (a rank's local tokens, or the
+    keys it gathered)."""
     ranges, start = {}, 0
-    for c in plan.local_chunks[rank]:
+    for c in chunks:
         ranges[c] = (start, start + plan.chunk_tokens(c))
         start += plan.chunk_tokens(c)
     return ranges
@@ -195,7 +196,7 @@ def _gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     rank's queries see (the plan's ``needed_kv``), point to point."""
     plan, rank = cp.plan, cp.rank
     kv = torch.cat([k, v], dim=1)  # [B, 2 Hkv, L, D]
-    mine = _held_ranges(plan, rank)
+    mine = _ranges(plan, plan.local_chunks[rank])
     sends = {}
     for peer in range(cp.world_size):
         wanted = [mine[c] for c in plan.needed_kv[peer] if plan.owner[c] == rank]
@@ -223,17 +224,13 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
     """Send each gathered chunk's dK/dV to its owner; every owner sums its chunks' contributions in rank order
     (its own at its rank's place): deterministic, no atomics. dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
     plan, rank = cp.plan, cp.rank
-    starts, start = {}, 0
-    for c in plan.needed_kv[rank]:
-        starts[c] = start
-        start += plan.chunk_tokens(c)
+    gathered = _ranges(plan, plan.needed_kv[rank])
     sends = {}
     for peer in range(cp.world_size):
         chunks = [c for c in plan.needed_kv[rank] if plan.owner[c] == peer]
         if peer != rank and chunks:
-            sends[peer] = torch.cat([dkv_gathered[:, :, starts[c] : starts[c] + plan.chunk_tokens(c)]
-                                     for c in chunks], dim=2)
-    mine = _held_ranges(plan, rank)
+            sends[peer] = torch.cat([dkv_gathered[:, :, slice(*gathered[c])] for c in chunks], dim=2)
+    mine = _ranges(plan, plan.local_chunks[rank])
     recv_shapes = {}
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
@@ -244,8 +241,8 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
         if peer == rank:
             total += dkv_local
             for c, (a, b) in mine.items():
-                if c in starts:
-                    total[:, :, a:b] += dkv_gathered[:, :, starts[c] : starts[c] + b - a]
+                if c in gathered:
+                    total[:, :, a:b] += dkv_gathered[:, :, slice(*gathered[c])]
         elif peer in received:
             offset = 0
             for c in plan.needed_kv[peer]:

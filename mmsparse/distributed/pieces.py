@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..mask_info import MaskInfo
-from ..ops.backward import mbs_attn_bwd
 from ..ops.common import MASK_BITS
-from ..ops.forward import kernel_layout, mbs_attn_fwd
+from ..ops.library import attention_backward, attention_forward
 
 
 @dataclass
@@ -44,14 +43,13 @@ def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_b
 def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing."""
-    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), piece.info, scale)
+    return attention_forward(q, k, v, piece.info, scale, 0.0, None)
 
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, piece: Piece, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows."""
-    return mbs_attn_bwd(do.contiguous(), kernel_layout(q), kernel_layout(k), kernel_layout(v), out.contiguous(),
-                        lse.contiguous(), piece.info, scale)
+    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, 0.0, None)
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
