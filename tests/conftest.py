@@ -8,11 +8,45 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 
-import mmsparse.ops.alloc  # noqa: E402
+# Devices the kernels write: CUDA, and the CPU under Triton's interpreter.
+_KERNEL_DEVICES = ("cuda", "cpu")
 
-mmsparse.ops.alloc.POISON = True
+
+def _poisoned(empty):
+    """``torch.empty`` whose floating result starts as NaN and integer result as -1 (all bits set), so an element
+    a kernel forgets to write shows up instead of passing as leftover memory. Tensor subclasses (fake, functional
+    tensors), other devices, empty results and tracing under torch.compile are left alone."""
+
+    @functools.wraps(empty)
+    def wrapper(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        if torch.compiler.is_compiling():  # first: nothing below gets traced
+            return out
+        if type(out) is not torch.Tensor or not out.numel() or out.device.type not in _KERNEL_DEVICES:
+            return out
+        if out.dtype.is_floating_point:
+            out.fill_(float("nan"))
+        elif out.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+            out.fill_(-1)
+        return out
+
+    return wrapper
+
+
+@pytest.fixture(scope="session", autouse=True)
+def poison_empty():
+    """Every ``torch.empty`` of the test session is poisoned (see ``_poisoned``); the launchers allocate their
+    outputs with it."""
+    original = torch.empty
+    torch.empty = _poisoned(original)
+    try:
+        yield
+    finally:
+        torch.empty = original
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from mmsparse import Topology
-from mmsparse.ops import alloc
 from mmsparse.ops import token_bits as token_bits_module
 from mmsparse.ops.token_bits import launch_token_bits
 
@@ -35,8 +34,7 @@ def _random_topology(k: int, rng: random.Random) -> Topology:
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 32])
-def test_token_bits_match_the_segments(k, device, monkeypatch):
-    monkeypatch.setattr(alloc, "POISON", True)
+def test_token_bits_match_the_segments(k, device):
     rng = random.Random(k)
     topology = _random_topology(k, rng)
     seq_len = 2500  # three programs of 1024 tokens, the last one ragged

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .alloc import new_empty
 from .common import (
     dot,
     dropout_keep,
@@ -256,11 +255,11 @@ def mbs_attn_bwd(
         ensure_tma_allocator(q.device)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
-    delta = new_empty(lse.shape, torch.float32, lse.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
     n_rows = batch * num_heads * seq_q
     _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
-    dq = new_empty(out.shape, q.dtype, q.device)
+    dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
     main, side = _streams(q.device, seq_k)
     if side is not None:
         side.wait_stream(main)  # delta and the inputs are ready
@@ -274,8 +273,8 @@ def mbs_attn_bwd(
                 num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
 
-    dk = new_empty((batch, num_kv_heads, seq_k, head_dim), k.dtype, k.device)
-    dv = new_empty((batch, num_kv_heads, seq_k, head_dim), v.dtype, v.device)
+    dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
+    dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
     tile = cfg.bwd_dkdv
     if not _gluon_pass("hopper_dkdv", tile, dropout_p, q, k, v, do, lse, delta, (dk, dv), info, qk_scale,
                        softmax_scale):

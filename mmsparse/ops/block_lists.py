@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockLists, cdiv
-from . import alloc
 from .common import interpreter_active
 from .launch import FastKernel
 
@@ -219,9 +218,6 @@ def build_block_lists(
     n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=dev)
     indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=dev)
-    if alloc.POISON:  # tests: a count or index the kernel forgets to write shows as -1
-        counts.fill_(-1)
-        indices.fill_(-1)
     if n_r == 0 or n_c == 0:
         return BlockLists(counts.zero_(), indices)
 

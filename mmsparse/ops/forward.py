@@ -12,7 +12,6 @@ import triton.language as tl
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .alloc import new_empty
 from .common import (
     DOT_NATIVE,
     DOT_TF32X3,
@@ -303,12 +302,12 @@ class _ForwardPlan:
         self._combine: Callable[..., None] | None = None
 
     def __call__(self, q, k, v, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = new_empty(self.out_shape, self.dtype, self.device)
-        lse = new_empty(self.lse_shape, torch.float32, self.device)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         o_dst, lse_dst = out, lse
         if self.n_splits > 1:
-            o_dst = new_empty((self.n_splits, *self.out_shape), torch.float32, self.device)
-            lse_dst = new_empty((self.n_splits, *self.lse_shape), torch.float32, self.device)
+            o_dst = torch.empty((self.n_splits, *self.out_shape), dtype=torch.float32, device=self.device)
+            lse_dst = torch.empty((self.n_splits, *self.lse_shape), dtype=torch.float32, device=self.device)
         seed = seed if seed is not None else lse  # never read without dropout
         args = (q, k, v, o_dst, lse_dst, *self.mask_tensors, seed, *self.scalars)
         if self._fwd is not None:

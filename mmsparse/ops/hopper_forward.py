@@ -29,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..blocks import cdiv
 from ..mask_info import MaskInfo
-from .alloc import new_empty
 from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
 from .host_tma import box, box_descriptor
@@ -277,8 +276,8 @@ def mbs_attn_fwd_hopper(
     lse [B, Hq, Sq] float32 in log2 units)``."""
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
-    out = new_empty((batch, num_heads, seq_q, head_dim), q.dtype, q.device)
-    lse = new_empty((batch, num_heads, seq_q), torch.float32, q.device)
+    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = WG_ROWS.value, tile.block_n
     _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
