@@ -1,4 +1,5 @@
-"""Shared test helpers: inputs, the float64 comparison, verbose closeness checks."""
+"""Shared test helpers: the topologies and cases several test modules use, inputs, the float64 comparison,
+verbose closeness checks. (Fixtures live in tests/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,32 @@ from typing import Any
 import torch
 
 from mmsparse import mbs_attention, reference_attention, reference_mask
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: README.md, examples/, mmsparse/
+
+# Topologies (row r lists the segments whose keys segment r's queries see).
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]  # each segment sees only the next one, not itself
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]  # segment 0 sees all; the others see themselves and segment 0
+RING = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]  # each segment sees itself and the next one
+FOUR = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]]  # segment 1 sees nothing
+
+# The Gluon Hopper kernels' cases (forward and backward): ragged segments, causal, GQA, per-sample lengths, fewer
+# queries than keys, a segment that sees nothing, a zero-length segment, padded head dims, one short sequence.
+HOPPER_CASES = [
+    # (topology, seg_lens (or per-sample), causal, batch, heads, kv_heads, seq_q or None, head_dim, dtype)
+    (CYCLIC, (300, 1000, 777), False, 1, 4, 2, None, 128, torch.bfloat16),
+    (HUB, (513, 2049, 1031), True, 1, 2, 2, None, 64, torch.float16),
+    (HUB, [(100, 900, 300), (700, 200, 77)], False, 2, 2, 1, None, 128, torch.bfloat16),
+    (CYCLIC, (500, 1200, 900), True, 1, 2, 1, 300, 128, torch.bfloat16),
+    (FOUR, (999, 130, 700, 1100), False, 1, 2, 1, None, 96, torch.bfloat16),
+    (HUB, (10, 40, 27), False, 1, 1, 1, None, 128, torch.bfloat16),
+    (CYCLIC, (0, 2000, 600), True, 1, 2, 1, None, 128, torch.bfloat16),  # a zero-length segment
+]
+
+
+def hopper_case_id(case) -> str:
+    topo, lens, causal, b, h, hk, sq, d, dtype = case
+    return f"k{len(topo)}-B{b}-H{h}x{hk}-Sq{sq}-D{d}-{str(dtype)[6:]}{'-causal' if causal else ''}-{lens}"
 
 # Slack on top of the calibrated bound, per input dtype (absolute, for unit-scale random inputs).
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
@@ -107,7 +134,7 @@ def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_s
 
 def run_example(name: str, argv: list[str]) -> Any:
     """Import ``examples/<name>.py`` and return ``main(argv)``."""
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = REPO / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import check_outputs, make_qkv
+from helpers import RING, check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, generate_interlaced_mask, mbs_attention, mbs_attention_varlen
 from mmsparse.nn import MultimodalSelfAttention
 
-HUB = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 LENS = (9, 21, 14)  # S = 44: ragged against the interpreter's 32x16 tiles
 
 
@@ -19,8 +18,8 @@ def test_mask_alone_equals_topology_path(device):
     through the interpreter (the CUDA variants may reduce in another order, see test_attention)."""
     gen = torch.Generator().manual_seed(11)
     q, k, v = make_qkv(2, 2, 1, 44, 44, 16, torch.float32, device, gen)
-    by_topology = mbs_attention(q, k, v, HUB, LENS)
-    by_mask = mbs_attention(q, k, v, attn_mask=generate_interlaced_mask(HUB, LENS).to(device))
+    by_topology = mbs_attention(q, k, v, RING, LENS)
+    by_mask = mbs_attention(q, k, v, attn_mask=generate_interlaced_mask(RING, LENS).to(device))
     if device.type == "cpu":
         assert torch.equal(by_mask, by_topology)
     else:
@@ -53,7 +52,7 @@ def test_sdpa_style_masks_match_reference(form, device):
 def test_topology_and_mask_together_is_an_error(device):
     q, k, v = make_qkv(1, 1, 1, 44, 44, 16, torch.float32, device)
     mask = torch.ones(44, 44, dtype=torch.bool, device=device)
-    for topology, seg_lens in ((HUB, LENS), ([[2]], "junk"), (None, LENS), (HUB, None)):
+    for topology, seg_lens in ((RING, LENS), ([[2]], "junk"), (None, LENS), (RING, None)):
         with pytest.raises(ValueError, match="either a topology with seg_lens, or attn_mask, not both"):
             mbs_attention(q, k, v, topology, seg_lens, attn_mask=mask)
     with pytest.raises(ValueError, match="q_start goes with a topology"):
@@ -91,19 +90,19 @@ def test_causal_must_be_a_bool(device):
     q, k, v = make_qkv(1, 1, 1, 44, 44, 16, torch.float32, device)
     mask = torch.ones(44, 44, dtype=torch.bool, device=device)
     with pytest.raises(TypeError, match="causal must be True or False; got str 'yes'"):
-        mbs_attention(q, k, v, HUB, LENS, causal="yes")
+        mbs_attention(q, k, v, RING, LENS, causal="yes")
     with pytest.raises(TypeError, match="causal must be True or False"):
         mbs_attention(q, k, v, attn_mask=mask, causal="yes")
     with pytest.raises(TypeError, match="causal must be True or False"):
-        mbs_attention_varlen(q, k, v, HUB, [LENS], causal=None)
+        mbs_attention_varlen(q, k, v, RING, [LENS], causal=None)
     with pytest.raises(TypeError, match="causal_mask must be True or False"):
-        TritonMBSAttnKernel(HUB, LENS, causal_mask="no")
+        TritonMBSAttnKernel(RING, LENS, causal_mask="no")
     with pytest.raises(TypeError, match="causal must be True or False"):
-        MultimodalSelfAttention(32, 2, HUB, LENS, causal="yes")
+        MultimodalSelfAttention(32, 2, RING, LENS, causal="yes")
     # bool-like values are fine and mean what they say
-    torch.testing.assert_close(mbs_attention(q, k, v, HUB, LENS, causal=np.bool_(True)),
-                               mbs_attention(q, k, v, HUB, LENS, causal=True), rtol=0, atol=0)
-    assert TritonMBSAttnKernel(HUB, LENS, causal_mask=1).causal_mask is True
+    torch.testing.assert_close(mbs_attention(q, k, v, RING, LENS, causal=np.bool_(True)),
+                               mbs_attention(q, k, v, RING, LENS, causal=True), rtol=0, atol=0)
+    assert TritonMBSAttnKernel(RING, LENS, causal_mask=1).causal_mask is True
 
 
 def test_sequence_first_layout_gets_a_hint(device):
@@ -111,15 +110,15 @@ def test_sequence_first_layout_gets_a_hint(device):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 44, 2, 16, generator=gen).to(device) for _ in range(3))
     with pytest.raises(ValueError, match=r"k/v have 44 in dim 1 and 2 in dim 2: .*\[B, H, S, D\].*transpose\(1, 2\)"):
-        mbs_attention(q, k, v, HUB, LENS)
+        mbs_attention(q, k, v, RING, LENS)
     with pytest.raises(ValueError, match=r"transpose\(1, 2\)"):
-        mbs_attention(q, k, v, HUB, [LENS, LENS])
+        mbs_attention(q, k, v, RING, [LENS, LENS])
     with pytest.raises(ValueError, match=r"transpose\(1, 2\)"):
-        TritonMBSAttnKernel(HUB, LENS)(q, k, v)
+        TritonMBSAttnKernel(RING, LENS)(q, k, v)
     gqa_q = torch.randn(1, 44, 4, 16, device=device)  # 4 query heads over 2 kv heads, [B, S, H, D]
     with pytest.raises(ValueError, match=r"q has 4 positions but k/v only 2.*transpose\(1, 2\)"):
-        mbs_attention(gqa_q, k[:, :, :, :], v, HUB, LENS)
+        mbs_attention(gqa_q, k[:, :, :, :], v, RING, LENS)
     # a genuine length error in the right layout has no layout hint
     with pytest.raises(ValueError) as e:
-        mbs_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), HUB, (9, 21, 15))
+        mbs_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), RING, (9, 21, 15))
     assert "transpose" not in str(e.value)

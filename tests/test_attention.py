@@ -6,11 +6,10 @@ import random
 
 import pytest
 import torch
-from helpers import check_against_reference, check_outputs, make_qkv
+from helpers import CYCLIC, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
 
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [16, 40, 64, 128]
 

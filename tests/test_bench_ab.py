@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from benchmarks.ab_stats import config_row, paired_ratio, verdict
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _row(name: str, base_fwd: list[float], new_fwd: list[float], equal: bool = True) -> dict:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import CYCLIC, RING
 
 from mmsparse import Topology, generate_interlaced_mask, reference_mask
 from mmsparse.blocks import classify_blocks_from_mask, lists_from_classes
@@ -38,9 +39,9 @@ def test_bits_match_dense_reduction(seed):
 
 def test_per_sample_padding_blocks():
     lens = torch.tensor([[10, 50, 0], [0, 0, 0], [3, 3, 3]])
-    info = MaskInfo.from_topology(Topology([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), lens, 64, 64, False)
+    info = MaskInfo.from_topology(Topology(RING), lens, 64, 64, False)
     live, full = info.classes(16, 16)
-    ref_live, ref_full = classify_blocks_from_mask(reference_mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]], lens, 64),
+    ref_live, ref_full = classify_blocks_from_mask(reference_mask(RING, lens, 64),
                                                    16, 16, False, 0)
     assert torch.equal(live, ref_live) and torch.equal(full, ref_full)
     assert not live[1].any()  # an all-padding sample has no live tile
@@ -57,7 +58,7 @@ def test_lists_put_full_blocks_first():
 
 def test_seed_block_mask_matches_any_reduction():
     """The seed's construction: pad the dense mask to the block size and reduce each tile with any."""
-    topo, lens, block = [[0, 1, 0], [0, 0, 1], [1, 0, 0]], (50, 375, 500), 64
+    topo, lens, block = CYCLIC, (50, 375, 500), 64
     dense = generate_interlaced_mask(topo, lens).float()
     pad = (-dense.shape[0]) % block
     padded = torch.nn.functional.pad(dense, (0, pad, 0, pad))
@@ -71,7 +72,7 @@ def test_long_sequence_metadata_needs_no_square_memory():
     """S = 400k tokens: an S x S bool mask would need 160 GB; the bit path builds its lists in O(S + blocks)."""
     lens = torch.tensor([[20_000, 300_000, 80_000]])
     start = time.perf_counter()
-    info = MaskInfo.from_topology(Topology([[0, 1, 0], [0, 0, 1], [1, 0, 0]]), lens, 400_000, 400_000, True)
+    info = MaskInfo.from_topology(Topology(CYCLIC), lens, 400_000, 400_000, True)
     lists = info.lists(512, 512)
     assert time.perf_counter() - start < 30
     assert lists.indices.shape == (1, 782, 782)

@@ -7,14 +7,12 @@ import sys
 
 import pytest
 import torch
+from helpers import RING
 
 import mmsparse.__main__ as cli
 from mmsparse import TritonMBSAttnKernel, generate_interlaced_mask, tile_map, tile_picture
 from mmsparse.blocks import classify_blocks_from_mask
 from mmsparse.topology import count_allowed_pairs
-
-HUB = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
-
 
 # The seed example runs fp32 through the interpreter, bf16 on a GPU.
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -52,7 +50,7 @@ def test_draws_a_user_topology_without_running(monkeypatch, capsys):
     argv = ["--topology", "[[1,1,0],[0,1,1],[1,0,1]]", "--seg-lens", "1024,8192,4096", "--causal", "--tile", "128"]
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    tiles = tile_map(HUB, (1024, 8192, 4096), 128, causal=True)
+    tiles = tile_map(RING, (1024, 8192, 4096), 128, causal=True)
     counts = tiles.counts()
     assert lines[0] == (
         "topology [[1, 1, 0], [0, 1, 1], [1, 0, 1]], seg_lens (1024, 8192, 4096) (S = 13312), causal=True"
@@ -61,7 +59,7 @@ def test_draws_a_user_topology_without_running(monkeypatch, capsys):
     assert all(len(line) == 52 for line in lines[2:-1]) and len(lines) == 2 + 52 + 1
     assert lines[-1] == tiles.summary()
     assert f"{counts['skipped']} skipped" in lines[-1] and sum(counts.values()) == 104 * 104
-    density = count_allowed_pairs(HUB, (1024, 8192, 4096), causal=True) / 13312**2
+    density = count_allowed_pairs(RING, (1024, 8192, 4096), causal=True) / 13312**2
     assert f"density {density:.3f}" in lines[-1]
 
 
@@ -86,7 +84,7 @@ def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
 
 @pytest.mark.parametrize(
     "topology, lens, tile, causal",
-    [(HUB, (9, 21, 14), (32, 16), False), (HUB, (9, 21, 14), (16, 32), True), ([[0, 1], [1, 1]], (0, 37), 8, True),
+    [(RING, (9, 21, 14), (32, 16), False), (RING, (9, 21, 14), (16, 32), True), ([[0, 1], [1, 1]], (0, 37), 8, True),
      ([[1, 0, 1], [0, 0, 1], [1, 1, 0]], (33, 0, 31), 16, False)],
     ids=["hub-32x16", "hub-16x32-causal", "empty-segment-causal", "zero-length-middle"],
 )
@@ -103,7 +101,7 @@ def test_tile_map_matches_the_dense_mask(topology, lens, tile, causal):
 
 
 def test_picture_characters_and_downsampling():
-    tiles = tile_map(HUB, (9, 21, 14), (16, 16))  # 3 x 3 tiles
+    tiles = tile_map(RING, (9, 21, 14), (16, 16))  # 3 x 3 tiles
     rows = tiles.picture().splitlines()
     assert rows[0] == "block mask at 16x16 tiles ('#' full, '+' partial, '.' skipped):"
     expected = [["#" if f else "+" if lv else "." for lv, f in zip(lr, fr)]
@@ -120,18 +118,18 @@ def test_picture_characters_and_downsampling():
     with pytest.raises(ValueError, match="width"):
         tiles.picture(width=0)
     with pytest.raises(TypeError, match="causal must be True or False"):
-        tile_map(HUB, (9, 21, 14), causal="yes")
+        tile_map(RING, (9, 21, 14), causal="yes")
 
 
 def test_large_lengths_draw_at_a_readable_width():
-    text = tile_picture(HUB, (20_000, 80_000, 50_000), tile=128, width=64)
+    text = tile_picture(RING, (20_000, 80_000, 50_000), tile=128, width=64)
     lines = text.splitlines()
     assert max(len(line) for line in lines[1:-1]) <= 64 and len(lines) <= 66
     assert lines[-1].startswith("density ")
 
 
 def test_png(tmp_path):
-    tiles = tile_map(HUB, (9, 21, 14), 16)
+    tiles = tile_map(RING, (9, 21, 14), 16)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -140,5 +138,5 @@ def test_png(tmp_path):
         return
     path = tiles.save_png(tmp_path / "sub" / "t.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert cli.main(["--topology", str(HUB), "--seg-lens", "9,21,14", "--png", str(tmp_path / "c.png")]) == 0
+    assert cli.main(["--topology", str(RING), "--seg-lens", "9,21,14", "--png", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").exists()

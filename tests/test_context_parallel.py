@@ -13,19 +13,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import CYCLIC, HUB, REPO, check_outputs
 
 CASES = [
     # topology, seg_lens, causal, batch, heads, kv heads, dtype
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),
-    ([[1, 1, 1], [1, 1, 0], [1, 0, 1]], (12, 0, 41), True, 1, 4, 2, torch.float32),
-    ([[0, 1, 0], [0, 0, 1], [1, 0, 0]], [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
+    (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32),
+    (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
     ([[1, 1], [0, 0]], (37, 20), False, 1, 2, 1, torch.float32),  # the second segment attends nothing
 ]
 
 
 def _run_case(rank: int, world: int, case, group=None) -> None:
-    from helpers import check_outputs
-
     from mmsparse import mbs_attention, reference_mask
     from mmsparse.distributed import ContextParallel
 
@@ -109,11 +108,10 @@ def test_the_torchrun_example_runs_on_cpu(tmp_path):
     """The README's torchrun command, on CPU over gloo: two processes against one."""
     import subprocess
     import sys
-    from pathlib import Path
 
     if torch.cuda.is_available():
         pytest.skip("the CPU/gloo run")
-    example = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+    example = REPO / "examples" / "context_parallel.py"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
          "--causal"], capture_output=True, text=True, timeout=600,

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CYCLIC, HUB
 
 from mmsparse import reference_mask
 from mmsparse.distributed import chunk_pairs, plan_context_parallel
-
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 
 
 def _dense_chunk_pairs(topology, lens, seq, chunk, causal):

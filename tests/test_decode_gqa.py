@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_against_reference, check_outputs, make_qkv
+from helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops.dropout import dropout_keep_mask
 from mmsparse.ops.forward import gqa_pack_rows
-
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
-DECODE = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 
 
 def test_pack_rows():
@@ -36,7 +33,7 @@ def test_pack_rows():
 )
 def test_decode_with_gqa_against_float64(heads, kv_heads, q_len, causal, dtype, device):
     q, k, v = make_qkv(2, heads, kv_heads, q_len, 70, 32, dtype, device)
-    check_against_reference(q, k, v, DECODE, (10, 40, 20), causal=causal)
+    check_against_reference(q, k, v, RING, (10, 40, 20), causal=causal)
 
 
 def test_packed_decode_with_per_sample_caches_and_dropout(device):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-from helpers import check_outputs, make_qkv
+from helpers import CYCLIC, check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops.dropout import dropout_keep_mask
 
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 LENS = (9, 30, 21)
 
 

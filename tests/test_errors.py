@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import CYCLIC
 
 from mmsparse import Topology, TritonMBSAttnKernel, generate_interlaced_mask, mbs_attention
-
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 
 
 def qkv(device, b=1, hq=2, hk=2, sq=20, sk=20, d=16, dtype=torch.float32):
@@ -23,13 +22,13 @@ def qkv(device, b=1, hq=2, hk=2, sq=20, sk=20, d=16, dtype=torch.float32):
     [
         ([[1, 0], [1]], "square|matrix"),
         ([[1, 0, 1], [0, 1, 1]], "square"),
-        ([[2, 0], [0, 1]], "0 or 1"),
-        ([[0.5]], "0 or 1"),
+        ([[3, 0], [0, 1]], "0 \\(none\\), 1 \\(full\\) or 2 \\(causal\\)"),
+        ([[0.5]], "0 \\(none\\), 1 \\(full\\) or 2 \\(causal\\)"),
         ([], "square"),
-        (np.ones((33, 33)), "at most 32"),
+        (np.ones((4096, 4096)), "at most 4095"),
         ("abc", "matrix"),
     ],
-    ids=["ragged", "not-square", "entry-2", "entry-half", "empty", "too-many-segments", "string"],
+    ids=["ragged", "not-square", "entry-3", "entry-half", "empty", "too-many-segments", "string"],
 )
 def test_bad_topology(topology, match):
     with pytest.raises(ValueError, match=match):

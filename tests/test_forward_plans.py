@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_against_reference, make_qkv
+from helpers import HUB, check_against_reference, make_qkv
 
 from mmsparse import functional, mbs_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.ops import launch
 from mmsparse.ops.kernel_args import kernel_args
 
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 LENS = (5, 9, 7)
 S = sum(LENS)
 

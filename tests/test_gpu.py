@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_against_reference, make_qkv
+from helpers import CYCLIC, FOUR, HUB, check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
 from mmsparse.ops import backward
@@ -16,8 +16,6 @@ from mmsparse.ops.token_bits import token_bits_kernel
 
 pytestmark = pytest.mark.gpu
 
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 
 LARGE = [
     # (topology, seg_lens, causal, heads, kv_heads, seq_q or None, head_dim, dtype)
@@ -25,8 +23,7 @@ LARGE = [
     (HUB, (1024, 8192, 6784), True, 2, 1, None, 64, torch.bfloat16),
     (HUB, (777, 5000, 2501), False, 4, 2, None, 96, torch.float16),
     (CYCLIC, (300, 4000, 3001), True, 2, 2, 129, 128, torch.bfloat16),
-    ([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]], (999, 1, 2000, 3100), False, 2, 1, None, 40,
-     torch.float16),
+    (FOUR, (999, 1, 2000, 3100), False, 2, 1, None, 40, torch.float16),
     (HUB, (513, 2049, 1031), True, 2, 2, None, 256, torch.bfloat16),
     (HUB, (513, 2049, 1031), False, 2, 2, None, 80, torch.float32),
 ]

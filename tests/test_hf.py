@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import RING
 
 from mmsparse import reference_mask
 from mmsparse.nn import clip_seg_lens
@@ -15,7 +16,6 @@ from mmsparse.nn import clip_seg_lens
 transformers = pytest.importorskip("transformers")
 from mmsparse.integrations import hf  # noqa: E402
 
-TOPO = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 SEG = (5, 20, 15)
 S = sum(SEG)
 VOCAB = 128
@@ -46,7 +46,7 @@ def _pair(family: str, device):
 def _sdpa_mask(seg_lens, batch: int, device) -> torch.Tensor:
     """bool [B, 1, S, S] for SDPA: the topology and causal mask; padded query rows see only themselves (their
     outputs are ignored, and this keeps them finite)."""
-    mask = reference_mask(TOPO, seg_lens, S, causal=True).expand(batch, S, S).clone()
+    mask = reference_mask(RING, seg_lens, S, causal=True).expand(batch, S, S).clone()
     empty = ~mask.any(-1)
     mask |= torch.eye(S, dtype=torch.bool)[None] & empty[..., None]
     return mask[:, None].to(device)
@@ -68,10 +68,10 @@ def test_logits_match_sdpa_with_equivalent_mask(family, source, device):
     ref, mm = _pair(family, device)
     ids = torch.randint(0, VOCAB, (2, S), device=device)
     if source == "config":
-        mm.config.mm_topology, mm.config.mm_seg_lens = TOPO, SEG
+        mm.config.mm_topology, mm.config.mm_seg_lens = RING, SEG
         kwargs = {}
     else:
-        kwargs = dict(mm_topology=TOPO, mm_seg_lens=SEG)
+        kwargs = dict(mm_topology=RING, mm_seg_lens=SEG)
     with torch.no_grad():
         out = mm(ids, **kwargs).logits
         expected = ref(ids, attention_mask=_sdpa_mask(SEG, 2, device)).logits
@@ -86,7 +86,7 @@ def test_training_step_gradients_match_sdpa(device):
     mm.train()
     ids = torch.randint(0, VOCAB, (2, S), device=device)
     loss_ref = ref(ids, attention_mask=_sdpa_mask(SEG, 2, device), labels=ids).loss
-    loss_mm = mm(ids, labels=ids, mm_topology=TOPO, mm_seg_lens=SEG).loss
+    loss_mm = mm(ids, labels=ids, mm_topology=RING, mm_seg_lens=SEG).loss
     loss_ref.backward()
     loss_mm.backward()
     assert abs(loss_mm.item() - loss_ref.item()) < 1e-5, (loss_mm.item(), loss_ref.item())
@@ -103,12 +103,12 @@ def test_right_padding_from_attention_mask(device):
     lens = clip_seg_lens(SEG, am.sum(-1).cpu())
     assert lens.tolist() == [list(SEG), [5, 20, 5]]
     with torch.no_grad():
-        out = mm(ids, attention_mask=am, mm_topology=TOPO, mm_seg_lens=SEG).logits
+        out = mm(ids, attention_mask=am, mm_topology=RING, mm_seg_lens=SEG).logits
         expected = ref(ids, attention_mask=_sdpa_mask(lens, 2, device)).logits
     keep = am.bool()[..., None]
     assert_logits_close("logits (real tokens)", out * keep, expected * keep)
     with pytest.raises(ValueError, match="right padding"):
-        mm(ids, attention_mask=am.flip(-1), mm_topology=TOPO, mm_seg_lens=SEG)
+        mm(ids, attention_mask=am.flip(-1), mm_topology=RING, mm_seg_lens=SEG)
 
 
 def test_kv_cache_queries_are_the_last_positions(device):
@@ -116,17 +116,17 @@ def test_kv_cache_queries_are_the_last_positions(device):
     ids = torch.randint(0, VOCAB, (1, S), device=device)
     prompt = S - 3
     with torch.no_grad():
-        full = mm(ids, mm_topology=TOPO, mm_seg_lens=SEG).logits
-        pre = mm(ids[:, :prompt], mm_topology=TOPO, mm_seg_lens=(5, 20, 12), use_cache=True)
+        full = mm(ids, mm_topology=RING, mm_seg_lens=SEG).logits
+        pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
         cache = copy.deepcopy(pre.past_key_values)
-        step = mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=TOPO, mm_seg_lens=SEG).logits
-        grown = mm(ids[:, prompt:], past_key_values=cache, mm_topology=TOPO, mm_seg_lens=(5, 20, 12),
+        step = mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=RING, mm_seg_lens=SEG).logits
+        grown = mm(ids[:, prompt:], past_key_values=cache, mm_topology=RING, mm_seg_lens=(5, 20, 12),
                    mm_extend_last_segment=True).logits
     assert_logits_close("cached step", step, full[:, prompt:])
     assert_logits_close("cached step, last segment extended", grown, full[:, prompt:])
     with torch.no_grad(), pytest.raises(ValueError, match="mm_extend_last_segment"):
-        pre = mm(ids[:, :prompt], mm_topology=TOPO, mm_seg_lens=(5, 20, 12), use_cache=True)
-        mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=TOPO, mm_seg_lens=(5, 20, 12))
+        pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
+        mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=RING, mm_seg_lens=(5, 20, 12))
 
 
 def test_clear_errors(device):
@@ -135,15 +135,15 @@ def test_clear_errors(device):
     with pytest.raises(ValueError, match="mm_topology"):
         mm(ids)
     with pytest.raises(ValueError, match="2-D padding mask"):
-        mm(ids, attention_mask=_sdpa_mask(SEG, 1, device), mm_topology=TOPO, mm_seg_lens=SEG)
+        mm(ids, attention_mask=_sdpa_mask(SEG, 1, device), mm_topology=RING, mm_seg_lens=SEG)
     with pytest.raises(ValueError, match="sum to 39"):
-        mm(ids, mm_topology=TOPO, mm_seg_lens=(5, 20, 14))
+        mm(ids, mm_topology=RING, mm_seg_lens=(5, 20, 14))
     packed = torch.cat([torch.arange(20), torch.arange(20)])[None].to(device)  # two sequences in one row
     with pytest.raises(NotImplementedError, match="mask function"):
-        mm(ids, position_ids=packed, use_cache=False, mm_topology=TOPO, mm_seg_lens=SEG)
+        mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=SEG)
     static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
     with pytest.raises(NotImplementedError, match="last key positions"):
-        mm(ids, past_key_values=static, mm_topology=TOPO, mm_seg_lens=SEG, mm_extend_last_segment=True)
+        mm(ids, past_key_values=static, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
 
 
 def test_register_is_idempotent_and_import_is_lazy():

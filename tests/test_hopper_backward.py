@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import check_against_reference, check_outputs, make_qkv
-from test_hopper_forward import CASES, CYCLIC, HUB, _id, hopper
+from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
@@ -43,9 +42,9 @@ def _with_gluon_backward(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     return replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad])
 
 
-@hopper
+@pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=hopper_case_id)
 def test_against_float64(case, gluon_calls):
     """Ragged segments, causal, GQA, per-sample lengths, fewer queries than keys, a segment that sees nothing, a
     zero-length segment, D 64/96/128, fp16/bf16, a sequence shorter than one tile: output and all three
@@ -58,7 +57,7 @@ def test_against_float64(case, gluon_calls):
     assert sorted(gluon_calls) == ["dkdv", "dq"]
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_mask_with_an_empty_row_and_column(causal, gluon_calls):
@@ -76,7 +75,7 @@ def test_dense_mask_with_an_empty_row_and_column(causal, gluon_calls):
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_default_tiles_and_dropout(gluon_calls):
     """By default the Gluon passes run in half precision (at D=64 the dQ pass over SHORT_KEYS keys or more only);

@@ -9,20 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import check_against_reference, check_outputs, make_qkv
+from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops import config, forward
 from mmsparse.ops.config import KernelConfig, Tile, hopper_gluon_available, kernel_config, use_config
 from mmsparse.ops.dropout import dropout_keep_mask
-
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
-FOUR = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1]]  # segment 1 sees nothing
-
-
-hopper = pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 
 
 @pytest.fixture
@@ -43,26 +36,9 @@ def hopper_calls(monkeypatch):
     return calls
 
 
-CASES = [
-    # (topology, seg_lens (or per-sample), causal, batch, heads, kv_heads, seq_q or None, head_dim, dtype)
-    (CYCLIC, (300, 1000, 777), False, 1, 4, 2, None, 128, torch.bfloat16),
-    (HUB, (513, 2049, 1031), True, 1, 2, 2, None, 64, torch.float16),
-    (HUB, [(100, 900, 300), (700, 200, 77)], False, 2, 2, 1, None, 128, torch.bfloat16),
-    (CYCLIC, (500, 1200, 900), True, 1, 2, 1, 300, 128, torch.bfloat16),
-    (FOUR, (999, 130, 700, 1100), False, 1, 2, 1, None, 96, torch.bfloat16),
-    (HUB, (10, 40, 27), False, 1, 1, 1, None, 128, torch.bfloat16),
-    (CYCLIC, (0, 2000, 600), True, 1, 2, 1, None, 128, torch.bfloat16),  # a zero-length segment
-]
-
-
-def _id(case) -> str:
-    topo, lens, causal, b, h, hk, sq, d, dtype = case
-    return f"k{len(topo)}-B{b}-H{h}x{hk}-Sq{sq}-D{d}-{str(dtype)[6:]}{'-causal' if causal else ''}-{lens}"
-
-
-@hopper
+@pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=hopper_case_id)
 def test_against_float64(case, hopper_calls):
     """Ragged segments (partial blocks), causal, GQA, per-sample lengths, fewer queries than keys, a segment that
     sees nothing, a zero-length segment, a padded head dim (96 in 128-wide tiles), a sequence shorter than one
@@ -78,7 +54,7 @@ def test_against_float64(case, hopper_calls):
     assert len(hopper_calls) == 1
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_mask_with_an_empty_row(causal, hopper_calls):
@@ -95,7 +71,7 @@ def test_dense_mask_with_an_empty_row(causal, hopper_calls):
     assert not out[:, :, 5].any()
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_calls):
     """Dropout, and a grid too small to fill the GPU (split key lists), are the tl kernel's: it runs the Gluon
@@ -169,7 +145,7 @@ def test_gluon_availability_is_decided_up_front(monkeypatch):
     config._gluon_importable.cache_clear()
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_few_keys_take_the_tl_tile(hopper_calls, monkeypatch):
     """Below SHORT_KEYS keys (the seed: 925) the tl forward runs its own tile, with its own block lists."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CYCLIC, HUB
 
 from mmsparse import mbs_attention
 from mmsparse.functional import new_dropout_seed
@@ -23,8 +24,6 @@ from mmsparse.topology import Topology, segment_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.large]
 
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 TWO31 = 2**31
 # bf16 inputs, float32 reference: relative L2 over the sampled rows, and max abs over the reference's max.
 REL_TOL, ABS_TOL = 1.5e-2, 6e-2

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mmsparse"
+from helpers import REPO
+
+PACKAGE = REPO / "mmsparse"
 
 # Bottom to top. An entry names a module, or a package and everything in it.
 LAYERS: list[tuple[str, list[str]]] = [

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CYCLIC
 
 from mmsparse import mbs_attention
 from mmsparse.ops.limits import MAX_BATCH_HEADS
-
-CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 
 
 def test_too_many_batch_heads_is_a_clear_error(device):

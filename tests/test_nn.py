@@ -7,13 +7,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, run_example
+from helpers import RING, assert_close, run_example
 from torch import nn
 
 from mmsparse import reference_attention, reference_mask
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, clip_seg_lens, replace_attention
 
-TOPO = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 ALL = [[1, 1, 1], [1, 1, 1], [1, 1, 1]]
 SEG = (7, 20, 13)  # S = 40: ragged against the interpreter's 16/32 tiles
 E, H = 32, 2
@@ -56,7 +55,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_layer_matches_dense_reference(case, device):
     torch.manual_seed(0)
-    layer = MultimodalSelfAttention(E, H, TOPO, SEG, num_kv_heads=case["num_kv_heads"], causal=case["causal"])
+    layer = MultimodalSelfAttention(E, H, RING, SEG, num_kv_heads=case["num_kv_heads"], causal=case["causal"])
     layer = layer.to(device)
     x = torch.randn(2, sum(SEG), E, device=device, requires_grad=True)
     lens = case["per_sample"]
@@ -64,7 +63,7 @@ def test_layer_matches_dense_reference(case, device):
     grad = torch.randn_like(out)
     out.backward(grad)
 
-    mask = reference_mask(TOPO, SEG if lens is None else lens, sum(SEG), causal=case["causal"])
+    mask = reference_mask(RING, SEG if lens is None else lens, sum(SEG), causal=case["causal"])
     ref, xd, p = _layer_reference(layer, x, mask)
     ref.backward(grad.double())
     assert_close("out", out, ref, torch.float32)
@@ -85,10 +84,10 @@ def test_layer_validates_arguments():
         dict(embed_dim=32, num_heads=2, seg_lens=(3, -1, 4)),
     ]
     for kw in bad:
-        args = dict(topology=TOPO, seg_lens=SEG) | kw
+        args = dict(topology=RING, seg_lens=SEG) | kw
         with pytest.raises(ValueError):
             MultimodalSelfAttention(**args)
-    layer = MultimodalSelfAttention(E, H, TOPO, SEG, num_kv_heads=1, causal=True)
+    layer = MultimodalSelfAttention(E, H, RING, SEG, num_kv_heads=1, causal=True)
     text = repr(layer)
     for part in ("embed_dim=32", "num_heads=2", "num_kv_heads=1", "seg_lens=(7, 20, 13)", "causal=True"):
         assert part in text
@@ -137,8 +136,8 @@ def test_replaced_layer_runs_the_topology_under_no_grad(device):
     torch.manual_seed(2)
     layer = nn.TransformerEncoderLayer(E, H, 64, batch_first=True).to(device).eval()
     original = copy.deepcopy(layer)
-    replace_attention(layer, TOPO, SEG, causal=True)
-    blocked = ~reference_mask(TOPO, SEG, sum(SEG), causal=True)[0].to(device)
+    replace_attention(layer, RING, SEG, causal=True)
+    blocked = ~reference_mask(RING, SEG, sum(SEG), causal=True)[0].to(device)
     x = torch.randn(2, sum(SEG), E, device=device)
     with torch.no_grad():
         out, ref, plain = layer(x), original(x, src_mask=blocked), original(x)
@@ -184,21 +183,21 @@ def test_replace_bare_mha_and_keep_cross_attention(device):
     torch.manual_seed(4)
     block = _Block().to(device)
     original = copy.deepcopy(block)
-    names = replace_attention(block, TOPO, SEG, include=lambda name, m: not name.startswith("dec"))
+    names = replace_attention(block, RING, SEG, include=lambda name, m: not name.startswith("dec"))
     assert names == ["attn"]
     assert isinstance(block.dec.self_attn, nn.MultiheadAttention)
     assert isinstance(block.dec.multihead_attn, nn.MultiheadAttention)
     x = torch.randn(1, sum(SEG), E, device=device)
     out = block(x)
-    ref_mask = ~reference_mask(TOPO, SEG, sum(SEG))[0].to(device)
+    ref_mask = ~reference_mask(RING, SEG, sum(SEG))[0].to(device)
     ref = original.attn(x, x, x, attn_mask=ref_mask)[0]
     assert_model_close("out", out, ref)
 
     with pytest.raises(ValueError, match="self-attention only"):
         block.attn(x, x.clone(), x)
     with pytest.raises(ValueError, match="no nn.MultiheadAttention"):
-        replace_attention(nn.Linear(4, 4), TOPO, SEG)
-    both = replace_attention(copy.deepcopy(original), TOPO, SEG)
+        replace_attention(nn.Linear(4, 4), RING, SEG)
+    both = replace_attention(copy.deepcopy(original), RING, SEG)
     assert both == ["attn", "dec.self_attn"]  # cross-attention left alone
 
 

@@ -6,11 +6,9 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def test_wheel_declares_numpy_and_ships_license_and_py_typed(tmp_path):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = REPO / "README.md"
 
 # Small values for the names a block sets at its top. Shapes keep what the blocks rely on (Hq a multiple of Hkv,
 # E a multiple of H with E / H in [16, 256], two rows for two samples), with ragged lengths against the tiles.

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from helpers import HUB
 
 from mmsparse import reference_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops.dropout import dropout_keep_mask
 from mmsparse.reference import reference_group_rows
-
-HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
 
 
 def _dense(q, k, v, do, mask, keep=None, p=0.0):
