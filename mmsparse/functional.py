@@ -3,6 +3,8 @@ seed, then the autograd.Function."""
 
 from __future__ import annotations
 
+import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -10,16 +12,18 @@ from typing import Any
 import torch
 
 from .autograd import MBSAttentionFunction
-from .lengths import SegLensArg, lens_tensor, q_start_tensor, tracing_or_capturing, validate_seg_lens
+from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask_info import MaskInfo
 from .ops.common import interpreter_active
+from .ops.launch import stream_key, stream_of
 from .ops.limits import check_problem_size
 from .topology import Topology
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_INFO_CACHE: OrderedDict[tuple, MaskInfo] = OrderedDict()
+_INFO_CACHE: OrderedDict[tuple, CachedMask] = OrderedDict()
 _INFO_CACHE_SIZE = 64
+_CACHE_LOCK = threading.Lock()  # inserts, evictions and per-stream copies of cached masks; a hit takes no lock
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -110,20 +114,77 @@ def build_mask_info(
         key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device))
         hit = _INFO_CACHE.get(key)
         if hit is not None:
-            _INFO_CACHE.move_to_end(key)
-            return hit
+            try:
+                _INFO_CACHE.move_to_end(key)
+            except KeyError:  # another thread evicted it since the get: the entry is still good to use
+                pass
+            return hit.get()
     topo = _as_topology(topology, topo_key)
     lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
         if lens.shape[0] not in (1, q_start.shape[0]):
             raise ValueError(f"q_start has {q_start.shape[0]} entries but seg_lens has {lens.shape[0]} rows")
-    info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
+    if topo.uses_bits:
+        info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
+    else:
+        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start)
     if key is not None:
-        _INFO_CACHE[key] = info
-        if len(_INFO_CACHE) > _INFO_CACHE_SIZE:
-            _INFO_CACHE.popitem(last=False)
+        with _CACHE_LOCK:
+            _INFO_CACHE[key] = CachedMask(info)
+            while len(_INFO_CACHE) > _INFO_CACHE_SIZE:
+                _INFO_CACHE.popitem(last=False)
     return info
+
+
+class CachedMask:
+    """A cached mask, the CUDA stream it was built on (None off the GPU), and a copy for each other stream that
+    has used it: :meth:`get`."""
+
+    __slots__ = ("info", "stream", "copies")
+
+    def __init__(self, info: MaskInfo) -> None:
+        self.info = info
+        self.stream = stream_key(info.device)
+        self.copies: dict[tuple[int, int, int], MaskInfo] = {}
+
+    def get(self) -> MaskInfo:
+        """The mask for the current stream: on the stream that built it (or off the GPU), the mask itself.
+
+        Another stream must not read the mask's tensors before the building stream has written them, nor may the
+        allocator hand their memory to the building stream while the other one still reads them. So the first
+        time another stream asks, it waits for the building stream's work so far, the token-level tensors are
+        recorded as used on it, and it gets a copy over those tensors whose block lists (built lazily) are its own
+        and are only ever written and read on it. During CUDA-graph capture: the mask itself, as before
+        (torch.cuda.graph synchronises before capturing, and lists built in a capture would fill only at replay).
+        """
+        if self.stream is None:
+            return self.info
+        current = stream_key(self.info.device)
+        if current == self.stream:
+            return self.info
+        copy = self.copies.get(current)
+        return copy if copy is not None else self._copy_for(current)
+
+    def _copy_for(self, current: tuple[int, int, int]) -> MaskInfo:
+        if torch.cuda.is_current_stream_capturing():
+            return self.info
+        with _CACHE_LOCK:
+            copy = self.copies.get(current)
+            if copy is None:
+                stream = stream_of(current)
+                stream.wait_stream(stream_of(self.stream))
+                fields = {name: getattr(self.info, name) for name in _mask_fields()}
+                for value in fields.values():
+                    if isinstance(value, torch.Tensor):
+                        value.record_stream(stream)
+                copy = self.copies[current] = MaskInfo(**fields)
+        return copy
+
+
+def _mask_fields() -> tuple[str, ...]:
+    """MaskInfo's constructor arguments, which it keeps as attributes of the same names: what a copy shares."""
+    return tuple(inspect.signature(MaskInfo.__init__).parameters)[1:]
 
 
 _TOPOLOGIES: dict[Any, Topology] = {}
@@ -296,21 +357,31 @@ def mbs_attention_varlen(
     softmax_scale: float | None = None,
     check_lengths: bool = True,
 ) -> torch.Tensor:
-    """Packed ("varlen") batches: samples laid end to end along one sequence, no padding.
+    """Packed ("varlen") batches: samples laid end to end along one sequence, no padding, any number of them.
 
     Sample n owns the next ``sum(seg_lens[n])`` positions; its tokens attend per the topology within the
-    sample only. Implemented as one sequence whose topology is block-diagonal over the samples, so empty
-    cross-sample tiles are skipped like any other; this needs ``samples * k <= 32``.
+    sample only, so the tiles between samples are skipped like any other empty tile.
 
     Args:
-        q: ``[1, Hq, total, D]``; k, v: ``[1, Hkv, total, D]``.
-        topology: k x k 0/1 matrix shared by the samples.
-        seg_lens: ``[N, k]`` per-sample lengths (list of N tuples or an int tensor), summing to ``total``.
+        q: ``[1, Hq, total, D]``, or flash-attn's ``[total, Hq, D]`` (used as a strided view, no copy);
+            k, v: the same layout with Hkv heads.
+        topology: k x k pair types (0/1/2) shared by the samples.
+        seg_lens: ``[N, k]`` per-sample lengths (list of N rows or an int tensor, e.g. on the GPU), summing to
+            ``total``; zero-length segments are fine.
         causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
+        check_lengths: validate a device tensor of lengths (one host sync).
 
     Returns:
-        ``[1, Hq, total, D]``.
+        q's layout: ``[1, Hq, total, D]`` or ``[total, Hq, D]``.
     """
+    flash_layout = q.dim() == 3
+    if flash_layout:
+        if k.dim() != 3 or v.dim() != 3:
+            raise ValueError(
+                f"q is [total, H, D] (flash-attn's packed layout) but k/v have shapes {tuple(k.shape)} and "
+                f"{tuple(v.shape)}: give all three as [total, H, D], or all as [1, H, total, D]"
+            )
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
     check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     if q.shape[0] != 1:
@@ -318,20 +389,8 @@ def mbs_attention_varlen(
     if q.shape[2] != k.shape[2]:
         raise ValueError("packed attention needs q and k/v over the same positions")
     topo = _as_topology(topology)
-    lens = seg_lens if isinstance(seg_lens, torch.Tensor) else torch.tensor(
-        [validate_seg_lens(r, topo.num_segments) for r in seg_lens], dtype=torch.int64)
-    if lens.dim() != 2 or lens.shape[1] != topo.num_segments:
-        raise ValueError(f"seg_lens must be [samples, {topo.num_segments}]; got shape {tuple(lens.shape)}")
-    samples = lens.shape[0]
-    if samples * topo.num_segments > 32:
-        raise ValueError(
-            f"{samples} samples x {topo.num_segments} segments = {samples * topo.num_segments} > 32: split the "
-            "pack, or pad the samples and pass per-sample lengths to mbs_attention"
-        )
     total = k.shape[2]
-    if check_lengths and not tracing_or_capturing(lens) and int(lens.sum()) != total:
-        raise ValueError(f"per-sample lengths sum to {int(lens.sum())} but q/k/v have {total} positions")
-    block_diagonal = Topology(torch.block_diag(*[topo.matrix.to(torch.int64)] * samples))
-    flat = lens.reshape(1, -1).to(device=q.device, dtype=torch.int32)
-    info = MaskInfo.from_topology(block_diagonal, flat, total, total, causal)
-    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+    lens = packed_lens_tensor(seg_lens, topo.num_segments, total, q.device, check_lengths)
+    info = MaskInfo.from_segments(topo, lens, total, total, causal, packed=True)
+    out = attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+    return out[0].permute(1, 0, 2) if flash_layout else out

@@ -96,6 +96,41 @@ def lens_tensor(
     return torch.tensor(check_rows(seg_lens, k, seq_len), dtype=torch.int32, device=device)
 
 
+def packed_lens_tensor(
+    seg_lens: SegLensArg, num_segments: int, total: int, device: torch.device, check_lengths: bool = True
+) -> torch.Tensor:
+    """``[N, k]`` lengths of N packed samples as an integer tensor on device, checked (non-negative, summing to
+    ``total``) unless ``check_lengths`` is False or they cannot be read back now (one host sync for a device
+    tensor)."""
+    from .segments import MAX_DOCS
+
+    k = num_segments
+    if isinstance(seg_lens, torch.Tensor):
+        if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
+            raise TypeError(f"packed seg_lens must be an integer tensor; got {seg_lens.dtype}")
+        if seg_lens.dim() != 2 or seg_lens.shape[1] != k:
+            raise ValueError(f"packed seg_lens must be [samples, {k}]; got shape {tuple(seg_lens.shape)}")
+        lens = seg_lens
+        if check_lengths and not tracing_or_capturing(lens):
+            low, high = torch.aminmax(lens) if lens.numel() else (lens.new_zeros(()), lens.new_zeros(()))
+            stats = torch.stack([low.to(torch.int64), lens.sum(dtype=torch.int64)]).tolist()  # one read
+            if stats[0] < 0:
+                bad = (lens < 0).nonzero()[0].tolist()
+                raise ValueError(f"packed seg_lens[{bad[0]}][{bad[1]}] is negative; segment lengths must be >= 0")
+            if stats[1] != total:
+                raise ValueError(f"packed lengths sum to {stats[1]} but q/k/v have {total} positions")
+    else:
+        if len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
+            raise ValueError(f"packed seg_lens must be [samples, {k}] (one row of {k} lengths per sample)")
+        rows = [validate_seg_lens(r, k) for r in seg_lens]
+        if sum(map(sum, rows)) != total:
+            raise ValueError(f"packed lengths sum to {sum(map(sum, rows))} but q/k/v have {total} positions")
+        lens = torch.tensor(rows, dtype=torch.int32)
+    if lens.shape[0] > MAX_DOCS:
+        raise ValueError(f"{lens.shape[0]} samples in one pack; at most {MAX_DOCS} are supported: split the pack")
+    return lens.to(device)
+
+
 def q_start_tensor(
     q_start: torch.Tensor | Sequence[int], seq_q: int, seq_k: int, device: torch.device, check: bool = True
 ) -> torch.Tensor:

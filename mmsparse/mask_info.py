@@ -1,6 +1,8 @@
 """The mask of one call: built once per (topology, lengths, device) and cached.
 
-The token-level part is O(S): per-token bit vectors, or the user's dense mask on the arbitrary-mask path.
+The token-level part is O(S): per-token bit vectors (0/1 topologies of at most 32 segments), per-token segment codes
+and the pair table (any topology, packed samples: :mod:`mmsparse.segments`), or the user's dense mask on the
+arbitrary-mask path.
 Block lists are built lazily for each tile shape asked for. Nothing here knows the attention kernels' signatures:
 :mod:`mmsparse.ops.kernel_args` turns a mask into their arguments.
 """
@@ -17,9 +19,12 @@ from .blocks import (
     pool_classes,
 )
 from .ops.block_lists import build_block_lists, kernels_run_on
-from .ops.common import MASK_BITS, MASK_DENSE
+from .ops.common import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+from .ops.launch import stream_key
+from .ops.segment_lists import CodeRuns, build_segment_lists
 from .ops.token_bits import launch_token_bits
-from .topology import Topology
+from .segments import decode, query_codes, token_codes
+from .topology import Topology, allowed_by_type
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
 
@@ -42,13 +47,16 @@ class MaskInfo:
         num_segments: int = 0,
         dense: torch.Tensor | None = None,
         q_start: torch.Tensor | None = None,
+        table: torch.Tensor | None = None,
     ) -> None:
         self.mode = mode
         self.seq_q, self.seq_k = seq_q, seq_k
         self.causal = causal
+        # MASK_BITS: row and column bits; MASK_SEGMENTS: query and key codes, and the pair table
         self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
+        self.table = table
         self.dense = dense
-        ref = q_bits if mode == MASK_BITS else dense
+        ref = dense if mode == MASK_DENSE else q_bits
         self.batch = ref.shape[0]
         self.device = ref.device
         # int32 [1 or Bm]: the position of each sample's first query; by default the last seq_q positions.
@@ -59,6 +67,7 @@ class MaskInfo:
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[TileKey, BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
+        self._runs: tuple[CodeRuns, CodeRuns] | None = None  # MASK_SEGMENTS: the codes' runs, for every tile
         # The kernels' view of this mask (an mmsparse.ops.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
@@ -84,6 +93,20 @@ class MaskInfo:
                    num_segments=topology.num_segments, q_start=q_start)
 
     @classmethod
+    def from_segments(
+        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
+        q_start: torch.Tensor | None = None, packed: bool = False,
+    ) -> MaskInfo:
+        """Segment codes for any topology. seg_lens: int ``[Bm, k]`` per sample, or with ``packed`` ``[N, k]``:
+        N samples end to end in one sequence, each seeing only itself."""
+        k_codes = token_codes(seg_lens, topology.num_segments, seq_k, packed)
+        q_codes = query_codes(k_codes, seq_q, q_start, topology.num_segments)
+        if q_start is not None:
+            k_codes = k_codes.expand(q_codes.shape[0], -1)
+        return cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
+                   num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device))
+
+    @classmethod
     def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:
         """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
         mask = mask.contiguous()
@@ -101,6 +124,9 @@ class MaskInfo:
                 self._classes[key] = classify_blocks_from_bits(
                     self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start
                 )
+            elif self.mode == MASK_SEGMENTS:  # tests and devices without the kernels: S x S, small sizes only
+                self._classes[key] = classify_blocks_from_mask(self.code_mask(), block_m, block_n, self.causal,
+                                                               self.q_start)
             else:
                 self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
         return self._classes[key]
@@ -113,6 +139,12 @@ class MaskInfo:
         if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
             self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
                                                  self.causal, self.q_start, by_key, summaries=self._summaries)
+        if key not in self._lists and self.mode == MASK_SEGMENTS and kernels_run_on(self.device):
+            if self._runs is None:
+                k_codes = self.k_bits if self.k_bits.stride(0) != 0 else self.k_bits[:1]
+                self._runs = (CodeRuns(self.q_bits), CodeRuns(k_codes))
+            self._lists[key] = build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal,
+                                                   self.q_start, by_key)
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
@@ -131,13 +163,26 @@ class MaskInfo:
         return self
 
 
-_Q_STARTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+    def code_mask(self) -> torch.Tensor:
+        """The dense bool ``[Bm, Sq, Sk]`` of a segment-code mask, by the rule of :mod:`mmsparse.segments` in
+        torch (O(S^2): tests and small sizes)."""
+        q_doc, q_seg = decode(self.q_bits)
+        k_doc, k_seg = decode(self.k_bits)
+        types = self.table.to(torch.int64)[q_seg[:, :, None], k_seg[:, None, :]]
+        q_pos = self.q_start.to(torch.int64).reshape(-1, 1, 1) + torch.arange(self.seq_q, device=self.device)[:, None]
+        k_pos = torch.arange(self.seq_k, device=self.device)
+        mask = (q_doc[:, :, None] == k_doc[:, None, :]) & allowed_by_type(types, q_pos, k_pos)
+        return mask & (k_pos <= q_pos) if self.causal else mask
+
+
+_Q_STARTS: dict[tuple, torch.Tensor] = {}
 
 
 def _default_q_start(q_start: int, device: torch.device) -> torch.Tensor:
     """int32 ``[1]`` holding ``q_start`` on ``device``, shared by the masks that need it (the kernels only read it):
-    a mask built for new lengths skips one allocation and fill."""
-    key = (device, q_start)
+    a mask built for new lengths skips one allocation and fill. One per CUDA stream: another stream could read it
+    before the fill, and its memory could go back to the filling stream's pool while the other still reads it."""
+    key = (device, q_start, stream_key(device))
     t = _Q_STARTS.get(key)
     if t is None:
         t = torch.full((1,), q_start, dtype=torch.int32, device=device)

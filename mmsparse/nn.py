@@ -155,7 +155,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, "
+            f"head_dim={self.head_dim}, topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, "
             f"causal={self.causal}, dropout={self.dropout}"
         )
 
@@ -241,7 +241,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-            f"topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, causal={self.causal}, "
+            f"topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, causal={self.causal}, "
             f"dropout={self.dropout}"
         )
 

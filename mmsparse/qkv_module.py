@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
+from .functional import CachedMask, _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
 from .lengths import SegLensArg, validate_seg_lens
 from .mask_info import MaskInfo
 from .ops.config import kernel_config
@@ -51,7 +51,7 @@ class TritonMBSAttnKernel(nn.Module):
         self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
         self.softmax_scale = softmax_scale
-        self._infos: dict[tuple, MaskInfo] = {}
+        self._infos: dict[tuple, CachedMask] = {}
         self._dense_mask: torch.Tensor | None = None
 
     @property
@@ -79,9 +79,11 @@ class TritonMBSAttnKernel(nn.Module):
         if torch.compiler.is_compiling():  # traced: built in the graph; a kept mask would hold another call's tensors
             return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
         key = (seq_q, seq_k, str(device))
-        if key not in self._infos:
-            self._infos[key] = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
-        return self._infos[key]
+        entry = self._infos.get(key)  # one get: another thread's insert between a check and a read is harmless
+        if entry is None:
+            info = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
+            entry = self._infos[key] = CachedMask(info)
+        return entry.get()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None = None,
@@ -112,5 +114,5 @@ class TritonMBSAttnKernel(nn.Module):
         return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
-        return (f"topology={self.topology.matrix.int().tolist()}, seg_lens={self.seg_lens}, "
+        return (f"topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, "
                 f"causal_mask={self.causal_mask}, dropout={self.dropout}")

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .lengths import SegLensArg
-from .topology import Topology, lookup_pairs, segment_ids
+from .topology import NONE, Topology, allowed_by_type, lookup_pairs, segment_ids
 
 
 def reference_mask(
@@ -30,16 +30,32 @@ def reference_mask(
     seq_q = seq_k if seq_q is None else seq_q
     seg = segment_ids(lens, seq_k)  # [B, Sk], k = padding
     k = topo.num_segments
-    table = torch.zeros(k + 1, k + 1, dtype=torch.bool)
-    table[:k, :k] = topo.matrix
+    table = torch.full((k + 1, k + 1), NONE, dtype=torch.int8)
+    table[:k, :k] = topo.types
     starts = torch.full((seg.shape[0],), seq_k - seq_q) if q_start is None else torch.as_tensor(q_start).cpu()
     if starts.shape[0] != seg.shape[0]:
         seg = seg.expand(starts.shape[0], -1)
     q_pos = starts[:, None].to(torch.int64) + torch.arange(seq_q)  # [B, Sq]
     q_seg = torch.where((q_pos >= 0) & (q_pos < seq_k), seg.gather(1, q_pos.clamp(0, seq_k - 1)), k)
-    mask = lookup_pairs(table, q_seg, seg)
+    k_pos = torch.arange(seq_k)[None, None, :]
+    mask = allowed_by_type(lookup_pairs(table, q_seg, seg), q_pos[:, :, None], k_pos)
     if causal:
-        mask = mask & (torch.arange(seq_k)[None, None, :] <= q_pos[:, :, None])
+        mask = mask & (k_pos <= q_pos[:, :, None])
+    return mask
+
+
+def reference_packed_mask(topology: Any, seg_lens: Any, causal: bool = False) -> torch.Tensor:
+    """Dense bool mask ``[1, S, S]`` of N samples packed end to end (``seg_lens`` ``[N, k]``, S the total): each
+    sample's tokens see the tokens of the same sample per the topology, nothing else."""
+    lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
+    totals = lens.sum(-1).tolist()
+    seq = sum(totals)
+    mask = torch.zeros(1, seq, seq, dtype=torch.bool)
+    start = 0
+    for row, total in zip(lens.tolist(), totals):
+        end = start + total
+        mask[0, start:end, start:end] = reference_mask(topology, row, total, causal=causal)[0]
+        start = end
     return mask
 
 

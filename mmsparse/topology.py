@@ -1,13 +1,17 @@
-"""Segment topology: which segment of a multimodal sequence may attend to which.
+"""Segment topology: which segment of a multimodal sequence may attend to which, and how.
 
-A topology is a k x k 0/1 matrix: ``topology[r][c] == 1`` lets the rows (queries) of segment r see the
-columns (keys) of segment c. Together with k segment lengths it defines the token-level "interlaced" mask.
+A topology is a k x k matrix of pair types: ``topology[r][c]`` says how the rows (queries) of segment r see the
+columns (keys) of segment c: :data:`NONE` (0), :data:`FULL` (1, every key of c) or :data:`CAUSAL` (2, the keys of
+c at or before the query's own position). Together with k segment lengths it defines the token-level
+"interlaced" mask. The seed's 0/1 matrices are the topologies without causal pairs.
 
-The kernels never see an S x S mask. They see two int32 vectors of length S:
+The kernels never see an S x S mask. For 0/1 topologies of at most 32 segments they see two int32 vectors of
+length S:
   - ``row_bits[i]``: bit c set when query token i may see segment c (the topology row of its segment);
   - ``col_bits[j]``: ``1 << seg(j)``, the one-hot bit of key token j's segment.
 A pair is allowed when ``row_bits[i] & col_bits[j] != 0``. Padding tokens get 0 in both, so a padded query
-sees nothing and a padded key is seen by nobody.
+sees nothing and a padded key is seen by nobody. Every other mask (causal pairs, more segments, packed
+samples) goes by segment codes and the pair table: see :mod:`mmsparse.segments`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import torch
 from .lengths import SegLens, validate_seg_lens
 
 __all__ = [  # validate_seg_lens and SegLens live in mmsparse.lengths; importing them from here still works
-    "MAX_SEGMENTS", "SegLens", "Topology", "count_allowed_pairs", "generate_interlaced_mask", "lookup_pairs",
-    "segment_ids", "token_bits_torch", "validate_seg_lens",
+    "CAUSAL", "FULL", "MAX_BIT_SEGMENTS", "MAX_SEGMENTS", "NONE", "SegLens", "Topology", "count_allowed_pairs",
+    "generate_interlaced_mask", "lookup_pairs", "segment_ids", "token_bits_torch", "validate_seg_lens",
 ]
 
-MAX_SEGMENTS = 32  # the bit vectors are int32
+NONE, FULL, CAUSAL = 0, 1, 2  # pair types: no key, every key, the keys at or before the query's position
+MAX_BIT_SEGMENTS = 32  # the bit vectors of the 0/1 fast path are int32
+MAX_SEGMENTS = 4095  # segment codes keep the segment in 12 bits, with one value left for padding
 
 
 def _to_int32_bits(value: int) -> int:
@@ -33,18 +39,25 @@ def _to_int32_bits(value: int) -> int:
 
 
 class Topology:
-    """A validated k x k segment topology (1 <= k <= 32), with optional segment names.
+    """A validated k x k segment topology (1 <= k <= 4095), with optional segment names.
 
     Args:
-        matrix: k x k of 0/1 or bool, as nested lists/tuples, a numpy array or a torch tensor.
+        matrix: k x k of pair types :data:`NONE`/:data:`FULL`/:data:`CAUSAL` (0/1/2) or bool, as nested
+            lists/tuples, a numpy array or a torch tensor.
         names: optional k segment names, e.g. ``("text", "vision", "audio")``.
+
+    Attributes:
+        types: int8 ``[k, k]`` pair types.
+        matrix: bool ``[k, k]``, ``types != NONE``: which segment sees which at all.
     """
 
     def __init__(self, matrix: Any, names: Sequence[str] | None = None) -> None:
         if isinstance(matrix, Topology):
             names = names if names is not None else matrix.names
-            matrix = matrix.matrix
-        self.matrix = _validate_matrix(matrix)
+            matrix = matrix.types
+        self.types = _validate_matrix(matrix)
+        self.matrix = self.types != NONE
+        self.has_causal_pairs = bool((self.types == CAUSAL).any())
         k = self.num_segments
         if names is not None:
             names = tuple(str(n) for n in names)
@@ -52,15 +65,35 @@ class Topology:
                 raise ValueError(f"topology has {k} segments but {len(names)} names were given: {names}")
         self.names = names
         # Plain ints, computed once: torch.compile then sees constants rather than reading a tensor back.
-        rows = self.matrix.tolist()
-        self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)]
-        self._col_bits = [_to_int32_bits(1 << c) for c in range(k)]
-        self._hash = hash(tuple(map(tuple, rows)))
+        rows = self.types.tolist()
+        self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)] if (
+            self.uses_bits) else []
+        self._col_bits = [_to_int32_bits(1 << c) for c in range(k)] if self.uses_bits else []
+        self._hash = hash(self.types.numpy().tobytes()) if k > 64 else hash(tuple(map(tuple, rows)))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pair_tables: dict[torch.device, torch.Tensor] = {}
 
     @property
     def num_segments(self) -> int:
-        return self.matrix.shape[0]
+        return self.types.shape[0]
+
+    @property
+    def uses_bits(self) -> bool:
+        """Whether one sample's mask fits the bit vectors: 0/1 pairs and at most 32 segments."""
+        return self.num_segments <= MAX_BIT_SEGMENTS and not self.has_causal_pairs
+
+    def pair_table(self, device: torch.device) -> torch.Tensor:
+        """int8 ``[k + 1, k + 1]`` pair types on ``device``, with a last row and column of NONE for padding, kept
+        per device (see :mod:`mmsparse.segments`)."""
+        table = None if torch.compiler.is_compiling() else self._pair_tables.get(device)
+        if table is None:
+            k = self.num_segments
+            table = torch.zeros((k + 1, k + 1), dtype=torch.int8)
+            table[:k, :k] = self.types
+            table = table.to(device)
+            if not torch.compiler.is_compiling():
+                self._pair_tables[device] = table
+        return table
 
     def row_bits(self) -> list[int]:
         """Per segment r, the int32 bit pattern of the segments its rows may see."""
@@ -81,34 +114,41 @@ class Topology:
         return tables
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Topology) and torch.equal(self.matrix, other.matrix)
+        return isinstance(other, Topology) and torch.equal(self.types, other.types)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __repr__(self) -> str:
-        rows = ", ".join(str([int(x) for x in r]) for r in self.matrix.tolist())
+        rows = ", ".join(str([int(x) for x in r]) for r in self.types.tolist())
         names = f", names={self.names}" if self.names else ""
         return f"Topology([{rows}]{names})"
 
 
 def _validate_matrix(matrix: Any) -> torch.Tensor:
+    """The pair types of a user's matrix as int8 ``[k, k]``."""
     try:
         t = torch.as_tensor(matrix).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(
-            f"topology must be a k x k matrix of 0/1 (nested lists, numpy or torch); got {matrix!r}"
+            f"topology must be a k x k matrix of pair types 0/1/2 (nested lists, numpy or torch); got {matrix!r}"
         ) from e
     if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
         raise ValueError(f"topology must be a square k x k matrix with k >= 1; got shape {tuple(t.shape)}")
     if t.shape[0] > MAX_SEGMENTS:
-        raise ValueError(f"topology has {t.shape[0]} segments; at most {MAX_SEGMENTS} are supported")
+        raise ValueError(
+            f"topology has {t.shape[0]} segments; at most {MAX_SEGMENTS} are supported. Samples packed into one "
+            "sequence share one topology: pass the packed lengths to mbs_attention_varlen instead of a "
+            "block-diagonal topology"
+        )
     if t.dtype != torch.bool:
-        bad = ~((t == 0) | (t == 1))
+        bad = ~((t == NONE) | (t == FULL) | (t == CAUSAL))
         if bool(bad.any()):
             r, c = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"topology entries must be 0 or 1; topology[{r}][{c}] = {t[r, c].item()}")
-    return t.bool()
+            raise ValueError(
+                f"topology entries must be 0 (none), 1 (full) or 2 (causal); topology[{r}][{c}] = {t[r, c].item()}"
+            )
+    return t.to(torch.int8)
 
 
 def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
@@ -117,7 +157,7 @@ def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
     It is S x S: meant for tests, pictures and the arbitrary-mask path. The attention path never builds it.
 
     Args:
-        topology: k x k 0/1 matrix (or a :class:`Topology`).
+        topology: k x k matrix of pair types (or a :class:`Topology`).
         seg_lens: k segment lengths, S = sum(seg_lens).
 
     Returns:
@@ -125,8 +165,16 @@ def generate_interlaced_mask(topology: Any, seg_lens: SegLens) -> torch.Tensor:
     """
     topo = Topology(topology)
     lens = validate_seg_lens(seg_lens, topo.num_segments)
-    seg = segment_ids(torch.tensor([lens]), sum(lens))
-    return lookup_pairs(topo.matrix, seg, seg)[0]
+    seq = sum(lens)
+    seg = segment_ids(torch.tensor([lens]), seq)
+    pos = torch.arange(seq)
+    return allowed_by_type(lookup_pairs(topo.types, seg, seg)[0], pos[:, None], pos[None, :])
+
+
+def allowed_by_type(types: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Which pairs of pair types ``types`` are allowed for queries at ``q_pos`` and keys at ``k_pos``
+    (broadcastable): FULL always, CAUSAL when the key is at or before the query, NONE never."""
+    return (types == FULL) | ((types == CAUSAL) & (k_pos <= q_pos))
 
 
 def lookup_pairs(table: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
@@ -185,6 +233,8 @@ def count_allowed_pairs(topology: Any, seg_lens: SegLens, causal: bool = False, 
     starts = ends - lens
     pos = torch.arange(seq_k - seq_q, seq_k)  # absolute query positions
     seg = segment_ids(lens[None], seq_k)[0][pos]
-    visible_end = torch.minimum(ends[None, :], pos[:, None] + 1) if causal else ends[None, :].expand(seq_q, -1)
+    types = topo.types.to(torch.int64)[seg]  # [Sq, k]
+    causal_pair = (types == CAUSAL) | causal
+    visible_end = torch.where(causal_pair, torch.minimum(ends[None, :], pos[:, None] + 1), ends[None, :])
     per_seg = (visible_end - starts[None, :]).clamp(min=0)  # [Sq, k]
-    return int((per_seg * topo.matrix[seg]).sum())
+    return int((per_seg * (types != NONE)).sum())

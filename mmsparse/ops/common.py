@@ -5,8 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MASK_BITS = 0  # topology path: per-token row bits & column bits
+MASK_BITS = 0  # 0/1 topology of <= 32 segments: per-token row bits & column bits
 MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
+MASK_SEGMENTS = 2  # any topology, packed samples: per-token segment codes and the pair table (mmsparse.segments)
 
 
 def interpreter_active() -> bool:
@@ -55,13 +56,18 @@ def pair_mask(
 ):
     """Which (query, key) pairs of a tile are allowed. offs_q/offs_k are broadcastable 2-D index tiles
     ([BM, 1] x [1, BN] in the forward, [1, BM] x [BN, 1] in the dK/dV pass). Pointers are already at the
-    (batch) row of the bits or the dense mask."""
+    (batch) row of the bits, codes or dense mask; with segment codes, mask_ptr is the pair table and
+    stride_mask_q its row stride."""
     in_q = offs_q < seq_q
     in_k = offs_k < seq_k
     if MASK_MODE == 0:
         q_bits = tl.load(q_bits_ptr + offs_q, mask=in_q, other=0)
         k_bits = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
         allowed = (q_bits & k_bits) != 0
+    elif MASK_MODE == 2:
+        q_code = tl.load(q_bits_ptr + offs_q, mask=in_q, other=0)
+        k_code = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
+        allowed = code_pairs(q_code, k_code, past_len + offs_q, offs_k, mask_ptr, stride_mask_q)
     else:
         # int64: one sample's Sq * S passes 2^31 from S = 46341 on
         allowed = tl.load(mask_ptr + offs_q.to(tl.int64) * stride_mask_q + offs_k, mask=in_q & in_k, other=0) != 0
@@ -69,6 +75,16 @@ def pair_mask(
     if IS_CAUSAL:
         allowed = allowed & (offs_k <= past_len + offs_q)
     return allowed
+
+
+@triton.jit
+def code_pairs(q_code, k_code, pos_q, pos_k, table_ptr, stride_table):
+    """The segment-code rule of :mod:`mmsparse.segments` on broadcastable code tiles: same doc, and the pair
+    table says FULL, or CAUSAL with the key at or before the query."""
+    seg_mask = (1 << 12) - 1  # the segment's bits: mmsparse.segments.SEG_BITS
+    kind = tl.load(table_ptr + (q_code & seg_mask) * stride_table + (k_code & seg_mask))
+    same_doc = ((q_code ^ k_code) >> 12) == 0
+    return same_doc & ((kind == 1) | ((kind == 2) & (pos_k <= pos_q)))
 
 
 @triton.jit

@@ -32,7 +32,7 @@ from ..blocks import cdiv
 from ..mask_info import MaskInfo
 from .config import Tile, head_dim_pad
 from .forward import _DYNAMIC
-from .hopper_forward import program_lists
+from .hopper_forward import code_pairs, program_lists
 from .host_tma import box, box_descriptor
 from .kernel_args import kernel_args
 from .launch import FastKernel
@@ -71,9 +71,9 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
             lse_smem.index(stage).store(lse)
             delta_smem.index(stage).store(delta)
             rows_smem.index(stage).store(offs_m)
-            if MASK_MODE == 0:
+            if MASK_MODE != 1:
                 if it >= n_full:
-                    # Rows past the end get no bits, hence no allowed pair.
+                    # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
                     qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
@@ -99,6 +99,12 @@ def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, M
     offs_m = rows_s.load(cols)
     if MASK_MODE == 0:
         allowed = (gl.expand_dims(k_bits, 1) & gl.expand_dims(qbits_s.load(cols), 0)) != 0
+    elif MASK_MODE == 2:
+        in_q = gl.expand_dims(offs_m < seq_q, 0)
+        in_k = gl.expand_dims(offs_n < seq_k, 1)
+        allowed = code_pairs(gl.expand_dims(qbits_s.load(cols), 0), gl.expand_dims(k_bits, 1),
+                             gl.expand_dims(past_len + offs_m, 0), gl.expand_dims(offs_n, 1), mask_ptr, stride_mask_q)
+        allowed = allowed & in_q & in_k
     else:
         in_q = gl.expand_dims(offs_m < seq_q, 0)
         in_k = gl.expand_dims(offs_n < seq_k, 1)
@@ -144,8 +150,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     dtype: gl.constexpr = q_smem.dtype
 
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
-    k_bits = offs_n  # a stand-in: only the bit mask reads them
-    if MASK_MODE == 0:
+    k_bits = offs_n  # a stand-in: only the bit and code masks read them
+    if MASK_MODE != 1:
         k_bits = gl.load(mask_args[1] + offs_n, mask=offs_n < mask_args[5], other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
@@ -255,7 +261,7 @@ def _dkdv_kernel_hopper(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
-    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE == 0 else 1, BM], row_layout)
+    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != 1 else 1, BM], row_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)

@@ -81,8 +81,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
 
     offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
     in_rows = offs_m < seq_q
-    q_bits = offs_m  # a stand-in: only the bit mask reads them
-    if MASK_MODE == 0:
+    q_bits = offs_m  # a stand-in: only the bit and code masks read them
+    if MASK_MODE != 1:
         q_bits = gl.load(q_bits_ptr + offs_m, mask=in_rows, other=0)
     neg_lse = -gl.load(lse_ptr + offs_m, mask=in_rows, other=float("inf"))
     delta = gl.load(delta_ptr + offs_m, mask=in_rows, other=0.0)

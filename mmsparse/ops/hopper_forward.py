@@ -86,6 +86,15 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qb
 
 
 @gluon.jit
+def code_pairs(q_code, k_code, pos_q, pos_k, table_ptr, stride_table):
+    """``common.code_pairs`` (the segment-code rule of :mod:`mmsparse.segments`) for the Gluon kernels."""
+    seg_mask = (1 << 12) - 1  # mmsparse.segments.SEG_BITS
+    kind = gl.load(table_ptr + (q_code & seg_mask) * stride_table + (k_code & seg_mask))
+    same_doc = ((q_code ^ k_code) >> 12) == 0
+    return same_doc & ((kind == 1) | ((kind == 2) & (pos_k <= pos_q)))
+
+
+@gluon.jit
 def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
                   BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
@@ -95,6 +104,10 @@ def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q,
     if MASK_MODE == 0:
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
         allowed = (gl.expand_dims(q_bits, 1) & gl.expand_dims(k_bits, 0)) != 0
+    elif MASK_MODE == 2:
+        k_code = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
+        allowed = code_pairs(gl.expand_dims(q_bits, 1), gl.expand_dims(k_code, 0),
+                             gl.expand_dims(past_len + offs_m, 1), gl.expand_dims(offs_n, 0), mask_ptr, stride_mask_q)
     else:
         # 64-bit: one sample's Sq * S passes 2^31 from S = 46341 on
         ptrs = mask_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_mask_q, 1) + gl.expand_dims(offs_n, 0)
@@ -136,8 +149,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     dtype: gl.constexpr = q_smem.dtype
 
     offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
-    q_bits = offs_m  # a stand-in: only the bit mask reads them
-    if MASK_MODE == 0:
+    q_bits = offs_m  # a stand-in: only the bit and code masks read them
+    if MASK_MODE != 1:
         q_bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
     q = q_smem.index(WG)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, rows)

@@ -2,7 +2,8 @@
 
 Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the same mask arguments:
 
-    tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES
+    tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
+             table and stride_mask_q its row stride)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
              stride_idx_r, seq_q, seq_k, PAST (the first-query positions, int32 [1 or Bm]), stride_past_b
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..mask_info import MaskInfo, TileKey
-from .common import MASK_BITS
+from .common import MASK_BITS, MASK_SEGMENTS
 from .config import KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
@@ -46,6 +47,10 @@ class KernelArgs:
             # k_bits' batch stride is 0 too when the key bits are shared (expanded)
             mask = (info.q_bits, info.k_bits, info.q_bits)
             mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0, 0)
+        elif info.mode == MASK_SEGMENTS:
+            mask = (info.q_bits, info.k_bits, info.table)
+            mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0,
+                            info.table.stride(0))
         else:
             dense = info.dense.view(torch.uint8)
             mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
@@ -90,8 +95,11 @@ PackedMask = tuple[list[torch.Tensor], int, bool, int]  # (tensors, mode, causal
 
 def pack(info: MaskInfo) -> PackedMask:
     """A mask as a torch custom op takes it: the token-level tensors (q_bits, k_bits, dense mask, first-query
-    positions; empty stand-ins for the unused path) and its mode, causality and segment count. The op builds the
-    block lists it needs from them (:func:`unpack`)."""
+    positions; empty stand-ins for the unused path; codes and the pair table in the bits' and dense mask's places)
+    and its mode, causality and segment count. The op builds the block lists it needs from them
+    (:func:`unpack`)."""
+    if info.mode == MASK_SEGMENTS:
+        return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments
     if info.mode == MASK_BITS:
         dense = torch.empty((info.batch, 0, 0), dtype=torch.bool, device=info.device)
         tensors = [info.q_bits, info.k_bits, dense, info.q_start]
@@ -105,6 +113,9 @@ def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: i
            seq_k: int) -> MaskInfo:
     """Inverse of :func:`pack`, for seq_q queries over seq_k keys."""
     q_bits, k_bits, dense, q_start = tensors
+    if mode == MASK_SEGMENTS:
+        return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
+                        q_start=q_start, table=dense)
     if mode == MASK_BITS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
                         q_start=q_start)

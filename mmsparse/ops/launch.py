@@ -12,11 +12,16 @@ Triton's separates (every integer is keyed as if specialised, so it may split wh
 costs one extra trip through Triton), so a hit always launches the kernel Triton would have chosen. Through the
 interpreter, under a launch hook (profilers), or with a Triton whose compiled kernels do not have the expected
 launcher, every launch goes through Triton.
+
+Thread safety: a hit reads the cache without a lock; two threads missing on one key both go through Triton and
+store equal entries. Triton's interpreter is not thread-safe (one global grid index, and ``triton.language``
+patched for the length of a launch and restored at its end), so interpreted launches take a lock.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable
 
 import torch
@@ -26,6 +31,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISS = object()
 _knobs = getattr(triton, "knobs", None)
 fast_launches = 0  # counted for the tests: launches that skipped Triton's binding
+_INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time, from any thread
 
 
 def _arg_key(arg: Any) -> Any:
@@ -64,6 +70,19 @@ def _current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+def stream_key(device: torch.device) -> tuple[int, int, int] | None:
+    """The current CUDA stream of ``device`` as torch names it, ``(stream id, device index, device type)``, without
+    making a Stream object (cheap enough for a cache hit); None off the GPU. ``stream_of`` turns it back into one."""
+    if device.type != "cuda":
+        return None
+    return torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def stream_of(key: tuple[int, int, int]) -> torch.cuda.Stream:
+    """The stream of a :func:`stream_key`."""
+    return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+
+
 class FastKernel:
     """Wraps a ``@triton.jit`` kernel; call as ``kernel[grid](*runtime_args, **constexprs_and_options)`` with every
     runtime argument positional, the first one a tensor or a TMA descriptor (it picks the device to launch on), and
@@ -76,6 +95,7 @@ class FastKernel:
         self._params = list(self._signature.parameters)
         # A compiling JITFunction (not the interpreter) in a Triton with launch hooks in knobs (>= 3.4).
         self._enabled = hasattr(fn, "device_caches") and _knobs is not None
+        self._interpreted = type(fn).__name__ == "InterpretedFunction"
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -84,7 +104,11 @@ class FastKernel:
         """Launch; return the cache entry ``(compiled kernel, constexpr tail)`` that launched or was stored, None
         when the launch went through Triton without one."""
         if not self._enabled:
-            self.fn[grid](*args, **kwargs)
+            if self._interpreted:
+                with _INTERPRETER_LOCK:
+                    self.fn[grid](*args, **kwargs)
+            else:
+                self.fn[grid](*args, **kwargs)
             return None
         device, target = torch.cuda.current_device(), _launch_device(args[0])
         if 0 <= target != device:  # Triton launches on the current device: make it the tensors' one

@@ -1,0 +1,228 @@
+"""Block lists of a segment-code mask (:mod:`mmsparse.segments`): exact, on the device, no host synchronisation.
+
+Each side (queries, keys) is cut into *runs*: maximal stretches of tokens with one code. A tile's rows meet a
+few runs and its columns a few more; every (query, key) pair of the tile lies in exactly one (row run, column
+run) pair, and the pair type of that run pair decides all of its pairs at once:
+
+- another doc, NONE, or padding: none allowed;
+- FULL: all allowed;
+- CAUSAL (or any type when the call is causal): all allowed when the run pair's last key is at or before its
+  first query, some when its first key is at or before its last query, none otherwise.
+
+A tile is full when every run pair it meets allows all of its pairs and its key block lies inside the keys; live
+when some run pair allows some pair. Tiles whose query and key blocks hold disjoint doc ranges are empty without
+looking at their runs (the cross-sample tiles of a pack). The cost per tile is the product of the runs its row
+and column blocks meet: 1 to 4 for segments longer than a tile, more for tiny segments.
+
+Runs are built with a few torch ops per side (``torch.cumsum`` over the code changes, scatters into ``[B, S]``
+buffers): metadata is O(S) plus the lists.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..blocks import BlockLists, cdiv
+from .launch import FastKernel
+
+_SUMMARY_WORDS = 4  # per block: first run, last run, lowest doc, highest doc
+
+
+def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of each row of codes int32 ``[B, S]`` (S >= 1).
+
+    Returns:
+        ``(run_of_token, starts, run_codes)``: int32 ``[B, S]`` run index of each token; int32 ``[B, S + 2]``
+        where run r covers tokens ``starts[r] .. starts[r + 1] - 1`` (``starts[n_runs] = S``); int32
+        ``[B, S + 2]`` the code of each run. Entries past the last run are S (starts) or unused.
+    """
+    bsz, seq = codes.shape
+    change = torch.ones((bsz, seq), dtype=torch.bool, device=codes.device)
+    torch.ne(codes[:, 1:], codes[:, :-1], out=change[:, 1:])
+    run = torch.cumsum(change, dim=1, dtype=torch.int32) - 1
+    slot = torch.where(change, run, seq + 1)  # every non-first token of a run writes the spare slot S + 1
+    pos = torch.arange(seq, device=codes.device, dtype=torch.int32).expand(bsz, seq)
+    starts = torch.full((bsz, seq + 2), seq, dtype=torch.int32, device=codes.device)
+    starts.scatter_(1, slot.to(torch.int64), pos)
+    run_codes = torch.zeros((bsz, seq + 2), dtype=torch.int32, device=codes.device)
+    run_codes.scatter_(1, slot.to(torch.int64), codes.expand(bsz, seq).to(torch.int32))
+    return run, starts, run_codes
+
+
+def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc."""
+    from ..segments import SEG_BITS
+
+    bsz, seq = codes.shape
+    n = cdiv(seq, block)
+    first = run[:, ::block]
+    last = run[:, torch.clamp(torch.arange(1, n + 1, device=run.device) * block, max=seq) - 1]
+    docs = codes >> SEG_BITS
+    padded = torch.nn.functional.pad(docs, (0, n * block - seq), mode="replicate") if n * block != seq else docs
+    docs = padded.view(bsz, n, block)
+    return torch.stack([first, last, docs.amin(-1), docs.amax(-1)], dim=-1).to(torch.int32).contiguous()
+
+
+@triton.jit
+def _classify_runs(
+    qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table, past, seq_q, seq_k,
+    BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    """(full, live) of the tiles (query block qb, key block kb), broadcastable block-id tiles, where valid."""
+    q_lo = tl.load(q_sum + qb * 4, mask=valid, other=0)
+    q_hi = tl.load(q_sum + qb * 4 + 1, mask=valid, other=-1)
+    k_lo = tl.load(k_sum + kb * 4, mask=valid, other=0)
+    k_hi = tl.load(k_sum + kb * 4 + 1, mask=valid, other=-1)
+    meet = valid & (tl.load(q_sum + qb * 4 + 2, mask=valid, other=0) <= tl.load(k_sum + kb * 4 + 3, mask=valid,
+                                                                                 other=0))
+    meet = meet & (tl.load(k_sum + kb * 4 + 2, mask=valid, other=0) <= tl.load(q_sum + qb * 4 + 3, mask=valid,
+                                                                                other=0))
+    q0 = qb * BM
+    q1 = tl.minimum(q0 + BM, seq_q)
+    k0 = kb * BN
+    k1 = tl.minimum(k0 + BN, seq_k)
+    full = meet & (k0 + BN <= seq_k)  # a key block running past the keys is never full
+    live = meet != meet
+    n_x = tl.max(tl.max(tl.where(meet, q_hi - q_lo + 1, 0), 1), 0)
+    n_y = tl.max(tl.max(tl.where(meet, k_hi - k_lo + 1, 0), 1), 0)
+    seg_mask = (1 << 12) - 1  # mmsparse.segments.SEG_BITS
+    for dx in range(0, n_x):
+        x = q_lo + dx
+        in_x = meet & (x <= q_hi)
+        x_first = tl.maximum(tl.load(q_starts + x, mask=in_x, other=0), q0) + past  # positions of the run's rows
+        x_last = tl.minimum(tl.load(q_starts + x + 1, mask=in_x, other=0), q1) - 1 + past
+        x_code = tl.load(q_codes + x, mask=in_x, other=0)
+        for dy in range(0, n_y):
+            y = k_lo + dy
+            v = in_x & (y <= k_hi)
+            y_first = tl.maximum(tl.load(k_starts + y, mask=v, other=0), k0)
+            y_last = tl.minimum(tl.load(k_starts + y + 1, mask=v, other=0), k1) - 1
+            y_code = tl.load(k_codes + y, mask=v, other=0)
+            kind = tl.load(table + (x_code & seg_mask) * stride_table + (y_code & seg_mask), mask=v, other=0)
+            kind = tl.where(((x_code ^ y_code) >> 12) == 0, kind, 0)
+            ordered = (kind == 2) | IS_CAUSAL
+            live = live | (v & (kind != 0) & (~ordered | (y_first <= x_last)))
+            full = full & (~v | ((kind != 0) & (~ordered | (y_last <= x_first))))
+    return full, live
+
+
+@triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
+                               "stride_ib", "stride_ir", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
+def segment_lists_kernel(
+    Q_SUM, K_SUM, Q_STARTS, Q_CODES, K_STARTS, K_CODES, TABLE, PAST, COUNTS, INDICES,
+    stride_qs, stride_ks, stride_qr, stride_kr, stride_pb, stride_cb, stride_ib, stride_ir, stride_table,
+    seq_q, seq_k, n_q, n_k,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BY_KEY: tl.constexpr,
+):
+    """Program (g, b) writes ``COUNTS[b, r]`` and ``INDICES[b, r, :n_full + n_part]`` of the row blocks
+    r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full column blocks in ascending order, then the
+    partial ones (as ``block_lists.block_lists_kernel``)."""
+    i_g, i_b = tl.program_id(0), tl.program_id(1)
+    b64 = i_b.to(tl.int64)
+    q_sum, k_sum = Q_SUM + b64 * stride_qs, K_SUM + b64 * stride_ks
+    q_starts, q_codes = Q_STARTS + b64 * stride_qr, Q_CODES + b64 * stride_qr
+    k_starts, k_codes = K_STARTS + b64 * stride_kr, K_CODES + b64 * stride_kr
+    past = tl.load(PAST + i_b * stride_pb)
+    n_r, n_c = (n_k, n_q) if BY_KEY else (n_q, n_k)
+    offs_r = i_g * BR + tl.arange(0, BR)
+    m_r = offs_r < n_r
+    offs_cb = tl.arange(0, CB)
+
+    n_full = tl.zeros([BR], dtype=tl.int32)
+    for c0 in range(0, n_c, CB):
+        offs_c = c0 + offs_cb
+        valid = m_r[:, None] & (offs_c < n_c)[None, :]
+        if BY_KEY:
+            qb, kb = offs_c[None, :], offs_r[:, None]
+        else:
+            qb, kb = offs_r[:, None], offs_c[None, :]
+        full, _ = _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, TABLE,
+                                 stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+        n_full += tl.sum(full.to(tl.int32), 1)
+
+    p_idx = INDICES + b64 * stride_ib + offs_r.to(tl.int64)[:, None] * stride_ir
+    i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
+    for c0 in range(0, n_c, CB):
+        offs_c = c0 + offs_cb
+        valid = m_r[:, None] & (offs_c < n_c)[None, :]
+        if BY_KEY:
+            qb, kb = offs_c[None, :], offs_r[:, None]
+        else:
+            qb, kb = offs_r[:, None], offs_c[None, :]
+        full, live = _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, TABLE,
+                                    stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+        part = live & ~full
+        b_f, b_p = full.to(tl.int32), part.to(tl.int32)
+        pos = tl.where(full, i_full[:, None] + tl.cumsum(b_f, 1), i_part[:, None] + tl.cumsum(b_p, 1)) - 1
+        tl.store(p_idx + pos, offs_c[None, :], mask=full | part)
+        i_full += tl.sum(b_f, 1)
+        i_part += tl.sum(b_p, 1)
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
+    tl.store(p_cnt, n_full, mask=m_r)
+    tl.store(p_cnt + 1, i_part - n_full, mask=m_r)
+
+
+_LISTS = FastKernel(segment_lists_kernel)
+
+
+class CodeRuns:
+    """The runs of one side's codes, built once per mask and shared by every tile's lists."""
+
+    __slots__ = ("codes", "run", "starts", "run_codes", "_summaries")
+
+    def __init__(self, codes: torch.Tensor) -> None:
+        self.codes = codes
+        self.run, self.starts, self.run_codes = code_runs(codes)
+        self._summaries: dict[int, torch.Tensor] = {}
+
+    def summary(self, block: int) -> torch.Tensor:
+        s = self._summaries.get(block)
+        if s is None:
+            s = self._summaries[block] = block_summary(self.codes, self.run, block)
+        return s
+
+
+def build_segment_lists(
+    q_runs: CodeRuns, k_runs: CodeRuns, table: torch.Tensor, block_m: int, block_n: int, causal: bool,
+    q_start: torch.Tensor, by_key: bool = False, fit: bool | None = None,
+) -> BlockLists:
+    """Block lists of a segment-code mask at tile ``block_m`` x ``block_n``.
+
+    Args:
+        q_runs, k_runs: the runs of the query codes ``[Bm, Sq]`` and key codes ``[Bm or 1, Sk]``.
+        table: int8 ``[k + 1, k + 1]`` pair table.
+        causal: also require key position <= query position everywhere.
+        q_start: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
+        by_key: per key block its query blocks instead of per query block its key blocks.
+        fit: program sizes no larger than the lengths need (default: under the interpreter).
+
+    Returns:
+        :class:`BlockLists` with counts ``[Bm, R, 2]`` and indices ``[Bm, R, C]``.
+    """
+    bm, seq_q = q_runs.codes.shape
+    seq_k = k_runs.codes.shape[1]
+    dev = q_runs.codes.device
+    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
+    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
+    counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=dev)
+    indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=dev)
+    if n_r == 0 or n_c == 0:
+        return BlockLists(counts.zero_(), indices)
+    q_sum, k_sum = q_runs.summary(block_m), k_runs.summary(block_n)
+    fit = dev.type != "cuda" if fit is None else fit
+    br = 4 if not fit else min(64, triton.next_power_of_2(n_r))
+    cb = 64 if not fit else min(256, triton.next_power_of_2(n_c))
+    shared_k = k_runs.codes.shape[0] == 1
+    _LISTS[(cdiv(n_r, br), bm)](
+        q_sum, k_sum, q_runs.starts, q_runs.run_codes, k_runs.starts, k_runs.run_codes, table, q_start,
+        counts, indices,
+        q_sum.stride(0), 0 if shared_k else k_sum.stride(0), q_runs.starts.stride(0),
+        0 if shared_k else k_runs.starts.stride(0), q_start.stride(0) if q_start.shape[0] > 1 else 0,
+        counts.stride(0), indices.stride(0), indices.stride(1), table.stride(0),
+        seq_q, seq_k, n_q, n_k,
+        BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, BY_KEY=by_key,
+    )
+    return BlockLists(counts, indices)
