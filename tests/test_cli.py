@@ -29,6 +29,7 @@ def test_seed_example_passes_and_states_its_tolerance(capsys):
 def test_seed_example_fails_on_a_wrong_kernel(monkeypatch, capsys):
     """A kernel off by 3x the tolerance exits 1: CI cannot pass a wrong kernel with exit 0."""
     forward = TritonMBSAttnKernel.forward
+    # The only way to a wrong kernel: the real one's output, off by 3x the tolerance.
     monkeypatch.setattr(TritonMBSAttnKernel, "forward", lambda self, *a, **kw: forward(self, *a, **kw) * (1 + 3 * TOL))
     assert cli.main([]) == 1
     captured = capsys.readouterr()
@@ -46,7 +47,7 @@ def test_draws_a_user_topology_without_running(monkeypatch, capsys):
     def no_kernels(*args, **kwargs):
         raise AssertionError("drawing must not run attention")
 
-    monkeypatch.setattr(TritonMBSAttnKernel, "forward", no_kernels)
+    monkeypatch.setattr(TritonMBSAttnKernel, "forward", no_kernels)  # the drawing alone passes; attention fails it
     argv = ["--topology", "[[1,1,0],[0,1,1],[1,0,1]]", "--seg-lens", "1024,8192,4096", "--causal", "--tile", "128"]
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()

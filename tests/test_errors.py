@@ -114,6 +114,7 @@ def test_mixed_devices():
 def test_cpu_tensors_without_interpreter(monkeypatch):
     import mmsparse.functional as F
 
+    # The interpreter is fixed when triton is imported (on for the session): faking it off is the only way here.
     monkeypatch.setattr(F, "interpreter_active", lambda: False)
     q, k, v = qkv(torch.device("cpu"))
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):

@@ -23,6 +23,7 @@ def test_a_wrong_mask_is_caught(device, monkeypatch):
     seed = next(s for s in range(1000) if fuzz.draw_case(s, device).causal and fuzz.draw_case(s, device).seq_k > 8)
     case = fuzz.draw_case(seed, device)
     original = fuzz._allowed_rows
+    # A wrong reference mask (causal dropped) is the only way to a case the fuzzer must fail.
     monkeypatch.setattr(fuzz, "_allowed_rows", lambda c, d: original(dataclasses.replace(c, causal=False), d))
     assert fuzz.run_case(case, device)
 

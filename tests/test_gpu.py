@@ -127,11 +127,11 @@ def test_backward_on_a_user_stream_is_ordered_and_bit_equal(monkeypatch):
     lens = (300, 2000, 1100)
     q, k, v = make_qkv(2, 8, 2, 3400, 3400, 128, torch.bfloat16, dev)
     grad_out = torch.randn(2, 8, 3400, 128, device=dev, dtype=torch.bfloat16)
-    real_streams = backward._streams
-    monkeypatch.setattr(backward, "_streams", lambda device, seq_k: (None, None))  # one stream
-    mbs_attention(q, k, v, CYCLIC, lens).backward(grad_out)
+    with monkeypatch.context() as patch:  # one stream: the side stream is not the caller's to switch off
+        patch.setattr(backward, "_streams", lambda device, seq_k: (None, None))
+        mbs_attention(q, k, v, CYCLIC, lens).backward(grad_out)
     expected = [t.grad.clone() for t in (q, k, v)]
-    monkeypatch.setattr(backward, "_streams", real_streams)  # the dQ pass on the side stream
+    # the dQ pass on the side stream again
     user = torch.cuda.Stream()
     user.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(user):

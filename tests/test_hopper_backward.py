@@ -21,7 +21,8 @@ from mmsparse.ops.dropout import dropout_keep_mask
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Records which Gluon backward passes ran ("dkdv", "dq")."""
+    """Records which Gluon backward passes ran ("dkdv", "dq"). The tl passes give the same gradients within
+    tolerance, so only a spy on the Gluon launchers tells which ones ran."""
     from mmsparse.ops import hopper_dkdv, hopper_dq
 
     calls = []
@@ -110,7 +111,7 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
         calls.append(1)
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(importlib.import_module(f"mmsparse.ops.{failing}"), "run", broken)
+    monkeypatch.setattr(importlib.import_module(f"mmsparse.ops.{failing}"), "run", broken)  # no other way to fail
     base = kernel_config(32, torch.float32, device)
     gluon = {"hopper_dkdv": "bwd_dkdv", "hopper_dq": "bwd_dq"}[failing]
     tile = getattr(base, gluon)
@@ -131,14 +132,14 @@ def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
 
     long, short = Tile(16, 16), Tile(32, 32)
     cfg = replace(kernel_config(32, torch.float32, device), bwd_dq=long, bwd_dq_short=short)
-    monkeypatch.setattr(config, "SHORT_KEYS", 64)
+    monkeypatch.setattr(config, "SHORT_KEYS", 64)  # the real threshold takes thousands of keys: too slow here
     lists = []
 
     def spy(self, block_m, block_n, by_key=False, _real=KernelArgs.tile):
         lists.append((block_m, block_n, by_key))
         return _real(self, block_m, block_n, by_key)
 
-    monkeypatch.setattr(KernelArgs, "tile", spy)
+    monkeypatch.setattr(KernelArgs, "tile", spy)  # both tiles give exact gradients: only a spy sees the lists
     for seq, want, other in ((60, short, long), (70, long, short)):
         lists.clear()
         q, k, v = make_qkv(1, 2, 2, seq, seq, 32, torch.float32, device)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
 from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
@@ -20,11 +21,10 @@ from mmsparse.ops.dropout import dropout_keep_mask
 
 @pytest.fixture
 def hopper_calls(monkeypatch):
-    """Counts the calls that took the Gluon forward, which runs at every length here (by default, short key ranges
-    take the tl tile: see test_few_keys_take_the_tl_tile)."""
+    """Counts the calls that took the Gluon forward. Both forwards give the same result within tolerance, so only
+    a spy on the Gluon launcher tells which one ran."""
     from mmsparse.ops import hopper_forward
 
-    monkeypatch.setattr(config, "SHORT_KEYS", 0)
     calls = []
     real = hopper_forward.mbs_attn_fwd_hopper
 
@@ -36,10 +36,17 @@ def hopper_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def gluon_at_every_length(monkeypatch):
+    """The Gluon forward at every key length. By default short key ranges take the tl tile (see
+    test_few_keys_take_the_tl_tile); SHORT_KEYS is the only switch for that, and these cases are short."""
+    monkeypatch.setattr(config, "SHORT_KEYS", 0)
+
+
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=hopper_case_id)
-def test_against_float64(case, hopper_calls):
+def test_against_float64(case, hopper_calls, gluon_at_every_length):
     """Ragged segments (partial blocks), causal, GQA, per-sample lengths, fewer queries than keys, a segment that
     sees nothing, a zero-length segment, a padded head dim (96 in 128-wide tiles), a sequence shorter than one
     tile; output and all three gradients (the backward reads the Gluon forward's lse)."""
@@ -57,7 +64,7 @@ def test_against_float64(case, hopper_calls):
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_mask_with_an_empty_row(causal, hopper_calls):
+def test_dense_mask_with_an_empty_row(causal, hopper_calls, gluon_at_every_length):
     dev = torch.device("cuda")
     q, k, v = make_qkv(1, 64, 32, 1500, 1500, 128, torch.bfloat16, dev)
     mask = torch.rand(1500, 1500, device=dev) < 0.3
@@ -73,7 +80,7 @@ def test_dense_mask_with_an_empty_row(causal, hopper_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_calls):
+def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_calls, gluon_at_every_length):
     """Dropout, and a grid too small to fill the GPU (split key lists), are the tl kernel's: it runs the Gluon
     tile (128 x 128, 8 warps, 2 stages) on the same block lists."""
     dev = torch.device("cuda")
@@ -111,8 +118,10 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
         calls.append(1)
         raise RuntimeError("simulated kernel failure")
 
+    # A kernel failure cannot be had otherwise; a grid this small would split its key lists on a GPU (a tl-only
+    # path), so splitting is switched off.
     monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", broken)
-    monkeypatch.setattr(forward, "num_splits", lambda *args: 1)  # a grid this small would split on a GPU
+    monkeypatch.setattr(forward, "num_splits", lambda *args: 1)
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
@@ -126,12 +135,14 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
 def test_gluon_availability_is_decided_up_front(monkeypatch):
     """Availability comes from the switch, the architecture, the Triton version and whether the Gluon modules
     import; an import failure on an old Triton is told once and the tl kernels run."""
-    monkeypatch.setattr(config.torch.cuda, "get_device_capability", lambda index: (9, 0))
+    # No Hopper or other Triton here: faking the capability, the version and a failing import is the only way
+    # through these branches.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     config._gluon_importable.cache_clear()
-    monkeypatch.setattr(config.triton, "__version__", "3.5.0")
+    monkeypatch.setattr(triton, "__version__", "3.5.0")
     assert not config.hopper_gluon_available(0)
     config._gluon_importable.cache_clear()
-    monkeypatch.setattr(config.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
 
     def missing(name):
         raise ImportError(f"cannot import name 'x' for {name}")
@@ -140,21 +151,20 @@ def test_gluon_availability_is_decided_up_front(monkeypatch):
     with pytest.warns(RuntimeWarning, match="do not import"):
         assert not config.hopper_gluon_available(0)
     config._gluon_importable.cache_clear()
-    monkeypatch.setattr(config.torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert not config.hopper_gluon_available(0)
     config._gluon_importable.cache_clear()
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_few_keys_take_the_tl_tile(hopper_calls, monkeypatch):
+def test_few_keys_take_the_tl_tile(hopper_calls):
     """Below SHORT_KEYS keys (the seed: 925) the tl forward runs its own tile, with its own block lists."""
-    monkeypatch.setattr(config, "SHORT_KEYS", 2048)
     q, k, v = make_qkv(8, 16, 16, 925, 925, 64, torch.bfloat16, torch.device("cuda"))
     check_against_reference(q, k, v, CYCLIC, (50, 375, 500))
     assert hopper_calls == []
     cfg = kernel_config(64, torch.bfloat16, q.device)
-    assert not cfg.forward_tile(925, 925).gluon and cfg.forward_tile(925, 2048).gluon
+    assert not cfg.forward_tile(925, 925).gluon and cfg.forward_tile(925, config.SHORT_KEYS).gluon
 
 
 def test_forward_tile_choice():

@@ -65,6 +65,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
 
             return launch
 
+    # No sm_90 here: the launches are recorded instead of run.
     monkeypatch.setattr(hopper_dkdv, "_DKDV_HOPPER", Recorder("dkdv", hopper_dkdv._dkdv_kernel_hopper))
     monkeypatch.setattr(hopper_dq, "_DQ_HOPPER", Recorder("dq", hopper_dq._dq_kernel_hopper))
     monkeypatch.setattr(hopper_forward, "_FWD_HOPPER", Recorder("fwd", hopper_forward._fwd_kernel_hopper))

@@ -65,6 +65,8 @@ def test_the_kernel_runs_where_kernels_run(device, monkeypatch):
     """The build path uses the kernel (one launch), not the torch ops; off the kernels' devices it uses torch."""
     calls = []
     real = token_bits_module.token_bits_torch
+    # Both paths give the same bits: only a spy tells which ran. Triton's interpreter is on for the whole session,
+    # so a device the kernels do not take can only be faked.
     monkeypatch.setattr(token_bits_module, "token_bits_torch", lambda *a: calls.append(1) or real(*a))
     topology = Topology([[1, 0], [1, 1]])
     launch_token_bits(topology, torch.tensor([[3, 4]], device=device), 7)
