@@ -1,5 +1,15 @@
-"""Test set-up: Triton's interpreter when there is no GPU (before triton is imported), NaN-poisoned outputs, and
-the skips of the ``gpu``, ``hopper`` and ``large`` markers."""
+"""Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
+NaN-poisoned outputs, the ``device`` fixture, and the skips of the ``gpu``, ``hopper`` and ``large`` markers.
+
+Where the tests are:
+  unit/         one piece at a time, mostly without attention kernels: block lists in torch, the context-parallel
+                plan, the references, launch keys, input errors and limits, the package's import layers
+  kernels/      the Triton and Gluon kernels against the float64 reference: attention, block lists, token bits,
+                dropout, decoding, launch plans, the Hopper kernels, GPU-only and past-2^31 sizes
+  integration/  the public entry points end to end: arguments, real batches, nn and Hugging Face layers, the CLI,
+                context parallelism, examples, the README's blocks, the fuzzer, the A/B tool, packaging
+helpers.py holds what several modules share (topologies, cases, the float64 checks); no test module imports
+another."""
 
 import os
 

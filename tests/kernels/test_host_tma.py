@@ -1,5 +1,5 @@
 """Host-side TMA descriptors of the Gluon kernels (mmsparse.ops.host_tma): what a kernel receives for a
-[B, H, S, D] tensor. The kernels themselves need an sm_90 GPU (tests/test_hopper_*.py)."""
+[B, H, S, D] tensor. The kernels themselves need an sm_90 GPU (tests/kernels/test_hopper_*.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The direct-launch key (mmsparse.ops.launch): what makes two launches share a compiled kernel. The launches
-themselves need a GPU (tests/test_gpu.py); the key logic is plain Python and is checked here."""
+themselves need a GPU (tests/kernels/test_gpu.py); the key logic is plain Python and is checked here."""
 
 from __future__ import annotations
 
