@@ -32,7 +32,7 @@ from typing import Any
 
 from .ab_stats import config_row, markdown, verdict
 from .arguments import at_least_one
-from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS
+from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, expand_names
 from .env import REPO_DIR, git_commit
 
 WORKER = Path(__file__).resolve().parent / "ab_worker.py"
@@ -207,7 +207,7 @@ def _default_device() -> str:
 
 def select_configs(text: str | None, device: str) -> list[str]:
     if text:
-        names = [n.strip() for n in text.split(",") if n.strip()]
+        names = expand_names(n.strip() for n in text.split(",") if n.strip())  # groups too (``masks``)
     else:
         names = list({**CONFIGS, **DECODE_CONFIGS}) if device.startswith("cuda") else ["tiny_ab"]
     unknown = [n for n in names if n not in ALL_CONFIGS]

@@ -68,12 +68,9 @@ class Side:
             torch.set_num_threads(1)  # tiny ops: OpenMP threads mostly spin against each other
 
     def call(self, name: str) -> Any:
-        cfg = self.configs[name]
+        from benchmarks.baselines import mmsparse_fn  # mbs_attention, or mbs_attention_varlen for a pack
 
-        def fn(q: Any, k: Any, v: Any) -> Any:
-            return self.mmsparse.mbs_attention(q, k, v, cfg.topology, cfg.seg_lens, causal=cfg.causal)
-
-        return fn
+        return mmsparse_fn(self.configs[name], self.device)
 
     def prepare(self, name: str) -> dict[str, Any]:
         """Make the config's seeded inputs, run forward + backward once (compiles), and digest the results."""

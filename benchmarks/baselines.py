@@ -1,12 +1,13 @@
 """The implementations a benchmark compares: mmsparse and what a user would otherwise reach for.
 
-  - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology and segment lengths.
+  - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology and segment lengths; for a pack
+    ``mmsparse.mbs_attention_varlen`` with its ``[N, k]`` lengths (:func:`mmsparse_fn`).
   - ``flex``: ``torch.compile(flex_attention)`` with :func:`benchmarks.flex_mask.flex_mask_mod` and a block mask
     from ``create_block_mask``.
   - ``sdpa_mask``: ``F.scaled_dot_product_attention`` with a dense bool mask ``[1, 1, Sq, Sk]``, on the cuDNN
     backend, else the memory-efficient one (never the math backend on CUDA).
-  - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on causal configs): the cost of
-    ignoring the sparsity.
+  - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on configs with causal pairs,
+    ``cfg.dense_causal``): the cost of ignoring the sparsity. A speed reference only: it computes another mask.
 
 Each ``setup_*`` returns an :class:`Impl` (the call plus the cost of its mask state) or raises :class:`Skip`.
 """
@@ -23,14 +24,17 @@ import mmsparse
 
 from .cases import Case
 from .check import RTOL_OUT, compare
+from .configs import BenchConfig
 from .devices import allocated, device_alive, free_memory, sync
 from .errors import DeviceLost, Skip, short_error
-from .flex_mask import flex_mask_mod, segment_ids
+from .flex_mask import flex_mask_mod, packed_ids, segment_ids
 from .timing import Timing
 
 IMPLS = ("mmsparse", "flex", "sdpa_mask", "dense_flash")
 SDPA_MASK_BYTES_PER_PAIR = 5  # bool mask + the bf16 bias SDPA makes from it on each call (+ alignment copies)
 SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this share of free memory
+
+BIG_TOPOLOGY = 16  # segments: above this, mmsparse is given an mmsparse.Topology built once (see mmsparse_fn)
 
 TensorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,13 +57,42 @@ def _build_state(case: Case, timing: Timing, build: Callable[[], Any]) -> tuple[
     return state, state_mib, timing.host_ms(build)
 
 
-def setup_mmsparse(case: Case, timing: Timing) -> Impl:
-    from mmsparse.functional import build_mask_info
-    from mmsparse.ops.config import kernel_config
+def call_topology(cfg: BenchConfig) -> Any:
+    """The topology as mmsparse is given it: the config's tuples, or above ``BIG_TOPOLOGY`` segments an
+    ``mmsparse.Topology`` (validated and hashed once)."""
+    return mmsparse.Topology(cfg.topology) if cfg.num_segments > BIG_TOPOLOGY else cfg.topology
 
-    cfg, dev = case.cfg, case.device
-    tiles = kernel_config(cfg.head_dim, case.q.dtype, dev)
-    lens = torch.tensor(cfg.seg_lens, device=dev)[None]  # a [1, k] tensor is not cached: every call rebuilds
+
+def mmsparse_fn(cfg: BenchConfig, device: torch.device) -> TensorFn:
+    """mmsparse as a user calls it for ``cfg``.
+
+    ``mbs_attention`` with host lengths (its mask is built once and cached); a topology of more than
+    ``BIG_TOPOLOGY`` segments goes in as an ``mmsparse.Topology`` built once, as a caller of such a topology would
+    hold it (a nested tuple is keyed by its repr, ~10 ms a call at 257 segments). A pack: ``mbs_attention_varlen``
+    with its ``[N, k]`` lengths as an int32 tensor on the device and ``check_lengths=False``, as in a training loop
+    (no host sync); varlen keeps no cache, so every call builds the mask, and its times include that build.
+    """
+    topology = call_topology(cfg)
+    if cfg.packed:
+        lens = torch.tensor(cfg.seg_lens, dtype=torch.int32, device=device)
+
+        def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, lens, causal=cfg.causal, check_lengths=False)
+
+        return varlen
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal)
+
+    return fn
+
+
+def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callable[[], Any]:
+    """The metadata build of one call for new lengths, from a device length tensor, validated (one host sync):
+    ``build_mask_info`` with ``[1, k]`` lengths (a tensor is never cached) + the block lists of every kernel; for a
+    pack what ``mbs_attention_varlen`` does, ``packed_lens_tensor`` + ``MaskInfo.from_segments(packed=True)``, + the
+    block lists."""
+    from mmsparse.functional import build_mask_info
 
     try:
         from mmsparse.ops.kernel_args import prepare
@@ -67,20 +100,44 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
         def prepare(info: Any, config: Any) -> Any:
             return info.prepare(config)
 
+    if cfg.packed:
+        from mmsparse.lengths import packed_lens_tensor
+        from mmsparse.mask_info import MaskInfo
+
+        topo = mmsparse.Topology(cfg.topology)  # mbs_attention_varlen's is validated once and kept, too
+        rows = torch.tensor(cfg.seg_lens, dtype=torch.int32, device=device)
+        total = cfg.seq_k
+
+        def build_packed() -> Any:
+            lens = packed_lens_tensor(rows, topo.num_segments, total, device, check_lengths=True)
+            return prepare(MaskInfo.from_segments(topo, lens, total, total, cfg.causal, packed=True), tiles)
+
+        return build_packed
+
+    lens = torch.tensor(cfg.seg_lens, device=device)[None]  # a [1, k] tensor is not cached: every call rebuilds
+    topology = call_topology(cfg)
+
     def build() -> Any:
-        return prepare(build_mask_info(cfg.topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, dev), tiles)
+        return prepare(build_mask_info(topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, device), tiles)
 
-    state, state_mib, build_ms = _build_state(case, timing, build)
+    return build
+
+
+def setup_mmsparse(case: Case, timing: Timing) -> Impl:
+    from mmsparse.ops.config import kernel_config
+
+    cfg, dev = case.cfg, case.device
+    tiles = kernel_config(cfg.head_dim, case.q.dtype, dev)
+    state, state_mib, build_ms = _build_state(case, timing, mmsparse_build(cfg, dev, tiles))
     del state
-
-    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return mmsparse.mbs_attention(q, k, v, cfg.topology, cfg.seg_lens, causal=cfg.causal)
 
     fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k)
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
                      for n, x in (("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k))))
-    return Impl(fn, build_ms=build_ms, state_mib=state_mib, info={"backend": "triton", "tiles": desc})
+    backend = "triton, mbs_attention_varlen (mask built in every call, timed)" if cfg.packed else "triton"
+    return Impl(mmsparse_fn(cfg, dev), build_ms=build_ms, state_mib=state_mib,
+                info={"backend": backend, "tiles": desc})
 
 
 _FLEX: Any = None
@@ -100,8 +157,12 @@ def setup_flex(case: Case, timing: Timing) -> Impl:
     from torch.nn.attention.flex_attention import create_block_mask
 
     cfg, dev = case.cfg, case.device
-    seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)
-    mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
+    if cfg.packed:
+        doc, seg = packed_ids(cfg.rows, dev)
+        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc)
+    else:
+        seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)  # type: ignore[arg-type]
+        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
 
     def build() -> Any:
         return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev)
@@ -188,8 +249,9 @@ def setup_dense_flash(case: Case, timing: Timing) -> Impl:
 
     candidates = ([("flash", SDPBackend.FLASH_ATTENTION)] if case.device.type == "cuda"
                   else [("math", SDPBackend.MATH)])
-    fn, label = _first_sdpa_that_runs(case, candidates, None, is_causal=case.cfg.causal, reference="dense")
-    return Impl(fn, reference="dense", info={"backend": label + (" (is_causal)" if case.cfg.causal else "")})
+    causal = case.cfg.dense_causal
+    fn, label = _first_sdpa_that_runs(case, candidates, None, is_causal=causal, reference="dense")
+    return Impl(fn, reference="dense", info={"backend": label + (" (is_causal)" if causal else "")})
 
 
 SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {

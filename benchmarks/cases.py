@@ -12,6 +12,39 @@ from .configs import BenchConfig
 from .inputs import make_inputs
 
 REF_CHUNK_BYTES = 2 << 30  # float32 reference: query rows per chunk so that one [g, rows, S] score tensor ~ this / 8
+MASK_CHUNK_PAIRS = 1 << 26  # reference_mask builds on the CPU: query rows per call so that a call covers ~64M pairs
+
+
+def topology_mask(topology: object, seg_lens: tuple[int, ...], seq_k: int, seq_q: int, causal: bool,
+                  device: torch.device, chunk_pairs: int = MASK_CHUNK_PAIRS) -> torch.Tensor:
+    """``mmsparse.reference_mask`` as a dense bool ``[Sq, Sk]`` on ``device``, built on the CPU a chunk of query rows
+    at a time (``q_start`` places each chunk), so that the CPU never holds more than ``chunk_pairs`` pairs."""
+    topo = mmsparse.Topology(topology)  # validated once, not per chunk
+    rows = max(1, chunk_pairs // max(seq_k, 1))
+    if rows >= seq_q:
+        return mmsparse.reference_mask(topo, seg_lens, seq_k, seq_q, causal)[0].to(device)
+    past = seq_k - seq_q
+    mask = torch.empty(seq_q, seq_k, dtype=torch.bool, device=device)
+    for r0 in range(0, seq_q, rows):
+        n = min(rows, seq_q - r0)
+        mask[r0 : r0 + n] = mmsparse.reference_mask(topo, seg_lens, seq_k, n, causal, q_start=[past + r0])[0].to(device)
+    return mask
+
+
+def packed_mask(topology: object, rows: tuple[tuple[int, ...], ...], causal: bool,
+                device: torch.device) -> torch.Tensor:
+    """``mmsparse.reference_packed_mask`` as a dense bool ``[S, S]`` made on ``device``: zeros, and each sample's
+    own ``reference_mask`` (built on the CPU, sample by sample) on the diagonal. No S x S tensor on the CPU."""
+    topo = mmsparse.Topology(topology)
+    total = sum(sum(row) for row in rows)
+    mask = torch.zeros(total, total, dtype=torch.bool, device=device)
+    start = 0
+    for row in rows:
+        end = start + sum(row)
+        if end > start:
+            mask[start:end, start:end] = mmsparse.reference_mask(topo, row, end - start, causal=causal)[0].to(device)
+        start = end
+    return mask
 
 
 @dataclass
@@ -42,17 +75,24 @@ class Case:
         return b, kh, slice(kh * self.group, (kh + 1) * self.group)
 
     def mask(self, kind: str) -> torch.Tensor:
-        """Dense bool ``[Sq, Sk]`` on the device, from ``mmsparse.reference_mask``: ``"topology"`` is the config's
-        mask, ``"dense"`` all pairs (causal on causal configs), i.e. what dense_flash computes."""
+        """Dense bool ``[Sq, Sk]`` on the device. ``"topology"``: the config's mask, from
+        ``mmsparse.reference_mask`` (a pack: ``reference_packed_mask``'s, sample by sample), never S x S on the CPU.
+        ``"dense"``: what dense_flash computes, all pairs, or every key at or before the query on configs with
+        causal pairs (``cfg.dense_causal``)."""
         if kind not in self.masks:
             cfg = self.cfg
-            if kind == "dense" and not cfg.causal:  # every pair: a broadcast view, no S x S memory
+            if kind == "dense" and not cfg.dense_causal:  # every pair: a broadcast view, no S x S memory
                 self.masks[kind] = torch.ones((), dtype=torch.bool, device=self.device).expand(cfg.q_len, cfg.seq_k)
+            elif kind == "dense":  # key j <= query position past + i
+                mask = torch.ones(cfg.q_len, cfg.seq_k, dtype=torch.bool, device=self.device)
+                self.masks[kind] = mask.tril_(cfg.seq_k - cfg.q_len)
+            elif kind == "topology" and cfg.packed:
+                self.masks[kind] = packed_mask(cfg.topology, cfg.rows, cfg.causal, self.device)
+            elif kind == "topology":
+                self.masks[kind] = topology_mask(cfg.topology, cfg.seg_lens, cfg.seq_k, cfg.q_len, cfg.causal,
+                                                 self.device)
             else:
-                topology, lens = (cfg.topology, cfg.seg_lens) if kind == "topology" else ([[1]], (cfg.seq_k,))
-                mask = mmsparse.reference_mask(topology, lens, cfg.seq_k, cfg.q_len, cfg.causal)[0]
-                self.masks[kind] = mask.to(self.device)
-                del mask
+                raise ValueError(f"mask kind {kind!r}: 'topology' or 'dense'")
         return self.masks[kind]
 
     def reference(self, kind: str) -> dict[str, torch.Tensor]:

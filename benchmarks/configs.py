@@ -1,13 +1,21 @@
 """Benchmark shapes, by name, and the live-pair count behind the TFLOP/s numbers.
 
-Every config is a multimodal sequence (text, vision, audio) under a 3 x 3 topology. Results, the A/B tool and
-docs/performance.md refer to them by name.
+Most configs are one multimodal sequence (text, vision, audio) under a 3 x 3 topology. The mask rows
+(:data:`MASK_CONFIGS`) add packs of many samples (``packed``: ``[N, k]`` lengths) and topologies of many segments
+with pair types 0/1/2 (none, full, causal). Results, the A/B tool and docs/performance.md refer to configs by name.
+
+No torch here: the A/B tool's parent process imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate
+
+NONE, FULL, CAUSAL = 0, 1, 2  # pair types, as mmsparse.NONE / FULL / CAUSAL: no key, every key, keys <= the query
 
 CYCLIC = ((0, 1, 0), (0, 0, 1), (1, 0, 0))  # text -> vision -> audio -> text
 HUB = ((1, 1, 1), (1, 1, 0), (1, 0, 1))  # text sees everything; vision and audio see text and themselves
@@ -25,10 +33,14 @@ class BenchConfig:
         heads_q: query heads Hq.
         heads_kv: key/value heads Hkv (Hq a multiple of it; fewer than Hq is GQA).
         head_dim: D.
-        seg_lens: k segment lengths; S = sum(seg_lens) key positions.
-        topology: k x k 0/1 tuple of tuples; ``topology[r][c] == 1`` lets segment r attend segment c.
-        causal: also require key position <= query position.
+        seg_lens: k segment lengths; S = sum(seg_lens) key positions. With ``packed``: N rows of k lengths
+            (``[N, k]``, as ``mmsparse.mbs_attention_varlen`` takes them), the samples laid end to end; S is the
+            sum of them all.
+        topology: k x k tuple of tuples of pair types: ``topology[r][c]`` is NONE (0), FULL (1: segment r sees
+            every key of segment c) or CAUSAL (2: the keys of c at or before the query's position).
+        causal: also require key position <= query position (per sample in a pack).
         seq_q: query positions (the last seq_q of the S); None means S (prefill). Decode rows set it.
+        packed: ``seg_lens`` is ``[N, k]``: N samples packed in one sequence (batch 1), each seeing only itself.
     """
 
     name: str
@@ -41,10 +53,41 @@ class BenchConfig:
     causal: bool = False
     seq_q: int | None = None
     tags: tuple[str, ...] = field(default=())
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        k = len(self.topology)
+        if any(len(row) != k for row in self.topology) or any(t not in (NONE, FULL, CAUSAL)
+                                                               for row in self.topology for t in row):
+            raise ValueError(f"{self.name}: the topology must be k x k of 0/1/2")
+        rows = self.seg_lens if self.packed else (self.seg_lens,)
+        if any(len(row) != k for row in rows):
+            raise ValueError(f"{self.name}: every row of seg_lens needs {k} lengths")
+        if self.packed and (self.batch != 1 or self.seq_q is not None):
+            raise ValueError(f"{self.name}: a pack is one sequence (batch 1) of prefill queries (seq_q None)")
+
+    @property
+    def rows(self) -> tuple[tuple[int, ...], ...]:
+        """The samples' k lengths: N rows for a pack, else the one shared row."""
+        return self.seg_lens if self.packed else (self.seg_lens,)  # type: ignore[return-value]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.topology)
+
+    @property
+    def has_causal_pairs(self) -> bool:
+        return any(t == CAUSAL for row in self.topology for t in row)
+
+    @property
+    def dense_causal(self) -> bool:
+        """Whether the dense speed reference (dense_flash) runs causal: on causal configs and on topologies with
+        CAUSAL pairs (whose mask is mostly the causal half)."""
+        return self.causal or self.has_causal_pairs
 
     @property
     def seq_k(self) -> int:
-        return sum(self.seg_lens)
+        return sum(sum(row) for row in self.rows)
 
     @property
     def q_len(self) -> int:
@@ -59,22 +102,31 @@ class BenchConfig:
     def topology_name(self) -> str:
         return TOPOLOGY_NAMES.get(self.topology, "custom")
 
-    @property
+    @cached_property
     def live_pairs(self) -> int:
         """Allowed (query, key) pairs of one head, from the lengths alone (no S x S tensor)."""
-        return live_pairs(self.topology, self.seg_lens, self.q_len, self.causal)
+        return live_pairs(self.topology, self.seg_lens, self.q_len, self.causal, packed=self.packed)
 
     @property
     def density(self) -> float:
         """Live pairs over all Sq x Sk pairs."""
         return self.live_pairs / (self.q_len * self.seq_k)
 
+    @property
+    def layout(self) -> str:
+        """The lengths in a few words: the k lengths, or a summary of a pack or of many segments."""
+        if self.packed:
+            return f"{len(self.rows)} samples x {self.num_segments} segments (packed)"
+        if self.num_segments > 8:
+            return f"{self.num_segments} segments"
+        return str(self.seg_lens)
+
     def describe(self) -> str:
         gqa = f" Hkv={self.heads_kv}" if self.heads_kv != self.heads_q else ""
-        causal = " causal" if self.causal else ""
+        causal = (" causal per sample" if self.packed else " causal") if self.causal else ""
         return (
-            f"B={self.batch} Hq={self.heads_q}{gqa} D={self.head_dim} seg={self.seg_lens} {self.topology_name}"
-            f"{causal} S={self.seq_k} density={self.density:.3f}"
+            f"B={self.batch} Hq={self.heads_q}{gqa} D={self.head_dim} seg={self.layout} {self.topology_name}"
+            f"{causal} S={self.seq_k} density={self.density:.4f}"
         )
 
 
@@ -87,38 +139,48 @@ def _clamped_prefix(n: int, cap: int) -> int:
     return cap * (cap + 1) // 2 + (n - cap - 1) * cap
 
 
-def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int], seq_q: int | None = None,
-               causal: bool = False) -> int:
-    """Number of allowed (query, key) pairs for one head, exactly, in O(k^2).
+def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int] | Sequence[Sequence[int]],
+               seq_q: int | None = None, causal: bool = False, packed: bool = False) -> int:
+    """Number of allowed (query, key) pairs for one head, exactly, in O(k^2) (O(N k^2) for a pack).
 
     Queries are the last ``seq_q`` of the S = sum(seg_lens) positions (past_len = S - seq_q). A query at absolute
-    position i in segment r may see a key j in segment c when ``topology[r][c]`` and, if causal, ``j <= i``.
+    position i in segment r may see a key j in segment c when ``topology[r][c]`` is FULL, or CAUSAL and
+    ``j <= i``; if causal, also only when ``j <= i``. A pack counts each sample on its own (a sample sees only
+    itself; its positions are the sample's).
 
     Args:
-        topology: k x k 0/1.
-        seg_lens: k lengths.
-        seq_q: query positions; None means S.
-        causal: add the causal condition.
+        topology: k x k pair types 0/1/2.
+        seg_lens: k lengths, or with ``packed`` N rows of k lengths.
+        seq_q: query positions; None means S. Packs are prefill (None).
+        causal: add the causal condition (per sample in a pack).
+        packed: ``seg_lens`` is ``[N, k]``, samples laid end to end.
 
     Returns:
         The count, a Python int.
     """
-    seq_k = sum(seg_lens)
+    if packed:
+        if seq_q is not None and seq_q != sum(sum(row) for row in seg_lens):  # type: ignore[arg-type]
+            raise ValueError("a pack's queries are all its positions")
+        return sum(live_pairs(topology, row, None, causal) for row in seg_lens)  # type: ignore[arg-type]
+    seq_k = sum(seg_lens)  # type: ignore[arg-type]
     seq_q = seq_k if seq_q is None else seq_q
     past = seq_k - seq_q
-    starts = [sum(seg_lens[:i]) for i in range(len(seg_lens))]
+    starts = [0, *accumulate(seg_lens)][:-1]  # type: ignore[arg-type]
     total = 0
     for r, (r0, rl) in enumerate(zip(starts, seg_lens)):
         a0, a1 = max(r0, past), r0 + rl  # absolute query positions [a0, a1) of segment r
         if a1 <= a0:
             continue
         for c, (c0, cl) in enumerate(zip(starts, seg_lens)):
-            if not topology[r][c] or cl == 0:
+            kind = topology[r][c]
+            if kind == NONE or cl == 0:
                 continue
-            if not causal:
+            if kind == FULL and not causal:
                 total += (a1 - a0) * cl
-            else:  # query i sees min(max(i + 1 - c0, 0), cl) keys of segment c
+            elif kind in (FULL, CAUSAL):  # query i sees min(max(i + 1 - c0, 0), cl) keys of segment c
                 total += _clamped_prefix(a1 + 1 - c0, cl) - _clamped_prefix(a0 + 1 - c0, cl)
+            else:
+                raise ValueError(f"topology[{r}][{c}] = {kind!r}: pair types are 0, 1 and 2")
     return total
 
 
@@ -156,6 +218,83 @@ DECODE_CONFIGS: dict[str, BenchConfig] = {
     )
 }
 
+# Mask rows: the shapes of multimodal training that are not three segments. B = 1, Hq = 16, Hkv = 4, D = 128.
+
+
+def pack_lengths(samples: int, ranges: Sequence[tuple[int, int]], seed: int = 0,
+                 total: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """``[samples, k]`` lengths, each drawn uniformly from its segment's ``(low, high)`` by ``random.Random(seed)``.
+
+    With ``total``, the drawn lengths are then scaled so that the pack holds exactly ``total`` tokens (each scaled
+    down, the largest remainders rounded up): the ranges keep their proportions, zeros stay zero.
+    """
+    rng = random.Random(seed)
+    flat = [rng.randint(low, high) for _ in range(samples) for low, high in ranges]
+    if total is not None:
+        drawn = sum(flat)
+        scaled = [x * total // drawn for x in flat]
+        by_remainder = sorted(range(len(flat)), key=lambda i: (-(flat[i] * total % drawn), i))
+        for i in by_remainder[: total - sum(scaled)]:
+            scaled[i] += 1
+        flat = scaled
+    k = len(ranges)
+    return tuple(tuple(flat[n * k : (n + 1) * k]) for n in range(samples))
+
+
+def transfusion_layout(images: int, image_len: int, text_lens: tuple[int, int],
+                       seed: int = 0) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Interleaved text and images (Transfusion): text, image, text, ..., image, text, 2 * images + 1 segments,
+    the text lengths drawn from ``text_lens`` by ``random.Random(seed)``. Text is causal over everything before it
+    (FULL for earlier segments, CAUSAL within itself); an image sees all of itself and everything before it.
+
+    Returns:
+        ``(seg_lens, topology)``.
+    """
+    rng = random.Random(seed)
+    lens: list[int] = []
+    for _ in range(images):
+        lens += [rng.randint(*text_lens), image_len]
+    lens.append(rng.randint(*text_lens))
+    k = len(lens)
+    topology = tuple(
+        tuple(FULL if c < r or (c == r and r % 2) else CAUSAL if c == r else NONE for c in range(k)) for r in range(k)
+    )
+    TOPOLOGY_NAMES[topology] = "transfusion"
+    return tuple(lens), topology
+
+
+def video_layout(text_len: int, frames: int, frame_len: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """A text prompt, then video frames: 1 + frames segments. The text is causal within itself; each frame sees all
+    of itself, the text and every earlier frame.
+
+    Returns:
+        ``(seg_lens, topology)``.
+    """
+    k = frames + 1
+    topology = ((CAUSAL,) + (NONE,) * frames,) + tuple(
+        tuple(FULL if c <= r else NONE for c in range(k)) for r in range(1, k)
+    )
+    TOPOLOGY_NAMES[topology] = "video"
+    return (text_len,) + (frame_len,) * frames, topology
+
+
+PACK_RANGES = ((16, 64), (64, 256), (0, 64))  # text, vision, audio tokens of one sample, before scaling
+_TRANSFUSION_16K = transfusion_layout(40, 256, (20, 200))
+_VIDEO_64K = video_layout(2048, 256, 240)
+MASK_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        # 512 samples of (text, vision, audio) drawn from PACK_RANGES, scaled to 65536 tokens in all (x ~0.55: the
+        # unscaled ranges average 232 tokens, ~119k for 512 samples); hub topology, causal per sample
+        BenchConfig("pack_64k_x512", 1, 16, 4, 128, pack_lengths(512, PACK_RANGES, seed=0, total=65536), HUB,
+                    causal=True, packed=True, tags=("masks",)),
+        # 40 images of 256 tokens between 41 texts of 20-200 tokens: 81 segments
+        BenchConfig("transfusion_16k", 1, 16, 4, 128, *_TRANSFUSION_16K, tags=("masks",)),
+        # 2048 text tokens, then 256 frames of 240 tokens: 257 segments
+        BenchConfig("video_64k", 1, 16, 4, 128, *_VIDEO_64K, tags=("masks",)),
+    )
+}
+
 # Smoke-test shapes for ``--tiny`` (CPU, Triton interpreter): ragged lengths, D 16/32, GQA, causal.
 TINY: dict[str, BenchConfig] = {
     c.name: c
@@ -165,7 +304,32 @@ TINY: dict[str, BenchConfig] = {
         BenchConfig("tiny_decode", 2, 4, 2, 32, (40, 30, 11), DECODE_TOPOLOGY, seq_q=4, tags=("decode",)),
         # the A/B tool's CPU smoke test: a fraction of a second per call through the interpreter
         BenchConfig("tiny_ab", 1, 2, 1, 16, (7, 20, 13), HUB, causal=True),
+        # the mask rows, small: a pack of 6 samples (one without audio), 3 images, 4 frames
+        BenchConfig("tiny_pack", 1, 2, 1, 16, pack_lengths(6, ((2, 8), (4, 24), (0, 8)), seed=1), HUB, causal=True,
+                    packed=True, tags=("masks",)),
+        BenchConfig("tiny_transfusion", 1, 4, 2, 32, *transfusion_layout(3, 16, (3, 12)), tags=("masks",)),
+        BenchConfig("tiny_video", 1, 2, 1, 16, *video_layout(20, 4, 12), tags=("masks",)),
     )
 }
 
-ALL_CONFIGS: dict[str, BenchConfig] = {**CONFIGS, **DECODE_CONFIGS, **TINY}
+GPU_CONFIGS: dict[str, BenchConfig] = {**CONFIGS, **DECODE_CONFIGS, **MASK_CONFIGS}  # ``python -m benchmarks``
+ALL_CONFIGS: dict[str, BenchConfig] = {**GPU_CONFIGS, **TINY}
+
+# Names that stand for several configs in ``--configs`` (mixable with config names: ``masks,mm13k_hub_causal``).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "quick": QUICK,
+    "decode": tuple(DECODE_CONFIGS),
+    "masks": tuple(MASK_CONFIGS),
+    "tiny": tuple(TINY),
+    "tiny_masks": tuple(n for n, c in TINY.items() if "masks" in c.tags),
+}
+assert not set(GROUPS) & set(ALL_CONFIGS), "a group name must not be a config name"
+
+
+def expand_names(names: Iterable[str]) -> list[str]:
+    """Config names with each group name replaced by its configs, in order, without repeats; unknown names are
+    kept (the caller reports them)."""
+    out: list[str] = []
+    for name in names:
+        out += [n for n in GROUPS.get(name, (name,)) if n not in out]
+    return out

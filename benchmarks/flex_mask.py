@@ -1,4 +1,10 @@
-"""The one FlexAttention ``mask_mod`` for a topology over segments: what Flex is given in every comparison."""
+"""The one FlexAttention ``mask_mod`` for a topology over segments: what Flex is given in every comparison.
+
+Every rule of mmsparse's masks is in it: segment ids and the topology's pair types (0/1/2: none, full, causal
+within the pair), per-sample padding, decode offsets, and the document ids of a pack (a token sees only its own
+sample). Ids are int64: ``create_block_mask`` evaluates the ``mask_mod`` over every (query, key) pair, and int32
+ids make it convert each S x S index to int64 first (two S x S int64 temporaries: 64 GB at S = 64k).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
+
+from .configs import CAUSAL, FULL, NONE
 
 MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -20,12 +28,12 @@ def segment_ids(seg_lens: Sequence[int] | torch.Tensor, seq_len: int,
         seq_len: S.
 
     Returns:
-        ``(seg, real)``: ``seg`` int ``[S]`` for shared lengths (``real`` None), or ``[B, S]`` clamped to the last
-        segment, with ``real`` bool ``[B, S]`` False on padding.
+        ``(seg, real)``: ``seg`` int64 ``[S]`` for shared lengths (``real`` None), or ``[B, S]`` clamped to the
+        last segment, with ``real`` bool ``[B, S]`` False on padding.
     """
     if not isinstance(seg_lens, torch.Tensor):
-        ids = torch.arange(len(seg_lens), dtype=torch.int32)
-        return torch.repeat_interleave(ids, torch.tensor(seg_lens)).to(device), None
+        ids = torch.arange(len(seg_lens), dtype=torch.int64)
+        return torch.repeat_interleave(ids, torch.tensor(seg_lens, dtype=torch.int64)).to(device), None
     lens = seg_lens.to(device=device, dtype=torch.int64)
     ends = lens.cumsum(-1).contiguous()
     pos = torch.arange(seq_len, device=device).expand(lens.shape[0], -1).contiguous()
@@ -34,29 +42,58 @@ def segment_ids(seg_lens: Sequence[int] | torch.Tensor, seq_len: int,
     return seg.clamp(max=lens.shape[1] - 1), real
 
 
-def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: bool, past: int = 0,
-                  real: torch.Tensor | None = None) -> MaskMod:
-    """``mask_mod(b, h, q_idx, kv_idx)``: key ``kv_idx`` is visible to query ``q_idx`` when the topology links
-    their segments, both are real tokens and, if causal, the key is not after the query.
+def packed_ids(rows: Sequence[Sequence[int]] | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's sample (document) and segment in a pack of N samples laid end to end.
 
     Args:
-        topology: k x k 0/1; ``topology[r][c]`` lets segment r attend segment c.
-        seg: segment ids ``[S]`` (shared by the batch) or ``[B, S]`` (per sample), from :func:`segment_ids`.
+        rows: ``[N, k]`` lengths; sample n owns the next ``sum(rows[n])`` positions.
+
+    Returns:
+        ``(doc, seg)``, int64 ``[S]`` each, S the total.
+    """
+    lens = torch.as_tensor(rows, dtype=torch.int64).cpu()
+    n, k = lens.shape
+    seg = torch.repeat_interleave(torch.arange(k, dtype=torch.int64).repeat(n), lens.reshape(-1))
+    doc = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), lens.sum(-1))
+    return doc.to(device), seg.to(device)
+
+
+def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: bool, past: int = 0,
+                  real: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> MaskMod:
+    """``mask_mod(b, h, q_idx, kv_idx)``: key ``kv_idx`` is visible to query ``q_idx`` when both are in the same
+    document (a pack's sample), the topology's pair type of their segments is FULL, or CAUSAL with the key not
+    after the query, both are real tokens and, if causal, the key is not after the query.
+
+    Args:
+        topology: k x k pair types 0/1/2 (NONE/FULL/CAUSAL); ``topology[r][c]`` says what segment r sees of
+            segment c. A 0/1 topology is looked up as a bool table.
+        seg: segment ids ``[S]`` (shared by the batch) or ``[B, S]`` (per sample), from :func:`segment_ids` or
+            :func:`packed_ids`.
         causal: add ``kv_idx <= q_pos``.
         past: the queries are the last positions: query ``i`` sits at position ``past + i`` (decoding).
         real: optional bool ``[B, S]``, False on padding.
+        doc: optional document ids ``[S]`` of a pack (:func:`packed_ids`): only pairs within one document.
     """
-    table = torch.tensor(topology, dtype=torch.bool, device=seg.device)
+    types = torch.tensor(topology, dtype=torch.int8)
+    if bool(((types != NONE) & (types != FULL) & (types != CAUSAL)).any()):
+        raise ValueError("topology entries are pair types 0, 1 and 2")
+    typed = bool((types == CAUSAL).any())
+    table = types.to(seg.device) if typed else (types != NONE).to(seg.device)
     per_sample = seg.dim() == 2
+    if doc is not None and per_sample:
+        raise ValueError("document ids go with one packed sequence ([S] segment ids), not per-sample [B, S] ones")
 
     def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_pos = q_idx + past
         if per_sample:
-            allowed = table[seg[b, q_pos], seg[b, kv_idx]]
-            if real is not None:
-                allowed = allowed & real[b, q_pos] & real[b, kv_idx]
+            pair = table[seg[b, q_pos], seg[b, kv_idx]]
         else:
-            allowed = table[seg[q_pos], seg[kv_idx]]
+            pair = table[seg[q_pos], seg[kv_idx]]
+        allowed = ((pair == FULL) | ((pair == CAUSAL) & (kv_idx <= q_pos))) if typed else pair
+        if real is not None:
+            allowed = allowed & real[b, q_pos] & real[b, kv_idx]
+        if doc is not None:
+            allowed = allowed & (doc[q_pos] == doc[kv_idx])
         if causal:
             allowed = allowed & (kv_idx <= q_pos)
         return allowed

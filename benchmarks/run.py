@@ -22,6 +22,7 @@ Usage::
     python -m benchmarks                          # all configs, all implementations
     python -m benchmarks --quick                  # seed, mm13k_cyclic, mm13k_hub, fewer reps
     python -m benchmarks --configs mm13k_hub,mm43k_cyclic --impls mmsparse,flex
+    python -m benchmarks --configs masks,mm13k_hub_causal --impls mmsparse,flex,dense_flash   # a group + a config
     python -m benchmarks --isolate                # one subprocess per (config, impl)
     python -m benchmarks --device cpu --tiny      # CPU smoke test of the whole flow (times mean nothing)
 
@@ -45,7 +46,7 @@ import mmsparse  # before triton: on a machine without CUDA it turns on Triton's
 
 from .arguments import at_least_one
 from .baselines import IMPLS
-from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, QUICK, TINY, BenchConfig
+from .configs import ALL_CONFIGS, GPU_CONFIGS, GROUPS, QUICK, TINY, BenchConfig, expand_names
 from .env import environment, results_dir
 from .errors import DeviceLost
 from .report import log, write_final, write_json
@@ -59,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"configs {', '.join(QUICK)} and shorter timing")
-    p.add_argument("--configs", default=None, help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated config or group names; groups: {', '.join(GROUPS)}; configs: "
+                        f"{', '.join(ALL_CONFIGS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from: {', '.join(IMPLS)}")
     p.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
     p.add_argument("--device", default="cuda", help="default cuda")
@@ -82,15 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def select(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str]]:
     if args.configs:
-        names = [n.strip() for n in args.configs.split(",") if n.strip()]
+        names = expand_names(n.strip() for n in args.configs.split(",") if n.strip())
     else:
-        names = list(TINY if args.tiny else QUICK if args.quick else {**CONFIGS, **DECODE_CONFIGS})
+        names = list(TINY if args.tiny else QUICK if args.quick else GPU_CONFIGS)
     unknown = [n for n in names if n not in ALL_CONFIGS]
     impls = [n.strip() for n in args.impls.split(",") if n.strip()]
     unknown += [n for n in impls if n not in IMPLS]
     if unknown:
-        raise SystemExit(f"unknown config/impl: {', '.join(unknown)}; configs: {', '.join(ALL_CONFIGS)}; "
-                         f"impls: {', '.join(IMPLS)}")
+        raise SystemExit(f"unknown config/impl: {', '.join(unknown)}; groups: {', '.join(GROUPS)}; configs: "
+                         f"{', '.join(ALL_CONFIGS)}; impls: {', '.join(IMPLS)}")
     return [ALL_CONFIGS[n] for n in names], impls
 
 

@@ -38,12 +38,18 @@ def base_row(cfg: BenchConfig, impl: str, env: dict[str, str], timing: Timing) -
     row.update(config=cfg.name, impl=impl, **env)
     row.update(
         fwdbwd_ms=None, state_mib=None, correct=None, max_err=None, rel_err=None, check=None, backend=None,
-        error=None, batch=cfg.batch, heads_q=cfg.heads_q, heads_kv=cfg.heads_kv, head_dim=cfg.head_dim,
-        seq_len=cfg.seq_k, seq_q=cfg.q_len, seg_lens=list(cfg.seg_lens), topology=cfg.topology_name,
-        causal=cfg.causal, density=round(cfg.density, 4), live_pairs=cfg.live_pairs, dtype="bf16",
-        timer=timing.method,
+        error=None, reference=None, batch=cfg.batch, heads_q=cfg.heads_q, heads_kv=cfg.heads_kv,
+        head_dim=cfg.head_dim, seq_len=cfg.seq_k, seq_q=cfg.q_len, seg_lens=_json_lens(cfg.seg_lens),
+        topology=cfg.topology_name, segments=cfg.num_segments, packed=cfg.packed, causal=cfg.causal,
+        density=round(cfg.density, 4), live_pairs=cfg.live_pairs, dtype="bf16", timer=timing.method,
     )
+    if cfg.packed:
+        row["samples"] = len(cfg.rows)
     return row
+
+
+def _json_lens(seg_lens: Any) -> list[Any]:
+    return [list(x) if isinstance(x, tuple) else x for x in seg_lens]
 
 
 def add_error(row: dict[str, Any], stage: str, exc: BaseException, device: torch.device) -> None:
@@ -120,7 +126,7 @@ def finish_row(case: Case, impl: Impl, row: dict[str, Any]) -> None:
 
 
 def _dense_density(cfg: BenchConfig) -> float:
-    return live_pairs([[1]], (cfg.seq_k,), cfg.q_len, cfg.causal) / (cfg.q_len * cfg.seq_k)
+    return live_pairs([[1]], (cfg.seq_k,), cfg.q_len, cfg.dense_causal) / (cfg.q_len * cfg.seq_k)
 
 
 class Runner:
@@ -196,7 +202,7 @@ class Runner:
                 add_error(row, "setup", e, self.device)
                 log(f"    setup {name:<11} ERROR {row['error']}")
                 continue
-            row.update(build_ms=impl.build_ms, state_mib=impl.state_mib, **impl.info)
+            row.update(build_ms=impl.build_ms, state_mib=impl.state_mib, reference=impl.reference, **impl.info)
             try:
                 row.update(check(case, impl, grads=self.grad_check))
             except DeviceLost:
