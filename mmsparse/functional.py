@@ -102,16 +102,18 @@ def build_mask_info(
     topology: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
     check_lengths: bool = True,
     q_start: torch.Tensor | Sequence[int] | None = None,
+    packed: bool = False,
 ) -> MaskInfo:
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
-    skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported)."""
+    skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported).
+    ``packed``: seg_lens are ``[N, k]`` samples laid end to end in one sequence."""
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
     topo_key, key = _topology_key(topology), None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device))
+        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed)
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             try:
@@ -120,6 +122,10 @@ def build_mask_info(
                 pass
             return hit.get()
     topo = _as_topology(topology, topo_key)
+    if packed:
+        lens = packed_lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
+        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, packed=True)
+        return _cache(key, info)
     lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
@@ -129,6 +135,11 @@ def build_mask_info(
         info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
     else:
         info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start)
+    return _cache(key, info)
+
+
+def _cache(key: tuple | None, info: MaskInfo) -> MaskInfo:
+    """Keep ``info`` under ``key`` (None: a mask that is not cached) and return it."""
     if key is not None:
         with _CACHE_LOCK:
             _INFO_CACHE[key] = CachedMask(info)
@@ -369,7 +380,8 @@ def mbs_attention_varlen(
         seg_lens: ``[N, k]`` per-sample lengths (list of N rows or an int tensor, e.g. on the GPU), summing to
             ``total``; zero-length segments are fine.
         causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
-        check_lengths: validate a device tensor of lengths (one host sync).
+        check_lengths: validate a device tensor of lengths (one host sync). Host lengths (lists) are validated
+            once and the mask is cached by value, as in :func:`mbs_attention`; a tensor builds it every call.
 
     Returns:
         q's layout: ``[1, Hq, total, D]`` or ``[total, Hq, D]``.
@@ -388,9 +400,7 @@ def mbs_attention_varlen(
         raise ValueError(f"packed q/k/v have batch size 1 (samples laid end to end); got {q.shape[0]}")
     if q.shape[2] != k.shape[2]:
         raise ValueError("packed attention needs q and k/v over the same positions")
-    topo = _as_topology(topology)
     total = k.shape[2]
-    lens = packed_lens_tensor(seg_lens, topo.num_segments, total, q.device, check_lengths)
-    info = MaskInfo.from_segments(topo, lens, total, total, causal, packed=True)
+    info = build_mask_info(topology, seg_lens, total, total, causal, q.device, check_lengths, packed=True)
     out = attention_with_info(q, k, v, info, softmax_scale, dropout_p)
     return out[0].permute(1, 0, 2) if flash_layout else out

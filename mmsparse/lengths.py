@@ -12,6 +12,8 @@ from typing import Union
 
 import torch
 
+from .segments import MAX_DOCS
+
 SegLens = Union[Sequence[int], torch.Tensor]  # one sample's k lengths
 SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # shared k lengths, or per sample [B, k]
 
@@ -102,8 +104,6 @@ def packed_lens_tensor(
     """``[N, k]`` lengths of N packed samples as an integer tensor on device, checked (non-negative, summing to
     ``total``) unless ``check_lengths`` is False or they cannot be read back now (one host sync for a device
     tensor)."""
-    from .segments import MAX_DOCS
-
     k = num_segments
     if isinstance(seg_lens, torch.Tensor):
         if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockLists, cdiv
+from ..segments import SEG_BITS
 from .launch import FastKernel
 
 _SUMMARY_WORDS = 4  # per block: first run, last run, lowest doc, highest doc
@@ -53,8 +54,6 @@ def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.Tensor:
     """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc."""
-    from ..segments import SEG_BITS
-
     bsz, seq = codes.shape
     n = cdiv(seq, block)
     first = run[:, ::block]

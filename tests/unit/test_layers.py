@@ -15,14 +15,14 @@ PACKAGE = REPO / "mmsparse"
 
 # Bottom to top. An entry names a module, or a package and everything in it.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("lengths", ["mmsparse.lengths"]),
+    ("lengths and segment codes", ["mmsparse.lengths", "mmsparse.segments"]),
     ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks"]),
     ("launching and shared kernel helpers", [
         "mmsparse.ops.limits", "mmsparse.ops.launch", "mmsparse.ops.common",
         "mmsparse.ops.dropout",
     ]),
-    ("mask-building kernels", ["mmsparse.ops.token_bits", "mmsparse.ops.block_lists"]),
-    ("the mask: lengths, token bits, block lists per tile", ["mmsparse.mask_info"]),
+    ("mask-building kernels", ["mmsparse.ops.token_bits", "mmsparse.ops.block_lists", "mmsparse.ops.segment_lists"]),
+    ("the mask: lengths, token bits or codes, block lists per tile", ["mmsparse.mask_info"]),
     ("tiles, kernel dispatch and TMA", ["mmsparse.ops.config", "mmsparse.ops.host_tma"]),
     ("the kernels' mask arguments", ["mmsparse.ops.kernel_args"]),
     ("attention kernels and their launchers", [
