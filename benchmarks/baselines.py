@@ -163,8 +163,12 @@ def setup_flex(case: Case, timing: Timing) -> Impl:
         seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)  # type: ignore[arg-type]
         mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
 
+    # Past 32k positions the eager build materialises S x S index tensors (32 GiB at 64k): the compiled build, as a
+    # user at that size runs it.
+    compiled_build = cfg.q_len * cfg.seq_k > 2**30
+
     def build() -> Any:
-        return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev)
+        return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev, _compile=compiled_build)
 
     block_mask, state_mib, build_ms = _build_state(case, timing, build)
     flex, gqa = compiled_flex(), cfg.heads_q != cfg.heads_kv

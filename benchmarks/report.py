@@ -145,11 +145,6 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
             f"{fmt(r.get('build_ms'), 2)} | {_ratio(f.get('fwd_ms'), r.get('fwd_ms'))} | "
             f"{_ratio(f.get('bwd_ms'), r.get('bwd_ms'))} | {_status(r)} |"
         )
-    packs = [c for c in configs if any(r.get("packed") for r in rows if r["config"] == c)]
-    if packs:
-        lines += ["", f"Packed configs ({', '.join(packs)}): mmsparse runs mbs_attention_varlen, which builds its mask "
-                  "in every call, so its times include that build; Flex's block mask is built once, outside the "
-                  "timings (its cost is the build ms column)."]
     notes = [f"- {r['config']} / {r['impl']}: {r['error']}" for r in rows if r.get("error")]
     if notes:
         lines += ["", "Errors and skips:", "", *notes]
