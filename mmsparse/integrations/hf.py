@@ -9,13 +9,18 @@ Usage::
 
 The topology and segment lengths come from the forward kwargs ``mm_topology`` / ``mm_seg_lens`` or, when absent, the
 attributes of the same names on the attention module's config (``config.mm_topology = ...``). Decoder layers
-(``module.is_causal``) combine the topology with the causal mask.
+(``module.is_causal``) combine the topology with the causal mask; with pair types (``mmsparse.CAUSAL`` where text is
+causal, ``FULL`` where an image is bidirectional) pass ``mm_causal=False`` (kwarg or config) so that the topology
+alone decides.
 
 - ``mm_seg_lens``: k lengths summing to the key length, or per-sample ``[B, k]`` rows (a row summing to less is
   padded at the end).
 - A 2-D ``attention_mask`` with right padding is honoured: segments are cut at each sample's last real token and
-  padded queries output 0. Left padding, prepared 4-D masks, sliding windows, packed sequences, other custom mask
-  functions and static caches raise an error rather than being ignored.
+  padded queries output 0. Left padding, prepared 4-D masks, sliding windows, other custom mask functions and
+  static caches raise an error rather than being ignored.
+- Packed batches (``DataCollatorWithFlattening``: one row, ``position_ids`` restarting at each sample, or the
+  ``cu_seq_lens_k`` kwarg): ``mm_seg_lens`` gives one row of k lengths per sample, ``[N, k]``; samples never see
+  each other. Lengths that disagree with the sample boundaries transformers passes are an error.
 - KV cache: the queries are the last positions of the keys, so ``mm_seg_lens`` must cover the whole key length
   (prompt + cached tokens). With ``mm_extend_last_segment=True`` (kwarg or config), keys past the given segments join
   the last segment: ``generate()`` then works with the prompt's lengths.
@@ -31,7 +36,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from ..functional import mbs_attention
+from ..functional import mbs_attention, mbs_attention_varlen
 from ..lengths import clip_seg_lens, is_per_sample, valid_lens_from_padding
 
 NAME = "mmsparse"
@@ -79,7 +84,8 @@ def mmsparse_mask(
                 f"{int(q_offset)}..{int(q_offset) + q_length - 1} meet {kv_length} keys (a static or sliding cache?). "
                 "Use the default DynamicCache"
             )
-    if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS:
+    # A packed batch (position ids restarting): the attention forward reads the samples from position_ids.
+    if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS and not _packs(mask_function):
         name = getattr(mask_function, "__name__", type(mask_function).__name__)
         raise NotImplementedError(
             f"attn_implementation='mmsparse' cannot apply the mask function {name!r} (sliding window, packed "
@@ -89,6 +95,21 @@ def mmsparse_mask(
         return None
     mask = (attention_mask if kv_length is None else attention_mask[:, -kv_length:]).bool()
     return None if bool(mask.all()) else mask
+
+
+def _packs(mask_function: Any, depth: int = 0) -> bool:
+    """Whether transformers built ``mask_function`` for a packed batch: a plain mask combined with its packed
+    sequence mask (found among the closures it combines)."""
+    if "packed_sequence" in getattr(mask_function, "__qualname__", ""):
+        return True
+    if depth > 4:
+        return False
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        value = cell.cell_contents
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+        if any(callable(p) and _packs(p, depth + 1) for p in parts):
+            return True
+    return False
 
 
 def _setting(module: nn.Module, kwargs: dict, name: str, default: Any = None) -> Any:
@@ -122,6 +143,43 @@ def _segments(module: nn.Module, kwargs: dict, kv_len: int) -> tuple[Any, Any]:
     return topology, tuple(lens)
 
 
+def _packed_samples(kwargs: dict, batch: int, q_len: int, kv_len: int) -> list[int] | None:
+    """The sample lengths of a packed batch (one row, samples end to end) from ``cu_seq_lens_k`` or restarting
+    ``position_ids``; None when the batch is not packed (one host read of the boundaries when it may be)."""
+    if batch != 1 or q_len != kv_len:
+        return None
+    cu = kwargs.get("cu_seq_lens_k")
+    if cu is not None:
+        lens = torch.diff(cu.reshape(-1)).tolist()
+    else:
+        pos = kwargs.get("position_ids")
+        if pos is None or pos.shape[-1] != kv_len:
+            return None
+        pos = pos.reshape(-1, kv_len)[0]
+        starts = [0, *((pos[1:] - pos[:-1]) != 1).nonzero().reshape(-1).add(1).tolist()]
+        lens = [b - a for a, b in zip(starts, starts[1:] + [kv_len])]
+    return lens if len(lens) > 1 else None
+
+
+def _packed_rows(seg_lens: Any, samples: list[int]) -> list[list[int]]:
+    """``mm_seg_lens`` of a packed batch, checked against the sample lengths transformers passes."""
+    rows = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
+    if not is_per_sample(rows) or len(rows) != len(samples):
+        raise ValueError(
+            f"this batch packs {len(samples)} samples (lengths {samples[:8]}{'...' if len(samples) > 8 else ''}, from "
+            "position_ids or cu_seq_lens): mm_seg_lens must give one row of segment lengths per sample, "
+            f"[{len(samples)}, k]"
+        )
+    rows = [[int(n) for n in r] for r in rows]
+    for i, (row, n) in enumerate(zip(rows, samples)):
+        if sum(row) != n:
+            raise ValueError(
+                f"packed sample {i} has {n} tokens (from position_ids or cu_seq_lens) but mm_seg_lens[{i}] = {row} "
+                f"sums to {sum(row)}"
+            )
+    return rows
+
+
 def mmsparse_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -141,7 +199,8 @@ def mmsparse_attention_forward(
         attention_mask: None or the 2-D padding mask from :func:`mmsparse_mask` (``[B, S]``, True = real token).
         scaling: softmax scale (default ``1/sqrt(D)``).
         dropout: attention dropout probability (transformers passes 0.0 in eval mode).
-        kwargs: ``mm_topology``, ``mm_seg_lens``, ``mm_extend_last_segment`` (override the config), ``is_causal``.
+        kwargs: ``mm_topology``, ``mm_seg_lens``, ``mm_extend_last_segment``, ``mm_causal`` (override the config),
+            ``is_causal``, and for packed batches ``position_ids`` or ``cu_seq_lens_k``.
 
     Returns:
         ``(out [B, Sq, H, D], None)``: no attention weights.
@@ -152,6 +211,19 @@ def mmsparse_attention_forward(
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attn_implementation='mmsparse' does not support attention sinks")
     kv_len = key.shape[2]
+    causal = _setting(module, kwargs, "mm_causal", kwargs.get("is_causal"))
+    if causal is None:
+        config = getattr(module, "config", None)
+        causal = getattr(module, "is_causal", True) and getattr(config, "is_causal", True)
+    samples = _packed_samples(kwargs, query.shape[0], query.shape[2], kv_len)
+    if samples is not None:
+        topology, seg_lens = _setting(module, kwargs, "mm_topology"), _setting(module, kwargs, "mm_seg_lens")
+        if topology is None or seg_lens is None:
+            _segments(module, kwargs, kv_len)  # raises the missing-argument error
+        rows = _packed_rows(seg_lens, samples)
+        out = mbs_attention_varlen(query, key, value, topology, rows, causal=bool(causal), dropout_p=dropout,
+                                   softmax_scale=scaling)
+        return rearrange(out, "b h s d -> b s h d"), None
     topology, seg_lens = _segments(module, kwargs, kv_len)
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
@@ -161,10 +233,6 @@ def mmsparse_attention_forward(
                 "prepared 4-D mask"
             )
         seg_lens = clip_seg_lens(seg_lens, valid_lens_from_padding(attention_mask[:, -kv_len:]))
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        config = getattr(module, "config", None)
-        causal = getattr(module, "is_causal", True) and getattr(config, "is_causal", True)
     out = mbs_attention(
         query, key, value, topology, seg_lens, causal=bool(causal), dropout_p=dropout, softmax_scale=scaling
     )

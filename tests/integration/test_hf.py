@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import RING
 
-from mmsparse import reference_mask
+from mmsparse import CAUSAL, FULL, NONE, reference_mask, reference_packed_mask
 from mmsparse.nn import clip_seg_lens
 
 transformers = pytest.importorskip("transformers")
@@ -139,11 +139,39 @@ def test_clear_errors(device):
     with pytest.raises(ValueError, match="sum to 39"):
         mm(ids, mm_topology=RING, mm_seg_lens=(5, 20, 14))
     packed = torch.cat([torch.arange(20), torch.arange(20)])[None].to(device)  # two sequences in one row
-    with pytest.raises(NotImplementedError, match="mask function"):
+    with pytest.raises(ValueError, match=r"one row of segment lengths per sample, \[2, k\]"):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=SEG)
+    with pytest.raises(ValueError, match="packed sample 1 has 20 tokens"):
+        mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=[(5, 10, 5), (5, 10, 4)])
     static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
     with pytest.raises(NotImplementedError, match="last key positions"):
         mm(ids, past_key_values=static, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
+
+
+def test_packed_batch_matches_sdpa_with_the_block_diagonal_mask(device):
+    """DataCollatorWithFlattening's layout: one row, position ids restarting per sample; per-sample modality
+    lengths with pair types (text causal, the image full); against SDPA with the equivalent 4-D mask."""
+    hf.register()
+    ref, mm = _pair("llama", device)
+    topo = [[CAUSAL, NONE], [FULL, FULL]]  # text then image: text causal, the image sees the text and itself
+    rows = [(3, 6), (5, 0), (2, 9), (4, 3)]
+    total = sum(map(sum, rows))
+    ids = torch.randint(0, VOCAB, (1, total), device=device)
+    pos = torch.cat([torch.arange(sum(r)) for r in rows])[None].to(device)
+    mask = reference_packed_mask(topo, rows)
+    with torch.no_grad():
+        out = mm(ids, position_ids=pos, use_cache=False, mm_topology=topo, mm_seg_lens=rows, mm_causal=False).logits
+        expected = ref(ids, position_ids=pos, attention_mask=mask[:, None].to(device)).logits
+    assert_logits_close("packed logits", out, expected)
+    cu = torch.tensor([0, *torch.tensor([sum(r) for r in rows]).cumsum(0).tolist()], device=device)
+    with torch.no_grad():
+        by_cu = mm(ids, position_ids=pos, cu_seq_lens_k=cu, use_cache=False, mm_topology=topo, mm_seg_lens=rows,
+                   mm_causal=False).logits
+        causal = mm(ids, position_ids=pos, use_cache=False, mm_topology=topo, mm_seg_lens=rows).logits
+        expected_causal = ref(ids, position_ids=pos,
+                              attention_mask=reference_packed_mask(topo, rows, True)[:, None].to(device)).logits
+    assert_logits_close("packed logits from cu_seq_lens", by_cu, expected)
+    assert_logits_close("packed logits, the decoder's causal mask too", causal, expected_causal)
 
 
 def test_register_is_idempotent_and_import_is_lazy():
