@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology, token_bits_torch, validate_seg_lens
-from .pieces import Piece, make_piece, merge, piece_backward, piece_forward
+from ..segments import token_codes
+from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
+from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward
 from .plan import ContextParallelPlan, plan_context_parallel
 
 
@@ -124,6 +125,8 @@ class ContextParallel:
         cached = self._pieces.get(device)
         if cached is not None:
             return cached[0]
+        if not self.topology.uses_bits:
+            return self._code_pieces(device)
         row_bits, col_bits = self._token_bits(device)
         num_segments = self.topology.num_segments
         gathered = self._gathered_positions().to(device)
@@ -145,6 +148,36 @@ class ContextParallel:
                 pieces.append(make_piece(rows, rows, True, True, row_bits[:, q_pos], col_bits[:, q_pos],
                                          num_segments))
                 start += n
+        self._pieces[device] = (pieces, gathered)
+        return pieces
+
+
+    def _code_pieces(self, device: torch.device) -> list[Piece]:
+        """Pieces of a segment-code mask (pair types, more than 32 segments): per local query chunk, the gathered
+        key chunks before it (CAUSAL pairs are FULL there), its own chunk (the real table, positions aligned) and,
+        unless causal, the key chunks after it (CAUSAL pairs are NONE there)."""
+        k = self.topology.num_segments
+        codes = token_codes(self._lens.to(device), k, self.seq_len, packed=False)
+        table = self.topology.pair_table(device)
+        before_table = torch.where(table == CAUSAL, FULL, table).to(table.dtype)
+        after_table = torch.where(table == CAUSAL, NONE, table).to(table.dtype)
+        gathered = self._gathered_positions().to(device)
+        local = self._index.to(device)
+        chunk, start, pieces = self.plan.chunk, 0, []
+        for c in self.plan.local_chunks[self.rank]:
+            n = self.plan.chunk_tokens(c)
+            rows = slice(start, start + n)
+            q_codes = codes[:, local[rows]]
+            before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
+            after = int((gathered < (c + 1) * chunk).sum())
+            if before:
+                pieces.append(make_code_piece(rows, slice(0, before), False, False, q_codes,
+                                              codes[:, gathered[:before]], before_table, k))
+            pieces.append(make_code_piece(rows, rows, True, self.causal, q_codes, q_codes, table, k))
+            if not self.causal and after < gathered.numel():
+                pieces.append(make_code_piece(rows, slice(after, gathered.numel()), False, False, q_codes,
+                                              codes[:, gathered[after:]], after_table, k))
+            start += n
         self._pieces[device] = (pieces, gathered)
         return pieces
 

@@ -1,12 +1,14 @@
 """One rank's attention as pieces that the block-sparse kernels run as they are, and their log-sum-exp merge.
 
 A rank's queries are chunks of the sequence; the keys it holds after the exchange are the needed chunks, in
-sequence order. The topology part of the mask comes from per-token bits, whatever the tokens' positions. The
-causal part needs positions, and the kernels compare local indices (key j <= first query + i), so with
-``causal`` each query chunk runs as two pieces whose positions the kernels get right: the key chunks before it
-(all visible: no causal test) and its own chunk (queries and keys at the same positions). Pieces merge by their
-log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp, which gives exactly its
-share of the gradients (the ring-attention identity).
+sequence order. The topology part of the mask comes from per-token bits (or segment codes), whatever the tokens'
+positions. The causal part needs positions, and the kernels compare local indices (key j <= first query + i), so
+with ``causal`` each query chunk runs as two pieces whose positions the kernels get right: the key chunks before
+it (all visible: no causal test) and its own chunk (queries and keys at the same positions). A topology with
+CAUSAL pairs runs every query chunk that way, plus (without the global flag) the key chunks after it: before its
+queries a CAUSAL pair is FULL, after them NONE, so those pieces take the pair table with CAUSAL replaced.
+Pieces merge by their log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp,
+which gives exactly its share of the gradients (the ring-attention identity).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mask_info import MaskInfo
-from ..ops.common import MASK_BITS
+from ..ops.common import MASK_BITS, MASK_SEGMENTS
 from ..ops.library import attention_backward, attention_forward
 
 
@@ -37,6 +39,15 @@ def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_b
     """q_bits: int32 ``[Bm, Sq_piece]`` row bits of the piece's queries; k_bits: ``[Bm, Sk_piece]`` column bits."""
     info = MaskInfo(MASK_BITS, q_bits.shape[1], k_bits.shape[1], causal, q_bits=q_bits.contiguous(),
                     k_bits=k_bits.contiguous(), num_segments=num_segments)
+    return Piece(q_rows, k_rows, local_keys, causal, info)
+
+
+def make_code_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_codes: torch.Tensor,
+                    k_codes: torch.Tensor, table: torch.Tensor, num_segments: int) -> Piece:
+    """A piece of a segment-code mask (:mod:`mmsparse.segments`): codes ``[Bm, S_piece]`` and the pair table its
+    keys' side of the queries needs."""
+    info = MaskInfo(MASK_SEGMENTS, q_codes.shape[1], k_codes.shape[1], causal, q_bits=q_codes.contiguous(),
+                    k_bits=k_codes.contiguous(), num_segments=num_segments, table=table)
     return Piece(q_rows, k_rows, local_keys, causal, info)
 
 
