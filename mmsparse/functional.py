@@ -189,7 +189,9 @@ class CachedMask:
                 for value in fields.values():
                     if isinstance(value, torch.Tensor):
                         value.record_stream(stream)
-                copy = self.copies[current] = MaskInfo(**fields)
+                copy = MaskInfo(**fields)
+                copy.key_span = self.info.key_span
+                self.copies[current] = copy
         return copy
 
 
