@@ -189,9 +189,7 @@ class CachedMask:
                 for value in fields.values():
                     if isinstance(value, torch.Tensor):
                         value.record_stream(stream)
-                copy = MaskInfo(**fields)
-                copy.key_span = self.info.key_span
-                self.copies[current] = copy
+                copy = self.copies[current] = MaskInfo(**fields)
         return copy
 
 

@@ -68,9 +68,6 @@ class MaskInfo:
         self._lists: dict[TileKey, BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
         self._runs: tuple[CodeRuns, CodeRuns] | None = None  # MASK_SEGMENTS: the codes' runs, for every tile
-        # How many keys one query's list spans, for the tile choice: seq_k, or a pack's mean sample length (its
-        # rows see only their own sample's keys, so the kernels' fixed costs weigh as on a short sequence).
-        self.key_span = seq_k
         # The kernels' view of this mask (an mmsparse.ops.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
@@ -106,11 +103,8 @@ class MaskInfo:
         q_codes = query_codes(k_codes, seq_q, q_start, topology.num_segments)
         if q_start is not None:
             k_codes = k_codes.expand(q_codes.shape[0], -1)
-        info = cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
+        return cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
                    num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device))
-        if packed:
-            info.key_span = -(-seq_k // max(seg_lens.shape[0], 1))
-        return info
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:

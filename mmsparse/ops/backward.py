@@ -264,7 +264,7 @@ def mbs_attn_bwd(
     if side is not None:
         side.wait_stream(main)  # delta and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        tile = cfg.dq_tile(info.key_span)
+        tile = cfg.dq_tile(seq_k)
         if not _gluon_pass("hopper_dq", tile, dropout_p, q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale):
             mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n)
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](

@@ -87,7 +87,7 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int) -> list[TileKey]:
 def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
     CUDA-graph capture."""
-    return info.prepare(list_tiles(config, info.seq_q, info.key_span))
+    return info.prepare(list_tiles(config, info.seq_q, info.seq_k))
 
 
 PackedMask = tuple[list[torch.Tensor], int, bool, int]  # (tensors, mode, causal, num_segments)
