@@ -13,6 +13,8 @@ token-level tensors of :func:`pack`. Adding a kernel argument touches this modul
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..mask_info import MaskInfo, TileKey
@@ -24,14 +26,28 @@ LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
 class KernelArgs:
     """The kernels' view of one mask: its arguments per tile, kept (a small call is bound by host work), and the
-    forward launcher's plans (:mod:`mmsparse.ops.forward` owns them)."""
+    forward launcher's plans (:mod:`mmsparse.ops.forward` owns them).
 
-    __slots__ = ("info", "forward_plans", "_tiles")
+    The mask holds this object (``info.kernel_args``) and this object holds the mask only weakly: a strong
+    reference back would make a cycle, which reference counting never frees. Every mask that had run a kernel
+    (every cached one evicted, every one built from a length tensor) would then keep its token bits and block
+    lists on the device until the cyclic garbage collector's next full collection, which in a training loop comes
+    every few hundred or thousand steps (the soak's saw-tooth in allocated memory)."""
+
+    __slots__ = ("_info", "forward_plans", "_tiles")
 
     def __init__(self, info: MaskInfo) -> None:
-        self.info = info
+        self._info = weakref.ref(info)
         self.forward_plans: dict[tuple, object] = {}
         self._tiles: dict[TileKey, LaunchArgs] = {}
+
+    @property
+    def info(self) -> MaskInfo:
+        """The mask (alive while anyone reaches this object through it)."""
+        info = self._info()
+        if info is None:
+            raise ReferenceError("the mask of these kernel arguments is gone")
+        return info
 
     def tile(self, block_m: int, block_n: int, by_key: bool = False) -> LaunchArgs:
         """The mask arguments at one tile, in the order of the module docstring. Unused tensors are stand-ins that
