@@ -1,31 +1,174 @@
-"""The fuzzer's CPU mode, so that it cannot rot: a few random cases through the interpreter, and one repro."""
+"""The fuzzer's CPU mode, so that it cannot rot: a few random cases through the interpreter, wrong masks that it
+must catch, its two reference mask builders against each other, what its draws cover, its record and a repro."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import random
 
 import pytest
 import torch
 
 from benchmarks import fuzz
+from mmsparse import reference_mask
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")  # draw_case reads only the device type
 
 
 def test_random_cases_pass(device):
     if device.type != "cpu":
         pytest.skip("the GPU runs python -m benchmarks.fuzz --minutes N")
-    result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=10)
-    assert result["cases"] == 10
+    result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=20)
+    assert result["cases"] == 20
     assert result["failures"] == [], result["failures"]
+    for tag in ("pair types 0/1/2", "bit path (0/1, k <= 32)", "k > 32", "packed", "q_start", "dropout"):
+        assert result["coverage"][tag], tag
 
 
-def test_a_wrong_mask_is_caught(device, monkeypatch):
-    """The check can fail: with the reference's causal flag flipped, a causal case must report errors."""
-    import dataclasses
+def _causal_as_full(types: torch.Tensor) -> torch.Tensor:
+    return torch.where(types == fuzz.CAUSAL, fuzz.FULL, types).to(torch.int8)
 
-    seed = next(s for s in range(1000) if fuzz.draw_case(s, device).causal and fuzz.draw_case(s, device).seq_k > 8)
-    case = fuzz.draw_case(seed, device)
+
+def _cheap(case: fuzz.Case) -> bool:
+    return case.seq_k >= 8 and case.seq_k * case.batch * case.heads_q <= 400 and not case.dense
+
+
+def _wrong_types_matter(case: fuzz.Case) -> bool:
+    """CAUSAL read as FULL changes the case's mask (a causal pair whose later keys exist)."""
+    if case.pair_types != "012" or case.causal or not _cheap(case):
+        return False
+    rows = torch.arange(case.seq_q)
+    right = fuzz._allowed_rows(case, CPU)
+    wrong = fuzz._allowed_rows(case, CPU, _causal_as_full(fuzz.types_of(case)))
+    return any(int((right(b, rows) != wrong(b, rows)).sum()) >= 4 for b in range(len(case.seg_lens)))
+
+
+@pytest.mark.parametrize("wrong", ["causal flag dropped", "CAUSAL as FULL", "CAUSAL as FULL in a pack"])
+def test_a_wrong_mask_is_caught(device, monkeypatch, wrong):
+    """The check can fail: with the reference's mask wrong (the causal flag dropped, or the pair type CAUSAL read
+    as FULL), a case that depends on it must report errors."""
     original = fuzz._allowed_rows
-    # A wrong reference mask (causal dropped) is the only way to a case the fuzzer must fail.
-    monkeypatch.setattr(fuzz, "_allowed_rows", lambda c, d: original(dataclasses.replace(c, causal=False), d))
+    if wrong == "causal flag dropped":
+        seed = next(s for s in range(1000) if fuzz.draw_case(s, device).causal and _cheap(fuzz.draw_case(s, device)))
+        patched = (lambda c, d, types=None: original(dataclasses.replace(c, causal=False), d, types))
+    else:
+        packed = wrong.endswith("pack")
+        seed = next(s for s in range(3000) if fuzz.draw_case(s, CPU).packed == packed
+                    and _wrong_types_matter(fuzz.draw_case(s, CPU)))
+        patched = (lambda c, d, types=None: original(c, d, _causal_as_full(fuzz.types_of(c))))
+    case = fuzz.draw_case(seed, device)
+    assert fuzz.run_case(case, device) == [], "the case passes with the right mask"
+    # A wrong reference mask is the only way to a case the fuzzer must fail.
+    monkeypatch.setattr(fuzz, "_allowed_rows", patched)
     assert fuzz.run_case(case, device)
+
+
+def _all_rows(allowed, case: fuzz.Case) -> torch.Tensor:
+    rows = torch.arange(case.seq_q)
+    return torch.stack([allowed(b, rows) for b in range(1 if case.packed else case.batch)])
+
+
+def test_mask_builders_agree():
+    """The reference's mask from token ids (large S) equals the library's dense reference mask (small S) on drawn
+    cases: pair types, many segments, per-sample lengths with padding, q_start, causal, packs."""
+    checked = 0
+    for seed in range(150):
+        for dev_type in (CPU, GPU):
+            case = fuzz.draw_case(seed, dev_type)
+            if not fuzz._dense_reference_fits(case) or case.seq_q * case.seq_k * case.batch > 1 << 18:
+                continue
+            types = fuzz.types_of(case)
+            dense = _all_rows(fuzz._mask_rows_from_dense(case, types, CPU), case)
+            ids = _all_rows(fuzz._mask_rows_from_ids(case, types, CPU), case)
+            assert torch.equal(dense, ids), f"seed {seed} ({dev_type.type} draw): {case}"
+            checked += 1
+    assert checked > 200
+
+
+def test_ids_mask_of_a_large_pack():
+    """A GPU-sized pack (thousands of samples, too large for the dense reference): each sampled row sees exactly
+    its own sample's keys, as the dense reference of that sample alone has them."""
+    seed = next(s for s in range(5000) if fuzz.draw_case(s, GPU).packed and len(fuzz.draw_case(s, GPU).seg_lens) > 1000)
+    case = fuzz.draw_case(seed, GPU)
+    assert not fuzz._dense_reference_fits(case)
+    allowed = fuzz._mask_rows_from_ids(case, fuzz.types_of(case), CPU)
+    ends = torch.tensor([sum(r) for r in case.seg_lens]).cumsum(0)
+    rows = torch.randperm(case.seq_q, generator=torch.Generator().manual_seed(0))[:40].sort().values
+    got = allowed(0, rows)
+    for i, row in enumerate(rows.tolist()):
+        n = int(torch.searchsorted(ends, torch.tensor(row), right=True))
+        lo, hi = (int(ends[n - 1]) if n else 0), int(ends[n])
+        own = reference_mask(fuzz.types_of(case), case.seg_lens[n], hi - lo, causal=case.causal)[0, row - lo]
+        assert not got[i, :lo].any() and not got[i, hi:].any()
+        assert torch.equal(got[i, lo:hi], own)
+
+
+def test_draws_cover_the_masks():
+    """What the draws vary, on each device: pair types 0/1/2, k past 32 (and past 600, up to 4095 only on the
+    GPU), packs of many samples in both layouts, zero-length segments, q_start, dense masks, dropout; S stays
+    bounded and the compiled menu small."""
+    for dev_type, draws in ((CPU, 600), (GPU, 2000)):
+        master = random.Random(1)
+        cases = [fuzz.draw_case(master.getrandbits(64), dev_type) for _ in range(draws)]
+        tally = {tag: sum(tag in fuzz.features(c) for c in cases) for tag in fuzz.FEATURES}
+        for tag in ("bit path (0/1, k <= 32)", "segment codes", "pair types 0/1/2", "k > 32", "k > 600", "packed",
+                    "packed, [total, H, D]", "per-sample lengths", "q_start", "dense attn_mask", "dropout", "GQA",
+                    "lengths as a tensor", "causal", "fewer queries than keys"):
+            assert tally[tag], f"no {dev_type.type} draw has {tag}"
+        assert tally["pair types 0/1/2"] > draws / 3
+        assert any(0 in row for c in cases for row in c.seg_lens)
+        assert {c.head_dim for c in cases} == ({64, 128} if dev_type is GPU else {16, 32, 40})
+        assert {(c.heads_q, c.heads_kv) for c in cases} <= {(h * g, h) for h in (1, 2) for g in (1, 2, 4)}
+        if dev_type is GPU:
+            assert max(c.k for c in cases) > 2048
+            assert max(len(c.seg_lens) for c in cases if c.packed) > 1000
+            assert max(c.seq_k for c in cases) <= 1 << 17
+            assert all(c.seq_k <= 8192 for c in cases if c.k > 600)
+        else:
+            assert max(c.k for c in cases) <= fuzz.CPU_MAX_K
+            assert max(c.seq_k for c in cases) <= 200
+        for c in cases:
+            assert all(sum(r) <= c.seq_k for r in c.seg_lens) and c.seq_k >= 1
+            if c.packed or len(c.seg_lens) == 1:
+                assert sum(map(sum, c.seg_lens)) == c.seq_k
+            if c.q_start is not None:
+                assert all(0 <= s <= c.seq_k - c.seq_q for s in c.q_start)
+
+
+def test_types_of():
+    """Topologies are drawn again from the case (never stored for large k), 0/1 or 0/1/2 as the case says."""
+    for seed in range(100):
+        case = fuzz.draw_case(seed, CPU)
+        types = fuzz.types_of(case)
+        assert types.shape == (case.k, case.k) and types.dtype == torch.int8
+        assert torch.equal(types, fuzz._draw_types.__wrapped__(case.k, case.style, case.pair_types, case.topo_seed))
+        assert bool((types == fuzz.CAUSAL).any()) == (case.pair_types == "012")
+        assert set(types.unique().tolist()) <= {0, 1, 2}
+
+
+def test_sampled_rows_hit_boundaries():
+    edges = torch.tensor([5, 100, 101, 4000, 9999])
+    rows = fuzz._sample(10000, 0, edges, torch.Generator().manual_seed(0))
+    assert rows.numel() <= fuzz.SAMPLED_ROWS and torch.equal(rows, rows.unique())
+    assert set(edges.tolist()) <= set(rows.tolist())
+    assert torch.equal(fuzz._sample(7, 3, edges, torch.Generator()), torch.arange(7))
+    assert fuzz._runs(torch.tensor([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 1), (7, 2)]
+
+
+def test_record(tmp_path, monkeypatch):
+    """--out writes fuzz.json and fuzz.md: case count, seed, minutes, commit, versions, each failure's repro."""
+    monkeypatch.setattr(fuzz, "run_case", lambda case, device: ["out[b=0, kv head 0]: wrong"] if case.k > 3 else [])
+    assert fuzz.main(["--cases", "6", "--seed", "3", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    record = json.loads((tmp_path / "fuzz.json").read_text())
+    assert record["cases"] == 6 and record["seed"] == 3 and record["minutes"] >= 0
+    assert {"commit", "torch", "triton", "device", "gpu", "coverage"} <= set(record)
+    assert record["failures"], "seed 3 draws a case with more than 3 segments"
+    md = (tmp_path / "fuzz.md").read_text()
+    for failure in record["failures"]:
+        assert failure["repro"] == f"python -m benchmarks.fuzz --repro {failure['seed']} --device cpu"
+        assert f"`{failure['repro']}`: out[b=0, kv head 0]: wrong" in md
+    assert "6 cases in" in md and record["commit"] in md
 
 
 def test_repro_runs_one_case(capsys):
