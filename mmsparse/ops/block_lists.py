@@ -117,6 +117,17 @@ def _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K: tl.constexpr
     return full, live
 
 
+@triton.jit
+def store_chunk(p_idx, offs_c, full, live, i_full, i_part):
+    """Write one chunk of column blocks (offs_c, classes [BR, CB]) into each row's list: full ones at i_full on,
+    partial ones at i_part on (the row's full count past its start); returns the advanced positions."""
+    part = live & ~full
+    b_f, b_p = full.to(tl.int32), part.to(tl.int32)  # [BR, CB]
+    pos = tl.where(full, i_full[:, None] + tl.cumsum(b_f, 1), i_part[:, None] + tl.cumsum(b_p, 1)) - 1
+    tl.store(p_idx + pos, offs_c[None, :], mask=full | part)
+    return i_full + tl.sum(b_f, 1), i_part + tl.sum(b_p, 1)
+
+
 @triton.jit(do_not_specialize=["stride_sb", "stride_cb", "stride_ib", "stride_ir", "n_q", "n_k"])
 def block_lists_kernel(
     SUM, COUNTS, INDICES,
@@ -155,12 +166,7 @@ def block_lists_kernel(
     for c0 in range(0, n_c, CB):
         offs_c = c0 + offs_cb
         full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K, W, IS_CAUSAL, BY_KEY, True)
-        part = live & ~full
-        b_f, b_p = full.to(tl.int32), part.to(tl.int32)  # [BR, CB]
-        pos = tl.where(full, i_full[:, None] + tl.cumsum(b_f, 1), i_part[:, None] + tl.cumsum(b_p, 1)) - 1
-        tl.store(p_idx + pos, offs_c[None, :], mask=full | part)
-        i_full += tl.sum(b_f, 1)
-        i_part += tl.sum(b_p, 1)
+        i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
     p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
     tl.store(p_cnt, n_full, mask=m_r)
     tl.store(p_cnt + 1, i_part - n_full, mask=m_r)

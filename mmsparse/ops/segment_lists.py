@@ -26,9 +26,8 @@ import triton.language as tl
 
 from ..blocks import BlockLists, cdiv
 from ..segments import SEG_BITS
+from .block_lists import store_chunk
 from .launch import FastKernel
-
-_SUMMARY_WORDS = 4  # per block: first run, last run, lowest doc, highest doc
 
 
 def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,7 +52,8 @@ def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.Tensor:
-    """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc."""
+    """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc (the words
+    ``_classify_runs`` reads at offsets 0-3)."""
     bsz, seq = codes.shape
     n = cdiv(seq, block)
     first = run[:, ::block]
@@ -107,6 +107,20 @@ def _classify_runs(
     return full, live
 
 
+@triton.jit
+def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
+                   past, seq_q, seq_k, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   BY_KEY: tl.constexpr):
+    """(full, live) ``[BR, CB]`` of the program's row blocks against the column blocks offs_c."""
+    valid = m_r[:, None] & (offs_c < n_c)[None, :]
+    if BY_KEY:
+        qb, kb = offs_c[None, :], offs_r[:, None]
+    else:
+        qb, kb = offs_r[:, None], offs_c[None, :]
+    return _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
+                          past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+
+
 @triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
                                "stride_ib", "stride_ir", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
 def segment_lists_kernel(
@@ -132,33 +146,17 @@ def segment_lists_kernel(
 
     n_full = tl.zeros([BR], dtype=tl.int32)
     for c0 in range(0, n_c, CB):
-        offs_c = c0 + offs_cb
-        valid = m_r[:, None] & (offs_c < n_c)[None, :]
-        if BY_KEY:
-            qb, kb = offs_c[None, :], offs_r[:, None]
-        else:
-            qb, kb = offs_r[:, None], offs_c[None, :]
-        full, _ = _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, TABLE,
-                                 stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+        full, _ = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
+                                 TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
         n_full += tl.sum(full.to(tl.int32), 1)
 
     p_idx = INDICES + b64 * stride_ib + offs_r.to(tl.int64)[:, None] * stride_ir
     i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
     for c0 in range(0, n_c, CB):
         offs_c = c0 + offs_cb
-        valid = m_r[:, None] & (offs_c < n_c)[None, :]
-        if BY_KEY:
-            qb, kb = offs_c[None, :], offs_r[:, None]
-        else:
-            qb, kb = offs_r[:, None], offs_c[None, :]
-        full, live = _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, TABLE,
-                                    stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL)
-        part = live & ~full
-        b_f, b_p = full.to(tl.int32), part.to(tl.int32)
-        pos = tl.where(full, i_full[:, None] + tl.cumsum(b_f, 1), i_part[:, None] + tl.cumsum(b_p, 1)) - 1
-        tl.store(p_idx + pos, offs_c[None, :], mask=full | part)
-        i_full += tl.sum(b_f, 1)
-        i_part += tl.sum(b_p, 1)
+        full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
+                                    TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+        i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
     p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
     tl.store(p_cnt, n_full, mask=m_r)
     tl.store(p_cnt + 1, i_part - n_full, mask=m_r)
