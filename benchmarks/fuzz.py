@@ -12,16 +12,34 @@ Each case draws, from its own 64-bit seed:
     CPU), empty segments and empty samples, causal per sample, q/k/v as ``[1, H, total, D]`` or ``[total, H, D]``;
   - how the arguments are given: lengths as lists or device tensors, the topology as a list, a tensor or a
     :class:`mmsparse.Topology`.
-What compiles stays on a small menu (head dims, three dtypes, a few head counts), so only lengths, topology, S, B
-and seeds vary freely. Outputs are NaN-poisoned; out, dq, dk and dv are checked against the float32 reference on
-sampled rows (every row on the CPU, where S is small; on the GPU random rows plus rows at segment boundaries),
+What compiles stays on a small menu (head dims, three dtypes, two head counts: :data:`HEADS`), so only lengths,
+topology, S, B and seeds vary freely. Sizes favour small S (on the GPU 4 cases in 5 have S <= 4096; 1 in 10 may
+reach 64k) and fit two budgets, both decided from the seed alone (``--repro`` draws the same case): the estimated
+peak memory of the case (:func:`estimate_bytes`: inputs, outputs, gradients, the reference's chunks, a dense
+mask) within :func:`memory_budget` (a quarter of the GPU, at most 16 GiB), and the reference's work B * Hq * Sq *
+Sk within :data:`WORK_MAX` (about a second on an H100). A draw over budget halves B, then takes the smallest head
+count, then halves S (a pack drops trailing samples). An out-of-memory error within the budget is a failure like
+any other. Between cases nothing is kept: the failures hold strings, mmsparse's mask cache is cleared, and the
+CUDA cache is emptied when it holds more than a GiB. fuzz.json records each case's peak against its estimate.
+
+Outputs are NaN-poisoned; out, dq, dk and dv are checked against the float32 reference (computed without autograd)
+on sampled rows (every row on the CPU, where S is small; on the GPU random rows plus rows at segment boundaries),
 within a few times the error of the same reference in the input dtype. The reference's mask rows come from the
 dense ``reference_mask``/``reference_packed_mask`` when S is small, else straight from per-token segment and
 sample ids and the pair types (no S x S); neither uses the kernels' bits, codes or block lists. It prints the case
 count, the failures and a one-line repro for each, writes ``fuzz.json`` and ``fuzz.md`` (on the GPU by default to
-``benchmarks/results/<gpu>/``; ``--out DIR`` elsewhere), and exits 1 on any failure.
+``benchmarks/results/<gpu>/``; ``--out DIR`` elsewhere; ``--merge`` adds the run to the record already there), and
+exits 1 on any failure.
 
-    python -m benchmarks.fuzz --minutes 10 --seed 1                 # GPU: S up to 64k, writes results/<gpu>/
+``--warmup`` first pays for compilation: it picks, from a fixed stream of draws, the cheapest cases that together
+touch every kernel variant the fuzzer's model (:func:`kernel_keys`) knows of, and runs them (checked like any
+case) in ``--jobs`` worker processes that fill Triton's on-disk cache, starting none after ``--warmup-minutes``;
+the timed run then loads kernels instead of compiling them. Its time, cases and failures are reported apart
+(its failures also among the run's); ``--minutes`` counts after it. A second run on the same machine finds the
+kernels in Triton's cache, so its warm-up only loads and checks (not yet timed on a GPU).
+
+    python -m benchmarks.fuzz --minutes 10 --seed 1 --warmup         # GPU: S up to 64k, writes results/<gpu>/
+    python -m benchmarks.fuzz --minutes 5 --seed 2 --warmup --out DIR --merge   # a second run, added to DIR
     python -m benchmarks.fuzz --cases 4 --seed 1 --device cpu       # the interpreter, small S
     python -m benchmarks.fuzz --repro 1234567890123                 # one case again
 """
@@ -31,9 +49,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -44,12 +66,13 @@ from typing import Any
 import torch
 
 import mmsparse
+import mmsparse.functional
 from mmsparse.functional import new_dropout_seed
 from mmsparse.ops.dropout import dropout_keep_rows
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
 from mmsparse.topology import MAX_SEGMENTS
 
-from .env import environment, results_dir
+from .env import REPO_DIR, environment, results_dir
 from .report import write_record
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -72,6 +95,32 @@ STYLES = ("iid", "iid", "transfusion", "banded", "diagonal", "global")
 # (and packs of at most DENSE_MAX_SAMPLES samples: it loops over them), from segment and sample ids beyond.
 DENSE_PAIRS = 1 << 24
 DENSE_MAX_SAMPLES = 256
+
+# The compiled menu: every kernel specialises on the dtype, the head dim, the query heads and the GQA group.
+HEAD_DIMS = {"cuda": (64, 128), "cpu": (16, 32, 40)}
+HEADS = ((2, 2), (4, 2))  # (query heads, key/value heads): no GQA, and GQA (group 2 over two kv heads)
+# The longest sequence a case may draw (on the GPU, weighted: most cases short, a few up to 64k; k > 600 only the
+# first three), before the budgets below.
+GPU_MAX_SEQ = ((64, 2.0), (512, 3.0), (4096, 3.0), (16384, 1.0), (65536, 1.0))
+CPU_MAX_SEQ = (40, 96)
+# The budgets. Memory: a case's estimated peak (estimate_bytes) within a quarter of the GPU, at most
+# GPU_BUDGET_MAX, so that draws agree on every GPU of 64 GB or more; on the CPU a fixed, small one. Work: the
+# reference walks every query of every head over every key (dk and dv need them all), B * Hq * Sq * Sk pairs,
+# ~1e-10 s each on an H100: WORK_MAX is about a second (S = 64k at B = 1 and 2 heads).
+GPU_BUDGET_MAX = 16 << 30
+CPU_BUDGET = 256 << 20
+WORK_MAX = {"cuda": 9 << 30, "cpu": 1 << 22}
+SEQ_SLACK = 64  # tokens a drawn sequence may run past its max_seq (segments set to 1, padding)
+DENSE_MAX = 1 << 30  # a dense attn_mask has at most this many (query, key) pairs over the batch
+REF_PAIRS = 1 << 23  # the reference takes queries in chunks of about this many (query, key) pairs
+RESERVED_KEEP = 1 << 30  # empty the CUDA cache after a case when it holds more than this
+# The warm-up's cases come from this fixed stream (not the run's seed), so that every run warms the same kernels
+# and a second run on the machine finds them in Triton's cache.
+WARMUP_SEED = 20_261_124
+WARMUP_DRAWS = {"cuda": 10_000, "cpu": 300}
+# A warm-up case is cheap: the workers run side by side on one GPU. Variants only an expensive case reaches
+# compile during the run.
+WARMUP_MAX_BYTES, WARMUP_MAX_WORK = 1 << 30, 1 << 30
 
 
 @dataclass
@@ -99,9 +148,99 @@ class Case:
     topology_as: str = "list"  # the topology given as a nested "list", a "tensor" or a "Topology"
 
 
-def draw_case(seed: int, device: torch.device) -> Case:
+# ---------------------------------------------------------------------------------------------------------------
+# Budgets
+
+
+@functools.cache
+def memory_budget(device: torch.device) -> int:
+    """Bytes a case may use at its peak: a quarter of the GPU's memory, at most GPU_BUDGET_MAX (GPU_BUDGET_MAX
+    when the device cannot be asked, as when the tests draw GPU cases on a CPU machine); CPU_BUDGET on the CPU."""
+    if device.type != "cuda":
+        return CPU_BUDGET
+    if not torch.cuda.is_available():
+        return GPU_BUDGET_MAX
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(GPU_BUDGET_MAX, torch.cuda.get_device_properties(index).total_memory // 4)
+
+
+def _ref_chunk(seq_k: int) -> int:
+    """Queries per step of the reference: about REF_PAIRS (query, key) pairs, 1024 to 8192 queries."""
+    return max(1024, min(8192, REF_PAIRS // max(1, seq_k)))
+
+
+def _bytes(dtype: str, head_dim: int, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_k: int,
+           mask_rows: int, dense: bool, flat: bool, dropout: bool) -> int:
+    """Estimated peak bytes of one case on the device (see :func:`estimate_bytes`)."""
+    el = DTYPES[dtype].itemsize
+    q_side, kv_side = batch * heads_q * seq_q * head_dim, batch * heads_kv * seq_k * head_dim
+    total = 4 * (q_side + kv_side) * el  # q, dO, out, dq; k, v, dk, dv
+    total += max(q_side, kv_side) * 4  # randn's float32 on the way to the device
+    if flat:  # [total, H, D] copies of q, k, v, dO, and their [1, H, total, D] views in the kernels' layout
+        total += 2 * (q_side + kv_side) * el
+    total += 2 * batch * heads_q * seq_q * 4 + (1 << 26)  # lse, delta; the forward's split partials
+    total += 4 * mask_rows * (seq_q // 16 + 1) * (seq_k // 32 + 1) * 4  # block lists and summaries
+    rows = min(seq_q, _ref_chunk(seq_k))
+    # The reference's step: float32 scores, probabilities, their gradients, the mask rows and their int64 gather
+    # index (about 64 bytes a pair, 72 with dropout's keep mask), plus float32 k and v.
+    total += rows * seq_k * (72 if dropout else 64) + 2 * seq_k * head_dim * 4
+    if dense:  # the bool mask; the library's tile classes (masked, padded copies); the reference's rows of it
+        total += 6 * mask_rows * seq_q * seq_k
+    return total + (64 << 20)
+
+
+def estimate_bytes(case: Case) -> int:
+    """Estimated peak device memory of :func:`run_case`: q, k, v, dO, out and the gradients in the case's dtype
+    (plus the [total, H, D] copies), the kernels' lse, delta and block lists, the reference's per-chunk float32
+    tensors (O(chunk * Sk)), and a dense attn_mask with the copies made of it. torch.cuda.max_memory_allocated
+    checks it on the GPU (fuzz.json's ``memory``)."""
+    mask_rows = 1 if case.packed else len(case.seg_lens)
+    return _bytes(case.dtype, case.head_dim, case.batch, case.heads_q, case.heads_kv, case.seq_q, case.seq_k,
+                  mask_rows, case.dense, case.layout == "thd", case.dropout_p > 0)
+
+
+def case_work(case: Case) -> int:
+    """The reference's (query, key) pairs over every head: B * Hq * Sq * Sk."""
+    return case.batch * case.heads_q * case.seq_q * case.seq_k
+
+
+def _fit_sizes(gpu: bool, budget: int, dtype: str, head_dim: int, batch: int, heads: tuple[int, int],
+               max_seq: int) -> tuple[int, tuple[int, int], int]:
+    """(batch, heads, max_seq) within the budgets: halve B, then take the fewest heads, then halve max_seq, until
+    a sequence of max_seq + SEQ_SLACK tokens fits (deterministic: no draws)."""
+    work_max = WORK_MAX["cuda" if gpu else "cpu"]
+
+    def fits() -> bool:
+        s = max_seq + SEQ_SLACK
+        return (batch * heads[0] * s * s <= work_max
+                and _bytes(dtype, head_dim, batch, *heads, s, s, batch, False, True, True) <= budget)
+
+    while not fits():
+        if batch > 1:
+            batch //= 2
+        elif heads != min(HEADS):
+            heads = min(HEADS)
+        elif max_seq > 1:
+            max_seq //= 2
+        else:
+            break
+    return batch, heads, max_seq
+
+
+def _within(case: Case, budget: int, gpu: bool) -> bool:
+    return estimate_bytes(case) <= budget and case_work(case) <= WORK_MAX["cuda" if gpu else "cpu"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drawing a case
+
+
+def draw_case(seed: int, device: torch.device, budget: int | None = None) -> Case:
+    """The case of ``seed`` on ``device`` (its type decides the menu and sizes; its memory the budget, unless
+    ``budget`` is given)."""
     rng = random.Random(seed)
     gpu = device.type == "cuda"
+    budget = memory_budget(device) if budget is None else budget
     u = rng.random()
     if u < 0.8:
         k = rng.choice(SMALL_K)
@@ -113,17 +252,18 @@ def draw_case(seed: int, device: torch.device) -> Case:
     style = rng.choice(STYLES)
     topo_seed = rng.getrandbits(63)
     dtype = rng.choice(list(DTYPES))
-    head_dim = rng.choice([64, 128] if gpu else [16, 32, 40])
-    heads_kv = rng.choice([1, 2])
-    heads_q = heads_kv * rng.choice([1, 2, 4])
+    head_dim = rng.choice(HEAD_DIMS["cuda" if gpu else "cpu"])
+    heads = rng.choice(HEADS)
     packed = rng.random() < 0.25
     batch = 1 if packed else rng.choice([1, 2, 3] if not gpu else [1, 2, 4, 8])
     if gpu:
-        max_seq = rng.choice([512, 4096, 65536]) if k <= 600 else rng.choice([512, 4096])
+        menu = GPU_MAX_SEQ if k <= 600 else GPU_MAX_SEQ[:3]
+        max_seq = rng.choices([m for m, _ in menu], weights=[w for _, w in menu])[0]
     else:
-        max_seq = rng.choice([40, 96])
+        max_seq = rng.choice(CPU_MAX_SEQ)
     if k > 32 and gpu:  # many segments, short ones: about 1, 4, 16 or 64 tokens each
         max_seq = min(max_seq, k * rng.choice([1, 4, 16, 64]))
+    batch, (heads_q, heads_kv), max_seq = _fit_sizes(gpu, budget, dtype, head_dim, batch, heads, max_seq)
     per_sample = not packed and batch > 1 and rng.random() < 0.5
 
     # The segments that get tokens: all of them, except for many segments on the CPU, where a few do (the
@@ -154,7 +294,8 @@ def draw_case(seed: int, device: torch.device) -> Case:
         else:
             samples = rng.randint(1, 8 if rng.random() < 0.8 else 24)
         mean = max(1, max_seq // samples)
-        rows = [lengths(0 if rng.random() < 0.05 else rng.randint(0, 2 * mean)) for _ in range(samples)]
+        rows = [lengths(0 if rng.random() < 0.05 else rng.randint(0, min(2 * mean, max_seq)))
+                for _ in range(samples)]
         if not any(map(sum, rows)):
             rows[-1][-1] += 1  # a pack has a token at least
         seq_k = sum(map(sum, rows))
@@ -171,14 +312,23 @@ def draw_case(seed: int, device: torch.device) -> Case:
     if decode:  # decoding (at most 16 queries: the decode tile) or a chunk of queries
         seq_q = rng.randint(1, min(16, seq_k)) if rng.random() < 0.7 else rng.randint(1, seq_k)
     q_start = [rng.randint(0, seq_k - seq_q) for _ in range(batch)] if decode and per_sample else None
-    dense = (not packed and q_start is None and batch * seq_q * seq_k <= 1 << 30 and rng.random() < 0.12)
+    dense = not packed and q_start is None and rng.random() < 0.12 and batch * seq_q * seq_k <= DENSE_MAX
     dropout_p = rng.choice([0.1, 0.3]) if rng.random() < (0.1 if packed else 0.15) else 0.0
     causal = rng.random() < 0.4
     layout = rng.choice(["bhsd", "thd"]) if packed else "bhsd"
     lens_as = "tensor" if not dense and rng.random() < 0.3 else "list"
     topology_as = rng.choice(["list", "tensor", "Topology"]) if k <= 64 else "Topology"
-    return Case(seed, dtype, head_dim, heads_q, heads_kv, batch, k, style, pair_types, topo_seed, rows, seq_k,
+    case = Case(seed, dtype, head_dim, heads_q, heads_kv, batch, k, style, pair_types, topo_seed, rows, seq_k,
                 seq_q, q_start, causal, dense, packed, dropout_p, layout, lens_as, topology_as)
+    if dense and not _within(case, budget, gpu):  # the dense mask's copies are over budget: the topology instead
+        case = replace(case, dense=False)
+    while case.packed and len(case.seg_lens) > 1 and not _within(case, budget, gpu):  # a long pack: fewer samples
+        rows = case.seg_lens[:max(1, len(case.seg_lens) * 3 // 4)]
+        if not any(map(sum, rows)):
+            rows[-1][-1] += 1
+        total = sum(map(sum, rows))
+        case = replace(case, seg_lens=rows, seq_k=total, seq_q=total)
+    return case
 
 
 def types_of(case: Case) -> torch.Tensor:
@@ -371,6 +521,11 @@ def _topology_arg(case: Case) -> Any:
     return mmsparse.Topology(types.clone())  # (a Topology keeps the tensor it is given; types_of caches its own)
 
 
+def _lens_dtype(case: Case) -> torch.dtype:
+    """The dtype of a case's lengths given as a tensor (drawn from the seed, apart from the case's fields)."""
+    return random.Random(case.seed).choice([torch.int32, torch.int64])
+
+
 def run_case(case: Case, device: torch.device) -> list[str]:
     """The failures of one case (empty: it passed)."""
     dtype = DTYPES[case.dtype]
@@ -392,23 +547,36 @@ def run_case(case: Case, device: torch.device) -> list[str]:
     leaves = [given(t).requires_grad_() for t in (q, k, v)]
     lens: Any = case.seg_lens if len(case.seg_lens) > 1 or case.packed else case.seg_lens[0]
     if case.lens_as == "tensor":
-        lens = torch.tensor(lens, dtype=random.Random(case.seed).choice([torch.int32, torch.int64]), device=device)
+        lens = torch.tensor(lens, dtype=_lens_dtype(case), device=device)
     torch.manual_seed(case.seed & (2**63 - 1))
     if case.packed:
         out = mmsparse.mbs_attention_varlen(*leaves, _topology_arg(case), lens, causal=case.causal,
                                             dropout_p=case.dropout_p)
     elif case.dense:  # the mask without causality, which the causal flag adds
         plain = _allowed_rows(replace(case, causal=False), device)
-        mask = torch.stack([torch.cat([plain(b, r) for r in torch.arange(case.seq_q, device=device).split(1024)])
-                            for b in range(len(case.seg_lens))])
+        with torch.no_grad():
+            mask = torch.stack([torch.cat([plain(b, r) for r in torch.arange(case.seq_q, device=device).split(1024)])
+                                for b in range(len(case.seg_lens))])
         out = mmsparse.mbs_attention(*leaves, attn_mask=mask, causal=case.causal, dropout_p=case.dropout_p)
-        del mask
+        del mask, plain
     else:
         out = mmsparse.mbs_attention(*leaves, _topology_arg(case), lens, causal=case.causal,
                                      dropout_p=case.dropout_p, q_start=case.q_start)
     out.backward(given(do))
-    out = as_bhsd(out)
+    out = as_bhsd(out.detach())
     grads = [as_bhsd(t.grad) for t in leaves]
+    # From here on nothing needs autograd. q, k and v are the leaves themselves in the [B, H, S, D] layout: with
+    # autograd on, the reference's steps would each keep their [chunk, Sk] float32 tensors for a backward that never
+    # comes (O(Hq * Sq * Sk): 77 GiB at S = 30k, B = 8, the OOMs of the first GPU runs).
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with torch.no_grad():
+        return _check(case, device, gen, q, k, v, do, out, grads, allowed, dtype)
+
+
+def _check(case: Case, device: torch.device, gen: torch.Generator, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, do: torch.Tensor, out: torch.Tensor, grads: list[torch.Tensor], allowed: MaskRowsOf,
+           dtype: torch.dtype) -> list[str]:
+    """Compare out, dq, dk, dv with the reference on sampled rows (all rows on the CPU)."""
     keep_for = None
     if case.dropout_p:
         torch.manual_seed(case.seed & (2**63 - 1))
@@ -423,6 +591,7 @@ def run_case(case: Case, device: torch.device) -> list[str]:
     failures = []
     group = case.heads_q // case.heads_kv
     gpu = device.type == "cuda"
+    chunk = _ref_chunk(case.seq_k)
     for b in range(case.batch):
         edges = _boundaries(case, b)
         start = 0 if case.packed else (case.q_start[b] if case.q_start else case.seq_k - case.seq_q)
@@ -436,9 +605,9 @@ def run_case(case: Case, device: torch.device) -> list[str]:
             rows_d, cols_d = rows.to(device), cols.to(device)
             keep = None if keep_for is None else (lambda g, idx, b=b, hk=hk: keep_for(b, hk * group + g, idx))
             args = (q[b, heads], k[b, hk], v[b, hk], do[b, heads], lambda idx, b=b: allowed(b, idx), rows_d, cols_d)
-            ref = reference_group_rows(*args, keep=keep, dropout_p=case.dropout_p, chunk=1024)
+            ref = reference_group_rows(*args, keep=keep, dropout_p=case.dropout_p, chunk=chunk)
             plain_ref = ref if dtype == torch.float32 else reference_group_rows(
-                *args, dtype=dtype, keep=keep, dropout_p=case.dropout_p, chunk=1024)
+                *args, dtype=dtype, keep=keep, dropout_p=case.dropout_p, chunk=chunk)
             got = (out[b, heads][:, rows_d], grads[0][b, heads][:, rows_d], grads[1][b, hk][cols_d],
                    grads[2][b, hk][cols_d])
             for name, a, e, p in zip(("out", "dq", "dk", "dv"), got, ref, plain_ref):
@@ -502,6 +671,83 @@ def poisoned_outputs() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# What compiles
+
+
+def kernel_keys(case: Case, sms: int = 132) -> frozenset[tuple]:
+    """The kernel variants a case compiles on a Hopper GPU, as the fuzzer models them (for the warm-up and the
+    run's tally; a model, not the kernels' own keys: a variant it merges compiles during the run, one it splits
+    costs a warm-up case). The attention kernels specialise on the dtype, head dim, query heads, GQA group, mask
+    path (bits, codes, dense), causal and dropout; the forward also on its tile (decode, with the GQA pack's rows;
+    under SHORT_KEYS keys; long), on splitting the key lists (few programs: tl kernel and combine) and on the
+    Gluon kernel (half precision, long, no dropout, no split: the split count itself is a runtime argument); dQ on
+    short or long keys. The list builders specialise on the tiles (float32 or not, head dim, query and key
+    lengths' classes), causal and (bits) the segments rounded up to a power of two, the token-bit kernel on k and
+    the lengths' dtype, the dropout keep mask on the query heads. ``sms``: the GPU's multiprocessors."""
+    from mmsparse.ops.config import DECODE_MAX_Q, SHORT_KEYS
+    from mmsparse.ops.forward import gqa_pack_rows
+
+    half, d, drop = case.dtype != "fp32", case.head_dim, case.dropout_p > 0
+    group = case.heads_q // case.heads_kv
+    bits = case.k <= 32 and case.pair_types == "01" and not case.packed and not case.dense
+    mode = "dense" if case.dense else "bits" if bits else "codes"
+    attn = (case.dtype, d, case.heads_q, group, mode, case.causal, drop)
+    short = case.seq_k < SHORT_KEYS
+    pack = 0
+    if case.seq_q <= DECODE_MAX_Q:
+        tile, block_m, block_n = "decode", 16, 64 if half else 32
+        pack = gqa_pack_rows(group, case.seq_q, 16)
+    elif short:
+        tile, block_m, block_n = "short", 64 if d == 64 else 128, 32 if d == 64 else 64
+    else:
+        tile, block_m, block_n = "long", 128 if half or d == 128 else 64, 128 if half else 32
+    programs = (1 if pack else -(-case.seq_q // block_m)) * case.batch * (case.heads_kv if pack else case.heads_q)
+    key_blocks = -(-case.seq_k // block_n)
+    split = programs < 2 * sms and min(-(-2 * sms // programs), key_blocks // 4) > 1
+    gluon = half and tile == "long" and not drop and not split
+    keys = {("fwd", *attn, tile, pack, gluon), ("dq", *attn, short), ("dkdv", *attn, case.heads_kv),
+            ("delta", d)}
+    if split:
+        keys.add(("combine", d))
+    if drop:
+        keys.add(("keep", case.heads_q))
+    lists = (case.dtype == "fp32", d, tile, short, case.causal)
+    if bits:
+        keys.add(("bit lists", max(2, 1 << (case.k - 1).bit_length()), *lists))
+        keys.add(("token bits", case.k, "int32" if case.lens_as == "list" else str(_lens_dtype(case))))
+    elif mode == "codes":
+        keys.add(("code lists", *lists))
+    return frozenset(keys)
+
+
+def warmup_seeds(device: torch.device, draws: int | None = None) -> list[int]:
+    """The warm-up's cases: from WARMUP_DRAWS draws of the fixed WARMUP_SEED stream (those within
+    WARMUP_MAX_BYTES and WARMUP_MAX_WORK), the cheapest first, each taken when it touches a kernel variant
+    (:func:`kernel_keys`) that no case taken before it does; then ordered
+    by how often the draws touch the variants each one brings, so that a warm-up cut short by its time limit has
+    compiled the common ones."""
+    draws = WARMUP_DRAWS[device.type] if draws is None else draws
+    master = random.Random(WARMUP_SEED)
+    candidates = []
+    for _ in range(draws):
+        seed = master.getrandbits(64)
+        case = draw_case(seed, device)
+        if estimate_bytes(case) <= WARMUP_MAX_BYTES and case_work(case) <= WARMUP_MAX_WORK:
+            candidates.append((case_work(case) + case.k, seed, kernel_keys(case)))
+    often: dict[tuple, int] = {}
+    for _, _, keys in candidates:
+        for key in keys:
+            often[key] = often.get(key, 0) + 1
+    covered: set[tuple] = set()
+    chosen = []
+    for _, seed, keys in sorted(candidates):
+        if not keys <= covered:
+            chosen.append((-sum(often[key] for key in keys - covered), len(chosen), seed))
+            covered |= keys
+    return [seed for _, _, seed in sorted(chosen)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The run
 
 
@@ -509,49 +755,285 @@ def repro_line(seed: int, device: torch.device) -> str:
     return f"python -m benchmarks.fuzz --repro {seed} --device {device.type}"
 
 
-def fuzz(seed: int, device: torch.device, minutes: float | None, cases: int | None) -> dict[str, Any]:
+def _release(device: torch.device) -> None:
+    """Between cases: mmsparse's mask and topology caches (a cached mask keeps its token bits and block lists on
+    the device) and, when it holds more than RESERVED_KEEP, the CUDA cache (memory the driver may need for a
+    kernel's module or local memory, which a Triton launch cannot take back from torch's cache)."""
+    mmsparse.functional._INFO_CACHE.clear()
+    mmsparse.functional._TOPOLOGIES.clear()
+    if device.type == "cuda" and torch.cuda.memory_reserved(device) > RESERVED_KEEP:
+        torch.cuda.empty_cache()
+
+
+class _Memory:
+    """Each case's peak device memory against its estimate and the budget, and what stays allocated after it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.gpu = device.type == "cuda"
+        self.device = device
+        self.budget = memory_budget(device)
+        self.base = torch.cuda.memory_allocated(device) if self.gpu else 0
+        self.max_peak = self.max_ratio = 0.0
+        self.max_peak_seed = self.max_ratio_seed = None
+        self.over_budget: list[dict[str, Any]] = []
+        self.kept = 0
+
+    def start(self) -> None:
+        if self.gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self, case: Case) -> None:
+        if not self.gpu:
+            return
+        peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        estimate = estimate_bytes(case)
+        if peak > self.max_peak:
+            self.max_peak, self.max_peak_seed = peak, case.seed
+        if peak / estimate > self.max_ratio:
+            self.max_ratio, self.max_ratio_seed = peak / estimate, case.seed
+        if peak > self.budget:
+            self.over_budget.append({"seed": case.seed, "peak_mib": peak >> 20, "estimate_mib": estimate >> 20})
+        kept = torch.cuda.memory_allocated(self.device) - self.base
+        if kept > 256 << 20:  # more than the caches' small tensors: a reference cycle, or a leak
+            gc.collect()
+            kept = torch.cuda.memory_allocated(self.device) - self.base
+        self.kept = max(self.kept, kept)
+
+    def record(self) -> dict[str, Any]:
+        return {"budget_mib": self.budget >> 20, "max_peak_mib": int(self.max_peak) >> 20,
+                "max_peak_seed": self.max_peak_seed, "max_peak_over_estimate": round(self.max_ratio, 3),
+                "max_peak_over_estimate_seed": self.max_ratio_seed, "over_budget": self.over_budget,
+                "max_kept_after_a_case_mib": int(self.kept) >> 20}
+
+
+def run_one(seed: int, device: torch.device, memory: _Memory | None = None) -> tuple[Case, list[str]]:
+    """Draw and run one case; a crash is a failure to report (strings only: no tensor outlives the case)."""
+    case = draw_case(seed, device)
+    if memory is not None:
+        memory.start()
+    try:
+        with poisoned_outputs():
+            problems = run_case(case, device)
+    except Exception as err:  # a crash is a failure to report, not the end of the run
+        problems = [f"{type(err).__name__}: {err}".splitlines()[0]]
+        traceback.print_exc()
+        del err
+    _release(device)
+    if memory is not None:
+        memory.end(case)
+    return case, problems
+
+
+def _failure(case: Case, problems: list[str], device: torch.device, warmup: bool = False) -> dict[str, Any]:
+    print(f"FAIL case {case.seed}{' (warm-up)' if warmup else ''}: {problems[0]}\n  repro: "
+          f"{repro_line(case.seed, device)}", flush=True)
+    record = {"seed": case.seed, "problems": problems, "repro": repro_line(case.seed, device),
+              "case": case_record(case)}
+    return {**record, "warmup": True} if warmup else record
+
+
+def fuzz(seed: int, device: torch.device, minutes: float | None, cases: int | None,
+         warmed: frozenset[tuple] | None = None) -> dict[str, Any]:
+    """Cases from the master ``seed`` for ``minutes`` or ``cases``. ``warmed``: the kernel variants the warm-up
+    touched (the record counts the cases that touched others, whose compilation the run paid for)."""
     master = random.Random(seed)
-    deadline = time.monotonic() + 60 * minutes if minutes else None
+    start = time.monotonic()
+    deadline = start + 60 * minutes if minutes else None
     done, failed = 0, []
     coverage = dict.fromkeys(FEATURES, 0)
+    memory = _Memory(device)
+    variants: set[tuple] = set()
+    cold, slowest = 0, []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     while (cases is None or done < cases) and (deadline is None or time.monotonic() < deadline):
         case_seed = master.getrandbits(64)
-        case = draw_case(case_seed, device)
-        try:
-            with poisoned_outputs():
-                problems = run_case(case, device)
-        except Exception as err:  # a crash is a failure to report, not the end of the run
-            problems = [f"{type(err).__name__}: {err}".splitlines()[0]]
-            traceback.print_exc()
+        t0 = time.monotonic()
+        case, problems = run_one(case_seed, device, memory)
+        seconds = time.monotonic() - t0
         done += 1
+        keys = kernel_keys(case, sms)
+        cold += warmed is not None and not keys <= warmed
+        variants |= keys
+        slowest = sorted([*slowest, (round(seconds, 2), case_seed)], reverse=True)[:5]
         for tag in features(case):
             coverage[tag] = coverage.get(tag, 0) + 1
         if problems:
-            failed.append({"seed": case_seed, "problems": problems, "repro": repro_line(case_seed, device),
-                           "case": case_record(case)})
-            print(f"FAIL case {case_seed}: {problems[0]}\n  repro: {repro_line(case_seed, device)}", flush=True)
+            failed.append(_failure(case, problems, device))
     env = environment(device)
     coverage = {tag: n for tag, n in coverage.items() if n or not tag.startswith("D=")}  # this device's dims
-    return {"seed": seed, "cases": done, "failures": failed, "coverage": coverage,
-            "device": device.type, "gpu": env["gpu"] if device.type == "cuda" else None, "torch": env["torch"],
-            "triton": env["triton"], "commit": env["commit"]}
+    elapsed = time.monotonic() - start
+    return {"seed": seed, "seeds": [seed], "cases": done, "minutes": elapsed / 60, "failures": failed,
+            "coverage": coverage, "device": device.type, "gpu": env["gpu"] if device.type == "cuda" else None,
+            "torch": env["torch"], "triton": env["triton"], "commit": env["commit"],
+            "cases_per_second": round(done / max(elapsed, 1e-9), 3), "kernel_variants": len(variants),
+            "cases_compiling_after_warmup": cold if warmed is not None else None,
+            "slowest": [{"seed": s, "seconds": t} for t, s in slowest], "memory": memory.record()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The warm-up
+
+
+def warmup(device: torch.device, jobs: int, minutes: float | None = None,
+           seeds: list[int] | None = None) -> dict[str, Any]:
+    """Run the warm-up cases (:func:`warmup_seeds`, or ``seeds``) in ``jobs`` worker processes (in this one when
+    ``jobs`` is 1), each checked like any case, so that Triton's on-disk cache holds their kernels; stop starting
+    cases after ``minutes``. Returns its record: seconds, cases run and chosen, jobs, failures, the cases stopped
+    unfinished (a worker still busy a minute past the limit), and the kernel variants of the cases run."""
+    start = time.monotonic()
+    seeds = warmup_seeds(device) if seeds is None else seeds
+    deadline = time.time() + 60 * minutes if minutes else None
+    results: dict[int, list[str]] = {}
+    unfinished: list[int] = []
+    if jobs <= 1:
+        for seed in seeds:
+            if deadline is not None and time.time() > deadline:
+                break
+            results[seed] = run_one(seed, device)[1]
+    else:
+        results, unfinished = _run_workers(seeds, device, jobs, deadline)
+    failures = [_failure(draw_case(seed, device), problems, device, warmup=True)
+                for seed, problems in results.items() if problems]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    warmed = frozenset().union(*(kernel_keys(draw_case(s, device), sms) for s in results))
+    return {"seconds": round(time.monotonic() - start, 1), "cases": len(results), "chosen": len(seeds),
+            "jobs": jobs, "failures": failures, "unfinished": unfinished, "kernel_variants": len(warmed),
+            "warmed": warmed}
+
+
+def _run_workers(seeds: list[int], device: torch.device, jobs: int,
+                 deadline: float | None) -> tuple[dict[int, list[str]], list[int]]:
+    """Each of ``jobs`` child processes (``--worker``) runs every jobs-th seed and writes a JSON line per case; a
+    child that dies mid-case (a crash the process cannot survive) leaves that case failed, with its exit status.
+    Returns the problems of each case run, and the cases still running a minute past the deadline (stopped)."""
+    shards = [seeds[i::jobs] for i in range(jobs)]
+    results: dict[int, list[str]] = {}
+    unfinished: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="mmsparse-fuzz-") as tmp:
+        procs = []
+        for i, shard in enumerate(shards):
+            if not shard:
+                continue
+            path = Path(tmp) / f"worker{i}.jsonl"
+            cmd = [sys.executable, "-m", "benchmarks.fuzz", "--worker", ",".join(map(str, shard)),
+                   "--worker-out", str(path), "--device", str(device)]
+            if deadline is not None:
+                cmd += ["--deadline", str(deadline)]
+            procs.append((subprocess.Popen(cmd, cwd=REPO_DIR), shard, path))
+        stop = None if deadline is None else deadline + 60  # a case may finish after the deadline, not much later
+        for proc, shard, path in procs:
+            killed = False
+            try:
+                rc = proc.wait(timeout=None if stop is None else max(1.0, stop - time.time()))
+            except subprocess.TimeoutExpired:  # a case still running long after the deadline: stop this child
+                proc.kill()  # (ours, by its handle)
+                rc, killed = proc.wait(), True
+            done = {}
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    entry = json.loads(line)
+                    done[entry["seed"]] = entry["problems"]
+            results.update(done)
+            missing = [s for s in shard if s not in done]
+            if killed and missing:
+                unfinished.append(missing[0])
+            elif rc != 0 and missing:
+                results[missing[0]] = [f"the warm-up worker running this case exited with status {rc}"]
+    return results, unfinished
+
+
+def _worker(seeds: list[int], device: torch.device, out: Path, deadline: float | None) -> int:
+    torch.set_num_threads(1)  # the workers share the cores, which compiling keeps busy
+    with out.open("a") as f:
+        for seed in seeds:
+            if deadline is not None and time.time() > deadline:
+                break
+            problems = run_one(seed, device)[1]
+            f.write(json.dumps({"seed": seed, "problems": problems}) + "\n")
+            f.flush()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The record
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Two runs' records as one: cases, minutes and coverage summed, failures and warm-ups listed, seeds listed,
+    memory at its worst; versions and commit the new run's (``commits`` lists both when they differ)."""
+    merged = dict(new)
+    merged["seeds"] = [*old.get("seeds", [old["seed"]]), *new["seeds"]]
+    merged["seed"] = merged["seeds"][0]
+    merged["cases"] = old["cases"] + new["cases"]
+    merged["minutes"] = old["minutes"] + new["minutes"]
+    merged["cases_per_second"] = round(merged["cases"] / max(60 * merged["minutes"], 1e-9), 3)
+    merged["failures"] = [*old["failures"], *new["failures"]]
+    merged["coverage"] = {tag: old["coverage"].get(tag, 0) + new["coverage"].get(tag, 0)
+                          for tag in dict.fromkeys([*old["coverage"], *new["coverage"]])}
+    merged["warmups"] = [*old.get("warmups", []), *new.get("warmups", [])]
+    merged["runs"] = [*old.get("runs", [_run_summary(old)]), _run_summary(new)]
+    commits = dict.fromkeys([*old.get("commits", [old["commit"]]), new["commit"]])
+    if len(commits) > 1:
+        merged["commits"] = list(commits)
+    mem_old, mem_new = old.get("memory") or {}, new.get("memory") or {}
+    if mem_old and mem_new:
+        worst = dict(mem_new)
+        for key, seed_key in (("max_peak_mib", "max_peak_seed"),
+                              ("max_peak_over_estimate", "max_peak_over_estimate_seed"),
+                              ("max_kept_after_a_case_mib", None)):
+            if (mem_old.get(key) or 0) > (mem_new.get(key) or 0):
+                worst[key] = mem_old[key]
+                if seed_key:
+                    worst[seed_key] = mem_old.get(seed_key)
+        worst["over_budget"] = [*mem_old.get("over_budget", []), *mem_new.get("over_budget", [])]
+        merged["memory"] = worst
+    colds = [r.get("cases_compiling_after_warmup") for r in (old, new)]
+    merged["cases_compiling_after_warmup"] = None if colds == [None, None] else sum(c or 0 for c in colds)
+    merged["kernel_variants"] = max(old.get("kernel_variants", 0), new.get("kernel_variants", 0))
+    merged["slowest"] = sorted([*old.get("slowest", []), *new.get("slowest", [])],
+                               key=lambda r: -r["seconds"])[:5]
+    return merged
+
+
+def _run_summary(result: dict[str, Any]) -> dict[str, Any]:
+    return {"seed": result["seeds"][0] if "seeds" in result else result["seed"], "cases": result["cases"],
+            "minutes": round(result["minutes"], 2), "failures": len(result["failures"]), "commit": result["commit"]}
 
 
 def markdown(result: dict[str, Any]) -> str:
     """fuzz.md: the run in a few lines, each failure with its repro, and what the cases covered."""
     where = result["gpu"] or f"{result['device']} (Triton interpreter)"
+    seeds = result.get("seeds", [result["seed"]])
+    runs = f"{len(seeds)} runs, master seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else (
+        f"master seed {seeds[0]}")
     lines = [
         "# Fuzz: random cases against the float32 reference",
         "",
         f"**{result['cases']} cases in {result['minutes']:.1f} min, {len(result['failures'])} failed.** "
-        f"Master seed {result['seed']}; {where}; torch {result['torch']}, triton {result['triton']}; "
+        f"{runs[0].upper()}{runs[1:]}; {where}; torch {result['torch']}, triton {result['triton']}; "
         f"commit {result['commit']}.",
         "",
     ]
+    for w in result.get("warmups", []):
+        stopped = f"; stopped unfinished: {', '.join(map(str, w['unfinished']))}" if w.get("unfinished") else ""
+        lines.append(f"Warm-up (not counted above): {w['cases']} of {w['chosen']} cases in {w['seconds']:.0f} s on "
+                     f"{w['jobs']} processes, {w['kernel_variants']} kernel variants, {len(w['failures'])} "
+                     f"failed{stopped}.")
+    if result.get("cases_compiling_after_warmup") is not None:
+        lines.append(f"{result['cases_compiling_after_warmup']} cases touched a kernel variant the warm-up did not.")
+    mem = result.get("memory") or {}
+    if result["device"] == "cuda" and mem:
+        lines.append(f"Memory: budget {mem['budget_mib']} MiB a case; largest peak {mem['max_peak_mib']} MiB "
+                     f"(case {mem['max_peak_seed']}); peak/estimate at most {mem['max_peak_over_estimate']}; "
+                     f"{len(mem['over_budget'])} cases over budget; at most {mem['max_kept_after_a_case_mib']} MiB "
+                     "kept after a case.")
+    lines.append(f"{result.get('cases_per_second', 0)} cases/s; {result.get('kernel_variants', 0)} kernel "
+                 "variants (the fuzzer's model).")
+    lines.append("")
     if result["failures"]:
         lines += ["## Failures", ""]
         for f in result["failures"]:
-            lines.append(f"- `{f['repro']}`: {f['problems'][0]}"
+            lines.append(f"- `{f['repro']}`{' (warm-up)' if f.get('warmup') else ''}: {f['problems'][0]}"
                          + (f" (+{len(f['problems']) - 1} more)" if len(f["problems"]) > 1 else ""))
         lines.append("")
     lines += ["## Coverage", "", "| cases with | count |", "|---|---:|"]
@@ -559,34 +1041,66 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _default_jobs(device: torch.device) -> int:
+    """Warm-up processes: on the GPU one per core but two (compiling is CPU work), at most 14; on the CPU one."""
+    return max(1, min(14, (os.cpu_count() or 2) - 2)) if device.type == "cuda" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=None, help="run for this long")
+    parser.add_argument("--minutes", type=float, default=None, help="run for this long (after any warm-up)")
     parser.add_argument("--cases", type=int, default=None, help="or this many cases")
     parser.add_argument("--seed", type=int, default=0, help="master seed (each case gets its own 64-bit seed)")
     parser.add_argument("--repro", type=int, default=None, help="run the one case with this seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup", action="store_true",
+                        help="first run the warm-up cases (one per kernel variant) in --jobs processes")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="warm-up processes (default: the cores but two, at most 14, on the GPU; 1 on the CPU)")
+    parser.add_argument("--warmup-minutes", type=float, default=3.0,
+                        help="start no warm-up case after this long (default 3; a worker still running a case a "
+                             "minute later is stopped)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for fuzz.json and fuzz.md (default benchmarks/results/<gpu>/ on the GPU; "
                              "none on the CPU)")
+    parser.add_argument("--merge", action="store_true",
+                        help="add this run to the fuzz.json already in the folder (cases, minutes, seeds)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # seeds of a warm-up worker
+    parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.worker is not None:
+        return _worker([int(s) for s in args.worker.split(",")], device, args.worker_out, args.deadline)
     if args.repro is not None:
         case = draw_case(args.repro, device)
         print(json.dumps(case_record(case)))
+        print(f"estimated peak {estimate_bytes(case) >> 20} MiB of a {memory_budget(device) >> 20} MiB budget; "
+              f"{case_work(case):.3g} reference pairs")
         with poisoned_outputs():
             problems = run_case(case, device)
         print("\n".join(problems) or "ok")
         return 1 if problems else 0
     if args.minutes is None and args.cases is None:
         parser.error("give --minutes or --cases")
-    start = time.monotonic()
-    result = fuzz(args.seed, device, args.minutes, args.cases)
-    result["minutes"] = (time.monotonic() - start) / 60
-    print(f"{result['cases']} cases in {result['minutes']:.1f} min, {len(result['failures'])} failed")
+    warm = None
+    if args.warmup:
+        jobs = args.jobs if args.jobs is not None else _default_jobs(device)
+        warm = warmup(device, jobs, args.warmup_minutes)
+        print(f"warm-up: {warm['cases']} of {warm['chosen']} cases in {warm['seconds']:.0f} s on {jobs} processes, "
+              f"{len(warm['failures'])} failed", flush=True)
+    result = fuzz(args.seed, device, args.minutes, args.cases, warm["warmed"] if warm else None)
+    result["warmups"] = []
+    if warm is not None:
+        result["warmups"] = [{k: v for k, v in warm.items() if k != "warmed"}]
+        result["failures"] = [*warm["failures"], *result["failures"]]
+    print(f"{result['cases']} cases in {result['minutes']:.1f} min, {len(result['failures'])} failed "
+          f"({result['cases_per_second']} cases/s)")
     out = args.out or (results_dir(result["gpu"]) if device.type == "cuda" else None)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+        if args.merge and (out / "fuzz.json").exists():
+            result = merge(json.loads((out / "fuzz.json").read_text()), result)
         path = write_record(out, "fuzz", result, markdown(result))
         print(f"wrote {path} and its .md")
     return 1 if result["failures"] else 0

@@ -1,5 +1,7 @@
 """The fuzzer's CPU mode, so that it cannot rot: a few random cases through the interpreter, wrong masks that it
-must catch, its two reference mask builders against each other, what its draws cover, its record and a repro."""
+must catch, its two reference mask builders against each other, what its draws cover and that they keep to their
+budgets, the reference without autograd, the warm-up and its worker processes, its record (and a merged one) and a
+repro."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import random
 import pytest
 import torch
 
+import mmsparse.functional
 from benchmarks import fuzz
 from mmsparse import reference_mask
 
@@ -119,7 +122,7 @@ def test_draws_cover_the_masks():
         assert tally["pair types 0/1/2"] > draws / 3
         assert any(0 in row for c in cases for row in c.seg_lens)
         assert {c.head_dim for c in cases} == ({64, 128} if dev_type is GPU else {16, 32, 40})
-        assert {(c.heads_q, c.heads_kv) for c in cases} <= {(h * g, h) for h in (1, 2) for g in (1, 2, 4)}
+        assert {(c.heads_q, c.heads_kv) for c in cases} == set(fuzz.HEADS)
         if dev_type is GPU:
             assert max(c.k for c in cases) > 2048
             assert max(len(c.seg_lens) for c in cases if c.packed) > 1000
@@ -162,7 +165,8 @@ def test_record(tmp_path, monkeypatch):
     assert fuzz.main(["--cases", "6", "--seed", "3", "--device", "cpu", "--out", str(tmp_path)]) == 1
     record = json.loads((tmp_path / "fuzz.json").read_text())
     assert record["cases"] == 6 and record["seed"] == 3 and record["minutes"] >= 0
-    assert {"commit", "torch", "triton", "device", "gpu", "coverage"} <= set(record)
+    assert {"commit", "torch", "triton", "device", "gpu", "coverage", "memory", "cases_per_second"} <= set(record)
+    assert record["warmups"] == [] and record["seeds"] == [3]
     assert record["failures"], "seed 3 draws a case with more than 3 segments"
     md = (tmp_path / "fuzz.md").read_text()
     for failure in record["failures"]:
@@ -174,3 +178,107 @@ def test_record(tmp_path, monkeypatch):
 def test_repro_runs_one_case(capsys):
     assert fuzz.main(["--repro", "12345", "--device", "cuda" if torch.cuda.is_available() else "cpu"]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+# The cases of the first 5-minute GPU run that ran out of memory: the reference, run with autograd on (q, k and v
+# were the leaves), kept every step's [chunk, Sk] float32 tensors, O(Hq * Sq * Sk) (77 GiB at S = 30k); the one at
+# S = 100 failed on the memory the OOMs before it left in torch's cache.
+FIRST_RUN_OOMS = (16186967436900617235, 14015392492810597095, 15452065013078747542, 16723719908327564050,
+                  11883373483010948178)
+
+
+def test_draws_keep_to_their_budgets():
+    """Every draw's estimated peak fits the memory budget and its reference work WORK_MAX, on each device and
+    under a small budget too; sizes still span S from 1 to 64k and B from 1 to 8 on the GPU, most S within 4k;
+    a seed draws one case."""
+    for dev_type, draws in ((CPU, 600), (GPU, 3000)):
+        master = random.Random(2)
+        seeds = [master.getrandbits(64) for _ in range(draws)]
+        seeds += list(FIRST_RUN_OOMS) if dev_type is GPU else []
+        cases = [fuzz.draw_case(s, dev_type) for s in seeds]
+        budget, work = fuzz.memory_budget(dev_type), fuzz.WORK_MAX[dev_type.type]
+        for c in cases:
+            assert fuzz.estimate_bytes(c) <= budget and fuzz.case_work(c) <= work, c.seed
+        if dev_type is GPU:
+            lengths = [c.seq_k for c in cases]
+            assert min(lengths) == 1 and max(lengths) > 60_000 and max(lengths) <= 1 << 17
+            assert sum(s <= 4096 for s in lengths) > 0.75 * len(lengths)
+            assert {c.batch for c in cases} == {1, 2, 4, 8}
+            assert any(c.batch == 8 and c.seq_k > 4096 for c in cases)
+            assert sum(c.dense for c in cases) > draws / 20
+        assert fuzz.draw_case(seeds[5], dev_type) == cases[5]
+    small = 512 << 20
+    for seed in range(300):
+        case = fuzz.draw_case(seed, GPU, budget=small)
+        assert fuzz.estimate_bytes(case) <= small, seed
+
+
+def test_reference_runs_without_autograd(device, monkeypatch):
+    """The reference and the comparisons run with autograd off and on inputs that need no gradient (else every
+    step's tensors are kept: the first GPU runs' OOMs), and nothing of a case stays in mmsparse's mask cache."""
+    calls = []
+    original = fuzz.reference_group_rows
+
+    def spy(q, k, v, grad_out, *args, **kwargs):
+        calls.append(torch.is_grad_enabled() or any(t.requires_grad for t in (q, k, v, grad_out)))
+        return original(q, k, v, grad_out, *args, **kwargs)
+
+    monkeypatch.setattr(fuzz, "reference_group_rows", spy)
+    seed = next(s for s in range(200) if _cheap(fuzz.draw_case(s, device)) and not fuzz.draw_case(s, device).packed)
+    case, problems = fuzz.run_one(seed, device)
+    assert problems == [] and calls and not any(calls)
+    assert len(mmsparse.functional._INFO_CACHE) == 0
+
+
+def test_kernel_keys():
+    """The warm-up's model of what compiles: the menu's fields split the variants, lengths do not; a long half-
+    precision case on many programs takes the Gluon forward, with dropout or split key lists the tl one."""
+    case = fuzz.Case(1, "bf16", 64, 4, 2, 8, 3, "iid", "01", 1, [[4000, 4000, 192]], 8192, 8192, None, False,
+                     False, False, 0.0)
+    keys = fuzz.kernel_keys(case)
+    fwd = next(k for k in keys if k[0] == "fwd")
+    assert fwd[-1] is True and ("bit lists", 4, False, 64, "long", False, False) in keys
+    assert fuzz.kernel_keys(dataclasses.replace(case, seg_lens=[[10, 4000, 4182]])) == keys
+    assert not next(k for k in fuzz.kernel_keys(dataclasses.replace(case, dropout_p=0.1)) if k[0] == "fwd")[-1]
+    one = dataclasses.replace(case, batch=1, heads_q=2, heads_kv=2, seq_q=4096, seq_k=4096)
+    assert ("combine", 64) in fuzz.kernel_keys(one)  # 32 x 2 programs: split key lists, not Gluon
+    assert not next(k for k in fuzz.kernel_keys(one) if k[0] == "fwd")[-1]
+    decode = dataclasses.replace(case, seq_q=9)
+    assert next(k for k in fuzz.kernel_keys(decode) if k[0] == "fwd")[-3:] == ("decode", 32, False)
+    for other in (dict(dtype="fp16"), dict(head_dim=128), dict(heads_q=2), dict(causal=True)):
+        assert fuzz.kernel_keys(dataclasses.replace(case, **other)) != keys
+
+
+def test_warmup_workers(device):
+    """The warm-up's cases cover every variant its stream of draws touches; worker processes run some of them
+    (checked, no failures) and report what they warmed."""
+    if device.type != "cpu":
+        pytest.skip("the GPU runs python -m benchmarks.fuzz --warmup (its workers compile)")
+    seeds = fuzz.warmup_seeds(CPU)
+    assert seeds == fuzz.warmup_seeds(CPU)
+    master = random.Random(fuzz.WARMUP_SEED)
+    drawn = [fuzz.draw_case(master.getrandbits(64), CPU) for _ in range(fuzz.WARMUP_DRAWS["cpu"])]
+    wanted = frozenset().union(*(fuzz.kernel_keys(c) for c in drawn if fuzz.estimate_bytes(c) <= fuzz.WARMUP_MAX_BYTES
+                                 and fuzz.case_work(c) <= fuzz.WARMUP_MAX_WORK))
+    chosen = [fuzz.draw_case(s, CPU) for s in seeds]
+    assert frozenset().union(*(fuzz.kernel_keys(c) for c in chosen)) == wanted
+    assert len(seeds) < len(drawn)
+    some = sorted(seeds[:6], key=lambda s: fuzz.case_work(fuzz.draw_case(s, CPU)))[:4]
+    record = fuzz.warmup(CPU, jobs=2, seeds=some)
+    assert record["cases"] == 4 and record["failures"] == [] and record["jobs"] == 2
+    assert record["warmed"] == frozenset().union(*(fuzz.kernel_keys(fuzz.draw_case(s, CPU)) for s in some))
+
+
+def test_merged_record(tmp_path, monkeypatch):
+    """--merge adds a run to the fuzz.json in --out: cases and minutes summed, seeds and failures of both."""
+    monkeypatch.setattr(fuzz, "run_case", lambda case, device: ["out[b=0, kv head 0]: wrong"] if case.k > 3 else [])
+    fuzz.main(["--cases", "5", "--seed", "3", "--device", "cpu", "--out", str(tmp_path)])
+    first = json.loads((tmp_path / "fuzz.json").read_text())
+    fuzz.main(["--cases", "4", "--seed", "4", "--device", "cpu", "--out", str(tmp_path), "--merge"])
+    record = json.loads((tmp_path / "fuzz.json").read_text())
+    assert record["cases"] == 9 and record["seeds"] == [3, 4] and record["seed"] == 3
+    assert record["minutes"] >= first["minutes"] and len(record["runs"]) == 2
+    assert record["failures"][:len(first["failures"])] == first["failures"]
+    assert sum(record["coverage"].values()) > sum(first["coverage"].values())
+    md = (tmp_path / "fuzz.md").read_text()
+    assert "9 cases in" in md and "master seeds 3, 4" in md
