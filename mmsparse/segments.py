@@ -1,7 +1,7 @@
 """Segment codes: the mask of any topology (pair types 0/1/2, up to 4095 segments) and of packed samples.
 
 Each token carries one int32 code, ``(doc << 12) | seg``: ``doc`` is the sample the token belongs to in a packed
-sequence (0 without packing) and ``seg`` its topology segment. Padding tokens carry :data:`PAD_CODE`, whose
+sequence (0 without packing) and ``seg`` its topology segment. Padding tokens carry :func:`pad_code`, whose
 segment is the pair table's padding row and column (NONE). A query at position i may see a key at position j when
 
     doc(i) == doc(j)  and  table[seg(i), seg(j)] is FULL, or CAUSAL with j <= i
