@@ -175,6 +175,18 @@ def block_lists_kernel(
 _SUMMARY, _LISTS = FastKernel(block_summary_kernel), FastKernel(block_lists_kernel)
 
 
+def allocate_lists(
+    bm: int, seq_q: int, seq_k: int, block_m: int, block_n: int, by_key: bool, device: torch.device
+) -> tuple[int, int, int, int, torch.Tensor, torch.Tensor]:
+    """(n_q, n_k, rows, columns, counts ``[Bm, rows, 2]``, indices ``[Bm, rows, columns]``) of block lists at a
+    tile: rows are the query blocks, or the key blocks when by_key. Uninitialised: the builders write them."""
+    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
+    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
+    counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=device)
+    indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=device)
+    return n_q, n_k, n_r, n_c, counts, indices
+
+
 def kernels_run_on(device: torch.device) -> bool:
     """Whether these kernels take tensors of ``device``: CUDA, or the CPU when Triton's interpreter is on."""
     return device.type == "cuda" or interpreter_active()
@@ -220,10 +232,7 @@ def build_block_lists(
     q_bits, k_bits = (t if t.stride(1) == 1 else t.contiguous() for t in (q_bits, k_bits))
     if q_start.dtype != torch.int32 or q_start.device != dev or q_start.dim() != 1:
         q_start = q_start.to(device=dev, dtype=torch.int32).reshape(-1)
-    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
-    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
-    counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=dev)
-    indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=dev)
+    n_q, n_k, n_r, n_c, counts, indices = allocate_lists(bm, seq_q, seq_k, block_m, block_n, by_key, dev)
     if n_r == 0 or n_c == 0:
         return BlockLists(counts.zero_(), indices)
 

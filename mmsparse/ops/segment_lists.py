@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..blocks import BlockLists, cdiv
 from ..segments import SEG_BITS
-from .block_lists import store_chunk
+from .block_lists import allocate_lists, store_chunk
 from .launch import FastKernel
 
 
@@ -202,10 +202,7 @@ def build_segment_lists(
     bm, seq_q = q_runs.codes.shape
     seq_k = k_runs.codes.shape[1]
     dev = q_runs.codes.device
-    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
-    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
-    counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=dev)
-    indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=dev)
+    n_q, n_k, n_r, n_c, counts, indices = allocate_lists(bm, seq_q, seq_k, block_m, block_n, by_key, dev)
     if n_r == 0 or n_c == 0:
         return BlockLists(counts.zero_(), indices)
     q_sum, k_sum = q_runs.summary(block_m), k_runs.summary(block_n)
