@@ -298,7 +298,7 @@ def selected_cases(group: str, only: tuple[str, ...] | None) -> list[SanCase]:
 def _spies(taken: set[str], device: Any) -> Iterator[None]:
     """Record in ``taken`` what the calls did: "split" (a forward with split key lists), "gluon-fwd", "gluon-dq",
     "gluon-dkdv" (the Gluon launchers ran)."""
-    from mmsparse.ops import config, forward
+    from mmsparse.ops import config, dispatch, forward
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -315,12 +315,12 @@ def _spies(taken: set[str], device: Any) -> Iterator[None]:
         setattr(module, name, spy)
 
     patch(forward, "num_splits", "split", lambda n: n > 1)
-    if device.type == "cuda" and config.hopper_gluon_available(config.cuda_index(device)):
-        from mmsparse.ops import hopper_dkdv, hopper_dq, hopper_forward
+    if device.type == "cuda" and dispatch.hopper_gluon_available(config.cuda_index(device)):
+        from mmsparse.ops import gluon_launch
 
-        patch(hopper_forward, "mbs_attn_fwd_hopper", "gluon-fwd")
-        patch(hopper_dq, "run", "gluon-dq")
-        patch(hopper_dkdv, "run", "gluon-dkdv")
+        patch(gluon_launch, "run_forward", "gluon-fwd")
+        patch(gluon_launch, "run_dq", "gluon-dq")
+        patch(gluon_launch, "run_dkdv", "gluon-dkdv")
     try:
         yield
     finally:
@@ -561,7 +561,7 @@ def cuda_available() -> bool:
 def gluon_available() -> bool:
     import torch
 
-    from mmsparse.ops.config import hopper_gluon_available
+    from mmsparse.ops.dispatch import hopper_gluon_available
 
     return hopper_gluon_available(torch.cuda.current_device())
 

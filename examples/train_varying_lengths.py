@@ -32,9 +32,9 @@ from torch import nn
 
 import mmsparse  # before anything imports triton: without CUDA it turns on Triton's interpreter
 from mmsparse import TritonMBSAttnKernel, reference_attention, reference_mask
-from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
-from mmsparse.ops.config import compiled_variants
-from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
+from mmsparse.kernels.tl.backward import attention_dkdv_tl, attention_dq_tl
+from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
+from mmsparse.ops.launch import compiled_variants
 
 TOPOLOGY = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]  # text sees everything; vision and audio see text and themselves
 
@@ -104,7 +104,8 @@ def random_lengths(cfg: Config, gen: torch.Generator) -> torch.Tensor:
 
 
 def triton_variants() -> int:
-    return sum(compiled_variants(kernel) for kernel in (_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel))
+    return sum(compiled_variants(kernel) for kernel in (attention_fwd_tl, attention_combine_tl, attention_dkdv_tl,
+                                                         attention_dq_tl))
 
 
 def real_tokens(seg_lens: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 from .autograd import MBSAttentionFunction
 from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask_info import MaskInfo
-from .ops.common import interpreter_active
-from .ops.launch import stream_key, stream_of
+from .ops.launch import interpreter_active, stream_key, stream_of
 from .ops.limits import check_problem_size
 from .topology import Topology
 

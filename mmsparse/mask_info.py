@@ -18,8 +18,8 @@ from .blocks import (
     lists_from_classes,
     pool_classes,
 )
+from .kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from .ops.block_lists import build_block_lists, kernels_run_on
-from .ops.common import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from .ops.launch import stream_key
 from .ops.segment_lists import CodeRuns, build_segment_lists
 from .ops.token_bits import launch_token_bits

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
 from ..mask_info import MaskInfo
-from ..ops.common import MASK_BITS, MASK_SEGMENTS
 from ..ops.library import attention_backward, attention_forward
 
 

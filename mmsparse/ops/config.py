@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
-import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from types import ModuleType
-from typing import Any
 
 import torch
-import triton
+
+from .dispatch import hopper_gluon_available
 
 
 @dataclass(frozen=True)
@@ -28,7 +23,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
-    # > 0 runs the Gluon Hopper kernel of the pass (ops/hopper_forward.py, hopper_dkdv.py, hopper_dq.py) at this
+    # > 0 runs the Gluon Hopper kernel of the pass (kernels/gluon/forward.py, dkdv.py, dq.py) at this
     # tile with that many stages where it applies; num_warps and num_stages stay the tl kernel's, which runs the
     # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
@@ -166,7 +161,7 @@ _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
-# The Gluon dQ pass (ops/hopper_dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
+# The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;
 # 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3. D=64 (with the host-side descriptors):
 # 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so D=64 keeps the tl pass below
@@ -176,7 +171,7 @@ _GLUON_DQ = {
     128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4),
 }
 _GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ tile
-# The Gluon dK/dV pass (ops/hopper_dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
+# The Gluon dK/dV pass (kernels/gluon/dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
 # A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
 # step waited for its loads. H100, the pass alone (docs/performance.md): 4 stages (196 KB of shared
 # memory at D=128) 1.12-1.36x over 2 at D=128 (3 stages spill 48 B and gain less), 1.02-1.03x over 3 at D=64.
@@ -185,47 +180,6 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-_GLUON_MODULES = ("hopper_forward", "hopper_dkdv", "hopper_dq")
-GLUON_MIN_TRITON = (3, 6)  # the Gluon API these kernels are written for (it is experimental and still moves)
-
-
-def hopper_gluon_available(device_index: int) -> bool:
-    """The Gluon kernels run on this device: ``MMSPARSE_GLUON`` is not "0", the GPU is a Hopper (sm_90), Triton
-    is at least GLUON_MIN_TRITON, and the Gluon kernel modules import. Decided before any kernel runs; after that
-    a failing Gluon kernel raises like any other (a fallback would turn a bug into a slowdown)."""
-    if os.environ.get("MMSPARSE_GLUON", "1") == "0":
-        return False
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
-    return _gluon_importable()
-
-
-@functools.cache
-def _gluon_importable() -> bool:
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if version < GLUON_MIN_TRITON or importlib.util.find_spec("triton.experimental.gluon") is None:
-        return False
-    try:
-        for name in _GLUON_MODULES:
-            _gluon_module(name)
-    except ImportError as err:  # an API this Triton lacks: the tl kernels run, and the user is told once
-        warnings.warn(f"mmsparse: the Gluon Hopper kernels do not import with triton {triton.__version__} "
-                      f"({err}); the tl kernels run instead", RuntimeWarning, stacklevel=2)
-        return False
-    return True
-
-
-def run_gluon(module: str, launcher: str, *args: object) -> Any:
-    """Call the Gluon launcher ``mmsparse.ops.<module>.<launcher>(*args)``. The module is imported on first use;
-    the launcher is looked up on every call, so that tests can replace it."""
-    return getattr(_gluon_module(module), launcher)(*args)
-
-
-@functools.cache
-def _gluon_module(name: str) -> ModuleType:
-    return importlib.import_module(f".{name}", __package__)
-
-
 @contextlib.contextmanager
 def use_config(config: KernelConfig) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, e.g. ``with use_config(KernelConfig(Tile(16,16), ...)):``."""
@@ -235,40 +189,3 @@ def use_config(config: KernelConfig) -> Iterator[None]:
         yield
     finally:
         _override = previous
-
-
-def ensure_tma_allocator(device: torch.device) -> None:
-    """Device-side tensor descriptors need scratch memory from Triton's allocator. Install a torch-backed one
-    unless the user has set their own."""
-    if device.type != "cuda":
-        return
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_torch_scratch)
-
-
-# One scratch buffer per (device, stream), grown when a launch needs more: kernels on one stream run in order,
-# so the next launch may overwrite what the previous one read, and a launch skips an allocation (~10 us host).
-# A CUDA graph gets private scratch: its replays may run beside eager work on any stream.
-_SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
-
-
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    key = (torch.cuda.current_device(), stream)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
-        _SCRATCH[key] = buf
-    return buf
-
-
-def compiled_variants(kernel: triton.runtime.JITFunction) -> int:
-    """How many specialisations of a Triton kernel are compiled, over all devices (0 through the interpreter,
-    which compiles nothing). Tests and examples count them to show that new lengths compile nothing."""
-    caches = getattr(kernel, "device_caches", None)  # triton >= 3.3
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(cache) for cache in getattr(kernel, "cache", {}).values())

@@ -5,24 +5,8 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from .common import dropout_keep
-
-
-@triton.jit(do_not_specialize=["bh0", "row0", "seq_q", "seq_k"])
-def _keep_mask_kernel(SEED, OUT, PAST, bh0, row0, seq_q, seq_k, dropout_p, NUM_HEADS: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
-    """Program (i, j, r) writes tile (i, j) of the keep mask of (batch * head) bh0 + r, query rows row0 + ..."""
-    pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bh = bh0 + pid_bh
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    past = tl.load(PAST + bh // NUM_HEADS)
-    keep = dropout_keep(tl.load(SEED), bh, past + row0 + offs_m[:, None], offs_n[None, :], dropout_p)
-    # 64-bit: Sq * Sk passes 2^31 from 46341 tokens on
-    ptrs = OUT + pid_bh.to(tl.int64) * seq_q * seq_k + offs_m.to(tl.int64)[:, None] * seq_k + offs_n[None, :]
-    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :])
+from ..kernels.tl.dropout import dropout_keep_mask_kernel
 
 
 def dropout_keep_mask(
@@ -45,7 +29,8 @@ def dropout_keep_rows(
     query position."""
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
-    _keep_mask_kernel[grid](seed, out, past, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32, BN=32)
+    dropout_keep_mask_kernel[grid](seed, out, past, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
+                                   BN=32)
     return out.bool()
 
 

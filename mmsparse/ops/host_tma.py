@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -40,9 +39,3 @@ def box_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
     desc.layout = _box_layout(rows, width, t.dtype)
     desc.padding = "zero"
     return desc
-
-
-@gluon.jit
-def box(smem):
-    """A ``[rows, D_pad]`` shared tile seen as the ``[1, 1, rows, D_pad]`` box of a ``box_descriptor``."""
-    return smem.reshape([1, 1, smem.shape[0], smem.shape[1]])

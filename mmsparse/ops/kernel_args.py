@@ -17,8 +17,8 @@ import weakref
 
 import torch
 
+from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
 from ..mask_info import MaskInfo, TileKey
-from .common import MASK_BITS, MASK_SEGMENTS
 from .config import KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile

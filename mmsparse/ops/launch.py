@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import triton
 
+from ..kernels.tl.token_bits import token_bits_kernel
+
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISS = object()
 _knobs = getattr(triton, "knobs", None)
@@ -162,3 +164,17 @@ def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple) 
     compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *tail)
     fast_launches += 1
+
+
+def interpreter_active() -> bool:
+    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 before triton was imported)."""
+    return type(token_bits_kernel).__name__ == "InterpretedFunction"
+
+
+def compiled_variants(kernel: triton.runtime.JITFunction) -> int:
+    """How many specialisations of a Triton kernel are compiled, over all devices (0 through the interpreter,
+    which compiles nothing). Tests and examples count them to show that new lengths compile nothing."""
+    caches = getattr(kernel, "device_caches", None)  # triton >= 3.3
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(cache) for cache in getattr(kernel, "cache", {}).values())

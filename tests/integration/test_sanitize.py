@@ -26,7 +26,7 @@ DONE 2 cases, 0 failed
 MEMCHECK_ERRORS = """\
 ========= COMPUTE-SANITIZER
 ========= Invalid __global__ read of size 16 bytes
-=========     at _fwd_kernel+0x1a70
+=========     at attention_fwd_tl+0x1a70
 =========     by thread (64,0,0) in block (3,0,0)
 =========     Address 0x7f3c5e000410 is out of bounds
 =========     and is 1,040 bytes after the nearest allocation at 0x7f3c5dfffc00 of size 1,024 bytes
@@ -34,7 +34,7 @@ MEMCHECK_ERRORS = """\
 =========         Host Frame: [0x2f1c3b] in libcuda.so.1
 =========
 ========= Invalid __global__ read of size 16 bytes
-=========     at _fwd_kernel+0x1a70
+=========     at attention_fwd_tl+0x1a70
 =========     by thread (65,0,0) in block (3,0,0)
 =========     Address 0x7f3c5e000420 is out of bounds
 =========
@@ -46,15 +46,15 @@ DONE 6 cases, 1 failed
 MEMCHECK_MANY = """\
 ========= COMPUTE-SANITIZER
 ========= Invalid __shared__ write of size 4 bytes
-=========     at _dkdv_kernel_hopper+0x3b0
+=========     at attention_dkdv_gluon+0x3b0
 ========= ERROR SUMMARY: 1234 errors
 ========= ERROR SUMMARY: 1184 errors were not printed. Use --print-limit option to adjust the number of printed errors
 """
 
 RACECHECK = """\
 ========= COMPUTE-SANITIZER
-========= Error: Race reported between Write access at _fwd_kernel_hopper+0x2210
-=========     and Read access at _fwd_kernel_hopper+0x2c40 [512 hazards]
+========= Error: Race reported between Write access at attention_fwd_gluon+0x2210
+=========     and Read access at attention_fwd_gluon+0x2c40 [512 hazards]
 =========
 CASE gluon-bits-causal-d128 ok 40.2s ['gluon-dkdv', 'gluon-dq', 'gluon-fwd']
 DONE 1 cases, 0 failed
@@ -71,7 +71,7 @@ DONE 1 cases, 0 failed
 SYNCCHECK = """\
 ========= COMPUTE-SANITIZER
 ========= Barrier error detected. Divergent thread(s) in warp
-=========     at _dq_kernel_hopper+0x990
+=========     at attention_dq_gluon+0x990
 =========     by thread (3,0,0) in block (0,0,0)
 =========
 CASE gluon-codes-types ok 20.0s ['gluon-dkdv', 'gluon-dq', 'gluon-fwd']
@@ -92,7 +92,7 @@ def test_summary_parser():
     bad = sanitize.parse_sanitizer(MEMCHECK_ERRORS)
     assert bad["errors"] == 2
     assert bad["report"][0] == "========= Invalid __global__ read of size 16 bytes"
-    assert "=========     at _fwd_kernel+0x1a70" in bad["report"]
+    assert "=========     at attention_fwd_tl+0x1a70" in bad["report"]
     assert not any("SUMMARY" in line or "COMPUTE-SANITIZER" in line for line in bad["report"])
     assert not any(line.startswith("CASE") for line in bad["report"])  # the child's lines are not the report
     many = sanitize.parse_sanitizer(MEMCHECK_MANY)
@@ -244,7 +244,7 @@ assert args[args.index("-m") + 1:args.index("-m") + 4] == ["benchmarks.sanitize"
 group = args[args.index("--group") + 1]
 if group == "tl-dense" and tool == "memcheck":
     print("========= Invalid __global__ read of size 4 bytes")
-    print("=========     at _fwd_kernel+0x10")
+    print("=========     at attention_fwd_tl+0x10")
     print("CASE dense-gqa FAIL RuntimeError: CUDA error: unspecified launch failure")
     print("DONE 3 cases, 1 failed")
     print("========= ERROR SUMMARY: 1 error")

@@ -7,12 +7,13 @@ import torch
 from helpers import CYCLIC, FOUR, HUB, check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
+from mmsparse.kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
+from mmsparse.kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
+from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
+from mmsparse.kernels.tl.token_bits import token_bits_kernel
 from mmsparse.ops import backward
-from mmsparse.ops.backward import _dkdv_kernel, _dq_kernel
-from mmsparse.ops.block_lists import block_lists_kernel, block_summary_kernel
-from mmsparse.ops.config import SHORT_KEYS, compiled_variants, kernel_config
-from mmsparse.ops.forward import _combine_kernel, _fwd_kernel
-from mmsparse.ops.token_bits import token_bits_kernel
+from mmsparse.ops.config import SHORT_KEYS, kernel_config
+from mmsparse.ops.launch import compiled_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -61,21 +62,21 @@ def test_new_lengths_do_not_recompile():
     step((100, 1000, 500))
     step((2, 3, 4))
     step((1, 2, 1))
-    kernels = [_fwd_kernel, _combine_kernel, _dkdv_kernel, _dq_kernel, token_bits_kernel, block_summary_kernel,
-               block_lists_kernel]
+    kernels = [attention_fwd_tl, attention_combine_tl, attention_dkdv_tl, attention_dq_tl, token_bits_kernel,
+               block_summary_kernel, block_lists_kernel]
     cfg = kernel_config(64, torch.bfloat16, dev)
     if cfg.fwd.gluon:  # the Hopper forward runs the first length
-        from mmsparse.ops.hopper_forward import _fwd_kernel_hopper
+        from mmsparse.kernels.gluon.forward import attention_fwd_gluon
 
-        kernels.append(_fwd_kernel_hopper)
+        kernels.append(attention_fwd_gluon)
     if cfg.bwd_dkdv.gluon:
-        from mmsparse.ops.hopper_dkdv import _dkdv_kernel_hopper
+        from mmsparse.kernels.gluon.dkdv import attention_dkdv_gluon
 
-        kernels.append(_dkdv_kernel_hopper)
+        kernels.append(attention_dkdv_gluon)
     if cfg.bwd_dq.gluon:
-        from mmsparse.ops.hopper_dq import _dq_kernel_hopper
+        from mmsparse.kernels.gluon.dq import attention_dq_gluon
 
-        kernels.append(_dq_kernel_hopper)
+        kernels.append(attention_dq_gluon)
     before = [compiled_variants(kern) for kern in kernels]
     for lens in [(33, 2017, 1001), (1, 1, 1), (640, 4096, 2048), (0, 777, 5)]:
         step(lens)
@@ -101,13 +102,12 @@ def test_fast_launch_keys_on_alignment():
     """The direct launch (mmsparse.ops.launch) must pick the kernel Triton would: a 16-byte aligned pointer and a
     misaligned one are different specialisations (vector loads), so they must not share a cache entry."""
     from mmsparse.ops import launch
-    from mmsparse.ops.backward import _delta_kernel
 
-    delta_launch = launch.FastKernel(_delta_kernel)  # a fresh cache, independent of the other tests
+    delta_launch = launch.FastKernel(attention_delta_tl)  # a fresh cache, independent of the other tests
     rows, d = 100, 16
     dev = torch.device("cuda")
     o_buf, do_buf = torch.randn(rows * d + 4, device=dev), torch.randn(rows * d + 4, device=dev)
-    variants = compiled_variants(_delta_kernel)
+    variants = compiled_variants(attention_delta_tl)
     fast = []
     for offset in (0, 0, 1, 1, 0):  # float32: an offset of 1 moves the pointer off 16-byte alignment
         o, do = o_buf[offset : offset + rows * d], do_buf[offset : offset + rows * d]
@@ -117,7 +117,7 @@ def test_fast_launch_keys_on_alignment():
         fast.append(launch.fast_launches - before)
         torch.testing.assert_close(delta, (o.view(rows, d).double() * do.view(rows, d).double()).sum(1).float())
     assert fast == [0, 1, 0, 1, 1]
-    assert compiled_variants(_delta_kernel) - variants <= 2  # at most the aligned and the misaligned kernel
+    assert compiled_variants(attention_delta_tl) - variants <= 2  # at most the aligned and the misaligned kernel
 
 
 def test_backward_on_a_user_stream_is_ordered_and_bit_equal(monkeypatch):

@@ -1,4 +1,4 @@
-"""The Gluon Hopper backward passes (mmsparse/ops/hopper_dkdv.py, hopper_dq.py): where they run, what they compute,
+"""The Gluon Hopper backward passes (mmsparse/kernels/gluon/dkdv.py, dq.py): where they run, what they compute,
 and the fall-backs.
 
 Like the Gluon forward, the kernels need an sm_90 GPU; their dispatch and the fall-back after a failed build are
@@ -23,16 +23,17 @@ from mmsparse.ops.dropout import dropout_keep_mask
 def gluon_calls(monkeypatch):
     """Records which Gluon backward passes ran ("dkdv", "dq"). The tl passes give the same gradients within
     tolerance, so only a spy on the Gluon launchers tells which ones ran."""
-    from mmsparse.ops import hopper_dkdv, hopper_dq
+    from mmsparse.ops import gluon_launch
 
     calls = []
-    for name, module in (("dkdv", hopper_dkdv), ("dq", hopper_dq)):
+    for name in ("dkdv", "dq"):
+        real = getattr(gluon_launch, f"run_{name}")
 
-        def spy(*args, _real=module.run, _name=name, **kwargs):
+        def spy(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(module, "run", spy)
+        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
     return calls
 
 
@@ -99,11 +100,11 @@ def test_default_tiles_and_dropout(gluon_calls):
     assert gluon_calls == []
 
 
-@pytest.mark.parametrize("failing", ["hopper_dkdv", "hopper_dq"])
+@pytest.mark.parametrize("failing", ["dkdv", "dq"])
 def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
     """An error inside a Gluon backward pass reaches the caller: no silent fallback to the tl kernels, which would
     turn a bug into a slowdown. Later calls still try the Gluon pass."""
-    import importlib
+    from mmsparse.ops import gluon_launch
 
     calls = []
 
@@ -111,9 +112,9 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
         calls.append(1)
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(importlib.import_module(f"mmsparse.ops.{failing}"), "run", broken)  # no other way to fail
+    monkeypatch.setattr(gluon_launch, f"run_{failing}", broken)  # no other way to fail
     base = kernel_config(32, torch.float32, device)
-    gluon = {"hopper_dkdv": "bwd_dkdv", "hopper_dq": "bwd_dq"}[failing]
+    gluon = {"dkdv": "bwd_dkdv", "dq": "bwd_dq"}[failing]
     tile = getattr(base, gluon)
     cfg = replace(base, **{gluon: Tile(tile.block_m, tile.block_n, gluon_stages=2)})
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)

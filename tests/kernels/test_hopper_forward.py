@@ -1,10 +1,11 @@
-"""The Gluon Hopper forward (mmsparse/ops/hopper_forward.py): where it runs, what it computes, and the fall-backs.
+"""The Gluon Hopper forward (mmsparse/kernels/gluon/forward.py): where it runs, what it computes, and the fall-backs.
 
 The kernel itself needs an sm_90 GPU (Gluon has no CPU interpreter); the dispatch and the fall-back after a failed
 build are tested everywhere."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,8 +15,9 @@ from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_ou
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config, forward
-from mmsparse.ops.config import KernelConfig, Tile, hopper_gluon_available, kernel_config, use_config
+from mmsparse.ops import config, dispatch, forward
+from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.ops.dispatch import hopper_gluon_available
 from mmsparse.ops.dropout import dropout_keep_mask
 
 
@@ -23,16 +25,16 @@ from mmsparse.ops.dropout import dropout_keep_mask
 def hopper_calls(monkeypatch):
     """Counts the calls that took the Gluon forward. Both forwards give the same result within tolerance, so only
     a spy on the Gluon launcher tells which one ran."""
-    from mmsparse.ops import hopper_forward
+    from mmsparse.ops import gluon_launch
 
     calls = []
-    real = hopper_forward.mbs_attn_fwd_hopper
+    real = gluon_launch.run_forward
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", spy)
+    monkeypatch.setattr(gluon_launch, "run_forward", spy)
     return calls
 
 
@@ -110,7 +112,7 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
 
 def test_a_failing_gluon_forward_raises(monkeypatch, device):
     """An error inside the Gluon forward reaches the caller, on every call: no silent fallback to the tl forward."""
-    from mmsparse.ops import hopper_forward
+    from mmsparse.ops import gluon_launch
 
     calls = []
 
@@ -120,7 +122,7 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
 
     # A kernel failure cannot be had otherwise; a grid this small would split its key lists on a GPU (a tl-only
     # path), so splitting is switched off.
-    monkeypatch.setattr(hopper_forward, "mbs_attn_fwd_hopper", broken)
+    monkeypatch.setattr(gluon_launch, "run_forward", broken)
     monkeypatch.setattr(forward, "num_splits", lambda *args: 1)
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
@@ -138,22 +140,22 @@ def test_gluon_availability_is_decided_up_front(monkeypatch):
     # No Hopper or other Triton here: faking the capability, the version and a failing import is the only way
     # through these branches.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    config._gluon_importable.cache_clear()
+    dispatch.gluon_importable.cache_clear()
     monkeypatch.setattr(triton, "__version__", "3.5.0")
-    assert not config.hopper_gluon_available(0)
-    config._gluon_importable.cache_clear()
+    assert not dispatch.hopper_gluon_available(0)
+    dispatch.gluon_importable.cache_clear()
     monkeypatch.setattr(triton, "__version__", "3.6.0")
 
-    def missing(name):
-        raise ImportError(f"cannot import name 'x' for {name}")
+    import mmsparse.kernels.gluon
 
-    monkeypatch.setattr(config, "_gluon_module", missing)
+    monkeypatch.delattr(mmsparse.kernels.gluon, "forward", raising=False)
+    monkeypatch.setitem(sys.modules, "mmsparse.kernels.gluon.forward", None)  # the next import of it fails
     with pytest.warns(RuntimeWarning, match="do not import"):
-        assert not config.hopper_gluon_available(0)
-    config._gluon_importable.cache_clear()
+        assert not dispatch.hopper_gluon_available(0)
+    dispatch.gluon_importable.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
-    assert not config.hopper_gluon_available(0)
-    config._gluon_importable.cache_clear()
+    assert not dispatch.hopper_gluon_available(0)
+    dispatch.gluon_importable.cache_clear()
 
 
 @pytest.mark.hopper

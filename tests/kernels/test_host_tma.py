@@ -47,7 +47,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     their shared tiles take, and the tiles' stage counts arrive. On a GPU a mismatch would only show as the
     warning of a failed build and a fall-back to the slower tl kernels."""
     from mmsparse.functional import build_mask_info
-    from mmsparse.ops import hopper_dkdv, hopper_dq, hopper_forward
+    from mmsparse.ops import gluon_launch
     from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, kernel_config
     from mmsparse.ops.kernel_args import prepare
 
@@ -66,9 +66,9 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             return launch
 
     # No sm_90 here: the launches are recorded instead of run.
-    monkeypatch.setattr(hopper_dkdv, "_DKDV_HOPPER", Recorder("dkdv", hopper_dkdv._dkdv_kernel_hopper))
-    monkeypatch.setattr(hopper_dq, "_DQ_HOPPER", Recorder("dq", hopper_dq._dq_kernel_hopper))
-    monkeypatch.setattr(hopper_forward, "_FWD_HOPPER", Recorder("fwd", hopper_forward._fwd_kernel_hopper))
+    monkeypatch.setattr(gluon_launch, "_DKDV", Recorder("dkdv", gluon_launch._DKDV.fn))
+    monkeypatch.setattr(gluon_launch, "_DQ", Recorder("dq", gluon_launch._DQ.fn))
+    monkeypatch.setattr(gluon_launch, "_FWD", Recorder("fwd", gluon_launch._FWD.fn))
     batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 300, 96
     q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
     k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
@@ -76,10 +76,10 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     info = build_mask_info([[1, 1], [0, 1]], (100, 200), seq, seq, False, torch.device("cpu"))
     prepare(info, kernel_config(head_dim, q.dtype, torch.device("cpu")))
     rows = torch.zeros(batch, heads, seq)
-    hopper_dkdv.run(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0, 1.0,
+    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0, 1.0,
                     _GLUON_DKDV[128])
-    hopper_dq.run(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, _GLUON_DQ[128])
-    hopper_forward.mbs_attn_fwd_hopper(q, k, v, info, 1.0, _GLUON_FWD[128])
+    gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, _GLUON_DQ[128])
+    gluon_launch.run_forward(q, k, v, info, 1.0, _GLUON_FWD[128])
 
     dkdv, dq, fwd = launched["dkdv"], launched["dq"], launched["fwd"]
     dkdv_tile, dq_tile = _GLUON_DKDV[128], _GLUON_DQ[128]

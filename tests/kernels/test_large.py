@@ -17,7 +17,7 @@ from helpers import CYCLIC, HUB
 
 from mmsparse import mbs_attention
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config
+from mmsparse.ops import config, dispatch
 from mmsparse.ops.dropout import dropout_keep_rows
 from mmsparse.reference import reference_group_rows
 from mmsparse.topology import Topology, segment_ids
@@ -34,7 +34,7 @@ def dialect(request, monkeypatch):
     """Run the case with the Gluon kernels (skipped where the GPU has none) and with the tl kernels."""
     monkeypatch.setenv("MMSPARSE_GLUON", "1" if request.param == "gluon" else "0")
     config._cached_cuda_config.cache_clear()
-    if request.param == "gluon" and not config.hopper_gluon_available(torch.cuda.current_device()):
+    if request.param == "gluon" and not dispatch.hopper_gluon_available(torch.cuda.current_device()):
         pytest.skip("no Gluon kernels on this GPU")
     yield request.param
     config._cached_cuda_config.cache_clear()

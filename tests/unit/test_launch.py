@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mmsparse.kernels.tl.backward import attention_delta_tl
 from mmsparse.ops import launch
-from mmsparse.ops.backward import _delta_kernel
 
 
 def test_tensor_key_follows_dtype_and_16_byte_alignment():
@@ -36,7 +36,7 @@ def test_unknown_argument_kinds_are_never_cached():
 
 
 def test_constexpr_tail_is_in_parameter_order_whatever_the_keyword_order():
-    kernel = launch.FastKernel(_delta_kernel)
+    kernel = launch.FastKernel(attention_delta_tl)
     args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), 4)
     tail = kernel._constexpr_tail(args, {"BR": 64, "HEAD_DIM_PAD": 32, "HEAD_DIM": 24, "num_warps": 4})
     assert tail == (24, 32, 64)  # HEAD_DIM, HEAD_DIM_PAD, BR; launch options are not parameters

@@ -17,18 +17,19 @@ PACKAGE = REPO / "mmsparse"
 LAYERS: list[tuple[str, list[str]]] = [
     ("lengths and segment codes", ["mmsparse.lengths", "mmsparse.segments"]),
     ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks"]),
-    ("launching and shared kernel helpers", [
-        "mmsparse.ops.limits", "mmsparse.ops.launch", "mmsparse.ops.common",
-        "mmsparse.ops.dropout",
+    ("device code: kernels of both dialects and the mask rule", ["mmsparse.kernels"]),
+    ("launching, TMA scratch, the dropout mask for tests", [
+        "mmsparse.ops.limits", "mmsparse.ops.launch", "mmsparse.ops.scratch", "mmsparse.ops.dropout",
     ]),
-    ("mask-building kernels", ["mmsparse.ops.token_bits", "mmsparse.ops.block_lists", "mmsparse.ops.segment_lists"]),
+    ("the mask builders' launchers", [
+        "mmsparse.ops.token_bits", "mmsparse.ops.block_lists", "mmsparse.ops.segment_lists",
+    ]),
     ("the mask: lengths, token bits or codes, block lists per tile", ["mmsparse.mask_info"]),
-    ("tiles, kernel dispatch and TMA", ["mmsparse.ops.config", "mmsparse.ops.host_tma"]),
-    ("the kernels' mask arguments", ["mmsparse.ops.kernel_args"]),
-    ("attention kernels and their launchers", [
-        "mmsparse.ops.forward", "mmsparse.ops.backward", "mmsparse.ops.hopper_forward", "mmsparse.ops.hopper_dkdv",
-        "mmsparse.ops.hopper_dq",
+    ("tiles, Gluon availability and TMA descriptors", [
+        "mmsparse.ops.dispatch", "mmsparse.ops.config", "mmsparse.ops.host_tma",
     ]),
+    ("the kernels' mask arguments", ["mmsparse.ops.kernel_args"]),
+    ("the attention passes' launchers", ["mmsparse.ops.forward", "mmsparse.ops.backward", "mmsparse.ops.gluon_launch"]),
     ("op boundary: custom ops, autograd", ["mmsparse.ops.library", "mmsparse.autograd"]),
     ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
     ("modules, integrations, tools", [

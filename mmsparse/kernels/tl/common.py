@@ -5,24 +5,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MASK_BITS = 0  # 0/1 topology of <= 32 segments: per-token row bits & column bits
-MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
-MASK_SEGMENTS = 2  # any topology, packed samples: per-token segment codes and the pair table (mmsparse.segments)
+from ..constants import MASK_DENSE
+from ..rules import allowed_pairs
 
-
-def interpreter_active() -> bool:
-    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 before triton was imported)."""
-    return type(dot).__name__ == "InterpretedFunction"
-
-
-DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
-DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
-DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
+_MASK_DENSE = tl.constexpr(MASK_DENSE)
 
 
 @triton.jit
 def dot(a, b, DOT_MODE: tl.constexpr):
-    """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (see DOT_*)."""
+    """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (``constants.DOT_*``)."""
     if DOT_MODE == 1:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif DOT_MODE == 2:
@@ -54,37 +45,16 @@ def pair_mask(
     MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
 ):
-    """Which (query, key) pairs of a tile are allowed. offs_q/offs_k are broadcastable 2-D index tiles
-    ([BM, 1] x [1, BN] in the forward, [1, BM] x [BN, 1] in the dK/dV pass). Pointers are already at the
-    (batch) row of the bits, codes or dense mask; with segment codes, mask_ptr is the pair table and
-    stride_mask_q its row stride."""
-    in_q = offs_q < seq_q
-    in_k = offs_k < seq_k
-    if MASK_MODE == 0:
-        q_bits = tl.load(q_bits_ptr + offs_q, mask=in_q, other=0)
-        k_bits = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
-        allowed = (q_bits & k_bits) != 0
-    elif MASK_MODE == 2:
-        q_code = tl.load(q_bits_ptr + offs_q, mask=in_q, other=0)
-        k_code = tl.load(k_bits_ptr + offs_k, mask=in_k, other=0)
-        allowed = code_pairs(q_code, k_code, past_len + offs_q, offs_k, mask_ptr, stride_mask_q)
-    else:
-        # int64: one sample's Sq * S passes 2^31 from S = 46341 on
-        allowed = tl.load(mask_ptr + offs_q.to(tl.int64) * stride_mask_q + offs_k, mask=in_q & in_k, other=0) != 0
-    allowed = allowed & in_k & in_q
-    if IS_CAUSAL:
-        allowed = allowed & (offs_k <= past_len + offs_q)
-    return allowed
-
-
-@triton.jit
-def code_pairs(q_code, k_code, pos_q, pos_k, table_ptr, stride_table):
-    """The segment-code rule of :mod:`mmsparse.segments` on broadcastable code tiles: same doc, and the pair
-    table says FULL, or CAUSAL with the key at or before the query."""
-    seg_mask = (1 << 12) - 1  # the segment's bits: mmsparse.segments.SEG_BITS
-    kind = tl.load(table_ptr + (q_code & seg_mask) * stride_table + (k_code & seg_mask))
-    same_doc = ((q_code ^ k_code) >> 12) == 0
-    return same_doc & ((kind == 1) | ((kind == 2) & (pos_k <= pos_q)))
+    """:func:`mmsparse.kernels.rules.allowed_pairs` of a tile, with the rows' and columns' bits or codes loaded
+    here from pointers already at the (batch) row; offs_q/offs_k are broadcastable 2-D index tiles ([BM, 1] x
+    [1, BN] in the forward, [1, BM] x [BN, 1] in the dK/dV pass)."""
+    q_val = offs_q
+    k_val = offs_k
+    if MASK_MODE != _MASK_DENSE:  # a dense mask reads neither
+        q_val = tl.load(q_bits_ptr + offs_q, mask=offs_q < seq_q, other=0)
+        k_val = tl.load(k_bits_ptr + offs_k, mask=offs_k < seq_k, other=0)
+    return allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, MASK_MODE,
+                         IS_CAUSAL)
 
 
 @triton.jit

@@ -1,19 +1,18 @@
 """Hopper dQ pass in Gluon: the query block's gradient with a TMA producer warp and two consumer warpgroups.
 
-The schedule is the Gluon forward's (``hopper_forward``): one CTA owns 128 query rows, a one-warp producer streams
+The schedule is the Gluon forward's (``gluon.forward``): one CTA owns 128 query rows, a one-warp producer streams
 the listed K and V tiles through a ring of shared-memory stages, and each consumer warpgroup owns 64 rows and their
 dQ accumulator. Iteration j issues S_j = Q K_j^T and dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, all
 asynchronous, and forms dS_j while that last matmul runs, so the exponentials overlap the tensor cores within a
 warpgroup (the ``tl`` dQ kernel alternates between them).
 
-The numerics are the ``tl`` dQ kernel's (``backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
+The numerics are the ``tl`` dQ kernel's (``tl.backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
 mask in partial blocks only, dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
-with the ``tl`` kernel. Called only where ``config.hopper_gluon_available`` allows.
+with the ``tl`` kernel. Called only where ``ops.dispatch.hopper_gluon_available`` allows.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -24,14 +23,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..blocks import cdiv
-from ..mask_info import MaskInfo
-from .config import Tile, head_dim_pad
-from .forward import _DYNAMIC
-from .hopper_forward import BLOCK_M, WG_ROWS, masked_scores, program_lists, stream_kv_ring
-from .host_tma import box, box_descriptor
-from .kernel_args import kernel_args
-from .launch import FastKernel
+from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from .common import (
+    WG_ROWS,
+    box,
+    init_kv_ring,
+    init_turns,
+    masked_scores,
+    pass_turn,
+    program_lists,
+    stream_kv_ring,
+    tma_load,
+    tma_store,
+    wait_turn,
+)
+
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
 @gluon.jit
@@ -42,8 +49,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
     qdo_bar, k_ready, v_ready, kv_empty, _ = barriers
     mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(q_smem.index(half)))
-        tma.async_copy_global_to_shared(do_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(do_smem.index(half)))
+        tma_load(q_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(q_smem.index(half)))
+        tma_load(do_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(do_smem.index(half)))
     stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN, STAGES)
 
 
@@ -52,10 +59,8 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
                  MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """dS = P (dP - delta) of one tile. Rows past the end (lse = +inf) and disallowed pairs (s = -inf) get
     p = 0."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
     if masked:
-        s = masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-                          BN, MASK_MODE, IS_CAUSAL)
+        s = masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN, MASK_MODE, IS_CAUSAL)
     p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(neg_lse, 1)))  # explicit FMA, as the tl kernels
     return p * (dp - gl.expand_dims(delta, 1))
 
@@ -70,8 +75,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     qdo_bar, k_ready, v_ready, kv_empty, turn = barriers
     lse_ptr, delta_ptr = row_ptrs
     idx_ptr, n_full, n_total, row0 = blocks
-    q_bits_ptr = mask_args[0]
-    seq_q = mask_args[4]
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -82,7 +86,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
     in_rows = offs_m < seq_q
     q_bits = offs_m  # a stand-in: only the bit and code masks read them
-    if MASK_MODE != 1:
+    if MASK_MODE != _MASK_DENSE:
         q_bits = gl.load(q_bits_ptr + offs_m, mask=in_rows, other=0)
     neg_lse = -gl.load(lse_ptr + offs_m, mask=in_rows, other=float("inf"))
     delta = gl.load(delta_ptr + offs_m, mask=in_rows, other=0.0)
@@ -94,15 +98,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     if n_total > 0:
         turn_phase = 0
         # Block 0: its dS alone.
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(0), 0)
         dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-            turn_phase ^= 1
+        turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, gl.load(idx_ptr), mask_args,
                           qk_scale, BN, MASK_MODE, IS_CAUSAL)
@@ -110,16 +111,13 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), turn_phase)
+            wait_turn(turn, WG, turn_phase, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
             dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-                turn_phase ^= 1
+            turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, gl.load(idx_ptr + it), mask_args,
@@ -128,22 +126,20 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         last = (n_total - 1) % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         dq = warpgroup_mma(ds_prev, k_smem.index(last), dq, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
+        pass_turn(turn, WG, turn_phase, PINGPONG)
         dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
         mbarrier.arrive(kv_empty.index(last))
 
     q.store((dq * sm_scale).to(dtype))  # this warpgroup's Q rows are no longer read: stage dQ there
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, row0 + WG * WG_ROWS, 0], box(q))
+    tma_store(dq_desc, [b, h, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC)
-def _dq_kernel_hopper(
+@gluon.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_dq_gluon(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
@@ -178,14 +174,9 @@ def _dq_kernel_hopper(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(qdo_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+    init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    init_turns(turn)
 
     buffers = (q_smem, do_smem, k_smem, v_smem)
     barriers = (qdo_bar, k_ready, v_ready, kv_empty, turn)
@@ -202,29 +193,4 @@ def _dq_kernel_hopper(
         ],
         [4, 1],
         [240, 24],
-    )
-
-
-_DQ_HOPPER = FastKernel(_dq_kernel_hopper)
-
-
-def run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> None:
-    """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as ``backward._dq_kernel`` computes it
-    without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read). ``do`` must be
-    contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
-    stream."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = WG_ROWS.value, tile.block_n
-    _DQ_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
-        qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
     )

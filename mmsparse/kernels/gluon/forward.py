@@ -10,13 +10,12 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
-Triton's Gluon API, which is experimental: :func:`mbs_attn_fwd_hopper` is only called where
-``config.hopper_gluon_available`` says so; an error in it raises.
+Triton's Gluon API, which is experimental: it is only launched where
+``ops.dispatch.hopper_gluon_available`` says so; an error in it raises.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -27,16 +26,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..blocks import cdiv
-from ..mask_info import MaskInfo
-from .config import Tile, head_dim_pad
-from .forward import _DYNAMIC
-from .host_tma import box, box_descriptor
-from .kernel_args import kernel_args
-from .launch import FastKernel
+from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from .common import (
+    WG_ROWS,
+    box,
+    init_kv_ring,
+    init_turns,
+    masked_scores,
+    pass_turn,
+    program_lists,
+    stream_kv_ring,
+    tma_load,
+    tma_store,
+    wait_turn,
+)
 
-WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
-BLOCK_M = 2 * WG_ROWS.value
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
 @gluon.jit
@@ -45,77 +50,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
     can start before V lands)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
+    tma_load(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
+    tma_load(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
     stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN, STAGES)
-
-
-@gluon.jit
-def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk,
-                   BN: gl.constexpr, STAGES: gl.constexpr):
-    """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring, each
-    stage refilled once both consumer warpgroups released it (the forward and the Gluon dQ pass share it)."""
-    for it in range(n_total):
-        stage = it % STAGES
-        n_blk = gl.load(idx_ptr + it)
-        # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
-        mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage),
-                                        box(k_smem.index(stage)))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage),
-                                        box(v_smem.index(stage)))
-
-
-@gluon.jit
-def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b,
-                  stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k,
-                  stride_past_b):
-    """One program's block list and mask arguments (``common.program_setup`` for the Gluon kernels): ``(n_full,
-    n_total, idx_ptr, mask_args)`` with mask_args = (q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
-    seq_k, past_len) of batch b; the list of row (or key) block blk starts with its n_full full blocks."""
-    b64 = b.to(gl.int64)  # per-sample lists: B * row blocks * key blocks entries pass 2^31 at 1M tokens
-    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 2
-    n_full = gl.load(cnt_ptr)
-    n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b64 * stride_idx_b + blk.to(gl.int64) * stride_idx_r
-    mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
-                 stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
-    return n_full, n_total, idx_ptr, mask_args
-
-
-@gluon.jit
-def code_pairs(q_code, k_code, pos_q, pos_k, table_ptr, stride_table):
-    """``common.code_pairs`` (the segment-code rule of :mod:`mmsparse.segments`) for the Gluon kernels."""
-    seg_mask = (1 << 12) - 1  # mmsparse.segments.SEG_BITS
-    kind = gl.load(table_ptr + (q_code & seg_mask) * stride_table + (k_code & seg_mask))
-    same_doc = ((q_code ^ k_code) >> 12) == 0
-    return same_doc & ((kind == 1) | ((kind == 2) & (pos_k <= pos_q)))
-
-
-@gluon.jit
-def masked_scores(s, offs_m, q_bits, n_blk, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
-                  BN: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The exact token mask of one partial tile (same rule as ``common.pair_mask``): disallowed scores -> -inf."""
-    offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
-    in_q = gl.expand_dims(offs_m < seq_q, 1)
-    in_k = gl.expand_dims(offs_n < seq_k, 0)
-    if MASK_MODE == 0:
-        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
-        allowed = (gl.expand_dims(q_bits, 1) & gl.expand_dims(k_bits, 0)) != 0
-    elif MASK_MODE == 2:
-        k_code = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
-        allowed = code_pairs(gl.expand_dims(q_bits, 1), gl.expand_dims(k_code, 0),
-                             gl.expand_dims(past_len + offs_m, 1), gl.expand_dims(offs_n, 0), mask_ptr, stride_mask_q)
-    else:
-        # 64-bit: one sample's Sq * S passes 2^31 from S = 46341 on
-        ptrs = mask_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_mask_q, 1) + gl.expand_dims(offs_n, 0)
-        allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
-    allowed = allowed & in_q & in_k
-    if IS_CAUSAL:
-        allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(past_len + offs_m, 1))
-    return gl.where(allowed, s, float("-inf"))
 
 
 @gluon.jit
@@ -150,7 +87,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
 
     offs_m = row0 + WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows)
     q_bits = offs_m  # a stand-in: only the bit and code masks read them
-    if MASK_MODE != 1:
+    if MASK_MODE != _MASK_DENSE:
         q_bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
     q = q_smem.index(WG)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, rows)
@@ -161,47 +98,37 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     if n_total > 0:
         turn_phase = 0
         # Block 0: its scores alone.
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-            turn_phase ^= 1
+        turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
-            s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
-                              seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+            s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), mask_args, BN, MASK_MODE, IS_CAUSAL)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), turn_phase)
+            wait_turn(turn, WG, turn_phase, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-                turn_phase ^= 1
+            turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
-                s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), k_bits_ptr, mask_ptr, stride_mask_q,
-                                  seq_q, seq_k, past_len, BN, MASK_MODE, IS_CAUSAL)
+                s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), mask_args, BN, MASK_MODE, IS_CAUSAL)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(kv_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
+        pass_turn(turn, WG, turn_phase, PINGPONG)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         mbarrier.arrive(kv_empty.index(last))
 
@@ -213,12 +140,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
     pid_bh = gl.program_id(1)  # (b, h) recomputed here, not held across the loop
-    tma.async_copy_shared_to_global(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
+    tma_store(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC)
-def _fwd_kernel_hopper(
+@gluon.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_fwd_gluon(
     q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale,
@@ -253,13 +180,8 @@ def _fwd_kernel_hopper(
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
+    init_turns(turn)
 
     buffers = (q_smem, k_smem, v_smem)
     barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
@@ -276,28 +198,3 @@ def _fwd_kernel_hopper(
         [4, 1],
         [240, 24],
     )
-
-
-_FWD_HOPPER = FastKernel(_fwd_kernel_hopper)
-
-
-def mbs_attn_fwd_hopper(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float, tile: Tile,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
-    at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
-    lse [B, Hq, Sq] float32 in log2 units)``."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
-    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = WG_ROWS.value, tile.block_n
-    _FWD_HOPPER[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
-    )
-    return out, lse

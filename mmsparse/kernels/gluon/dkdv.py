@@ -9,15 +9,14 @@ step i issues S^T_i = K Q_i^T and dP^T_i = V dO_i^T, then dK += dS^T_{i-1} Q_{i-
 (kept in registers); computes P^T_i once S^T_i is done (dP^T_i and dK_{i-1} still running); issues
 dV += P^T_i dO_i; waits for dP^T_i and dK_{i-1}, releases stage i-1, and forms dS^T_i while dV_i runs. A stage is
 thus held for two steps: at least 2 stages. The numerics are those of the ``tl`` dK/dV kernel
-(``backward._dkdv_tiles``), save that a partial block's token mask is the initial value of S^T (0 or -inf, from
+(``tl.backward._dkdv_tiles``), save that a partial block's token mask is the initial value of S^T (0 or -inf, from
 query indices and bits the producer stores per stage) rather than a where() on P^T: p = 0 all the same where the
 scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
-``config.hopper_gluon_available`` allows, like the Gluon forward.
+``ops.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
 """
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -28,33 +27,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..blocks import cdiv
-from ..mask_info import MaskInfo
-from .config import Tile, head_dim_pad
-from .forward import _DYNAMIC
-from .hopper_forward import code_pairs, program_lists
-from .host_tma import box, box_descriptor
-from .kernel_args import kernel_args
-from .launch import FastKernel
+from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..rules import allowed_pairs
+from .common import box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
 
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = 2 * WG_KEYS.value
 
 
 @gluon.jit
-def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, seq_q, q_bits_ptr,
+def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
               MASK_MODE: gl.constexpr):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
-    kv_bar, ready, empty, done = barriers[:4]
+    kv_bar, ready, empty, done, _ = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(v_smem.index(half)))
+        tma_load(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
+        tma_load(v_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(v_smem.index(half)))
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -71,47 +67,39 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
             lse_smem.index(stage).store(lse)
             delta_smem.index(stage).store(delta)
             rows_smem.index(stage).store(offs_m)
-            if MASK_MODE != 1:
+            if MASK_MODE != _MASK_DENSE:
                 if it >= n_full:
                     # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
                     qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m_blk * BM, 0], ready.index(stage),
+            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage),
                                             box(q_smem.index(stage)))
-            tma.async_copy_global_to_shared(do_desc, [b, h, m_blk * BM, 0], ready.index(stage),
+            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage),
                                             box(do_smem.index(stage)))
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)
     for half in gl.static_range(2):
-        tma.async_copy_shared_to_global(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
-        tma.async_copy_shared_to_global(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
+        tma_store(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
+        tma_store(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
     tma.store_wait(0)
 
 
 @gluon.jit
 def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, MASK_MODE: gl.constexpr,
                IS_CAUSAL: gl.constexpr):
-    """The exact token mask of one partial [keys, queries] tile (``common.pair_mask``) as the initial value of
-    S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0."""
+    """The exact token mask of one partial [keys, queries] tile (:func:`mmsparse.kernels.rules.allowed_pairs`)
+    as the initial value of S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and
+    queries past the end are 0."""
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
     offs_m = rows_s.load(cols)
-    if MASK_MODE == 0:
-        allowed = (gl.expand_dims(k_bits, 1) & gl.expand_dims(qbits_s.load(cols), 0)) != 0
-    elif MASK_MODE == 2:
-        in_q = gl.expand_dims(offs_m < seq_q, 0)
-        in_k = gl.expand_dims(offs_n < seq_k, 1)
-        allowed = code_pairs(gl.expand_dims(qbits_s.load(cols), 0), gl.expand_dims(k_bits, 1),
-                             gl.expand_dims(past_len + offs_m, 0), gl.expand_dims(offs_n, 1), mask_ptr, stride_mask_q)
-        allowed = allowed & in_q & in_k
-    else:
-        in_q = gl.expand_dims(offs_m < seq_q, 0)
-        in_k = gl.expand_dims(offs_n < seq_k, 1)
-        ptrs = mask_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_mask_q, 0) + gl.expand_dims(offs_n, 1)
-        allowed = gl.load(ptrs, mask=in_q & in_k, other=0) != 0
-    if IS_CAUSAL:
-        allowed = allowed & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(past_len + offs_m, 0))
+    q_bits = offs_m  # a stand-in: a dense mask reads no bits
+    if MASK_MODE != _MASK_DENSE:
+        q_bits = qbits_s.load(cols)
+    allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
+                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, past_len, MASK_MODE,
+                            IS_CAUSAL)
     return gl.where(allowed, 0.0, float("-inf"))
 
 
@@ -151,8 +139,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
-    if MASK_MODE != 1:
-        k_bits = gl.load(mask_args[1] + offs_n, mask=offs_n < mask_args[5], other=0)
+    if MASK_MODE != _MASK_DENSE:
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -166,14 +155,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         mbarrier.wait(ready.index(0), 0)
         st0, partial = _scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
                                     st_zero, MASK_MODE, IS_CAUSAL)
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         do_s = do_smem.index(0)
         st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-            turn_phase ^= 1
+        turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         st = warpgroup_mma_wait(1, deps=(st,))
         pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(0).load(cols), 0)))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -190,15 +176,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), turn_phase)
+            wait_turn(turn, WG, turn_phase, PINGPONG)
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
             dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-                turn_phase ^= 1
+            turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
             pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(stage).load(cols), 0)))
@@ -213,23 +196,21 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
             dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         last = (total - 1) % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), turn_phase)
+        wait_turn(turn, WG, turn_phase, PINGPONG)
         dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
+        pass_turn(turn, WG, turn_phase, PINGPONG)
         dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
     fence_async_shared()
-    gl.thread_barrier()  # every thread's stores and fence before the one arrival
+    thread_barrier()  # every thread's stores and fence before the one arrival
     mbarrier.arrive(done)
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC)
-def _dkdv_kernel_hopper(
+@gluon.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_dkdv_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
@@ -261,7 +242,7 @@ def _dkdv_kernel_hopper(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
-    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != 1 else 1, BM], row_layout)
+    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -271,9 +252,7 @@ def _dkdv_kernel_hopper(
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
     if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+        init_turns(turn)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
@@ -287,35 +266,9 @@ def _dkdv_kernel_hopper(
             (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
-                         n_full, n_total, col0, b, hk, seq_q, mask_args[0], NUM_HEADS, GROUP, BM, STAGES,
+                         n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),
         ],
         [4, 1],
         [240, 24],
-    )
-
-
-_DKDV_HOPPER = FastKernel(_dkdv_kernel_hopper)
-
-
-def run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    dk_dv: tuple[torch.Tensor, torch.Tensor], info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
-) -> None:
-    """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
-    ``backward._dkdv_kernel`` computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
-    least 2) and pingpong are read)."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, BLOCK_N, by_key=True)
-    dk, dv = dk_dv
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = tile.block_m, WG_KEYS.value
-    _DKDV_HOPPER[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-        delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
     )

@@ -1,0 +1,19 @@
+"""Values the kernels and their launchers agree on, as plain ints (launchers pass them as constexprs)."""
+
+from __future__ import annotations
+
+# How a kernel reads the exact token mask of a partial tile (its ``MASK_MODE``).
+MASK_BITS = 0  # 0/1 topology of <= 32 segments: per-token row bits & column bits
+MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
+MASK_SEGMENTS = 2  # any topology, packed samples: per-token segment codes and the pair table (mmsparse.segments)
+
+# How the tl kernels multiply tiles (their ``DOT_MODE``).
+DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
+DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
+DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
+
+# Sequence lengths, offsets and batch/head strides change with every new length: the attention kernels never
+# specialise on them, so a new length reuses the compiled kernel.
+DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
+                "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
+                "stride_cnt_b", "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "stride_past_b"]

@@ -1,0 +1,120 @@
+"""What the three Gluon passes share: the program's block list and mask bundle, the token mask of a partial tile,
+the producer's K/V ring, and the ping-pong turns of the two consumer warpgroups.
+
+The mask bundle is a tuple that every pass unpacks by these names, never reads by position::
+
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+
+(``q_bits_ptr``/``k_bits_ptr`` hold bits or segment codes, ``mask_ptr`` the dense mask or the pair table: see
+:func:`mmsparse.kernels.rules.allowed_pairs`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ..constants import MASK_DENSE
+from ..rules import allowed_pairs
+
+# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
+# call them async_load / async_store (same arguments) and make the old names raise or drop them.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise (a CTA-wide barrier)
+
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
+BLOCK_M = 2 * WG_ROWS.value  # query rows per CTA in the forward and dQ passes
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
+
+
+@gluon.jit
+def box(smem):
+    """A ``[rows, D_pad]`` shared tile seen as the ``[1, 1, rows, D_pad]`` box of a host ``box_descriptor``."""
+    return smem.reshape([1, 1, smem.shape[0], smem.shape[1]])
+
+
+@gluon.jit
+def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b,
+                  stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k,
+                  stride_past_b):
+    """One program's block list and mask bundle (``tl.common.program_setup`` for the Gluon kernels): ``(n_full,
+    n_total, idx_ptr, mask_args)`` for batch b; the list of row (or key) block blk starts with its n_full full
+    blocks."""
+    b64 = b.to(gl.int64)  # per-sample lists: B * row blocks * key blocks entries pass 2^31 at 1M tokens
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 2
+    n_full = gl.load(cnt_ptr)
+    n_total = n_full + gl.load(cnt_ptr + 1)
+    idx_ptr = INDICES + b64 * stride_idx_b + blk.to(gl.int64) * stride_idx_r
+    mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
+                 stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
+    return n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
+def masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN: gl.constexpr, MASK_MODE: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+    """The exact token mask of one partial [rows, keys] score tile (key block ``n_blk``): disallowed scores ->
+    -inf. ``q_bits`` are the rows' bits or codes (a dense mask reads none)."""
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    k_bits = offs_n  # a stand-in: a dense mask reads no bits
+    if MASK_MODE != _MASK_DENSE:
+        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
+    allowed = allowed_pairs(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), gl.expand_dims(q_bits, 1),
+                            gl.expand_dims(k_bits, 0), mask_ptr, stride_mask_q, seq_q, seq_k, past_len, MASK_MODE,
+                            IS_CAUSAL)
+    return gl.where(allowed, s, float("-inf"))
+
+
+@gluon.jit
+def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+    """The ring's barriers: K and V of a stage landed (the producer's TMA), and the stage released by both
+    consumer warpgroups."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+
+
+@gluon.jit
+def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk,
+                   BN: gl.constexpr, STAGES: gl.constexpr):
+    """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring, each
+    stage refilled once both consumer warpgroups released it (the forward and the dQ pass share it)."""
+    for it in range(n_total):
+        stage = it % STAGES
+        n_blk = gl.load(idx_ptr + it)
+        # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
+        mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage),
+                                        box(k_smem.index(stage)))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage),
+                                        box(v_smem.index(stage)))
+
+
+@gluon.jit
+def init_turns(turn):
+    """The ping-pong turn barriers (``turn`` is ``[2, 1]``), warpgroup 0 first."""
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))
+
+
+@gluon.jit
+def wait_turn(turn, WG: gl.constexpr, phase, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until warpgroup WG may issue its matmuls."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), phase)
+
+
+@gluon.jit
+def pass_turn(turn, WG: gl.constexpr, phase, PINGPONG: gl.constexpr):
+    """With PINGPONG, hand the turn to the other warpgroup once WG's matmuls are issued: the next phase."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
+        phase ^= 1
+    return phase

@@ -1,0 +1,1 @@
+"""Triton (``tl``) kernels: ``common`` holds the helpers the attention passes share."""

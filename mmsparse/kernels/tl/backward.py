@@ -1,0 +1,206 @@
+"""tl backward: delta = rowsum(dO * O); dK/dV per key block; dQ per query block.
+
+Each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics and the
+result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..constants import DYNAMIC_ARGS
+from .common import (
+    dot,
+    dropout_keep,
+    hint_strides,
+    load_block,
+    load_rows,
+    make_source,
+    pair_mask,
+    program_setup,
+    store_block,
+)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr):
+    # 64-bit rows: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
+    # gives a wrong delta, hence wrong dq and dk, with no error.
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
+    do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
+    tl.store(DELTA + offs_r, tl.sum(o * do, 1), mask=offs_r < n_rows)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
+    for it in range(start, stop):
+        m_blk = tl.load(idx_ptr + it)
+        offs_m = m_blk * BM + offs_m0
+        b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        # Rows past the end get lse = +inf, hence p = 0.
+        lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
+        b_st = dot(b_k, tl.trans(b_q), DOT_MODE)  # [BN, BM] raw scores
+        # Issued before the exponentials: the tensor cores work on dP while exp2 runs (4% on the H100 at D=128).
+        b_dpt = dot(b_v, tl.trans(b_do), DOT_MODE)  # [BN, BM]
+        b_pt = tl.math.exp2(tl.fma(b_st, qk_scale, -lse[None, :]))  # explicit FMA: see the forward
+        if MASKED:
+            allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_pt = tl.where(allowed, b_pt, 0.0)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, past_len + offs_m[None, :], offs_n[:, None], dropout_p)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, DOT_MODE)
+            b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
+        else:
+            dv += dot(b_pt.to(b_do.dtype), b_do, DOT_MODE)
+        b_dst = b_pt * (b_dpt - delta[None, :])
+        dk += dot(b_dst.to(b_q.dtype), b_q, DOT_MODE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_dkdv_tl(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hk = pid_bh % NUM_KV_HEADS
+    b64 = b.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m0 = tl.arange(0, BM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    hk64 = hk.to(tl.int64)  # one sample's H * S * D passes 2^31 at sizes users run
+    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
+    b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
+
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
+
+    dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * NUM_HEADS + h
+        row0 = bh.to(tl.int64) * seq_q
+        q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
+                            HEAD_DIM_PAD, USE_TMA)
+        do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
+            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        )
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
+            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        )
+    out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
+    dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    dv_dst = make_source(DV + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    store_block(dk_dst, pid_n * BN, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM,
+                USE_TMA)
+    store_block(dv_dst, pid_n * BN, dv.to(DV.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM, USE_TMA)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks idx[start:stop]."""
+    for it in range(start, stop):
+        n_blk = tl.load(idx_ptr + it)
+        offs_n = n_blk * BN + offs_n0
+        b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores
+        b_dp = dot(b_do, tl.trans(b_v), DOT_MODE)  # [BM, BN], before the exponentials as in the dK/dV pass
+        b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
+        if MASKED:
+            allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_p = tl.where(allowed, b_p, 0.0)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, past_len + offs_m[:, None], offs_n[None, :], dropout_p)
+            b_dp = tl.where(keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        b_ds = b_p * (b_dp - delta[:, None])
+        dq += dot(b_ds.to(b_k.dtype), b_k, DOT_MODE)
+    return dq
+
+
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_dq_tl(
+    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row0 = pid_bh.to(tl.int64) * seq_q
+    q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
+                        HEAD_DIM_PAD, USE_TMA)  # 64-bit: as in the dK/dV pass
+    do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
+    b_do = load_block(do_src, pid_m * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
+    lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+    delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
+    hk64 = (h // GROUP).to(tl.int64)
+    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+
+    dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
+    dq = _dq_tiles(
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
+        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+    )
+    dq = _dq_tiles(
+        dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
+        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
+        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+    )
+    dq_dst = make_source(DQ + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    store_block(dq_dst, pid_m * BM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
+                USE_TMA)

@@ -1,0 +1,188 @@
+"""tl forward: FlashAttention-2 online softmax over the listed key blocks of each query block, and the
+deterministic combine of split key lists (flash-decoding)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..constants import DYNAMIC_ARGS
+from .common import (
+    dot,
+    dropout_keep,
+    hint_strides,
+    load_block,
+    load_rows,
+    make_source,
+    pair_mask,
+    program_setup,
+    store_block,
+    store_rows,
+)
+
+_FWD_DYNAMIC = [*DYNAMIC_ARGS, "n_splits", "split_len"]  # (an int arg equal to 1 would otherwise be a constant)
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
+    for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
+        n_blk = tl.load(idx_ptr + it)
+        offs_kv = n_blk * BN + offs_n
+        b_k = load_block(k_src, n_blk * BN, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_v = load_block(v_src, n_blk * BN, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
+        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores; m_i is kept in raw units too
+        if MASKED:
+            allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
+                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+            b_s = tl.where(allowed, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row that has seen nothing yet keeps m = -inf: use 0 as the exponent base so exp2 gives 0, not NaN.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Subtract before scaling: a row's largest score gives exactly p = 1 (a fused multiply-add of the scaled
+        # score and a rounded scaled max would not), and no contraction can differ between kernel variants.
+        b_p = tl.math.exp2((b_s - m_base[:, None]) * qk_scale)  # [BM, BN]
+        alpha = tl.math.exp2((m_i - m_base) * qk_scale)
+        l_i = tl.fma(l_i, alpha, tl.sum(b_p, 1))
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, past_len + offs_m[:, None], offs_kv[None, :], dropout_p)
+            b_p = tl.where(keep, b_p, 0.0)
+        acc += dot(b_p.to(b_v.dtype), b_v, DOT_MODE)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_FWD_DYNAMIC)
+def attention_fwd_tl(
+    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    seq_q, seq_k, PAST, stride_past_b, qk_scale, dropout_p, n_splits, split_len,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    PACK_GQA: tl.constexpr,
+):
+    """One program per (query block, split, batch*head). With n_splits > 1, split s takes list entries
+    [s * split_len, (s + 1) * split_len) and writes an fp32 partial (out, lse) at row block s * B * H + batch*head
+    of O/LSE for attention_combine_tl (flash-decoding: few queries, long lists). The split count is a runtime value,
+    so splitting or not is one compiled kernel.
+
+    PACK_GQA (decoding with GQA, GROUP * seq_q <= BM): one program per (split, batch * kv head) instead; row r of
+    its tile is query r % seq_q of the group's query head r // seq_q, so each K/V tile is read once for the
+    whole group rather than once per query head."""
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    split = tl.program_id(0) % n_splits
+    pid_m = tl.program_id(0) // n_splits
+    pid_bh = tl.program_id(1)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if PACK_GQA:
+        b = pid_bh // (NUM_HEADS // GROUP)
+        hk = pid_bh % (NUM_HEADS // GROUP)
+        rows = tl.arange(0, BM)
+        in_group = rows < GROUP * seq_q
+        offs_m = tl.where(in_group, rows % seq_q, seq_q)  # padding rows sit past the end: fully masked
+        h = hk * GROUP + rows // seq_q  # [BM]: each row's query head
+        bh = b * NUM_HEADS + h
+        # 64-bit: one sample's H * S * D, or a [B, S, H, D] view's S * H * D, passes 2^31 at sizes users run
+        q_rows = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m.to(tl.int64) * stride_qm
+        in_d = offs_d < HEAD_DIM
+        b_q = tl.load(q_rows[:, None] + offs_d[None, :], mask=in_group[:, None] & in_d[None, :], other=0.0)
+        # Output rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
+        out_rows = (split * tl.num_programs(1) * GROUP + bh).to(tl.int64) * seq_q + offs_m
+        bh_rows = bh[:, None]
+    else:
+        b = pid_bh // NUM_HEADS
+        h = pid_bh % NUM_HEADS
+        hk = h // GROUP
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh  # 64-bit: as above
+        q_src = make_source(q_ptr, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        out_bh = split * tl.num_programs(1) + pid_bh
+        bh_rows = pid_bh
+    b64 = b.to(tl.int64)
+    k_ptr = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_ptr = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    k_src = make_source(k_ptr, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(v_ptr, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
+
+    n_total = n_full + n_part
+    lo = tl.minimum(split * split_len, n_total)
+    hi = tl.minimum(lo + split_len, n_total)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, lo,
+        tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale,
+        seed, bh_rows, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr,
+        tl.maximum(lo, n_full), hi, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+        qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        False,
+    )
+
+    # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0
+    # (a split's partial says -inf instead: weight 0 in the combine).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, tl.where(n_splits > 1, float("-inf"), float("inf")), m_i * qk_scale + tl.math.log2(l_safe))
+    if PACK_GQA:
+        tl.store(LSE + out_rows, lse, mask=in_group)
+        tl.store(O + out_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=in_group[:, None] & in_d[None, :])
+    else:
+        tl.store(LSE + out_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+        o_dst = make_source(O + out_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
+                            USE_TMA)
+        store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
+                    USE_TMA)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+def attention_combine_tl(
+    O_PART, LSE_PART, O, LSE, n_rows, n_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
+):
+    """Merge the fp32 partials of n_splits forward splits, [n_splits, n_rows, D] and [n_splits, n_rows], in split
+    order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s)."""
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit: rows * HEAD_DIM may pass 2^31
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_r = offs_r < n_rows
+    rows64 = n_rows.to(tl.int64)
+    m = tl.full([BR], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(LSE_PART + s * rows64 + offs_r, mask=in_r, other=float("-inf")))
+    m_base = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, HEAD_DIM_PAD], tl.float32)
+    for s in range(n_splits):
+        w = tl.math.exp2(tl.load(LSE_PART + s * rows64 + offs_r, mask=in_r, other=float("-inf")) - m_base)
+        p_part = O_PART + s * rows64 * HEAD_DIM
+        part = load_rows(p_part, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True)  # [BR, D]
+        w_sum += w
+        acc += w[:, None] * part
+    empty = w_sum == 0.0
+    w_safe = tl.where(empty, 1.0, w_sum)
+    tl.store(LSE + offs_r, tl.where(empty, float("inf"), m_base + tl.math.log2(w_safe)), mask=in_r)
+    store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)

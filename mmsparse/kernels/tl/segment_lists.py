@@ -1,0 +1,109 @@
+"""tl kernel of the block lists from segment-code runs (see mmsparse.ops.segment_lists)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...segments import SEG_BITS
+from .block_lists import store_chunk
+
+_SEG_BITS = tl.constexpr(SEG_BITS)
+_SEG_MASK = tl.constexpr((1 << SEG_BITS) - 1)
+
+
+@triton.jit
+def _classify_runs(
+    qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table, past, seq_q, seq_k,
+    BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    """(full, live) of the tiles (query block qb, key block kb), broadcastable block-id tiles, where valid."""
+    q_lo = tl.load(q_sum + qb * 4, mask=valid, other=0)
+    q_hi = tl.load(q_sum + qb * 4 + 1, mask=valid, other=-1)
+    k_lo = tl.load(k_sum + kb * 4, mask=valid, other=0)
+    k_hi = tl.load(k_sum + kb * 4 + 1, mask=valid, other=-1)
+    meet = valid & (tl.load(q_sum + qb * 4 + 2, mask=valid, other=0) <= tl.load(k_sum + kb * 4 + 3, mask=valid,
+                                                                                 other=0))
+    meet = meet & (tl.load(k_sum + kb * 4 + 2, mask=valid, other=0) <= tl.load(q_sum + qb * 4 + 3, mask=valid,
+                                                                                other=0))
+    q0 = qb * BM
+    q1 = tl.minimum(q0 + BM, seq_q)
+    k0 = kb * BN
+    k1 = tl.minimum(k0 + BN, seq_k)
+    full = meet & (k0 + BN <= seq_k)  # a key block running past the keys is never full
+    live = meet != meet
+    n_x = tl.max(tl.max(tl.where(meet, q_hi - q_lo + 1, 0), 1), 0)
+    n_y = tl.max(tl.max(tl.where(meet, k_hi - k_lo + 1, 0), 1), 0)
+    for dx in range(0, n_x):
+        x = q_lo + dx
+        in_x = meet & (x <= q_hi)
+        x_first = tl.maximum(tl.load(q_starts + x, mask=in_x, other=0), q0) + past  # positions of the run's rows
+        x_last = tl.minimum(tl.load(q_starts + x + 1, mask=in_x, other=0), q1) - 1 + past
+        x_code = tl.load(q_codes + x, mask=in_x, other=0)
+        for dy in range(0, n_y):
+            y = k_lo + dy
+            v = in_x & (y <= k_hi)
+            y_first = tl.maximum(tl.load(k_starts + y, mask=v, other=0), k0)
+            y_last = tl.minimum(tl.load(k_starts + y + 1, mask=v, other=0), k1) - 1
+            y_code = tl.load(k_codes + y, mask=v, other=0)
+            kind = tl.load(table + (x_code & _SEG_MASK) * stride_table + (y_code & _SEG_MASK), mask=v, other=0)
+            kind = tl.where(((x_code ^ y_code) >> _SEG_BITS) == 0, kind, 0)
+            ordered = (kind == 2) | IS_CAUSAL
+            live = live | (v & (kind != 0) & (~ordered | (y_first <= x_last)))
+            full = full & (~v | ((kind != 0) & (~ordered | (y_last <= x_first))))
+    return full, live
+
+
+@triton.jit
+def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
+                   past, seq_q, seq_k, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   BY_KEY: tl.constexpr):
+    """(full, live) ``[BR, CB]`` of the program's row blocks against the column blocks offs_c."""
+    valid = m_r[:, None] & (offs_c < n_c)[None, :]
+    if BY_KEY:
+        qb, kb = offs_c[None, :], offs_r[:, None]
+    else:
+        qb, kb = offs_r[:, None], offs_c[None, :]
+    return _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
+                          past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+
+
+@triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
+                               "stride_ib", "stride_ir", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
+def segment_lists_kernel(
+    Q_SUM, K_SUM, Q_STARTS, Q_CODES, K_STARTS, K_CODES, TABLE, PAST, COUNTS, INDICES,
+    stride_qs, stride_ks, stride_qr, stride_kr, stride_pb, stride_cb, stride_ib, stride_ir, stride_table,
+    seq_q, seq_k, n_q, n_k,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BY_KEY: tl.constexpr,
+):
+    """Program (g, b) writes ``COUNTS[b, r]`` and ``INDICES[b, r, :n_full + n_part]`` of the row blocks
+    r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full column blocks in ascending order, then the
+    partial ones (as ``block_lists.block_lists_kernel``)."""
+    i_g, i_b = tl.program_id(0), tl.program_id(1)
+    b64 = i_b.to(tl.int64)
+    q_sum, k_sum = Q_SUM + b64 * stride_qs, K_SUM + b64 * stride_ks
+    q_starts, q_codes = Q_STARTS + b64 * stride_qr, Q_CODES + b64 * stride_qr
+    k_starts, k_codes = K_STARTS + b64 * stride_kr, K_CODES + b64 * stride_kr
+    past = tl.load(PAST + i_b * stride_pb)
+    n_r, n_c = (n_k, n_q) if BY_KEY else (n_q, n_k)
+    offs_r = i_g * BR + tl.arange(0, BR)
+    m_r = offs_r < n_r
+    offs_cb = tl.arange(0, CB)
+
+    n_full = tl.zeros([BR], dtype=tl.int32)
+    for c0 in range(0, n_c, CB):
+        full, _ = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
+                                 TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+        n_full += tl.sum(full.to(tl.int32), 1)
+
+    p_idx = INDICES + b64 * stride_ib + offs_r.to(tl.int64)[:, None] * stride_ir
+    i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
+    for c0 in range(0, n_c, CB):
+        offs_c = c0 + offs_cb
+        full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
+                                    TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+        i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
+    tl.store(p_cnt, n_full, mask=m_r)
+    tl.store(p_cnt + 1, i_part - n_full, mask=m_r)

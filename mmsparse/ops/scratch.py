@@ -1,0 +1,34 @@
+"""Scratch memory for device-side tensor descriptors (the tl kernels' TMA path), from torch's allocator."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def ensure_tma_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need scratch memory from Triton's allocator. Install a torch-backed one
+    unless the user has set their own."""
+    if device.type != "cuda":
+        return
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_torch_scratch)
+
+
+# One scratch buffer per (device, stream), grown when a launch needs more: kernels on one stream run in order,
+# so the next launch may overwrite what the previous one read, and a launch skips an allocation (~10 us host).
+# A CUDA graph gets private scratch: its replays may run beside eager work on any stream.
+_SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    key = (torch.cuda.current_device(), stream)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
+        _SCRATCH[key] = buf
+    return buf
