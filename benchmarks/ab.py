@@ -5,12 +5,15 @@
     python -m benchmarks.ab --base DIR                       # a tree exported before (no .git needed here)
     python -m benchmarks.ab --export REF DIR                 # write that tree: REF's files and DIR/.commit
 
-Each side runs in a worker process of its own (both register the same torch custom ops), importing mmsparse from
+Each side runs in worker processes of its own (both register the same torch custom ops), importing mmsparse from
 its tree and the timing harness from this checkout. Round r times every config on both sides back to back, the
-side that goes first alternating, so that the machine's slow spells land on both. Per config and pass (forward;
+side that goes first alternating, so that the machine's slow spells land on both. Host-bound rows (the seed,
+decoding) also vary between processes of one tree: on an H100 host the seed backward's host time ran 345-591 us
+in four processes of the same tree. So each side has ``--workers`` processes (3 on a GPU) and round r uses the
+r-th of them in turn: the median spans processes instead of following one process's luck. Per config and pass (forward;
 backward = forward+backward minus forward) the ratio is base / new, the median over rounds of the paired ratios
 (> 1: the new tree is faster). Before timing, each side runs the config once on the same seeded inputs; out, dq,
-dk and dv must be bit-equal.
+dk and dv must be bit-equal (in every worker).
 
 The bar for a change that must not cost speed: geometric mean of the ratios >= 0.98, none below 0.95, and the
 seed forward at most 5 us slower. The exit status is 0 when the bar is met and every output is bit-equal.
@@ -128,32 +131,40 @@ class Worker:
 
 
 @contextmanager
-def workers(trees: dict[str, Tree], args: argparse.Namespace) -> Iterator[dict[str, Worker]]:
+def workers(trees: dict[str, Tree], args: argparse.Namespace) -> Iterator[dict[str, list[Worker]]]:
+    """``args.workers`` worker processes per side."""
     with ExitStack() as stack:
-        started: dict[str, Worker] = {}
-        for side, tree in trees.items():  # all start at once: imports and compiles overlap
-            started[side] = Worker(tree, args)
-            stack.callback(started[side].close)
-        for worker in started.values():
-            worker.wait_ready()
+        started: dict[str, list[Worker]] = {side: [] for side in trees}
+        for _ in range(args.workers):  # all start at once: imports and compiles overlap
+            for side, tree in trees.items():
+                started[side].append(Worker(tree, args))
+                stack.callback(started[side][-1].close)
+        for side_workers in started.values():
+            for worker in side_workers:
+                worker.wait_ready()
         yield started
 
 
-def measure(sides: dict[str, Worker], names: list[str], rounds: int) -> list[dict[str, Any]]:
-    """Prepare every config on both sides (digests), then ``rounds`` interleaved timing rounds."""
+def measure(sides: dict[str, list[Worker]], names: list[str], rounds: int) -> list[dict[str, Any]]:
+    """Prepare every config in every worker (digests), then ``rounds`` interleaved timing rounds, round r on the
+    (r mod workers)-th worker of each side."""
     times = {n: {s: {"fwd_ms": [], "fwdbwd_ms": []} for s in sides} for n in names}
     digests: dict[str, dict[str, Any]] = {n: dict.fromkeys(sides) for n in names}
     errors: dict[str, list[str]] = {n: [] for n in names}
     failed: set[str] = set()
+    every = [(side, worker) for side, side_workers in sides.items() for worker in side_workers]
     for name in names:
-        sent = {side: worker.send("prepare", name) for side, worker in sides.items()}  # both compile at once
-        for side, worker in sides.items():
-            reply = worker.read() if sent[side] else {"ok": False, "error": "worker exited"}
-            if reply["ok"]:
-                digests[name][side] = reply["digests"]
-            else:
+        sent = [worker.send("prepare", name) for _, worker in every]  # all compile at once
+        for (side, worker), ok in zip(every, sent):
+            reply = worker.read() if ok else {"ok": False, "error": "worker exited"}
+            if not reply["ok"]:
                 errors[name].append(f"{side} prepare: {reply['error']}")
                 failed.add(name)
+            elif digests[name][side] is None:
+                digests[name][side] = reply["digests"]
+            elif digests[name][side] != reply["digests"]:  # one tree, two answers: not reproducible
+                errors[name].append(f"{side}: workers of the same tree disagree")
+                digests[name][side] = "differs between workers"
         print(f"prepared {name}: {'bit-equal' if _equal(digests[name]) else 'NOT bit-equal or failed'}", flush=True)
     order = list(sides)
     for r in range(rounds):
@@ -161,7 +172,7 @@ def measure(sides: dict[str, Worker], names: list[str], rounds: int) -> list[dic
             first = (r + i) % 2  # alternate which side goes first, across rounds and configs
             pair = {}
             for side in order[first:] + order[:first]:
-                reply = sides[side].ask("time", name)
+                reply = sides[side][r % len(sides[side])].ask("time", name)
                 if not reply["ok"]:
                     errors[name].append(f"{side} round {r}: {reply['error']}")
                     break
@@ -189,6 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=at_least_one, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here (and a .md beside it)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
+    p.add_argument("--workers", type=at_least_one, default=None,
+                   help="worker processes per side, taken in turn by the rounds (default 3 on a GPU, 1 on CPU)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time in ms (default 100)")
     p.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
@@ -223,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {ref} ({export(ref, Path(dest))[:12]}) to {dest}")
         return 0
     args.device = args.device or _default_device()
+    args.workers = args.workers or (3 if args.device.startswith("cuda") else 1)
     names = select_configs(args.configs, args.device)
     with tempfile.TemporaryDirectory(prefix="mmsparse-ab-") as scratch:
         trees = {"base": resolve_tree(args.base, Path(scratch) / "base"),
@@ -231,13 +245,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(names)}; {args.rounds} rounds", flush=True)
         with workers(trees, args) as sides:
             rows = measure(sides, names, args.rounds)
-            info = {side: w.info for side, w in sides.items()}
+            info = {side: side_workers[0].info for side, side_workers in sides.items()}
     summary = verdict(rows)
     table = markdown(rows, summary, info["base"], info["new"])
     print("\n" + table, end="")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {"base": info["base"], "new": info["new"], "device": args.device, "rounds": args.rounds,
+                  "workers": args.workers,
                   "configs": rows, "summary": summary}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(table)

@@ -47,15 +47,16 @@ def _git_ok() -> bool:
 
 @pytest.mark.skipif(not _git_ok(), reason="needs a git checkout (the base is exported from HEAD)")
 def test_ab_runs_against_head(tmp_path):
-    """Both workers start, time a tiny config once, and compare outputs; on CPU the times mean nothing."""
+    """Two workers per side start, time a tiny config in two rounds (one on each worker) and compare outputs of
+    all four; on CPU the times mean nothing."""
     out = tmp_path / "ab.json"
-    cmd = [sys.executable, "-m", "benchmarks.ab", "--base", "HEAD", "--configs", "tiny_ab", "--rounds", "1",
-           "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.ab", "--base", "HEAD", "--configs", "tiny_ab", "--rounds", "2",
+           "--workers", "2", "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     record = json.loads(out.read_text())
     (row,) = record["configs"]
-    assert row["config"] == "tiny_ab" and row["rounds"] == 1 and row["errors"] == []
+    assert row["config"] == "tiny_ab" and row["rounds"] == 2 and row["errors"] == [] and record["workers"] == 2
     assert row["fwd_ratio"] > 0 and row["bwd_ratio"] is not None
     assert record["base"]["mmsparse"] != record["new"]["mmsparse"]  # two trees, two processes
     assert Path(record["new"]["mmsparse"]) == REPO / "mmsparse"
