@@ -4,6 +4,10 @@
     ``mmsparse.mbs_attention_varlen`` with its ``[N, k]`` lengths (:func:`mmsparse_fn`).
   - ``flex``: ``torch.compile(flex_attention)`` with :func:`benchmarks.flex_mask.flex_mask_mod` and a block mask
     from ``create_block_mask``.
+  - ``flex_flash``: the same with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 CuTe-DSL kernels;
+    torch >= 2.11, Hopper, the ``flash_attn.cute`` and ``cutlass`` packages), the ``mask_mod`` with int32 captures
+    and 128 x 128 blocks. Its row adds ``first_call_s`` and ``deterministic_bwd``. Skipped, with the reason, where
+    it cannot run (:func:`flex_flash_unavailable`, or a first call that fails to compile).
   - ``sdpa_mask``: ``F.scaled_dot_product_attention`` with a dense bool mask ``[1, 1, Sq, Sk]``, on the cuDNN
     backend, else the memory-efficient one (never the math backend on CUDA).
   - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on configs with causal pairs,
@@ -14,6 +18,12 @@ Each ``setup_*`` returns an :class:`Impl` (the call plus the cost of its mask st
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import re
+import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,11 +40,15 @@ from .errors import DeviceLost, Skip, short_error
 from .flex_mask import flex_mask_mod, packed_ids, segment_ids
 from .timing import Timing
 
-IMPLS = ("mmsparse", "flex", "sdpa_mask", "dense_flash")
+IMPLS = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash")
 SDPA_MASK_BYTES_PER_PAIR = 5  # bool mask + the bf16 bias SDPA makes from it on each call (+ alignment copies)
 SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this share of free memory
 
 BIG_TOPOLOGY = 16  # segments: above this, mmsparse is given an mmsparse.Topology built once (see mmsparse_fn)
+FLASH_BLOCK = 128  # FLASH's sparse block size is fixed: its BlockMask must be built with it
+FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the wheels script targets it)
+FLASH_ARCH = (9, 0)  # the FlashAttention-4 kernels this benchmark compares with are Hopper's
+FLASH_SETUP_HINT = "wheels: ../shared/tools/flex-flash-wheels.sh"
 
 TensorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -140,6 +154,7 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
 
 
 _FLEX: Any = None
+_FLEX_FLASH: Any = None
 
 
 def compiled_flex() -> Any:
@@ -152,36 +167,139 @@ def compiled_flex() -> Any:
     return _FLEX
 
 
-def setup_flex(case: Case, timing: Timing) -> Impl:
+def compiled_flex_flash() -> Any:
+    """``torch.compile(flex_attention)`` on the FLASH backend, compiled once per process."""
+    global _FLEX_FLASH
+    if _FLEX_FLASH is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # fullgraph: a graph break would time flex_attention's eager fallback, not the FLASH kernels
+        _FLEX_FLASH = torch.compile(functools.partial(flex_attention, kernel_options={"BACKEND": "FLASH"}),
+                                    dynamic=False, fullgraph=True)
+    return _FLEX_FLASH
+
+
+def _flex_impl(case: Case, timing: Timing, flex: Any, backend: str, index_dtype: torch.dtype = torch.int64,
+               block_size: int | None = None) -> Impl:
+    """Flex on the config's ``mask_mod``: the block mask built (and its build timed) with ``block_size`` (Flex's
+    default when None) from a ``mask_mod`` whose captured tensors are ``index_dtype``."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     cfg, dev = case.cfg, case.device
     if cfg.packed:
         doc, seg = packed_ids(cfg.rows, dev)
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc)
+        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc, index_dtype=index_dtype)
     else:
         seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)  # type: ignore[arg-type]
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
+        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len, index_dtype=index_dtype)
 
     # Past 32k positions the eager build materialises S x S index tensors (32 GiB at 64k): the compiled build, as a
     # user at that size runs it.
     compiled_build = cfg.q_len * cfg.seq_k > 2**30
+    sizes = {} if block_size is None else {"BLOCK_SIZE": block_size}
 
     def build() -> Any:
-        return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev, _compile=compiled_build)
+        return create_block_mask(mask_mod, None, None, cfg.q_len, cfg.seq_k, device=dev, _compile=compiled_build,
+                                 **sizes)
 
     block_mask, state_mib, build_ms = _build_state(case, timing, build)
-    flex, gqa = compiled_flex(), cfg.heads_q != cfg.heads_kv
+    gqa = cfg.heads_q != cfg.heads_kv
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
-    info: dict[str, Any] = {"backend": "flex (torch.compile)", "tiles": f"block {block_mask.BLOCK_SIZE}"}
+    info: dict[str, Any] = {"backend": backend, "tiles": f"block {block_mask.BLOCK_SIZE}"}
     try:
         info["flex_block_sparsity"] = round(float(block_mask.sparsity()), 2)
     except Exception:
         pass
     return Impl(fn, build_ms=build_ms, state_mib=state_mib, info=info)
+
+
+def setup_flex(case: Case, timing: Timing) -> Impl:
+    return _flex_impl(case, timing, compiled_flex(), "flex (torch.compile)")
+
+
+def flex_flash_unavailable(device: torch.device) -> str | None:
+    """Why FlexAttention's FLASH backend cannot run here (every unmet requirement, ``; ``-joined), or None."""
+    reasons = []
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found is None or (int(found[1]), int(found[2])) < FLASH_MIN_TORCH:
+        reasons.append(f"needs torch >= {'.'.join(map(str, FLASH_MIN_TORCH))}, this is {torch.__version__}")
+    for module in ("cutlass", "flash_attn.cute"):  # nvidia-cutlass-dsl; flash-attn-4
+        try:
+            importlib.import_module(module)  # an import, not find_spec: a half-installed DSL fails only here
+        except Exception as e:
+            reasons.append(f"{module} not importable ({short_error(e, 120)})")
+    if device.type != "cuda":
+        reasons.append(f"needs a CUDA device, not {device.type}")
+    elif torch.cuda.get_device_capability(device) != FLASH_ARCH:
+        major, minor = torch.cuda.get_device_capability(device)
+        reasons.append(f"needs sm_{FLASH_ARCH[0]}{FLASH_ARCH[1]} (Hopper), this GPU is sm_{major}{minor}")
+    return f"{'; '.join(reasons)} ({FLASH_SETUP_HINT})" if reasons else None
+
+
+def _root_error(exc: BaseException) -> str:
+    """The innermost cause of a compile error, which names what failed to lower (dynamo's wrapper says only
+    ``backend='inductor' raised:``), and the wrapper's type."""
+    root: BaseException = exc
+    for _ in range(20):  # dynamo keeps the backend's error in inner_exception, others chain it as the cause
+        inner = getattr(root, "inner_exception", None) or root.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        root = inner
+    text = short_error(root, 300)
+    return text if root is exc else f"{text} (raised as {type(exc).__name__})"
+
+
+def _grads_bits(case: Case) -> list[torch.Tensor]:
+    """dq, dk, dv as raw bits (a bitwise comparison: NaN == NaN, -0 != +0)."""
+    grads = [t.grad for t in (case.q, case.k, case.v)]
+    if any(g is None for g in grads):
+        raise RuntimeError("backward left a gradient unset")
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return [g.detach().view(bits[g.element_size()]).clone() for g in grads]
+
+
+def deterministic_backward(case: Case, fn: TensorFn) -> bool:
+    """Whether two backward passes on the same inputs give bit-equal dq, dk and dv."""
+    runs = []
+    for _ in range(2):
+        case.clear_grads()
+        fn(case.q, case.k, case.v).backward(case.dout)
+        sync(case.device)
+        runs.append(_grads_bits(case))
+    case.clear_grads()
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def setup_flex_flash(case: Case, timing: Timing) -> Impl:
+    reason = flex_flash_unavailable(case.device)
+    if reason is not None:
+        raise Skip(reason)
+    impl = _flex_impl(case, timing, compiled_flex_flash(), "flex FLASH (torch.compile, FlashAttention-4)",
+                      index_dtype=torch.int32, block_size=FLASH_BLOCK)
+    # The first call compiles forward and backward (dynamo, inductor, the CuTe-DSL kernels): it is timed whole. A
+    # config the backend cannot lower fails here, and is skipped with the reason, not counted as a wrong result.
+    case.clear_grads()
+    sync(case.device)
+    t0 = time.perf_counter()
+    try:
+        impl.fn(case.q, case.k, case.v).backward(case.dout)
+        sync(case.device)
+    except torch.cuda.OutOfMemoryError:  # not a lowering problem: a setup error, as for the other impls
+        raise
+    except Exception as e:
+        if not device_alive(case.device):
+            raise DeviceLost(f"first call: {short_error(e)}") from e
+        if os.environ.get("BENCH_VERBOSE"):
+            traceback.print_exception(type(e), e, e.__traceback__)
+        raise Skip(f"FLASH first call (compile) failed: {_root_error(e)}") from e
+    finally:
+        case.clear_grads()
+    impl.info["first_call_s"] = time.perf_counter() - t0
+    impl.info["deterministic_bwd"] = deterministic_backward(case, impl.fn)
+    return impl
 
 
 def _sdpa(backend: Any, mask: torch.Tensor | None, is_causal: bool, group: int, repeat_kv: bool) -> TensorFn:
@@ -260,6 +378,7 @@ def setup_dense_flash(case: Case, timing: Timing) -> Impl:
 SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {
     "mmsparse": setup_mmsparse,
     "flex": setup_flex,
+    "flex_flash": setup_flex_flash,
     "sdpa_mask": setup_sdpa_mask,
     "dense_flash": setup_dense_flash,
 }

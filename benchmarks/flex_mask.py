@@ -4,6 +4,10 @@ Every rule of mmsparse's masks is in it: segment ids and the topology's pair typ
 within the pair), per-sample padding, decode offsets, and the document ids of a pack (a token sees only its own
 sample). Ids are int64: ``create_block_mask`` evaluates the ``mask_mod`` over every (query, key) pair, and int32
 ids make it convert each S x S index to int64 first (two S x S int64 temporaries: 64 GB at S = 64k).
+
+FlexAttention's FLASH backend (FlashAttention-4, CuTe DSL) needs the other choice, ``index_dtype=torch.int32``: it
+does not lower int64 captured index tensors. The ``mask_mod`` uses no ``clamp`` or ``maximum`` either way, since
+FLASH does not lower those.
 """
 
 from __future__ import annotations
@@ -59,26 +63,39 @@ def packed_ids(rows: Sequence[Sequence[int]] | torch.Tensor, device: torch.devic
 
 
 def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: bool, past: int = 0,
-                  real: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> MaskMod:
+                  real: torch.Tensor | None = None, doc: torch.Tensor | None = None,
+                  index_dtype: torch.dtype = torch.int64) -> MaskMod:
     """``mask_mod(b, h, q_idx, kv_idx)``: key ``kv_idx`` is visible to query ``q_idx`` when both are in the same
     document (a pack's sample), the topology's pair type of their segments is FULL, or CAUSAL with the key not
     after the query, both are real tokens and, if causal, the key is not after the query.
 
     Args:
         topology: k x k pair types 0/1/2 (NONE/FULL/CAUSAL); ``topology[r][c]`` says what segment r sees of
-            segment c. A 0/1 topology is looked up as a bool table.
+            segment c. A 0/1 topology is looked up as a bool table (int32 for FLASH).
         seg: segment ids ``[S]`` (shared by the batch) or ``[B, S]`` (per sample), from :func:`segment_ids` or
             :func:`packed_ids`.
         causal: add ``kv_idx <= q_pos``.
         past: the queries are the last positions: query ``i`` sits at position ``past + i`` (decoding).
         real: optional bool ``[B, S]``, False on padding.
         doc: optional document ids ``[S]`` of a pack (:func:`packed_ids`): only pairs within one document.
+        index_dtype: the dtype of every tensor the ``mask_mod`` captures. ``torch.int64`` (default) for the Triton
+            backend and ``create_block_mask``; ``torch.int32`` for the FLASH backend, which lowers only int32
+            captures: then the pair-type table, the ids and ``real`` are all int32 (``real`` compared with 0).
     """
+    if index_dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"index_dtype must be torch.int64 or torch.int32, not {index_dtype}")
     types = torch.tensor(topology, dtype=torch.int8)
     if bool(((types != NONE) & (types != FULL) & (types != CAUSAL)).any()):
         raise ValueError("topology entries are pair types 0, 1 and 2")
+    flash = index_dtype == torch.int32
     typed = bool((types == CAUSAL).any())
-    table = types.to(seg.device) if typed else (types != NONE).to(seg.device)
+    # FLASH: the pair types themselves as int32 even for 0/1, so that no bool or int8 buffer is captured.
+    table = types.to(seg.device) if typed or flash else (types != NONE).to(seg.device)
+    seg = seg.to(index_dtype)
+    doc = None if doc is None else doc.to(index_dtype)
+    if flash:
+        table = table.to(torch.int32)
+        real = None if real is None else real.to(torch.int32)
     per_sample = seg.dim() == 2
     if doc is not None and per_sample:
         raise ValueError("document ids go with one packed sequence ([S] segment ids), not per-sample [B, S] ones")
@@ -89,8 +106,13 @@ def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: 
             pair = table[seg[b, q_pos], seg[b, kv_idx]]
         else:
             pair = table[seg[q_pos], seg[kv_idx]]
-        allowed = ((pair == FULL) | ((pair == CAUSAL) & (kv_idx <= q_pos))) if typed else pair
-        if real is not None:
+        if typed:
+            allowed = (pair == FULL) | ((pair == CAUSAL) & (kv_idx <= q_pos))
+        else:
+            allowed = (pair != NONE) if flash else pair
+        if real is not None and flash:
+            allowed = allowed & (real[b, q_pos] != 0) & (real[b, kv_idx] != 0)
+        elif real is not None:
             allowed = allowed & real[b, q_pos] & real[b, kv_idx]
         if doc is not None:
             allowed = allowed & (doc[q_pos] == doc[kv_idx])

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-IMPL_ORDER = ("mmsparse", "flex", "sdpa_mask", "dense_flash")
-COLORS = {"mmsparse": "#d62728", "flex": "#1f77b4", "sdpa_mask": "#7f7f7f", "dense_flash": "#2ca02c"}
+IMPL_ORDER = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash")
+COLORS = {"mmsparse": "#d62728", "flex": "#1f77b4", "flex_flash": "#9467bd", "sdpa_mask": "#7f7f7f",
+          "dense_flash": "#2ca02c"}
 PANELS = (  # (row key, title, log scale)
     ("fwd_ms", "forward time (ms, lower is better)", True),
     ("bwd_ms", "backward time (ms, lower is better)", True),

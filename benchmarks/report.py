@@ -65,6 +65,8 @@ def progress_line(index: int, total: int, row: dict[str, Any]) -> str:
         f"build {fmt(row['build_ms'])} ms",
         f"check {row.get('check') or '-'}",
     ]
+    if row.get("first_call_s") is not None:  # flex_flash
+        parts.append(f"first call {row['first_call_s']:.1f} s, deterministic bwd {row.get('deterministic_bwd')}")
     if row.get("error"):
         parts.append(f"ERROR {row['error']}")
     return f"{head} " + " | ".join(parts)
@@ -107,10 +109,15 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
-    """Two tables: mmsparse vs Flex per config, then every (config, impl) row; plus the run's provenance."""
+    """Two tables: mmsparse vs Flex per config (and vs Flex's FLASH backend when the run has ``flex_flash`` rows),
+    then every (config, impl) row; a third with what only ``flex_flash`` records; plus the run's provenance."""
     by = {(r["config"], r["impl"]): r for r in rows}
     configs = list(dict.fromkeys(r["config"] for r in rows))
+    flash = any(r["impl"] == "flex_flash" for r in rows)
     first = rows[0] if rows else {}
+    flash_cols = "---:|---:|" if flash else ""  # two more right-aligned columns
+    flash_head = ("flex_flash fwd ms | fwd speedup vs flex_flash | ",
+                  "flex_flash bwd ms | bwd speedup vs flex_flash | ", " / flex_flash") if flash else ("", "", "")
     lines = [
         f"Run: {first.get('gpu')}, torch {first.get('torch')}, triton {first.get('triton')}, commit "
         f"{first.get('commit')}, {datetime.date.today().isoformat()}. bf16; {timing_method}; bwd = (fwd+bwd) - fwd; "
@@ -118,33 +125,53 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
         "(or the causal half on configs with causal pairs): a speed reference only, checked against the mask it "
         "computes, not the config's.",
         "",
-        "| config | S | density | mmsparse fwd ms | flex fwd ms | fwd speedup | mmsparse bwd ms | flex bwd ms "
-        "| bwd speedup | build ms mmsparse / flex |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| config | S | density | mmsparse fwd ms | flex fwd ms | fwd speedup | {flash_head[0]}mmsparse bwd ms "
+        f"| flex bwd ms | bwd speedup | {flash_head[1]}build ms mmsparse / flex{flash_head[2]} |",
+        "|---|---:|---:|---:|---:|---:|" + flash_cols + "---:|---:|---:|" + flash_cols + "---:|",
     ]
     for c in configs:
-        m, f = by.get((c, "mmsparse"), {}), by.get((c, "flex"), {})
-        any_row = m or f or next(r for r in rows if r["config"] == c)
+        m, f, ff = by.get((c, "mmsparse"), {}), by.get((c, "flex"), {}), by.get((c, "flex_flash"), {})
+        any_row = m or f or ff or next(r for r in rows if r["config"] == c)
+        fwd_flash = f"{fmt(ff.get('fwd_ms'))} | {_ratio(ff.get('fwd_ms'), m.get('fwd_ms'))} | " if flash else ""
+        bwd_flash = f"{fmt(ff.get('bwd_ms'))} | {_ratio(ff.get('bwd_ms'), m.get('bwd_ms'))} | " if flash else ""
+        build_flash = f" / {fmt(ff.get('build_ms'), 2)}" if flash else ""
         lines.append(
             f"| {c} | {any_row.get('seq_len')} | {fmt(any_row.get('density'), 2)} | {fmt(m.get('fwd_ms'))} | "
-            f"{fmt(f.get('fwd_ms'))} | {_ratio(f.get('fwd_ms'), m.get('fwd_ms'))} | {fmt(m.get('bwd_ms'))} | "
-            f"{fmt(f.get('bwd_ms'))} | {_ratio(f.get('bwd_ms'), m.get('bwd_ms'))} | "
-            f"{fmt(m.get('build_ms'), 2)} / {fmt(f.get('build_ms'), 2)} |"
+            f"{fmt(f.get('fwd_ms'))} | {_ratio(f.get('fwd_ms'), m.get('fwd_ms'))} | {fwd_flash}"
+            f"{fmt(m.get('bwd_ms'))} | {fmt(f.get('bwd_ms'))} | {_ratio(f.get('bwd_ms'), m.get('bwd_ms'))} | "
+            f"{bwd_flash}{fmt(m.get('build_ms'), 2)} / {fmt(f.get('build_ms'), 2)}{build_flash} |"
         )
     lines += [
         "",
         "| config | impl | fwd ms | bwd ms | fwd TF/s | bwd TF/s | peak MiB | build ms | fwd vs flex | bwd vs flex "
-        "| check |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        + ("| fwd vs flex_flash | bwd vs flex_flash " if flash else "") + "| check |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + flash_cols + "---|",
     ]
     for r in rows:
-        f = by.get((r["config"], "flex"), {})
+        f, ff = by.get((r["config"], "flex"), {}), by.get((r["config"], "flex_flash"), {})
+        vs_flash = (f"{_ratio(ff.get('fwd_ms'), r.get('fwd_ms'))} | {_ratio(ff.get('bwd_ms'), r.get('bwd_ms'))} | "
+                    if flash else "")
         lines.append(
             f"| {r['config']} | {r['impl']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('bwd_ms'))} | "
             f"{fmt(r.get('fwd_tflops'), 0)} | {fmt(r.get('bwd_tflops'), 0)} | {fmt(r.get('peak_mib'), 0)} | "
             f"{fmt(r.get('build_ms'), 2)} | {_ratio(f.get('fwd_ms'), r.get('fwd_ms'))} | "
-            f"{_ratio(f.get('bwd_ms'), r.get('bwd_ms'))} | {_status(r)} |"
+            f"{_ratio(f.get('bwd_ms'), r.get('bwd_ms'))} | {vs_flash}{_status(r)} |"
         )
+    if flash:
+        lines += [
+            "",
+            "flex_flash (FlexAttention, FLASH backend): the first forward + backward, compilation included, and "
+            "whether two backward passes on the same inputs give bit-equal dq/dk/dv.",
+            "",
+            "| config | first call s | deterministic bwd | peak MiB | status |",
+            "|---|---:|---|---:|---|",
+        ]
+        for c in configs:
+            ff = by.get((c, "flex_flash"))
+            if ff is not None:
+                det = {True: "yes", False: "no"}.get(ff.get("deterministic_bwd"), "-")
+                lines.append(f"| {c} | {fmt(ff.get('first_call_s'), 1)} | {det} | "
+                             f"{fmt(ff.get('peak_mib'), 0)} | {_status(ff)} |")
     notes = [f"- {r['config']} / {r['impl']}: {r['error']}" for r in rows if r.get("error")]
     if notes:
         lines += ["", "Errors and skips:", "", *notes]
