@@ -152,19 +152,23 @@ def measure(sides: dict[str, list[Worker]], names: list[str], rounds: int) -> li
     digests: dict[str, dict[str, Any]] = {n: dict.fromkeys(sides) for n in names}
     errors: dict[str, list[str]] = {n: [] for n in names}
     failed: set[str] = set()
-    every = [(side, worker) for side, side_workers in sides.items() for worker in side_workers]
+    # Two waves: the first worker of each side compiles (both trees at once), then the others find the kernels in
+    # Triton's on-disk cache instead of compiling them again side by side.
+    firsts = [(side, side_workers[0]) for side, side_workers in sides.items()]
+    rest = [(side, worker) for side, side_workers in sides.items() for worker in side_workers[1:]]
     for name in names:
-        sent = [worker.send("prepare", name) for _, worker in every]  # all compile at once
-        for (side, worker), ok in zip(every, sent):
-            reply = worker.read() if ok else {"ok": False, "error": "worker exited"}
-            if not reply["ok"]:
-                errors[name].append(f"{side} prepare: {reply['error']}")
-                failed.add(name)
-            elif digests[name][side] is None:
-                digests[name][side] = reply["digests"]
-            elif digests[name][side] != reply["digests"]:  # one tree, two answers: not reproducible
-                errors[name].append(f"{side}: workers of the same tree disagree")
-                digests[name][side] = "differs between workers"
+        for wave in (firsts, rest):
+            sent = [worker.send("prepare", name) for _, worker in wave]
+            for (side, worker), ok in zip(wave, sent):
+                reply = worker.read() if ok else {"ok": False, "error": "worker exited"}
+                if not reply["ok"]:
+                    errors[name].append(f"{side} prepare: {reply['error']}")
+                    failed.add(name)
+                elif digests[name][side] is None:
+                    digests[name][side] = reply["digests"]
+                elif digests[name][side] != reply["digests"]:  # one tree, two answers: not reproducible
+                    errors[name].append(f"{side}: workers of the same tree disagree")
+                    digests[name][side] = "differs between workers"
         print(f"prepared {name}: {'bit-equal' if _equal(digests[name]) else 'NOT bit-equal or failed'}", flush=True)
     order = list(sides)
     for r in range(rounds):
