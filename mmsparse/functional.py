@@ -273,9 +273,11 @@ def _mask_shapes(batch: int, seq_q: int, seq_k: int) -> str:
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
-    """An int64 [1] seed over the full 64 bits (Philox's key), from torch's default generator of the device
-    (torch.manual_seed reproduces it): two calls share a dropout mask with odds 2^-64, not 2^-30."""
-    return torch.randint(-(2**63), 2**63 - 1, (1,), device=device, dtype=torch.int64)
+    """The kernels' int64 ``[3]`` dropout seed: a key over the full 64 bits (Philox's), from torch's default
+    generator of the device (torch.manual_seed reproduces it; two calls share a dropout mask with odds 2^-64, not
+    2^-30), then the query and key position offsets, 0 for a call over the whole sequence."""
+    return torch.cat([torch.randint(-(2**63), 2**63 - 1, (1,), device=device, dtype=torch.int64),
+                      torch.zeros(2, device=device, dtype=torch.int64)])
 
 
 def attention_with_info(

@@ -20,9 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..functional import new_dropout_seed
 from ..segments import token_codes
 from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
-from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward
+from .pieces import (
+    Piece,
+    make_code_piece,
+    make_piece,
+    merge,
+    piece_backward,
+    piece_forward,
+    piece_seeds,
+    split_by_position,
+)
 from .plan import ContextParallelPlan, plan_context_parallel
 
 
@@ -62,6 +72,7 @@ class ContextParallel:
         self._index = self.plan.token_index(self.rank)
         self._bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
+        self._dropout_pieces: dict[torch.device, list[Piece]] = {}
 
     @property
     def local_len(self) -> int:
@@ -92,9 +103,8 @@ class ContextParallel:
         Returns:
             ``[B, Hq, S_local, D]``.
         """
-        if dropout_p != 0.0:
-            raise ValueError("dropout is not supported with context parallelism yet: the kernels key dropout bits "
-                             "by key position, which a gathered key set does not have; pass dropout_p=0.0")
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4 or t.shape[2] != self.local_len:
                 raise ValueError(f"{name} must be [B, H, S_local={self.local_len}, D] (this rank's tokens); got "
@@ -105,7 +115,11 @@ class ContextParallel:
         if self._lens.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        return _Attention.apply(q, k, v, self, scale)
+        seed = None
+        if dropout_p > 0:  # drawn as a single-GPU call draws it, and rank 0's for all: one mask over the ranks
+            seed = new_dropout_seed(q.device)
+            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return _Attention.apply(q, k, v, self, scale, dropout_p, seed)
 
     # internals -------------------------------------------------------------------------------------------------
 
@@ -151,6 +165,17 @@ class ContextParallel:
         self._pieces[device] = (pieces, gathered)
         return pieces
 
+
+    def _pieces_by_position(self, device: torch.device) -> list[Piece]:
+        """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
+        cached = self._dropout_pieces.get(device)
+        if cached is None:
+            pieces = self._local_pieces(device)
+            gathered, local = self._pieces[device][1], self._index.to(device)
+            cached = self._dropout_pieces[device] = [
+                part for p in pieces
+                for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]
+        return cached
 
     def _code_pieces(self, device: torch.device) -> list[Piece]:
         """Pieces of a segment-code mask (pair types, more than 32 segments): per local query chunk, the gathered
@@ -288,39 +313,41 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, scale: float):  # type: ignore[override]
-        pieces = cp._local_pieces(q.device)
+    def forward(ctx, q, k, v, cp: ContextParallel, scale: float, dropout_p: float,  # type: ignore[override]
+                seed: torch.Tensor | None):
+        pieces = cp._local_pieces(q.device) if seed is None else cp._pieces_by_position(q.device)
+        seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
         k_g, v_g = _gather_kv(cp, k, v)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
-        for rows, group in _by_rows(pieces):
-            parts = [piece_forward(q[:, :, rows], *_keys(p, k, v, k_g, v_g), p, scale) for p in group]
+        for rows, group in _by_rows(list(zip(pieces, seeds))):
+            parts = [piece_forward(q[:, :, rows], *_keys(p, k, v, k_g, v_g), p, scale, dropout_p, s)
+                     for p, s in group]
             out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
-        pieces = cp._local_pieces(q.device)
         k_g, v_g = _gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
         hkv = k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv_g = torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
         dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
-        for piece in pieces:
+        for piece, seed in zip(ctx.pieces, ctx.seeds):
             rows = piece.q_rows
             kk, vv = _keys(piece, k, v, k_g, v_g)
             dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows],
-                                              lse[:, :, rows], piece, ctx.scale)
+                                              lse[:, :, rows], piece, ctx.scale, ctx.dropout_p, seed)
             dq[:, :, rows] += dq_p
             target = dkv_l if piece.local_keys else dkv_g
             target[:, :hkv, piece.k_rows] += dk_p
             target[:, hkv:, piece.k_rows] += dv_p
         dkv = _return_kv_grads(cp, dkv_g, dkv_l)
-        return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 
 
 def _keys(piece: Piece, k, v, k_g, v_g):
@@ -328,14 +355,15 @@ def _keys(piece: Piece, k, v, k_g, v_g):
     return src_k[:, :, piece.k_rows], src_v[:, :, piece.k_rows]
 
 
-def _by_rows(pieces: list[Piece]):
-    """Pieces grouped by their query rows, in order (pieces of one query range are adjacent)."""
-    groups: list[tuple[slice, list[Piece]]] = []
-    for p in pieces:
+def _by_rows(pieces: list[tuple[Piece, Any]]):
+    """(piece, seed) pairs grouped by the pieces' query rows, in order (pieces of one query range are
+    adjacent)."""
+    groups: list[tuple[slice, list[tuple[Piece, Any]]]] = []
+    for p, s in pieces:
         if groups and groups[-1][0] == p.q_rows:
-            groups[-1][1].append(p)
+            groups[-1][1].append((p, s))
         else:
-            groups.append((p.q_rows, [p]))
+            groups.append((p.q_rows, [(p, s)]))
     return groups
 
 

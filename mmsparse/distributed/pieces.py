@@ -9,6 +9,10 @@ CAUSAL pairs runs every query chunk that way, plus (without the global flag) the
 queries a CAUSAL pair is FULL, after them NONE, so those pieces take the pair table with CAUSAL replaced.
 Pieces merge by their log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp,
 which gives exactly its share of the gradients (the ring-attention identity).
+
+Dropout draws its bits by global query and key positions, so with dropout every piece is split until its queries
+and its keys are each one run of consecutive positions (:func:`split_by_position`); its seed then carries the
+positions of its first query and first key, and the kernels draw the bits a single-GPU call draws there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Piece:
     local_keys: bool
     causal: bool
     info: MaskInfo
+    positions: tuple[int, int] | None = None  # global positions of the first query and key: one run each
 
 
 def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_bits: torch.Tensor,
@@ -51,16 +56,56 @@ def make_code_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool
     return Piece(q_rows, k_rows, local_keys, causal, info)
 
 
-def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing."""
-    return attention_forward(q, k, v, piece.info, scale, 0.0, None)
+def split_by_position(piece: Piece, q_positions: torch.Tensor, k_positions: torch.Tensor) -> list[Piece]:
+    """``piece`` cut so that each part's queries and keys are runs of consecutive global positions.
+    ``q_positions``/``k_positions``: the global positions of the piece's query rows and key rows. A causal piece
+    (one chunk against itself) is one run already."""
+    parts = []
+    for qa, qb, q0 in _runs(q_positions):
+        for ka, kb, k0 in _runs(k_positions):
+            info = piece.info
+            # q_start 0: the kernels add it to the query positions that key the dropout bits (the seed's offsets
+            # carry the global ones); the causal test of a piece compares local indices (a chunk against itself)
+            sliced = MaskInfo(info.mode, qb - qa, kb - ka, info.causal, q_bits=info.q_bits[:, qa:qb].contiguous(),
+                              k_bits=info.k_bits[:, ka:kb].contiguous(), num_segments=info.num_segments,
+                              q_start=torch.zeros_like(info.q_start), table=info.table)
+            parts.append(Piece(slice(piece.q_rows.start + qa, piece.q_rows.start + qb),
+                               slice(piece.k_rows.start + ka, piece.k_rows.start + kb), piece.local_keys,
+                               piece.causal, sliced, (q0, k0)))
+    if piece.causal and len(parts) != 1:
+        raise AssertionError("a causal piece spans one chunk: its rows and keys are one run each")
+    return parts
+
+
+def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, end, first position) of each run of consecutive positions."""
+    pos = positions.cpu()
+    if pos.numel() == 0:
+        return []
+    breaks = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, pos.numel()]
+    return [(a, b, int(pos[a])) for a, b in zip(starts, ends)]
+
+
+def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece, scale: float,
+                  dropout_p: float = 0.0, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing. With dropout, ``seed`` is the
+    piece's (:func:`piece_seeds`)."""
+    return attention_forward(q, k, v, piece.info, scale, dropout_p, seed)
 
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, piece: Piece, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float = 0.0,
+                   seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows."""
-    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, 0.0, None)
+    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed)
+
+
+def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:
+    """Each piece's int64 ``[3]`` dropout seed: the call's Philox key and the piece's first query and key
+    positions (pieces from :func:`split_by_position`)."""
+    offsets = torch.tensor([p.positions for p in pieces], dtype=torch.int64, device=seed.device)
+    return list(torch.cat([seed[:1].expand(len(pieces), 1), offsets], dim=1).unbind(0))
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

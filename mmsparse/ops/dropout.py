@@ -27,6 +27,8 @@ def dropout_keep_rows(
     """bool ``[count, rows, Sk]``: the keep mask of (batch * head) bh0 .. bh0 + count - 1, query rows row0 ..
     row0 + rows - 1, for references computed a slice at a time. ``past``: int32 ``[B]``, each sample's first
     query position."""
+    if seed.numel() == 1:  # a bare Philox key: offsets 0
+        seed = torch.cat([seed.reshape(1), seed.new_zeros(2)])
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
     dropout_keep_mask_kernel[grid](seed, out, past, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,

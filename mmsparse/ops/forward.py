@@ -51,7 +51,8 @@ def mbs_attn_fwd(
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``; last dim contiguous.
         info: the mask (bits or dense) and its block lists.
         softmax_scale: multiplies q.k.
-        dropout_p, seed: dropout probability and an int64 ``[1]`` seed tensor on q's device.
+        dropout_p, seed: dropout probability and the int64 ``[3]`` seed (key, query and key position offsets)
+            on q's device.
 
     Returns:
         ``(out [B, Hq, Sq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.

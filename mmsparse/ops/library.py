@@ -42,7 +42,8 @@ def attention_forward(
 
     Args:
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``.
-        info: the mask; softmax_scale: multiplies q.k; dropout_p, seed: dropout and its int64 ``[1]`` seed.
+        info: the mask; softmax_scale: multiplies q.k; dropout_p, seed: dropout and its int64 ``[3]`` seed
+            (``new_dropout_seed``).
     """
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
         mask, mode, causal, num_segments = pack(info)

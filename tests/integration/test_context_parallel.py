@@ -2,7 +2,8 @@
 
 Each world size is spawned once and runs every case inside. A case shards full inputs, runs ``cp.attention``
 forward and backward on each rank, puts the gradients back together, and checks them against the float64
-reference (and the single-process ``mbs_attention``); a second run must be bitwise equal.
+reference (and the single-process ``mbs_attention``); a second run must be bitwise equal. With dropout the
+reference is the single-process call with the same seed: the ranks draw the bits of the same global positions.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.multiprocessing as mp
 from helpers import CYCLIC, HUB, REPO, check_outputs
 
 CASES = [
-    # topology, seg_lens, causal, batch, heads, kv heads, dtype
+    # topology, seg_lens, causal, batch, heads, kv heads, dtype[, dropout_p]
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),
     (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32),
     (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
@@ -24,6 +25,10 @@ CASES = [
     # pair types: text causal over itself, the image full within itself and over the text before it
     ([[2, 0, 0], [1, 1, 0], [1, 2, 2]], (20, 25, 18), False, 1, 2, 1, torch.float32),
     ([[2, 1, 0], [0, 2, 1], [1, 0, 2]], [(20, 25, 18), (5, 40, 3)], True, 2, 2, 2, torch.float32),
+    # dropout: bits with gathered keys, causal per-sample bits, pair types (codes) with the keys after a chunk
+    ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32, 0.3),
+    (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.2),
+    ([[2, 0, 0], [1, 1, 0], [1, 2, 2]], (20, 25, 18), False, 1, 2, 1, torch.float32, 0.25),
 ]
 
 
@@ -31,7 +36,8 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
     from mmsparse import mbs_attention, reference_mask
     from mmsparse.distributed import ContextParallel
 
-    topology, lens, causal, batch, heads, kv_heads, dtype = case
+    topology, lens, causal, batch, heads, kv_heads, dtype, *rest = case
+    dropout_p = rest[0] if rest else 0.0
     seq = max(sum(r) for r in (lens if isinstance(lens[0], tuple) else [lens]))
     gen = torch.Generator().manual_seed(11)
     q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
@@ -40,7 +46,8 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
     def run():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         q_l, k_l, v_l = (cp.shard(t) for t in leaves)
-        o_l = cp.attention(q_l, k_l, v_l)
+        torch.manual_seed(rank + 5)  # the ranks' generators differ: rank 0's seed must reach them all
+        o_l = cp.attention(q_l, k_l, v_l, dropout_p=dropout_p)
         o_l.backward(cp.shard(do))
         grads = [t.grad.clone() for t in leaves]
         for g in grads:  # each token's gradient lives on the rank that holds it
@@ -53,9 +60,17 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
         assert torch.equal(a, b), "a second run at the same world size must be bitwise equal"
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)  # rank 0's generator: the seed every rank used
     out_single = mbs_attention(*leaves, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens],
-                               causal=causal)
+                               causal=causal, dropout_p=dropout_p)
     torch.testing.assert_close(out, out_single, rtol=2e-3, atol=2e-3)
+    if dropout_p:
+        out_single.backward(do)
+        assert out.isfinite().all() and not torch.equal(out_single, mbs_attention(
+            q, k, v, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens], causal=causal))
+        for g, single in zip(grads, leaves):
+            torch.testing.assert_close(g, single.grad, rtol=2e-3, atol=2e-3)
+        return
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     for t, g in zip((qd, kd, vd), grads):
         t.grad = g

@@ -58,11 +58,25 @@ def test_dropout_bits_are_keyed_by_absolute_position(device):
 
 def test_dropout_seed_uses_all_64_bits(device):
     torch.manual_seed(0)
-    seeds = torch.cat([new_dropout_seed(device) for _ in range(64)]).cpu()
+    seeds = torch.stack([new_dropout_seed(device)[0] for _ in range(64)]).cpu()
     assert (seeds >> 32).unique().numel() > 32, "seeds must vary in their high 32 bits"
     low = torch.tensor([12345], dtype=torch.int64, device=device)
     high = low + (1 << 40)  # same low 32 bits: Philox must see the high word
     assert not torch.equal(dropout_keep_mask(low, 1, 1, 40, 40, 0.5), dropout_keep_mask(high, 1, 1, 40, 40, 0.5))
+
+
+def test_seed_offsets_move_the_bits_to_global_positions(device):
+    """The seed's query and key offsets: a call over rows 30.. and keys 20.. of a longer sequence draws that
+    window of the whole sequence's bits (what a context-parallel piece needs)."""
+    torch.manual_seed(1)
+    seed = new_dropout_seed(device)
+    assert seed.shape == (3,) and seed[1:].tolist() == [0, 0]
+    full = dropout_keep_mask(seed, 2, 3, 80, 80, 0.5)
+    window = seed.clone()
+    window[1:] = torch.tensor([30, 20])
+    part = dropout_keep_mask(window, 2, 3, 10, 15, 0.5, q_start=[0, 0])
+    assert torch.equal(part, full[:, :, 30:40, 20:35])
+    assert not torch.equal(part, full[:, :, :10, :15])
 
 
 def test_dropout_with_q_start_matches_reference(device):

@@ -62,13 +62,22 @@ def dropout_keep(seed, bh, pos_q, pos_k, dropout_p):
     """Bernoulli keep mask of one tile, a pure function of (64-bit seed, batch*head, query position, key position):
     the forward and both backward passes regenerate exactly the same bits, in any tile shape or orientation, and
     a call over a shard or an offset query range (``q_start``) draws the bits of the same absolute positions.
-    Positions are below 2^31 and batch*head below 2^32, so each Philox counter word holds one of them exactly."""
+    ``seed`` is ``(Philox key, query offset, key offset)`` (:func:`load_seed`): the offsets move a call's positions
+    to where its rows and keys sit in a longer sequence (a context-parallel piece). Positions are below 2^31 and
+    batch*head below 2^32, so each Philox counter word holds one of them exactly."""
+    key, q_offset, k_offset = seed
     zero = (pos_q * 0 + pos_k * 0).to(tl.uint32)
-    c0 = pos_k.to(tl.uint32) + zero
-    c1 = pos_q.to(tl.uint32) + zero
+    c0 = (pos_k + k_offset).to(tl.uint32) + zero
+    c1 = (pos_q + q_offset).to(tl.uint32) + zero
     c2 = zero + bh.to(tl.uint32)
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
+    r, _, _, _ = tl.philox(key, c0, c1, c2, zero)
     return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
+def load_seed(SEED):
+    """The int64 ``[3]`` dropout seed: (Philox key, query position offset, key position offset)."""
+    return tl.load(SEED), tl.load(SEED + 1), tl.load(SEED + 2)
 
 
 @triton.jit
@@ -106,9 +115,9 @@ def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, str
     n_full = tl.load(cnt_ptr)
     n_part = tl.load(cnt_ptr + 1)
     idx_ptr = INDICES + b64 * stride_idx_b + row.to(tl.int64) * stride_idx_r
-    seed = 0
+    seed = (0, 0, 0)
     if HAS_DROPOUT:
-        seed = tl.load(SEED)
+        seed = load_seed(SEED)
     return (n_full, n_part, idx_ptr, Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b,
             MASK + b64 * stride_mask_b, seed, tl.load(PAST + b * stride_past_b))
 

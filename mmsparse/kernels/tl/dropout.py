@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import dropout_keep
+from .common import dropout_keep, load_seed
 
 
 @triton.jit(do_not_specialize=["bh0", "row0", "seq_q", "seq_k"])
@@ -17,7 +17,7 @@ def dropout_keep_mask_kernel(SEED, OUT, PAST, bh0, row0, seq_q, seq_k, dropout_p
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     past = tl.load(PAST + bh // NUM_HEADS)
-    keep = dropout_keep(tl.load(SEED), bh, past + row0 + offs_m[:, None], offs_n[None, :], dropout_p)
+    keep = dropout_keep(load_seed(SEED), bh, past + row0 + offs_m[:, None], offs_n[None, :], dropout_p)
     # 64-bit: Sq * Sk passes 2^31 from 46341 tokens on
     ptrs = OUT + pid_bh.to(tl.int64) * seq_q * seq_k + offs_m.to(tl.int64)[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :])
