@@ -1,0 +1,98 @@
+"""A performance model of context parallelism, for the configs of :mod:`benchmarks.cp_plan`:
+``python -m benchmarks.cp_model [--out DIR]``.
+
+Per config and world size P (Hq=16, Hkv=4, D=128, bf16, batch 1), for one forward and backward step:
+
+- **compute**: the busiest rank's live pairs at the single-GPU rate of the attention kernels (forward 4·Hq·D flops
+  a live pair, backward 2.5 times that), :data:`RATE_FWD` and :data:`RATE_BWD`, measured on one H100;
+- **exchange** at a link bandwidth per direction: in the forward the K/V a rank receives and serves; in the
+  backward the same K/V again (the forward keeps O(S/P)) and the dK/dV that go back to the owners, in float32
+  (twice the bytes); each direction is timed separately and the busier one counts;
+- **step**: compute + exchange as built (the exchange runs before the pieces), and max(compute, exchange) with
+  the exchange fully hidden under compute (not built: the bound that overlap would reach).
+
+Speedup is over one GPU running every live pair at the same rate. A model, not a measurement: the per-rank time
+is the measured rate applied to the plan's pairs (the plan balances live pairs to 1.00-1.01 max/mean), and the
+links of the lent machines have not been measured, hence the three bandwidths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mmsparse.distributed import plan_context_parallel
+
+from .cp_plan import CONFIGS, KV_BYTES_PER_TOKEN
+
+HEADS_Q, HEAD_DIM = 16, 128
+# mmsparse's TF/s over live pairs on mm13k_hub_causal (hub topology, causal, D=128), H100, torch 2.11:
+# benchmarks/results/h100/flex_flash.md. Long hub-causal sequences run at least as fast per pair.
+RATE_FWD, RATE_BWD = 537e12, 440e12
+BANDWIDTHS = (50e9, 150e9, 450e9)  # bytes/s per direction
+WORLD_SIZES = (1, 2, 4, 8)
+
+
+def step_seconds(live_pairs: float) -> float:
+    """Forward + backward compute time of ``live_pairs`` at the measured rates."""
+    flops = 4 * HEADS_Q * HEAD_DIM * live_pairs
+    return flops / RATE_FWD + 2.5 * flops / RATE_BWD
+
+
+def exchange_bytes(summary: dict) -> float:
+    """Bytes over one direction of the busiest rank's link in a forward and backward step. Inbound: the K/V it
+    fetches, twice, and the float32 dK/dV of its own chunks coming back (twice the bytes of what it serves);
+    outbound mirrors it, so each direction carries 2 * (received + served)."""
+    return max(2 * (recv + sent) for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
+
+
+def rows() -> list[dict]:
+    out = []
+    for name, (topology, seg_lens, causal) in CONFIGS.items():
+        single = None
+        for world in WORLD_SIZES:
+            plan = plan_context_parallel(topology, seg_lens, world, causal=causal, tile=128)
+            s = plan.summary(KV_BYTES_PER_TOKEN)
+            compute = step_seconds(max(s["live_pairs"]))
+            single = single if single is not None else step_seconds(sum(s["live_pairs"]))
+            moved = exchange_bytes(s)
+            row = {"config": name, "world_size": world, "compute_ms": compute * 1e3, "exchange_mib": moved / 2**20}
+            for bw in BANDWIDTHS:
+                serial = compute + moved / bw
+                hidden = max(compute, moved / bw)
+                row[f"speedup_{bw / 1e9:.0f}"] = single / serial
+                row[f"speedup_{bw / 1e9:.0f}_overlap"] = single / hidden
+            out.append(row)
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    heads = " | ".join(f"{bw / 1e9:.0f} GB/s" for bw in BANDWIDTHS)
+    lines = ["Model (not a measurement): speedup over one H100 of a forward + backward step, exchange as built "
+             "(before the pieces) / fully overlapped.", "",
+             f"| config | GPUs | compute ms (busiest rank) | exchanged MiB (busiest link) | {heads} |",
+             "|---|---:|---:|---:|" + "---:|" * len(BANDWIDTHS)]
+    for r in table:
+        speeds = " | ".join(f"{r[f'speedup_{bw / 1e9:.0f}']:.2f}x / {r[f'speedup_{bw / 1e9:.0f}_overlap']:.2f}x"
+                            for bw in BANDWIDTHS)
+        lines.append(f"| {r['config']} | {r['world_size']} | {r['compute_ms']:.1f} | {r['exchange_mib']:.0f} | "
+                     f"{speeds} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for cp_model.json and cp_model.md")
+    args = parser.parse_args(argv)
+    table = rows()
+    print(markdown(table), end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cp_model.json").write_text(json.dumps(table, indent=1) + "\n")
+        (args.out / "cp_model.md").write_text(markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
