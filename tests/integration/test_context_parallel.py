@@ -90,6 +90,49 @@ def _check_unshard(rank: int, world: int) -> None:
     assert torch.equal(x_l.grad, torch.full_like(x_l, world * (world + 1) / 2))
 
 
+class _Attention(torch.nn.Module):
+    """Projections and attention over one sequence: q, k, v from the tokens, one output projection."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim)
+        self.out = torch.nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:  # x: [B, S, dim]
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return self.out(attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+def _check_fsdp2(mesh) -> None:
+    """FSDP2 shards the weights over the mesh's dp dim while ContextParallel shards the sequence over its cp dim:
+    the loss gradients, summed over the cp group as a training loop does (each cp rank holds part of the tokens),
+    equal the single-process ones averaged over the dp batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mmsparse import mbs_attention
+    from mmsparse.distributed import ContextParallel
+
+    topology, lens = [[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21)
+    torch.manual_seed(0)
+    reference = _Attention(8, 2, 16)
+    model = _Attention(8, 2, 16)
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=mesh["dp"])
+    cp = ContextParallel(topology, lens, group=mesh["cp"])
+    batches = torch.randn(2, 1, sum(lens), 8, generator=torch.Generator().manual_seed(3))
+    dp_rank = mesh["dp"].get_local_rank()
+    x_l = cp.shard(batches[dp_rank], seq_dim=1)
+    (model(x_l, cp.attention) ** 2).sum().backward()
+    for param in model.parameters():  # FSDP averaged over dp; the cp ranks' shares of the loss add up
+        dist.all_reduce(param.grad.to_local(), group=mesh["cp"].get_group())
+    for x in batches:
+        (reference(x, lambda q, k, v: mbs_attention(q, k, v, topology, lens)) ** 2).sum().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), ref.grad / 2, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def _worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -101,6 +144,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
             _run_case(rank, world, CASES[1], group=mesh["cp"])
+            _check_fsdp2(mesh)
     finally:
         dist.destroy_process_group()
 
