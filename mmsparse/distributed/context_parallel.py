@@ -7,14 +7,14 @@
 
 Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
 ``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
-runs the pieces of :mod:`.pieces`, and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
+runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
 contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state is
 saved per rank (fetched K/V is fetched again in the backward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -222,6 +222,15 @@ def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: 
               like: torch.Tensor) -> dict[int, torch.Tensor]:
     """Point-to-point: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from each
     (group ranks; empty tensors are not sent)."""
+    received, requests = _post_exchange(cp, sends, recv_shapes, like)
+    for request in requests:
+        request.wait()
+    return received
+
+
+def _post_exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+                   like: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[Any]]:
+    """:func:`_exchange` started: (the receive buffers, the requests to wait for before reading them)."""
     ops, received = [], {}
     for peer in range(cp.world_size):
         if peer == cp.rank:
@@ -233,10 +242,7 @@ def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: 
         if shape is not None and shape[2]:
             received[peer] = like.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, cp.group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return received
+    return received, dist.batch_isend_irecv(ops) if ops else []
 
 
 def _ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, tuple[int, int]]:
@@ -249,9 +255,11 @@ def _ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, tuple
     return ranges
 
 
-def _gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the chunks this rank needs, in sequence order: each owner sends each rank just the chunks that
-    rank's queries see (the plan's ``needed_kv``), point to point."""
+def _start_gather_kv(cp: ContextParallel, k: torch.Tensor,
+                     v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Start fetching K and V of the chunks this rank needs: each owner sends each rank just the chunks that
+    rank's queries see (the plan's ``needed_kv``), point to point. Returns ``finish()``: it waits for the exchange
+    (this rank's sends included) and gives the gathered K and V in sequence order."""
     plan, rank = cp.plan, cp.rank
     kv = torch.cat([k, v], dim=1)  # [B, 2 Hkv, L, D]
     mine = _ranges(plan, plan.local_chunks[rank])
@@ -264,18 +272,24 @@ def _gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] == peer)
         recv_shapes[peer] = (kv.shape[0], kv.shape[1], n, kv.shape[3])
-    received = _exchange(cp, sends, recv_shapes, kv)
-    offsets = dict.fromkeys(range(cp.world_size), 0)
-    parts = []
-    for c in plan.needed_kv[rank]:
-        owner, n = plan.owner[c], plan.chunk_tokens(c)
-        if owner == rank:
-            parts.append(kv[:, :, mine[c][0] : mine[c][1]])
-        else:
-            parts.append(received[owner][:, :, offsets[owner] : offsets[owner] + n])
-            offsets[owner] += n
-    gathered = torch.cat(parts, dim=2) if parts else kv[:, :, :0]
-    return gathered[:, : k.shape[1]], gathered[:, k.shape[1] :]
+    received, requests = _post_exchange(cp, sends, recv_shapes, kv)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        for request in requests:
+            request.wait()
+        offsets = dict.fromkeys(range(cp.world_size), 0)
+        parts = []
+        for c in plan.needed_kv[rank]:
+            owner, n = plan.owner[c], plan.chunk_tokens(c)
+            if owner == rank:
+                parts.append(kv[:, :, mine[c][0] : mine[c][1]])
+            else:
+                parts.append(received[owner][:, :, offsets[owner] : offsets[owner] + n])
+                offsets[owner] += n
+        gathered = torch.cat(parts, dim=2) if parts else kv[:, :, :0]
+        return gathered[:, : k.shape[1]], gathered[:, k.shape[1] :]
+
+    return finish
 
 
 def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
@@ -317,11 +331,17 @@ class _Attention(torch.autograd.Function):
                 seed: torch.Tensor | None):
         pieces = cp._local_pieces(q.device) if seed is None else cp._pieces_by_position(q.device)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
-        k_g, v_g = _gather_kv(cp, k, v)
+        finish = _start_gather_kv(cp, k, v)
+        # The pieces over this rank's own keys run while the exchange is in flight; the others after it. The
+        # merge keeps the pieces' order, so the result does not depend on which finished first.
+        done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
+                for p, s in zip(pieces, seeds) if p.local_keys}
+        k_g, v_g = finish()
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
         for rows, group in _by_rows(list(zip(pieces, seeds))):
-            parts = [piece_forward(q[:, :, rows], *_keys(p, k, v, k_g, v_g), p, scale, dropout_p, s)
+            parts = [done.pop(id(p)) if p.local_keys else
+                     piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
                      for p, s in group]
             out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
         ctx.save_for_backward(q, k, v, out, lse)
@@ -332,27 +352,34 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
-        k_g, v_g = _gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
+        finish = _start_gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
         hkv = k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_g = torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
         dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
-        for piece, seed in zip(ctx.pieces, ctx.seeds):
-            rows = piece.q_rows
-            kk, vv = _keys(piece, k, v, k_g, v_g)
-            dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows],
-                                              lse[:, :, rows], piece, ctx.scale, ctx.dropout_p, seed)
+        gathered = None  # (k_g, v_g, their dK/dV) once the exchange is done
+
+        def wait() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            k_g, v_g = finish()
+            return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
+                                         device=q.device)
+
+        # Own keys first, while the exchange is in flight, as in the forward (a stable sort: a fixed order).
+        for piece, seed in sorted(zip(ctx.pieces, ctx.seeds), key=lambda ps: not ps[0].local_keys):
+            if piece.local_keys:
+                kk, vv, target = k, v, dkv_l
+            else:
+                gathered = gathered or wait()
+                kk, vv, target = gathered
+            rows, keys = piece.q_rows, piece.k_rows
+            dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
+                                              out[:, :, rows], lse[:, :, rows], piece, ctx.scale, ctx.dropout_p,
+                                              seed)
             dq[:, :, rows] += dq_p
-            target = dkv_l if piece.local_keys else dkv_g
-            target[:, :hkv, piece.k_rows] += dk_p
-            target[:, hkv:, piece.k_rows] += dv_p
-        dkv = _return_kv_grads(cp, dkv_g, dkv_l)
+            target[:, :hkv, keys] += dk_p
+            target[:, hkv:, keys] += dv_p
+        gathered = gathered or wait()  # this rank's sends complete even when it needs no remote keys
+        dkv = _return_kv_grads(cp, gathered[2], dkv_l)
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
-
-
-def _keys(piece: Piece, k, v, k_g, v_g):
-    src_k, src_v = (k, v) if piece.local_keys else (k_g, v_g)
-    return src_k[:, :, piece.k_rows], src_v[:, :, piece.k_rows]
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]):
