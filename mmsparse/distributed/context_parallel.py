@@ -7,8 +7,9 @@
 
 Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
 ``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
-runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
-contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state is
+runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight), and merges them by
+log-sum-exp in a fixed order; the backward sends each dK/dV contribution to the chunk's owner, which sums them in
+rank order: deterministic, no atomics. Only O(S / P) state is
 saved per rank (fetched K/V is fetched again in the backward).
 """
 
