@@ -89,11 +89,9 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
         # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
         mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage),
-                                        box(k_smem.index(stage)))
+        tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage),
-                                        box(v_smem.index(stage)))
+        tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
 
 
 @gluon.jit

@@ -73,10 +73,8 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
                     qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage),
-                                            box(q_smem.index(stage)))
-            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage),
-                                            box(do_smem.index(stage)))
+            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
+            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)
