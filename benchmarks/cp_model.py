@@ -18,13 +18,9 @@ links of the lent machines have not been measured, hence the three bandwidths.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 from mmsparse.distributed import plan_context_parallel
 
-from .cp_plan import CONFIGS, KV_BYTES_PER_TOKEN
+from .cp_plan import CONFIGS, KV_BYTES_PER_TOKEN, table_main
 
 HEADS_Q, HEAD_DIM = 16, 128
 # mmsparse's TF/s over live pairs on mm13k_hub_causal (hub topology, causal, D=128), H100, torch 2.11:
@@ -82,16 +78,7 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for cp_model.json and cp_model.md")
-    args = parser.parse_args(argv)
-    table = rows()
-    print(markdown(table), end="")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cp_model.json").write_text(json.dumps(table, indent=1) + "\n")
-        (args.out / "cp_model.md").write_text(markdown(table))
-    return 0
+    return table_main(argv, "cp_model", __doc__, rows, markdown)
 
 
 if __name__ == "__main__":

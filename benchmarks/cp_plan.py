@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from mmsparse.distributed import plan_context_parallel
@@ -44,17 +45,23 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for cp_plan.json and cp_plan.md")
+def table_main(argv: list[str] | None, topic: str, doc: str, rows: Callable[[], list[dict]],
+               markdown: Callable[[list[dict]], str]) -> int:
+    """The command line of a host-arithmetic table: print it; with ``--out DIR``, write DIR/<topic>.{json,md}."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{topic}", description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"folder for {topic}.json and {topic}.md")
     args = parser.parse_args(argv)
     table = rows()
     print(markdown(table), end="")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cp_plan.json").write_text(json.dumps(table, indent=1) + "\n")
-        (args.out / "cp_plan.md").write_text(markdown(table))
+        (args.out / f"{topic}.json").write_text(json.dumps(table, indent=1) + "\n")
+        (args.out / f"{topic}.md").write_text(markdown(table))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return table_main(argv, "cp_plan", __doc__, rows, markdown)
 
 
 if __name__ == "__main__":
