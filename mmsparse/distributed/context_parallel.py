@@ -7,10 +7,10 @@
 
 Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
 ``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
-runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight), and merges them by
-log-sum-exp in a fixed order; the backward sends each dK/dV contribution to the chunk's owner, which sums them in
-rank order: deterministic, no atomics. Only O(S / P) state is
-saved per rank (fetched K/V is fetched again in the backward).
+runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight; :mod:`.local` builds
+and runs them, for any rank), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
+contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state
+is saved per rank (fetched K/V is fetched again in the backward).
 """
 
 from __future__ import annotations
@@ -22,22 +22,12 @@ import torch
 import torch.distributed as dist
 
 from ..functional import new_dropout_seed
-from ..segments import token_codes
-from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
-from .pieces import (
-    Piece,
-    make_code_piece,
-    make_piece,
-    merge,
-    piece_backward,
-    piece_forward,
-    piece_seeds,
-    split_by_position,
-)
-from .plan import ContextParallelPlan, plan_context_parallel
+from .local import RankProblem, backward_pieces, check_causal, forward_pieces
+from .pieces import piece_seeds
+from .plan import ContextParallelPlan
 
 
-class ContextParallel:
+class ContextParallel(RankProblem):
     """Context parallelism for one topology and set of lengths over a process group.
 
     Args:
@@ -51,33 +41,13 @@ class ContextParallel:
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  causal: bool = False, group: Any = None, chunk: int | None = None) -> None:
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool; got {causal!r}")
+        check_causal(causal)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
         self.group = _process_group(group)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.topology = Topology(topology)
-        lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
-        k = self.topology.num_segments
-        per_sample = lens and isinstance(lens[0], (list, tuple))
-        rows = [validate_seg_lens(r, k) for r in lens] if per_sample else [validate_seg_lens(lens, k)]
-        self.causal = causal
-        self.seq_len = max(sum(r) for r in rows)
-        # Chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)
-        tile = 128 if torch.cuda.is_available() else 16
-        self.plan: ContextParallelPlan = plan_context_parallel(self.topology, rows, self.world_size, causal,
-                                                               self.seq_len, chunk, tile)
-        self._lens = torch.tensor(rows, dtype=torch.int64)
-        self._index = self.plan.token_index(self.rank)
-        self._bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
-        self._dropout_pieces: dict[torch.device, list[Piece]] = {}
-
-    @property
-    def local_len(self) -> int:
-        return int(self._index.numel())
+        # The plan, tokens and pieces of this rank: RankProblem builds them for any rank, without a group.
+        super().__init__(topology, seg_lens, dist.get_rank(self.group), dist.get_world_size(self.group), causal,
+                         chunk)
 
     def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
@@ -121,91 +91,6 @@ class ContextParallel:
             seed = new_dropout_seed(q.device)
             dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
         return _Attention.apply(q, k, v, self, scale, dropout_p, seed)
-
-    # internals -------------------------------------------------------------------------------------------------
-
-    def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        bits = self._bits.get(device)
-        if bits is None:
-            bits = self._bits[device] = token_bits_torch(self.topology, self._lens.to(device), self.seq_len)
-        return bits
-
-    def _gathered_positions(self) -> torch.Tensor:
-        chunks = self.plan.needed_kv[self.rank]
-        spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
-        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
-
-    def _local_pieces(self, device: torch.device) -> list[Piece]:
-        """The pieces of this rank's attention (see :mod:`.pieces`), built once per device."""
-        cached = self._pieces.get(device)
-        if cached is not None:
-            return cached[0]
-        if not self.topology.uses_bits:
-            return self._code_pieces(device)
-        row_bits, col_bits = self._token_bits(device)
-        num_segments = self.topology.num_segments
-        gathered = self._gathered_positions().to(device)
-        local = self._index.to(device)
-        pieces: list[Piece] = []
-        if not self.causal and gathered.numel():
-            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
-                                     row_bits[:, local], col_bits[:, gathered], num_segments))
-        else:
-            chunk, start = self.plan.chunk, 0
-            for c in self.plan.local_chunks[self.rank]:
-                n = self.plan.chunk_tokens(c)
-                rows = slice(start, start + n)
-                q_pos = local[rows]
-                before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
-                if before:
-                    pieces.append(make_piece(rows, slice(0, before), False, False, row_bits[:, q_pos],
-                                             col_bits[:, gathered[:before]], num_segments))
-                pieces.append(make_piece(rows, rows, True, True, row_bits[:, q_pos], col_bits[:, q_pos],
-                                         num_segments))
-                start += n
-        self._pieces[device] = (pieces, gathered)
-        return pieces
-
-
-    def _pieces_by_position(self, device: torch.device) -> list[Piece]:
-        """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
-        cached = self._dropout_pieces.get(device)
-        if cached is None:
-            pieces = self._local_pieces(device)
-            gathered, local = self._pieces[device][1], self._index.to(device)
-            cached = self._dropout_pieces[device] = [
-                part for p in pieces
-                for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]
-        return cached
-
-    def _code_pieces(self, device: torch.device) -> list[Piece]:
-        """Pieces of a segment-code mask (pair types, more than 32 segments): per local query chunk, the gathered
-        key chunks before it (CAUSAL pairs are FULL there), its own chunk (the real table, positions aligned) and,
-        unless causal, the key chunks after it (CAUSAL pairs are NONE there)."""
-        k = self.topology.num_segments
-        codes = token_codes(self._lens.to(device), k, self.seq_len, packed=False)
-        table = self.topology.pair_table(device)
-        before_table = torch.where(table == CAUSAL, FULL, table).to(table.dtype)
-        after_table = torch.where(table == CAUSAL, NONE, table).to(table.dtype)
-        gathered = self._gathered_positions().to(device)
-        local = self._index.to(device)
-        chunk, start, pieces = self.plan.chunk, 0, []
-        for c in self.plan.local_chunks[self.rank]:
-            n = self.plan.chunk_tokens(c)
-            rows = slice(start, start + n)
-            q_codes = codes[:, local[rows]]
-            before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
-            after = int((gathered < (c + 1) * chunk).sum())
-            if before:
-                pieces.append(make_code_piece(rows, slice(0, before), False, False, q_codes,
-                                              codes[:, gathered[:before]], before_table, k))
-            pieces.append(make_code_piece(rows, rows, True, self.causal, q_codes, q_codes, table, k))
-            if not self.causal and after < gathered.numel():
-                pieces.append(make_code_piece(rows, slice(after, gathered.numel()), False, False, q_codes,
-                                              codes[:, gathered[after:]], after_table, k))
-            start += n
-        self._pieces[device] = (pieces, gathered)
-        return pieces
 
 
 def _process_group(group: Any) -> Any:
@@ -330,21 +215,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, scale: float, dropout_p: float,  # type: ignore[override]
                 seed: torch.Tensor | None):
-        pieces = cp._local_pieces(q.device) if seed is None else cp._pieces_by_position(q.device)
+        pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
-        finish = _start_gather_kv(cp, k, v)
-        # The pieces over this rank's own keys run while the exchange is in flight; the others after it. The
-        # merge keeps the pieces' order, so the result does not depend on which finished first.
-        done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
-                for p, s in zip(pieces, seeds) if p.local_keys}
-        k_g, v_g = finish()
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
-        for rows, group in _by_rows(list(zip(pieces, seeds))):
-            parts = [done.pop(id(p)) if p.local_keys else
-                     piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
-                     for p, s in group]
-            out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
+        # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
+        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, _start_gather_kv(cp, k, v))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         return out
@@ -354,45 +228,11 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         finish = _start_gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
+        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
+                                           ctx.dropout_p, finish)
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l)
         hkv = k.shape[1]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
-        gathered = None  # (k_g, v_g, their dK/dV) once the exchange is done
-
-        def wait() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            k_g, v_g = finish()
-            return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
-                                         device=q.device)
-
-        # Own keys first, while the exchange is in flight, as in the forward (a stable sort: a fixed order).
-        for piece, seed in sorted(zip(ctx.pieces, ctx.seeds), key=lambda ps: not ps[0].local_keys):
-            if piece.local_keys:
-                kk, vv, target = k, v, dkv_l
-            else:
-                gathered = gathered or wait()
-                kk, vv, target = gathered
-            rows, keys = piece.q_rows, piece.k_rows
-            dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
-                                              out[:, :, rows], lse[:, :, rows], piece, ctx.scale, ctx.dropout_p,
-                                              seed)
-            dq[:, :, rows] += dq_p
-            target[:, :hkv, keys] += dk_p
-            target[:, hkv:, keys] += dv_p
-        gathered = gathered or wait()  # this rank's sends complete even when it needs no remote keys
-        dkv = _return_kv_grads(cp, gathered[2], dkv_l)
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
-
-
-def _by_rows(pieces: list[tuple[Piece, Any]]):
-    """(piece, seed) pairs grouped by the pieces' query rows, in order (pieces of one query range are
-    adjacent)."""
-    groups: list[tuple[slice, list[tuple[Piece, Any]]]] = []
-    for p, s in pieces:
-        if groups and groups[-1][0] == p.q_rows:
-            groups[-1][1].append((p, s))
-        else:
-            groups.append((p.q_rows, [(p, s)]))
-    return groups
 
 
 class _Unshard(torch.autograd.Function):

@@ -1,0 +1,235 @@
+"""One rank's share of a context-parallel attention, from the plan alone: no process group, no communication.
+
+:class:`RankProblem` is what rank ``r`` of a ``P``-rank plan computes: the tokens it holds, the key positions it
+gathers, and its pieces (:mod:`.pieces`). :func:`forward_pieces` and :func:`backward_pieces` run the pieces given a
+callable that delivers the gathered K/V. :class:`~.context_parallel.ContextParallel` is the RankProblem of its own
+rank with the exchange around those two calls; a benchmark or a test builds any rank's in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..segments import token_codes
+from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
+from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position
+from .plan import ContextParallelPlan, plan_context_parallel
+
+Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys, in sequence order
+
+
+class RankProblem:
+    """Rank ``rank`` of a ``world_size``-rank context-parallel plan: its tokens, gathered keys and pieces.
+
+    Args:
+        topology: k x k 0/1 matrix (or pair types), as for ``mbs_attention``.
+        seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
+        rank, world_size: which rank of how many.
+        causal: the global causal flag.
+        chunk: tokens per chunk (default: the plan's, about 16 chunks a rank).
+        tile: chunks are multiples of it (default: 128 rows on a GPU, 16 in the interpreter).
+    """
+
+    def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, rank: int,
+                 world_size: int, causal: bool = False, chunk: int | None = None, tile: int | None = None) -> None:
+        check_causal(causal)
+        self.topology = Topology(topology)
+        lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
+        k = self.topology.num_segments
+        per_sample = lens and isinstance(lens[0], (list, tuple))
+        rows = [validate_seg_lens(r, k) for r in lens] if per_sample else [validate_seg_lens(lens, k)]
+        self.causal = causal
+        self.seq_len = max(sum(r) for r in rows)
+        if tile is None:  # chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)
+            tile = 128 if torch.cuda.is_available() else 16
+        self.plan: ContextParallelPlan = plan_context_parallel(self.topology, rows, world_size, causal, self.seq_len,
+                                                               chunk, tile)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+        self.rank, self.world_size = rank, world_size
+        self._lens = torch.tensor(rows, dtype=torch.int64)
+        self._index = self.plan.token_index(self.rank)
+        self._bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
+        self._dropout_pieces: dict[torch.device, list[Piece]] = {}
+
+    @property
+    def local_len(self) -> int:
+        return int(self._index.numel())
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        """int64 positions of this rank's tokens (its queries and its share of K/V), in the order it holds them."""
+        return self._index
+
+    @property
+    def live_pairs(self) -> int:
+        """Live (query, key) pairs of this rank's queries, per head, summed over the samples."""
+        return self.plan.live_pairs[self.rank]
+
+    def gathered_positions(self) -> torch.Tensor:
+        """int64 positions of the keys this rank gathers (its own among them), in sequence order."""
+        chunks = self.plan.needed_kv[self.rank]
+        spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
+
+    def pieces(self, device: torch.device, by_position: bool = False) -> list[Piece]:
+        """This rank's pieces (see :mod:`.pieces`), built once per device; ``by_position``: cut into runs of
+        consecutive positions, as dropout needs."""
+        return self._pieces_by_position(device) if by_position else self._local_pieces(device)
+
+    # internals -------------------------------------------------------------------------------------------------
+
+    def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        bits = self._bits.get(device)
+        if bits is None:
+            bits = self._bits[device] = token_bits_torch(self.topology, self._lens.to(device), self.seq_len)
+        return bits
+
+    def _local_pieces(self, device: torch.device) -> list[Piece]:
+        """The pieces of this rank's attention (see :mod:`.pieces`), built once per device."""
+        cached = self._pieces.get(device)
+        if cached is not None:
+            return cached[0]
+        if not self.topology.uses_bits:
+            return self._code_pieces(device)
+        row_bits, col_bits = self._token_bits(device)
+        num_segments = self.topology.num_segments
+        gathered = self.gathered_positions().to(device)
+        local = self._index.to(device)
+        pieces: list[Piece] = []
+        if not self.causal and gathered.numel():
+            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
+                                     row_bits[:, local], col_bits[:, gathered], num_segments))
+        else:
+            chunk, start = self.plan.chunk, 0
+            for c in self.plan.local_chunks[self.rank]:
+                n = self.plan.chunk_tokens(c)
+                rows = slice(start, start + n)
+                q_pos = local[rows]
+                before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
+                if before:
+                    pieces.append(make_piece(rows, slice(0, before), False, False, row_bits[:, q_pos],
+                                             col_bits[:, gathered[:before]], num_segments))
+                pieces.append(make_piece(rows, rows, True, True, row_bits[:, q_pos], col_bits[:, q_pos],
+                                         num_segments))
+                start += n
+        self._pieces[device] = (pieces, gathered)
+        return pieces
+
+    def _pieces_by_position(self, device: torch.device) -> list[Piece]:
+        """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
+        cached = self._dropout_pieces.get(device)
+        if cached is None:
+            pieces = self._local_pieces(device)
+            gathered, local = self._pieces[device][1], self._index.to(device)
+            cached = self._dropout_pieces[device] = [
+                part for p in pieces
+                for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]
+        return cached
+
+    def _code_pieces(self, device: torch.device) -> list[Piece]:
+        """Pieces of a segment-code mask (pair types, more than 32 segments): per local query chunk, the gathered
+        key chunks before it (CAUSAL pairs are FULL there), its own chunk (the real table, positions aligned) and,
+        unless causal, the key chunks after it (CAUSAL pairs are NONE there)."""
+        k = self.topology.num_segments
+        codes = token_codes(self._lens.to(device), k, self.seq_len, packed=False)
+        table = self.topology.pair_table(device)
+        before_table = torch.where(table == CAUSAL, FULL, table).to(table.dtype)
+        after_table = torch.where(table == CAUSAL, NONE, table).to(table.dtype)
+        gathered = self.gathered_positions().to(device)
+        local = self._index.to(device)
+        chunk, start, pieces = self.plan.chunk, 0, []
+        for c in self.plan.local_chunks[self.rank]:
+            n = self.plan.chunk_tokens(c)
+            rows = slice(start, start + n)
+            q_codes = codes[:, local[rows]]
+            before = int((gathered < c * chunk).sum())  # gathered keys sit in sequence order
+            after = int((gathered < (c + 1) * chunk).sum())
+            if before:
+                pieces.append(make_code_piece(rows, slice(0, before), False, False, q_codes,
+                                              codes[:, gathered[:before]], before_table, k))
+            pieces.append(make_code_piece(rows, rows, True, self.causal, q_codes, q_codes, table, k))
+            if not self.causal and after < gathered.numel():
+                pieces.append(make_code_piece(rows, slice(after, gathered.numel()), False, False, q_codes,
+                                              codes[:, gathered[after:]], after_table, k))
+            start += n
+        self._pieces[device] = (pieces, gathered)
+        return pieces
+
+
+def check_causal(causal: Any) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+
+
+def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece], seeds: list[Any],
+                   scale: float, dropout_p: float, gather: Gather) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's forward: (out ``[B, Hq, S_local, D]``, lse float32 ``[B, Hq, S_local]``, log2 units).
+
+    Args:
+        q: ``[B, Hq, S_local, D]``; k, v: ``[B, Hkv, S_local, D]``: the rank's tokens.
+        pieces, seeds: the rank's pieces and their dropout seeds (None each without dropout).
+        gather: gives the gathered K and V; called once, after the pieces over the rank's own keys are launched
+            (in a real run it waits for the exchange, which those pieces overlap).
+    """
+    # The merge keeps the pieces' order, so the result does not depend on which finished first.
+    done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
+            for p, s in zip(pieces, seeds) if p.local_keys}
+    k_g, v_g = gather()
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+    for rows, group in _by_rows(list(zip(pieces, seeds))):
+        parts = [done.pop(id(p)) if p.local_keys else
+                 piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
+                 for p, s in group]
+        out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
+    return out, lse
+
+
+def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
+                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: float32 (dq
+    ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]``, dK/dV of the gathered keys
+    ``[B, 2 Hkv, S_gathered, D]``). ``gather`` is called once, after the pieces over the rank's own keys."""
+    hkv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+    gathered = None  # (k_g, v_g, their dK/dV) once gathered
+
+    def wait() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_g, v_g = gather()
+        return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
+                                     device=q.device)
+
+    # Own keys first, as in the forward (a stable sort: a fixed order).
+    for piece, seed in sorted(zip(pieces, seeds), key=lambda ps: not ps[0].local_keys):
+        if piece.local_keys:
+            kk, vv, target = k, v, dkv_l
+        else:
+            gathered = gathered or wait()
+            kk, vv, target = gathered
+        rows, keys = piece.q_rows, piece.k_rows
+        dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
+                                          out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed)
+        dq[:, :, rows] += dq_p
+        target[:, :hkv, keys] += dk_p
+        target[:, hkv:, keys] += dv_p
+    gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
+    return dq, dkv_l, gathered[2]
+
+
+def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:
+    """(piece, seed) pairs grouped by the pieces' query rows, in order (pieces of one query range are
+    adjacent)."""
+    groups: list[tuple[slice, list[tuple[Piece, Any]]]] = []
+    for p, s in pieces:
+        if groups and groups[-1][0] == p.q_rows:
+            groups[-1][1].append((p, s))
+        else:
+            groups.append((p.q_rows, [(p, s)]))
+    return groups
