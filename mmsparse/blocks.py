@@ -21,25 +21,50 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Column block ids fit 16 bits up to 32,767 blocks (2M keys at 64-wide tiles): half the bytes of int32.
+_INT16_LIMIT = 2**15 - 1
+
+
+def index_dtype(columns: int) -> torch.dtype:
+    """The dtype of block ids below ``columns``: int16 when they fit, else int32."""
+    return torch.int16 if columns <= _INT16_LIMIT else torch.int32
+
+
 @dataclass(frozen=True)
 class BlockLists:
-    """Per row block, the column blocks to visit: FULL ones first, then PARTIAL ones (CSR with fixed stride).
+    """Per row block, the column blocks to visit: FULL ones first, then PARTIAL ones.
 
     Attributes:
-        counts: int32 ``[Bm, R, 2]``: (number of full, number of partial) column blocks of each row block.
-        indices: int32 ``[Bm, R, C]``: column block ids; the first ``counts[..., 0] + counts[..., 1]`` are used.
+        counts: int32 ``[Bm, R, 3]``: (number of full, number of partial, start) of each row block; its list is
+            ``indices[b, start : start + full + partial]``.
+        indices: int16 or int32 (:func:`index_dtype`) ``[Bm, L]``: column block ids. Either every row owns C
+            slots (``start = r * C``, nothing read back to the host), or the lists are packed end to end (CSR:
+            live tiles only), which large masks use to keep the metadata small.
     Bm is 1 when the whole batch shares the lists.
     """
 
     counts: torch.Tensor
     indices: torch.Tensor
 
+    def padded(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(counts [Bm, R, 2], ids [Bm, R, columns])`` with each row's ids in slots ``0 .. full + partial - 1``
+        and -1 after them: the layout-independent form that tests compare."""
+        counts = self.counts[..., :2]
+        used = counts.sum(-1, keepdim=True).long()
+        slot = torch.arange(columns, device=self.counts.device)
+        taken = slot < used
+        pos = torch.where(taken, self.counts[..., 2:3].long() + slot, 0).flatten(1)
+        ids = self.indices.long().gather(1, pos).view(*taken.shape) if self.indices.numel() else pos.view(*taken.shape)
+        return counts, torch.where(taken, ids, -1)
+
 
 def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
-    """Turn bool ``[Bm, R, C]`` live/full tile maps into :class:`BlockLists` over the last dim."""
+    """Turn bool ``[Bm, R, C]`` live/full tile maps into :class:`BlockLists` over the last dim (C slots a row)."""
+    bm, rows, cols = live.shape
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
-    indices = torch.argsort(rank, dim=-1, stable=True).to(torch.int32)
-    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1)], dim=-1).to(torch.int32)
+    indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols)).reshape(bm, rows * cols)
+    starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(bm, rows) * cols
+    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32)
     return BlockLists(counts.contiguous(), indices.contiguous())
 
 

@@ -142,7 +142,9 @@ class MaskInfo:
         if key not in self._lists and self.mode == MASK_SEGMENTS and kernels_run_on(self.device):
             if self._runs is None:
                 k_codes = self.k_bits if self.k_bits.stride(0) != 0 else self.k_bits[:1]
-                self._runs = (CodeRuns(self.q_bits), CodeRuns(k_codes))
+                q_runs = CodeRuns(self.q_bits)
+                same = _same_view(self.q_bits, k_codes)  # self-attention: the queries' codes are the keys'
+                self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
             self._lists[key] = build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal,
                                                    self.q_start, by_key)
         if key not in self._lists:
@@ -176,6 +178,12 @@ class MaskInfo:
 
 
 _Q_STARTS: dict[tuple, torch.Tensor] = {}
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same elements the same way."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _default_q_start(q_start: int, device: torch.device) -> torch.Tensor:

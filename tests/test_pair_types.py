@@ -13,6 +13,7 @@ import mmsparse
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, mbs_attention_varlen
 from mmsparse.blocks import classify_blocks_from_mask, lists_from_classes
 from mmsparse.mask_info import MaskInfo
+from mmsparse.ops import block_lists
 from mmsparse.reference import reference_mask, reference_packed_mask
 from mmsparse.topology import Topology, generate_interlaced_mask
 
@@ -34,24 +35,26 @@ def transfusion(rng: random.Random, images: int, image_len: int, text_max: int) 
 
 
 def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_n: int) -> None:
-    """The lists the kernels read equal those of the dense mask's tile classes (used prefix of each row)."""
+    """The lists the kernels read equal those of the dense mask's tile classes, row by row."""
     for by_key in (False, True):
         live, full = classify_blocks_from_mask(dense, block_m, block_n, False, info.q_start)
         if by_key:
             live, full = live.transpose(1, 2), full.transpose(1, 2)
-        want = lists_from_classes(live, full)
-        got = info.lists(block_m, block_n, by_key)
-        counts = got.counts.expand_as(want.counts) if got.counts.shape[0] == 1 else got.counts
-        assert torch.equal(counts.cpu(), want.counts), f"counts differ at tile {block_m}x{block_n} by_key={by_key}"
-        used = torch.arange(want.indices.shape[2]) < want.counts.sum(-1)[..., None]
-        got_idx = got.indices.cpu().expand_as(want.indices)
-        wrong = (got_idx != want.indices) & used
+        columns = live.shape[2]
+        want_counts, want_ids = lists_from_classes(live, full).padded(columns)
+        got = info.lists(block_m, block_n, by_key).padded(columns)
+        got_counts, got_ids = (t.cpu().expand_as(w) for t, w in zip(got, (want_counts, want_ids)))
+        assert torch.equal(got_counts, want_counts), f"counts differ at tile {block_m}x{block_n} by_key={by_key}"
+        wrong = got_ids != want_ids
         assert not wrong.any(), f"list entries differ at {wrong.nonzero()[:5].tolist()} (by_key={by_key})"
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_block_lists_match_dense_classes(seed):
-    """Random 0/1/2 topologies, ragged and zero lengths, per-sample rows, q_start, causal, packs: exact lists."""
+def test_block_lists_match_dense_classes(seed, monkeypatch):
+    """Random 0/1/2 topologies, ragged and zero lengths, per-sample rows, q_start, causal, packs: exact lists,
+    fixed-slot for even seeds and packed (CSR) for odd ones."""
+    if seed % 2:
+        monkeypatch.setattr(block_lists, "COMPACT_BYTES", 0)
     rng = random.Random(seed)
     k = rng.randint(1, 7)
     topo = Topology(random_types(rng, k))

@@ -12,8 +12,15 @@ DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
 DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
 DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
 
+# What one launch of a block-list builder does (``PHASE``; mmsparse.ops.block_lists.write_lists): LISTS_DENSE
+# counts and writes each row's list at r * C; LISTS_COUNT only counts (full, partial); LISTS_WRITE writes each
+# row's list at the start the host put in the counts.
+LISTS_DENSE = 0
+LISTS_COUNT = 1
+LISTS_WRITE = 2
+
 # Sequence lengths, offsets and batch/head strides change with every new length: the attention kernels never
 # specialise on them, so a new length reuses the compiled kernel.
 DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                 "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
-                "stride_cnt_b", "stride_idx_b", "stride_idx_r", "seq_q", "seq_k", "stride_past_b"]
+                "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_past_b"]

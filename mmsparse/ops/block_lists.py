@@ -1,4 +1,5 @@
-"""Block lists straight from the per-token bits: two launches, no host synchronisation, no tile-map temporaries.
+"""Block lists straight from the per-token bits: two launches, no tile-map temporaries, and no host
+synchronisation unless the lists are large enough to be packed (:func:`write_lists`).
 
 1. ``block_summary_kernel`` reduces each query block and each key block to a few int32 words (``SUM[b, blk]``):
    query block: OR of its rows' bits, AND over its real rows (those < seq_q), first row position, and (causal)
@@ -6,22 +7,25 @@
    padding or past seq_k, its last column, and (causal) per segment t its first column.
 2. ``block_lists_kernel`` classifies BR row blocks against CB column blocks at a time from those summaries and
    writes, per row block, the full column blocks in ascending order, then the partial ones: a first pass counts
-   the full tiles, a second writes each id at its place (a cumulative sum over the chunk).
+   the full tiles, a second writes each id at its place (a cumulative sum over the chunk). Packed lists count
+   full and partial tiles in one launch, and write them in another once the host has scanned the counts.
 
 A tile is full when no segment among its keys is unseen by one of its real rows, none of its columns is padding,
 and (causal) its last column is visible from its first row; a full tile is always live. It is live when some
 pair is allowed: some segment shared by a row and a key (causal: seen by a row at or after the segment's first
-column in the tile). The result equals ``lists_from_classes(*classify_blocks_from_bits(...))`` on the used prefix
-of each row; entries past ``counts.sum(-1)`` are left unwritten.
+column in the tile). The result equals ``lists_from_classes(*classify_blocks_from_bits(...))`` row by row
+(``BlockLists.padded``); slots past a row's count are left unwritten.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
-from ..blocks import BlockLists, cdiv
+from ..blocks import BlockLists, cdiv, index_dtype
+from ..kernels.constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
 from ..kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
 from .launch import FastKernel, interpreter_active
 
@@ -34,16 +38,46 @@ _GPU_CHUNK = 256  # column blocks per step on a GPU: one step for S = 16k at 64-
 _SUMMARY, _LISTS = FastKernel(block_summary_kernel), FastKernel(block_lists_kernel)
 
 
-def allocate_lists(
-    bm: int, seq_q: int, seq_k: int, block_m: int, block_n: int, by_key: bool, device: torch.device
-) -> tuple[int, int, int, int, torch.Tensor, torch.Tensor]:
-    """(n_q, n_k, rows, columns, counts ``[Bm, rows, 2]``, indices ``[Bm, rows, columns]``) of block lists at a
-    tile: rows are the query blocks, or the key blocks when by_key. Uninitialised: the builders write them."""
-    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
-    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
-    counts = torch.empty((bm, n_r, 2), dtype=torch.int32, device=device)
-    indices = torch.empty((bm, n_r, n_c), dtype=torch.int32, device=device)
-    return n_q, n_k, n_r, n_c, counts, indices
+# Lists whose fixed slots (C a row) would take more bytes than this are packed end to end instead (CSR): one
+# read-back of the live-tile total per build, and a 1M-token mask's lists shrink to the live tiles.
+COMPACT_BYTES = 32 << 20
+_INT32_MAX = 2**31 - 1
+
+
+def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: int, n_r: int, n_c: int,
+                device: torch.device, compact: bool | None = None) -> BlockLists:
+    """Allocate and fill :class:`BlockLists` of ``bm`` samples, ``n_r`` rows and ``n_c`` columns through a list
+    kernel: ``launch(phase, counts, indices)`` runs it once (``kernels.constants.LISTS_*``).
+
+    compact: pack the lists (count, scan, read the total back, write); default: when fixed slots would take more
+    than ``COMPACT_BYTES``.
+    """
+    dtype = index_dtype(n_c)
+    counts = torch.empty((bm, n_r, 3), dtype=torch.int32, device=device)
+    if n_r == 0 or n_c == 0:
+        return BlockLists(counts.zero_(), torch.empty((bm, 0), dtype=dtype, device=device))
+    if compact is None:
+        compact = bm * n_r * n_c * dtype.itemsize > COMPACT_BYTES
+    if not compact:
+        if n_r * n_c > _INT32_MAX:
+            raise ValueError(f"{n_r} x {n_c} tiles of fixed-slot block lists pass 2^31 entries: build them compact")
+        indices = torch.empty((bm, n_r * n_c), dtype=dtype, device=device)
+        launch(LISTS_DENSE, counts, indices)
+        return BlockLists(counts, indices)
+    launch(LISTS_COUNT, counts, counts.new_empty((bm, 0), dtype=dtype))
+    sizes = counts[..., :2].sum(-1, dtype=torch.int64)
+    ends = sizes.cumsum(1)
+    counts[..., 2] = ends - sizes
+    total = int(ends[:, -1].max())  # the one read-back: the packed lists' length
+    if total > _INT32_MAX:
+        raise ValueError(f"a sample's block lists hold {total} tiles, past 2^31: use larger tiles or shorter samples")
+    indices = torch.empty((bm, max(total, 1)), dtype=dtype, device=device)
+    launch(LISTS_WRITE, counts, indices)
+    return BlockLists(counts, indices)
+
+
+def no_launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
+    """The launch of lists with no row or no column: nothing to write."""
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -63,6 +97,7 @@ def build_block_lists(
     tile_elems: int | None = None,
     fit: bool | None = None,
     summaries: dict[tuple[int, int], torch.Tensor] | None = None,
+    compact: bool | None = None,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
@@ -77,10 +112,10 @@ def build_block_lists(
             several chunks and row groups).
         summaries: optional cache of the block summaries per tile, for lists of one mask (the dK/dV lists and
             the dQ lists of one tile share them: one launch and one allocation fewer).
+        compact: packed (CSR) lists or fixed slots; default by size (:func:`write_lists`).
 
     Returns:
-        :class:`BlockLists` with counts ``[Bm, R, 2]`` and indices ``[Bm, R, C]`` ((R, C) = (NQ, NK), or (NK, NQ)
-        when by_key) on the input device.
+        :class:`BlockLists` with R = NQ rows of NK columns, or NK rows of NQ when by_key, on the input device.
     """
     bm, seq_q, seq_k = q_bits.shape[0], q_bits.shape[1], k_bits.shape[1]
     if not 1 <= num_segments <= 32:
@@ -91,9 +126,10 @@ def build_block_lists(
     q_bits, k_bits = (t if t.stride(1) == 1 else t.contiguous() for t in (q_bits, k_bits))
     if q_start.dtype != torch.int32 or q_start.device != dev or q_start.dim() != 1:
         q_start = q_start.to(device=dev, dtype=torch.int32).reshape(-1)
-    n_q, n_k, n_r, n_c, counts, indices = allocate_lists(bm, seq_q, seq_k, block_m, block_n, by_key, dev)
+    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
+    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     if n_r == 0 or n_c == 0:
-        return BlockLists(counts.zero_(), indices)
+        return write_lists(no_launch, bm, n_r, n_c, dev)
 
     k = max(2, 1 << (num_segments - 1).bit_length())  # segments rounded up to a power of two
     w = 3 + k if causal else 2
@@ -113,13 +149,14 @@ def build_block_lists(
         )
         if summaries is not None:
             summaries[(block_m, block_n)] = summary
-    _LISTS[(cdiv(n_r, br), bm)](
-        summary, counts, indices,
-        summary.stride(0), counts.stride(0), indices.stride(0), indices.stride(1),
-        n_q, n_k,
-        BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, BY_KEY=by_key,
-    )
-    return BlockLists(counts, indices)
+
+    def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
+        _LISTS[(cdiv(n_r, br), bm)](
+            summary, counts, indices, summary.stride(0), counts.stride(0), indices.stride(0), n_q, n_k,
+            BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
+        )
+
+    return write_lists(launch, bm, n_r, n_c, dev, compact)
 
 
 @functools.lru_cache(maxsize=1024)

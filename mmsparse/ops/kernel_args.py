@@ -5,7 +5,7 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
     tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
              table and stride_mask_q its row stride)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-             stride_idx_r, seq_q, seq_k, PAST (the first-query positions, int32 [1 or Bm]), stride_past_b
+             seq_q, seq_k, PAST (the first-query positions, int32 [1 or Bm]), stride_past_b
 
 (the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as the
 token-level tensors of :func:`pack`. Adding a kernel argument touches this module and the kernels, nothing above.
@@ -70,8 +70,7 @@ class KernelArgs:
         else:
             dense = info.dense.view(torch.uint8)
             mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
-        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0),
-                        lists.indices.stride(1))
+        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0))
         q_start = info.q_start
         q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
         args = self._tiles[key] = (

@@ -1,4 +1,5 @@
-"""Block lists of a segment-code mask (:mod:`mmsparse.segments`): exact, on the device, no host synchronisation.
+"""Block lists of a segment-code mask (:mod:`mmsparse.segments`): exact, on the device, no host synchronisation
+but the packed lists' one (``block_lists.write_lists``).
 
 Each side (queries, keys) is cut into *runs*: maximal stretches of tokens with one code. A tile's rows meet a
 few runs and its columns a few more; every (query, key) pair of the tile lies in exactly one (row run, column
@@ -14,8 +15,8 @@ when some run pair allows some pair. Tiles whose query and key blocks hold disjo
 looking at their runs (the cross-sample tiles of a pack). The cost per tile is the product of the runs its row
 and column blocks meet: 1 to 4 for segments longer than a tile, more for tiny segments.
 
-Runs are built with a few torch ops per side (``torch.cumsum`` over the code changes, scatters into ``[B, S]``
-buffers): metadata is O(S) plus the lists.
+Runs are built by one launch per side (a program walks each row), each block size's summary by one more:
+metadata is O(S) plus the lists.
 """
 
 from __future__ import annotations
@@ -24,48 +25,47 @@ import torch
 import triton
 
 from ..blocks import BlockLists, cdiv
-from ..kernels.tl.segment_lists import segment_lists_kernel
-from ..segments import SEG_BITS
-from .block_lists import allocate_lists
+from ..kernels.tl.segment_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
+from .block_lists import no_launch, write_lists
 from .launch import FastKernel
+
+# Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
+_RUN_CHUNK_GPU, _RUN_CHUNK_INTERPRETER = 4096, 1024
+_SUMMARY_TOKENS = 4096  # tokens a summary program reads ([G, BLOCK])
 
 
 def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The runs of each row of codes int32 ``[B, S]`` (S >= 1).
+    """The runs of each row of codes int32 ``[B, S]`` (S >= 1), one launch.
 
     Returns:
         ``(run_of_token, starts, run_codes)``: int32 ``[B, S]`` run index of each token; int32 ``[B, S + 2]``
         where run r covers tokens ``starts[r] .. starts[r + 1] - 1`` (``starts[n_runs] = S``); int32
-        ``[B, S + 2]`` the code of each run. Entries past the last run are S (starts) or unused.
+        ``[B, S + 2]`` the code of each run. Entries past ``starts[n_runs]`` are unwritten.
     """
     bsz, seq = codes.shape
-    change = torch.ones((bsz, seq), dtype=torch.bool, device=codes.device)
-    torch.ne(codes[:, 1:], codes[:, :-1], out=change[:, 1:])
-    run = torch.cumsum(change, dim=1, dtype=torch.int32) - 1
-    slot = torch.where(change, run, seq + 1)  # every non-first token of a run writes the spare slot S + 1
-    pos = torch.arange(seq, device=codes.device, dtype=torch.int32).expand(bsz, seq)
-    starts = torch.full((bsz, seq + 2), seq, dtype=torch.int32, device=codes.device)
-    starts.scatter_(1, slot.to(torch.int64), pos)
-    run_codes = torch.zeros((bsz, seq + 2), dtype=torch.int32, device=codes.device)
-    run_codes.scatter_(1, slot.to(torch.int64), codes.expand(bsz, seq).to(torch.int32))
+    if codes.stride(1) != 1:
+        codes = codes.contiguous()
+    run = torch.empty((bsz, seq), dtype=torch.int32, device=codes.device)
+    starts = torch.empty((bsz, seq + 2), dtype=torch.int32, device=codes.device)
+    run_codes = torch.empty_like(starts)
+    chunk = _RUN_CHUNK_GPU if codes.device.type == "cuda" else _RUN_CHUNK_INTERPRETER
+    _RUNS[(bsz,)](codes, run, starts, run_codes, codes.stride(0), run.stride(0), starts.stride(0), seq, CHUNK=chunk)
     return run, starts, run_codes
 
 
 def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.Tensor:
     """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc (the words
-    ``_classify_runs`` reads at offsets 0-3)."""
+    ``_classify_runs`` reads at offsets 0-3), one launch."""
     bsz, seq = codes.shape
     n = cdiv(seq, block)
-    first = run[:, ::block]
-    last = run[:, torch.clamp(torch.arange(1, n + 1, device=run.device) * block, max=seq) - 1]
-    docs = codes >> SEG_BITS
-    padded = torch.nn.functional.pad(docs, (0, n * block - seq), mode="replicate") if n * block != seq else docs
-    docs = padded.view(bsz, n, block)
-    return torch.stack([first, last, docs.amin(-1), docs.amax(-1)], dim=-1).to(torch.int32).contiguous()
+    out = torch.empty((bsz, n, 4), dtype=torch.int32, device=codes.device)
+    g = max(1, min(_SUMMARY_TOKENS // block, triton.next_power_of_2(n)))
+    _SUMMARY[(cdiv(n, g), bsz)](codes, run, out, codes.stride(0), run.stride(0), out.stride(0), seq, n,
+                                BLOCK=block, G=g)
+    return out
 
 
-
-_LISTS = FastKernel(segment_lists_kernel)
+_RUNS, _SUMMARY, _LISTS = FastKernel(code_runs_kernel), FastKernel(run_summary_kernel), FastKernel(segment_lists_kernel)
 
 
 class CodeRuns:
@@ -87,7 +87,7 @@ class CodeRuns:
 
 def build_segment_lists(
     q_runs: CodeRuns, k_runs: CodeRuns, table: torch.Tensor, block_m: int, block_n: int, causal: bool,
-    q_start: torch.Tensor, by_key: bool = False, fit: bool | None = None,
+    q_start: torch.Tensor, by_key: bool = False, fit: bool | None = None, compact: bool | None = None,
 ) -> BlockLists:
     """Block lists of a segment-code mask at tile ``block_m`` x ``block_n``.
 
@@ -98,28 +98,33 @@ def build_segment_lists(
         q_start: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
         by_key: per key block its query blocks instead of per query block its key blocks.
         fit: program sizes no larger than the lengths need (default: under the interpreter).
+        compact: packed (CSR) lists or fixed slots; default by size (``block_lists.write_lists``).
 
     Returns:
-        :class:`BlockLists` with counts ``[Bm, R, 2]`` and indices ``[Bm, R, C]``.
+        :class:`BlockLists` of R = NQ rows (NK when by_key).
     """
     bm, seq_q = q_runs.codes.shape
     seq_k = k_runs.codes.shape[1]
     dev = q_runs.codes.device
-    n_q, n_k, n_r, n_c, counts, indices = allocate_lists(bm, seq_q, seq_k, block_m, block_n, by_key, dev)
+    n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
+    n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     if n_r == 0 or n_c == 0:
-        return BlockLists(counts.zero_(), indices)
+        return write_lists(no_launch, bm, n_r, n_c, dev)
     q_sum, k_sum = q_runs.summary(block_m), k_runs.summary(block_n)
     fit = dev.type != "cuda" if fit is None else fit
     br = 4 if not fit else min(64, triton.next_power_of_2(n_r))
     cb = 64 if not fit else min(256, triton.next_power_of_2(n_c))
     shared_k = k_runs.codes.shape[0] == 1
-    _LISTS[(cdiv(n_r, br), bm)](
-        q_sum, k_sum, q_runs.starts, q_runs.run_codes, k_runs.starts, k_runs.run_codes, table, q_start,
-        counts, indices,
-        q_sum.stride(0), 0 if shared_k else k_sum.stride(0), q_runs.starts.stride(0),
-        0 if shared_k else k_runs.starts.stride(0), q_start.stride(0) if q_start.shape[0] > 1 else 0,
-        counts.stride(0), indices.stride(0), indices.stride(1), table.stride(0),
-        seq_q, seq_k, n_q, n_k,
-        BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, BY_KEY=by_key,
-    )
-    return BlockLists(counts, indices)
+
+    def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
+        _LISTS[(cdiv(n_r, br), bm)](
+            q_sum, k_sum, q_runs.starts, q_runs.run_codes, k_runs.starts, k_runs.run_codes, table, q_start,
+            counts, indices,
+            q_sum.stride(0), 0 if shared_k else k_sum.stride(0), q_runs.starts.stride(0),
+            0 if shared_k else k_runs.starts.stride(0), q_start.stride(0) if q_start.shape[0] > 1 else 0,
+            counts.stride(0), indices.stride(0), table.stride(0),
+            seq_q, seq_k, n_q, n_k,
+            BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
+        )
+
+    return write_lists(launch, bm, n_r, n_c, dev, compact)

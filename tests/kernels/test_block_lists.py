@@ -1,4 +1,4 @@
-"""Triton block lists (mmsparse.ops.block_lists) against the torch reference, on the used prefix of each row."""
+"""Triton block lists (mmsparse.ops.block_lists) against the torch reference, row by row, fixed or packed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmsparse import Topology, mask_info
-from mmsparse.blocks import BlockLists, classify_blocks_from_bits, lists_from_classes
+from mmsparse.blocks import BlockLists, classify_blocks_from_bits, index_dtype, lists_from_classes
 from mmsparse.mask_info import MaskInfo
 from mmsparse.ops.block_lists import build_block_lists
 
@@ -23,20 +23,27 @@ def _reference(q_bits, k_bits, k, bm, bn, causal, past, by_key) -> BlockLists:
 
 
 def _assert_same(got: BlockLists, want: BlockLists) -> None:
-    assert got.counts.dtype == got.indices.dtype == torch.int32
-    assert got.counts.shape == want.counts.shape and got.indices.shape == want.indices.shape
-    diff = (got.counts != want.counts).nonzero()[:5].tolist()
-    assert torch.equal(got.counts, want.counts), f"counts differ at {diff}"
+    """The same lists row by row, whatever the layout (fixed slots or packed)."""
+    columns = want.indices.shape[-1] // max(want.counts.shape[1], 1)
+    assert got.counts.dtype == torch.int32 and got.indices.dtype == index_dtype(columns)
+    assert got.counts.shape == want.counts.shape and got.indices.dim() == 2
     assert got.counts.device == got.indices.device == want.counts.device
-    used = torch.arange(want.indices.shape[-1], device=want.counts.device) < want.counts.sum(-1, keepdim=True)
-    bad = used & (got.indices != want.indices)
+    (got_counts, got_ids), (want_counts, want_ids) = got.padded(columns), want.padded(columns)
+    diff = (got_counts != want_counts).nonzero()[:5].tolist()
+    assert torch.equal(got_counts, want_counts), f"counts differ at {diff}"
+    bad = got_ids != want_ids
     assert not bad.any(), f"indices differ at {bad.nonzero()[:5].tolist()}"
 
 
 def _check(q_bits, k_bits, k, tile, causal, past, tile_elems=None, fit=None) -> None:
     for by_key in (False, True):
-        got = build_block_lists(q_bits, k_bits, k, *tile, causal, past, by_key, tile_elems, fit)
-        _assert_same(got, _reference(q_bits, k_bits, k, *tile, causal, past, by_key))
+        want = _reference(q_bits, k_bits, k, *tile, causal, past, by_key)
+        for compact in (False, True):
+            got = build_block_lists(q_bits, k_bits, k, *tile, causal, past, by_key, tile_elems, fit, compact=compact)
+            _assert_same(got, want)
+            if compact:  # packed end to end: a row starts where the one before it ends
+                sizes = got.counts[..., :2].sum(-1)
+                assert torch.equal(got.counts[..., 2], sizes.cumsum(1) - sizes)
 
 
 def _random_info(rng: random.Random, device: torch.device) -> tuple[MaskInfo, int]:
@@ -138,9 +145,9 @@ def test_all_padding_and_tiny_inputs(device):
     topo = Topology([[1]])
     info = MaskInfo.from_topology(topo, torch.tensor([[0], [17]], device=device), 17, 17, True)
     lists = build_block_lists(info.q_bits, info.k_bits, 1, 16, 16, True, info.q_start)
-    assert lists.counts[0].sum() == 0  # the all-padding sample has no tile
-    assert lists.counts[1].tolist() == [[0, 1], [1, 1]]  # causal diagonal partial; key block 1 runs past Sk
-    assert lists.indices[1, 0, :1].tolist() == [0] and lists.indices[1, 1, :2].tolist() == [0, 1]
+    assert lists.counts[0, :, :2].sum() == 0  # the all-padding sample has no tile
+    assert lists.counts[1, :, :2].tolist() == [[0, 1], [1, 1]]  # causal diagonal partial; key block 1 runs past Sk
+    assert lists.padded(2)[1][1].tolist() == [[0, -1], [0, 1]]
     _check(info.q_bits, info.k_bits, 1, (16, 16), True, info.q_start)
     _check(info.q_bits, info.k_bits, 1, (128, 64), False, info.q_start)
 

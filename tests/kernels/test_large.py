@@ -243,3 +243,48 @@ def test_dropout_past_2_31():
 
     _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(CYCLIC, seg, seq, seq, False), gen,
                    keep_for=keep_for, dropout_p=p, key_groups=1)
+
+
+def _tile_maps(lists, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, partial) bool ``[rows, cols]`` maps of one sample's lists, read through their starts."""
+    counts = lists.counts[0].long()
+    used = counts[:, 0] + counts[:, 1]
+    row = torch.repeat_interleave(torch.arange(rows, device=used.device), used)
+    slot = torch.arange(row.numel(), device=used.device) - (used.cumsum(0) - used)[row]
+    ids = lists.indices[0].long()[counts[row, 2] + slot]
+    is_full = slot < counts[row, 0]
+    full = torch.zeros(rows, cols, dtype=torch.bool, device=used.device)
+    partial = torch.zeros_like(full)
+    full[row[is_full], ids[is_full]] = True
+    partial[row[~is_full], ids[~is_full]] = True
+    return full, partial
+
+
+def test_metadata_of_1m_tokens_is_compact():
+    """1M tokens (text, vision, audio; hub, causal): the block lists of all three kernels are packed, hold exactly
+    the live tiles of the torch classification, and with the token bits and summaries stay under 5% of q/k/v
+    (16 query heads, 4 key/value heads, D=128, bf16)."""
+    from mmsparse.blocks import classify_blocks_from_bits
+    from mmsparse.mask_info import MaskInfo
+    from mmsparse.ops.kernel_args import list_tiles, prepare
+
+    seg = (8192, 786432, 253952)
+    seq = sum(seg)
+    info = MaskInfo.from_topology(Topology(HUB), torch.tensor([seg], device="cuda"), seq, seq, True)
+    tiles = config.kernel_config(128, torch.bfloat16, torch.device("cuda"))
+    prepare(info, tiles)
+    held = [info.q_bits, info.k_bits, *info._summaries.values()]
+    for block_m, block_n, by_key in list_tiles(tiles, seq, seq):
+        lists = info.lists(block_m, block_n, by_key)
+        held += [lists.counts, lists.indices]
+        live, full = classify_blocks_from_bits(info.q_bits, info.k_bits, 3, block_m, block_n, True, info.q_start)
+        if by_key:
+            live, full = live.transpose(1, 2), full.transpose(1, 2)
+        got_full, got_partial = _tile_maps(lists, *live.shape[1:])
+        assert torch.equal(got_full, full[0]) and torch.equal(got_partial, (live & ~full)[0])
+        assert lists.indices.numel() == int(live.sum())  # packed: live tiles only
+        del live, full, got_full, got_partial
+    metadata = sum(t.numel() * t.element_size() for t in {id(t): t for t in held}.values())
+    qkv = seq * 16 * 128 * 2 + 2 * seq * 4 * 128 * 2
+    assert metadata <= 0.05 * qkv, f"metadata {metadata / 2**20:.0f} MiB is {metadata / qkv:.1%} of q/k/v"
+    print(f"metadata {metadata / 2**20:.1f} MiB = {metadata / qkv:.2%} of q/k/v")

@@ -37,19 +37,25 @@ def box(smem):
 
 @gluon.jit
 def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b,
-                  stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k,
+                  stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k,
                   stride_past_b):
     """One program's block list and mask bundle (``tl.common.program_setup`` for the Gluon kernels): ``(n_full,
     n_total, idx_ptr, mask_args)`` for batch b; the list of row (or key) block blk starts with its n_full full
     blocks."""
-    b64 = b.to(gl.int64)  # per-sample lists: B * row blocks * key blocks entries pass 2^31 at 1M tokens
-    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 2
+    b64 = b.to(gl.int64)  # B samples' lists of up to 2^31 entries each
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 3
     n_full = gl.load(cnt_ptr)
     n_total = n_full + gl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b64 * stride_idx_b + blk.to(gl.int64) * stride_idx_r
+    idx_ptr = INDICES + b64 * stride_idx_b + gl.load(cnt_ptr + 2)  # the list starts at counts' third word
     mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
                  stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
     return n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
+def block_id(idx_ptr, it):
+    """Entry ``it`` of a block list, as int32 (lists may hold int16 ids)."""
+    return gl.load(idx_ptr + it).to(gl.int32)
 
 
 @gluon.jit
@@ -85,7 +91,7 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
     stage refilled once both consumer warpgroups released it (the forward and the dQ pass share it)."""
     for it in range(n_total):
         stage = it % STAGES
-        n_blk = gl.load(idx_ptr + it)
+        n_blk = block_id(idx_ptr, it)
         # A fresh barrier counts as phase 1 completed: the first pass over the ring does not wait.
         mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)

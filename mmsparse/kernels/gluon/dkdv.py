@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..rules import allowed_pairs
-from .common import box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
+from .common import block_id, box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -58,7 +58,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
         for it in range(n_total):
             i = g * n_total + it
             stage = i % STAGES
-            m_blk = gl.load(idx_ptr + it)
+            m_blk = block_id(idx_ptr, it)
             offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
             # Rows past the end get lse = +inf, hence p = 0.
             lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
@@ -210,7 +210,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -229,7 +229,7 @@ def attention_dkdv_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_past_b)
     col0 = pid_n * (2 * WG_KEYS)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

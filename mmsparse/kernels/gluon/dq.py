@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from .common import (
     WG_ROWS,
+    block_id,
     box,
     init_kv_ring,
     init_turns,
@@ -105,7 +106,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
         dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, gl.load(idx_ptr), mask_args,
+        ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, block_id(idx_ptr, 0), mask_args,
                           qk_scale, BN, MASK_MODE, IS_CAUSAL)
         ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         for it in range(1, n_total):
@@ -120,7 +121,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
-            ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, gl.load(idx_ptr + it), mask_args,
+            ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, block_id(idx_ptr, it), mask_args,
                               qk_scale, BN, MASK_MODE, IS_CAUSAL)
             dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
             mbarrier.arrive(kv_empty.index(prev))
@@ -141,7 +142,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dq_gluon(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -161,7 +162,7 @@ def attention_dq_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_past_b)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from .common import (
     WG_ROWS,
+    block_id,
     box,
     init_kv_ring,
     init_turns,
@@ -104,7 +105,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
-            s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr), mask_args, BN, MASK_MODE, IS_CAUSAL)
+            s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(1, n_total):
@@ -118,7 +119,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
-                s = masked_scores(s, offs_m, q_bits, gl.load(idx_ptr + it), mask_args, BN, MASK_MODE, IS_CAUSAL)
+                s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(kv_empty.index(prev))
@@ -147,7 +148,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_fwd_gluon(
     q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
-    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, PAST, stride_past_b, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -167,7 +168,7 @@ def attention_fwd_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r, seq_q, seq_k, stride_past_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_past_b)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)

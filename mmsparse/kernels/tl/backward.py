@@ -42,7 +42,7 @@ def _dkdv_tiles(
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
-        m_blk = tl.load(idx_ptr + it)
+        m_blk = tl.load(idx_ptr + it).to(tl.int32)
         offs_m = m_blk * BM + offs_m0
         b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
@@ -73,7 +73,7 @@ def _dkdv_tiles(
 def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
@@ -96,7 +96,7 @@ def attention_dkdv_tl(
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
 
     dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
@@ -135,7 +135,7 @@ def _dq_tiles(
 ):
     """Accumulate dQ of one query block over key blocks idx[start:stop]."""
     for it in range(start, stop):
-        n_blk = tl.load(idx_ptr + it)
+        n_blk = tl.load(idx_ptr + it).to(tl.int32)
         offs_n = n_blk * BN + offs_n0
         b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
@@ -158,7 +158,7 @@ def _dq_tiles(
 def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, stride_idx_r,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -184,7 +184,7 @@ def attention_dq_tl(
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
-        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b, stride_idx_r,
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
     hk64 = (h // GROUP).to(tl.int64)
     k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
+
 _NEG = tl.constexpr(-(2**31) + 1)  # below every position
 _POS = tl.constexpr(2**31 - 1)  # above every position
 
@@ -88,6 +90,11 @@ def _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K: tl.constexpr
     return full, live
 
 
+PHASE_DENSE = tl.constexpr(LISTS_DENSE)
+PHASE_COUNT = tl.constexpr(LISTS_COUNT)
+PHASE_WRITE = tl.constexpr(LISTS_WRITE)
+
+
 @triton.jit
 def store_chunk(p_idx, offs_c, full, live, i_full, i_part):
     """Write one chunk of column blocks (offs_c, classes [BR, CB]) into each row's list: full ones at i_full on,
@@ -99,16 +106,45 @@ def store_chunk(p_idx, offs_c, full, live, i_full, i_part):
     return i_full + tl.sum(b_f, 1), i_part + tl.sum(b_p, 1)
 
 
-@triton.jit(do_not_specialize=["stride_sb", "stride_cb", "stride_ib", "stride_ir", "n_q", "n_k"])
+@triton.jit
+def count_chunk(full, live, n_full, n_part):
+    """Add one chunk's full and partial tiles ([BR, CB] classes) to each row's counts."""
+    return n_full + tl.sum(full.to(tl.int32), 1), n_part + tl.sum((live & ~full).to(tl.int32), 1)
+
+
+@triton.jit
+def list_rows(p_cnt, INDICES, b64, offs_r, m_r, n_c, stride_ib, PHASE: tl.constexpr):
+    """(pointers [BR, 1] to each row's list, each row's full count) where the writing pass starts: the counts
+    the host left (WRITE), or r * n_c slots in (DENSE, whose full count comes from the caller's first pass)."""
+    if PHASE == PHASE_WRITE:
+        start = tl.load(p_cnt + 2, mask=m_r, other=0)
+        n_full = tl.load(p_cnt, mask=m_r, other=0)
+    else:
+        start = offs_r * n_c
+        n_full = tl.zeros_like(offs_r)
+    return INDICES + b64 * stride_ib + start.to(tl.int64)[:, None], n_full
+
+
+@triton.jit
+def store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE: tl.constexpr):
+    """Write each row's (full, partial) counts, and its start r * n_c when its slots are fixed (DENSE)."""
+    if PHASE != PHASE_WRITE:
+        tl.store(p_cnt, n_full, mask=m_r)
+        tl.store(p_cnt + 1, n_part, mask=m_r)
+    if PHASE == PHASE_DENSE:
+        tl.store(p_cnt + 2, offs_r * n_c, mask=m_r)
+
+
+@triton.jit(do_not_specialize=["stride_sb", "stride_cb", "stride_ib", "n_q", "n_k"])
 def block_lists_kernel(
     SUM, COUNTS, INDICES,
-    stride_sb, stride_cb, stride_ib, stride_ir,
+    stride_sb, stride_cb, stride_ib,
     n_q, n_k,
     BR: tl.constexpr, CB: tl.constexpr, K: tl.constexpr, W: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BY_KEY: tl.constexpr,
+    BY_KEY: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Program (g, b) writes ``COUNTS[b, r]`` and ``INDICES[b, r, :n_full + n_part]`` of the row blocks
-    r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b, walking the column blocks CB at a time."""
+    """Program (g, b) handles the row blocks r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b, walking
+    the column blocks CB at a time: ``COUNTS[b, r]`` and/or the lists, as PHASE says."""
     i_g, i_b = tl.program_id(0), tl.program_id(1)
     p_sum = SUM + i_b * stride_sb
     if BY_KEY:
@@ -126,18 +162,20 @@ def block_lists_kernel(
         r_edge = tl.load(p_r + 2, mask=m_r, other=0)[:, None]
         r_pos = tl.load(p_r[:, None] + 3 + offs_t[None, :], mask=m_r[:, None], other=0)[:, None, :]  # [BR, 1, K]
     offs_cb = tl.arange(0, CB)
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * 3
+    p_idx, n_full = list_rows(p_cnt, INDICES, i_b.to(tl.int64), offs_r, m_r, n_c, stride_ib, PHASE)
 
-    n_full = tl.zeros([BR], dtype=tl.int32)
-    for c0 in range(0, n_c, CB):
-        full, _ = _classify(r_or, r_x, r_edge, r_pos, p_col, c0 + offs_cb, m_r, n_c, K, W, IS_CAUSAL, BY_KEY, False)
-        n_full += tl.sum(full.to(tl.int32), 1)
-
-    p_idx = INDICES + i_b.to(tl.int64) * stride_ib + offs_r.to(tl.int64)[:, None] * stride_ir  # [BR, 1]
-    i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
-    for c0 in range(0, n_c, CB):
-        offs_c = c0 + offs_cb
-        full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K, W, IS_CAUSAL, BY_KEY, True)
-        i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
-    p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
-    tl.store(p_cnt, n_full, mask=m_r)
-    tl.store(p_cnt + 1, i_part - n_full, mask=m_r)
+    n_part = tl.zeros([BR], dtype=tl.int32)
+    if PHASE != PHASE_WRITE:
+        for c0 in range(0, n_c, CB):
+            full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, c0 + offs_cb, m_r, n_c, K, W, IS_CAUSAL, BY_KEY,
+                                   PHASE == PHASE_COUNT)
+            n_full, n_part = count_chunk(full, live, n_full, n_part)
+    if PHASE != PHASE_COUNT:
+        i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
+        for c0 in range(0, n_c, CB):
+            offs_c = c0 + offs_cb
+            full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K, W, IS_CAUSAL, BY_KEY, True)
+            i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
+        n_part = i_part - n_full
+    store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE)

@@ -105,16 +105,16 @@ def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.co
 
 @triton.jit
 def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
-                  stride_idx_r, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b,
+                  stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b,
                   HAS_DROPOUT: tl.constexpr):
     """What every kernel reads first for batch b and its own row block: (number of full blocks, number of
     partial blocks, pointer to its block list, its mask pointers, the dropout seed, the position of the
     sample's first query)."""
-    b64 = b.to(tl.int64)  # per-sample lists hold B * row blocks * key blocks entries: past 2^31 at 1M tokens
-    cnt_ptr = COUNTS + b64 * stride_cnt_b + row * 2
+    b64 = b.to(tl.int64)  # B samples' lists of up to 2^31 entries each
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + row * 3
     n_full = tl.load(cnt_ptr)
     n_part = tl.load(cnt_ptr + 1)
-    idx_ptr = INDICES + b64 * stride_idx_b + row.to(tl.int64) * stride_idx_r
+    idx_ptr = INDICES + b64 * stride_idx_b + tl.load(cnt_ptr + 2)  # the row's list starts at counts' third word
     seed = (0, 0, 0)
     if HAS_DROPOUT:
         seed = load_seed(SEED)

@@ -6,10 +6,51 @@ import triton
 import triton.language as tl
 
 from ...segments import SEG_BITS
-from .block_lists import store_chunk
+from .block_lists import PHASE_COUNT, PHASE_WRITE, count_chunk, list_rows, store_chunk, store_counts
 
 _SEG_BITS = tl.constexpr(SEG_BITS)
 _SEG_MASK = tl.constexpr((1 << SEG_BITS) - 1)
+
+
+@triton.jit(do_not_specialize=["stride_cb", "stride_tb", "stride_sb", "seq"])
+def code_runs_kernel(CODES, RUN, STARTS, RUN_CODES, stride_cb, stride_tb, stride_sb, seq, CHUNK: tl.constexpr):
+    """Program b cuts row b of the codes into runs, CHUNK tokens a step: ``RUN[b, t]`` the run of token t,
+    ``STARTS[b, r]`` the first token of run r (and ``STARTS[b, n_runs] = seq``), ``RUN_CODES[b, r]`` its code."""
+    b64 = tl.program_id(0).to(tl.int64)
+    codes = CODES + b64 * stride_cb
+    run_ptr, starts, run_codes = RUN + b64 * stride_tb, STARTS + b64 * stride_sb, RUN_CODES + b64 * stride_sb
+    n_runs = 0
+    for c0 in range(0, seq, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < seq
+        cur = tl.load(codes + offs, mask=m, other=0)
+        before = tl.load(codes + offs - 1, mask=m & (offs > 0), other=0)
+        change = m & ((offs == 0) | (cur != before))
+        run = n_runs + tl.cumsum(change.to(tl.int32), 0) - 1
+        tl.store(run_ptr + offs, run, mask=m)
+        tl.store(starts + run, offs, mask=change)
+        tl.store(run_codes + run, cur, mask=change)
+        n_runs += tl.sum(change.to(tl.int32), 0)
+    tl.store(starts + n_runs, seq)
+
+
+@triton.jit(do_not_specialize=["stride_cb", "stride_rb", "stride_ob", "seq", "n_blocks"])
+def run_summary_kernel(CODES, RUN, OUT, stride_cb, stride_rb, stride_ob, seq, n_blocks, BLOCK: tl.constexpr,
+                       G: tl.constexpr):
+    """Program (g, b) writes ``OUT[b, blk] = (first run, last run, lowest doc, highest doc)`` of the blocks
+    blk = g*G .. g*G+G-1 of BLOCK tokens (the words ``_classify_runs`` reads)."""
+    i_g, b64 = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    blk = i_g * G + tl.arange(0, G)  # [G]
+    m_b = blk < n_blocks
+    tok = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [G, BLOCK]
+    m_t = m_b[:, None] & (tok < seq)
+    run, codes = RUN + b64 * stride_rb, CODES + b64 * stride_cb
+    docs = tl.load(codes + tok, mask=m_t, other=0) >> _SEG_BITS
+    p_out = OUT + b64 * stride_ob + blk * 4
+    tl.store(p_out, tl.load(run + blk * BLOCK, mask=m_b, other=0), mask=m_b)
+    tl.store(p_out + 1, tl.load(run + tl.minimum(blk * BLOCK + BLOCK, seq) - 1, mask=m_b, other=0), mask=m_b)
+    tl.store(p_out + 2, tl.min(tl.where(m_t, docs, 2**31 - 1), 1), mask=m_b)
+    tl.store(p_out + 3, tl.max(tl.where(m_t, docs, -1), 1), mask=m_b)
 
 
 @triton.jit
@@ -69,17 +110,16 @@ def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_
 
 
 @triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
-                               "stride_ib", "stride_ir", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
+                               "stride_ib", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
 def segment_lists_kernel(
     Q_SUM, K_SUM, Q_STARTS, Q_CODES, K_STARTS, K_CODES, TABLE, PAST, COUNTS, INDICES,
-    stride_qs, stride_ks, stride_qr, stride_kr, stride_pb, stride_cb, stride_ib, stride_ir, stride_table,
+    stride_qs, stride_ks, stride_qr, stride_kr, stride_pb, stride_cb, stride_ib, stride_table,
     seq_q, seq_k, n_q, n_k,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BY_KEY: tl.constexpr,
+    BY_KEY: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Program (g, b) writes ``COUNTS[b, r]`` and ``INDICES[b, r, :n_full + n_part]`` of the row blocks
-    r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full column blocks in ascending order, then the
-    partial ones (as ``block_lists.block_lists_kernel``)."""
+    """Program (g, b) handles the row blocks r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full
+    column blocks in ascending order, then the partial ones, as PHASE says (as ``block_lists.block_lists_kernel``)."""
     i_g, i_b = tl.program_id(0), tl.program_id(1)
     b64 = i_b.to(tl.int64)
     q_sum, k_sum = Q_SUM + b64 * stride_qs, K_SUM + b64 * stride_ks
@@ -90,20 +130,23 @@ def segment_lists_kernel(
     offs_r = i_g * BR + tl.arange(0, BR)
     m_r = offs_r < n_r
     offs_cb = tl.arange(0, CB)
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * 3
+    p_idx, n_full = list_rows(p_cnt, INDICES, b64, offs_r, m_r, n_c, stride_ib, PHASE)
 
-    n_full = tl.zeros([BR], dtype=tl.int32)
-    for c0 in range(0, n_c, CB):
-        full, _ = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
-                                 TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
-        n_full += tl.sum(full.to(tl.int32), 1)
-
-    p_idx = INDICES + b64 * stride_ib + offs_r.to(tl.int64)[:, None] * stride_ir
-    i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
-    for c0 in range(0, n_c, CB):
-        offs_c = c0 + offs_cb
-        full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
-                                    TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
-        i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
-    p_cnt = COUNTS + i_b * stride_cb + offs_r * 2
-    tl.store(p_cnt, n_full, mask=m_r)
-    tl.store(p_cnt + 1, i_part - n_full, mask=m_r)
+    n_part = tl.zeros([BR], dtype=tl.int32)
+    if PHASE != PHASE_WRITE:
+        for c0 in range(0, n_c, CB):
+            full, live = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts,
+                                        k_codes, TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+            if PHASE != PHASE_COUNT:
+                live = full  # the first of two passes counts the full tiles only
+            n_full, n_part = count_chunk(full, live, n_full, n_part)
+    if PHASE != PHASE_COUNT:
+        i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
+        for c0 in range(0, n_c, CB):
+            offs_c = c0 + offs_cb
+            full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
+                                        TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+            i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
+        n_part = i_part - n_full
+    store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE)
