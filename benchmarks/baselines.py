@@ -144,7 +144,7 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
     state, state_mib, build_ms = _build_state(case, timing, mmsparse_build(cfg, dev, tiles))
     del state
 
-    fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k)
+    fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k, cfg.seq_k // len(cfg.seg_lens) if cfg.packed else None)
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
                      for n, x in (("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k))))

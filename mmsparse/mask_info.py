@@ -48,6 +48,7 @@ class MaskInfo:
         dense: torch.Tensor | None = None,
         q_start: torch.Tensor | None = None,
         table: torch.Tensor | None = None,
+        sample_len: int | None = None,
     ) -> None:
         self.mode = mode
         self.seq_q, self.seq_k = seq_q, seq_k
@@ -56,6 +57,9 @@ class MaskInfo:
         self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
         self.table = table
         self.dense = dense
+        # Tokens per sample of a pack, on average: rows see at most their sample, so short samples mean short
+        # block lists (the forward picks its tile by it). None: not a pack.
+        self.sample_len = sample_len
         ref = dense if mode == MASK_DENSE else q_bits
         self.batch = ref.shape[0]
         self.device = ref.device
@@ -104,7 +108,8 @@ class MaskInfo:
         if q_start is not None:
             k_codes = k_codes.expand(q_codes.shape[0], -1)
         return cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
-                   num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device))
+                   num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device),
+                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None)
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:

@@ -235,3 +235,11 @@ def test_gpu_sizes_match_reference(name):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, mask)
+
+
+def test_packs_tell_the_forward_their_sample_length(device):
+    """A pack's mask carries its mean sample length (what picks the forward's tile); other masks carry none."""
+    topo = Topology([[1, 2], [0, 1]])
+    lens = torch.tensor([[3, 5], [0, 9], [4, 4]], device=device)
+    assert MaskInfo.from_segments(topo, lens, 25, 25, False, packed=True).sample_len == 25 // 3
+    assert MaskInfo.from_segments(topo, lens[:1], 8, 8, False).sample_len is None

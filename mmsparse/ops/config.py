@@ -43,13 +43,17 @@ class KernelConfig:
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
+    fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples under SHORT_SAMPLES tokens
 
-    def forward_tile(self, seq_q: int, seq_k: int) -> Tile:
+    def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
         get ``fwd_short``: the Gluon forward's fixed cost per program (descriptors, barriers, warp roles) is not
-        repaid by short key lists."""
+        repaid by short key lists. A pack of short samples (``sample_len`` tokens each on average) gets
+        ``fwd_short_samples``: its rows' lists are a few partial tiles, and narrower key tiles waste less."""
         if seq_q <= DECODE_MAX_Q:
             return self.decode
+        if self.fwd_short_samples is not None and sample_len is not None and sample_len < SHORT_SAMPLES:
+            return self.fwd_short_samples
         return _by_length(self.fwd, self.fwd_short, seq_k)
 
     def dq_tile(self, seq_k: int) -> Tile:
@@ -68,6 +72,7 @@ def short_keys(seq_k: int) -> bool:
 
 DECODE_MAX_Q = 16
 SHORT_KEYS = 2048
+SHORT_SAMPLES = 512
 
 
 # Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
@@ -138,6 +143,7 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     half = dtype in (torch.float16, torch.bfloat16)
     if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
         cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd_short or cfg.fwd,
+                      fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(head_dim_pad),
                       bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ[head_dim_pad],
                       bwd_dq_short=cfg.bwd_dq if head_dim_pad in _GLUON_DQ_LONG_ONLY else None)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
@@ -160,6 +166,13 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
+}
+# Packs of short samples (pack_64k_x512: 512 samples of ~128 tokens, H100, forward alone): every row block meets
+# two or three partial tiles, and 64-key tiles waste less of them: 128x64 with 3 stages 0.889 ms against 1.320 at
+# 128x128 (2 stages 1.142, no ping-pong 0.909; the tl kernel 1.011 at 64x64). Over mm13k_hub it loses (1.750 vs
+# 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
+_GLUON_FWD_SHORT_SAMPLES = {
+    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True),
 }
 # The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;

@@ -81,7 +81,7 @@ class _ForwardPlan:
     def __init__(self, q, k, v, info: MaskInfo, cfg, softmax_scale: float, dropout_p: float) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
         group = num_heads // k.shape[1]
-        tile = cfg.forward_tile(seq_q, info.seq_k)
+        tile = cfg.forward_tile(seq_q, info.seq_k, info.sample_len)
         pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
         if pack_rows:  # one program per (batch, kv head), all of the group's queries in one tile; list row block 0
             block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)

@@ -88,10 +88,10 @@ def kernel_args(info: MaskInfo) -> KernelArgs:
     return args  # type: ignore[return-value]
 
 
-def list_tiles(config: KernelConfig, seq_q: int, seq_k: int) -> list[TileKey]:
+def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None) -> list[TileKey]:
     """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
-    over seq_k keys."""
-    fwd, dq = config.forward_tile(seq_q, seq_k), config.dq_tile(seq_k)
+    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given)."""
+    fwd, dq = config.forward_tile(seq_q, seq_k, sample_len), config.dq_tile(seq_k)
     return [
         (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
@@ -102,7 +102,7 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int) -> list[TileKey]:
 def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
     CUDA-graph capture."""
-    return info.prepare(list_tiles(config, info.seq_q, info.seq_k))
+    return info.prepare(list_tiles(config, info.seq_q, info.seq_k, info.sample_len))
 
 
 PackedMask = tuple[list[torch.Tensor], int, bool, int]  # (tensors, mode, causal, num_segments)

@@ -176,6 +176,10 @@ def test_forward_tile_choice():
     assert cfg.forward_tile(925, config.SHORT_KEYS) is long
     assert cfg.forward_tile(16, 10**5) is decode
     assert KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode).forward_tile(100, 100) is long
+    packs = replace(cfg, fwd_short_samples=Tile(128, 64, gluon_stages=3))
+    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES - 1) is packs.fwd_short_samples
+    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES) is long and packs.forward_tile(65536, 65536) is long
+    assert packs.forward_tile(8, 65536, 100) is decode and cfg.forward_tile(65536, 65536, 100) is long
 
 
 def test_dq_tile_choice():
@@ -195,6 +199,8 @@ def test_block_lists_follow_the_tiles_by_length():
     )
     assert list_tiles(cfg, 925, 925) == [(64, 32, False), (64, 128, True), (64, 64, False)]
     assert list_tiles(cfg, 4096, 4096) == [(128, 128, False), (64, 128, True), (128, 64, False)]
+    packs = replace(cfg, fwd_short_samples=Tile(128, 64, gluon_stages=3))
+    assert list_tiles(packs, 4096, 4096, 128) == [(128, 64, False), (64, 128, True), (128, 64, False)]
 
 
 def test_can_be_switched_off(monkeypatch):
