@@ -43,7 +43,7 @@ class KernelConfig:
     use_tma: bool = True  # tiles through tensor descriptors (TMA on Hopper); pointer loads otherwise
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
-    fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples under SHORT_SAMPLES tokens
+    fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -52,7 +52,7 @@ class KernelConfig:
         ``fwd_short_samples``: its rows' lists are a few partial tiles, and narrower key tiles waste less."""
         if seq_q <= DECODE_MAX_Q:
             return self.decode
-        if self.fwd_short_samples is not None and sample_len is not None and sample_len < SHORT_SAMPLES:
+        if self.fwd_short_samples is not None and sample_len is not None and sample_len <= SHORT_SAMPLES:
             return self.fwd_short_samples
         return _by_length(self.fwd, self.fwd_short, seq_k)
 
@@ -72,7 +72,7 @@ def short_keys(seq_k: int) -> bool:
 
 DECODE_MAX_Q = 16
 SHORT_KEYS = 2048
-SHORT_SAMPLES = 512
+SHORT_SAMPLES = 4096  # tokens per sample: the largest mean measured to gain (1.08x)
 
 
 # Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
@@ -167,10 +167,11 @@ _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
 }
-# Packs of short samples (pack_64k_x512: 512 samples of ~128 tokens, H100, forward alone): every row block meets
-# two or three partial tiles, and 64-key tiles waste less of them: 128x64 with 3 stages 0.889 ms against 1.320 at
-# 128x128 (2 stages 1.142, no ping-pong 0.909; the tl kernel 1.011 at 64x64). Over mm13k_hub it loses (1.750 vs
-# 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
+# Packs of short samples (64k tokens, hub, causal per sample; H100, forward alone, Gluon 128x128 / 128x64 time):
+# 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
+# A row block meets a few partial tiles, and 64-key tiles waste less of them; pack_64k_x512 at 128x64: 3 stages
+# 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
+# not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
 _GLUON_FWD_SHORT_SAMPLES = {
     128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True),
 }

@@ -177,8 +177,9 @@ def test_forward_tile_choice():
     assert cfg.forward_tile(16, 10**5) is decode
     assert KernelConfig(fwd=long, bwd_dkdv=short, bwd_dq=short, decode=decode).forward_tile(100, 100) is long
     packs = replace(cfg, fwd_short_samples=Tile(128, 64, gluon_stages=3))
-    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES - 1) is packs.fwd_short_samples
-    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES) is long and packs.forward_tile(65536, 65536) is long
+    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES) is packs.fwd_short_samples
+    assert packs.forward_tile(65536, 65536, config.SHORT_SAMPLES + 1) is long
+    assert packs.forward_tile(65536, 65536) is long
     assert packs.forward_tile(8, 65536, 100) is decode and cfg.forward_tile(65536, 65536, 100) is long
 
 
