@@ -13,14 +13,21 @@ Per config and world size P (Hq=16, Hkv=4, D=128, bf16, batch 1), for one forwar
 
 Speedup is over one GPU running every live pair at the same rate. A model, not a measurement: the per-rank time
 is the measured rate applied to the plan's pairs (the plan balances live pairs to 1.00-1.01 max/mean), and the
-links of the lent machines have not been measured, hence the three bandwidths.
+links of the lent machines have not been measured, hence the three bandwidths. Beside it, where
+``results/h100/cp_local.json`` holds them, the slowest rank's fwd+bwd measured alone on one GPU
+(``python -m benchmarks.cp_local``): the check of the compute term.
 """
 
 from __future__ import annotations
 
+import json
+
 from mmsparse.distributed import plan_context_parallel
 
 from .cp_plan import CONFIGS, KV_BYTES_PER_TOKEN, table_main
+from .env import RESULTS_DIR
+
+MEASURED = RESULTS_DIR / "h100" / "cp_local.json"
 
 HEADS_Q, HEAD_DIM = 16, 128
 # mmsparse's TF/s over live pairs on mm13k_hub_causal (hub topology, causal, D=128), H100, torch 2.11:
@@ -43,8 +50,16 @@ def exchange_bytes(summary: dict) -> float:
     return max(2 * (recv + sent) for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
 
 
+def measured_ms() -> dict[tuple[str, int], float]:
+    """{(config, world size): the slowest rank's measured fwd+bwd ms} from the cp_local record, if there is one."""
+    if not MEASURED.exists():
+        return {}
+    return {(r["config"], r["world_size"]): r["max_fwdbwd_ms"] for r in json.loads(MEASURED.read_text())["summary"]}
+
+
 def rows() -> list[dict]:
     out = []
+    measured = measured_ms()
     for name, (topology, seg_lens, causal) in CONFIGS.items():
         single = None
         for world in WORLD_SIZES:
@@ -53,7 +68,8 @@ def rows() -> list[dict]:
             compute = step_seconds(max(s["live_pairs"]))
             single = single if single is not None else step_seconds(sum(s["live_pairs"]))
             moved = exchange_bytes(s)
-            row = {"config": name, "world_size": world, "compute_ms": compute * 1e3, "exchange_mib": moved / 2**20}
+            row = {"config": name, "world_size": world, "compute_ms": compute * 1e3, "exchange_mib": moved / 2**20,
+                   "measured_ms": measured.get((name, world))}
             for bw in BANDWIDTHS:
                 serial = compute + moved / bw
                 hidden = max(compute, moved / bw)
@@ -67,13 +83,15 @@ def markdown(table: list[dict]) -> str:
     heads = " | ".join(f"{bw / 1e9:.0f} GB/s" for bw in BANDWIDTHS)
     lines = ["Model (not a measurement): speedup over one H100 of a forward + backward step, exchange not "
              "overlapped / fully overlapped.", "",
-             f"| config | GPUs | compute ms (busiest rank) | exchanged MiB (busiest link) | {heads} |",
-             "|---|---:|---:|---:|" + "---:|" * len(BANDWIDTHS)]
+             f"| config | GPUs | compute ms (busiest rank) | measured ms (slowest rank, alone) | exchanged MiB "
+             f"(busiest link) | {heads} |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(BANDWIDTHS)]
     for r in table:
         speeds = " | ".join(f"{r[f'speedup_{bw / 1e9:.0f}']:.2f}x / {r[f'speedup_{bw / 1e9:.0f}_overlap']:.2f}x"
                             for bw in BANDWIDTHS)
-        lines.append(f"| {r['config']} | {r['world_size']} | {r['compute_ms']:.1f} | {r['exchange_mib']:.0f} | "
-                     f"{speeds} |")
+        seen = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        lines.append(f"| {r['config']} | {r['world_size']} | {r['compute_ms']:.1f} | {seen} | "
+                     f"{r['exchange_mib']:.0f} | {speeds} |")
     return "\n".join(lines) + "\n"
 
 
