@@ -68,6 +68,7 @@ import torch
 import mmsparse
 import mmsparse.functional
 from mmsparse.functional import new_dropout_seed
+from mmsparse.ops import block_lists
 from mmsparse.ops.dropout import dropout_keep_rows
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
 from mmsparse.topology import MAX_SEGMENTS
@@ -146,6 +147,7 @@ class Case:
     layout: str = "bhsd"  # packed q/k/v: "bhsd" ([1, H, total, D]) or "thd" (flash-attn's [total, H, D])
     lens_as: str = "list"  # seg_lens given as a host "list" or a device "tensor"
     topology_as: str = "list"  # the topology given as a nested "list", a "tensor" or a "Topology"
+    packed_lists: bool = False  # block lists packed end to end (CSR), as masks past COMPACT_BYTES get them
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,7 +321,8 @@ def draw_case(seed: int, device: torch.device, budget: int | None = None) -> Cas
     lens_as = "tensor" if not dense and rng.random() < 0.3 else "list"
     topology_as = rng.choice(["list", "tensor", "Topology"]) if k <= 64 else "Topology"
     case = Case(seed, dtype, head_dim, heads_q, heads_kv, batch, k, style, pair_types, topo_seed, rows, seq_k,
-                seq_q, q_start, causal, dense, packed, dropout_p, layout, lens_as, topology_as)
+                seq_q, q_start, causal, dense, packed, dropout_p, layout, lens_as, topology_as,
+                packed_lists=rng.random() < 0.3)  # drawn last: the other fields of a seed stay as they were
     if dense and not _within(case, budget, gpu):  # the dense mask's copies are over budget: the topology instead
         case = replace(case, dense=False)
     while case.packed and len(case.seg_lens) > 1 and not _within(case, budget, gpu):  # a long pack: fewer samples
@@ -370,8 +373,8 @@ def _draw_types(k: int, style: str, pair_types: str, topo_seed: int) -> torch.Te
 FEATURES = (
     "bit path (0/1, k <= 32)", "segment codes", "pair types 0/1/2", "k > 32", "k > 600", "packed",
     "packed, > 100 samples", "packed, [total, H, D]", "per-sample lengths", "fewer queries than keys", "q_start",
-    "causal", "dense attn_mask", "dropout", "GQA", "lengths as a tensor", *DTYPES, "D=16", "D=32", "D=40", "D=64",
-    "D=128",
+    "causal", "dense attn_mask", "dropout", "GQA", "lengths as a tensor", "packed block lists", *DTYPES, "D=16",
+    "D=32", "D=40", "D=64", "D=128",
 )
 
 
@@ -395,6 +398,7 @@ def features(case: Case) -> list[str]:
         "dropout": case.dropout_p > 0,
         "GQA": case.heads_q > case.heads_kv,
         "lengths as a tensor": case.lens_as == "tensor",
+        "packed block lists": case.packed_lists and not case.dense,
     }
     return [name for name, on in tags.items() if on] + [case.dtype, f"D={case.head_dim}"]
 
@@ -526,6 +530,19 @@ def _lens_dtype(case: Case) -> torch.dtype:
     return random.Random(case.seed).choice([torch.int32, torch.int64])
 
 
+@contextlib.contextmanager
+def _lists_layout(case: Case) -> Iterator[None]:
+    """Masks built inside get packed (CSR) block lists when the case asks for them (fixed slots otherwise, at the
+    fuzzer's sizes), and are not cached: a later case must not reuse them."""
+    saved, cache = block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE
+    block_lists.COMPACT_BYTES = 0 if case.packed_lists else saved
+    mmsparse.functional._INFO_CACHE = type(cache)()
+    try:
+        yield
+    finally:
+        block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE = saved, cache
+
+
 def run_case(case: Case, device: torch.device) -> list[str]:
     """The failures of one case (empty: it passed)."""
     dtype = DTYPES[case.dtype]
@@ -549,19 +566,20 @@ def run_case(case: Case, device: torch.device) -> list[str]:
     if case.lens_as == "tensor":
         lens = torch.tensor(lens, dtype=_lens_dtype(case), device=device)
     torch.manual_seed(case.seed & (2**63 - 1))
-    if case.packed:
-        out = mmsparse.mbs_attention_varlen(*leaves, _topology_arg(case), lens, causal=case.causal,
-                                            dropout_p=case.dropout_p)
-    elif case.dense:  # the mask without causality, which the causal flag adds
-        plain = _allowed_rows(replace(case, causal=False), device)
-        with torch.no_grad():
-            mask = torch.stack([torch.cat([plain(b, r) for r in torch.arange(case.seq_q, device=device).split(1024)])
-                                for b in range(len(case.seg_lens))])
-        out = mmsparse.mbs_attention(*leaves, attn_mask=mask, causal=case.causal, dropout_p=case.dropout_p)
-        del mask, plain
-    else:
-        out = mmsparse.mbs_attention(*leaves, _topology_arg(case), lens, causal=case.causal,
-                                     dropout_p=case.dropout_p, q_start=case.q_start)
+    with _lists_layout(case):
+        if case.packed:
+            out = mmsparse.mbs_attention_varlen(*leaves, _topology_arg(case), lens, causal=case.causal,
+                                                dropout_p=case.dropout_p)
+        elif case.dense:  # the mask without causality, which the causal flag adds
+            plain = _allowed_rows(replace(case, causal=False), device)
+            with torch.no_grad():
+                mask = torch.stack([torch.cat([plain(b, r) for r in torch.arange(case.seq_q, device=device)
+                                              .split(1024)]) for b in range(len(case.seg_lens))])
+            out = mmsparse.mbs_attention(*leaves, attn_mask=mask, causal=case.causal, dropout_p=case.dropout_p)
+            del mask, plain
+        else:
+            out = mmsparse.mbs_attention(*leaves, _topology_arg(case), lens, causal=case.causal,
+                                         dropout_p=case.dropout_p, q_start=case.q_start)
     out.backward(given(do))
     out = as_bhsd(out.detach())
     grads = [as_bhsd(t.grad) for t in leaves]
