@@ -64,6 +64,10 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: i
         indices = torch.empty((bm, n_r * n_c), dtype=dtype, device=device)
         launch(LISTS_DENSE, counts, indices)
         return BlockLists(counts, indices)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"block lists of {n_r} x {n_c} tiles are packed, which reads their length back to the "
+                           "host: build the mask before capturing the CUDA graph (call it once first, or "
+                           "mmsparse.ops.kernel_args.prepare)")
     launch(LISTS_COUNT, counts, counts.new_empty((bm, 0), dtype=dtype))
     sizes = counts[..., :2].sum(-1, dtype=torch.int64)
     ends = sizes.cumsum(1)
