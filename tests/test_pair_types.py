@@ -243,3 +243,22 @@ def test_packs_tell_the_forward_their_sample_length(device):
     lens = torch.tensor([[3, 5], [0, 9], [4, 4]], device=device)
     assert MaskInfo.from_segments(topo, lens, 25, 25, False, packed=True).sample_len == 25 // 3
     assert MaskInfo.from_segments(topo, lens[:1], 8, 8, False).sample_len is None
+
+
+def test_compiled_ops_keep_the_pack_flag(device):
+    """The custom ops' view of a mask (pack / unpack) keeps whether it is a pack of short samples, as a flag: the
+    forward picks the same tile traced or eager, and a new pack's length changes no graph argument."""
+    from mmsparse.ops.config import SHORT_SAMPLES
+    from mmsparse.ops.kernel_args import pack, unpack
+
+    topo = Topology([[1, 2], [0, 1]])
+    for lens, short in (([[3, 5], [0, 9], [4, 4]], True), ([[SHORT_SAMPLES, 1]], False)):
+        lens = torch.tensor(lens, device=device)
+        total = int(lens.sum())
+        info = MaskInfo.from_segments(topo, lens, total, total, True, packed=True)
+        *_, flag = packed = pack(info)
+        assert flag is short
+        again = unpack(*packed, total, total)
+        assert (again.sample_len is not None) is short and (again.sample_len or 0) <= SHORT_SAMPLES
+        assert torch.equal(again.q_bits, info.q_bits) and again.causal and again.num_segments == 2
+    assert pack(MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False))[-1] is False

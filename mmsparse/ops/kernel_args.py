@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
 from ..mask_info import MaskInfo, TileKey
-from .config import KernelConfig
+from .config import SHORT_SAMPLES, KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
@@ -105,32 +105,35 @@ def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
     return info.prepare(list_tiles(config, info.seq_q, info.seq_k, info.sample_len))
 
 
-PackedMask = tuple[list[torch.Tensor], int, bool, int]  # (tensors, mode, causal, num_segments)
+PackedMask = tuple[list[torch.Tensor], int, bool, int, bool]  # (tensors, mode, causal, num_segments, short samples)
 
 
 def pack(info: MaskInfo) -> PackedMask:
     """A mask as a torch custom op takes it: the token-level tensors (q_bits, k_bits, dense mask, first-query
     positions; empty stand-ins for the unused path; codes and the pair table in the bits' and dense mask's places)
-    and its mode, causality and segment count. The op builds the block lists it needs from them
-    (:func:`unpack`)."""
+    and its mode, causality, segment count and whether it is a pack of short samples (a flag rather than the
+    mean length, so that new packs do not recompile a graph: it only picks the forward's tile). The op builds the
+    block lists it needs from them (:func:`unpack`)."""
+    short = info.sample_len is not None and info.sample_len <= SHORT_SAMPLES
     if info.mode == MASK_SEGMENTS:
-        return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments
+        return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments, short
     if info.mode == MASK_BITS:
         dense = torch.empty((info.batch, 0, 0), dtype=torch.bool, device=info.device)
         tensors = [info.q_bits, info.k_bits, dense, info.q_start]
     else:
         bits = torch.empty((info.batch, 0), dtype=torch.int32, device=info.device)
         tensors = [bits, bits, info.dense, info.q_start]
-    return tensors, info.mode, info.causal, info.num_segments
+    return tensors, info.mode, info.causal, info.num_segments, short
 
 
-def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, seq_q: int,
-           seq_k: int) -> MaskInfo:
-    """Inverse of :func:`pack`, for seq_q queries over seq_k keys."""
+def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
+           seq_q: int, seq_k: int) -> MaskInfo:
+    """Inverse of :func:`pack`, for seq_q queries over seq_k keys (a pack of short samples comes back with the
+    longest mean sample length that counts as short)."""
     q_bits, k_bits, dense, q_start = tensors
     if mode == MASK_SEGMENTS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start, table=dense)
+                        q_start=q_start, table=dense, sample_len=SHORT_SAMPLES if short_samples else None)
     if mode == MASK_BITS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
                         q_start=q_start)

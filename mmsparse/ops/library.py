@@ -46,8 +46,8 @@ def attention_forward(
             (``new_dropout_seed``).
     """
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
-        mask, mode, causal, num_segments = pack(info)
-        return _fwd_op(q, k, v, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p)
+        mask, mode, causal, num_segments, short = pack(info)
+        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p)
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
@@ -57,22 +57,23 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group."""
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        mask, mode, causal, num_segments = pack(info)
-        return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p)
+        mask, mode, causal, num_segments, short = pack(info)
+        return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
+                       dropout_p)
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
 @torch.library.custom_op("mmsparse::fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
-    num_segments: int, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
+    num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, q.shape[2], k.shape[2])
+    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2])
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p):
+def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -80,13 +81,13 @@ def _(q, k, v, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p)
 @torch.library.custom_op("mmsparse::bwd", mutates_args=())
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, seed: torch.Tensor | None,
-    softmax_scale: float, dropout_p: float,
+    mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, q.shape[2], k.shape[2])
+    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2])
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
 @_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, seed, softmax_scale, dropout_p):
+def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
