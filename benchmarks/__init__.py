@@ -4,6 +4,8 @@
     python -m benchmarks.ab --base REF        # the working tree against a git ref, interleaved, bit for bit
     python -m benchmarks.bench_build          # the block-metadata build for new lengths
     python -m benchmarks.tune_tiles           # tile sweeps of one pass
+    python -m benchmarks.cp_local             # each context-parallel rank's local attention on one GPU
+    python -m benchmarks.profile_ncu          # Nsight Compute, per kernel, side by side
 
 Importing the package imports nothing heavy: the A/B parent process never loads torch or mmsparse.
 """
