@@ -43,7 +43,7 @@ def code_runs(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         ``[B, S + 2]`` the code of each run. Entries past ``starts[n_runs]`` are unwritten.
     """
     bsz, seq = codes.shape
-    if codes.stride(1) != 1:
+    if codes.stride(1) != 1:  # the kernel steps a row by 1
         codes = codes.contiguous()
     run = torch.empty((bsz, seq), dtype=torch.int32, device=codes.device)
     starts = torch.empty((bsz, seq + 2), dtype=torch.int32, device=codes.device)
@@ -57,6 +57,8 @@ def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.T
     """int32 ``[B, blocks, 4]``: each block's first and last run and its lowest and highest doc (the words
     ``_classify_runs`` reads at offsets 0-3), one launch."""
     bsz, seq = codes.shape
+    if codes.stride(1) != 1:  # the kernel steps a row by 1
+        codes = codes.contiguous()
     n = cdiv(seq, block)
     out = torch.empty((bsz, n, 4), dtype=torch.int32, device=codes.device)
     g = max(1, min(_SUMMARY_TOKENS // block, triton.next_power_of_2(n)))
@@ -74,8 +76,8 @@ class CodeRuns:
     __slots__ = ("codes", "run", "starts", "run_codes", "_summaries")
 
     def __init__(self, codes: torch.Tensor) -> None:
-        self.codes = codes
-        self.run, self.starts, self.run_codes = code_runs(codes)
+        self.codes = codes if codes.stride(1) == 1 else codes.contiguous()  # the kernels step a row by 1
+        self.run, self.starts, self.run_codes = code_runs(self.codes)
         self._summaries: dict[int, torch.Tensor] = {}
 
     def summary(self, block: int) -> torch.Tensor:

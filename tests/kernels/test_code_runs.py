@@ -21,8 +21,8 @@ def _reference_runs(row: torch.Tensor) -> tuple[list[int], list[int], list[int]]
 
 @pytest.mark.parametrize("seq", [1, 5, 2500])
 def test_runs_and_summaries(seq, device):
-    """Rows longer than the kernel's chunk (runs cross chunk edges), single tokens, a row of one run, and a
-    strided (sliced) input; summaries at block sizes that do and do not divide the length."""
+    """Rows longer than the kernel's chunk (runs cross chunk edges), single tokens, a row of one run, and
+    strided (sliced) inputs; summaries at block sizes that do and do not divide the length."""
     gen = torch.Generator().manual_seed(seq)
     lengths = torch.randint(1, 40, (2, seq), generator=gen)
     docs = torch.randint(0, 3, (2, seq), generator=gen).cumsum(1)
@@ -32,6 +32,8 @@ def test_runs_and_summaries(seq, device):
     wide = torch.zeros((2, seq + 3), dtype=torch.int32)
     wide[:, 3:] = codes
     codes = wide[:, 3:].to(device)  # row stride seq + 3
+    if seq == 5:  # a column stride of 2
+        codes = torch.stack([codes, codes], -1).flatten(1).to(device)[:, ::2]
     run, starts, run_codes = code_runs(codes)
     for b in range(2):
         want_run, want_starts, want_codes = _reference_runs(codes[b].cpu())
