@@ -68,12 +68,12 @@ import torch
 import mmsparse
 import mmsparse.functional
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import block_lists
 from mmsparse.ops.dropout import dropout_keep_rows
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
 from mmsparse.topology import MAX_SEGMENTS
 
 from .env import REPO_DIR, environment, results_dir
+from .lists_layout import lists_layout
 from .report import write_record
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -530,19 +530,6 @@ def _lens_dtype(case: Case) -> torch.dtype:
     return random.Random(case.seed).choice([torch.int32, torch.int64])
 
 
-@contextlib.contextmanager
-def _lists_layout(case: Case) -> Iterator[None]:
-    """Masks built inside get packed (CSR) block lists when the case asks for them (fixed slots otherwise, at the
-    fuzzer's sizes), and are not cached: a later case must not reuse them."""
-    saved, cache = block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE
-    block_lists.COMPACT_BYTES = 0 if case.packed_lists else saved
-    mmsparse.functional._INFO_CACHE = type(cache)()
-    try:
-        yield
-    finally:
-        block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE = saved, cache
-
-
 def run_case(case: Case, device: torch.device) -> list[str]:
     """The failures of one case (empty: it passed)."""
     dtype = DTYPES[case.dtype]
@@ -566,7 +553,7 @@ def run_case(case: Case, device: torch.device) -> list[str]:
     if case.lens_as == "tensor":
         lens = torch.tensor(lens, dtype=_lens_dtype(case), device=device)
     torch.manual_seed(case.seed & (2**63 - 1))
-    with _lists_layout(case):
+    with lists_layout(case.packed_lists):
         if case.packed:
             out = mmsparse.mbs_attention_varlen(*leaves, _topology_arg(case), lens, causal=case.causal,
                                                 dropout_p=case.dropout_p)

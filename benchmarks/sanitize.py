@@ -91,6 +91,7 @@ class SanCase:
     fill_grid: bool = False  # more heads, so that the forward has 2 programs per SM (the Gluon forward: no split)
     expect: frozenset[str] = frozenset()  # of "split", "gluon-fwd", "gluon-dq", "gluon-dkdv"
     kind: str = "attention"
+    packed_lists: bool = False  # the block lists packed end to end (CSR), as large masks get them
 
     def summary(self) -> str:
         if self.kind == "lists":
@@ -98,7 +99,8 @@ class SanCase:
         heads = f"H {self.heads}/{self.kv_heads}{' x more' if self.fill_grid else ''}"
         extra = [x for x, on in (("causal", self.causal), (f"dropout {self.dropout}", self.dropout),
                                  ("pointer loads", not self.use_tma), ("[total, H, D]", self.layout == "thd"),
-                                 (f"q_start {list(self.q_start or ())}", self.q_start)) if on]
+                                 (f"q_start {list(self.q_start or ())}", self.q_start),
+                                 ("packed block lists", self.packed_lists)) if on]
         want = f"; must take {', '.join(sorted(self.expect))}" if self.expect else ""
         return f"{self._mask()}, B {self.batch}, {heads}, D {self.head_dim} {self.dtype}{', ' if extra else ''}" \
                f"{', '.join(extra)}{want}"
@@ -159,6 +161,8 @@ GROUPS: dict[str, Group] = {
             SanCase("bits-fp32-d40", FOUR, (90, 17, 120, 73), heads=2, kv_heads=1, head_dim=40, dtype="fp32"),
             SanCase("bits-pointer-loads", HUB, (100, 37, 120), causal=True, heads=4, kv_heads=2, use_tma=False),
             SanCase("bits-d256", RING, (40, 33, 57), heads=2, kv_heads=2, head_dim=256),
+            SanCase("bits-packed-lists", HUB, [(100, 37, 120), (50, 0, 60)], batch=2, causal=True, heads=4,
+                    kv_heads=2, packed_lists=True),
         )),
     "tl-codes": Group(
         "tl kernels, segment codes: pair types 0/1/2, k > 32 (40 and 600), packs with empty segments and samples "
@@ -201,6 +205,10 @@ GROUPS: dict[str, Group] = {
                     causal=True, kind="lists"),
             SanCase("lists-codes-k600", "k600", K600, kind="lists"),
             SanCase("lists-codes-pack300", TYPES3, PACK300, packed=True, causal=True, kind="lists"),
+            SanCase("lists-packed", HUB, [(100, 37, 120), (50, 0, 60)], batch=2, causal=True, kind="lists",
+                    packed_lists=True),
+            SanCase("lists-codes-pack300-packed", TYPES3, PACK300, packed=True, causal=True, kind="lists",
+                    packed_lists=True),
         )),
     "gluon-bits": Group(
         "Gluon Hopper forward, dQ and dK/dV (TMA, mbarriers, wgmma) with bit masks: D 64/128, causal, GQA, "
@@ -215,6 +223,8 @@ GROUPS: dict[str, Group] = {
             SanCase("gluon-bits-short", HUB, (10, 20, 10), heads=2, kv_heads=2, fill_grid=True, expect=_GLUON_ALL),
             SanCase("gluon-bits-empty-segment", CYCLIC, (0, 200, 100), causal=True, head_dim=128, dtype="fp16",
                     fill_grid=True, expect=_GLUON_ALL),
+            SanCase("gluon-bits-packed-lists", HUB, [(100, 37, 163), (30, 0, 99)], batch=2, causal=True, heads=4,
+                    kv_heads=2, head_dim=128, fill_grid=True, expect=_GLUON_ALL, packed_lists=True),
         ), hopper=True),
     "gluon-codes": Group(
         "Gluon Hopper kernels with segment codes: pair types 0/1/2, k=40, a pack of 50 as [total, H, D], decode "
@@ -224,6 +234,8 @@ GROUPS: dict[str, Group] = {
             SanCase("gluon-codes-k40", "k40", K40, fill_grid=True, expect=_GLUON_ALL),
             SanCase("gluon-codes-pack50-thd", TYPES3, PACK50, packed=True, layout="thd", fill_grid=True,
                     expect=_GLUON_ALL),
+            SanCase("gluon-codes-pack50-packed-lists", TYPES3, PACK50, packed=True, head_dim=128, fill_grid=True,
+                    expect=_GLUON_ALL, packed_lists=True),
             SanCase("gluon-codes-decode", TRANSFUSION5, [(300, 100, 700, 48, 900), (10, 0, 30, 0, 5)], batch=2,
                     heads=2, kv_heads=2, seq_q=3, q_start=(2000, 1), head_dim=128, expect=_GLUON_BWD),
         ), hopper=True),
@@ -439,6 +451,8 @@ def run_child(group: str, only: tuple[str, ...] | None, device_name: str = "cuda
 
     from mmsparse.ops import config
 
+    from .lists_layout import lists_layout
+
     spec = GROUPS[group]
     device = torch.device(device_name)
     if spec.path == "gluon":
@@ -449,7 +463,7 @@ def run_child(group: str, only: tuple[str, ...] | None, device_name: str = "cuda
         start = time.monotonic()
         taken: set[str] = set()
         try:
-            with _spies(taken, device):
+            with _spies(taken, device), lists_layout(case.packed_lists):
                 if case.kind == "lists":
                     _run_lists(case, device)
                 else:
