@@ -16,6 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..constants import MASK_DENSE
+from ..lists import block_id
 from ..rules import allowed_pairs
 
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
@@ -50,12 +51,6 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qb
     mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
                  stride_mask_q, seq_q, seq_k, gl.load(PAST + b * stride_past_b))
     return n_full, n_total, idx_ptr, mask_args
-
-
-@gluon.jit
-def block_id(idx_ptr, it):
-    """Entry ``it`` of a block list, as int32 (lists may hold int16 ids)."""
-    return gl.load(idx_ptr + it).to(gl.int32)
 
 
 @gluon.jit

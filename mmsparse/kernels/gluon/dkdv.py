@@ -28,8 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..lists import block_id
 from ..rules import allowed_pairs
-from .common import block_id, box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
+from .common import box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)

@@ -24,9 +24,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..lists import block_id
 from .common import (
     WG_ROWS,
-    block_id,
     box,
     init_kv_ring,
     init_turns,

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS
+from ..lists import block_id
 from .common import (
     dot,
     dropout_keep,
@@ -42,7 +43,7 @@ def _dkdv_tiles(
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
-        m_blk = tl.load(idx_ptr + it).to(tl.int32)
+        m_blk = block_id(idx_ptr, it)
         offs_m = m_blk * BM + offs_m0
         b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
@@ -135,7 +136,7 @@ def _dq_tiles(
 ):
     """Accumulate dQ of one query block over key blocks idx[start:stop]."""
     for it in range(start, stop):
-        n_blk = tl.load(idx_ptr + it).to(tl.int32)
+        n_blk = block_id(idx_ptr, it)
         offs_n = n_blk * BN + offs_n0
         b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]

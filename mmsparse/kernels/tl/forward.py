@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS
+from ..lists import block_id
 from .common import (
     dot,
     dropout_keep,
@@ -33,7 +34,7 @@ def _fwd_tiles(
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
     for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
-        n_blk = tl.load(idx_ptr + it).to(tl.int32)
+        n_blk = block_id(idx_ptr, it)
         offs_kv = n_blk * BN + offs_n
         b_k = load_block(k_src, n_blk * BN, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_kv, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
