@@ -349,9 +349,9 @@ def _tl_config(head_dim: int, dtype: Any, device: Any, use_tma: bool) -> Any:
     def tl(tile: Any) -> Any:
         return None if tile is None else replace(tile, gluon_stages=0, pingpong=False)
 
-    return replace(cfg, fwd=tl(cfg.fwd), fwd_short=tl(cfg.fwd_short), bwd_dkdv=tl(cfg.bwd_dkdv),
-                   bwd_dq=tl(cfg.bwd_dq), bwd_dq_short=tl(cfg.bwd_dq_short), decode=tl(cfg.decode),
-                   use_tma=cfg.use_tma and use_tma)
+    return replace(cfg, fwd=tl(cfg.fwd), fwd_short=tl(cfg.fwd_short), fwd_short_samples=tl(cfg.fwd_short_samples),
+                   bwd_dkdv=tl(cfg.bwd_dkdv), bwd_dq=tl(cfg.bwd_dq), bwd_dq_short=tl(cfg.bwd_dq_short),
+                   decode=tl(cfg.decode), use_tma=cfg.use_tma and use_tma)
 
 
 def _run_attention(case: SanCase, path: str, device: Any) -> None:

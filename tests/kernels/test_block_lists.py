@@ -174,3 +174,23 @@ def test_mask_info_lists_come_from_the_kernels(device, monkeypatch):
                 live, full = live.transpose(1, 2), full.transpose(1, 2)
             _assert_same(got, lists_from_classes(live, full))
     assert len(calls) == 2 * len(TILES)
+
+
+@pytest.mark.gpu
+def test_packed_lists_refuse_cuda_graph_capture():
+    """Packed lists read their length back to the host, which a CUDA graph cannot replay: a clear error during
+    capture, and fixed-slot lists of the same mask still capture."""
+    info = MaskInfo.from_topology(Topology([[1, 0], [1, 1]]), torch.tensor([[300, 200]], device="cuda"), 500, 500,
+                                  True)
+    args = (info.q_bits, info.k_bits, 2, 64, 64, True, info.q_start)
+    build_block_lists(*args, compact=False)  # compile outside the capture
+    build_block_lists(*args, compact=True)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="before capturing the CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            build_block_lists(*args, compact=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = build_block_lists(*args, compact=False)
+    graph.replay()
+    _assert_same(build_block_lists(*args, compact=True), captured)
