@@ -135,7 +135,7 @@ def workers(trees: dict[str, Tree], args: argparse.Namespace) -> Iterator[dict[s
     """``args.workers`` worker processes per side."""
     with ExitStack() as stack:
         started: dict[str, list[Worker]] = {side: [] for side in trees}
-        for _ in range(args.workers):  # all start at once: imports and compiles overlap
+        for _ in range(args.workers):  # all start at once: their imports overlap
             for side, tree in trees.items():
                 started[side].append(Worker(tree, args))
                 stack.callback(started[side][-1].close)
@@ -152,23 +152,24 @@ def measure(sides: dict[str, list[Worker]], names: list[str], rounds: int) -> li
     digests: dict[str, dict[str, Any]] = {n: dict.fromkeys(sides) for n in names}
     errors: dict[str, list[str]] = {n: [] for n in names}
     failed: set[str] = set()
-    # Two waves: the first worker of each side compiles (both trees at once), then the others find the kernels in
-    # Triton's on-disk cache instead of compiling them again side by side.
-    firsts = [(side, side_workers[0]) for side, side_workers in sides.items()]
-    rest = [(side, worker) for side, side_workers in sides.items() for worker in side_workers[1:]]
+    # One worker at a time, the first of each side first: it compiles, and the others find the kernels in Triton's
+    # on-disk cache. Only one process runs kernels at any moment, as in the timing rounds: with six processes
+    # preparing at once, one CTA of a Gluon backward kernel never finished, in either tree (docs/performance.md,
+    # "Several processes on one GPU").
+    slots = max(len(side_workers) for side_workers in sides.values())
+    queue = [(side, side_workers[i]) for i in range(slots) for side, side_workers in sides.items()
+             if i < len(side_workers)]
     for name in names:
-        for wave in (firsts, rest):
-            sent = [worker.send("prepare", name) for _, worker in wave]
-            for (side, worker), ok in zip(wave, sent):
-                reply = worker.read() if ok else {"ok": False, "error": "worker exited"}
-                if not reply["ok"]:
-                    errors[name].append(f"{side} prepare: {reply['error']}")
-                    failed.add(name)
-                elif digests[name][side] is None:
-                    digests[name][side] = reply["digests"]
-                elif digests[name][side] != reply["digests"]:  # one tree, two answers: not reproducible
-                    errors[name].append(f"{side}: workers of the same tree disagree")
-                    digests[name][side] = "differs between workers"
+        for side, worker in queue:
+            reply = worker.ask("prepare", name)
+            if not reply["ok"]:
+                errors[name].append(f"{side} prepare: {reply['error']}")
+                failed.add(name)
+            elif digests[name][side] is None:
+                digests[name][side] = reply["digests"]
+            elif digests[name][side] != reply["digests"]:  # one tree, two answers: not reproducible
+                errors[name].append(f"{side}: workers of the same tree disagree")
+                digests[name][side] = "differs between workers"
         print(f"prepared {name}: {'bit-equal' if _equal(digests[name]) else 'NOT bit-equal or failed'}", flush=True)
     order = list(sides)
     for r in range(rounds):
