@@ -25,9 +25,12 @@ def cdiv(a: int, b: int) -> int:
 _INT16_LIMIT = 2**15 - 1
 
 
-def index_dtype(columns: int) -> torch.dtype:
-    """The dtype of block ids below ``columns``: int16 when they fit, else int32."""
-    return torch.int16 if columns <= _INT16_LIMIT else torch.int32
+def index_dtype(columns: int, packed: bool) -> torch.dtype:
+    """The dtype of block ids below ``columns``: int16 in packed lists when they fit, else int32. Packed lists are
+    the large ones, where the halved bytes keep a 1M-token mask's metadata small; the Gluon forward runs 2-4%
+    slower on int16 ids (docs/performance.md, "Block-list memory"), so the fixed-slot lists of every smaller mask
+    keep int32."""
+    return torch.int16 if packed and columns <= _INT16_LIMIT else torch.int32
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
     """Turn bool ``[Bm, R, C]`` live/full tile maps into :class:`BlockLists` over the last dim (C slots a row)."""
     bm, rows, cols = live.shape
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
-    indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols)).reshape(bm, rows * cols)
+    indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(bm, rows * cols)
     starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(bm, rows) * cols
     counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32)
     return BlockLists(counts.contiguous(), indices.contiguous())

@@ -9,5 +9,5 @@ import triton.language as tl
 
 @triton.jit
 def block_id(idx_ptr, it):
-    """Entry ``it`` of a block list, as int32: lists hold int16 ids up to 32,767 blocks."""
+    """Entry ``it`` of a block list, as int32: packed lists hold int16 ids up to 32,767 blocks."""
     return tl.load(idx_ptr + it).to(tl.int32)

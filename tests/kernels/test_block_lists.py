@@ -22,10 +22,10 @@ def _reference(q_bits, k_bits, k, bm, bn, causal, past, by_key) -> BlockLists:
     return lists_from_classes(live, full)
 
 
-def _assert_same(got: BlockLists, want: BlockLists) -> None:
-    """The same lists row by row, whatever the layout (fixed slots or packed)."""
+def _assert_same(got: BlockLists, want: BlockLists, packed: bool = False) -> None:
+    """The same lists row by row, whatever the layout (fixed slots or ``packed``); ``want`` has fixed slots."""
     columns = want.indices.shape[-1] // max(want.counts.shape[1], 1)
-    assert got.counts.dtype == torch.int32 and got.indices.dtype == index_dtype(columns)
+    assert got.counts.dtype == torch.int32 and got.indices.dtype == index_dtype(columns, packed)
     assert got.counts.shape == want.counts.shape and got.indices.dim() == 2
     assert got.counts.device == got.indices.device == want.counts.device
     (got_counts, got_ids), (want_counts, want_ids) = got.padded(columns), want.padded(columns)
@@ -40,7 +40,7 @@ def _check(q_bits, k_bits, k, tile, causal, past, tile_elems=None, fit=None) -> 
         want = _reference(q_bits, k_bits, k, *tile, causal, past, by_key)
         for compact in (False, True):
             got = build_block_lists(q_bits, k_bits, k, *tile, causal, past, by_key, tile_elems, fit, compact=compact)
-            _assert_same(got, want)
+            _assert_same(got, want, compact)
             if compact:  # packed end to end: a row starts where the one before it ends
                 sizes = got.counts[..., :2].sum(-1)
                 assert torch.equal(got.counts[..., 2], sizes.cumsum(1) - sizes)
@@ -193,4 +193,4 @@ def test_packed_lists_refuse_cuda_graph_capture():
     with torch.cuda.graph(graph):
         captured = build_block_lists(*args, compact=False)
     graph.replay()
-    _assert_same(build_block_lists(*args, compact=True), captured)
+    _assert_same(build_block_lists(*args, compact=True), captured, packed=True)

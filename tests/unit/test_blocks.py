@@ -53,7 +53,7 @@ def test_lists_put_full_blocks_first():
     lists = lists_from_classes(live, full)
     assert lists.counts.tolist() == [[[2, 2, 0]]]  # (full, partial, start)
     assert lists.indices[0, :4].tolist() == [1, 4, 0, 3]
-    assert lists.indices.dtype == torch.int16
+    assert lists.indices.dtype == torch.int32  # fixed slots: int32 ids
 
 
 def test_seed_block_mask_matches_any_reduction():
