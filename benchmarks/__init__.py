@@ -6,6 +6,7 @@
     python -m benchmarks.tune_tiles           # tile sweeps of one pass
     python -m benchmarks.cp_local             # each context-parallel rank's local attention on one GPU
     python -m benchmarks.profile_ncu          # Nsight Compute, per kernel, side by side
+    python -m benchmarks.shared_gpu           # several processes on one GPU at once: failures and stalls
 
 Importing the package imports nothing heavy: the A/B parent process never loads torch or mmsparse.
 """
