@@ -52,11 +52,12 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: i
     compact: pack the lists (count, scan, read the total back, write); default: when fixed slots would take more
     than ``COMPACT_BYTES``.
     """
+    fixed = index_dtype(n_c, False)
     counts = torch.empty((bm, n_r, 3), dtype=torch.int32, device=device)
     if n_r == 0 or n_c == 0:
-        return BlockLists(counts.zero_(), torch.empty((bm, 0), dtype=index_dtype(n_c, False), device=device))
+        return BlockLists(counts.zero_(), torch.empty((bm, 0), dtype=fixed, device=device))
     if compact is None:
-        compact = bm * n_r * n_c * index_dtype(n_c, False).itemsize > COMPACT_BYTES
+        compact = bm * n_r * n_c * fixed.itemsize > COMPACT_BYTES
     dtype = index_dtype(n_c, compact)
     if not compact:
         if n_r * n_c > _INT32_MAX:
