@@ -72,6 +72,7 @@ class Topology:
         self._hash = hash(self.types.numpy().tobytes()) if k > 64 else hash(tuple(map(tuple, rows)))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pair_tables: dict[torch.device, torch.Tensor] = {}
+        self._readers: dict[int, set[int]] = {}  # id of a kept table -> the CUDA streams it is recorded on
 
     @property
     def num_segments(self) -> int:
@@ -93,7 +94,25 @@ class Topology:
             table = table.to(device)
             if not torch.compiler.is_compiling():
                 self._pair_tables[device] = table
+        if not torch.compiler.is_compiling():
+            self._read_here(table)
         return table
+
+    def _read_here(self, *tables: torch.Tensor) -> None:
+        """The kept tables are about to be read on the current CUDA stream. Each was copied from the host before it
+        was kept (a copy from pageable memory completes before ``to`` returns), so any stream may read it; but its
+        memory belongs to the pool of the stream that made it. Recorded on every other stream that reads it, it
+        does not go back to that pool, when this Topology is dropped, while those streams may still read it."""
+        if tables[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(tables[0].device)
+        for table in tables:
+            readers = self._readers.get(id(table))
+            if readers is None:  # the stream that made it
+                self._readers[id(table)] = {stream.stream_id}
+            elif stream.stream_id not in readers:
+                table.record_stream(stream)
+                readers.add(stream.stream_id)
 
     def row_bits(self) -> list[int]:
         """Per segment r, the int32 bit pattern of the segments its rows may see."""
@@ -111,6 +130,7 @@ class Topology:
         tables = self._tables.get(device)
         if tables is None:
             tables = self._tables[device] = (_bit_table(self._row_bits, device), _bit_table(self._col_bits, device))
+        self._read_here(*tables)
         return tables
 
     def __eq__(self, other: object) -> bool:

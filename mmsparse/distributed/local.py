@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..ops.launch import stream_key
 from ..segments import token_codes
 from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position
@@ -52,9 +53,11 @@ class RankProblem:
         self.rank, self.world_size = rank, world_size
         self._lens = torch.tensor(rows, dtype=torch.int64)
         self._index = self.plan.token_index(self.rank)
-        self._bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
-        self._dropout_pieces: dict[torch.device, list[Piece]] = {}
+        # Built on first use per device and CUDA stream: the pieces' tensors and block lists are written on the
+        # stream that builds them, and another stream would read them without waiting.
+        self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
+        self._dropout_pieces: dict[Any, list[Piece]] = {}
 
     @property
     def local_len(self) -> int:
@@ -77,21 +80,21 @@ class RankProblem:
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
 
     def pieces(self, device: torch.device, by_position: bool = False) -> list[Piece]:
-        """This rank's pieces (see :mod:`.pieces`), built once per device; ``by_position``: cut into runs of
-        consecutive positions, as dropout needs."""
+        """This rank's pieces (see :mod:`.pieces`), built once per device and stream; ``by_position``: cut into
+        runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
 
     # internals -------------------------------------------------------------------------------------------------
 
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        bits = self._bits.get(device)
+        bits = self._bits.get(_where(device))
         if bits is None:
-            bits = self._bits[device] = token_bits_torch(self.topology, self._lens.to(device), self.seq_len)
+            bits = self._bits[_where(device)] = token_bits_torch(self.topology, self._lens.to(device), self.seq_len)
         return bits
 
     def _local_pieces(self, device: torch.device) -> list[Piece]:
         """The pieces of this rank's attention (see :mod:`.pieces`), built once per device."""
-        cached = self._pieces.get(device)
+        cached = self._pieces.get(_where(device))
         if cached is not None:
             return cached[0]
         if not self.topology.uses_bits:
@@ -117,16 +120,16 @@ class RankProblem:
                 pieces.append(make_piece(rows, rows, True, True, row_bits[:, q_pos], col_bits[:, q_pos],
                                          num_segments))
                 start += n
-        self._pieces[device] = (pieces, gathered)
+        self._pieces[_where(device)] = (pieces, gathered)
         return pieces
 
     def _pieces_by_position(self, device: torch.device) -> list[Piece]:
         """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
-        cached = self._dropout_pieces.get(device)
+        cached = self._dropout_pieces.get(_where(device))
         if cached is None:
             pieces = self._local_pieces(device)
-            gathered, local = self._pieces[device][1], self._index.to(device)
-            cached = self._dropout_pieces[device] = [
+            gathered, local = self._pieces[_where(device)][1], self._index.to(device)
+            cached = self._dropout_pieces[_where(device)] = [
                 part for p in pieces
                 for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]
         return cached
@@ -157,8 +160,13 @@ class RankProblem:
                 pieces.append(make_code_piece(rows, slice(after, gathered.numel()), False, False, q_codes,
                                               codes[:, gathered[after:]], after_table, k))
             start += n
-        self._pieces[device] = (pieces, gathered)
+        self._pieces[_where(device)] = (pieces, gathered)
         return pieces
+
+
+def _where(device: torch.device) -> tuple[torch.device, Any]:
+    """The key of what a RankProblem builds: the device and its current CUDA stream (None off the GPU)."""
+    return device, stream_key(device)
 
 
 def check_causal(causal: Any) -> None:

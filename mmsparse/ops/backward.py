@@ -13,7 +13,7 @@ from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attenti
 from ..mask_info import MaskInfo
 from .config import Tile, cuda_index, head_dim_pad, kernel_config, short_keys
 from .forward import _LOG2E, dot_mode
-from .kernel_args import kernel_args
+from .kernel_args import LaunchArgs, kernel_args
 from .launch import FastKernel
 from .scratch import ensure_tma_allocator
 
@@ -33,9 +33,13 @@ def mbs_attn_bwd(
     seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward passes. On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side
-    stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots
-    (1-5% on the H100). The current stream waits for the side stream before returning, so callers, CUDA graphs
-    and the caching allocator (whose blocks stay with the current stream) see one ordered stream.
+    stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots.
+    Every block list either pass reads is built first, on the current stream, before the side stream waits for
+    it: the two passes' lists share summaries (and, for self-attention, code runs), so a list built lazily on
+    the side stream would be read by the dK/dV builder before it was written, and its memory would come from the
+    side stream's pool while the mask that keeps it is used on the current one. The current stream waits for the
+    side stream before returning, so callers, CUDA graphs and the caching allocator (whose blocks stay with the
+    current stream) see one ordered stream.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -61,16 +65,18 @@ def mbs_attn_bwd(
     _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
     dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
+    dq_tile, dkdv_tile = cfg.dq_tile(seq_k), cfg.bwd_dkdv
+    dq_mask, dkdv_mask = backward_mask_args(info, dq_tile, dkdv_tile)
     main, side = _streams(q.device, seq_k)
     if side is not None:
-        side.wait_stream(main)  # delta and the inputs are ready
+        side.wait_stream(main)  # delta, the block lists and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        tile = cfg.dq_tile(seq_k)
+        tile = dq_tile
         gluon = _gluon_launchers(tile, dropout_p)
         if gluon is not None:
             gluon.run_dq(q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale, tile)
         else:
-            mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n)
+            mask_tensors, mask_scalars = dq_mask
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
                 q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
                 dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
@@ -79,12 +85,12 @@ def mbs_attn_bwd(
 
     dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
     dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
-    tile = cfg.bwd_dkdv
+    tile = dkdv_tile
     gluon = _gluon_launchers(tile, dropout_p)
     if gluon is not None:
         gluon.run_dkdv(q, k, v, do, lse, delta, (dk, dv), info, qk_scale, softmax_scale, tile)
     else:
-        mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, tile.block_n, by_key=True)
+        mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
             q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
             dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
@@ -93,6 +99,15 @@ def mbs_attn_bwd(
     if side is not None:
         main.wait_stream(side)
     return dq, dk, dv
+
+
+def backward_mask_args(info: MaskInfo, dq_tile: Tile, dkdv_tile: Tile) -> tuple[LaunchArgs, LaunchArgs]:
+    """The mask arguments of the dQ pass (per query block) and the dK/dV pass (per key block), their block lists
+    built now on the current stream. The Gluon launchers read the same tiles (their block sizes are the tiles'),
+    so they find these lists built."""
+    args = kernel_args(info)
+    return (args.tile(dq_tile.block_m, dq_tile.block_n),
+            args.tile(dkdv_tile.block_m, dkdv_tile.block_n, by_key=True))
 
 
 def _gluon_launchers(tile: Tile, dropout_p: float) -> ModuleType | None:

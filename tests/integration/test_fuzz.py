@@ -202,7 +202,8 @@ def test_draws_keep_to_their_budgets():
         if dev_type is GPU:
             lengths = [c.seq_k for c in cases]
             assert min(lengths) == 1 and max(lengths) > 60_000 and max(lengths) <= 1 << 17
-            assert sum(s <= 4096 for s in lengths) > 0.75 * len(lengths)
+            assert sum(s <= 4096 for s in lengths) > 0.65 * len(lengths)
+            assert sum(s > 8192 for s in lengths) > 0.12 * len(lengths)  # the backward's side stream
             assert {c.batch for c in cases} == {1, 2, 4, 8}
             assert any(c.batch == 8 and c.seq_k > 4096 for c in cases)
             assert sum(c.dense for c in cases) > draws / 20
