@@ -696,7 +696,7 @@ def kernel_keys(case: Case, sms: int = 132) -> frozenset[tuple]:
     lengths' classes), causal and (bits) the segments rounded up to a power of two, the token-bit kernel on k and
     the lengths' dtype, the dropout keep mask on the query heads. ``sms``: the GPU's multiprocessors."""
     from mmsparse.ops.config import DECODE_MAX_Q, SHORT_KEYS
-    from mmsparse.ops.forward import gqa_pack_rows
+    from mmsparse.ops.plan import gqa_pack_rows
 
     half, d, drop = case.dtype != "fp32", case.head_dim, case.dropout_p > 0
     group = case.heads_q // case.heads_kv

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -308,36 +308,34 @@ def selected_cases(group: str, only: tuple[str, ...] | None) -> list[SanCase]:
 
 @contextlib.contextmanager
 def _spies(taken: set[str], device: Any) -> Iterator[None]:
-    """Record in ``taken`` what the calls did: "split" (a forward with split key lists), "gluon-fwd", "gluon-dq",
-    "gluon-dkdv" (the Gluon launchers ran)."""
-    from mmsparse.ops import config, dispatch, forward
+    """Record in ``taken`` what the calls' plans chose: "split" (a forward with split key lists), "gluon-fwd",
+    "gluon-dq", "gluon-dkdv" (the Gluon kernel of that pass)."""
+    from mmsparse.ops import backward, forward
 
-    patches: list[tuple[Any, str, Any]] = []
+    def forward_kernels(plan: Any) -> None:
+        if plan.forward.n_splits > 1:
+            taken.add("split")
+        if plan.forward.gluon:
+            taken.add("gluon-fwd")
 
-    def patch(module: Any, name: str, tag: str, when: Callable[[Any], bool] = lambda _: True) -> None:
-        real = getattr(module, name)
+    def backward_kernels(plan: Any) -> None:
+        taken.update(tag for tag, on in (("gluon-dq", plan.dq.gluon), ("gluon-dkdv", plan.dkdv.gluon)) if on)
 
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            out = real(*args, **kwargs)
-            if when(out):
-                taken.add(tag)
-            return out
+    patches = [(forward, forward_kernels), (backward, backward_kernels)]
+    reals = [module.plan_attention for module, _ in patches]
+    for (module, read), real in zip(patches, reals):
 
-        patches.append((module, name, real))
-        setattr(module, name, spy)
+        def spy(*args: Any, _real: Any = real, _read: Any = read, **kwargs: Any) -> Any:
+            plan = _real(*args, **kwargs)
+            _read(plan)
+            return plan
 
-    patch(forward, "num_splits", "split", lambda n: n > 1)
-    if device.type == "cuda" and dispatch.hopper_gluon_available(config.cuda_index(device)):
-        from mmsparse.ops import gluon_launch
-
-        patch(gluon_launch, "run_forward", "gluon-fwd")
-        patch(gluon_launch, "run_dq", "gluon-dq")
-        patch(gluon_launch, "run_dkdv", "gluon-dkdv")
+        module.plan_attention = spy
     try:
         yield
     finally:
-        for module, name, real in reversed(patches):
-            setattr(module, name, real)
+        for (module, _), real in zip(patches, reals):
+            module.plan_attention = real
 
 
 def _tl_config(head_dim: int, dtype: Any, device: Any, use_tma: bool) -> Any:

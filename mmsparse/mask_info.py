@@ -159,9 +159,18 @@ class MaskInfo:
             self._lists[key] = lists_from_classes(live, full)
         return self._lists[key]
 
+    def built_lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
+        """The block lists at a tile that :meth:`prepare` (or :meth:`lists`) built: a launch only reads them, so
+        that everything it reads was written on the current stream before it."""
+        lists = self._lists.get((block_m, block_n, by_key))
+        if lists is None:
+            raise RuntimeError(f"the block lists at tile {block_m}x{block_n}{' by key' if by_key else ''} were not "
+                               "built before the launch: plan the call and prepare its lists first")
+        return lists
+
     def prepare(self, tiles: list[TileKey]) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture
-        (``mmsparse.ops.kernel_args.prepare`` names them for a kernel config)."""
+        (``mmsparse.ops.kernel_args.prepare`` names them for a kernel config; a call's plan names its own)."""
         if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(tiles, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)

@@ -11,10 +11,11 @@ import torch
 from ..blocks import cdiv
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from ..mask_info import MaskInfo
-from .config import Tile, cuda_index, head_dim_pad, kernel_config, short_keys
+from .config import cuda_index, head_dim_pad, kernel_config
 from .forward import _LOG2E, dot_mode
-from .kernel_args import LaunchArgs, kernel_args
+from .kernel_args import kernel_args
 from .launch import FastKernel
+from .plan import plan_attention
 from .scratch import ensure_tma_allocator
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
@@ -65,16 +66,19 @@ def mbs_attn_bwd(
     _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
     dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
-    dq_tile, dkdv_tile = cfg.dq_tile(seq_k), cfg.bwd_dkdv
-    dq_mask, dkdv_mask = backward_mask_args(info, dq_tile, dkdv_tile)
-    main, side = _streams(q.device, seq_k)
+    plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device, info.sample_len,
+                          dropout_p > 0.0)
+    info.prepare(plan.list_tiles(forward=False))  # on the current stream, before the fork
+    args = kernel_args(info)
+    dq_mask, dkdv_mask = args.tile(*plan.dq.lists), args.tile(*plan.dkdv.lists)
+    main, side = _streams(q.device) if plan.side_stream else (None, None)
     if side is not None:
         side.wait_stream(main)  # delta, the block lists and the inputs are ready
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        tile = dq_tile
-        gluon = _gluon_launchers(tile, dropout_p)
-        if gluon is not None:
-            gluon.run_dq(q, k, v, do, lse, delta, dq, info, qk_scale, softmax_scale, tile)
+        tile = plan.dq.tile
+        if plan.dq.gluon:
+            _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, info.mode, info.causal, qk_scale, softmax_scale,
+                            tile)
         else:
             mask_tensors, mask_scalars = dq_mask
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
@@ -85,10 +89,10 @@ def mbs_attn_bwd(
 
     dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
     dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
-    tile = dkdv_tile
-    gluon = _gluon_launchers(tile, dropout_p)
-    if gluon is not None:
-        gluon.run_dkdv(q, k, v, do, lse, delta, (dk, dv), info, qk_scale, softmax_scale, tile)
+    tile = plan.dkdv.tile
+    if plan.dkdv.gluon:
+        _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, info.mode, info.causal, qk_scale,
+                          softmax_scale, tile)
     else:
         mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
@@ -101,20 +105,8 @@ def mbs_attn_bwd(
     return dq, dk, dv
 
 
-def backward_mask_args(info: MaskInfo, dq_tile: Tile, dkdv_tile: Tile) -> tuple[LaunchArgs, LaunchArgs]:
-    """The mask arguments of the dQ pass (per query block) and the dK/dV pass (per key block), their block lists
-    built now on the current stream. The Gluon launchers read the same tiles (their block sizes are the tiles'),
-    so they find these lists built."""
-    args = kernel_args(info)
-    return (args.tile(dq_tile.block_m, dq_tile.block_n),
-            args.tile(dkdv_tile.block_m, dkdv_tile.block_n, by_key=True))
-
-
-def _gluon_launchers(tile: Tile, dropout_p: float) -> ModuleType | None:
-    """The Gluon launchers where the pass's tile has a Gluon kernel and there is no dropout; None: the tl kernel
-    runs."""
-    if not tile.gluon or dropout_p != 0.0:
-        return None
+def _gluon() -> ModuleType:
+    """The Gluon launchers (the plan chose a Gluon pass)."""
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
     return gluon_launch
@@ -123,12 +115,10 @@ def _gluon_launchers(tile: Tile, dropout_p: float) -> ModuleType | None:
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _streams(device: torch.device, seq_k: int) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
-    """(current stream, this device's side stream for the dQ pass), or (None, None): off the GPU, and over short
-    key lists, where a call is bound by host work and switching streams adds ~75 us to it (H100 host, the seed:
-    0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
-    if device.type != "cuda" or short_keys(seq_k):
-        return None, None
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(current stream, this device's side stream for the dQ pass). The plan forks only on the GPU and over
+    SHORT_KEYS keys or more: below, a call is bound by host work, and switching streams adds ~75 us to it (H100
+    host, the seed: 0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
     index = cuda_index(device)
     side = _SIDE_STREAMS.get(index)
     if side is None:

@@ -1,5 +1,6 @@
-"""Launchers of the Gluon Hopper passes: host-side TMA descriptors, the block lists at the Gluon tiles, the grid.
-Importing this module imports Gluon: :mod:`.dispatch` decides whether it is used."""
+"""Launchers of the Gluon Hopper passes: host-side TMA descriptors and the grid, around mask arguments made from
+block lists built before the launch (:mod:`.kernel_args`). Importing this module imports Gluon: :mod:`.dispatch`
+decides whether it is used."""
 
 from __future__ import annotations
 
@@ -10,23 +11,24 @@ from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
 from ..kernels.gluon.forward import attention_fwd_gluon
-from ..mask_info import MaskInfo
 from .config import Tile, head_dim_pad
 from .host_tma import box_descriptor
-from .kernel_args import kernel_args
+from .kernel_args import LaunchArgs
 from .launch import FastKernel
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
 
 def run_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, qk_scale_log2: float, tile: Tile,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
+    qk_scale_log2: float, tile: Tile,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
-    at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read): ``(out [B, Hq, Sq, D] in q's dtype,
-    lse [B, Hq, Sq] float32 in log2 units)``."""
+    at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask arguments ``mask`` of that
+    tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
+    _check_rows(tile.block_m, BLOCK_M)
     batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
+    mask_tensors, mask_scalars = mask
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
     pad = head_dim_pad(head_dim)
@@ -35,7 +37,7 @@ def run_forward(
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
     return out, lse
@@ -43,14 +45,16 @@ def run_forward(
 
 def run_dq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    dq: torch.Tensor, info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
+    dq: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float, softmax_scale: float,
+    tile: Tile,
 ) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
-    without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read). ``do`` must be
-    contiguous. The caller allocates dq, so that it belongs to the caller's stream when this runs on a side
-    stream."""
+    without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask
+    arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
+    caller's stream when this runs on a side stream."""
+    _check_rows(tile.block_m, BLOCK_M)
     batch, num_heads, seq_q, head_dim = q.shape
-    mask_tensors, mask_scalars = kernel_args(info).tile(BLOCK_M, tile.block_n)
+    mask_tensors, mask_scalars = mask
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = WG_ROWS.value, tile.block_n
     _DQ[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
@@ -58,21 +62,23 @@ def run_dq(
         box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
         qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
 
 
 def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    dk_dv: tuple[torch.Tensor, torch.Tensor], info: MaskInfo, qk_scale_log2: float, softmax_scale: float, tile: Tile,
+    dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
+    softmax_scale: float, tile: Tile,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
-    least 2) and pingpong are read)."""
+    least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key."""
+    _check_rows(tile.block_n, BLOCK_N)
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    mask_tensors, mask_scalars = kernel_args(info).tile(tile.block_m, BLOCK_N, by_key=True)
+    mask_tensors, mask_scalars = mask
     dk, dv = dk_dv
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = tile.block_m, WG_KEYS.value
@@ -81,6 +87,12 @@ def run_dkdv(
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=info.mode, IS_CAUSAL=info.causal, PINGPONG=tile.pingpong,
+        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
         num_warps=4, maxnreg=168,
     )
+
+
+def _check_rows(planned: int, kernel: int) -> None:
+    """The kernel's fixed block size is the planned tile's, whose block lists the mask arguments hold."""
+    if planned != kernel:
+        raise ValueError(f"the Gluon kernel's blocks have {kernel} rows, the planned tile {planned}")

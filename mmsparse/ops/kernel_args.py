@@ -50,14 +50,15 @@ class KernelArgs:
         return info
 
     def tile(self, block_m: int, block_n: int, by_key: bool = False) -> LaunchArgs:
-        """The mask arguments at one tile, in the order of the module docstring. Unused tensors are stand-ins that
-        are never read; a batch stride of 0 shares one mask (or list) across the batch."""
+        """The mask arguments at one tile, in the order of the module docstring, over block lists built before
+        (``MaskInfo.prepare``): this builds nothing. Unused tensors are stand-ins that are never read; a batch
+        stride of 0 shares one mask (or list) across the batch."""
         key = (block_m, block_n, by_key)
         args = self._tiles.get(key)
         if args is not None:
             return args
         info = self.info
-        lists = info.lists(block_m, block_n, by_key)
+        lists = info.built_lists(block_m, block_n, by_key)
         shared = info.batch == 1
         if info.mode == MASK_BITS:
             # k_bits' batch stride is 0 too when the key bits are shared (expanded)

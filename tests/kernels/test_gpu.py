@@ -88,7 +88,7 @@ def test_new_lengths_do_not_recompile():
 def test_decode_over_a_long_cache_against_float64(q_len):
     """Few queries over an 8k cache: short query tiles with the key lists split over programs and merged."""
     from mmsparse.ops.config import kernel_config
-    from mmsparse.ops.forward import num_splits
+    from mmsparse.ops.plan import num_splits
 
     lens = (6000, 1680, 512)  # vision, audio, text (the queries are the last text tokens)
     topo = [[1, 0, 0], [0, 1, 0], [1, 0, 1]]

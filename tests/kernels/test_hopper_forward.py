@@ -15,7 +15,7 @@ from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_ou
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config, dispatch, forward
+from mmsparse.ops import config, dispatch, forward, plan
 from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
 from mmsparse.ops.dispatch import hopper_gluon_available
 from mmsparse.ops.dropout import dropout_keep_mask
@@ -123,7 +123,7 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
     # A kernel failure cannot be had otherwise; a grid this small would split its key lists on a GPU (a tl-only
     # path), so splitting is switched off.
     monkeypatch.setattr(gluon_launch, "run_forward", broken)
-    monkeypatch.setattr(forward, "num_splits", lambda *args: 1)
+    monkeypatch.setattr(plan, "num_splits", lambda *args: 1)
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)

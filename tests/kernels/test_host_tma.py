@@ -48,8 +48,8 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     warning of a failed build and a fall-back to the slower tl kernels."""
     from mmsparse.functional import build_mask_info
     from mmsparse.ops import gluon_launch
-    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, kernel_config
-    from mmsparse.ops.kernel_args import prepare
+    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD
+    from mmsparse.ops.kernel_args import kernel_args
 
     launched = {}
 
@@ -74,12 +74,16 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     info = build_mask_info([[1, 1], [0, 1]], (100, 200), seq, seq, False, torch.device("cpu"))
-    prepare(info, kernel_config(head_dim, q.dtype, torch.device("cpu")))
+    dkdv_t, dq_t, fwd_t = _GLUON_DKDV[128], _GLUON_DQ[128], _GLUON_FWD[128]
+    args = kernel_args(info.prepare([(dkdv_t.block_m, dkdv_t.block_n, True), (dq_t.block_m, dq_t.block_n, False),
+                                     (fwd_t.block_m, fwd_t.block_n, False)]))
+    mask = (info.mode, info.causal)
     rows = torch.zeros(batch, heads, seq)
-    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0, 1.0,
-                    _GLUON_DKDV[128])
-    gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, _GLUON_DQ[128])
-    gluon_launch.run_forward(q, k, v, info, 1.0, _GLUON_FWD[128])
+    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
+                          args.tile(dkdv_t.block_m, dkdv_t.block_n, True), *mask, 1.0, 1.0, dkdv_t)
+    gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), args.tile(dq_t.block_m, dq_t.block_n),
+                        *mask, 1.0, 1.0, dq_t)
+    gluon_launch.run_forward(q, k, v, args.tile(fwd_t.block_m, fwd_t.block_n), *mask, 1.0, fwd_t)
 
     dkdv, dq, fwd = launched["dkdv"], launched["dq"], launched["fwd"]
     dkdv_tile, dq_tile = _GLUON_DKDV[128], _GLUON_DQ[128]

@@ -40,12 +40,12 @@ def slow_side_stream(monkeypatch):
         yield forks
         return
 
-    def slow_streams(device, seq_k):
-        main, side = real(device, seq_k)
+    def slow_streams(*args):
+        main, side = real(*args)
         if side is not None:
             with torch.cuda.stream(side):
                 torch.cuda._sleep(SLEEP_CYCLES)
-            forks.append(seq_k)
+            forks.append(side)
         return main, side
 
     monkeypatch.setattr(backward, "_streams", slow_streams)

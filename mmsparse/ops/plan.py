@@ -1,0 +1,133 @@
+"""Which kernel runs each pass of one call, at which tile: decided from the call's shapes, dtype, device, mask and
+dropout alone. Planning builds nothing and launches nothing.
+
+A call plans first, then has the mask build the block lists the plan names (:meth:`AttentionPlan.list_tiles`), on
+the current stream and before any launch, then launches. The launchers only read what was built. The tools ask
+the plan which kernel runs rather than watching the launchers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks import cdiv
+from .config import DECODE_MAX_Q, KernelConfig, Tile, cuda_index, short_keys
+
+TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """The forward's launch: ``tile`` (its block lists), the Gluon or the tl kernel, and the grid's shape."""
+
+    tile: Tile
+    gluon: bool
+    block_m: int  # query rows per program: the tile's, or the GQA pack's rows (decoding)
+    num_warps: int
+    pack_rows: int  # > 0: one program per (batch, KV head) holds all of the group's queries (list row block 0)
+    row_blocks: int  # query blocks per (batch, head) program column
+    bh_programs: int  # programs along the (batch, head) axis
+    n_splits: int  # programs that share one row block's key list (flash-decoding); 1: no split
+
+    @property
+    def lists(self) -> TileKey:
+        return (self.tile.block_m, self.tile.block_n, False)
+
+
+@dataclass(frozen=True)
+class BackwardPass:
+    """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel."""
+
+    tile: Tile
+    gluon: bool
+    by_key: bool
+
+    @property
+    def lists(self) -> TileKey:
+        return (self.tile.block_m, self.tile.block_n, self.by_key)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    forward: ForwardPass
+    dq: BackwardPass
+    dkdv: BackwardPass
+    side_stream: bool  # the dQ pass runs on a side stream, concurrently with dK/dV
+
+    def list_tiles(self, forward: bool = True, backward: bool = True) -> list[TileKey]:
+        """The block lists the planned passes read, each once."""
+        keys = ([self.forward.lists] if forward else []) + ([self.dkdv.lists, self.dq.lists] if backward else [])
+        return list(dict.fromkeys(keys))
+
+    def kernels(self) -> dict[str, str]:
+        """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``."""
+        fwd = "gluon" if self.forward.gluon else "tl-split" if self.forward.n_splits > 1 else "tl"
+        return {"forward": fwd, "dq": "gluon" if self.dq.gluon else "tl", "dkdv": "gluon" if self.dkdv.gluon else "tl"}
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_attention(
+    config: KernelConfig, batch: int, num_heads: int, num_kv_heads: int, seq_q: int, seq_k: int,
+    device: torch.device, sample_len: int | None = None, dropout: bool = False,
+) -> AttentionPlan:
+    """The plan of a call with q ``[batch, num_heads, seq_q, D]`` over k/v ``[batch, num_kv_heads, seq_k, D]`` on
+    ``device``, with the tiles of ``config`` (:func:`mmsparse.ops.config.kernel_config` of D, dtype and device).
+
+    Args:
+        sample_len: tokens per sample of a pack on average (None: not a pack): short samples take their own
+            forward tile.
+        dropout: dropout is on (the Gluon kernels have none: their passes run the tl kernels at the same tiles).
+
+    Returns:
+        :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
+    """
+    group = num_heads // num_kv_heads
+    tile = config.forward_tile(seq_q, seq_k, sample_len)
+    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
+    if pack_rows:
+        block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
+        row_blocks, bh_programs = 1, batch * num_kv_heads
+    else:
+        block_m, num_warps = tile.block_m, tile.num_warps
+        row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
+    n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device)
+    forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
+                          row_blocks, bh_programs, n_splits)
+    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
+    return AttentionPlan(
+        forward=forward,
+        dq=BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
+        dkdv=BackwardPass(dkdv_tile, dkdv_tile.gluon and not dropout, True),
+        side_stream=device.type == "cuda" and not short_keys(seq_k),
+    )
+
+
+_PACK_MAX_ROWS = 64
+
+
+def gqa_pack_rows(group: int, seq_q: int, block_m: int) -> int:
+    """Rows of the packed GQA tile for a short query block (decoding), 0 for no packing: the group's
+    ``group * seq_q`` query rows rounded up to a power of two, at least the decode tile's rows, at most 64
+    (more rows would cost registers that a separate program per head does not need)."""
+    rows = group * seq_q
+    if group == 1 or seq_q > min(block_m, DECODE_MAX_Q) or rows > _PACK_MAX_ROWS:
+        return 0
+    return max(block_m, 1 << (rows - 1).bit_length())
+
+
+def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
+    """How many programs share one row block's key list (flash-decoding): only when the grid is too small to
+    fill the GPU (a few queries over a long cache), each split keeping at least 4 key blocks. Through the
+    interpreter the bar is 8 programs and 1 block, so that the CPU tests exercise splits and the combine."""
+    target, min_blocks = (2 * sm_count(device), 4) if device.type == "cuda" else (8, 1)
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), key_blocks // min_blocks))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(cuda_index(device)).multi_processor_count

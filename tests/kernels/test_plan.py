@@ -1,0 +1,106 @@
+"""Plan, then launch: the plan decides each pass's kernel and tiles without building anything; the mask builds the
+lists the plan names before any launch; the launchers only read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HUB, make_qkv
+
+from mmsparse import CAUSAL, mask_info
+from mmsparse.functional import build_mask_info
+from mmsparse.ops.backward import mbs_attn_bwd
+from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.ops.forward import mbs_attn_fwd
+from mmsparse.ops.kernel_args import kernel_args
+from mmsparse.ops.plan import plan_attention
+
+PAIR_TYPES = [[CAUSAL, 1, 0], [0, CAUSAL, 1], [1, 0, 1]]
+
+
+@pytest.fixture
+def list_builds(monkeypatch):
+    """Counts the block-list builds of every kind of mask."""
+    builds = []
+    for name in ("build_block_lists", "build_segment_lists", "lists_from_classes"):
+        real = getattr(mask_info, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            builds.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mask_info, name, counted)
+    return builds
+
+
+def _mask(kind: str, device: torch.device, seq: int):
+    if kind == "dense":
+        dense = torch.rand(1, seq, seq, generator=torch.Generator().manual_seed(0)) < 0.5
+        return mask_info.MaskInfo.from_dense(dense.to(device), False)
+    topology = HUB if kind == "bits" else PAIR_TYPES
+    return build_mask_info(topology, torch.tensor([9, 30, seq - 39], device=device), seq, seq, False, device)
+
+
+def test_planning_builds_nothing(list_builds, device):
+    cfg = kernel_config(32, torch.float32, device)
+    plan = plan_attention(cfg, 2, 4, 2, 60, 60, device, None, False)
+    assert not list_builds
+    assert plan.forward.lists == (cfg.fwd.block_m, cfg.fwd.block_n, False)
+    assert plan.dkdv.lists == (cfg.bwd_dkdv.block_m, cfg.bwd_dkdv.block_n, True)
+    assert plan.list_tiles(forward=False) == [plan.dkdv.lists, plan.dq.lists]
+    assert plan.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
+    assert plan_attention(cfg, 2, 4, 2, 60, 60, device, None, False) is plan  # kept: calls are host-bound
+
+
+def test_plan_names_the_gluon_passes_and_dropout_turns_them_off(device):
+    gluon = Tile(128, 128, gluon_stages=2)
+    cfg = KernelConfig(fwd=gluon, bwd_dkdv=Tile(64, 128, gluon_stages=4), bwd_dq=Tile(128, 64, gluon_stages=3),
+                       decode=Tile(16, 64))
+    many_rows = 4096  # enough programs that the key lists are not split
+    plan = plan_attention(cfg, 8, 16, 4, many_rows, many_rows, device, None, False)
+    assert plan.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+    dropped = plan_attention(cfg, 8, 16, 4, many_rows, many_rows, device, None, True)
+    assert dropped.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
+    assert dropped.list_tiles() == plan.list_tiles()  # the tl kernels run the same tiles
+
+
+def test_decode_packs_gqa_rows_and_splits_keys(device):
+    cfg = kernel_config(32, torch.float32, device)
+    plan = plan_attention(cfg, 1, 8, 2, 1, 4000, device, None, False)
+    assert plan.forward.pack_rows > 0 and plan.forward.bh_programs == 2
+    assert plan.forward.n_splits > 1 and plan.kernels()["forward"] == "tl-split"
+
+
+@pytest.mark.parametrize("kind", ["bits", "codes", "dense"])
+def test_launches_of_prepared_lists_build_nothing(kind, list_builds, device):
+    seq = 70
+    info = _mask(kind, device, seq)
+    q, k, v = make_qkv(1, 2, 1, seq, seq, 16, torch.float32, device)
+    cfg = kernel_config(16, torch.float32, device)
+    plan = plan_attention(cfg, 1, 2, 1, seq, seq, device, info.sample_len, False)
+    info.prepare(plan.list_tiles())
+    built = len(list_builds)
+    assert built > 0
+    with torch.no_grad():
+        out, lse = mbs_attn_fwd(q, k, v, info, 0.25)
+        mbs_attn_bwd(torch.ones_like(out), q, k, v, out, lse, info, 0.25)
+    assert len(list_builds) == built, list_builds[built:]
+
+
+def test_unprepared_lists_are_an_error_not_a_lazy_build(device):
+    info = _mask("bits", device, 50)
+    with pytest.raises(RuntimeError, match="were not built before the launch"):
+        kernel_args(info).tile(16, 16)
+
+
+def test_a_call_prepares_then_launches(list_builds, device):
+    """Through the public path the forward prepares its own lists, the backward the two passes' lists, all before
+    their launches (a new config: no cached plan or mask)."""
+    seq = 64
+    with use_config(KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))):
+        info = _mask("codes", device, seq)
+        q, k, v = make_qkv(1, 2, 1, seq, seq, 16, torch.float32, device)
+        out, lse = mbs_attn_fwd(q, k, v, info, 0.25)
+        assert len(list_builds) == 1
+        mbs_attn_bwd(torch.ones_like(out), q, k, v, out, lse, info, 0.25)
+        assert len(list_builds) == 2  # dK/dV's lists by key; dQ reads the forward's tile, built already
