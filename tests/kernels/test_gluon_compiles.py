@@ -1,10 +1,18 @@
-"""The Gluon Hopper kernels compile for sm_90 on any machine. Gluon has no CPU interpreter, but Triton's compiler
-and ptxas ship with the wheel: an API that a Triton release renamed, or a type error in a kernel, shows here on CPU
-instead of first on a Hopper GPU.
+"""The Gluon Hopper kernels compile for sm_90 on any machine, and their PTX keeps every mbarrier's bytes to itself.
 
-The compile runs in a child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers
-that the Gluon kernels call). Run as a script, this file compiles the three passes over a segment-code mask (the
-mask mode with the most code: the shared rule, the pair table) and a causal bit mask, and prints one line a kernel.
+Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release
+renamed, or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant
+is then read for barrier lifetimes (``tests/ptx_barriers.py``): every barrier a variant initialises is invalidated,
+and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
+allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
+crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
+a variant uses are initialised (the ping-pong turns only with PINGPONG).
+
+The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
+of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
+off. All compile in one child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit``
+helpers that the Gluon kernels call), which writes each variant's PTX to a folder. Run as a script,
+``python tests/kernels/test_gluon_compiles.py DIR`` compiles them all and prints one line a kernel.
 """
 
 from __future__ import annotations
@@ -12,23 +20,115 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-EXPECTED = ["fwd-codes", "dq-codes", "dkdv-codes", "fwd-bits", "dq-bits", "dkdv-bits"]
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str  # "fwd", "fwd_short" (the short-samples forward tile), "dq", "dkdv"
+    head_dim: int
+    mask: str  # "bits", "codes", "dense"
+    causal: bool = False
+    pingpong: bool | None = None  # None: as the config's tile
+
+    @property
+    def name(self) -> str:
+        pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
+        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}"
 
 
-def test_gluon_kernels_compile_for_sm90():
+# Each pass at each head dim, each mask mode at D=128 and one or two at D=64, causal on and off, and the ping-pong
+# setting the config does not use where the kernel has it. The D=64 forward and the dQ pass at either head dim
+# reused barrier bytes before their barriers were invalidated.
+VARIANTS = [
+    Variant("fwd", 128, "bits", causal=True),
+    Variant("fwd", 128, "codes"),
+    Variant("fwd", 128, "dense", causal=True),
+    Variant("fwd", 128, "bits", pingpong=False),
+    Variant("fwd", 64, "bits"),
+    Variant("fwd", 64, "codes", causal=True),
+    Variant("fwd", 64, "dense"),
+    Variant("fwd_short", 128, "codes", causal=True),
+    Variant("dq", 128, "bits", causal=True),
+    Variant("dq", 128, "codes"),
+    Variant("dq", 128, "dense", causal=True),
+    Variant("dq", 128, "bits", pingpong=True),
+    Variant("dq", 64, "bits"),
+    Variant("dq", 64, "dense", causal=True),
+    Variant("dkdv", 128, "codes"),
+    Variant("dkdv", 128, "bits", causal=True),
+    Variant("dkdv", 128, "dense"),
+    Variant("dkdv", 128, "bits", pingpong=True),
+    Variant("dkdv", 64, "bits", causal=True),
+]
+COMPILE_TIMEOUT_S = 900
+
+
+def _tile(variant: Variant):
+    """The config's tile of the variant's pass, with its ping-pong setting."""
+    from dataclasses import replace
+
+    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, _GLUON_FWD_SHORT_SAMPLES
+
+    table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
+    tile = table[variant.kind][variant.head_dim]
+    return tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+
+
+def expected_barriers(variant: Variant) -> int:
+    """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
+    stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns."""
+    tile = _tile(variant)
+    turns = 2 if tile.pingpong else 0
+    if variant.kind == "dkdv":
+        return 2 + 2 * tile.gluon_stages + turns
+    return 1 + 3 * tile.gluon_stages + turns
+
+
+@pytest.fixture(scope="module")
+def ptx_dir(tmp_path_factory):
+    """Every variant compiled in one child process; its PTX files and the child's output and time."""
     pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path_factory.mktemp("gluon-ptx")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
+                          timeout=COMPILE_TIMEOUT_S)
+    print(f"compiled {len(VARIANTS)} Gluon variants in {time.perf_counter() - start:.1f} s")
+    return out, proc
+
+
+def test_gluon_kernels_compile_for_sm90(ptx_dir):
+    _, proc = ptx_dir
     assert proc.returncode == 0, proc.stderr[-6000:]
     compiled = [line.split()[0] for line in proc.stdout.splitlines() if line.endswith(" compiled")]
-    assert compiled == EXPECTED, proc.stdout
+    assert compiled == [v.name for v in VARIANTS], proc.stdout
 
 
-def _compile_launch(name, kernel, args, kwargs):
-    """What ``kernel[grid](*args, **kwargs)`` would compile, built for sm_90 instead of launched."""
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
+    from ptx_barriers import check_barrier_lifetimes
+
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptx"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    report = check_barrier_lifetimes(path.read_text())
+    assert not report.problems and not report.unresolved, f"{variant.name}:\n{report.summary()}"
+    assert len(report.barriers) == expected_barriers(variant), f"{variant.name}:\n{report.summary()}"
+    assert report.checked > 0  # the shared accesses were read, not skipped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The child: compile, don't launch
+
+
+def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
+    """What ``kernel[grid](*args, **kwargs)`` would compile, built for sm_90 instead of launched; its PTX to
+    ``out/<name>.ptx``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -42,16 +142,31 @@ def _compile_launch(name, kernel, args, kwargs):
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options.__dict__)
-    assert "wgmma" in compiled.asm["ptx"], name  # the Hopper matmuls, not a fallback
+    ptx = compiled.asm["ptx"]
+    assert "wgmma" in ptx, name  # the Hopper matmuls, not a fallback
+    (out / f"{name}.ptx").write_text(ptx)
     print(name, "compiled", flush=True)
 
 
-def _main() -> None:
+def _mask_info(mask: str, causal: bool, seq: int):
     import torch
 
     from mmsparse.functional import build_mask_info
+    from mmsparse.mask_info import MaskInfo
+
+    lens = [[150, 150, seq - 300]]
+    if mask == "dense":
+        return MaskInfo.from_dense(torch.rand(1, seq, seq) < 0.5, causal)
+    # Pair type 2 (causal within a pair) makes the segment-code mask; a 0/1 topology the bit mask.
+    topology = [[2, 1, 0], [0, 2, 1], [1, 0, 2]] if mask == "codes" else [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
+    return build_mask_info(topology, lens, seq, seq, causal, torch.device("cpu"))
+
+
+def _main(out: Path) -> None:
+    import torch
+
+    from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
     from mmsparse.ops import gluon_launch
-    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD
 
     current = {}
 
@@ -60,26 +175,35 @@ def _main() -> None:
             self.kernel = launcher.fn
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: _compile_launch(current["name"], self.kernel, args, kwargs)
+            return lambda *args, **kwargs: _compile_launch(current["name"], out, self.kernel, args, kwargs)
 
     gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV = (
         Compile(gluon_launch._FWD), Compile(gluon_launch._DQ), Compile(gluon_launch._DKDV))
-    batch, heads, kv_heads, seq, head_dim = 1, 4, 2, 384, 128
-    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
-    k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    rows = torch.zeros(batch, heads, seq)
-    for tag, topology, causal in (("codes", [[2, 1, 0], [0, 2, 1], [1, 0, 2]], False),
-                                  ("bits", [[1, 1, 0], [0, 1, 1], [1, 0, 1]], True)):
-        info = build_mask_info(topology, [[150, 150, 84]], seq, seq, causal, torch.device("cpu"))
-        current["name"] = f"fwd-{tag}"
-        gluon_launch.run_forward(q, k, v, info, 1.0, _GLUON_FWD[head_dim])
-        current["name"] = f"dq-{tag}"
-        gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, _GLUON_DQ[head_dim])
-        current["name"] = f"dkdv-{tag}"
-        gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info, 1.0,
-                              1.0, _GLUON_DKDV[head_dim])
+    modes = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}
+    batch, heads, kv_heads, seq = 1, 4, 2, 384
+    infos = {}
+    for variant in VARIANTS:
+        key = (variant.mask, variant.causal)
+        if key not in infos:
+            infos[key] = _mask_info(variant.mask, variant.causal, seq)
+        info = infos[key]
+        assert info.mode == modes[variant.mask], variant.name
+        q = torch.randn(batch, heads, seq, variant.head_dim, dtype=torch.bfloat16)
+        k = torch.randn(batch, kv_heads, seq, variant.head_dim, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        rows = torch.zeros(batch, heads, seq)
+        tile = _tile(variant)
+        current["name"] = variant.name
+        if variant.kind in ("fwd", "fwd_short"):
+            gluon_launch.run_forward(q, k, v, info, 1.0, tile)
+        elif variant.kind == "dq":
+            gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, tile)
+        else:
+            gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info,
+                                  1.0, 1.0, tile)
 
 
 if __name__ == "__main__":
-    _main()
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd() / "gluon-ptx"
+    target.mkdir(parents=True, exist_ok=True)
+    _main(target)

@@ -7,6 +7,11 @@ The mask bundle is a tuple that every pass unpacks by these names, never reads b
 
 (``q_bits_ptr``/``k_bits_ptr`` hold bits or segment codes, ``mask_ptr`` the dense mask or the pair table: see
 :func:`mmsparse.kernels.rules.allowed_pairs`).
+
+Barrier lifetimes: a kernel initialises only the barriers its variant uses, fences the inits before any TMA copy
+can signal them, and invalidates every one of them once ``gl.warp_specialize`` has returned. Past a barrier's last
+use Triton's shared-memory allocator may give its bytes to other values (among them those passed into the
+partitions); PTX allows that only after the barrier is invalidated.
 """
 
 from __future__ import annotations
@@ -80,6 +85,22 @@ def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def invalidate_ring(bars, COUNT: gl.constexpr):
+    """Invalidate the COUNT barriers of a ``[COUNT, 1]`` allocation once nothing waits on or arrives at them again:
+    an mbarrier's bytes may hold other values only after it is invalidated."""
+    for i in gl.static_range(COUNT):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+    """Invalidate the ring's barriers (:func:`init_kv_ring`) once the partitions have joined."""
+    invalidate_ring(k_ready, STAGES)
+    invalidate_ring(v_ready, STAGES)
+    invalidate_ring(kv_empty, STAGES)
+
+
+@gluon.jit
 def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk,
                    BN: gl.constexpr, STAGES: gl.constexpr):
     """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring, each
@@ -97,10 +118,17 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
 
 @gluon.jit
 def init_turns(turn):
-    """The ping-pong turn barriers (``turn`` is ``[2, 1]``), warpgroup 0 first."""
+    """The ping-pong turn barriers (``turn`` is ``[2, 1]``), warpgroup 0 first. Only a PINGPONG variant initialises
+    them: an unused barrier would still have to be invalidated before its bytes hold anything else."""
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.arrive(turn.index(0))
+
+
+@gluon.jit
+def invalidate_turns(turn):
+    """Invalidate the turn barriers (:func:`init_turns`) once the partitions have joined."""
+    invalidate_ring(turn, 2)
 
 
 @gluon.jit

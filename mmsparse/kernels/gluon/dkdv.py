@@ -30,7 +30,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
 from ..rules import allowed_pairs
-from .common import box, init_turns, pass_turn, program_lists, thread_barrier, tma_load, tma_store, wait_turn
+from .common import (
+    box,
+    init_turns,
+    invalidate_ring,
+    invalidate_turns,
+    pass_turn,
+    program_lists,
+    thread_barrier,
+    tma_load,
+    tma_store,
+    wait_turn,
+)
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -255,6 +266,7 @@ def attention_dkdv_gluon(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+    fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
@@ -271,3 +283,10 @@ def attention_dkdv_gluon(
         [4, 1],
         [240, 24],
     )
+    # Every partition has returned: no barrier is waited on or signalled again.
+    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(done)
+    invalidate_ring(ready, STAGES)
+    invalidate_ring(empty, STAGES)
+    if PINGPONG:
+        invalidate_turns(turn)

@@ -30,6 +30,8 @@ from .common import (
     box,
     init_kv_ring,
     init_turns,
+    invalidate_kv_ring,
+    invalidate_turns,
     masked_scores,
     pass_turn,
     program_lists,
@@ -151,6 +153,7 @@ def attention_dq_gluon(
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout), save that
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
     HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
+    gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's S and dP are issued")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
@@ -177,7 +180,9 @@ def attention_dq_gluon(
     mbarrier.init(qdo_bar, count=1)
     init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    init_turns(turn)
+    if PINGPONG:
+        init_turns(turn)
+    fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, do_smem, k_smem, v_smem)
     barriers = (qdo_bar, k_ready, v_ready, kv_empty, turn)
@@ -195,3 +200,8 @@ def attention_dq_gluon(
         [4, 1],
         [240, 24],
     )
+    # Every partition has returned: no barrier is waited on or signalled again.
+    mbarrier.invalidate(qdo_bar)
+    invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
+    if PINGPONG:
+        invalidate_turns(turn)

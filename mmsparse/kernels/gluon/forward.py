@@ -33,6 +33,8 @@ from .common import (
     box,
     init_kv_ring,
     init_turns,
+    invalidate_kv_ring,
+    invalidate_turns,
     masked_scores,
     pass_turn,
     program_lists,
@@ -157,6 +159,7 @@ def attention_fwd_gluon(
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits),
     save that Q, K, V and O come as ``host_tma`` descriptors. Tiles are HEAD_DIM_PAD wide: TMA reads the columns
     past the head dim as zeros and drops writes there."""
+    gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
@@ -182,7 +185,9 @@ def attention_fwd_gluon(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
     init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-    init_turns(turn)
+    if PINGPONG:
+        init_turns(turn)
+    fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, k_smem, v_smem)
     barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
@@ -199,3 +204,8 @@ def attention_fwd_gluon(
         [4, 1],
         [240, 24],
     )
+    # Every partition has returned: no barrier is waited on or signalled again.
+    mbarrier.invalidate(q_bar)
+    invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
+    if PINGPONG:
+        invalidate_turns(turn)
