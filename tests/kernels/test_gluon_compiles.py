@@ -167,6 +167,7 @@ def _main(out: Path) -> None:
 
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
     from mmsparse.ops import gluon_launch
+    from mmsparse.ops.kernel_args import kernel_args
 
     current = {}
 
@@ -194,14 +195,16 @@ def _main(out: Path) -> None:
         rows = torch.zeros(batch, heads, seq)
         tile = _tile(variant)
         current["name"] = variant.name
+        by_key = variant.kind == "dkdv"
+        info.prepare([(tile.block_m, tile.block_n, by_key)])
+        mask = (kernel_args(info).tile(tile.block_m, tile.block_n, by_key), info.mode, info.causal)
         if variant.kind in ("fwd", "fwd_short"):
-            gluon_launch.run_forward(q, k, v, info, 1.0, tile)
+            gluon_launch.run_forward(q, k, v, *mask, 1.0, tile)
         elif variant.kind == "dq":
-            gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), info, 1.0, 1.0, tile)
+            gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile)
         else:
-            gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), info,
+            gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
                                   1.0, 1.0, tile)
-
 
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd() / "gluon-ptx"
