@@ -14,6 +14,7 @@ from mmsparse.kernels.tl.token_bits import token_bits_kernel
 from mmsparse.ops import backward
 from mmsparse.ops.config import SHORT_KEYS, kernel_config
 from mmsparse.ops.launch import compiled_variants
+from mmsparse.ops.plan import plan_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +129,7 @@ def test_backward_on_a_user_stream_is_ordered_and_bit_equal(monkeypatch):
     q, k, v = make_qkv(2, 8, 2, 3400, 3400, 128, torch.bfloat16, dev)
     grad_out = torch.randn(2, 8, 3400, 128, device=dev, dtype=torch.bfloat16)
     with monkeypatch.context() as patch:  # one stream: the side stream is not the caller's to switch off
-        patch.setattr(backward, "_streams", lambda device, seq_k: (None, None))
+        patch.setattr(backward, "_streams", lambda device: (None, None))
         mbs_attention(q, k, v, CYCLIC, lens).backward(grad_out)
     expected = [t.grad.clone() for t in (q, k, v)]
     # the dQ pass on the side stream again
@@ -148,7 +149,9 @@ def test_side_stream_only_over_long_key_lists():
     """A call over few keys is bound by host work, which switching streams adds to: it stays on the caller's
     stream."""
     dev = torch.device("cuda")
-    assert backward._streams(dev, SHORT_KEYS - 1) == (None, None)
-    main, side = backward._streams(dev, SHORT_KEYS)
+    cfg = kernel_config(64, torch.float16, dev)
+    assert not plan_attention(cfg, 1, 4, 4, SHORT_KEYS - 1, SHORT_KEYS - 1, dev).side_stream
+    assert plan_attention(cfg, 1, 4, 4, SHORT_KEYS, SHORT_KEYS, dev).side_stream
+    assert not plan_attention(cfg, 1, 4, 4, SHORT_KEYS, SHORT_KEYS, torch.device("cpu")).side_stream
+    main, side = backward._streams(dev)
     assert main == torch.cuda.current_stream() and side is not None and side != main
-    assert backward._streams(torch.device("cpu"), SHORT_KEYS) == (None, None)
