@@ -153,9 +153,9 @@ def measure(sides: dict[str, list[Worker]], names: list[str], rounds: int) -> li
     errors: dict[str, list[str]] = {n: [] for n in names}
     failed: set[str] = set()
     # One worker at a time, the first of each side first: it compiles, and the others find the kernels in Triton's
-    # on-disk cache. Only one process runs kernels at any moment, as in the timing rounds: with six processes
-    # preparing at once, one CTA of a Gluon backward kernel never finished, in either tree (docs/performance.md,
-    # "Several processes on one GPU").
+    # on-disk cache. Only one process runs kernels at any moment, as in the timing rounds: a side may be a tree from
+    # before the Gluon kernels invalidated their barriers, whose kernels crash or hang when processes share a GPU
+    # (docs/performance.md, "Several processes on one GPU").
     slots = max(len(side_workers) for side_workers in sides.values())
     queue = [(side, side_workers[i]) for i in range(slots) for side, side_workers in sides.items()
              if i < len(side_workers)]
