@@ -112,11 +112,11 @@ _TINY_VIDEO_LENS, _TINY_VIDEO_TOPOLOGY = video_layout(12, 4, 13)
 TINY: dict[str, CPCase] = {
     c.name: c
     for c in (
-        CPCase("tiny_hub_causal", HUB, (10, 34, 20), True, 1, 2, 1, 16, reps=1, warmup=0),
+        CPCase("tiny_hub_causal", HUB, (10, 22, 17), True, 1, 2, 1, 16, reps=1, warmup=0),
         CPCase("tiny_cyclic", CYCLIC, (13, 30, 21), False, 1, 2, 1, 16, reps=1, warmup=0),
         CPCase("tiny_video", _TINY_VIDEO_TOPOLOGY, _TINY_VIDEO_LENS, False, 1, 2, 1, 16, reps=1, warmup=0),
     )
 }
-TINY_DROPOUT_CASE = CPCase("tiny_pairs_dropout", PAIRS5, (9, 14, 11, 12, 10), False, 1, 2, 1, 32, reps=0,
+TINY_DROPOUT_CASE = CPCase("tiny_pairs_dropout", PAIRS5, (9, 14, 11, 12, 10), False, 1, 2, 1, 64, reps=0,
                            dropout_p=0.1)
 ALL_CASES: dict[str, CPCase] = {**CASES, **TINY}

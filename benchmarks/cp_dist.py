@@ -107,8 +107,8 @@ def shared_randn(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: to
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
     for shape in shapes:
-        t = (torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(dtype)
-             if dist.get_rank() == 0 else torch.empty(tuple(shape), device=device, dtype=dtype))
+        t = (torch.randn(tuple(shape), generator=gen, device=device, dtype=dtype) if dist.get_rank() == 0
+             else torch.empty(tuple(shape), device=device, dtype=dtype))
         dist.broadcast(t, src=0)
         out.append(t)
     return out
