@@ -15,7 +15,8 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
     the same time (rank 0's median; every rank's in ``one_gpu_step_ms_ranks``); speedup = one_gpu / step;
   - **overlap** (``mmsparse_cp``): the local attention of the rank's pieces alone (``compute_ms``, the gathered K/V
     already there, as ``cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward and
-    again for the backward, dK/dV returned), and ``hidden_ms`` = compute + exchange - step;
+    again for the backward, dK/dV returned), ``hidden_ms`` = compute + exchange - step, and ``hidden_fraction``,
+    its share of the exchange;
   - **bytes** each rank sent and received in one step (``ContextParallel.bytes_sent`` / ``bytes_received``) against
     the plan's prediction (:func:`.cp_model.rank_bytes`); the all-gather baseline's are computed;
   - **model**: :func:`.cp_model.predicted_speedup` from this run's one-GPU step and send/recv bandwidth;
@@ -126,10 +127,9 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     leaves = [t.index_select(2, index).requires_grad_() for t in p.inputs()]
     dout = p.dout.index_select(2, index)
     step = _step_fn(cp.attention, leaves, dout)
-    row = _check(step, leaves, p.ref, lambda t: t.index_select(2, index), device)
     cp.bytes_sent = cp.bytes_received = 0
-    step()
-    sent, received = cp.bytes_sent, cp.bytes_received
+    row = _check(step, leaves, p.ref, lambda t: t.index_select(2, index), device)
+    sent, received = cp.bytes_sent // 2, cp.bytes_received // 2  # the two checked steps move the same bytes
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
 
     q, k, v = (t.detach() for t in leaves)
@@ -152,6 +152,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     row["compute_ms"], row["compute_ms_ranks"] = _timed(compute, case, device, args)
     row["exchange_ms"], row["exchange_ms_ranks"] = _timed(exchange, case, device, args)
     row["hidden_ms"] = row["compute_ms"] + row["exchange_ms"] - row["step_ms"]
+    row["hidden_fraction"] = row["hidden_ms"] / row["exchange_ms"] if row["exchange_ms"] > 0 else None
 
     element = p.q.element_size()
     kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, 4))
