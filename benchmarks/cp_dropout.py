@@ -7,7 +7,8 @@ Two checks against ``mbs_attention`` on the whole sequence with the same seed (r
 - **the mask, exactly**, by probes: with q = 0 every visible key of a row gets the same weight, so with v one-hot
   (key j carries the unit vector of column j - bD, for the keys of block b of D keys, the other keys 0) the output's
   column j - bD is nonzero exactly when key j is visible and kept. One forward per block of D keys, on the ranks
-  and on one GPU; the two zero patterns must be equal on every (batch, head, query, key);
+  and on one GPU; the two zero patterns must be equal on every (batch, head, query, key), and the first block's
+  pattern under another seed must differ (the probes can see a wrong mask);
 - **the values**: out, dq, dk, dv on random inputs, relative L2 against the single-GPU run.
 """
 
@@ -33,8 +34,9 @@ def _cp_forward(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.
     return cp.attention(q, k, v, dropout_p=p)
 
 
-def _single_forward(case: CPCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    torch.manual_seed(SEED + 1)  # rank 0's state: the seed the ranks used
+def _single_forward(case: CPCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int = SEED + 1
+                    ) -> torch.Tensor:
+    torch.manual_seed(seed)  # by default rank 0's state: the seed the ranks used
     return mbs_attention(q, k, v, case.topology, case.seg_lens, causal=case.causal, dropout_p=case.dropout_p)
 
 
@@ -57,7 +59,7 @@ def check(case: CPCase, device: torch.device, dtype: torch.dtype, tolerance: flo
                                       *((n, t.grad, f.grad) for n, t, f in zip(("dq", "dk", "dv"), leaves, full)))}
     del leaves, full, out_l, ref
 
-    mismatches = kept = 0
+    mismatches = kept = other_seed = 0
     q0 = torch.zeros_like(q)
     with torch.no_grad():
         for block in range(math.ceil(s / d)):
@@ -69,9 +71,13 @@ def check(case: CPCase, device: torch.device, dtype: torch.dtype, tolerance: flo
             want = _single_forward(case, q0, k, probe).index_select(2, index) != 0
             mismatches += int((got ^ want).sum())
             kept += int(got.sum())
+            if block == 0:  # the probes can tell masks apart: another seed's mask differs
+                other = _single_forward(case, q0, k, probe, seed=SEED + 2).index_select(2, index) != 0
+                other_seed = int((got ^ other).sum())
     mismatches = int(reduce_value(mismatches, device))
+    other_seed = int(reduce_value(other_seed, device))
     kept_fraction = reduce_value(kept, device) / (b * hq * live_pairs(case.topology, case.seg_lens, None, case.causal))
-    ok = mismatches == 0 and all(e["rel_l2"] <= tolerance for e in errors.values())
+    ok = mismatches == 0 and other_seed > 0 and all(e["rel_l2"] <= tolerance for e in errors.values())
     return {"config": case.name, "layout": case.layout, "dropout_p": case.dropout_p, "mask_mismatches": mismatches,
-            "kept_fraction": kept_fraction, "probes": math.ceil(s / d),
+            "other_seed_mismatches": other_seed, "kept_fraction": kept_fraction, "probes": math.ceil(s / d),
             **{f"{n}_rel_l2": e["rel_l2"] for n, e in errors.items()}, "tolerance": tolerance, "ok": ok}

@@ -74,8 +74,8 @@ def console_line(row: dict) -> str:
 def dropout_line(row: dict) -> str:
     errors = ", ".join(f"{n} {row[f'{n}_rel_l2']:.1e}" for n in ("out", "dq", "dk", "dv"))
     return (f"dropout {row['dropout_p']} with pair types ({row['config']}): mask mismatches {row['mask_mismatches']} "
-            f"over {row['probes']} probes, kept {row['kept_fraction']:.4f} of the visible pairs; rel L2 {errors}; "
-            f"{'ok' if row['ok'] else 'FAIL'}")
+            f"over {row['probes']} probes ({row['other_seed_mismatches']} against another seed's mask), kept "
+            f"{row['kept_fraction']:.4f} of the visible pairs; rel L2 {errors}; {'ok' if row['ok'] else 'FAIL'}")
 
 
 def markdown(record: dict[str, list[dict]]) -> str:
@@ -126,12 +126,12 @@ def markdown(record: dict[str, list[dict]]) -> str:
     if dropout:
         lines += ["", "Dropout with pair types: the keep mask of the ranks against the single-GPU call with the same "
                   "seed, compared on every (head, query, key) by one-hot probes; out / dq / dk / dv relative L2.", "",
-                  "| config | GPUs | dropout | mask mismatches | kept / visible | rel L2 out / dq / dk / dv | ok |",
-                  "|---|---:|---:|---:|---:|---|---|"]
+                  "| config | GPUs | dropout | mask mismatches | another seed's mismatches (block 0) | kept / visible "
+                  "| rel L2 out / dq / dk / dv | ok |", "|---|---:|---:|---:|---:|---:|---|---|"]
         for d in dropout:
             rel = " / ".join(f"{d[f'{n}_rel_l2']:.1e}" for n in ("out", "dq", "dk", "dv"))
             lines.append(f"| {d['config']} | {d['gpus']} | {d['dropout_p']} | {d['mask_mismatches']} | "
-                         f"{d['kept_fraction']:.4f} | {rel} | {_yes(d['ok'])} |")
+                         f"{d['other_seed_mismatches']} | {d['kept_fraction']:.4f} | {rel} | {_yes(d['ok'])} |")
     skipped = [r for r in rows if r.get("skipped")]
     if skipped:
         lines += ["", "Skipped:", ""] + [f"- {r['config']} on {r['gpus']} GPUs: {r['skipped']}" for r in skipped]
