@@ -7,6 +7,7 @@ Under ``torchrun`` each process drives the GPU of its ``LOCAL_RANK`` over NCCL; 
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 import time
@@ -34,17 +35,20 @@ def set_environment(defaults: dict[str, str]) -> dict[str, str]:
     return {name: os.environ.setdefault(name, value) for name, value in defaults.items()}
 
 
-def start(device_arg: str | None = None) -> torch.device:
+def start(device_arg: str | None = None, timeout_s: float = 300) -> torch.device:
     """``init_process_group``: NCCL on the GPU of ``LOCAL_RANK``, or gloo on the CPU (``device_arg`` "cpu", or no
-    CUDA). The launcher's variables (``torchrun``) say where the other ranks are."""
+    CUDA). The launcher's variables (``torchrun``) say where the other ranks are. ``timeout_s``: how long a
+    collective may wait for a stuck rank before the run fails (torch's default is 10 minutes; the longest wait
+    here, a rank ahead of another by a step, is well under a minute)."""
     cuda = torch.cuda.is_available() and device_arg != "cpu"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 

@@ -144,7 +144,8 @@ def markdown(row: dict) -> str:
              f"| max relative difference | {row['max_rel_diff']:.3e} |",
              f"| second CP x DP run bitwise equal (losses / weights) | {row['repeatable_losses']} / "
              f"{row['repeatable_weights']} |",
-             f"| s a step: one GPU / CP x DP | {row['single_s_per_step']:.4f} / {row['cp_dp_s_per_step']:.4f} |",
+             f"| s a step: one GPU (first calls included) / CP x DP (second run) | {row['single_s_per_step']:.4f} / "
+             f"{row['cp_dp_s_per_step']:.4f} |",
              "", "| step | one GPU | CP x DP | CP x DP again |", "|---:|---:|---:|---:|"]
     for i, (a, b, c) in enumerate(zip(row["losses_single"], row["losses_cp_dp"], row["losses_cp_dp_again"])):
         lines.append(f"| {i} | {a:.6f} | {b:.6f} | {c:.6f} |")
@@ -182,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{world} ranks, dp {args.dp} x cp {world // args.dp}, {env['gpu']}; {shape}; NCCL {nccl_env}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t0 = time.perf_counter()
         losses, weights = train_cp_dp(shape, data, args.steps, dtype, mesh, device)
-        cp_dp_s = (time.perf_counter() - t0) / args.steps
+        t0 = time.perf_counter()  # the second run: the kernels are compiled
         again, weights_again = train_cp_dp(shape, data, args.steps, dtype, mesh, device)
+        cp_dp_s = (time.perf_counter() - t0) / args.steps
         single, single_s = [], 0.0
         if rank == 0:  # the others wait at the barrier below
             t0 = time.perf_counter()
