@@ -3,11 +3,14 @@ tables (``cp_nccl.md``) and console lines.
 
 Runs on different numbers of GPUs fill one record: a run replaces the rows of the (config, GPUs) it measured,
 the links and dropout check of its GPU count, and keeps the others of the same commit; entries of another commit
-are dropped.
+are dropped. Records made on different machines merge the same way afterwards, later files winning:
+
+    python -m benchmarks.cp_record two_gpus/cp_nccl.json four_gpus/cp_nccl.json --out benchmarks/results/h100
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -20,10 +23,14 @@ IMPLS = ("mmsparse_cp", "all_gather")
 
 
 def merge(folder: Path, new: dict[str, list[dict]], commit: str) -> dict[str, list[dict]]:
-    """``new`` over the record in ``folder`` (if any): per section, the old entries of ``commit`` whose key
-    ``new`` does not have, then ``new``'s, sorted by config order and GPU count."""
+    """``new`` over the record in ``folder``, if there is one (:func:`merge_records`)."""
     path = folder / f"{TOPIC}.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+    return merge_records(json.loads(path.read_text()) if path.exists() else {}, new, commit)
+
+
+def merge_records(old: dict[str, list[dict]], new: dict[str, list[dict]], commit: str) -> dict[str, list[dict]]:
+    """Per section, the entries of ``old`` from ``commit`` whose key ``new`` does not have, then ``new``'s, sorted
+    by config order and GPU count."""
     order = {name: i for i, name in enumerate(ALL_CASES)}
     merged = {}
     for section, key in SECTIONS.items():
@@ -136,3 +143,24 @@ def markdown(record: dict[str, list[dict]]) -> str:
     if skipped:
         lines += ["", "Skipped:", ""] + [f"- {r['config']} on {r['gpus']} GPUs: {r['skipped']}" for r in skipped]
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_record", description=__doc__.split("\n\n")[0])
+    parser.add_argument("records", type=Path, nargs="+", help="cp_nccl.json files of one commit, later ones win")
+    parser.add_argument("--out", type=Path, required=True, help="folder of the merged cp_nccl.{json,md}")
+    args = parser.parse_args(argv)
+    records = [json.loads(path.read_text()) for path in args.records]
+    commits = {r.get("commit") for record in records for section in SECTIONS for r in record.get(section, [])}
+    if len(commits) != 1:
+        raise SystemExit(f"the records come from several commits ({sorted(map(str, commits))}): rerun on one")
+    (commit,) = commits
+    merged: dict[str, list[dict]] = {}
+    for record in records:
+        merged = merge_records(merged, record, commit)
+    print(write(args.out, merged), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -72,3 +72,15 @@ def test_runs_on_different_gpu_counts_merge_into_one_record(tmp_path):
     assert [r["gpus"] for r in merged["links"]] == [2, 4]
     other = cp_record.merge(tmp_path, second, "b")  # another commit: the old rows go
     assert [(r["config"], r["gpus"]) for r in other["rows"]] == [("hub_causal_256k", 4), ("long_1m", 2)]
+
+
+def test_records_of_two_machines_merge_from_the_command_line(tmp_path):
+    rows = [_row("hub_causal_256k", 2, "a"), _row("hub_causal_256k", 4, "a")]
+    for name, row in zip(("two", "four"), rows):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cp_nccl.json").write_text(json.dumps({"rows": [{**row, "skipped": "test"}]}))
+    assert cp_record.main([str(tmp_path / "two" / "cp_nccl.json"), str(tmp_path / "four" / "cp_nccl.json"),
+                           "--out", str(tmp_path / "both")]) == 0
+    merged = json.loads((tmp_path / "both" / "cp_nccl.json").read_text())
+    assert [r["gpus"] for r in merged["rows"]] == [2, 4]
+    assert "hub_causal_256k on 4 GPUs: test" in (tmp_path / "both" / "cp_nccl.md").read_text()
