@@ -5,6 +5,8 @@
     python -m benchmarks.bench_build          # the block-metadata build for new lengths
     python -m benchmarks.tune_tiles           # tile sweeps of one pass
     python -m benchmarks.cp_local             # each context-parallel rank's local attention on one GPU
+    torchrun --nproc-per-node N -m benchmarks.cp_nccl   # context parallelism over NCCL against one GPU
+    torchrun --nproc-per-node 4 -m benchmarks.cp_fsdp   # context parallel x FSDP2 training against one GPU
     python -m benchmarks.profile_ncu          # Nsight Compute, per kernel, side by side
     python -m benchmarks.shared_gpu           # several processes on one GPU at once: failures and stalls
 

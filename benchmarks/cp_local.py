@@ -64,7 +64,7 @@ class LocalConfig:
 GPU_SHAPE = Shape(1, 16, 4, 128)
 TINY_SHAPE = Shape(1, 2, 1, 16)
 # long_1m: all ranks of one P together take about as long as the whole sequence (~20 s a fwd + bwd on an H100)
-_COUNTS = {"mm43k_cyclic": (3, 10), "hub_causal_256k": (1, 5), "long_1m": (1, 2)}
+_COUNTS = {"cyclic_43k": (3, 10), "hub_causal_256k": (1, 5), "long_1m": (1, 2)}
 CONFIGS: dict[str, LocalConfig] = {
     name: LocalConfig(name, topology, seg_lens, causal, GPU_SHAPE, *_COUNTS[name])
     for name, (topology, seg_lens, causal) in PLAN_CONFIGS.items()

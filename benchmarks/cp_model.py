@@ -50,6 +50,24 @@ def exchange_bytes(summary: dict) -> float:
     return max(2 * (recv + sent) for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
 
 
+def predicted_speedup(summary: dict, one_gpu_s: float, bandwidth: float) -> tuple[float, float]:
+    """(exchange not overlapped, fully overlapped) speedup over one GPU that runs every live pair in
+    ``one_gpu_s``: the busiest rank's share of that time, and the exchange (:func:`exchange_bytes`) at
+    ``bandwidth`` bytes/s per direction."""
+    compute = one_gpu_s * max(summary["live_pairs"]) / sum(summary["live_pairs"])
+    moved = exchange_bytes(summary) / bandwidth
+    return one_gpu_s / (compute + moved), one_gpu_s / max(compute, moved)
+
+
+def rank_bytes(summary: dict, rank: int, kv_bytes_per_token: int, dkv_bytes_per_token: int) -> tuple[int, int]:
+    """(sent, received) bytes of ``rank`` in one forward and backward step under the plan (``summary`` with
+    ``kv_bytes_per_token=1``: tokens). Received: the K/V it fetches, twice (the backward fetches again), and the
+    dK/dV of the tokens it serves; sent: the K/V it serves, twice, and the dK/dV of the tokens it fetched."""
+    fetched, served = summary["recv_bytes"][rank], summary["sent_bytes"][rank]
+    return (2 * served * kv_bytes_per_token + fetched * dkv_bytes_per_token,
+            2 * fetched * kv_bytes_per_token + served * dkv_bytes_per_token)
+
+
 def measured_ms() -> dict[tuple[str, int], float]:
     """{(config, world size): the slowest rank's measured fwd+bwd ms} from the cp_local record, if there is one."""
     if not MEASURED.exists():
@@ -71,10 +89,8 @@ def rows() -> list[dict]:
             row = {"config": name, "world_size": world, "compute_ms": compute * 1e3, "exchange_mib": moved / 2**20,
                    "measured_ms": measured.get((name, world))}
             for bw in BANDWIDTHS:
-                serial = compute + moved / bw
-                hidden = max(compute, moved / bw)
-                row[f"speedup_{bw / 1e9:.0f}"] = single / serial
-                row[f"speedup_{bw / 1e9:.0f}_overlap"] = single / hidden
+                name_bw = f"speedup_{bw / 1e9:.0f}"
+                row[name_bw], row[f"{name_bw}_overlap"] = predicted_speedup(s, single, bw)
             out.append(row)
     return out
 

@@ -2,7 +2,8 @@
 
 Host arithmetic only (no GPU): live pairs per rank (max/mean) and the K/V bytes the busiest rank receives under
 the plan, against an all-gather (which a ring moves too, in P - 1 steps). All rows: Hkv=4, D=128, bf16. Writes
-``--out DIR/cp_plan.{json,md}`` when given.
+``--out DIR/cp_plan.{json,md}`` when given. ``cyclic_43k`` is (4096, 24576, 14336) under the cyclic topology, with
+Hq=16 / Hkv=4 where it is timed: not the attention benchmark's ``mm43k_cyclic`` (2048, 32768, 8192; Hq=Hkv=8).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mmsparse.distributed import plan_context_parallel
 from .configs import CYCLIC, HUB
 
 CONFIGS = {  # name: (topology, seg_lens, causal)
-    "mm43k_cyclic": (CYCLIC, (4096, 24576, 14336), False),
+    "cyclic_43k": (CYCLIC, (4096, 24576, 14336), False),
     "hub_causal_256k": (HUB, (16384, 196608, 49152), True),
     "long_1m": (HUB, (8192, 786432, 253952), True),
 }

@@ -97,6 +97,6 @@ def test_harness_end_to_end(tmp_path, capsys):
 
 
 def test_configs_are_the_plan_benchmarks():
-    assert set(cp_local.CONFIGS) == {"mm43k_cyclic", "hub_causal_256k", "long_1m"}
+    assert set(cp_local.CONFIGS) == {"cyclic_43k", "hub_causal_256k", "long_1m"}
     assert all(c.shape == cp_local.Shape(1, 16, 4, 128) for c in cp_local.CONFIGS.values())
     assert (cp_local.CONFIGS["long_1m"].warmup, cp_local.CONFIGS["long_1m"].reps) == (1, 2)

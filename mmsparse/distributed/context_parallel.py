@@ -48,6 +48,10 @@ class ContextParallel(RankProblem):
         # The plan, tokens and pieces of this rank: RankProblem builds them for any rank, without a group.
         super().__init__(topology, seg_lens, dist.get_rank(self.group), dist.get_world_size(self.group), causal,
                          chunk)
+        # Bytes this rank has sent and received point to point (K/V fetches, dK/dV returns), so that a benchmark
+        # can hold them against the plan's prediction.
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
@@ -124,10 +128,12 @@ def _post_exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_sha
         global_peer = dist.get_global_rank(cp.group, peer)
         if sends.get(peer) is not None and sends[peer].numel():
             ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), global_peer, cp.group))
+            cp.bytes_sent += sends[peer].numel() * sends[peer].element_size()
         shape = recv_shapes.get(peer)
         if shape is not None and shape[2]:
             received[peer] = like.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, cp.group))
+            cp.bytes_received += received[peer].numel() * received[peer].element_size()
     return received, dist.batch_isend_irecv(ops) if ops else []
 
 

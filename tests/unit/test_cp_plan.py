@@ -61,7 +61,7 @@ def test_plan_covers_every_token_and_every_needed_key(world, causal):
 @pytest.mark.parametrize(
     "topology, seg, causal",
     [(CYCLIC, (4096, 24576, 14336), False), (HUB, (16384, 196608, 49152), True), (HUB, (8192, 786432, 253952), True)],
-    ids=["mm43k_cyclic", "hub_causal_256k", "long_1m"],
+    ids=["cyclic_43k", "hub_causal_256k", "long_1m"],
 )
 def test_live_pairs_are_balanced(world, topology, seg, causal):
     plan = plan_context_parallel(topology, seg, world, causal=causal)
