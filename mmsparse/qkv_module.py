@@ -54,6 +54,13 @@ class TritonMBSAttnKernel(nn.Module):
         self._infos: dict[tuple, CachedMask] = {}
         self._dense_mask: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle, deepcopy and torch.save carry the configuration only: the masks are caches of device tensors
+        # (their kernel arguments point back at them weakly, which pickle cannot take), rebuilt on first use.
+        state = super().__getstate__()
+        state["_infos"], state["_dense_mask"] = {}, None
+        return state
+
     @property
     def seq_len(self) -> int:
         return sum(self.seg_lens)

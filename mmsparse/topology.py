@@ -69,9 +69,21 @@ class Topology:
         self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)] if (
             self.uses_bits) else []
         self._col_bits = [_to_int32_bits(1 << c) for c in range(k)] if self.uses_bits else []
-        self._hash = hash(self.types.numpy().tobytes()) if k > 64 else hash(tuple(map(tuple, rows)))
+        self._hash = _hash_types(self.types, rows)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pair_tables: dict[torch.device, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The per-device tables are caches; the hash of a large topology hashes bytes, which differs per process.
+        state = self.__dict__.copy()
+        for cache in ("_tables", "_pair_tables", "_hash"):
+            state.pop(cache, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tables, self._pair_tables = {}, {}
+        self._hash = _hash_types(self.types, self.types.tolist())
 
     @property
     def num_segments(self) -> int:
@@ -123,6 +135,11 @@ class Topology:
         rows = ", ".join(str([int(x) for x in r]) for r in self.types.tolist())
         names = f", names={self.names}" if self.names else ""
         return f"Topology([{rows}]{names})"
+
+
+def _hash_types(types: torch.Tensor, rows: list[list[int]]) -> int:
+    """A hash of the pair types by value: of the rows as tuples, of the bytes past 64 segments."""
+    return hash(types.numpy().tobytes()) if len(rows) > 64 else hash(tuple(map(tuple, rows)))
 
 
 def _validate_matrix(matrix: Any) -> torch.Tensor:

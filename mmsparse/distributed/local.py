@@ -56,6 +56,13 @@ class RankProblem:
         self._pieces: dict[torch.device, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[torch.device, list[Piece]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
+        # rebuilt on first use.
+        state = self.__dict__.copy()
+        state["_bits"], state["_pieces"], state["_dropout_pieces"] = {}, {}, {}
+        return state
+
     @property
     def local_len(self) -> int:
         return int(self._index.numel())
