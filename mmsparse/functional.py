@@ -209,9 +209,11 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
         return key
     topo = _TOPOLOGIES.get(key)
     if topo is None:
-        if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
-            _TOPOLOGIES.clear()
-        topo = _TOPOLOGIES[key] = Topology(topology)
+        topo = Topology(topology)
+        if not torch.compiler.is_compiling():  # traced: a kept topology would hold the graph's tensors
+            if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
+                _TOPOLOGIES.clear()
+            _TOPOLOGIES[key] = topo
     return topo
 
 
