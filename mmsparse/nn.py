@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .functional import check_flag, mbs_attention
+from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_flag, mbs_attention
 from .lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
 from .topology import Topology
 
@@ -69,6 +69,20 @@ class _MBSAttentionCore(nn.Module):
     @property
     def seq_len(self) -> int:
         return sum(self.seg_lens)
+
+    def _check_input_dtype(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """The input must have the weights' dtype, one the kernels take (autocast casts both itself)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return
+        if weight.dtype not in SUPPORTED_DTYPES and x.dtype == weight.dtype:
+            raise TypeError(f"the module's weights and the input are {x.dtype}; the kernels take float16, bfloat16 "
+                            "or float32: cast both (module.float(), x.float())"
+                            + (FLOAT64_HINT if x.dtype == torch.float64 else ""))
+        if x.dtype != weight.dtype:
+            fixes = ([f"the module (module.to({x.dtype}))"] if x.dtype in SUPPORTED_DTYPES else []) + (
+                [f"the input (x.to({weight.dtype}))"] if weight.dtype in SUPPORTED_DTYPES else [])
+            fix = " or ".join(fixes) if fixes else "both to float16, bfloat16 or float32"
+            raise TypeError(f"the input has dtype {x.dtype} but the module's weights are {weight.dtype}: cast {fix}")
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None, causal: bool
@@ -149,6 +163,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         """x: ``[B, S, E]`` -> ``[B, S, E]``; seg_lens: optional lengths for this call (see the class docstring)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected input [batch, seq, {self.embed_dim}]; got shape {tuple(x.shape)}")
+        self._check_input_dtype(x, self.q_proj.weight)
         out = self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), seg_lens, self.causal)
         return self.out_proj(out)
 
@@ -234,6 +249,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
                 )
             keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask == 0
             seg_lens = clip_seg_lens(self.seg_lens, valid_lens_from_padding(keep))
+        self._check_input_dtype(x, self.in_proj_weight)
         q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         out = self.out_proj(self._attend(q, k, v, seg_lens, self.causal or is_causal))
         return (out if self.batch_first else out.transpose(0, 1)), None

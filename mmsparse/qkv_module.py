@@ -11,7 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import CachedMask, _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
+from .functional import (
+    CachedMask,
+    _layout_hint,
+    attention_with_info,
+    build_mask_info,
+    check_flag,
+    check_qkv,
+    check_softmax_scale,
+    count,
+)
 from .lengths import SegLensArg, validate_seg_lens
 from .mask_info import MaskInfo
 from .ops.config import kernel_config
@@ -50,7 +59,7 @@ class TritonMBSAttnKernel(nn.Module):
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
         self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = check_softmax_scale(softmax_scale)
         self._infos: dict[tuple, CachedMask] = {}
         self._dense_mask: torch.Tensor | None = None
 
@@ -109,7 +118,8 @@ class TritonMBSAttnKernel(nn.Module):
                     raise
                 raise ValueError(f"{e}. {hint}") from None
             if info.batch not in (1, q.shape[0]):
-                raise ValueError(f"seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+                raise ValueError(f"seg_lens has {count(info.batch, 'row')} but the batch has "
+                                 f"{count(q.shape[0], 'sample')}")
             return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
             hint = _layout_hint(k, self.seg_lens)

@@ -40,7 +40,8 @@ class RankProblem:
         lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
         k = self.topology.num_segments
         per_sample = lens and isinstance(lens[0], (list, tuple))
-        rows = [validate_seg_lens(r, k) for r in lens] if per_sample else [validate_seg_lens(lens, k)]
+        rows = ([validate_seg_lens(r, k, f"seg_lens[{b}]") for b, r in enumerate(lens)] if per_sample else
+                [validate_seg_lens(lens, k)])
         self.causal = causal
         self.seq_len = max(sum(r) for r in rows)
         if tile is None:  # chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)

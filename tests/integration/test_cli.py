@@ -131,7 +131,7 @@ def test_packed_tile_map_matches_the_dense_mask(causal):
     assert tiles.seq_len == 81 and tiles.density == dense.sum().item() / 81**2
     with pytest.raises(ValueError, match="packed=True"):
         tile_map(TRANSFUSION, rows, 16)
-    with pytest.raises(ValueError, match=r"seg_lens\[1\]: seg_lens\[2\] = -1"):
+    with pytest.raises(ValueError, match=r"seg_lens\[1\]\[2\] = -1 is negative"):
         tile_map(TRANSFUSION, [(1, 2, 3), (1, 2, -1)], 16, packed=True)
 
 
