@@ -348,8 +348,11 @@ def mbs_attention(
     Args:
         q: ``[B, Hq, Sq, D]``; the queries are the last Sq of the S key positions.
         k, v: ``[B, Hkv, S, D]``, Hq a multiple of Hkv; fp16, bf16 or fp32; D a multiple of 8 in [16, 256].
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c. Give either a
-            topology with seg_lens, or attn_mask.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology` (build one once for hundreds of segments). Give either a topology with
+            seg_lens, or attn_mask.
         seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor), each row
             summing to at most S; the rest of a row is padding (never attended; its queries output 0).
         causal: also require key position <= query position.

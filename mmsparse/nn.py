@@ -119,7 +119,10 @@ class MultimodalSelfAttention(_MBSAttentionCore):
     Args:
         embed_dim: E, the model width; ``E / num_heads`` is the head dim (a multiple of 8 in [16, 256]).
         num_heads: query heads.
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology`.
         seg_lens: k segment lengths, the default layout of the sequence (S = sum(seg_lens)).
         num_kv_heads: key/value heads for GQA/MQA (divides num_heads); default num_heads.
         causal: also require key position <= query position.
@@ -188,7 +191,8 @@ class MultiheadMBSAttention(_MBSAttentionCore):
     Args:
         mha: the module to take over; self-attention shaped (``kdim == vdim == embed_dim``), head dim a multiple of 8
             in [16, 256].
-        topology: k x k 0/1 matrix.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology` (see :class:`MultimodalSelfAttention`).
         seg_lens: k segment lengths summing to the sequence length.
         causal: also require key position <= query position (``is_causal=True`` at call time does the same).
         dropout: attention dropout in training mode; default the MHA's own ``dropout``.
@@ -283,7 +287,8 @@ def replace_attention(
 
     Args:
         model: the model to change.
-        topology: k x k 0/1 matrix.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology` (see :class:`MultimodalSelfAttention`).
         seg_lens: k segment lengths summing to the sequence length.
         causal: also require key position <= query position.
         dropout: attention dropout in training mode; default each MHA's own.

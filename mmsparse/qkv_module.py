@@ -32,7 +32,10 @@ class TritonMBSAttnKernel(nn.Module):
     topology and segment lengths, over q, k, v; it holds no weights.
 
     Args:
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology` (build one once for hundreds of segments).
         seg_lens: k segment lengths (the seed's ``mm_seq_seg``); S = sum(seg_lens).
         causal_mask: also require key position <= query position.
         dropout: attention dropout probability, applied in training mode only.

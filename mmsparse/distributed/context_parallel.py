@@ -31,7 +31,8 @@ class ContextParallel(RankProblem):
     """Context parallelism for one topology and set of lengths over a process group.
 
     Args:
-        topology: k x k 0/1 matrix, as for ``mbs_attention``.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology`, as for ``mbs_attention``.
         seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
         causal: the global causal flag.
         group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (the context-parallel dim of a larger mesh: pass

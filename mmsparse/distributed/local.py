@@ -25,7 +25,8 @@ class RankProblem:
     """Rank ``rank`` of a ``world_size``-rank context-parallel plan: its tokens, gathered keys and pieces.
 
     Args:
-        topology: k x k 0/1 matrix (or pair types), as for ``mbs_attention``.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology`, as for ``mbs_attention``.
         seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
         rank, world_size: which rank of how many.
         causal: the global causal flag.
