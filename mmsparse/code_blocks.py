@@ -17,6 +17,7 @@ also counts the allowed pairs (a picture's density) the same way, from the runs 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,7 @@ from .topology import CAUSAL, NONE
 
 _DOC_SPAN = 1 << (31 - SEG_BITS)  # docs per sample, padding's included: (sample, doc) -> one int64 key
 _SEG_MASK = (1 << SEG_BITS) - 1
+_PAIRS_PER_STEP = 1 << 22  # piece pairs per step: bounds the temporaries (tens of bytes a pair)
 
 
 class _Pieces(NamedTuple):
@@ -60,29 +62,51 @@ def _pieces(codes: torch.Tensor, block: int, offset: torch.Tensor | None = None)
 
 def _piece_pairs(
     q: _Pieces, k: _Pieces, table: torch.Tensor, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every (query piece, key piece) pair of one sample and one doc, padding left out.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every (query piece, key piece) pair of one sample and one doc, padding left out, in steps of at most about
+    ``_PAIRS_PER_STEP`` pairs (so that the temporaries stay small on long sequences).
 
-    Returns:
+    Yields:
         ``(qi, ki, allowed, ordered)``: the pieces' indices, whether the pair type allows anything, and whether it
         allows only keys at or before the query (CAUSAL, or any type of a causal call).
     """
     pad_seg = table.shape[0] - 1
+    types = table.to(torch.int64)
     q_key, k_key = q.row * _DOC_SPAN + (q.code >> SEG_BITS), k.row * _DOC_SPAN + (k.code >> SEG_BITS)
     k_order = torch.argsort(k_key, stable=True)  # then a query piece's partners are one contiguous range
     sorted_keys = k_key[k_order]
     real_q = ((q.code & _SEG_MASK) != pad_seg).nonzero().flatten()
     lo = torch.searchsorted(sorted_keys, q_key[real_q], right=False)
     count = torch.searchsorted(sorted_keys, q_key[real_q], right=True) - lo
-    qi = real_q.repeat_interleave(count)
-    offset = torch.arange(qi.numel(), device=qi.device) - (torch.cumsum(count, 0) - count).repeat_interleave(count)
-    ki = k_order[lo.repeat_interleave(count) + offset]
-    kind = table.to(torch.int64)[q.code[qi] & _SEG_MASK, k.code[ki] & _SEG_MASK]
-    return qi, ki, kind != NONE, (kind == CAUSAL) | causal
+    ends = torch.cumsum(count, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    # Step boundaries in query pieces: each step takes the pieces whose pairs end in the next _PAIRS_PER_STEP.
+    marks = torch.arange(_PAIRS_PER_STEP, max(total, _PAIRS_PER_STEP), _PAIRS_PER_STEP, device=ends.device)
+    cuts = torch.searchsorted(ends, marks, right=True).tolist()
+    for a, b in zip([0, *cuts], [*cuts, real_q.numel()]):
+        if a == b:
+            continue
+        n = count[a:b]
+        qi = real_q[a:b].repeat_interleave(n)
+        offset = torch.arange(qi.numel(), device=qi.device) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+        ki = k_order[lo[a:b].repeat_interleave(n) + offset]
+        kind = types[q.code[qi] & _SEG_MASK, k.code[ki] & _SEG_MASK]
+        yield qi, ki, kind != NONE, (kind == CAUSAL) | causal
 
 
 def _as_starts(q_start: int | torch.Tensor, bsz: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(q_start, device=device).to(torch.int64).reshape(-1).expand(bsz)
+
+
+def _block_doc(p: _Pieces, rows: int, blocks: int) -> torch.Tensor:
+    """int64 ``[rows * blocks]``: the one doc of each block, or -1 where a block holds several (or none)."""
+    index = p.row * blocks + p.block
+    doc = p.code >> SEG_BITS
+    low = torch.full((rows * blocks,), _DOC_SPAN, dtype=torch.int64, device=doc.device)
+    high = torch.full((rows * blocks,), -1, dtype=torch.int64, device=doc.device)
+    low.scatter_reduce_(0, index, doc, "amin")
+    high.scatter_reduce_(0, index, doc, "amax")
+    return torch.where(low == high, low, -1)
 
 
 def classify_blocks_from_codes(
@@ -97,7 +121,7 @@ def classify_blocks_from_codes(
     """Exact live/full maps of the tiles of a segment-code mask.
 
     Args:
-        q_codes: int32 ``[Bm, Sq]`` codes of the queries (positions ``q_start .. q_start + Sq - 1``).
+        q_codes: int32 ``[Bm or 1, Sq]`` codes of the queries (positions ``q_start .. q_start + Sq - 1``).
         k_codes: int32 ``[Bm or 1, Sk]`` codes of the keys (positions ``0 .. Sk - 1``).
         table: int8 ``[k + 1, k + 1]`` pair table (last row and column: padding, NONE).
         block_m, block_n: the tile.
@@ -108,30 +132,27 @@ def classify_blocks_from_codes(
         ``(live, full)``, bool ``[Bm, NQ, NK]`` on q_codes' device. A tile is full when every pair is allowed and
         its key block lies inside the keys.
     """
-    bsz, seq_q = q_codes.shape
-    seq_k = k_codes.shape[1]
+    seq_q, seq_k = q_codes.shape[1], k_codes.shape[1]
     dev = q_codes.device
+    starts = torch.as_tensor(q_start, device=dev).reshape(-1)
+    bsz = max(q_codes.shape[0], k_codes.shape[0], starts.shape[0])
     nq, nk = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     live = torch.zeros((bsz, nq, nk), dtype=torch.bool, device=dev)
     if nq == 0 or nk == 0:
         return live, live.clone()
-    q = _pieces(q_codes, block_m, _as_starts(q_start, bsz, dev))
+    q = _pieces(q_codes.expand(bsz, -1), block_m, _as_starts(q_start, bsz, dev))
     k = _pieces(k_codes.expand(bsz, -1), block_n)
-    qi, ki, allowed, ordered = _piece_pairs(q, k, table, causal)
-    some = allowed & (~ordered | (k.first[ki] <= q.last[qi]))
-    every = allowed & (~ordered | (k.last[ki] <= q.first[qi]))
-
-    tile = (q.row[qi] * nq + q.block[qi]) * nk + k.block[ki]
-    live.view(-1)[tile[some]] = True
-    # Full: every piece pair of the tile allows every pair, so their number is (query pieces) x (key pieces).
-    n_every = torch.zeros(bsz * nq * nk, dtype=torch.int64, device=dev).index_add_(0, tile, every.to(torch.int64))
-    per_q = torch.zeros(bsz * nq, dtype=torch.int64, device=dev).index_add_(
-        0, q.row * nq + q.block, torch.ones_like(q.row))
-    per_k = torch.zeros(bsz * nk, dtype=torch.int64, device=dev).index_add_(
-        0, k.row * nk + k.block, torch.ones_like(k.row))
-    full = n_every.view(bsz, nq, nk) == per_q.view(bsz, nq, 1) * per_k.view(bsz, 1, nk)
+    broken = torch.zeros_like(live)  # some pair of the tile's piece pairs is not allowed
+    for qi, ki, allowed, ordered in _piece_pairs(q, k, table, causal):
+        some = allowed & (~ordered | (k.first[ki] <= q.last[qi]))
+        every = allowed & (~ordered | (k.last[ki] <= q.first[qi]))
+        tile = (q.row[qi] * nq + q.block[qi]) * nk + k.block[ki]
+        live.view(-1)[tile[some]] = True
+        broken.view(-1)[tile[~every]] = True
+    # Full: both blocks hold one doc, the same (so every piece pair of the tile was paired), and none broke.
+    q_doc, k_doc = _block_doc(q, bsz, nq).view(bsz, nq, 1), _block_doc(k, bsz, nk).view(bsz, 1, nk)
     inside = torch.arange(1, nk + 1, device=dev) * block_n <= seq_k  # a key block past the keys is never full
-    return live, full & live & inside
+    return live, live & ~broken & (q_doc == k_doc) & (q_doc >= 0) & inside
 
 
 def count_pairs_from_codes(
@@ -143,19 +164,21 @@ def count_pairs_from_codes(
     Returns:
         int64 ``[Bm]``.
     """
-    bsz, seq_q = q_codes.shape
+    seq_q, seq_k = q_codes.shape[1], k_codes.shape[1]
     dev = q_codes.device
-    if seq_q == 0 or k_codes.shape[1] == 0:
-        return torch.zeros(bsz, dtype=torch.int64, device=dev)
-    q = _pieces(q_codes, seq_q, _as_starts(q_start, bsz, dev))  # one block a side: pieces are runs
-    k = _pieces(k_codes.expand(bsz, -1), k_codes.shape[1])
-    qi, ki, allowed, ordered = _piece_pairs(q, k, table, causal)
-    q0, q1, k0, k1 = q.first[qi], q.last[qi], k.first[ki], k.last[ki]
-    n_k = k1 - k0 + 1
-    # Ordered: query i sees keys k0 .. min(i, k1): a ramp 1, 2, ... while i <= k1, then all n_k keys.
-    lo, hi = torch.maximum(q0, k0), torch.minimum(q1, k1)
-    ramp_n = (hi - lo + 1).clamp(min=0)
-    ramp = ramp_n * (lo - k0 + 1) + ramp_n * (ramp_n - 1) // 2
-    flat = (q1 - torch.maximum(q0, k1 + 1) + 1).clamp(min=0) * n_k
-    pairs = torch.where(ordered, ramp + flat, (q1 - q0 + 1) * n_k) * allowed
-    return torch.zeros(bsz, dtype=torch.int64, device=dev).index_add_(0, q.row[qi], pairs)
+    bsz = max(q_codes.shape[0], k_codes.shape[0], torch.as_tensor(q_start).reshape(-1).shape[0])
+    total = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    if seq_q == 0 or seq_k == 0:
+        return total
+    q = _pieces(q_codes.expand(bsz, -1), seq_q, _as_starts(q_start, bsz, dev))  # one block a side: pieces are runs
+    k = _pieces(k_codes.expand(bsz, -1), seq_k)
+    for qi, ki, allowed, ordered in _piece_pairs(q, k, table, causal):
+        q0, q1, k0, k1 = q.first[qi], q.last[qi], k.first[ki], k.last[ki]
+        n_k = k1 - k0 + 1
+        # Ordered: query i sees keys k0 .. min(i, k1): a ramp 1, 2, ... while i <= k1, then all n_k keys.
+        lo, hi = torch.maximum(q0, k0), torch.minimum(q1, k1)
+        ramp_n = (hi - lo + 1).clamp(min=0)
+        ramp = ramp_n * (lo - k0 + 1) + ramp_n * (ramp_n - 1) // 2
+        flat = (q1 - torch.maximum(q0, k1 + 1) + 1).clamp(min=0) * n_k
+        total.index_add_(0, q.row[qi], torch.where(ordered, ramp + flat, (q1 - q0 + 1) * n_k) * allowed)
+    return total
