@@ -3,9 +3,11 @@
 Prints the block mask as a picture, its density and skipped tiles, the errors of the output and of dq/dk/dv
 against dense float64 attention, and the time. Exits 1 when an error exceeds the stated tolerance.
 
-With --topology and --seg-lens it draws that mask instead (density and skipped tiles; nothing runs):
+With --topology and --seg-lens it draws that mask instead (density and skipped tiles; nothing runs): pair types
+0/1/2 (none, full, causal), any number of segments, packs of samples (--packed, one row of lengths per sample):
 
     python -m mmsparse --topology '[[1,1,0],[0,1,1],[1,0,1]]' --seg-lens 1024,8192,4096 --causal --tile 128
+    python -m mmsparse --topology '[[2,0,0],[1,1,0],[1,1,2]]' --seg-lens '10,20,5;12,30,0' --packed --tile 16
 """
 
 from __future__ import annotations
@@ -48,11 +50,16 @@ def _parse_topology(text: str) -> list:
         raise ValueError(f"--topology must be a nested list such as '[[1,1,0],[0,1,1],[1,0,1]]'; got {text!r}") from e
 
 
-def _parse_seg_lens(text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in text.strip("()[] ").split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise ValueError(f"--seg-lens must be comma-separated non-negative ints such as 1024,8192,4096; got {text!r}")
-    return tuple(int(p) for p in parts)
+def _parse_seg_lens(text: str) -> list[tuple[int, ...]]:
+    """Rows of lengths: ``1024,8192,4096``, or ``10,20,5;12,30,0`` (one row per sample, for --packed)."""
+    rows = []
+    for part in text.split(";"):
+        cells = [p.strip() for p in part.strip("()[] ").split(",") if p.strip()]
+        if not cells or not all(c.isdigit() for c in cells):
+            raise ValueError("--seg-lens must be comma-separated non-negative ints such as 1024,8192,4096, rows "
+                             f"separated by ';' with --packed (10,20,5;12,30,0); got {text!r}")
+        rows.append(tuple(int(c) for c in cells))
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--topology and --seg-lens: draw that mask's tiles and report density and skipped tiles.",
     )
     parser.add_argument("--causal", action="store_true", help="combine the topology with a causal mask")
-    parser.add_argument("--topology", help="k x k 0/1 matrix as a nested list, e.g. '[[1,1,0],[0,1,1],[1,0,1]]'")
-    parser.add_argument("--seg-lens", help="k segment lengths, comma-separated, e.g. 1024,8192,4096")
+    parser.add_argument("--topology", help="k x k matrix of pair types as a nested list: 0 none, 1 full, 2 causal "
+                        "(the keys at or before the query's position); any number of segments. E.g. "
+                        "'[[1,1,0],[0,1,1],[1,0,1]]' or '[[2,0],[1,2]]'")
+    parser.add_argument("--seg-lens", help="k segment lengths, comma-separated, e.g. 1024,8192,4096; with --packed "
+                        "one row per sample, rows separated by ';', e.g. '10,20,5;12,30,0'")
+    parser.add_argument("--packed", action="store_true", help="the rows of --seg-lens are samples packed end to "
+                        "end, each seeing only itself (as mbs_attention_varlen takes them)")
     parser.add_argument("--tile", help="tile to draw, e.g. 128 or 128x64 (default: 128 for --topology; the "
                         "forward kernel's tile for the seed example)")
     parser.add_argument("--width", type=int, default=64, help="most characters per line of the picture "
@@ -73,9 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def draw(args: argparse.Namespace, tiles: TileMap, topology: list, seg_lens: tuple[int, ...]) -> int:
+def draw(args: argparse.Namespace, tiles: TileMap, topology: list, seg_lens: list[tuple[int, ...]]) -> int:
     """Draw a user's topology: picture, density and tile counts. Builds no S x S tensor and runs no kernel."""
-    print(f"topology {topology}, seg_lens {seg_lens} (S = {tiles.seq_len}), causal={args.causal}")
+    k = len(topology)
+    topo = str(topology) if k <= 8 else f"of {k} x {k} pair types"
+    if args.packed:
+        lens = f"{len(seg_lens)} samples packed" if len(seg_lens) > 4 else f"packed seg_lens {seg_lens}"
+    else:
+        lens = f"seg_lens {seg_lens[0]}" if k <= 8 else f"{k} segments"
+    print(f"topology {topo}, {lens} (S = {tiles.seq_len}), causal={args.causal}")
     return _show(tiles, args)
 
 
@@ -161,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         tile = parse_tile(args.tile) if args.tile else None
         if args.topology is not None:
             topology, seg_lens = _parse_topology(args.topology), _parse_seg_lens(args.seg_lens)
-            tiles = tile_map(topology, seg_lens, tile or 128, causal=args.causal)
+            if len(seg_lens) > 1 and not args.packed:
+                raise ValueError(f"--seg-lens has {len(seg_lens)} rows (separated by ';'): add --packed to draw them "
+                                 "as samples packed end to end")
+            tiles = tile_map(topology, seg_lens if args.packed else seg_lens[0], tile or 128, causal=args.causal,
+                             packed=args.packed)
     except (TypeError, ValueError) as e:
         parser.error(str(e))  # exits 2 with the usage line
     if args.topology is not None:

@@ -33,7 +33,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32"
+                            + (FLOAT64_HINT if t.dtype == torch.float64 else ""))
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast them first)")
     if not (q.device == k.device == v.device):
@@ -57,7 +58,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"head dim {d} is not supported: use a multiple of 8 between 16 and 256")
     # k/v in [B, S, H, D] by mistake: more entries in dim 1 than in dim 2, rarely so in [B, H, S, D]
     hint = f" (if q/k/v are [B, S, H, D]: {_LAYOUT_HINT})" if hk > sk else ""
-    if hk == 0 or hq % hk != 0:
+    if hq == 0 or hk == 0:
+        raise ValueError(f"heads must be positive: q has {hq} query heads and k/v {hk} key/value heads (dim 1 of "
+                         f"[B, H, S, D]){hint}")
+    if hq % hk != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA{hint}")
     if sq > sk:
         raise ValueError(
@@ -76,6 +80,34 @@ def check_flag(name: str, value: Any) -> bool:
         return bool(value)
     raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
 
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 sample"``, ``"2 samples"``: a number and its noun, in the plural (default: noun + "s") unless 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
+def check_softmax_scale(value: Any) -> float | None:
+    """A softmax scale as a float: None (meaning 1/sqrt(head dim)) or a finite positive number."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"softmax_scale must be a positive float or None (for 1/sqrt(head_dim)); got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"softmax_scale must be a positive float or None (for 1/sqrt(head_dim)); got "
+                        f"{type(value).__name__} {value!r}") from e
+    if not 0.0 < scale < float("inf"):
+        raise ValueError(f"softmax_scale must be a finite positive number; got {value!r}")
+    return scale
+
+
+FLOAT64_HINT = (
+    ". For float64 checks (gradcheck and the like) use the dense float64 reference instead: "
+    "mmsparse.reference_attention(q, k, v, mmsparse.reference_mask(topology, seg_lens, S)); the kernels run in "
+    "float32 or below"
+)
 
 _LAYOUT_HINT = (
     "mmsparse takes q/k/v as [B, H, S, D], as F.scaled_dot_product_attention does; for [B, S, H, D] tensors pass "
@@ -129,7 +161,8 @@ def build_mask_info(
     if q_start is not None:
         q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
         if lens.shape[0] not in (1, q_start.shape[0]):
-            raise ValueError(f"q_start has {q_start.shape[0]} entries but seg_lens has {lens.shape[0]} rows")
+            raise ValueError(f"q_start has {count(q_start.shape[0], 'entry', 'entries')} but seg_lens has "
+                             f"{count(lens.shape[0], 'row')}")
     if topo.uses_bits:
         info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
     else:
@@ -209,9 +242,11 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
         return key
     topo = _TOPOLOGIES.get(key)
     if topo is None:
-        if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
-            _TOPOLOGIES.clear()
-        topo = _TOPOLOGIES[key] = Topology(topology)
+        topo = Topology(topology)
+        if not torch.compiler.is_compiling():  # traced: a kept topology would hold the graph's tensors
+            if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
+                _TOPOLOGIES.clear()
+            _TOPOLOGIES[key] = topo
     return topo
 
 
@@ -287,9 +322,8 @@ def attention_with_info(
     """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not 0.0 < scale < float("inf"):
-        raise ValueError(f"softmax_scale must be a finite positive number; got {softmax_scale}")
+    scale = check_softmax_scale(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
@@ -314,8 +348,11 @@ def mbs_attention(
     Args:
         q: ``[B, Hq, Sq, D]``; the queries are the last Sq of the S key positions.
         k, v: ``[B, Hkv, S, D]``, Hq a multiple of Hkv; fp16, bf16 or fp32; D a multiple of 8 in [16, 256].
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c. Give either a
-            topology with seg_lens, or attn_mask.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology` (build one once for hundreds of segments). Give either a topology with
+            seg_lens, or attn_mask.
         seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor), each row
             summing to at most S; the rest of a row is padding (never attended; its queries output 0).
         causal: also require key position <= query position.
@@ -354,7 +391,8 @@ def mbs_attention(
                 raise
             raise ValueError(f"{e}. {hint}") from None
     if info.batch not in (1, q.shape[0]):
-        raise ValueError(f"per-sample seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+        raise ValueError(f"per-sample seg_lens has {count(info.batch, 'row')} but the batch has "
+                         f"{count(q.shape[0], 'sample')}")
     return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
 
 

@@ -24,28 +24,31 @@ def tracing_or_capturing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def validate_seg_lens(seg_lens: SegLens, num_segments: int) -> tuple[int, ...]:
-    """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple."""
+def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_lens") -> tuple[int, ...]:
+    """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple.
+
+    ``name`` is how messages call them: ``seg_lens[3]`` names row 3 of per-sample or packed lengths.
+    """
     if isinstance(seg_lens, torch.Tensor):
         if seg_lens.dim() != 1:
-            raise ValueError(f"seg_lens must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
+            raise ValueError(f"{name} must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
         if seg_lens.is_floating_point():
-            raise TypeError(f"seg_lens must hold integers; got dtype {seg_lens.dtype}")
+            raise TypeError(f"{name} must hold integers; got dtype {seg_lens.dtype}")
         seg_lens = seg_lens.tolist()
     try:
         lens = tuple(seg_lens)
     except TypeError as e:
-        raise ValueError(f"seg_lens must be a sequence of {num_segments} non-negative ints; got {seg_lens!r}") from e
+        raise ValueError(f"{name} must be a sequence of {num_segments} non-negative ints; got {seg_lens!r}") from e
     if len(lens) != num_segments:
         raise ValueError(
-            f"topology has {num_segments} segments but seg_lens has {len(lens)} entries ({lens}); give one length "
+            f"topology has {num_segments} segments but {name} has {len(lens)} entries ({lens}); give one length "
             "per segment, 0 for a segment absent from the sample"
         )
     for i, n in enumerate(lens):
         if isinstance(n, bool) or not hasattr(n, "__index__"):
-            raise TypeError(f"seg_lens[{i}] must be an int; got {type(n).__name__} {n!r}")
+            raise TypeError(f"{name}[{i}] must be an int; got {type(n).__name__} {n!r}")
         if int(n) < 0:
-            raise ValueError(f"seg_lens[{i}] = {n} is negative; segment lengths must be >= 0")
+            raise ValueError(f"{name}[{i}] = {n} is negative; segment lengths must be >= 0")
     return tuple(int(n) for n in lens)
 
 
@@ -60,10 +63,7 @@ def check_rows(rows: Sequence[Sequence[int]], num_segments: int, seq_len: int) -
     """Validate per-sample lengths (host ints, one row per sample), naming the row at fault."""
     checked = []
     for b, row in enumerate(rows):
-        try:
-            r = validate_seg_lens(row, num_segments)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"seg_lens[{b}]: {e}") from None
+        r = validate_seg_lens(row, num_segments, f"seg_lens[{b}]")
         if sum(r) > seq_len:
             raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_len}")
         checked.append(r)
@@ -122,7 +122,7 @@ def packed_lens_tensor(
     else:
         if len(seg_lens) == 0 or not isinstance(seg_lens[0], Sequence):
             raise ValueError(f"packed seg_lens must be [samples, {k}] (one row of {k} lengths per sample)")
-        rows = [validate_seg_lens(r, k) for r in seg_lens]
+        rows = [validate_seg_lens(r, k, f"seg_lens[{n}]") for n, r in enumerate(seg_lens)]  # name the sample
         if sum(map(sum, rows)) != total:
             raise ValueError(f"packed lengths sum to {sum(map(sum, rows))} but q/k/v have {total} positions")
         lens = torch.tensor(rows, dtype=torch.int32)

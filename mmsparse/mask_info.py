@@ -18,6 +18,7 @@ from .blocks import (
     lists_from_classes,
     pool_classes,
 )
+from .code_blocks import classify_blocks_from_codes
 from .kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from .ops.block_lists import build_block_lists, kernels_run_on
 from .ops.launch import stream_key
@@ -129,9 +130,9 @@ class MaskInfo:
                 self._classes[key] = classify_blocks_from_bits(
                     self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start
                 )
-            elif self.mode == MASK_SEGMENTS:  # tests and devices without the kernels: S x S, small sizes only
-                self._classes[key] = classify_blocks_from_mask(self.code_mask(), block_m, block_n, self.causal,
-                                                               self.q_start)
+            elif self.mode == MASK_SEGMENTS:  # from the codes' runs: O(S + tiles x runs), no S x S mask
+                self._classes[key] = classify_blocks_from_codes(self.q_bits, self.k_bits, self.table, block_m, block_n,
+                                                                self.causal, self.q_start)
             else:
                 self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
         return self._classes[key]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .functional import check_flag, mbs_attention
+from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_flag, mbs_attention
 from .lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
 from .topology import Topology
 
@@ -70,6 +70,20 @@ class _MBSAttentionCore(nn.Module):
     def seq_len(self) -> int:
         return sum(self.seg_lens)
 
+    def _check_input_dtype(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """The input must have the weights' dtype, one the kernels take (autocast casts both itself)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return
+        if weight.dtype not in SUPPORTED_DTYPES and x.dtype == weight.dtype:
+            raise TypeError(f"the module's weights and the input are {x.dtype}; the kernels take float16, bfloat16 "
+                            "or float32: cast both (module.float(), x.float())"
+                            + (FLOAT64_HINT if x.dtype == torch.float64 else ""))
+        if x.dtype != weight.dtype:
+            fixes = ([f"the module (module.to({x.dtype}))"] if x.dtype in SUPPORTED_DTYPES else []) + (
+                [f"the input (x.to({weight.dtype}))"] if weight.dtype in SUPPORTED_DTYPES else [])
+            fix = " or ".join(fixes) if fixes else "both to float16, bfloat16 or float32"
+            raise TypeError(f"the input has dtype {x.dtype} but the module's weights are {weight.dtype}: cast {fix}")
+
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None, causal: bool
     ) -> torch.Tensor:
@@ -105,7 +119,10 @@ class MultimodalSelfAttention(_MBSAttentionCore):
     Args:
         embed_dim: E, the model width; ``E / num_heads`` is the head dim (a multiple of 8 in [16, 256]).
         num_heads: query heads.
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology`.
         seg_lens: k segment lengths, the default layout of the sequence (S = sum(seg_lens)).
         num_kv_heads: key/value heads for GQA/MQA (divides num_heads); default num_heads.
         causal: also require key position <= query position.
@@ -149,6 +166,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         """x: ``[B, S, E]`` -> ``[B, S, E]``; seg_lens: optional lengths for this call (see the class docstring)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected input [batch, seq, {self.embed_dim}]; got shape {tuple(x.shape)}")
+        self._check_input_dtype(x, self.q_proj.weight)
         out = self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), seg_lens, self.causal)
         return self.out_proj(out)
 
@@ -173,7 +191,8 @@ class MultiheadMBSAttention(_MBSAttentionCore):
     Args:
         mha: the module to take over; self-attention shaped (``kdim == vdim == embed_dim``), head dim a multiple of 8
             in [16, 256].
-        topology: k x k 0/1 matrix.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology` (see :class:`MultimodalSelfAttention`).
         seg_lens: k segment lengths summing to the sequence length.
         causal: also require key position <= query position (``is_causal=True`` at call time does the same).
         dropout: attention dropout in training mode; default the MHA's own ``dropout``.
@@ -234,6 +253,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
                 )
             keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask == 0
             seg_lens = clip_seg_lens(self.seg_lens, valid_lens_from_padding(keep))
+        self._check_input_dtype(x, self.in_proj_weight)
         q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         out = self.out_proj(self._attend(q, k, v, seg_lens, self.causal or is_causal))
         return (out if self.batch_first else out.transpose(0, 1)), None
@@ -267,7 +287,8 @@ def replace_attention(
 
     Args:
         model: the model to change.
-        topology: k x k 0/1 matrix.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology` (see :class:`MultimodalSelfAttention`).
         seg_lens: k segment lengths summing to the sequence length.
         causal: also require key position <= query position.
         dropout: attention dropout in training mode; default each MHA's own.

@@ -1,7 +1,8 @@
 """Pictures of a mask's tiles: which tiles the kernels skip, run unmasked (full) or run with the exact mask (partial).
 
-Built from the block classification the kernels' metadata uses (O(S * k) tokens plus O(tiles * k)), never from an
-S x S mask, so it draws masks of any length::
+Any mask the kernels run: pair types (``NONE``/``FULL``/``CAUSAL``), any number of segments, packs of samples, a
+causal call. Built from the segment codes' runs (:mod:`mmsparse.code_blocks`: O(S) tokens plus the tiles' run
+pairs), never from an S x S mask, so it draws masks of any length::
 
     from mmsparse import tile_map
     tiles = tile_map([[1, 1, 0], [0, 1, 1], [1, 0, 1]], (1024, 8192, 4096), tile=128)
@@ -12,21 +13,24 @@ S x S mask, so it draws masks of any length::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 
-from .blocks import cdiv, classify_blocks_from_bits
+from .blocks import cdiv
+from .code_blocks import classify_blocks_from_codes, count_pairs_from_codes
 from .functional import check_flag
-from .lengths import SegLens, validate_seg_lens
-from .topology import Topology, count_allowed_pairs, token_bits_torch
+from .lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
+from .segments import MAX_DOCS, token_codes
+from .topology import Topology
 
 TileArg = Union[int, tuple[int, int]]
 
-# The classification holds [NQ, NK, k] booleans; past this many the tile is too small for the length.
-_MAX_TILE_CELLS = 1 << 28
+# The classification holds a few [NQ, NK] maps; past this many tiles the tile is too small for the length.
+_MAX_TILES = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -146,54 +150,83 @@ def parse_tile(tile: Any) -> tuple[int, int]:
     return bm, bn
 
 
-def tile_map(topology: Any, seg_lens: SegLens, tile: TileArg = 128, causal: bool = False) -> TileMap:
-    """Classify the tiles of a topology mask (self-attention over S = sum(seg_lens) positions).
+def tile_map(
+    topology: Any, seg_lens: SegLensArg, tile: TileArg = 128, causal: bool = False, packed: bool = False
+) -> TileMap:
+    """Classify the tiles of a topology mask (self-attention over all S positions).
 
     Args:
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
-        seg_lens: k segment lengths.
+        topology: k x k matrix of pair types, as nested lists, a tensor or a :class:`mmsparse.Topology`:
+            ``topology[r][c]`` is ``NONE`` (0: segment r's queries never see segment c), ``FULL`` (1: every key of
+            c) or ``CAUSAL`` (2: the keys of c at or before the query's position). Any number of segments
+            (up to 4095).
+        seg_lens: k segment lengths, S = sum(seg_lens); with ``packed``, ``[N, k]``: one row per sample.
         tile: the tile, an int (square) or ``(query rows, key columns)``; the CUDA forward uses 128x64 or
             64x64 tiles, the CPU interpreter 32x16.
-        causal: also require key position <= query position.
+        causal: also require key position <= query position, for every pair.
+        packed: ``seg_lens`` rows are samples laid end to end (as ``mbs_attention_varlen`` takes them), each
+            seeing only itself; S is the total.
 
     Returns:
         A :class:`TileMap`; ``.picture()`` draws it as text, ``.summary()`` counts, ``.save_png()`` a PNG.
     """
     causal = check_flag("causal", causal)
+    packed = check_flag("packed", packed)
     bm, bn = parse_tile(tile)
     topo = Topology(topology)
-    lens = validate_seg_lens(seg_lens, topo.num_segments)
-    seq = sum(lens)
+    lens = _lens_rows(seg_lens, topo.num_segments, packed)
+    seq = int(lens.sum())
     if seq == 0:
-        raise ValueError(f"seg_lens {lens} sum to 0: there is nothing to draw")
-    cells = cdiv(seq, bm) * cdiv(seq, bn) * topo.num_segments
-    if cells > _MAX_TILE_CELLS:
+        raise ValueError(f"seg_lens {lens.tolist() if packed else lens[0].tolist()} sum to 0: there is nothing to "
+                         "draw")
+    if cdiv(seq, bm) * cdiv(seq, bn) > _MAX_TILES:
         raise ValueError(f"{cdiv(seq, bm)} x {cdiv(seq, bn)} tiles of {bm}x{bn} are too many to classify for "
                          f"S = {seq}: use a larger tile")
-    row_bits, col_bits = token_bits_torch(topo, torch.tensor([lens]), seq)  # torch ops on the CPU, O(S)
-    live, full = classify_blocks_from_bits(row_bits, col_bits, topo.num_segments, bm, bn, causal, 0)
-    density = count_allowed_pairs(topo, lens, causal=causal) / seq**2
+    codes = token_codes(lens, topo.num_segments, seq, packed)  # [1, S], on the CPU
+    table = topo.pair_table(codes.device)
+    live, full = classify_blocks_from_codes(codes, codes, table, bm, bn, causal, 0)
+    density = int(count_pairs_from_codes(codes, codes, table, causal, 0)[0]) / seq**2
     return TileMap(live[0], full[0], (bm, bn), seq, density)
 
 
+def _lens_rows(seg_lens: SegLensArg, num_segments: int, packed: bool) -> torch.Tensor:
+    """int64 ``[1, k]`` (one sample) or, packed, ``[N, k]`` lengths, checked."""
+    rows = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
+    if not packed:
+        if is_per_sample(rows):
+            raise ValueError(f"seg_lens has {len(rows)} rows: a picture is of one sequence; pass packed=True to draw "
+                             "the rows as samples packed end to end, or one row of "
+                             f"{num_segments} lengths")
+        return torch.tensor([validate_seg_lens(rows, num_segments)], dtype=torch.int64)
+    if not isinstance(rows, Sequence) or not is_per_sample(rows):
+        raise ValueError(f"packed seg_lens must be [samples, {num_segments}] (one row of {num_segments} lengths per "
+                         f"sample); got {seg_lens!r}")
+    if len(rows) > MAX_DOCS:
+        raise ValueError(f"{len(rows)} samples in one pack; at most {MAX_DOCS} are supported")
+    checked = check_rows(rows, num_segments, sum(sum(int(n) for n in r) for r in rows))
+    return torch.tensor(checked, dtype=torch.int64)
+
+
 def tile_picture(
-    topology: Any, seg_lens: SegLens, tile: TileArg = 128, causal: bool = False, width: int = 64,
-    png: str | Path | None = None,
+    topology: Any, seg_lens: SegLensArg, tile: TileArg = 128, causal: bool = False, width: int = 64,
+    png: str | Path | None = None, packed: bool = False,
 ) -> str:
     """The tile picture of a topology mask as text (see :meth:`TileMap.picture`), optionally also as a PNG.
 
     Args:
-        topology: k x k 0/1 matrix.
-        seg_lens: k segment lengths.
+        topology: k x k matrix of pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`mmsparse.Topology` (see :func:`tile_map`).
+        seg_lens: k segment lengths; with ``packed``, ``[N, k]``: one row per sample.
         tile: an int (square tiles) or ``(query rows, key columns)``.
         causal: also require key position <= query position.
         width: the most characters per line; larger maps are downsampled.
         png: a path to also write the full-resolution PNG to (needs matplotlib).
+        packed: the rows of ``seg_lens`` are samples laid end to end, each seeing only itself.
 
     Returns:
         The picture (header line, then the rows) followed by the summary line.
     """
-    tiles = tile_map(topology, seg_lens, tile, causal)
+    tiles = tile_map(topology, seg_lens, tile, causal, packed)
     if png is not None:
         tiles.save_png(png)
     return f"{tiles.picture(width)}\n{tiles.summary()}"

@@ -11,7 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import CachedMask, _layout_hint, attention_with_info, build_mask_info, check_flag, check_qkv
+from .functional import (
+    CachedMask,
+    _layout_hint,
+    attention_with_info,
+    build_mask_info,
+    check_flag,
+    check_qkv,
+    check_softmax_scale,
+    count,
+)
 from .lengths import SegLensArg, validate_seg_lens
 from .mask_info import MaskInfo
 from .ops.config import kernel_config
@@ -23,7 +32,10 @@ class TritonMBSAttnKernel(nn.Module):
     topology and segment lengths, over q, k, v; it holds no weights.
 
     Args:
-        topology: k x k 0/1 matrix; ``topology[r][c] == 1`` lets segment r attend segment c.
+        topology: k x k pair types: ``topology[r][c]`` says how the queries of segment r see the keys of
+            segment c: ``NONE`` (0, not at all), ``FULL`` (1, every key) or ``CAUSAL`` (2, the keys at or before
+            the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
+            :class:`~mmsparse.Topology` (build one once for hundreds of segments).
         seg_lens: k segment lengths (the seed's ``mm_seq_seg``); S = sum(seg_lens).
         causal_mask: also require key position <= query position.
         dropout: attention dropout probability, applied in training mode only.
@@ -50,9 +62,16 @@ class TritonMBSAttnKernel(nn.Module):
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
         self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = check_softmax_scale(softmax_scale)
         self._infos: dict[tuple, CachedMask] = {}
         self._dense_mask: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle, deepcopy and torch.save carry the configuration only: the masks are caches of device tensors
+        # (their kernel arguments point back at them weakly, which pickle cannot take), rebuilt on first use.
+        state = super().__getstate__()
+        state["_infos"], state["_dense_mask"] = {}, None
+        return state
 
     @property
     def seq_len(self) -> int:
@@ -102,7 +121,8 @@ class TritonMBSAttnKernel(nn.Module):
                     raise
                 raise ValueError(f"{e}. {hint}") from None
             if info.batch not in (1, q.shape[0]):
-                raise ValueError(f"seg_lens has {info.batch} rows but the batch has {q.shape[0]} samples")
+                raise ValueError(f"seg_lens has {count(info.batch, 'row')} but the batch has "
+                                 f"{count(q.shape[0], 'sample')}")
             return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
             hint = _layout_hint(k, self.seg_lens)

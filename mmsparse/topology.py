@@ -49,30 +49,54 @@ class Topology:
     Attributes:
         types: int8 ``[k, k]`` pair types.
         matrix: bool ``[k, k]``, ``types != NONE``: which segment sees which at all.
+        has_causal_pairs: whether some pair is CAUSAL; None for a tensor traced by torch.compile, whose values are
+            unknown until the graph runs (checked there).
     """
 
     def __init__(self, matrix: Any, names: Sequence[str] | None = None) -> None:
         if isinstance(matrix, Topology):
             names = names if names is not None else matrix.names
-            matrix = matrix.types
-        self.types = _validate_matrix(matrix)
-        self.matrix = self.types != NONE
-        self.has_causal_pairs = bool((self.types == CAUSAL).any())
-        k = self.num_segments
+            self.types, self.matrix, self.has_causal_pairs = matrix.types, matrix.matrix, matrix.has_causal_pairs
+            self._row_bits, self._col_bits = matrix._row_bits, matrix._col_bits
+        else:
+            rows = _python_rows(matrix)
+            if rows is not None:  # validated in Python: under torch.compile a list is a constant, not a tensor
+                self.types = torch.tensor(rows, dtype=torch.int8)
+            elif isinstance(matrix, torch.Tensor) and torch.compiler.is_compiling():
+                self.types = _traced_types(matrix)  # values unknown until the graph runs
+            else:
+                self.types = _validate_matrix(matrix)
+                rows = self.types.tolist()
+            self.matrix = self.types != NONE
+            # None: a traced tensor's values are unknown, so its masks go by segment codes, which take any types.
+            self.has_causal_pairs = None if rows is None else any(CAUSAL in row for row in rows)
+            # Plain ints, computed once: torch.compile then sees constants rather than reading a tensor back.
+            k = self.num_segments
+            bits = rows is not None and self.uses_bits
+            self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)] if (
+                bits) else []
+            self._col_bits = [_to_int32_bits(1 << c) for c in range(k)] if bits else []
         if names is not None:
             names = tuple(str(n) for n in names)
-            if len(names) != k:
-                raise ValueError(f"topology has {k} segments but {len(names)} names were given: {names}")
+            if len(names) != self.num_segments:
+                raise ValueError(f"topology has {self.num_segments} segments but {len(names)} names were given: "
+                                 f"{names}")
         self.names = names
-        # Plain ints, computed once: torch.compile then sees constants rather than reading a tensor back.
-        rows = self.types.tolist()
-        self._row_bits = [_to_int32_bits(sum(1 << c for c in range(k) if rows[r][c])) for r in range(k)] if (
-            self.uses_bits) else []
-        self._col_bits = [_to_int32_bits(1 << c) for c in range(k)] if self.uses_bits else []
-        self._hash = hash(self.types.numpy().tobytes()) if k > 64 else hash(tuple(map(tuple, rows)))
+        self._hash: int | None = None  # by value, on first use
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pair_tables: dict[torch.device, torch.Tensor] = {}
         self._readers: dict[int, set[int]] = {}  # id of a kept table -> the CUDA streams it is recorded on
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The per-device tables are caches; the hash of a large topology hashes bytes, which differs per process.
+        state = self.__dict__.copy()
+        for cache in ("_tables", "_pair_tables", "_hash"):
+            state.pop(cache, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tables, self._pair_tables, self._hash = {}, {}, None
 
     @property
     def num_segments(self) -> int:
@@ -81,7 +105,7 @@ class Topology:
     @property
     def uses_bits(self) -> bool:
         """Whether one sample's mask fits the bit vectors: 0/1 pairs and at most 32 segments."""
-        return self.num_segments <= MAX_BIT_SEGMENTS and not self.has_causal_pairs
+        return self.num_segments <= MAX_BIT_SEGMENTS and self.has_causal_pairs is False
 
     def pair_table(self, device: torch.device) -> torch.Tensor:
         """int8 ``[k + 1, k + 1]`` pair types on ``device``, with a last row and column of NONE for padding, kept
@@ -89,7 +113,7 @@ class Topology:
         table = None if torch.compiler.is_compiling() else self._pair_tables.get(device)
         if table is None:
             k = self.num_segments
-            table = torch.zeros((k + 1, k + 1), dtype=torch.int8)
+            table = torch.zeros((k + 1, k + 1), dtype=torch.int8, device=self.types.device)
             table[:k, :k] = self.types
             table = table.to(device)
             if not torch.compiler.is_compiling():
@@ -137,6 +161,8 @@ class Topology:
         return isinstance(other, Topology) and torch.equal(self.types, other.types)
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = _hash_types(self.types)
         return self._hash
 
     def __repr__(self) -> str:
@@ -145,29 +171,71 @@ class Topology:
         return f"Topology([{rows}]{names})"
 
 
+def _hash_types(types: torch.Tensor) -> int:
+    """A hash of the pair types by value: of the rows as tuples, of the bytes past 64 segments."""
+    return hash(types.numpy().tobytes()) if types.shape[0] > 64 else hash(tuple(map(tuple, types.tolist())))
+
+
+_BAD_CONTAINER = "topology must be a k x k matrix of pair types 0/1/2 (nested lists, numpy or torch); got {!r}"
+_BAD_SHAPE = "topology must be a square k x k matrix with k >= 1; got shape {}"
+_TOO_MANY = (
+    "topology has {} segments; at most {} are supported. Samples packed into one sequence share one topology: pass "
+    "the packed lengths to mbs_attention_varlen instead of a block-diagonal topology"
+)
+_BAD_ENTRY = "topology entries must be 0 (none), 1 (full) or 2 (causal); topology[{}][{}] = {}"
+
+
+def _python_rows(matrix: Any) -> list[list[int]] | None:
+    """The pair types of nested lists/tuples of Python numbers, checked in Python (no tensor op, so nothing is
+    data-dependent under torch.compile). None for anything else (tensors, arrays, rows of them)."""
+    if not isinstance(matrix, (list, tuple)):
+        return None
+    if not all(isinstance(row, (list, tuple)) for row in matrix):
+        return None
+    if not all(type(x) in (int, bool, float) for row in matrix for x in row):
+        return None
+    k = len(matrix)
+    if any(len(row) != len(matrix[0]) for row in matrix):
+        raise ValueError(_BAD_CONTAINER.format(matrix))
+    if k == 0 or len(matrix[0]) != k:
+        raise ValueError(_BAD_SHAPE.format((k, len(matrix[0])) if k else (0,)))
+    if k > MAX_SEGMENTS:
+        raise ValueError(_TOO_MANY.format(k, MAX_SEGMENTS))
+    for r, row in enumerate(matrix):
+        for c, x in enumerate(row):
+            if x not in (NONE, FULL, CAUSAL):
+                raise ValueError(_BAD_ENTRY.format(r, c, x))
+    return [[int(x) for x in row] for row in matrix]
+
+
+def _traced_types(t: torch.Tensor) -> torch.Tensor:
+    """The pair types of a tensor that torch.compile traces: the shape is checked now, the values when the graph
+    runs (reading them now would be data-dependent)."""
+    if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+        raise ValueError(_BAD_SHAPE.format(tuple(t.shape)))
+    if t.shape[0] > MAX_SEGMENTS:
+        raise ValueError(_TOO_MANY.format(t.shape[0], MAX_SEGMENTS))
+    if t.dtype != torch.bool:
+        ok = ((t == NONE) | (t == FULL) | (t == CAUSAL)).all()
+        torch._assert_async(ok, "topology entries must be 0 (none), 1 (full) or 2 (causal)")
+    return t.detach().to(torch.int8)
+
+
 def _validate_matrix(matrix: Any) -> torch.Tensor:
     """The pair types of a user's matrix as int8 ``[k, k]``."""
     try:
         t = torch.as_tensor(matrix).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(
-            f"topology must be a k x k matrix of pair types 0/1/2 (nested lists, numpy or torch); got {matrix!r}"
-        ) from e
+        raise ValueError(_BAD_CONTAINER.format(matrix)) from e
     if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
-        raise ValueError(f"topology must be a square k x k matrix with k >= 1; got shape {tuple(t.shape)}")
+        raise ValueError(_BAD_SHAPE.format(tuple(t.shape)))
     if t.shape[0] > MAX_SEGMENTS:
-        raise ValueError(
-            f"topology has {t.shape[0]} segments; at most {MAX_SEGMENTS} are supported. Samples packed into one "
-            "sequence share one topology: pass the packed lengths to mbs_attention_varlen instead of a "
-            "block-diagonal topology"
-        )
+        raise ValueError(_TOO_MANY.format(t.shape[0], MAX_SEGMENTS))
     if t.dtype != torch.bool:
         bad = ~((t == NONE) | (t == FULL) | (t == CAUSAL))
         if bool(bad.any()):
             r, c = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(
-                f"topology entries must be 0 (none), 1 (full) or 2 (causal); topology[{r}][{c}] = {t[r, c].item()}"
-            )
+            raise ValueError(_BAD_ENTRY.format(r, c, t[r, c].item()))
     return t.to(torch.int8)
 
 

@@ -31,7 +31,8 @@ class ContextParallel(RankProblem):
     """Context parallelism for one topology and set of lengths over a process group.
 
     Args:
-        topology: k x k 0/1 matrix, as for ``mbs_attention``.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology`, as for ``mbs_attention``.
         seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
         causal: the global causal flag.
         group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (the context-parallel dim of a larger mesh: pass
@@ -44,14 +45,38 @@ class ContextParallel(RankProblem):
         check_causal(causal)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
-        self.group = _process_group(group)
+        self._group = _process_group(group)
         # The plan, tokens and pieces of this rank: RankProblem builds them for any rank, without a group.
-        super().__init__(topology, seg_lens, dist.get_rank(self.group), dist.get_world_size(self.group), causal,
+        super().__init__(topology, seg_lens, dist.get_rank(self._group), dist.get_world_size(self._group), causal,
                          chunk)
         # Bytes this rank has sent and received point to point (K/V fetches, dK/dV returns), so that a benchmark
         # can hold them against the plan's prediction.
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    @property
+    def group(self) -> Any:
+        """The process group. After unpickling, the default group when this one spanned all of its ranks;
+        any other group must be given again (``cp.group = group``): a process group does not pickle."""
+        if self._group is None:
+            self._group = _group_of_ranks(self._group_ranks)
+        return self._group
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        group = _process_group(group)
+        if dist.get_world_size(group) != self.world_size:
+            raise ValueError(f"this ContextParallel is planned for {self.world_size} ranks; the group has "
+                             f"{dist.get_world_size(group)}")
+        self._group = group
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A process group does not pickle: keep its global ranks and find the group again on first use.
+        state = super().__getstate__()
+        state["_group_ranks"] = dist.get_process_group_ranks(self._group) if self._group is not None else (
+            state.get("_group_ranks"))
+        state["_group"] = None
+        return state
 
     def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
@@ -106,6 +131,16 @@ def _process_group(group: Any) -> Any:
             raise ValueError(f"pass the context-parallel dim of the mesh (mesh['cp']), not a {group.ndim}-D mesh")
         return get_group()
     return group
+
+
+def _group_of_ranks(ranks: list[int]) -> Any:
+    """The process group over these global ranks in this process: the default group when they are all of it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
+    if list(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    raise RuntimeError(f"this ContextParallel was unpickled from a process group over the ranks {list(ranks)}, not "
+                       "the default group: give it that group again with cp.group = group")
 
 
 def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],

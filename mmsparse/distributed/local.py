@@ -26,7 +26,8 @@ class RankProblem:
     """Rank ``rank`` of a ``world_size``-rank context-parallel plan: its tokens, gathered keys and pieces.
 
     Args:
-        topology: k x k 0/1 matrix (or pair types), as for ``mbs_attention``.
+        topology: k x k pair types ``NONE``/``FULL``/``CAUSAL`` (0/1/2), any number of segments, or a
+            :class:`~mmsparse.Topology`, as for ``mbs_attention``.
         seg_lens: k lengths, or ``[B, k]`` per sample (a sample's tail past its total is padding).
         rank, world_size: which rank of how many.
         causal: the global causal flag.
@@ -41,7 +42,8 @@ class RankProblem:
         lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
         k = self.topology.num_segments
         per_sample = lens and isinstance(lens[0], (list, tuple))
-        rows = [validate_seg_lens(r, k) for r in lens] if per_sample else [validate_seg_lens(lens, k)]
+        rows = ([validate_seg_lens(r, k, f"seg_lens[{b}]") for b, r in enumerate(lens)] if per_sample else
+                [validate_seg_lens(lens, k)])
         self.causal = causal
         self.seq_len = max(sum(r) for r in rows)
         if tile is None:  # chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)
@@ -58,6 +60,13 @@ class RankProblem:
         self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
+        # rebuilt on first use.
+        state = self.__dict__.copy()
+        state["_bits"], state["_pieces"], state["_dropout_pieces"] = {}, {}, {}
+        return state
 
     @property
     def local_len(self) -> int:

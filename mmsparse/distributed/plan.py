@@ -178,5 +178,5 @@ def _rows(seg_lens: Any, k: int) -> list[tuple[int, ...]]:
         seg_lens = seg_lens.tolist()
     seg_lens = list(seg_lens)
     if seg_lens and isinstance(seg_lens[0], (list, tuple)):
-        return [validate_seg_lens(r, k) for r in seg_lens]
+        return [validate_seg_lens(r, k, f"seg_lens[{b}]") for b, r in enumerate(seg_lens)]
     return [validate_seg_lens(seg_lens, k)]

@@ -15,10 +15,12 @@ MAX_SEQ_LEN = 2**31 - 1 - 256  # int32 positions, with room for one tile past th
 def check_problem_size(batch: int, num_heads: int, seq_q: int, seq_k: int) -> None:
     """Raise a ValueError when a call is past what the kernels can launch (see the module's docstring)."""
     if batch * num_heads > MAX_BATCH_HEADS:
+        per_call = MAX_BATCH_HEADS // max(num_heads, 1)
+        fix = (f"split the batch into calls of at most {per_call} sample{'' if per_call == 1 else 's'}" if per_call
+               else f"use at most {MAX_BATCH_HEADS} query heads")
         raise ValueError(
             f"batch x query heads = {batch} x {num_heads} = {batch * num_heads} is more than the {MAX_BATCH_HEADS} "
-            "that one launch can take (CUDA's second grid axis): split the batch into calls of at most "
-            f"{MAX_BATCH_HEADS // max(num_heads, 1)} samples"
+            f"that one launch can take (CUDA's second grid axis): {fix}"
         )
     if max(seq_q, seq_k) > MAX_SEQ_LEN:
         raise ValueError(f"sequence length {max(seq_q, seq_k)} is more than the {MAX_SEQ_LEN} positions that int32 "

@@ -12,6 +12,7 @@ from helpers import RING
 import mmsparse.__main__ as cli
 from mmsparse import TritonMBSAttnKernel, generate_interlaced_mask, tile_map, tile_picture
 from mmsparse.blocks import classify_blocks_from_mask
+from mmsparse.reference import reference_packed_mask
 from mmsparse.topology import count_allowed_pairs
 
 # The seed example runs fp32 through the interpreter, bf16 on a GPU.
@@ -74,8 +75,11 @@ def test_draws_a_user_topology_without_running(monkeypatch, capsys):
     (["--topology", "[[1,1],[0,1]]", "--seg-lens", "4,5", "--tile", "big"], "128x64"),
     (["--topology", "[[1,1],[0,1]]", "--seg-lens", "0,0"], "nothing to draw"),
     (["--tile", "12x"], "128x64"),
+    (["--topology", "[[1,1],[0,1]]", "--seg-lens", "4,5;6,7"], "add --packed"),
+    (["--topology", "[[1,1],[0,1]]", "--seg-lens", "4,5;6", "--packed"], "seg_lens[1]"),
+    (["--topology", "[[1,3],[0,1]]", "--seg-lens", "4,5"], "2 (causal)"),
 ], ids=["topology-alone", "lens-alone", "bad-list", "bad-lens", "lens-count", "tile-0", "tile-word", "empty",
-        "seed-bad-tile"])
+        "seed-bad-tile", "rows-unpacked", "packed-row-count", "bad-pair-type"])
 def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -83,11 +87,18 @@ def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+EYE40 = torch.eye(40, dtype=torch.int).tolist()  # 40 segments: past the 32 of the bit vectors
+TRANSFUSION = [[2, 0, 0], [1, 1, 0], [1, 1, 2]]  # text causal, an image full, text causal over all before it
+
+
 @pytest.mark.parametrize(
     "topology, lens, tile, causal",
     [(RING, (9, 21, 14), (32, 16), False), (RING, (9, 21, 14), (16, 32), True), ([[0, 1], [1, 1]], (0, 37), 8, True),
-     ([[1, 0, 1], [0, 0, 1], [1, 1, 0]], (33, 0, 31), 16, False)],
-    ids=["hub-32x16", "hub-16x32-causal", "empty-segment-causal", "zero-length-middle"],
+     ([[1, 0, 1], [0, 0, 1], [1, 1, 0]], (33, 0, 31), 16, False), ([[2, 0], [1, 2]], (40, 40), 16, False),
+     (TRANSFUSION, (13, 30, 9), (16, 8), True), (EYE40, [4] * 40, 16, False),
+     ([[2 if r == c else int(c < r) for c in range(40)] for r in range(40)], [3, 0, 5, 1] * 10, (8, 16), False)],
+    ids=["hub-32x16", "hub-16x32-causal", "empty-segment-causal", "zero-length-middle", "pair-types",
+         "pair-types-causal", "40-segments", "40-segments-pair-types"],
 )
 def test_tile_map_matches_the_dense_mask(topology, lens, tile, causal):
     """The tile classes and density from the segment boundaries equal those reduced from the dense S x S mask."""
@@ -99,6 +110,47 @@ def test_tile_map_matches_the_dense_mask(topology, lens, tile, causal):
     if causal:
         dense &= torch.ones_like(dense).tril()
     assert tiles.density == dense.sum().item() / dense.numel()
+
+
+def test_causal_pair_draws_its_diagonal_as_partial_tiles():
+    """The newcomer's command: a CAUSAL pair's diagonal tiles are partial, the tiles below full, above skipped."""
+    rows = tile_picture([[2, 0], [1, 2]], (40, 40), tile=16).splitlines()
+    assert rows[1:6] == ["+....", "#+...", "##+..", "###+.", "####+"]
+    assert tile_picture(EYE40, [4] * 40, tile=16).splitlines()[1:11] == [
+        "." * i + "+" + "." * (9 - i) for i in range(10)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_tile_map_matches_the_dense_mask(causal):
+    """Samples packed end to end see only themselves: the tiles and density of the dense packed mask."""
+    rows = [(10, 20, 5), (12, 30, 0), (0, 3, 1)]
+    tiles = tile_map(TRANSFUSION, rows, (16, 8), causal, packed=True)
+    dense = reference_packed_mask(TRANSFUSION, rows, causal)
+    live, full = classify_blocks_from_mask(dense, 16, 8, False, 0)
+    assert torch.equal(tiles.live, live[0]) and torch.equal(tiles.full, full[0])
+    assert tiles.seq_len == 81 and tiles.density == dense.sum().item() / 81**2
+    with pytest.raises(ValueError, match="packed=True"):
+        tile_map(TRANSFUSION, rows, 16)
+    with pytest.raises(ValueError, match=r"seg_lens\[1\]\[2\] = -1 is negative"):
+        tile_map(TRANSFUSION, [(1, 2, 3), (1, 2, -1)], 16, packed=True)
+
+
+def test_draws_a_pack_of_pair_types(capsys):
+    argv = ["--topology", "[[2,0,0],[1,1,0],[1,1,2]]", "--seg-lens", "10,20,5;12,30,0", "--packed", "--tile", "16"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tiles = tile_map(TRANSFUSION, [(10, 20, 5), (12, 30, 0)], 16, packed=True)
+    assert lines[0] == ("topology [[2, 0, 0], [1, 1, 0], [1, 1, 2]], packed seg_lens [(10, 20, 5), (12, 30, 0)] "
+                        "(S = 77), causal=False")
+    assert lines[2:-1] == tiles.picture().splitlines()[1:] and lines[-1] == tiles.summary()
+
+
+def test_draws_many_segments(capsys):
+    argv = ["--topology", str(EYE40), "--seg-lens", ",".join(["4"] * 40), "--tile", "16"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "topology of 40 x 40 pair types, 40 segments (S = 160), causal=False"
+    assert lines[-1] == tile_map(EYE40, [4] * 40, 16).summary()
 
 
 def test_picture_characters_and_downsampling():

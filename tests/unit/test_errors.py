@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers import CYCLIC
 
-from mmsparse import Topology, TritonMBSAttnKernel, generate_interlaced_mask, mbs_attention
+from mmsparse import Topology, TritonMBSAttnKernel, generate_interlaced_mask, mbs_attention, mbs_attention_varlen
+from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention
 
 
 def qkv(device, b=1, hq=2, hk=2, sq=20, sk=20, d=16, dtype=torch.float32):
@@ -140,3 +141,58 @@ def test_interlaced_mask_matches_segment_loop():
             if topo[r][c]:
                 expected[starts[r]:starts[r] + lens[r], starts[c]:starts[c] + lens[c]] = True
     assert torch.equal(generate_interlaced_mask(topo, lens), expected)
+
+
+def test_softmax_scale_is_named(device):
+    """A scale that is no number names the argument, at the module's construction and at a call."""
+    with pytest.raises(TypeError, match="softmax_scale must be a positive float or None.*str 'x'"):
+        TritonMBSAttnKernel(CYCLIC, (5, 5, 10), softmax_scale="x")
+    with pytest.raises(ValueError, match="softmax_scale must be a finite positive number"):
+        TritonMBSAttnKernel(CYCLIC, (5, 5, 10), softmax_scale=0.0)
+    with pytest.raises(TypeError, match="softmax_scale must be a positive float or None"):
+        mbs_attention(*qkv(device), CYCLIC, (5, 5, 10), softmax_scale="x")
+
+
+@pytest.mark.parametrize("heads", [(0, 0), (0, 2), (2, 0)], ids=["none", "no-query-heads", "no-kv-heads"])
+def test_zero_heads(heads, device):
+    with pytest.raises(ValueError, match="heads must be positive"):
+        mbs_attention(*qkv(device, hq=heads[0], hk=heads[1]), CYCLIC, (5, 5, 10))
+
+
+def test_counts_in_messages_agree_in_number(device):
+    rows = [(5, 5, 10), (5, 5, 10)]
+    with pytest.raises(ValueError, match="has 2 rows but the batch has 1 sample$"):
+        mbs_attention(*qkv(device), CYCLIC, rows)
+    with pytest.raises(ValueError, match="has 2 rows but the batch has 1 sample$"):
+        TritonMBSAttnKernel(CYCLIC, (5, 5, 10))(*qkv(device), seg_lens=rows)
+    with pytest.raises(ValueError, match="q_start has 1 entry but seg_lens has 2 rows"):
+        mbs_attention(*qkv(device, b=2), CYCLIC, rows, q_start=[0])
+
+
+def test_negative_length_names_its_row(device):
+    q, k, v = qkv(device, sq=30, sk=30)
+    with pytest.raises(ValueError, match=r"seg_lens\[1\]\[1\] = -2 is negative"):
+        mbs_attention_varlen(q, k, v, CYCLIC, [(5, 5, 2), (10, -2, 10)])
+    with pytest.raises(ValueError, match=r"seg_lens\[1\]\[2\] = -1 is negative"):
+        mbs_attention(*qkv(device, b=2), CYCLIC, [(5, 5, 10), (5, 5, -1)])
+
+
+def test_float64_points_at_the_reference(device):
+    q, k, v = qkv(device, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64.*mmsparse.reference_attention"):
+        mbs_attention(q, k, v, CYCLIC, (5, 5, 10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+def test_layer_input_dtype_against_its_weights(dtype, device):
+    """The layer names both dtypes and the casts that fix it, before torch's matmul error deep inside."""
+    layer = MultimodalSelfAttention(32, 2, CYCLIC, (5, 5, 10), device=device)
+    x = torch.randn(1, 20, 32, device=device, dtype=dtype)
+    with pytest.raises(TypeError, match=f"input has dtype {dtype} but the module's weights are torch.float32"):
+        layer(x)
+    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True, device=device)
+    block = MultiheadMBSAttention(mha, CYCLIC, (5, 5, 10))
+    with pytest.raises(TypeError, match=f"input has dtype {dtype} but the module's weights are torch.float32"):
+        block(x, x, x)
+    with pytest.raises(TypeError, match="float64.*reference_attention"):
+        layer.double()(x.double())

@@ -16,7 +16,7 @@ PACKAGE = REPO / "mmsparse"
 # Bottom to top. An entry names a module, or a package and everything in it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("lengths and segment codes", ["mmsparse.lengths", "mmsparse.segments"]),
-    ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks"]),
+    ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks", "mmsparse.code_blocks"]),
     ("device code: kernels of both dialects and the mask rule", ["mmsparse.kernels"]),
     ("launching, TMA scratch, the dropout mask for tests", [
         "mmsparse.ops.limits", "mmsparse.ops.launch", "mmsparse.ops.scratch", "mmsparse.ops.dropout",

@@ -1,0 +1,95 @@
+"""torch.compile(fullgraph=True) over mbs_attention with the topology in every form a user passes: nested lists,
+tuples, nested tuples, a Topology and a tensor; no graph breaks, the eager result.
+
+Dynamo raises on a graph break under fullgraph whatever the backend, so most cases use the "eager" backend (no
+Inductor compile: fast on the CPU); one case runs the default backend end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse import CAUSAL, FULL, NONE, Topology, mbs_attention, mbs_attention_varlen
+
+SEG = (10, 20, 18)
+RING = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]  # 0/1: token bits
+TYPES = [[CAUSAL, NONE, NONE], [FULL, FULL, NONE], [FULL, FULL, CAUSAL]]  # pair types: segment codes
+
+
+def _forms(matrix: list[list[int]]) -> dict[str, object]:
+    return {
+        "list": [list(r) for r in matrix],
+        "tuple": tuple(list(r) for r in matrix),
+        "nested-tuple": tuple(tuple(r) for r in matrix),
+        "topology": Topology(matrix),
+        "tensor": torch.tensor(matrix),
+    }
+
+
+CASES = [(name, kind) for name in ("list", "tuple", "nested-tuple", "topology", "tensor") for kind in ("01", "types")]
+
+
+def _qkv(device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, h, sum(SEG), 16, generator=gen).to(device).requires_grad_() for h in (2, 1, 1)]
+
+
+def _fresh(matrix: list[list[int]], salt: int) -> list[list[int]]:
+    """The same mask with one extra segment of length 0 per salt: a topology no earlier call has cached, so the
+    traced call validates it itself."""
+    k = len(matrix) + salt
+    return [[matrix[r][c] if r < len(matrix) and c < len(matrix) else FULL for c in range(k)] for r in range(k)]
+
+
+@pytest.mark.parametrize("form, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
+def test_fullgraph_with_every_topology_form(form, kind, device):
+    torch._dynamo.reset()
+    salt = 1 + [c[0] for c in CASES].index(form)
+    matrix = _fresh(RING if kind == "01" else TYPES, salt)
+    seg = SEG + (0,) * salt
+    topology = _forms(matrix)[form]
+    q, k, v = _qkv(device)
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, topology, seg), fullgraph=True, backend="eager")
+    out = compiled(q, k, v)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    expected = mbs_attention(q, k, v, matrix, seg)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fullgraph_packed_rows_from_lists(device):
+    torch._dynamo.reset()
+    rows = [(3, 10, 2), (5, 0, 7)]
+    topology = tuple(tuple(r) for r in _fresh(TYPES, 9))
+    rows = [r + (0,) * 9 for r in rows]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(27, h, 16, generator=gen).to(device) for h in (2, 1, 1))
+    compiled = torch.compile(lambda q, k, v: mbs_attention_varlen(q, k, v, topology, rows), fullgraph=True,
+                             backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), mbs_attention_varlen(q, k, v, topology, rows), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_fullgraph_default_backend(device):
+    """Inductor end to end, a nested list of pair types given inside the compiled function."""
+    torch._dynamo.reset()
+    q, k, v = (t.detach() for t in _qkv(device))
+    matrix = _fresh(TYPES, 11)
+    seg = SEG + (0,) * 11
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, [list(r) for r in matrix], seg), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), mbs_attention(q, k, v, matrix, seg), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_tensor_topology_checks_its_values_when_run(device):
+    """A tensor topology's values are unknown while tracing: a bad entry fails when the graph runs."""
+    torch._dynamo.reset()
+    q, k, v = (t.detach() for t in _qkv(device))
+    bad = torch.tensor([[1, 3, 0], [0, 1, 1], [1, 0, 1]])
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, bad, SEG), fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match="0 \\(none\\), 1 \\(full\\) or 2 \\(causal\\)"):
+        compiled(q, k, v)
