@@ -108,14 +108,14 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     from mmsparse.functional import build_mask_info
 
     try:
-        from mmsparse.ops.kernel_args import prepare
-    except ImportError:  # an A/B side from before mmsparse.ops.kernel_args: MaskInfo.prepare took the config
+        from mmsparse.attention.kernel_args import prepare
+    except ImportError:  # an A/B side from before mmsparse.attention.kernel_args: MaskInfo.prepare took the config
         def prepare(info: Any, config: Any) -> Any:
             return info.prepare(config)
 
     if cfg.packed:
-        from mmsparse.lengths import packed_lens_tensor
-        from mmsparse.mask_info import MaskInfo
+        from mmsparse.mask.info import MaskInfo
+        from mmsparse.mask.lengths import packed_lens_tensor
 
         topo = mmsparse.Topology(cfg.topology)  # mbs_attention_varlen's is validated once and kept, too
         rows = torch.tensor(cfg.seg_lens, dtype=torch.int32, device=device)
@@ -137,7 +137,7 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
 
 
 def setup_mmsparse(case: Case, timing: Timing) -> Impl:
-    from mmsparse.ops.config import kernel_config
+    from mmsparse.attention.config import kernel_config
 
     cfg, dev = case.cfg, case.device
     tiles = kernel_config(cfg.head_dim, case.q.dtype, dev)

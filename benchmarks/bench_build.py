@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
-from mmsparse.blocks import classify_blocks_from_bits, lists_from_classes
+from mmsparse.attention.config import kernel_config
+from mmsparse.attention.kernel_args import prepare
 from mmsparse.functional import build_mask_info
-from mmsparse.ops.config import kernel_config
-from mmsparse.ops.kernel_args import prepare
+from mmsparse.mask.blocks import classify_blocks_from_bits, lists_from_classes
 
 from .configs import CYCLIC, HUB
 from .env import environment, results_dir

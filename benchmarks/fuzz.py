@@ -3,7 +3,7 @@
 Each case draws, from its own 64-bit seed:
   - a topology of pair types: 0/1 only, or NONE/FULL/CAUSAL (0/1/2), drawn i.i.d. or with structure
     (Transfusion-like, banded, diagonal, global segments); k mostly small (1 to 32: the bit path for 0/1), sometimes
-    33 to 600, rarely up to :data:`mmsparse.topology.MAX_SEGMENTS` (4095 on the GPU, 1024 on the CPU), with
+    33 to 600, rarely up to :data:`mmsparse.mask.topology.MAX_SEGMENTS` (4095 on the GPU, 1024 on the CPU), with
     segment lengths that shrink as k grows (many of 0 and 1), so that S stays bounded;
   - segment lengths with zeros, ones and ragged ends, B, causal, a GQA ratio, fewer queries than keys (decoding,
     or a chunk of queries) with per-sample ``q_start``, per-sample lengths with padding, a dense ``attn_mask``
@@ -68,10 +68,10 @@ import torch
 
 import mmsparse
 import mmsparse.functional
+from mmsparse.attention.dropout import dropout_keep_rows
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops.dropout import dropout_keep_rows
+from mmsparse.mask.topology import MAX_SEGMENTS
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
-from mmsparse.topology import MAX_SEGMENTS
 
 from .env import REPO_DIR, environment, results_dir
 from .lists_layout import lists_layout
@@ -695,8 +695,8 @@ def kernel_keys(case: Case, sms: int = 132) -> frozenset[tuple]:
     short or long keys. The list builders specialise on the tiles (float32 or not, head dim, query and key
     lengths' classes), causal and (bits) the segments rounded up to a power of two, the token-bit kernel on k and
     the lengths' dtype, the dropout keep mask on the query heads. ``sms``: the GPU's multiprocessors."""
-    from mmsparse.ops.config import DECODE_MAX_Q, SHORT_KEYS
-    from mmsparse.ops.plan import gqa_pack_rows
+    from mmsparse.attention.config import DECODE_MAX_Q, SHORT_KEYS
+    from mmsparse.attention.plan import gqa_pack_rows
 
     half, d, drop = case.dtype != "fp32", case.head_dim, case.dropout_p > 0
     group = case.heads_q // case.heads_kv

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 import mmsparse.functional
-from mmsparse.ops import block_lists
+from mmsparse.mask import block_lists
 
 
 @contextlib.contextmanager

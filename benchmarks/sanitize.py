@@ -310,7 +310,7 @@ def selected_cases(group: str, only: tuple[str, ...] | None) -> list[SanCase]:
 def _spies(taken: set[str], device: Any) -> Iterator[None]:
     """Record in ``taken`` what the calls' plans chose: "split" (a forward with split key lists), "gluon-fwd",
     "gluon-dq", "gluon-dkdv" (the Gluon kernel of that pass)."""
-    from mmsparse.ops import backward, forward
+    from mmsparse.attention import backward, forward
 
     def forward_kernels(plan: Any) -> None:
         if plan.forward.n_splits > 1:
@@ -340,7 +340,7 @@ def _spies(taken: set[str], device: Any) -> Iterator[None]:
 
 def _tl_config(head_dim: int, dtype: Any, device: Any, use_tma: bool) -> Any:
     """This device's tiles with every Gluon kernel off (the tl kernels at the same tiles)."""
-    from mmsparse.ops import config
+    from mmsparse.attention import config
 
     cfg = config.kernel_config(head_dim, dtype, device)
 
@@ -356,7 +356,7 @@ def _run_attention(case: SanCase, path: str, device: Any) -> None:
     import torch
 
     import mmsparse
-    from mmsparse.ops import config
+    from mmsparse.attention import config
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
@@ -413,10 +413,10 @@ def _sync(device: Any) -> None:
 def _run_lists(case: SanCase, device: Any) -> None:
     import torch
 
-    from mmsparse.mask_info import MASK_BITS, MaskInfo
-    from mmsparse.ops.block_lists import build_block_lists
-    from mmsparse.ops.token_bits import launch_token_bits
-    from mmsparse.topology import Topology
+    from mmsparse.mask.block_lists import build_block_lists
+    from mmsparse.mask.info import MASK_BITS, MaskInfo
+    from mmsparse.mask.token_bits import launch_token_bits
+    from mmsparse.mask.topology import Topology
 
     topo = Topology(torch.tensor(_topology(case.topology)))
     rows = _rows(case)
@@ -447,7 +447,7 @@ def run_child(group: str, only: tuple[str, ...] | None, device_name: str = "cuda
     closing ``DONE`` line. 1 if any case failed."""
     import torch
 
-    from mmsparse.ops import config
+    from mmsparse.attention import config
 
     from .lists_layout import lists_layout
 
@@ -573,7 +573,7 @@ def cuda_available() -> bool:
 def gluon_available() -> bool:
     import torch
 
-    from mmsparse.ops.dispatch import hopper_gluon_available
+    from mmsparse.attention.dispatch import hopper_gluon_available
 
     return hopper_gluon_available(torch.cuda.current_device())
 

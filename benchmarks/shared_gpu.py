@@ -71,8 +71,8 @@ def child_environment(device: Any) -> dict[str, Any]:
 
     gluon = False
     if device.type == "cuda":
-        from mmsparse.ops.config import cuda_index
-        from mmsparse.ops.dispatch import hopper_gluon_available
+        from mmsparse.attention.config import cuda_index
+        from mmsparse.attention.dispatch import hopper_gluon_available
 
         gluon = hopper_gluon_available(cuda_index(device))
     return {**versions(device), "gluon_kernels": gluon}

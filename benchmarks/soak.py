@@ -149,7 +149,7 @@ def kernel_counts() -> tuple[dict[str, int], dict[str, int]]:
     they call, which are never compiled alone). Each kernel once, under the first name it is found by."""
     import triton
 
-    from mmsparse.ops.launch import FastKernel, compiled_variants
+    from mmsparse.runtime.launch import FastKernel, compiled_variants
 
     variants: dict[str, int] = {}
     launches: dict[str, int] = {}

@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 
 from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
-from mmsparse.ops.config import Tile, kernel_config, use_config
-from mmsparse.topology import count_allowed_pairs
+from mmsparse.attention.config import Tile, kernel_config, use_config
+from mmsparse.mask.topology import count_allowed_pairs
 
 from .configs import CONFIGS
 from .flex_mask import flex_mask_mod, segment_ids

@@ -34,7 +34,7 @@ import mmsparse  # before anything imports triton: without CUDA it turns on Trit
 from mmsparse import TritonMBSAttnKernel, reference_attention, reference_mask
 from mmsparse.kernels.tl.backward import attention_dkdv_tl, attention_dq_tl
 from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
-from mmsparse.ops.launch import compiled_variants
+from mmsparse.runtime.launch import compiled_variants
 
 TOPOLOGY = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]  # text sees everything; vision and audio see text and themselves
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from . import TritonMBSAttnKernel, interpreter_active, reference_attention, reference_mask
-from .ops.config import kernel_config
+from .attention.config import kernel_config
+from .mask.topology import count_allowed_pairs
 from .picture import TileMap, parse_tile, tile_map
-from .topology import count_allowed_pairs
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 SEED_LENS = (50, 375, 500)

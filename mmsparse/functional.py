@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from .autograd import MBSAttentionFunction
-from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
-from .mask_info import MaskInfo
-from .ops.launch import interpreter_active, stream_key, stream_of
-from .ops.limits import check_problem_size
-from .topology import Topology
+from .attention.autograd import MBSAttentionFunction
+from .attention.limits import check_problem_size
+from .mask.info import MaskInfo
+from .mask.lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
+from .mask.topology import Topology
+from .runtime.launch import interpreter_active, stream_key, stream_of
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -18,10 +18,10 @@ from einops import rearrange
 from torch import nn
 
 from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_flag, mbs_attention
-from .lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
-from .topology import Topology
+from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
+from .mask.topology import Topology
 
-__all__ = [  # clip_seg_lens and valid_lens_from_padding live in mmsparse.lengths; importing them from here works
+__all__ = [  # clip_seg_lens and valid_lens_from_padding live in mmsparse.mask.lengths; importing them from here works
     "MultiheadMBSAttention", "MultimodalSelfAttention", "clip_seg_lens", "replace_attention",
     "valid_lens_from_padding",
 ]

@@ -1,7 +1,7 @@
 """Pictures of a mask's tiles: which tiles the kernels skip, run unmasked (full) or run with the exact mask (partial).
 
 Any mask the kernels run: pair types (``NONE``/``FULL``/``CAUSAL``), any number of segments, packs of samples, a
-causal call. Built from the segment codes' runs (:mod:`mmsparse.code_blocks`: O(S) tokens plus the tiles' run
+causal call. Built from the segment codes' runs (:mod:`mmsparse.mask.code_blocks`: O(S) tokens plus the tiles' run
 pairs), never from an S x S mask, so it draws masks of any length::
 
     from mmsparse import tile_map
@@ -20,12 +20,12 @@ from typing import Any, Union
 
 import torch
 
-from .blocks import cdiv
-from .code_blocks import classify_blocks_from_codes, count_pairs_from_codes
 from .functional import check_flag
-from .lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
-from .segments import MAX_DOCS, token_codes
-from .topology import Topology
+from .mask.blocks import cdiv
+from .mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
+from .mask.lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
+from .mask.segments import MAX_DOCS, token_codes
+from .mask.topology import Topology
 
 TileArg = Union[int, tuple[int, int]]
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention.config import kernel_config
 from .functional import (
     CachedMask,
     _layout_hint,
@@ -21,10 +22,9 @@ from .functional import (
     check_softmax_scale,
     count,
 )
-from .lengths import SegLensArg, validate_seg_lens
-from .mask_info import MaskInfo
-from .ops.config import kernel_config
-from .topology import Topology, generate_interlaced_mask
+from .mask.info import MaskInfo
+from .mask.lengths import SegLensArg, validate_seg_lens
+from .mask.topology import Topology, generate_interlaced_mask
 
 
 class TritonMBSAttnKernel(nn.Module):

@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from .lengths import SegLensArg
-from .topology import NONE, Topology, allowed_by_type, lookup_pairs, segment_ids
+from .mask.lengths import SegLensArg
+from .mask.topology import NONE, Topology, allowed_by_type, lookup_pairs, segment_ids
 
 
 def reference_mask(

@@ -65,7 +65,7 @@ def device() -> torch.device:
 
 
 def _on_hopper() -> bool:
-    from mmsparse.ops.dispatch import hopper_gluon_available
+    from mmsparse.attention.dispatch import hopper_gluon_available
 
     return hopper_gluon_available(torch.cuda.current_device())
 

@@ -156,7 +156,7 @@ def test_pack_lengths_scale_to_the_total():
 def test_the_packed_build_is_the_reference_mask():
     """The metadata build timed for a pack (packed_lens_tensor + MaskInfo.from_segments(packed=True) + the block
     lists) describes the pack's reference mask."""
-    from mmsparse.ops.config import kernel_config
+    from mmsparse.attention.config import kernel_config
 
     cfg, cpu = TINY["tiny_pack"], torch.device("cpu")
     info = mmsparse_build(cfg, cpu, kernel_config(cfg.head_dim, torch.bfloat16, cpu))()

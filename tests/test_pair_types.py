@@ -11,11 +11,11 @@ from helpers import check_outputs, make_qkv
 
 import mmsparse
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, mbs_attention_varlen
-from mmsparse.blocks import classify_blocks_from_mask, lists_from_classes
-from mmsparse.mask_info import MaskInfo
-from mmsparse.ops import block_lists
+from mmsparse.mask import block_lists
+from mmsparse.mask.blocks import classify_blocks_from_mask, lists_from_classes
+from mmsparse.mask.info import MaskInfo
+from mmsparse.mask.topology import Topology, generate_interlaced_mask
 from mmsparse.reference import reference_mask, reference_packed_mask
-from mmsparse.topology import Topology, generate_interlaced_mask
 
 
 def random_types(rng: random.Random, k: int) -> list[list[int]]:
@@ -248,8 +248,8 @@ def test_packs_tell_the_forward_their_sample_length(device):
 def test_compiled_ops_keep_the_pack_flag(device):
     """The custom ops' view of a mask (pack / unpack) keeps whether it is a pack of short samples, as a flag: the
     forward picks the same tile traced or eager, and a new pack's length changes no graph argument."""
-    from mmsparse.ops.config import SHORT_SAMPLES
-    from mmsparse.ops.kernel_args import pack, unpack
+    from mmsparse.attention.config import SHORT_SAMPLES
+    from mmsparse.attention.kernel_args import pack, unpack
 
     topo = Topology([[1, 2], [0, 1]])
     for lens, short in (([[3, 5], [0, 9], [4, 4]], True), ([[SHORT_SAMPLES, 1]], False)):

@@ -13,9 +13,10 @@ import pytest
 import torch
 from helpers import check_outputs, make_qkv
 
-from mmsparse import CAUSAL, TritonMBSAttnKernel, functional, mask_info, mbs_attention, reference_mask
+from mmsparse import CAUSAL, TritonMBSAttnKernel, functional, mbs_attention, reference_mask
 from mmsparse.functional import CachedMask, attention_with_info, build_mask_info
-from mmsparse.mask_info import MaskInfo
+from mmsparse.mask import info as mask_info
+from mmsparse.mask.info import MaskInfo
 
 TOPOLOGY = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 SLEEP_CYCLES = 1 << 28  # ~0.15-0.2 s at GPU clocks: far longer than queueing B's forward and backward

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..ops.launch import stream_key
-from ..segments import token_codes
-from ..topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
+from ..mask.segments import token_codes
+from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
+from ..runtime.launch import stream_key
 from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position
 from .plan import ContextParallelPlan, plan_context_parallel
 

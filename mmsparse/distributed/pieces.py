@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.library import attention_backward, attention_forward
 from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
-from ..mask_info import MaskInfo
-from ..ops.library import attention_backward, attention_forward
+from ..mask.info import MaskInfo
 
 
 @dataclass
@@ -49,7 +49,7 @@ def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_b
 
 def make_code_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_codes: torch.Tensor,
                     k_codes: torch.Tensor, table: torch.Tensor, num_segments: int) -> Piece:
-    """A piece of a segment-code mask (:mod:`mmsparse.segments`): codes ``[Bm, S_piece]`` and the pair table its
+    """A piece of a segment-code mask (:mod:`mmsparse.mask.segments`): codes ``[Bm, S_piece]`` and the pair table its
     keys' side of the queries needs."""
     info = MaskInfo(MASK_SEGMENTS, q_codes.shape[1], k_codes.shape[1], causal, q_bits=q_codes.contiguous(),
                     k_bits=k_codes.contiguous(), num_segments=num_segments, table=table)

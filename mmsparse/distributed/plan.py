@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..topology import Topology, validate_seg_lens
+from ..mask.topology import Topology, validate_seg_lens
 
 
 def interval_pairs(

@@ -37,7 +37,7 @@ from einops import rearrange
 from torch import nn
 
 from ..functional import mbs_attention, mbs_attention_varlen
-from ..lengths import clip_seg_lens, is_per_sample, valid_lens_from_padding
+from ..mask.lengths import clip_seg_lens, is_per_sample, valid_lens_from_padding
 
 NAME = "mmsparse"
 _PLAIN_MASK_FUNCTIONS: tuple = ()  # transformers' causal / bidirectional mask functions, set by register()

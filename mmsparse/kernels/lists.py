@@ -1,4 +1,4 @@
-"""How the attention kernels of both dialects read a block list (``mmsparse.blocks.BlockLists``). A Gluon kernel
+"""How the attention kernels of both dialects read a block list (``mmsparse.mask.blocks.BlockLists``). A Gluon kernel
 that calls this ``triton.jit`` function compiles it with Gluon's semantics, as it does the mask rule."""
 
 from __future__ import annotations

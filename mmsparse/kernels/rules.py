@@ -7,9 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..segments import SEG_BITS
-from ..topology import CAUSAL, FULL
-from .constants import MASK_BITS, MASK_SEGMENTS
+from .constants import CAUSAL, FULL, MASK_BITS, MASK_SEGMENTS, SEG_BITS
 
 _SEG_BITS = tl.constexpr(SEG_BITS)
 _SEG_MASK = tl.constexpr((1 << SEG_BITS) - 1)
@@ -29,7 +27,7 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
     in ``stride_mask_q``). Query positions are ``past_len + offs_q``; key positions are ``offs_k``.
 
     - bits: some segment is seen by the row and holds the column (bits past the ends are 0);
-    - codes (:mod:`mmsparse.segments`): same doc, and the pair table says FULL, or CAUSAL with the key at or
+    - codes (:mod:`mmsparse.mask.segments`): same doc, and the pair table says FULL, or CAUSAL with the key at or
       before the query;
     - dense: the mask's element.
     """

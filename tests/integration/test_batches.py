@@ -7,8 +7,8 @@ import torch
 from helpers import CYCLIC, HUB, check_outputs, make_qkv, run_example
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, mbs_attention_varlen, reference_mask
-from mmsparse.ops.config import kernel_config
-from mmsparse.ops.plan import num_splits
+from mmsparse.attention.config import kernel_config
+from mmsparse.attention.plan import num_splits
 
 
 def test_per_sample_lengths_forms_agree_and_match_reference(device):

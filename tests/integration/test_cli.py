@@ -11,9 +11,9 @@ from helpers import RING
 
 import mmsparse.__main__ as cli
 from mmsparse import TritonMBSAttnKernel, generate_interlaced_mask, tile_map, tile_picture
-from mmsparse.blocks import classify_blocks_from_mask
+from mmsparse.mask.blocks import classify_blocks_from_mask
+from mmsparse.mask.topology import count_allowed_pairs
 from mmsparse.reference import reference_packed_mask
-from mmsparse.topology import count_allowed_pairs
 
 # The seed example runs fp32 through the interpreter, bf16 on a GPU.
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32

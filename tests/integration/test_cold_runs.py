@@ -18,7 +18,7 @@ def test_lengths_are_new_each_run_and_stay_close():
 
 
 def test_every_gpu_config_passes_the_side_stream_threshold():
-    from mmsparse.ops.config import SHORT_KEYS
+    from mmsparse.attention.config import SHORT_KEYS
 
     for cfg in cold_runs.GPU_CONFIGS:
         case = cold_runs.make_case(cfg, 0)

@@ -19,7 +19,7 @@ import torch
 from einops import rearrange
 
 from mmsparse import TritonMBSAttnKernel, functional, mbs_attention
-from mmsparse.mask_info import MaskInfo
+from mmsparse.mask.info import MaskInfo
 from mmsparse.nn import MultimodalSelfAttention
 
 TOPOLOGY = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]

@@ -148,7 +148,7 @@ def test_non_contiguous_inputs(device):
 def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
     """Unit head-dim stride, other strides multiples of 8 elements, a 16-byte aligned base: passed as is; else one
     contiguous copy."""
-    from mmsparse.ops.forward import kernel_layout
+    from mmsparse.attention.forward import kernel_layout
 
     x = torch.randn(2, 3, 5, 16)
     for view in (x, torch.randn(2, 5, 3, 16).transpose(1, 2), x[..., :8]):
@@ -179,7 +179,7 @@ def test_pointer_loads_match_tensor_descriptors(device):
     """The pre-Hopper path (plain pointer loads) gives bit-for-bit the results of the TMA descriptor path."""
     from dataclasses import replace
 
-    from mmsparse.ops.config import kernel_config, use_config
+    from mmsparse.attention.config import kernel_config, use_config
 
     results = []
     for use_tma in (True, False):
@@ -199,7 +199,7 @@ def test_packed_block_lists(topology, device, monkeypatch):
     """Lists packed end to end (CSR, what large masks get) give bit for bit the fixed-slot lists' results, and
     match the reference: forward and the three gradients, per-sample lengths, GQA, causal."""
     from mmsparse import functional
-    from mmsparse.ops import block_lists
+    from mmsparse.mask import block_lists
 
     lens = [(5, 30, 9), (17, 0, 20), (1, 2, 3)]
     results = []

@@ -7,9 +7,9 @@ import torch
 from helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention.dropout import dropout_keep_mask
+from mmsparse.attention.plan import gqa_pack_rows
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops.dropout import dropout_keep_mask
-from mmsparse.ops.plan import gqa_pack_rows
 
 
 def test_pack_rows():

@@ -6,8 +6,8 @@ import torch
 from helpers import CYCLIC, check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
+from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops.dropout import dropout_keep_mask
 
 LENS = (9, 30, 21)
 

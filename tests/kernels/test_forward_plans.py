@@ -8,9 +8,9 @@ import torch
 from helpers import HUB, check_against_reference, make_qkv
 
 from mmsparse import functional, mbs_attention
+from mmsparse.attention.kernel_args import kernel_args
 from mmsparse.functional import build_mask_info
-from mmsparse.ops import launch
-from mmsparse.ops.kernel_args import kernel_args
+from mmsparse.runtime import launch
 
 LENS = (5, 9, 7)
 S = sum(LENS)

@@ -72,7 +72,7 @@ def _tile(variant: Variant):
     """The config's tile of the variant's pass, with its ping-pong setting."""
     from dataclasses import replace
 
-    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, _GLUON_FWD_SHORT_SAMPLES
+    from mmsparse.attention.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, _GLUON_FWD_SHORT_SAMPLES
 
     table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
@@ -152,7 +152,7 @@ def _mask_info(mask: str, causal: bool, seq: int):
     import torch
 
     from mmsparse.functional import build_mask_info
-    from mmsparse.mask_info import MaskInfo
+    from mmsparse.mask.info import MaskInfo
 
     lens = [[150, 150, seq - 300]]
     if mask == "dense":
@@ -165,9 +165,9 @@ def _mask_info(mask: str, causal: bool, seq: int):
 def _main(out: Path) -> None:
     import torch
 
+    from mmsparse.attention import gluon_launch
+    from mmsparse.attention.kernel_args import kernel_args
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
-    from mmsparse.ops import gluon_launch
-    from mmsparse.ops.kernel_args import kernel_args
 
     current = {}
 

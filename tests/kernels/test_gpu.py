@@ -7,14 +7,14 @@ import torch
 from helpers import CYCLIC, FOUR, HUB, check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
+from mmsparse.attention import backward
+from mmsparse.attention.config import SHORT_KEYS, kernel_config
+from mmsparse.attention.plan import plan_attention
 from mmsparse.kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from mmsparse.kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
 from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
 from mmsparse.kernels.tl.token_bits import token_bits_kernel
-from mmsparse.ops import backward
-from mmsparse.ops.config import SHORT_KEYS, kernel_config
-from mmsparse.ops.launch import compiled_variants
-from mmsparse.ops.plan import plan_attention
+from mmsparse.runtime.launch import compiled_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -88,8 +88,8 @@ def test_new_lengths_do_not_recompile():
 @pytest.mark.parametrize("q_len", [1, 16])
 def test_decode_over_a_long_cache_against_float64(q_len):
     """Few queries over an 8k cache: short query tiles with the key lists split over programs and merged."""
-    from mmsparse.ops.config import kernel_config
-    from mmsparse.ops.plan import num_splits
+    from mmsparse.attention.config import kernel_config
+    from mmsparse.attention.plan import num_splits
 
     lens = (6000, 1680, 512)  # vision, audio, text (the queries are the last text tokens)
     topo = [[1, 0, 0], [0, 1, 0], [1, 0, 1]]
@@ -100,9 +100,9 @@ def test_decode_over_a_long_cache_against_float64(q_len):
 
 
 def test_fast_launch_keys_on_alignment():
-    """The direct launch (mmsparse.ops.launch) must pick the kernel Triton would: a 16-byte aligned pointer and a
+    """The direct launch (mmsparse.runtime.launch) must pick the kernel Triton would: a 16-byte aligned pointer and a
     misaligned one are different specialisations (vector loads), so they must not share a cache entry."""
-    from mmsparse.ops import launch
+    from mmsparse.runtime import launch
 
     delta_launch = launch.FastKernel(attention_delta_tl)  # a fresh cache, independent of the other tests
     rows, d = 100, 16

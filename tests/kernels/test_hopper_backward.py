@@ -13,17 +13,17 @@ import torch
 from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention import config
+from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_config
+from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config
-from mmsparse.ops.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_config
-from mmsparse.ops.dropout import dropout_keep_mask
 
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """Records which Gluon backward passes ran ("dkdv", "dq"). The tl passes give the same gradients within
     tolerance, so only a spy on the Gluon launchers tells which ones ran."""
-    from mmsparse.ops import gluon_launch
+    from mmsparse.attention import gluon_launch
 
     calls = []
     for name in ("dkdv", "dq"):
@@ -104,7 +104,7 @@ def test_default_tiles_and_dropout(gluon_calls):
 def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
     """An error inside a Gluon backward pass reaches the caller: no silent fallback to the tl kernels, which would
     turn a bug into a slowdown. Later calls still try the Gluon pass."""
-    from mmsparse.ops import gluon_launch
+    from mmsparse.attention import gluon_launch
 
     calls = []
 
@@ -129,7 +129,7 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
 def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
     """Below SHORT_KEYS keys the dQ pass runs ``bwd_dq_short`` (at D=64 on Hopper: the tl tile instead of the
     Gluon one), over block lists prepared for that tile; the gradients stay exact on both sides."""
-    from mmsparse.ops.kernel_args import KernelArgs
+    from mmsparse.attention.kernel_args import KernelArgs
 
     long, short = Tile(16, 16), Tile(32, 32)
     cfg = replace(kernel_config(32, torch.float32, device), bwd_dq=long, bwd_dq_short=short)

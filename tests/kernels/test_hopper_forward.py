@@ -14,18 +14,18 @@ import triton
 from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention import config, dispatch, forward, plan
+from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.attention.dispatch import hopper_gluon_available
+from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config, dispatch, forward, plan
-from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
-from mmsparse.ops.dispatch import hopper_gluon_available
-from mmsparse.ops.dropout import dropout_keep_mask
 
 
 @pytest.fixture
 def hopper_calls(monkeypatch):
     """Counts the calls that took the Gluon forward. Both forwards give the same result within tolerance, so only
     a spy on the Gluon launcher tells which one ran."""
-    from mmsparse.ops import gluon_launch
+    from mmsparse.attention import gluon_launch
 
     calls = []
     real = gluon_launch.run_forward
@@ -112,7 +112,7 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
 
 def test_a_failing_gluon_forward_raises(monkeypatch, device):
     """An error inside the Gluon forward reaches the caller, on every call: no silent fallback to the tl forward."""
-    from mmsparse.ops import gluon_launch
+    from mmsparse.attention import gluon_launch
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_dq_tile_choice():
 
 def test_block_lists_follow_the_tiles_by_length():
     """The block lists prepared for a call are the ones its forward and dQ tiles read, short or long."""
-    from mmsparse.ops.kernel_args import list_tiles
+    from mmsparse.attention.kernel_args import list_tiles
 
     fwd, fwd_short, dq, dq_short, dkdv = Tile(128, 128), Tile(64, 32), Tile(128, 64), Tile(64, 64), Tile(64, 128)
     cfg = KernelConfig(

@@ -1,4 +1,4 @@
-"""Host-side TMA descriptors of the Gluon kernels (mmsparse.ops.host_tma): what a kernel receives for a
+"""Host-side TMA descriptors of the Gluon kernels (mmsparse.attention.host_tma): what a kernel receives for a
 [B, H, S, D] tensor. The kernels themselves need an sm_90 GPU (tests/kernels/test_hopper_*.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsparse.ops.host_tma import box_descriptor
+from mmsparse.attention.host_tma import box_descriptor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -46,10 +46,10 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     (positionally or by keyword), the tensors the kernels read through TMA arrive as descriptors with the boxes
     their shared tiles take, and the tiles' stage counts arrive. On a GPU a mismatch would only show as the
     warning of a failed build and a fall-back to the slower tl kernels."""
+    from mmsparse.attention import gluon_launch
+    from mmsparse.attention.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD
+    from mmsparse.attention.kernel_args import kernel_args
     from mmsparse.functional import build_mask_info
-    from mmsparse.ops import gluon_launch
-    from mmsparse.ops.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD
-    from mmsparse.ops.kernel_args import kernel_args
 
     launched = {}
 

@@ -16,11 +16,11 @@ import torch
 from helpers import CYCLIC, HUB
 
 from mmsparse import mbs_attention
+from mmsparse.attention import config, dispatch
+from mmsparse.attention.dropout import dropout_keep_rows
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops import config, dispatch
-from mmsparse.ops.dropout import dropout_keep_rows
+from mmsparse.mask.topology import Topology, segment_ids
 from mmsparse.reference import reference_group_rows
-from mmsparse.topology import Topology, segment_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.large]
 
@@ -264,9 +264,9 @@ def test_metadata_of_1m_tokens_is_compact():
     """1M tokens (text, vision, audio; hub, causal): the block lists of all three kernels are packed, hold exactly
     the live tiles of the torch classification, and with the token bits and summaries stay under 5% of q/k/v
     (16 query heads, 4 key/value heads, D=128, bf16)."""
-    from mmsparse.blocks import classify_blocks_from_bits
-    from mmsparse.mask_info import MaskInfo
-    from mmsparse.ops.kernel_args import list_tiles, prepare
+    from mmsparse.attention.kernel_args import list_tiles, prepare
+    from mmsparse.mask.blocks import classify_blocks_from_bits
+    from mmsparse.mask.info import MaskInfo
 
     seg = (8192, 786432, 253952)
     seq = sum(seg)

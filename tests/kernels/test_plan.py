@@ -7,13 +7,14 @@ import pytest
 import torch
 from helpers import HUB, make_qkv
 
-from mmsparse import CAUSAL, mask_info
+from mmsparse import CAUSAL
+from mmsparse.attention.backward import mbs_attn_bwd
+from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.attention.forward import mbs_attn_fwd
+from mmsparse.attention.kernel_args import kernel_args
+from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import build_mask_info
-from mmsparse.ops.backward import mbs_attn_bwd
-from mmsparse.ops.config import KernelConfig, Tile, kernel_config, use_config
-from mmsparse.ops.forward import mbs_attn_fwd
-from mmsparse.ops.kernel_args import kernel_args
-from mmsparse.ops.plan import plan_attention
+from mmsparse.mask import info as mask_info
 
 PAIR_TYPES = [[CAUSAL, 1, 0], [0, CAUSAL, 1], [1, 0, 1]]
 

@@ -1,5 +1,5 @@
-"""The Triton block lists of segment-code masks (mmsparse.ops.segment_lists) against the torch tile classes
-(mmsparse.code_blocks): random pair-type topologies, many segments, packs, causal, q_start offsets, ragged ends."""
+"""The Triton block lists of segment-code masks (mmsparse.mask.segment_lists) against the torch tile classes
+(mmsparse.mask.code_blocks): random pair-type topologies, many segments, packs, causal, q_start offsets, ragged ends."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mmsparse import CAUSAL, FULL, NONE
-from mmsparse.blocks import lists_from_classes
-from mmsparse.code_blocks import classify_blocks_from_codes
-from mmsparse.mask_info import MaskInfo
-from mmsparse.ops import block_lists
-from mmsparse.topology import Topology
+from mmsparse.mask import block_lists
+from mmsparse.mask.blocks import lists_from_classes
+from mmsparse.mask.code_blocks import classify_blocks_from_codes
+from mmsparse.mask.info import MaskInfo
+from mmsparse.mask.topology import Topology
 
 
 def _info(seed: int, device: torch.device) -> MaskInfo:

@@ -1,4 +1,4 @@
-"""The one-launch token bits (mmsparse.ops.token_bits) against a plain Python construction of the segment ids."""
+"""The one-launch token bits (mmsparse.mask.token_bits) against a plain Python construction of the segment ids."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmsparse import Topology
-from mmsparse.ops import token_bits as token_bits_module
-from mmsparse.ops.token_bits import launch_token_bits
+from mmsparse.mask import token_bits as token_bits_module
+from mmsparse.mask.token_bits import launch_token_bits
 
 
 def _expected(topology: Topology, lens: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,8 @@ import torch
 from helpers import CYCLIC, RING
 
 from mmsparse import Topology, generate_interlaced_mask, reference_mask
-from mmsparse.blocks import classify_blocks_from_mask, lists_from_classes
-from mmsparse.mask_info import MaskInfo
+from mmsparse.mask.blocks import classify_blocks_from_mask, lists_from_classes
+from mmsparse.mask.info import MaskInfo
 
 
 def _case(seed: int):
@@ -83,7 +83,7 @@ def test_long_sequence_metadata_needs_no_square_memory():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_count_allowed_pairs_matches_dense(seed):
-    from mmsparse.topology import count_allowed_pairs
+    from mmsparse.mask.topology import count_allowed_pairs
 
     topo, lens, seq_q, seq_k, causal, _ = _case(seed)
     assert count_allowed_pairs(topo, lens, causal, seq_q) == int(reference_mask(topo, lens, seq_k, seq_q, causal).sum())

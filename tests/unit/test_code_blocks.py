@@ -1,4 +1,4 @@
-"""The torch tile classes of segment-code masks (mmsparse.code_blocks) against the dense float64-path references:
+"""The torch tile classes of segment-code masks (mmsparse.mask.code_blocks) against the dense float64-path references:
 pair types, many segments, packs, causal, q_start offsets, ragged ends, tiles that do and do not divide."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import random
 import pytest
 import torch
 
-from mmsparse import CAUSAL, FULL, NONE, code_blocks
-from mmsparse.blocks import classify_blocks_from_mask
-from mmsparse.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
+from mmsparse import CAUSAL, FULL, NONE
+from mmsparse.mask import code_blocks
+from mmsparse.mask.blocks import classify_blocks_from_mask
+from mmsparse.mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
+from mmsparse.mask.segments import query_codes, token_codes
+from mmsparse.mask.topology import Topology
 from mmsparse.reference import reference_mask, reference_packed_mask
-from mmsparse.segments import query_codes, token_codes
-from mmsparse.topology import Topology
 
 TILES = ((16, 16), (16, 32), (32, 16), (1, 1), (3, 5))
 
@@ -90,7 +91,7 @@ def test_empty_sides():
 
 def test_mask_info_classes_build_no_dense_mask(monkeypatch):
     """MaskInfo.classes of a segment-code mask comes from the runs, never from the S x S code mask."""
-    from mmsparse.mask_info import MaskInfo
+    from mmsparse.mask.info import MaskInfo
 
     topo = Topology([[CAUSAL, NONE, FULL], [FULL, FULL, NONE], [NONE, CAUSAL, CAUSAL]])
     lens = torch.tensor([[10, 25, 7], [3, 0, 30]])

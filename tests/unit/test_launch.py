@@ -1,4 +1,4 @@
-"""The direct-launch key (mmsparse.ops.launch): what makes two launches share a compiled kernel. The launches
+"""The direct-launch key (mmsparse.runtime.launch): what makes two launches share a compiled kernel. The launches
 themselves need a GPU (tests/kernels/test_gpu.py); the key logic is plain Python and is checked here."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from mmsparse.kernels.tl.backward import attention_delta_tl
-from mmsparse.ops import launch
+from mmsparse.runtime import launch
 
 
 def test_tensor_key_follows_dtype_and_16_byte_alignment():
@@ -44,7 +44,7 @@ def test_constexpr_tail_is_in_parameter_order_whatever_the_keyword_order():
 
 def _descriptor_variants():
     """Host-side TMA descriptors that differ in one thing each: the tensor (address, shape, strides), dtype, box."""
-    from mmsparse.ops.host_tma import box_descriptor
+    from mmsparse.attention.host_tma import box_descriptor
 
     bf16 = torch.empty(2, 3, 100, 64, dtype=torch.bfloat16)
     return {

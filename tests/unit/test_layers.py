@@ -1,5 +1,6 @@
-"""The package's layers, bottom to top: a module imports only from its own layer or the ones below it. The mask
-sits below the kernels' tiles, arguments and launchers and knows none of them.
+"""The package's layers, bottom to top: a module imports only from its own layer or the ones below it. Device code
+(``kernels/``) imports nothing of the host; the mask (``mask/``) sits below the attention passes' plans, arguments
+and launchers (``attention/``) and knows none of them.
 
 Read from the source with ``ast`` (imports inside functions count too), so nothing is imported to check it.
 """
@@ -15,22 +16,29 @@ PACKAGE = REPO / "mmsparse"
 
 # Bottom to top. An entry names a module, or a package and everything in it.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("lengths and segment codes", ["mmsparse.lengths", "mmsparse.segments"]),
-    ("topology and the torch block lists", ["mmsparse.topology", "mmsparse.blocks", "mmsparse.code_blocks"]),
-    ("device code: kernels of both dialects and the mask rule", ["mmsparse.kernels"]),
-    ("launching, TMA scratch, the dropout mask for tests", [
-        "mmsparse.ops.limits", "mmsparse.ops.launch", "mmsparse.ops.scratch", "mmsparse.ops.dropout",
+    ("kernels: device code of both dialects, the mask rule, the constants they read", ["mmsparse.kernels"]),
+    ("runtime: launches with little host work, stream keys, scratch for device-side descriptors",
+     ["mmsparse.runtime"]),
+    ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segments"]),
+    ("mask: topology and the torch block classification", [
+        "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
     ]),
-    ("the mask builders' launchers", [
-        "mmsparse.ops.token_bits", "mmsparse.ops.block_lists", "mmsparse.ops.segment_lists",
+    ("mask: the builders' launchers", [
+        "mmsparse.mask.token_bits", "mmsparse.mask.block_lists", "mmsparse.mask.segment_lists",
     ]),
-    ("the mask: lengths, token bits or codes, block lists per tile", ["mmsparse.mask_info"]),
-    ("tiles, Gluon availability and TMA descriptors", [
-        "mmsparse.ops.dispatch", "mmsparse.ops.config", "mmsparse.ops.host_tma",
+    ("mask: the mask of a call and its block lists per tile", ["mmsparse.mask.info", "mmsparse.mask"]),
+    ("attention: limits, tiles, Gluon availability, TMA descriptors, the dropout mask for tests", [
+        "mmsparse.attention.limits", "mmsparse.attention.dispatch", "mmsparse.attention.config",
+        "mmsparse.attention.host_tma", "mmsparse.attention.dropout",
     ]),
-    ("the kernels' mask arguments", ["mmsparse.ops.kernel_args"]),
-    ("the attention passes' launchers", ["mmsparse.ops.forward", "mmsparse.ops.backward", "mmsparse.ops.gluon_launch"]),
-    ("op boundary: custom ops, autograd", ["mmsparse.ops.library", "mmsparse.autograd"]),
+    ("attention: the plan", ["mmsparse.attention.plan"]),
+    ("attention: the kernels' mask arguments", ["mmsparse.attention.kernel_args"]),
+    ("attention: the passes' launchers", [
+        "mmsparse.attention.forward", "mmsparse.attention.backward", "mmsparse.attention.gluon_launch",
+    ]),
+    ("attention: op boundary, custom ops and autograd", [
+        "mmsparse.attention.library", "mmsparse.attention.autograd", "mmsparse.attention",
+    ]),
     ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
     ("modules, integrations, tools", [
         "mmsparse.qkv_module", "mmsparse.nn", "mmsparse.picture", "mmsparse.integrations", "mmsparse.distributed",
@@ -99,8 +107,8 @@ def test_the_layer_check_sees_imports(tmp_path):
     """The parser finds relative, absolute and from-package imports (a check that sees nothing passes)."""
     modules = _module_names()
     known = set(modules)
-    assert "mmsparse.mask_info" in _imports("mmsparse.ops.forward", modules["mmsparse.ops.forward"], known)
+    assert "mmsparse.mask.info" in _imports("mmsparse.attention.forward", modules["mmsparse.attention.forward"], known)
     from_package = tmp_path / "from_package.py"  # no module of the package imports a sibling module this way now
     from_package.write_text("from . import limits\n")
-    assert "mmsparse.ops.limits" in _imports("mmsparse.ops.block_lists", from_package, known)
+    assert "mmsparse.attention.limits" in _imports("mmsparse.attention.forward", from_package, known)
     assert "mmsparse.functional" in _imports("mmsparse", modules["mmsparse"], known)

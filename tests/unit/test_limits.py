@@ -7,7 +7,7 @@ import torch
 from helpers import CYCLIC
 
 from mmsparse import mbs_attention
-from mmsparse.ops.limits import MAX_BATCH_HEADS
+from mmsparse.attention.limits import MAX_BATCH_HEADS
 
 
 def test_too_many_batch_heads_is_a_clear_error(device):

@@ -6,8 +6,8 @@ import torch
 from helpers import HUB
 
 from mmsparse import reference_attention, reference_mask
+from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
-from mmsparse.ops.dropout import dropout_keep_mask
 from mmsparse.reference import reference_group_rows
 
 

@@ -1,15 +1,16 @@
-"""tl kernel of the block lists from segment-code runs (see mmsparse.ops.segment_lists)."""
+"""tl kernel of the block lists from segment-code runs (see mmsparse.mask.segment_lists)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ...segments import SEG_BITS
+from ..constants import CAUSAL, SEG_BITS
 from .block_lists import PHASE_COUNT, PHASE_WRITE, count_chunk, list_rows, store_chunk, store_counts
 
 _SEG_BITS = tl.constexpr(SEG_BITS)
 _SEG_MASK = tl.constexpr((1 << SEG_BITS) - 1)
+_CAUSAL = tl.constexpr(CAUSAL)
 
 
 @triton.jit(do_not_specialize=["stride_cb", "stride_tb", "stride_sb", "seq"])
@@ -89,7 +90,7 @@ def _classify_runs(
             y_code = tl.load(k_codes + y, mask=v, other=0)
             kind = tl.load(table + (x_code & _SEG_MASK) * stride_table + (y_code & _SEG_MASK), mask=v, other=0)
             kind = tl.where(((x_code ^ y_code) >> _SEG_BITS) == 0, kind, 0)
-            ordered = (kind == 2) | IS_CAUSAL
+            ordered = (kind == _CAUSAL) | IS_CAUSAL
             live = live | (v & (kind != 0) & (~ordered | (y_first <= x_last)))
             full = full & (~v | ((kind != 0) & (~ordered | (y_last <= x_first))))
     return full, live

@@ -7,7 +7,7 @@ segment is the pair table's padding row and column (NONE). A query at position i
     doc(i) == doc(j)  and  table[seg(i), seg(j)] is FULL, or CAUSAL with j <= i
 
 (and j <= i everywhere when the call is causal). ``table`` is the topology's ``[k + 1, k + 1]`` int8 pair table
-(:meth:`mmsparse.topology.Topology.pair_table`). Codes are O(S); the table is O(k^2), shared by every sample.
+(:meth:`mmsparse.mask.topology.Topology.pair_table`). Codes are O(S); the table is O(k^2), shared by every sample.
 
 Docs rise along a packed sequence and padding comes last (its doc is the largest), so a tile whose query and key
 blocks hold disjoint doc ranges is empty: the block lists skip the cross-sample tiles of a pack in O(1) each.
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-SEG_BITS = 12  # a code's low bits: the segment (k <= 4095, plus the padding segment k)
+from ..kernels.constants import SEG_BITS
+
 MAX_DOCS = (1 << (31 - SEG_BITS)) - 1  # samples per pack: docs 0 .. MAX_DOCS - 1; MAX_DOCS is padding's
 PAD_DOC = MAX_DOCS
 

@@ -1,30 +1,24 @@
 """The mask of one call: built once per (topology, lengths, device) and cached.
 
 The token-level part is O(S): per-token bit vectors (0/1 topologies of at most 32 segments), per-token segment codes
-and the pair table (any topology, packed samples: :mod:`mmsparse.segments`), or the user's dense mask on the
+and the pair table (any topology, packed samples: :mod:`mmsparse.mask.segments`), or the user's dense mask on the
 arbitrary-mask path.
 Block lists are built lazily for each tile shape asked for. Nothing here knows the attention kernels' signatures:
-:mod:`mmsparse.ops.kernel_args` turns a mask into their arguments.
+:mod:`mmsparse.attention.kernel_args` turns a mask into their arguments.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import (
-    BlockLists,
-    classify_blocks_from_bits,
-    classify_blocks_from_mask,
-    lists_from_classes,
-    pool_classes,
-)
+from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+from ..runtime.launch import stream_key
+from .block_lists import build_block_lists, kernels_run_on
+from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
 from .code_blocks import classify_blocks_from_codes
-from .kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
-from .ops.block_lists import build_block_lists, kernels_run_on
-from .ops.launch import stream_key
-from .ops.segment_lists import CodeRuns, build_segment_lists
-from .ops.token_bits import launch_token_bits
+from .segment_lists import CodeRuns, build_segment_lists
 from .segments import decode, query_codes, token_codes
+from .token_bits import launch_token_bits
 from .topology import Topology, allowed_by_type
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
@@ -73,7 +67,7 @@ class MaskInfo:
         self._lists: dict[TileKey, BlockLists] = {}
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
         self._runs: tuple[CodeRuns, CodeRuns] | None = None  # MASK_SEGMENTS: the codes' runs, for every tile
-        # The kernels' view of this mask (an mmsparse.ops.kernel_args.KernelArgs), made on first use and kept as
+        # The kernels' view of this mask (an mmsparse.attention.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
 
@@ -171,7 +165,7 @@ class MaskInfo:
 
     def prepare(self, tiles: list[TileKey]) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture
-        (``mmsparse.ops.kernel_args.prepare`` names them for a kernel config; a call's plan names its own)."""
+        (``mmsparse.attention.kernel_args.prepare`` names them for a kernel config; a call's plan names its own)."""
         if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(tiles, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
@@ -181,7 +175,7 @@ class MaskInfo:
 
 
     def code_mask(self) -> torch.Tensor:
-        """The dense bool ``[Bm, Sq, Sk]`` of a segment-code mask, by the rule of :mod:`mmsparse.segments` in
+        """The dense bool ``[Bm, Sq, Sk]`` of a segment-code mask, by the rule of :mod:`mmsparse.mask.segments` in
         torch (O(S^2): tests and small sizes)."""
         q_doc, q_seg = decode(self.q_bits)
         k_doc, k_seg = decode(self.k_bits)

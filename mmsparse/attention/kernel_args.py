@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
-from ..mask_info import MaskInfo, TileKey
+from ..mask.info import MaskInfo, TileKey
 from .config import SHORT_SAMPLES, KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
@@ -26,7 +26,7 @@ LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
 class KernelArgs:
     """The kernels' view of one mask: its arguments per tile, kept (a small call is bound by host work), and the
-    forward launcher's plans (:mod:`mmsparse.ops.forward` owns them).
+    forward launcher's plans (:mod:`mmsparse.attention.forward` owns them).
 
     The mask holds this object (``info.kernel_args``) and this object holds the mask only weakly: a strong
     reference back would make a cycle, which reference counting never frees. Every mask that had run a kernel

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..blocks import cdiv
 from ..kernels.tl.token_bits import token_bits_kernel
-from ..topology import Topology, token_bits_torch
+from ..runtime.launch import FastKernel
 from .block_lists import kernels_run_on
-from .launch import FastKernel
+from .blocks import cdiv
+from .topology import Topology, token_bits_torch
 
 _TOKENS = 1024  # tokens per program
 

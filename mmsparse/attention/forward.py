@@ -8,15 +8,15 @@ from typing import Callable
 
 import torch
 
-from ..blocks import cdiv
 from ..kernels.constants import DOT_NATIVE, DOT_TF32X3, DOT_UPCAST
 from ..kernels.tl.forward import attention_combine_tl, attention_fwd_tl
-from ..mask_info import MaskInfo
+from ..mask.blocks import cdiv
+from ..mask.info import MaskInfo
+from ..runtime.launch import FastKernel
+from ..runtime.scratch import ensure_tma_allocator
 from .config import head_dim_pad, kernel_config
 from .kernel_args import kernel_args
-from .launch import FastKernel
 from .plan import ForwardPass, plan_attention
-from .scratch import ensure_tma_allocator
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
 

@@ -3,14 +3,14 @@
 ``torch.ops.mmsparse.fwd`` / ``.bwd`` (registered here, with fake implementations) make the kernels opaque to
 torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Eager calls run the same
 implementations directly: a call through the op dispatcher costs 25-35 us, which a small host-bound call feels.
-:class:`mmsparse.autograd.MBSAttentionFunction` is the one autograd definition over both.
+:class:`mmsparse.attention.autograd.MBSAttentionFunction` is the one autograd definition over both.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..mask_info import MaskInfo
+from ..mask.info import MaskInfo
 from .backward import mbs_attn_bwd
 from .forward import kernel_layout, mbs_attn_fwd
 from .kernel_args import pack, unpack

@@ -11,7 +11,7 @@ length S:
   - ``col_bits[j]``: ``1 << seg(j)``, the one-hot bit of key token j's segment.
 A pair is allowed when ``row_bits[i] & col_bits[j] != 0``. Padding tokens get 0 in both, so a padded query
 sees nothing and a padded key is seen by nobody. Every other mask (causal pairs, more segments, packed
-samples) goes by segment codes and the pair table: see :mod:`mmsparse.segments`.
+samples) goes by segment codes and the pair table: see :mod:`mmsparse.mask.segments`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
+from ..kernels.constants import CAUSAL, FULL, NONE
 from .lengths import SegLens, validate_seg_lens
 
-__all__ = [  # validate_seg_lens and SegLens live in mmsparse.lengths; importing them from here still works
+__all__ = [  # validate_seg_lens and SegLens live in mmsparse.mask.lengths; importing them from here still works
     "CAUSAL", "FULL", "MAX_BIT_SEGMENTS", "MAX_SEGMENTS", "NONE", "SegLens", "Topology", "count_allowed_pairs",
     "generate_interlaced_mask", "lookup_pairs", "segment_ids", "token_bits_torch", "validate_seg_lens",
 ]
 
-NONE, FULL, CAUSAL = 0, 1, 2  # pair types: no key, every key, the keys at or before the query's position
 MAX_BIT_SEGMENTS = 32  # the bit vectors of the 0/1 fast path are int32
 MAX_SEGMENTS = 4095  # segment codes keep the segment in 12 bits, with one value left for padding
 
@@ -109,7 +109,7 @@ class Topology:
 
     def pair_table(self, device: torch.device) -> torch.Tensor:
         """int8 ``[k + 1, k + 1]`` pair types on ``device``, with a last row and column of NONE for padding, kept
-        per device (see :mod:`mmsparse.segments`)."""
+        per device (see :mod:`mmsparse.mask.segments`)."""
         table = None if torch.compiler.is_compiling() else self._pair_tables.get(device)
         if table is None:
             k = self.num_segments

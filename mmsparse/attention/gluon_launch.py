@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import cdiv
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
 from ..kernels.gluon.forward import attention_fwd_gluon
+from ..mask.blocks import cdiv
+from ..runtime.launch import FastKernel
 from .config import Tile, head_dim_pad
 from .host_tma import box_descriptor
 from .kernel_args import LaunchArgs
-from .launch import FastKernel
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 

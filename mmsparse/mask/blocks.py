@@ -3,7 +3,7 @@
 A tile is *live* when at least one pair in it is allowed, *full* when every pair is allowed and the key block
 lies inside the sequence (then the kernel needs no mask at all), and *partial* otherwise (live, masked).
 
-The lists are built from per-token bit vectors (see :mod:`mmsparse.topology`), so the cost is O(S * k) for the
+The lists are built from per-token bit vectors (see :mod:`mmsparse.mask.topology`), so the cost is O(S * k) for the
 tokens plus O(blocks * k) for the tiles: no S x S tensor. Everything stays on the input device; only lists large
 enough to be packed to their live tiles read one number (their length) back to the host.
 """

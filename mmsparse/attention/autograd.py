@@ -1,12 +1,12 @@
 """The one autograd definition, for eager and compiled calls alike: saves what the backward needs and calls the op
-boundary (:mod:`mmsparse.ops.library`); no launch logic here."""
+boundary (:mod:`mmsparse.attention.library`); no launch logic here."""
 
 from __future__ import annotations
 
 import torch
 
-from .mask_info import MaskInfo
-from .ops.library import attention_backward, attention_forward
+from ..mask.info import MaskInfo
+from .library import attention_backward, attention_forward
 
 
 class MBSAttentionFunction(torch.autograd.Function):

@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..blocks import BlockLists, cdiv, index_dtype
 from ..kernels.constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
 from ..kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
-from .launch import FastKernel, interpreter_active
+from ..runtime.launch import FastKernel, interpreter_active
+from .blocks import BlockLists, cdiv, index_dtype
 
 # Elements of the largest tile a program holds (e.g. [BR, CB, K]): modest on a GPU (registers), large in the
 # interpreter, where every tile op is one numpy call and fewer, larger programs are much faster.
@@ -68,7 +68,7 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: i
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"block lists of {n_r} x {n_c} tiles are packed, which reads their length back to the "
                            "host: build the mask before capturing the CUDA graph (call it once first, or "
-                           "mmsparse.ops.kernel_args.prepare)")
+                           "mmsparse.attention.kernel_args.prepare)")
     launch(LISTS_COUNT, counts, counts.new_empty((bm, 0), dtype=dtype))
     sizes = counts[..., :2].sum(-1, dtype=torch.int64)
     ends = sizes.cumsum(1)

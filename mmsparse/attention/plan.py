@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import cdiv
+from ..mask.blocks import cdiv
 from .config import DECODE_MAX_Q, KernelConfig, Tile, cuda_index, short_keys
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
@@ -74,7 +74,7 @@ def plan_attention(
     device: torch.device, sample_len: int | None = None, dropout: bool = False,
 ) -> AttentionPlan:
     """The plan of a call with q ``[batch, num_heads, seq_q, D]`` over k/v ``[batch, num_kv_heads, seq_k, D]`` on
-    ``device``, with the tiles of ``config`` (:func:`mmsparse.ops.config.kernel_config` of D, dtype and device).
+    ``device``, with the tiles of ``config`` (:func:`mmsparse.attention.config.kernel_config` of D, dtype and device).
 
     Args:
         sample_len: tokens per sample of a pack on average (None: not a pack): short samples take their own

@@ -1,4 +1,4 @@
-"""Block lists of a segment-code mask (:mod:`mmsparse.segments`): exact, on the device, no host synchronisation
+"""Block lists of a segment-code mask (:mod:`mmsparse.mask.segments`): exact, on the device, no host synchronisation
 but the packed lists' one (``block_lists.write_lists``).
 
 Each side (queries, keys) is cut into *runs*: maximal stretches of tokens with one code. A tile's rows meet a
@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..blocks import BlockLists, cdiv
 from ..kernels.tl.segment_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
+from ..runtime.launch import FastKernel
 from .block_lists import no_launch, write_lists
-from .launch import FastKernel
+from .blocks import BlockLists, cdiv
 
 # Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
 _RUN_CHUNK_GPU, _RUN_CHUNK_INTERPRETER = 4096, 1024

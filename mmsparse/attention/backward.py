@@ -8,15 +8,15 @@ from types import ModuleType
 
 import torch
 
-from ..blocks import cdiv
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
-from ..mask_info import MaskInfo
+from ..mask.blocks import cdiv
+from ..mask.info import MaskInfo
+from ..runtime.launch import FastKernel
+from ..runtime.scratch import ensure_tma_allocator
 from .config import cuda_index, head_dim_pad, kernel_config
 from .forward import _LOG2E, dot_mode
 from .kernel_args import kernel_args
-from .launch import FastKernel
 from .plan import plan_attention
-from .scratch import ensure_tma_allocator
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
