@@ -43,7 +43,8 @@ def _use_interpreter_without_cuda() -> None:
 
 _use_interpreter_without_cuda()
 
-from .functional import interpreter_active, mbs_attention, mbs_attention_varlen  # noqa: E402
+from .attention.config import KernelConfig, Tile, use_config  # noqa: E402
+from .functional import clear_caches, interpreter_active, mbs_attention, mbs_attention_varlen  # noqa: E402
 from .mask.topology import CAUSAL, FULL, NONE, Topology, generate_interlaced_mask  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
 from .qkv_module import TritonMBSAttnKernel  # noqa: E402
@@ -52,10 +53,13 @@ from .reference import reference_attention, reference_mask, reference_packed_mas
 __all__ = [
     "CAUSAL",
     "FULL",
+    "KernelConfig",
     "NONE",
+    "Tile",
     "TileMap",
     "Topology",
     "TritonMBSAttnKernel",
+    "clear_caches",
     "generate_interlaced_mask",
     "interpreter_active",
     "mbs_attention",
@@ -65,5 +69,6 @@ __all__ = [
     "reference_packed_mask",
     "tile_map",
     "tile_picture",
+    "use_config",
 ]
 __version__ = "0.1.0"

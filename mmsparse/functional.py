@@ -13,10 +13,12 @@ import torch
 
 from .attention.autograd import MBSAttentionFunction
 from .attention.limits import check_problem_size
-from .mask.info import MaskInfo
+from .attention.plan import plan_attention
+from .mask.info import MaskInfo, clear_query_starts
 from .mask.lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask.topology import Topology
 from .runtime.launch import interpreter_active, stream_key, stream_of
+from .runtime.scratch import clear_scratch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -231,6 +233,19 @@ def _mask_fields() -> tuple[str, ...]:
 
 
 _TOPOLOGIES: dict[Any, Topology] = {}
+
+
+def clear_caches() -> None:
+    """Forget every mask, topology, first-query position and launch plan the package keeps between calls, and the
+    scratch memory of device-side descriptors: their device memory goes back to torch's allocator. Modules keep
+    their own masks (``TritonMBSAttnKernel``); those go with the module. Call it after the last use of the masks,
+    e.g. between phases with different lengths, or to measure a cold start."""
+    with _CACHE_LOCK:
+        _INFO_CACHE.clear()
+        _TOPOLOGIES.clear()
+    clear_query_starts()
+    plan_attention.cache_clear()
+    clear_scratch()
 
 
 def _as_topology(topology: Any, key: Any = None) -> Topology:

@@ -189,6 +189,11 @@ class MaskInfo:
 _Q_STARTS: dict[tuple, torch.Tensor] = {}
 
 
+def clear_query_starts() -> None:
+    """Forget the kept first-query positions (:func:`_default_q_start`)."""
+    _Q_STARTS.clear()
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors view the same elements the same way."""
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

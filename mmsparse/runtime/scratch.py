@@ -32,3 +32,8 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
         buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
         _SCRATCH[key] = buf
     return buf
+
+
+def clear_scratch() -> None:
+    """Drop the kept scratch buffers (a launch after this allocates anew)."""
+    _SCRATCH.clear()

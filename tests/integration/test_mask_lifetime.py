@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 from einops import rearrange
 
+import mmsparse
 from mmsparse import TritonMBSAttnKernel, functional, mbs_attention
 from mmsparse.mask.info import MaskInfo
 from mmsparse.nn import MultimodalSelfAttention
@@ -106,3 +107,18 @@ def test_training_steps_with_new_lengths_keep_only_the_cached_masks(device, monk
             assert new <= cached_masks, (
                 f"{len(new)} masks alive, {len(cached_masks)} cached: masks that no cache holds are kept")
         assert counts[-1] == counts[0] == functional._INFO_CACHE_SIZE, counts
+
+
+def test_clear_caches_forgets_masks_and_plans(device):
+    """``mmsparse.clear_caches()`` drops every cached mask, topology and plan; the next call builds them again and
+    gives the same result, bit for bit."""
+    from mmsparse.attention.plan import plan_attention
+
+    q = torch.randn(1, 2, 50, 16, device=device)
+    before = mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30))
+    info = functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device)
+    assert functional._INFO_CACHE and functional._TOPOLOGIES and plan_attention.cache_info().currsize
+    mmsparse.clear_caches()
+    assert not functional._INFO_CACHE and not functional._TOPOLOGIES and not plan_attention.cache_info().currsize
+    assert functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device) is not info
+    torch.testing.assert_close(mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30)), before, rtol=0, atol=0)
