@@ -449,12 +449,18 @@ def run_child(group: str, only: tuple[str, ...] | None, device_name: str = "cuda
 
     from mmsparse.attention import config
 
-    from .lists_layout import lists_layout
 
     spec = GROUPS[group]
     device = torch.device(device_name)
-    if spec.path == "gluon":
-        config.SHORT_KEYS = 0  # the Gluon kernels at every key length (the cases are short)
+    if spec.path == "gluon":  # the Gluon kernels at every key length (the cases are short)
+        with config.use_config(short_keys=0):
+            return _run_cases(group, only, spec, device)
+    return _run_cases(group, only, spec, device)
+
+
+def _run_cases(group: str, only: tuple[str, ...] | None, spec: Any, device: Any) -> int:
+    from .lists_layout import lists_layout
+
     failed = 0
     cases = selected_cases(group, only)
     for case in cases:

@@ -256,9 +256,9 @@ def test_compiled_ops_keep_the_pack_flag(device):
         lens = torch.tensor(lens, device=device)
         total = int(lens.sum())
         info = MaskInfo.from_segments(topo, lens, total, total, True, packed=True)
-        *_, flag = packed = pack(info)
+        *_, flag = packed = pack(info, SHORT_SAMPLES)
         assert flag is short
-        again = unpack(*packed, total, total)
+        again = unpack(*packed, total, total, SHORT_SAMPLES)
         assert (again.sample_len is not None) is short and (again.sample_len or 0) <= SHORT_SAMPLES
         assert torch.equal(again.q_bits, info.q_bits) and again.causal and again.num_segments == 2
-    assert pack(MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False))[-1] is False
+    assert pack(MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False), SHORT_SAMPLES)[-1] is False

@@ -44,35 +44,40 @@ class KernelConfig:
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
+    # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
+    # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length.
+    decode_max_q: int = 16
+    short_keys: int = 2048
+    short_samples: int = 4096
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
         get ``fwd_short``: the Gluon forward's fixed cost per program (descriptors, barriers, warp roles) is not
         repaid by short key lists. A pack of short samples (``sample_len`` tokens each on average) gets
         ``fwd_short_samples``: its rows' lists are a few partial tiles, and narrower key tiles waste less."""
-        if seq_q <= DECODE_MAX_Q:
+        if seq_q <= self.decode_max_q:
             return self.decode
-        if self.fwd_short_samples is not None and sample_len is not None and sample_len <= SHORT_SAMPLES:
+        if self.fwd_short_samples is not None and sample_len is not None and sample_len <= self.short_samples:
             return self.fwd_short_samples
-        return _by_length(self.fwd, self.fwd_short, seq_k)
+        return _by_length(self.fwd, self.fwd_short, seq_k, self)
 
     def dq_tile(self, seq_k: int) -> Tile:
         """The dQ pass's tile: ``bwd_dq_short`` over few keys, for the same reason as the forward's."""
-        return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k)
+        return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k, self)
+
+    def few_keys(self, seq_k: int) -> bool:
+        """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
+        return seq_k < self.short_keys
 
 
-def _by_length(tile: Tile, short: Tile | None, seq_k: int) -> Tile:
-    return short if short is not None and short_keys(seq_k) else tile
+def _by_length(tile: Tile, short: Tile | None, seq_k: int, config: KernelConfig) -> Tile:
+    return short if short is not None and config.few_keys(seq_k) else tile
 
 
-def short_keys(seq_k: int) -> bool:
-    """Fewer than SHORT_KEYS keys: a call this short is bound by host work and fixed costs per program."""
-    return seq_k < SHORT_KEYS
-
-
-DECODE_MAX_Q = 16
-SHORT_KEYS = 2048
-SHORT_SAMPLES = 4096  # tokens per sample: the largest mean measured to gain (1.08x)
+# The thresholds' defaults, for the docs and the tools; a config carries its own (use_config changes them).
+DECODE_MAX_Q = KernelConfig.decode_max_q
+SHORT_KEYS = KernelConfig.short_keys
+SHORT_SAMPLES = KernelConfig.short_samples  # tokens per sample: the largest mean measured to gain (1.08x)
 
 
 # Through the interpreter each tile op is a numpy call: small tiles, and mixed shapes so that the tests
@@ -114,15 +119,24 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 
 
 _override: KernelConfig | None = None
+_fields: dict[str, int] = {}  # thresholds use_config sets on every config
 
 
 def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The tiles for one call. ``use_config`` overrides them (tests, tuning)."""
+    """The tiles and thresholds for one call. ``use_config`` overrides them (tests, tuning)."""
     if _override is not None:
-        return _override
-    if device.type != "cuda":
-        return _INTERPRETER
-    return _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
+        cfg = _override
+    elif device.type != "cuda":
+        cfg = _INTERPRETER
+    else:
+        cfg = _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
+    return _with_thresholds(cfg, tuple(sorted(_fields.items()))) if _fields else cfg
+
+
+@functools.lru_cache(maxsize=64)
+def _with_thresholds(cfg: KernelConfig, thresholds: tuple[tuple[str, int], ...]) -> KernelConfig:
+    """``cfg`` with other thresholds, one object per combination (launches are kept per config)."""
+    return replace(cfg, **dict(thresholds))
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -195,11 +209,18 @@ _GLUON_DKDV = {
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
 @contextlib.contextmanager
-def use_config(config: KernelConfig) -> Iterator[None]:
-    """Run the enclosed calls with fixed tiles, e.g. ``with use_config(KernelConfig(Tile(16,16), ...)):``."""
-    global _override
-    previous, _override = _override, config
+def use_config(config: KernelConfig | None = None, **thresholds: int) -> Iterator[None]:
+    """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
+    other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
+    ``short_samples``)."""
+    global _override, _fields
+    unknown = set(thresholds) - {"decode_max_q", "short_keys", "short_samples"}
+    if unknown:
+        raise TypeError(f"use_config sets decode_max_q, short_keys and short_samples; got {sorted(unknown)}")
+    previous = _override, _fields
+    _override = config if config is not None else _override
+    _fields = {**_fields, **thresholds}
     try:
         yield
     finally:
-        _override = previous
+        _override, _fields = previous

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
 from ..mask.info import MaskInfo, TileKey
-from .config import SHORT_SAMPLES, KernelConfig
+from .config import KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
@@ -109,13 +109,13 @@ def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
 PackedMask = tuple[list[torch.Tensor], int, bool, int, bool]  # (tensors, mode, causal, num_segments, short samples)
 
 
-def pack(info: MaskInfo) -> PackedMask:
+def pack(info: MaskInfo, short_samples: int) -> PackedMask:
     """A mask as a torch custom op takes it: the token-level tensors (q_bits, k_bits, dense mask, first-query
     positions; empty stand-ins for the unused path; codes and the pair table in the bits' and dense mask's places)
     and its mode, causality, segment count and whether it is a pack of short samples (a flag rather than the
-    mean length, so that new packs do not recompile a graph: it only picks the forward's tile). The op builds the
-    block lists it needs from them (:func:`unpack`)."""
-    short = info.sample_len is not None and info.sample_len <= SHORT_SAMPLES
+    mean length, so that new packs do not recompile a graph: it only picks the forward's tile; ``short_samples`` is
+    the config's threshold). The op builds the block lists it needs from them (:func:`unpack`)."""
+    short = info.sample_len is not None and info.sample_len <= short_samples
     if info.mode == MASK_SEGMENTS:
         return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments, short
     if info.mode == MASK_BITS:
@@ -127,14 +127,14 @@ def pack(info: MaskInfo) -> PackedMask:
     return tensors, info.mode, info.causal, info.num_segments, short
 
 
-def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-           seq_q: int, seq_k: int) -> MaskInfo:
+def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
+           seq_q: int, seq_k: int, short_samples: int) -> MaskInfo:
     """Inverse of :func:`pack`, for seq_q queries over seq_k keys (a pack of short samples comes back with the
-    longest mean sample length that counts as short)."""
+    longest mean sample length that counts as short, ``short_samples``)."""
     q_bits, k_bits, dense, q_start = tensors
     if mode == MASK_SEGMENTS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start, table=dense, sample_len=SHORT_SAMPLES if short_samples else None)
+                        q_start=q_start, table=dense, sample_len=short_samples if short else None)
     if mode == MASK_BITS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
                         q_start=q_start)

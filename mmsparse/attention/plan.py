@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mask.blocks import cdiv
-from .config import DECODE_MAX_Q, KernelConfig, Tile, cuda_index, short_keys
+from .config import KernelConfig, Tile, cuda_index
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
 
@@ -86,7 +86,7 @@ def plan_attention(
     """
     group = num_heads // num_kv_heads
     tile = config.forward_tile(seq_q, seq_k, sample_len)
-    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m)
+    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m, config.decode_max_q)
     if pack_rows:
         block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
         row_blocks, bh_programs = 1, batch * num_kv_heads
@@ -101,19 +101,19 @@ def plan_attention(
         forward=forward,
         dq=BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
         dkdv=BackwardPass(dkdv_tile, dkdv_tile.gluon and not dropout, True),
-        side_stream=device.type == "cuda" and not short_keys(seq_k),
+        side_stream=device.type == "cuda" and not config.few_keys(seq_k),
     )
 
 
 _PACK_MAX_ROWS = 64
 
 
-def gqa_pack_rows(group: int, seq_q: int, block_m: int) -> int:
+def gqa_pack_rows(group: int, seq_q: int, block_m: int, decode_max_q: int = KernelConfig.decode_max_q) -> int:
     """Rows of the packed GQA tile for a short query block (decoding), 0 for no packing: the group's
     ``group * seq_q`` query rows rounded up to a power of two, at least the decode tile's rows, at most 64
     (more rows would cost registers that a separate program per head does not need)."""
     rows = group * seq_q
-    if group == 1 or seq_q > min(block_m, DECODE_MAX_Q) or rows > _PACK_MAX_ROWS:
+    if group == 1 or seq_q > min(block_m, decode_max_q) or rows > _PACK_MAX_ROWS:
         return 0
     return max(block_m, 1 << (rows - 1).bit_length())
 

@@ -133,7 +133,7 @@ def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
 
     long, short = Tile(16, 16), Tile(32, 32)
     cfg = replace(kernel_config(32, torch.float32, device), bwd_dq=long, bwd_dq_short=short)
-    monkeypatch.setattr(config, "SHORT_KEYS", 64)  # the real threshold takes thousands of keys: too slow here
+    cfg = replace(cfg, short_keys=64)  # the real threshold takes thousands of keys: too slow here
     lists = []
 
     def spy(self, block_m, block_n, by_key=False, _real=KernelArgs.tile):

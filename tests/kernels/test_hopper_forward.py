@@ -42,7 +42,8 @@ def hopper_calls(monkeypatch):
 def gluon_at_every_length(monkeypatch):
     """The Gluon forward at every key length. By default short key ranges take the tl tile (see
     test_few_keys_take_the_tl_tile); SHORT_KEYS is the only switch for that, and these cases are short."""
-    monkeypatch.setattr(config, "SHORT_KEYS", 0)
+    with use_config(short_keys=0):
+        yield
 
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon

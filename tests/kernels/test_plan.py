@@ -105,3 +105,22 @@ def test_a_call_prepares_then_launches(list_builds, device):
         assert len(list_builds) == 1
         mbs_attn_bwd(torch.ones_like(out), q, k, v, out, lse, info, 0.25)
         assert len(list_builds) == 2  # dK/dV's lists by key; dQ reads the forward's tile, built already
+
+
+def test_thresholds_live_in_the_config(device):
+    """The thresholds that switch a path are fields of the config; ``use_config`` sets them on every call's config,
+    nested with fixed tiles, and a name it does not know is a TypeError."""
+    base = kernel_config(32, torch.float32, device)
+    assert (base.decode_max_q, base.short_keys, base.short_samples) == (16, 2048, 4096)
+    with use_config(short_keys=0, decode_max_q=4):
+        cfg = kernel_config(32, torch.float32, device)
+        assert (cfg.short_keys, cfg.decode_max_q) == (0, 4) and cfg is kernel_config(32, torch.float32, device)
+        assert not cfg.few_keys(1)
+        assert plan_attention(cfg, 1, 8, 2, 5, 100, device).forward.tile == cfg.fwd  # 5 queries: not decoding now
+        tiles = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))
+        with use_config(tiles):
+            assert kernel_config(32, torch.float32, device).short_keys == 0
+    assert kernel_config(32, torch.float32, device) == base
+    with pytest.raises(TypeError, match="short_keys"):
+        with use_config(short_key=0):
+            pass
