@@ -16,6 +16,10 @@ from .config import Tile, head_dim_pad
 from .host_tma import box_descriptor
 from .kernel_args import LaunchArgs
 
+# Registers per thread at launch, for the 9 warps of a CTA (two consumer warpgroups and the producer) before the
+# partitions set their own (kernels.gluon.common.WORKER_REGS): 168 x 288 threads fit an SM's 64K.
+_LAUNCH_REGS = 168
+
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
 
@@ -38,7 +42,7 @@ def run_forward(
         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=_LAUNCH_REGS,
     )
     return out, lse
 
@@ -63,7 +67,7 @@ def run_dq(
         qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=_LAUNCH_REGS,
     )
 
 
@@ -88,7 +92,7 @@ def run_dkdv(
         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
         BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=168,
+        num_warps=4, maxnreg=_LAUNCH_REGS,
     )
 
 

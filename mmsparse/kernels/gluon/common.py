@@ -31,6 +31,12 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise (a CTA-wide barrier)
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
+# The warp roles of every pass: the default partition and the second consumer are a warpgroup each; the producer is
+# one warp that only issues TMA copies.
+WORKER_WARPS = gl.constexpr([4, 1])
+# Registers per thread once the partitions have set their own: the consumers hold the fp32 accumulators, the
+# producer almost nothing (2 x 128 x 240 + 32 x 24 fit an SM's 64K).
+WORKER_REGS = gl.constexpr([240, 24])
 BLOCK_M = 2 * WG_ROWS.value  # query rows per CTA in the forward and dQ passes
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 

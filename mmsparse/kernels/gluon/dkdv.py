@@ -31,6 +31,8 @@ from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
 from ..rules import allowed_pairs
 from .common import (
+    WORKER_REGS,
+    WORKER_WARPS,
     box,
     init_turns,
     invalidate_ring,
@@ -280,8 +282,8 @@ def attention_dkdv_gluon(
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),
         ],
-        [4, 1],
-        [240, 24],
+        WORKER_WARPS,
+        WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(kv_bar)

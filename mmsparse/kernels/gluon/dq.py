@@ -27,6 +27,8 @@ from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
 from .common import (
     WG_ROWS,
+    WORKER_REGS,
+    WORKER_WARPS,
     box,
     init_kv_ring,
     init_turns,
@@ -197,8 +199,8 @@ def attention_dq_gluon(
             (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, b, h, h // GROUP,
                          BN, STAGES)),
         ],
-        [4, 1],
-        [240, 24],
+        WORKER_WARPS,
+        WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(qdo_bar)

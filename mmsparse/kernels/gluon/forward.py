@@ -30,6 +30,8 @@ from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
 from .common import (
     WG_ROWS,
+    WORKER_REGS,
+    WORKER_WARPS,
     box,
     init_kv_ring,
     init_turns,
@@ -201,8 +203,8 @@ def attention_fwd_gluon(
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES)),
         ],
-        [4, 1],
-        [240, 24],
+        WORKER_WARPS,
+        WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(q_bar)

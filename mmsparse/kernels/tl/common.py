@@ -5,18 +5,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..constants import MASK_DENSE
+from ..constants import DOT_TF32X3, DOT_UPCAST, MASK_DENSE
 from ..rules import allowed_pairs
 
 _MASK_DENSE = tl.constexpr(MASK_DENSE)
+_DOT_UPCAST = tl.constexpr(DOT_UPCAST)
+_DOT_TF32X3 = tl.constexpr(DOT_TF32X3)
 
 
 @triton.jit
 def dot(a, b, DOT_MODE: tl.constexpr):
     """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (``constants.DOT_*``)."""
-    if DOT_MODE == 1:
+    if DOT_MODE == _DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT_MODE == 2:
+    elif DOT_MODE == _DOT_TF32X3:
         return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a, b)
