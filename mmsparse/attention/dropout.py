@@ -16,27 +16,27 @@ def dropout_keep_mask(
     """bool ``[B, Hq, Sq, Sk]``: True where the kernels keep an attention weight for this seed. The bits are keyed
     by absolute positions: query i of sample b sits at ``q_start[b] + i`` (by default ``seq_k - seq_q``)."""
     out = dropout_keep_rows(seed, 0, batch * num_heads, num_heads, 0, seq_q, seq_k, dropout_p,
-                            _past(seed, batch, seq_q, seq_k, q_start))
+                            _query_starts(seed, batch, seq_q, seq_k, q_start))
     return out.reshape(batch, num_heads, seq_q, seq_k)
 
 
 def dropout_keep_rows(
     seed: torch.Tensor, bh0: int, count: int, num_heads: int, row0: int, rows: int, seq_k: int, dropout_p: float,
-    past: torch.Tensor,
+    q_start: torch.Tensor,
 ) -> torch.Tensor:
     """bool ``[count, rows, Sk]``: the keep mask of (batch * head) bh0 .. bh0 + count - 1, query rows row0 ..
-    row0 + rows - 1, for references computed a slice at a time. ``past``: int32 ``[B]``, each sample's first
+    row0 + rows - 1, for references computed a slice at a time. ``q_start``: int32 ``[B]``, each sample's first
     query position."""
     if seed.numel() == 1:  # a bare Philox key: offsets 0
         seed = torch.cat([seed.reshape(1), seed.new_zeros(2)])
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
-    dropout_keep_mask_kernel[grid](seed, out, past, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
+    dropout_keep_mask_kernel[grid](seed, out, q_start, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
                                    BN=32)
     return out.bool()
 
 
-def _past(seed: torch.Tensor, batch: int, seq_q: int, seq_k: int, q_start) -> torch.Tensor:
+def _query_starts(seed: torch.Tensor, batch: int, seq_q: int, seq_k: int, q_start) -> torch.Tensor:
     if q_start is None:
         q_start = [seq_k - seq_q] * batch
     return torch.as_tensor(q_start, dtype=torch.int32).to(seed.device).reshape(-1).expand(batch).contiguous()

@@ -5,7 +5,7 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
     tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
              table and stride_mask_q its row stride)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-             seq_q, seq_k, PAST (the first-query positions, int32 [1 or Bm]), stride_past_b
+             seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b
 
 (the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as the
 token-level tensors of :func:`pack`. Adding a kernel argument touches this module and the kernels, nothing above.

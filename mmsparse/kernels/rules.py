@@ -18,13 +18,13 @@ _MASK_SEGMENTS = tl.constexpr(MASK_SEGMENTS)
 
 
 @triton.jit
-def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
                   MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """Allowed pairs of one tile. ``offs_q``/``offs_k`` are broadcastable 2-D row and column indices ([M, 1] x
     [1, N], or [1, M] x [N, 1] for a transposed tile), and ``q_val``/``k_val`` the rows' and columns' bits or
     segment codes, broadcast alike and loaded as 0 past the ends (a dense mask reads neither). ``mask_ptr`` is
     the batch row of the dense mask (row stride ``stride_mask_q``), or the pair table with codes (its row stride
-    in ``stride_mask_q``). Query positions are ``past_len + offs_q``; key positions are ``offs_k``.
+    in ``stride_mask_q``). Query positions are ``q_start + offs_q``; key positions are ``offs_k``.
 
     - bits: some segment is seen by the row and holds the column (bits past the ends are 0);
     - codes (:mod:`mmsparse.mask.segments`): same doc, and the pair table says FULL, or CAUSAL with the key at or
@@ -36,12 +36,12 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
     elif MASK_MODE == _MASK_SEGMENTS:
         kind = tl.load(mask_ptr + (q_val & _SEG_MASK) * stride_mask_q + (k_val & _SEG_MASK))
         same_doc = ((q_val ^ k_val) >> _SEG_BITS) == 0
-        allowed = same_doc & ((kind == _FULL) | ((kind == _CAUSAL) & (offs_k <= past_len + offs_q)))
+        allowed = same_doc & ((kind == _FULL) | ((kind == _CAUSAL) & (offs_k <= q_start + offs_q)))
         allowed = allowed & (offs_q < seq_q) & (offs_k < seq_k)
     else:
         inside = (offs_q < seq_q) & (offs_k < seq_k)
         # 64-bit: one sample's Sq * S passes 2^31 from S = 46341 on
         allowed = tl.load(mask_ptr + offs_q.to(tl.int64) * stride_mask_q + offs_k, mask=inside, other=0) != 0
     if IS_CAUSAL:
-        allowed = allowed & (offs_k <= past_len + offs_q)
+        allowed = allowed & (offs_k <= q_start + offs_q)
     return allowed

@@ -91,17 +91,17 @@ def classify_blocks_from_bits(
     block_m: int,
     block_n: int,
     causal: bool,
-    past_len: int | torch.Tensor,
+    q_start: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact live/full maps of the tiles of a topology mask.
 
     Args:
-        q_bits: int32 ``[Bm, Sq]`` row bits of the query tokens (positions past_len .. past_len + Sq - 1).
+        q_bits: int32 ``[Bm, Sq]`` row bits of the query tokens (positions q_start .. q_start + Sq - 1).
         k_bits: int32 ``[Bm, Sk]`` one-hot column bits of the key tokens (0 for padding).
         num_segments: k, the number of bits in use.
         block_m, block_n: the tile.
-        causal: also require ``j <= past_len + i``.
-        past_len: position of the first query: Sk - Sq, or int ``[Bm]`` per sample.
+        causal: also require ``j <= q_start + i``.
+        q_start: position of the first query: Sk - Sq, or int ``[Bm]`` per sample.
 
     Returns:
         ``(live, full)``, bool ``[Bm, NQ, NK]``.
@@ -115,9 +115,9 @@ def classify_blocks_from_bits(
 
     # Live: some segment t with a row that sees t at or after (causal) a column of segment t.
     # Without causal the positions collapse to 1 (rows) and 0 (columns), so "exists" is all that counts.
-    past = _as_positions(past_len, dev)  # [1 or Bm, 1]
+    q_start = _as_positions(q_start, dev)  # [1 or Bm, 1]
     if causal:
-        q_pos = past + torch.arange(nq * block_m, device=dev, dtype=torch.int64)  # [1 or Bm, NQ*BM]
+        q_pos = q_start + torch.arange(nq * block_m, device=dev, dtype=torch.int64)  # [1 or Bm, NQ*BM]
         k_pos = torch.arange(nk * block_n, device=dev, dtype=torch.int64)
     else:
         q_pos = torch.ones(1, nq * block_m, device=dev, dtype=torch.int64)
@@ -137,18 +137,18 @@ def classify_blocks_from_bits(
     full = live & ~unseen & keys_clean[:, None, :]
     if causal:
         last_col = torch.clamp(torch.arange(1, nk + 1, device=dev) * block_n, max=sk) - 1
-        first_row = past + torch.arange(nq, device=dev) * block_m  # [1 or Bm, NQ]
+        first_row = q_start + torch.arange(nq, device=dev) * block_m  # [1 or Bm, NQ]
         full &= last_col[None, None, :] <= first_row[:, :, None]
     return live, full
 
 
-def _as_positions(past_len: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+def _as_positions(q_start: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A first-query position (int, or per sample ``[Bm]``) as int64 ``[1 or Bm, 1]``."""
-    return torch.as_tensor(past_len, device=device).to(torch.int64).reshape(-1, 1)
+    return torch.as_tensor(q_start, device=device).to(torch.int64).reshape(-1, 1)
 
 
 def classify_blocks_from_mask(
-    mask: torch.Tensor, block_m: int, block_n: int, causal: bool, past_len: int | torch.Tensor
+    mask: torch.Tensor, block_m: int, block_n: int, causal: bool, q_start: int | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Live/full maps by reducing a dense bool mask ``[Bm, Sq, Sk]`` over each tile (the arbitrary-mask path).
 
@@ -159,7 +159,7 @@ def classify_blocks_from_mask(
     if causal:
         i = torch.arange(sq, device=mask.device)[:, None]
         j = torch.arange(sk, device=mask.device)[None, :]
-        mask = mask & (j <= _as_positions(past_len, mask.device)[:, :, None] + i)
+        mask = mask & (j <= _as_positions(q_start, mask.device)[:, :, None] + i)
     cols = torch.zeros(bm, sq, nk * block_n, dtype=torch.bool, device=mask.device)
     cols[:, :, :sk] = mask
     any_ = _pad_rows(cols, nq * block_m, False).view(bm, nq, block_m, nk, block_n).any(4).any(2)

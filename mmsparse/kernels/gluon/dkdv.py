@@ -60,7 +60,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, _ = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma_load(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
@@ -104,13 +104,13 @@ def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, M
     """The exact token mask of one partial [keys, queries] tile (:func:`mmsparse.kernels.rules.allowed_pairs`)
     as the initial value of S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and
     queries past the end are 0."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
     offs_m = rows_s.load(cols)
     q_bits = offs_m  # a stand-in: a dense mask reads no bits
     if MASK_MODE != _MASK_DENSE:
         q_bits = qbits_s.load(cols)
     allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
-                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, past_len, MASK_MODE,
+                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, MASK_MODE,
                             IS_CAUSAL)
     return gl.where(allowed, 0.0, float("-inf"))
 
@@ -152,7 +152,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
     if MASK_MODE != _MASK_DENSE:
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
@@ -225,7 +225,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 def attention_dkdv_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr = False,
@@ -242,8 +242,8 @@ def attention_dkdv_gluon(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_past_b)
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b)
     col0 = pid_n * (2 * WG_KEYS)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

@@ -81,7 +81,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -153,7 +153,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
 def attention_fwd_gluon(
     q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, PAST, stride_past_b, qk_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -172,8 +172,8 @@ def attention_fwd_gluon(
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
-        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, PAST, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_past_b)
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)

@@ -37,7 +37,7 @@ def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 @triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh, dropout_p,
     BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -56,10 +56,10 @@ def _dkdv_tiles(
         b_pt = tl.math.exp2(tl.fma(b_st, qk_scale, -lse[None, :]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
-                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+                                seq_q, seq_k, q_start, MASK_MODE, IS_CAUSAL)
             b_pt = tl.where(allowed, b_pt, 0.0)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, past_len + offs_m[None, :], offs_n[:, None], dropout_p)
+            keep = dropout_keep(seed, bh, q_start + offs_m[None, :], offs_n[:, None], dropout_p)
             scale_keep = 1.0 / (1.0 - dropout_p)
             dv += dot(tl.where(keep, b_pt * scale_keep, 0.0).to(b_do.dtype), b_do, DOT_MODE)
             b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
@@ -75,7 +75,7 @@ def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -96,9 +96,9 @@ def attention_dkdv_tl(
     b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
-    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
-        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, q_start = program_setup(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_qstart_b, HAS_DROPOUT)
 
     dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
     dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
@@ -111,12 +111,12 @@ def attention_dkdv_tl(
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh,
+            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh,
             dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len,
+            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
             qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
@@ -130,7 +130,7 @@ def attention_dkdv_tl(
 @triton.jit
 def _dq_tiles(
     dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, bh, dropout_p,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -145,10 +145,10 @@ def _dq_tiles(
         b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
-                                seq_q, seq_k, past_len, MASK_MODE, IS_CAUSAL)
+                                seq_q, seq_k, q_start, MASK_MODE, IS_CAUSAL)
             b_p = tl.where(allowed, b_p, 0.0)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, past_len + offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = dropout_keep(seed, bh, q_start + offs_m[:, None], offs_n[None, :], dropout_p)
             b_dp = tl.where(keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
         b_ds = b_p * (b_dp - delta[:, None])
         dq += dot(b_ds.to(b_k.dtype), b_k, DOT_MODE)
@@ -160,7 +160,7 @@ def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, PAST, stride_past_b, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -184,9 +184,9 @@ def attention_dq_tl(
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
-    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, past_len = program_setup(
-        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
-        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b, HAS_DROPOUT)
+    n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, q_start = program_setup(
+        b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
+        stride_qbits_b, stride_kbits_b, stride_mask_b, stride_qstart_b, HAS_DROPOUT)
     hk64 = (h // GROUP).to(tl.int64)
     k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
@@ -194,12 +194,12 @@ def attention_dq_tl(
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed, pid_bh, dropout_p,
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, pid_bh, dropout_p,
         BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
-        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, qk_scale, seed,
+        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed,
         pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
     dq_dst = make_source(DQ + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)

@@ -12,8 +12,8 @@ _POS = tl.constexpr(2**31 - 1)  # above every position
 
 @triton.jit(do_not_specialize=["stride_qb", "stride_kb", "stride_pb", "stride_sb", "seq_q", "seq_k", "n_q", "n_k"])
 def block_summary_kernel(
-    Q_BITS, K_BITS, PAST, SUM,
-    stride_qb, stride_kb, stride_pb, stride_sb,
+    Q_BITS, K_BITS, Q_START, SUM,
+    stride_qb, stride_kb, stride_qstart, stride_sb,
     seq_q, seq_k, n_q, n_k, bit_mask,
     BM: tl.constexpr, BN: tl.constexpr, GQ: tl.constexpr, GK: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -36,9 +36,9 @@ def block_summary_kernel(
         tl.store(p_s, tl.sum(tl.max(b_see, 1) << offs_t[None, :], 1), mask=m_s)
         tl.store(p_s + 1, tl.sum(tl.min(tl.where(m_q[:, :, None], b_see, 1), 1) << offs_t[None, :], 1), mask=m_s)
         if IS_CAUSAL:
-            past = tl.load(PAST + i_b * stride_pb)
-            tl.store(p_s + 2, past + offs_qb * BM, mask=m_s)
-            b_last = tl.max(tl.where(b_see != 0, past + offs_m[:, :, None], _NEG), 1)  # [GQ, K]
+            q_start = tl.load(Q_START + i_b * stride_qstart)
+            tl.store(p_s + 2, q_start + offs_qb * BM, mask=m_s)
+            b_last = tl.max(tl.where(b_see != 0, q_start + offs_m[:, :, None], _NEG), 1)  # [GQ, K]
             tl.store(p_s[:, None] + 3 + offs_t[None, :], b_last, mask=m_s[:, None])
     if i_g * GK < n_k:
         offs_kb = i_g * GK + tl.arange(0, GK)  # [GK]

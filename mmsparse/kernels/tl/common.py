@@ -43,7 +43,7 @@ def pair_mask(
     stride_mask_q,
     seq_q,
     seq_k,
-    past_len,
+    q_start,
     MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def pair_mask(
     if MASK_MODE != _MASK_DENSE:  # a dense mask reads neither
         q_val = tl.load(q_bits_ptr + offs_q, mask=offs_q < seq_q, other=0)
         k_val = tl.load(k_bits_ptr + offs_k, mask=offs_k < seq_k, other=0)
-    return allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, past_len, MASK_MODE,
+    return allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, MASK_MODE,
                          IS_CAUSAL)
 
 
@@ -106,8 +106,8 @@ def store_rows(ptr, value, offs_row, stride_row, offs_d, n_rows, HEAD_DIM: tl.co
 
 
 @triton.jit
-def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, stride_cnt_b, stride_idx_b,
-                  stride_qbits_b, stride_kbits_b, stride_mask_b, stride_past_b,
+def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
+                  stride_qbits_b, stride_kbits_b, stride_mask_b, stride_qstart_b,
                   HAS_DROPOUT: tl.constexpr):
     """What every kernel reads first for batch b and its own row block: (number of full blocks, number of
     partial blocks, pointer to its block list, its mask pointers, the dropout seed, the position of the
@@ -121,7 +121,7 @@ def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, PAST, str
     if HAS_DROPOUT:
         seed = load_seed(SEED)
     return (n_full, n_part, idx_ptr, Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b,
-            MASK + b64 * stride_mask_b, seed, tl.load(PAST + b * stride_past_b))
+            MASK + b64 * stride_mask_b, seed, tl.load(Q_START + b * stride_qstart_b))
 
 
 @triton.jit

@@ -56,7 +56,7 @@ def run_summary_kernel(CODES, RUN, OUT, stride_cb, stride_rb, stride_ob, seq, n_
 
 @triton.jit
 def _classify_runs(
-    qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table, past, seq_q, seq_k,
+    qb, kb, valid, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table, q_start, seq_q, seq_k,
     BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
     """(full, live) of the tiles (query block qb, key block kb), broadcastable block-id tiles, where valid."""
@@ -79,14 +79,14 @@ def _classify_runs(
     for dx in range(0, n_x):
         x = q_lo + dx
         in_x = meet & (x <= q_hi)
-        x_first = tl.maximum(tl.load(q_starts + x, mask=in_x, other=0), q0) + past  # positions of the run's rows
-        x_last = tl.minimum(tl.load(q_starts + x + 1, mask=in_x, other=0), q1) - 1 + past
+        x_first = tl.maximum(tl.load(q_firsts + x, mask=in_x, other=0), q0) + q_start  # positions of the run's rows
+        x_last = tl.minimum(tl.load(q_firsts + x + 1, mask=in_x, other=0), q1) - 1 + q_start
         x_code = tl.load(q_codes + x, mask=in_x, other=0)
         for dy in range(0, n_y):
             y = k_lo + dy
             v = in_x & (y <= k_hi)
-            y_first = tl.maximum(tl.load(k_starts + y, mask=v, other=0), k0)
-            y_last = tl.minimum(tl.load(k_starts + y + 1, mask=v, other=0), k1) - 1
+            y_first = tl.maximum(tl.load(k_firsts + y, mask=v, other=0), k0)
+            y_last = tl.minimum(tl.load(k_firsts + y + 1, mask=v, other=0), k1) - 1
             y_code = tl.load(k_codes + y, mask=v, other=0)
             kind = tl.load(table + (x_code & _SEG_MASK) * stride_table + (y_code & _SEG_MASK), mask=v, other=0)
             kind = tl.where(((x_code ^ y_code) >> _SEG_BITS) == 0, kind, 0)
@@ -97,8 +97,8 @@ def _classify_runs(
 
 
 @triton.jit
-def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
-                   past, seq_q, seq_k, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table,
+                   q_start, seq_q, seq_k, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
                    BY_KEY: tl.constexpr):
     """(full, live) ``[BR, CB]`` of the program's row blocks against the column blocks offs_c."""
     valid = m_r[:, None] & (offs_c < n_c)[None, :]
@@ -106,15 +106,15 @@ def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_
         qb, kb = offs_c[None, :], offs_r[:, None]
     else:
         qb, kb = offs_r[:, None], offs_c[None, :]
-    return _classify_runs(qb, kb, valid, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes, table, stride_table,
-                          past, seq_q, seq_k, BM, BN, IS_CAUSAL)
+    return _classify_runs(qb, kb, valid, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table,
+                          q_start, seq_q, seq_k, BM, BN, IS_CAUSAL)
 
 
 @triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
                                "stride_ib", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
 def segment_lists_kernel(
-    Q_SUM, K_SUM, Q_STARTS, Q_CODES, K_STARTS, K_CODES, TABLE, PAST, COUNTS, INDICES,
-    stride_qs, stride_ks, stride_qr, stride_kr, stride_pb, stride_cb, stride_ib, stride_table,
+    Q_SUM, K_SUM, Q_FIRSTS, Q_CODES, K_FIRSTS, K_CODES, TABLE, Q_START, COUNTS, INDICES,
+    stride_qs, stride_ks, stride_qr, stride_kr, stride_qstart, stride_cb, stride_ib, stride_table,
     seq_q, seq_k, n_q, n_k,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BY_KEY: tl.constexpr, PHASE: tl.constexpr,
@@ -124,9 +124,9 @@ def segment_lists_kernel(
     i_g, i_b = tl.program_id(0), tl.program_id(1)
     b64 = i_b.to(tl.int64)
     q_sum, k_sum = Q_SUM + b64 * stride_qs, K_SUM + b64 * stride_ks
-    q_starts, q_codes = Q_STARTS + b64 * stride_qr, Q_CODES + b64 * stride_qr
-    k_starts, k_codes = K_STARTS + b64 * stride_kr, K_CODES + b64 * stride_kr
-    past = tl.load(PAST + i_b * stride_pb)
+    q_firsts, q_codes = Q_FIRSTS + b64 * stride_qr, Q_CODES + b64 * stride_qr
+    k_firsts, k_codes = K_FIRSTS + b64 * stride_kr, K_CODES + b64 * stride_kr
+    q_start = tl.load(Q_START + i_b * stride_qstart)
     n_r, n_c = (n_k, n_q) if BY_KEY else (n_q, n_k)
     offs_r = i_g * BR + tl.arange(0, BR)
     m_r = offs_r < n_r
@@ -137,8 +137,8 @@ def segment_lists_kernel(
     n_part = tl.zeros([BR], dtype=tl.int32)
     if PHASE != PHASE_WRITE:
         for c0 in range(0, n_c, CB):
-            full, live = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts,
-                                        k_codes, TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+            full, live = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts,
+                                        k_codes, TABLE, stride_table, q_start, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
             if PHASE != PHASE_COUNT:
                 live = full  # the first of two passes counts the full tiles only
             n_full, n_part = count_chunk(full, live, n_full, n_part)
@@ -146,8 +146,8 @@ def segment_lists_kernel(
         i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
         for c0 in range(0, n_c, CB):
             offs_c = c0 + offs_cb
-            full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_starts, q_codes, k_starts, k_codes,
-                                        TABLE, stride_table, past, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+            full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes,
+                                        TABLE, stride_table, q_start, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
             i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
         n_part = i_part - n_full
     store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE)
