@@ -117,7 +117,7 @@ _LAYOUT_HINT = (
 )
 
 
-def _layout_hint(k: torch.Tensor, seg_lens: Any) -> str | None:
+def layout_hint(k: torch.Tensor, seg_lens: Any) -> str | None:
     """The layout hint when k's dim 1 holds the positions the lengths ask for but dim 2 does not: a [B, S, H, D]
     tensor passed by mistake. None otherwise (or when the lengths cannot be read)."""
     try:
@@ -398,17 +398,28 @@ def mbs_attention(
     elif topology is None:
         raise ValueError("mbs_attention needs a topology with seg_lens, or attn_mask (a bool [S, S] mask)")
     else:
-        try:
-            info = build_mask_info(topology, seg_lens, seq_q, seq_k, causal, q.device, check_lengths, q_start)
-        except ValueError as e:  # checked only on failure: the common path pays nothing for the hint
-            hint = _layout_hint(k, seg_lens)
-            if hint is None:
-                raise
-            raise ValueError(f"{e}. {hint}") from None
+        info = topology_mask(q, k, topology, seg_lens, causal, check_lengths, q_start)
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+
+
+def topology_mask(
+    q: torch.Tensor, k: torch.Tensor, topology: Any, seg_lens: SegLensArg, causal: bool, check_lengths: bool = True,
+    q_start: torch.Tensor | Sequence[int] | None = None,
+) -> MaskInfo:
+    """The mask of a topology and lengths for checked q ``[B, Hq, Sq, D]`` and k ``[B, Hkv, S, D]`` (cached as
+    :func:`build_mask_info` caches). A length error says so when k looks like ``[B, S, H, D]``; a mask with one row
+    per sample must have as many rows as q has samples."""
+    try:
+        info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start)
+    except ValueError as e:  # checked only on failure: the common path pays nothing for the hint
+        hint = layout_hint(k, seg_lens)
+        if hint is None:
+            raise
+        raise ValueError(f"{e}. {hint}") from None
     if info.batch not in (1, q.shape[0]):
         raise ValueError(f"per-sample seg_lens has {count(info.batch, 'row')} but the batch has "
                          f"{count(q.shape[0], 'sample')}")
-    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+    return info
 
 
 def mbs_attention_varlen(

@@ -14,13 +14,13 @@ from torch import nn
 from .attention.config import kernel_config
 from .functional import (
     CachedMask,
-    _layout_hint,
     attention_with_info,
     build_mask_info,
     check_flag,
     check_qkv,
     check_softmax_scale,
-    count,
+    layout_hint,
+    topology_mask,
 )
 from .mask.info import MaskInfo
 from .mask.lengths import SegLensArg, validate_seg_lens
@@ -112,20 +112,10 @@ class TritonMBSAttnKernel(nn.Module):
         call: per-sample ``[B, k]`` (int tensor or list of B tuples), rows summing to at most S, padding after."""
         check_qkv(q, k, v)
         if seg_lens is not None:
-            try:
-                info = build_mask_info(self.topology, seg_lens, q.shape[2], k.shape[2], self.causal_mask, q.device,
-                                       check_lengths)
-            except ValueError as e:
-                hint = _layout_hint(k, seg_lens)
-                if hint is None:
-                    raise
-                raise ValueError(f"{e}. {hint}") from None
-            if info.batch not in (1, q.shape[0]):
-                raise ValueError(f"seg_lens has {count(info.batch, 'row')} but the batch has "
-                                 f"{count(q.shape[0], 'sample')}")
+            info = topology_mask(q, k, self.topology, seg_lens, self.causal_mask, check_lengths)
             return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
-            hint = _layout_hint(k, self.seg_lens)
+            hint = layout_hint(k, self.seg_lens)
             raise ValueError(
                 f"k/v have {k.shape[2]} positions but the module's seg_lens {self.seg_lens} sum to {self.seq_len}"
                 + (f". {hint}" if hint else "")
