@@ -770,8 +770,7 @@ def _release(device: torch.device) -> None:
     """Between cases: mmsparse's mask and topology caches (a cached mask keeps its token bits and block lists on
     the device) and, when it holds more than RESERVED_KEEP, the CUDA cache (memory the driver may need for a
     kernel's module or local memory, which a Triton launch cannot take back from torch's cache)."""
-    mmsparse.functional._INFO_CACHE.clear()
-    mmsparse.functional._TOPOLOGIES.clear()
+    mmsparse.clear_caches()
     if device.type == "cuda" and torch.cuda.memory_reserved(device) > RESERVED_KEEP:
         torch.cuda.empty_cache()
 

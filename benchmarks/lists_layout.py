@@ -6,18 +6,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import mmsparse.functional
-from mmsparse.mask import block_lists
+import mmsparse
+from mmsparse.mask.block_lists import COMPACT_BYTES
 
 
 @contextlib.contextmanager
 def lists_layout(packed: bool) -> Iterator[None]:
-    """Masks built inside get packed lists when ``packed`` (fixed slots otherwise, at these sizes), and are not
-    cached: a later case must not reuse them."""
-    saved, cache = block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE
-    block_lists.COMPACT_BYTES = 0 if packed else saved
-    mmsparse.functional._INFO_CACHE = type(cache)()
+    """Masks built inside get packed lists when ``packed`` (fixed slots otherwise, at these sizes), and are
+    forgotten on both sides: a later case must not reuse them."""
+    mmsparse.clear_caches()
     try:
-        yield
+        with mmsparse.use_config(compact_bytes=0 if packed else COMPACT_BYTES):
+            yield
     finally:
-        block_lists.COMPACT_BYTES, mmsparse.functional._INFO_CACHE = saved, cache
+        mmsparse.clear_caches()

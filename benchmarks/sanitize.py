@@ -414,7 +414,7 @@ def _run_lists(case: SanCase, device: Any) -> None:
     import torch
 
     from mmsparse.mask.block_lists import build_block_lists
-    from mmsparse.mask.info import MASK_BITS, MaskInfo
+    from mmsparse.mask.info import BitMask, MaskInfo
     from mmsparse.mask.token_bits import launch_token_bits
     from mmsparse.mask.topology import Topology
 
@@ -433,7 +433,7 @@ def _run_lists(case: SanCase, device: Any) -> None:
     for block_m, block_n in ((16, 16), (16, 64), (64, 64), (128, 64), (64, 128), (128, 128)):
         for by_key in (False, True):
             lists.append(info.lists(block_m, block_n, by_key))
-            if info.mode == MASK_BITS and block_m == 64:  # bits: several column chunks and row groups per program
+            if isinstance(info, BitMask) and block_m == 64:  # bits: several column chunks and row groups per program
                 lists.append(build_block_lists(info.q_bits, info.k_bits, topo.num_segments, block_m, block_n,
                                                case.causal, info.q_start, by_key, tile_elems=256, fit=False))
     _sync(device)

@@ -42,7 +42,8 @@ from einops import rearrange
 from torch import nn
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
-from mmsparse import TritonMBSAttnKernel, functional
+from mmsparse import TritonMBSAttnKernel
+from mmsparse.mask.cache import CACHE, MaskCache
 from mmsparse.nn import MultimodalSelfAttention
 
 from .env import environment, results_dir
@@ -50,7 +51,7 @@ from .report import write_record
 
 TOPIC = "soak"
 # The default warm-up fills the mask cache (one new key a step) twice over before the verdict's window opens.
-MIN_WARMUP = 2 * functional._INFO_CACHE_SIZE
+MIN_WARMUP = 2 * CACHE.max_entries
 CACHE_TOL, CACHE_SLACK = 0.10, 2  # a cache's allowed growth after warm-up: relative, or entries if more
 TOPOLOGY = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]  # text sees everything; vision and audio see text and themselves
 
@@ -173,20 +174,15 @@ def cache_sizes(model: nn.Module) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for mod_name, module in _mmsparse_modules():
         for name, obj in list(vars(module).items()):
-            if isinstance(obj, dict) and name.startswith("_") and name[1:2].isupper():
+            if (isinstance(obj, dict) and name.startswith("_") and name[1:2].isupper()) or isinstance(obj, MaskCache):
                 sizes[f"{mod_name}.{name}"] = len(obj)
             elif callable(getattr(obj, "cache_info", None)) and getattr(obj, "__module__", None) == mod_name:
                 sizes[f"{mod_name}.{name}()"] = obj.cache_info().currsize
-    plans = lists = copies = 0
-    for entry in list(functional._INFO_CACHE.values()):
-        masks = [getattr(entry, "info", entry), *getattr(entry, "copies", {}).values()]
-        copies += len(masks) - 1
-        for info in masks:
-            lists += len(getattr(info, "_lists", ()))
-            plans += len(getattr(getattr(info, "kernel_args", None), "forward_plans", ()))
-    sizes["mmsparse.functional._INFO_CACHE (per-stream copies)"] = copies
-    sizes["mmsparse.functional._INFO_CACHE (block lists)"] = lists
-    sizes["mmsparse.functional._INFO_CACHE (forward plans)"] = plans
+    masks = CACHE.masks(copies=True)
+    sizes["mmsparse.mask.cache.CACHE (per-stream copies)"] = len(masks) - len(CACHE.masks())
+    sizes["mmsparse.mask.cache.CACHE (block lists)"] = sum(len(info._lists) for info in masks)
+    sizes["mmsparse.mask.cache.CACHE (forward plans)"] = sum(
+        len(getattr(info.kernel_args, "forward_plans", ())) for info in masks)
     sizes["model: TritonMBSAttnKernel._infos"] = sum(
         len(m._infos) for m in model.modules() if isinstance(m, TritonMBSAttnKernel))
     return sizes
@@ -314,7 +310,7 @@ def markdown(summary: dict[str, Any]) -> str:
         loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
         lines.append(f"| {r['step']} | {loss} | {_mib(r['allocated'])} | {_mib(r['peak'])} | "
                      f"{sum(r['variants'].values())} | {sum(r['launch_cache'].values())} | "
-                     f"{r['caches'].get('mmsparse.functional._INFO_CACHE', '-')} |")
+                     f"{r['caches'].get('mmsparse.mask.cache.CACHE', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -365,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(row)
             print(f"step {step:5d}  S {seq:5d}  loss {value:.4f}  allocated {_mib(row['allocated'])} MiB  "
                   f"peak {_mib(row['peak'])} MiB  variants {sum(row['variants'].values())}  "
-                  f"mask cache {row['caches'].get('mmsparse.functional._INFO_CACHE')}", flush=True)
+                  f"mask cache {row['caches'].get('mmsparse.mask.cache.CACHE')}", flush=True)
     verdict = judge(records, warmup, args.mem_tol, args.mem_slack_mib)
     if not finite:
         verdict["ok"] = False

@@ -3,9 +3,6 @@ seed, then the autograd.Function."""
 
 from __future__ import annotations
 
-import inspect
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,18 +11,14 @@ import torch
 from .attention.autograd import MBSAttentionFunction
 from .attention.limits import check_problem_size
 from .attention.plan import plan_attention
-from .mask.info import MaskInfo, clear_query_starts
+from .mask.cache import CACHE
+from .mask.info import MaskInfo
 from .mask.lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask.topology import Topology
-from .runtime.launch import interpreter_active, stream_key, stream_of
+from .runtime.launch import interpreter_active
 from .runtime.scratch import clear_scratch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-_INFO_CACHE: OrderedDict[tuple, CachedMask] = OrderedDict()
-_INFO_CACHE_SIZE = 64
-_CACHE_LOCK = threading.Lock()  # inserts, evictions and per-stream copies of cached masks; a hit takes no lock
-
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise a ValueError/TypeError naming the problem when q, k, v cannot go to the kernels."""
@@ -146,14 +139,10 @@ def build_mask_info(
     topo_key, key = _topology_key(topology), None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed)
-        hit = _INFO_CACHE.get(key)
+        key = ("mask", topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed)
+        hit = CACHE.mask(key)
         if hit is not None:
-            try:
-                _INFO_CACHE.move_to_end(key)
-            except KeyError:  # another thread evicted it since the get: the entry is still good to use
-                pass
-            return hit.get()
+            return hit
     topo = _as_topology(topology, topo_key)
     if packed:
         lens = packed_lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
@@ -174,65 +163,7 @@ def build_mask_info(
 
 def _cache(key: tuple | None, info: MaskInfo) -> MaskInfo:
     """Keep ``info`` under ``key`` (None: a mask that is not cached) and return it."""
-    if key is not None:
-        with _CACHE_LOCK:
-            _INFO_CACHE[key] = CachedMask(info)
-            while len(_INFO_CACHE) > _INFO_CACHE_SIZE:
-                _INFO_CACHE.popitem(last=False)
-    return info
-
-
-class CachedMask:
-    """A cached mask, the CUDA stream it was built on (None off the GPU), and a copy for each other stream that
-    has used it: :meth:`get`."""
-
-    __slots__ = ("info", "stream", "copies")
-
-    def __init__(self, info: MaskInfo) -> None:
-        self.info = info
-        self.stream = stream_key(info.device)
-        self.copies: dict[tuple[int, int, int], MaskInfo] = {}
-
-    def get(self) -> MaskInfo:
-        """The mask for the current stream: on the stream that built it (or off the GPU), the mask itself.
-
-        Another stream must not read the mask's tensors before the building stream has written them, nor may the
-        allocator hand their memory to the building stream while the other one still reads them. So the first
-        time another stream asks, it waits for the building stream's work so far, the token-level tensors are
-        recorded as used on it, and it gets a copy over those tensors whose block lists (built lazily) are its own
-        and are only ever written and read on it. During CUDA-graph capture: the mask itself, as before
-        (torch.cuda.graph synchronises before capturing, and lists built in a capture would fill only at replay).
-        """
-        if self.stream is None:
-            return self.info
-        current = stream_key(self.info.device)
-        if current == self.stream:
-            return self.info
-        copy = self.copies.get(current)
-        return copy if copy is not None else self._copy_for(current)
-
-    def _copy_for(self, current: tuple[int, int, int]) -> MaskInfo:
-        if torch.cuda.is_current_stream_capturing():
-            return self.info
-        with _CACHE_LOCK:
-            copy = self.copies.get(current)
-            if copy is None:
-                stream = stream_of(current)
-                stream.wait_stream(stream_of(self.stream))
-                fields = {name: getattr(self.info, name) for name in _mask_fields()}
-                for value in fields.values():
-                    if isinstance(value, torch.Tensor):
-                        value.record_stream(stream)
-                copy = self.copies[current] = MaskInfo(**fields)
-        return copy
-
-
-def _mask_fields() -> tuple[str, ...]:
-    """MaskInfo's constructor arguments, which it keeps as attributes of the same names: what a copy shares."""
-    return tuple(inspect.signature(MaskInfo.__init__).parameters)[1:]
-
-
-_TOPOLOGIES: dict[Any, Topology] = {}
+    return info if key is None else CACHE.store_mask(key, info)
 
 
 def clear_caches() -> None:
@@ -240,10 +171,7 @@ def clear_caches() -> None:
     scratch memory of device-side descriptors: their device memory goes back to torch's allocator. Modules keep
     their own masks (``TritonMBSAttnKernel``); those go with the module. Call it after the last use of the masks,
     e.g. between phases with different lengths, or to measure a cold start."""
-    with _CACHE_LOCK:
-        _INFO_CACHE.clear()
-        _TOPOLOGIES.clear()
-    clear_query_starts()
+    CACHE.clear()
     plan_attention.cache_clear()
     clear_scratch()
 
@@ -255,13 +183,11 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
     key = _topology_key(topology) if key is None else key
     if isinstance(key, Topology):
         return key
-    topo = _TOPOLOGIES.get(key)
+    topo = CACHE.value(("topology", key))
     if topo is None:
         topo = Topology(topology)
         if not torch.compiler.is_compiling():  # traced: a kept topology would hold the graph's tensors
-            if len(_TOPOLOGIES) >= _INFO_CACHE_SIZE:
-                _TOPOLOGIES.clear()
-            _TOPOLOGIES[key] = topo
+            CACHE.store_value(("topology", key), topo)
     return topo
 
 

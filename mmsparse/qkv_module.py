@@ -13,7 +13,6 @@ from torch import nn
 
 from .attention.config import kernel_config
 from .functional import (
-    CachedMask,
     attention_with_info,
     build_mask_info,
     check_flag,
@@ -22,6 +21,7 @@ from .functional import (
     layout_hint,
     topology_mask,
 )
+from .mask.cache import MaskCache
 from .mask.info import MaskInfo
 from .mask.lengths import SegLensArg, validate_seg_lens
 from .mask.topology import Topology, generate_interlaced_mask
@@ -63,14 +63,14 @@ class TritonMBSAttnKernel(nn.Module):
         self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
         self.softmax_scale = check_softmax_scale(softmax_scale)
-        self._infos: dict[tuple, CachedMask] = {}
+        self._infos = MaskCache()  # this module's masks, per (Sq, Sk, device): they go with the module
         self._dense_mask: torch.Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickle, deepcopy and torch.save carry the configuration only: the masks are caches of device tensors
         # (their kernel arguments point back at them weakly, which pickle cannot take), rebuilt on first use.
         state = super().__getstate__()
-        state["_infos"], state["_dense_mask"] = {}, None
+        state["_infos"], state["_dense_mask"] = MaskCache(), None
         return state
 
     @property
@@ -98,11 +98,11 @@ class TritonMBSAttnKernel(nn.Module):
         if torch.compiler.is_compiling():  # traced: built in the graph; a kept mask would hold another call's tensors
             return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
         key = (seq_q, seq_k, str(device))
-        entry = self._infos.get(key)  # one get: another thread's insert between a check and a read is harmless
-        if entry is None:
-            info = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
-            entry = self._infos[key] = CachedMask(info)
-        return entry.get()
+        info = self._infos.mask(key)
+        if info is None:
+            info = self._infos.store_mask(key, build_mask_info(self.topology, self.seg_lens, seq_q, seq_k,
+                                                               self.causal_mask, device))
+        return info
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None = None,

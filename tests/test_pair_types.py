@@ -34,7 +34,8 @@ def transfusion(rng: random.Random, images: int, image_len: int, text_max: int) 
     return topo, lens
 
 
-def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_n: int) -> None:
+def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_n: int,
+                       compact_bytes: int = block_lists.COMPACT_BYTES) -> None:
     """The lists the kernels read equal those of the dense mask's tile classes, row by row."""
     for by_key in (False, True):
         live, full = classify_blocks_from_mask(dense, block_m, block_n, False, info.q_start)
@@ -42,7 +43,7 @@ def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_
             live, full = live.transpose(1, 2), full.transpose(1, 2)
         columns = live.shape[2]
         want_counts, want_ids = lists_from_classes(live, full).padded(columns)
-        got = info.lists(block_m, block_n, by_key).padded(columns)
+        got = info.lists(block_m, block_n, by_key, compact_bytes).padded(columns)
         got_counts, got_ids = (t.cpu().expand_as(w) for t, w in zip(got, (want_counts, want_ids)))
         assert torch.equal(got_counts, want_counts), f"counts differ at tile {block_m}x{block_n} by_key={by_key}"
         wrong = got_ids != want_ids
@@ -50,11 +51,10 @@ def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_block_lists_match_dense_classes(seed, monkeypatch):
+def test_block_lists_match_dense_classes(seed):
     """Random 0/1/2 topologies, ragged and zero lengths, per-sample rows, q_start, causal, packs: exact lists,
     fixed-slot for even seeds and packed (CSR) for odd ones."""
-    if seed % 2:
-        monkeypatch.setattr(block_lists, "COMPACT_BYTES", 0)
+    compact_bytes = 0 if seed % 2 else block_lists.COMPACT_BYTES
     rng = random.Random(seed)
     k = rng.randint(1, 7)
     topo = Topology(random_types(rng, k))
@@ -78,7 +78,7 @@ def test_block_lists_match_dense_classes(seed, monkeypatch):
         dense = reference_mask(topo, lens, seq, seq_q, causal, None if q_start is None else q_start.tolist())
     assert torch.equal(info.code_mask().cpu(), dense.expand(info.batch, -1, -1))
     for block_m, block_n in ((16, 16), (16, 32), (32, 16)):
-        assert_lists_exact(info, dense, block_m, block_n)
+        assert_lists_exact(info, dense, block_m, block_n, compact_bytes)
 
 
 def test_interlaced_mask_of_types():
@@ -246,19 +246,22 @@ def test_packs_tell_the_forward_their_sample_length(device):
 
 
 def test_compiled_ops_keep_the_pack_flag(device):
-    """The custom ops' view of a mask (pack / unpack) keeps whether it is a pack of short samples, as a flag: the
-    forward picks the same tile traced or eager, and a new pack's length changes no graph argument."""
+    """The custom ops' view of a mask (``as_tuple`` / ``mask_from_tuple``) keeps whether it is a pack of short
+    samples, as a flag: the forward picks the same tile traced or eager, and a new pack's length changes no graph
+    argument."""
     from mmsparse.attention.config import SHORT_SAMPLES
-    from mmsparse.attention.kernel_args import pack, unpack
+    from mmsparse.mask.info import mask_from_tuple
 
     topo = Topology([[1, 2], [0, 1]])
     for lens, short in (([[3, 5], [0, 9], [4, 4]], True), ([[SHORT_SAMPLES, 1]], False)):
         lens = torch.tensor(lens, device=device)
         total = int(lens.sum())
         info = MaskInfo.from_segments(topo, lens, total, total, True, packed=True)
-        *_, flag = packed = pack(info, SHORT_SAMPLES)
+        *_, flag = packed = info.as_tuple(SHORT_SAMPLES)
         assert flag is short
-        again = unpack(*packed, total, total, SHORT_SAMPLES)
+        again = mask_from_tuple(*packed, SHORT_SAMPLES)
         assert (again.sample_len is not None) is short and (again.sample_len or 0) <= SHORT_SAMPLES
-        assert torch.equal(again.q_bits, info.q_bits) and again.causal and again.num_segments == 2
-    assert pack(MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False), SHORT_SAMPLES)[-1] is False
+        assert type(again) is type(info) and (again.seq_q, again.seq_k) == (total, total)
+        assert torch.equal(again.q_codes, info.q_codes) and again.causal and again.num_segments == 2
+    single = MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False)
+    assert single.as_tuple(SHORT_SAMPLES)[-1] is False

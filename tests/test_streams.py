@@ -13,10 +13,9 @@ import pytest
 import torch
 from helpers import check_outputs, make_qkv
 
-from mmsparse import CAUSAL, TritonMBSAttnKernel, functional, mbs_attention, reference_mask
-from mmsparse.functional import CachedMask, attention_with_info, build_mask_info
-from mmsparse.mask import info as mask_info
-from mmsparse.mask.info import MaskInfo
+from mmsparse import CAUSAL, TritonMBSAttnKernel, clear_caches, functional, mbs_attention, reference_mask
+from mmsparse.functional import attention_with_info, build_mask_info
+from mmsparse.mask.cache import MaskCache
 
 TOPOLOGY = [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
 SLEEP_CYCLES = 1 << 28  # ~0.15-0.2 s at GPU clocks: far longer than queueing B's forward and backward
@@ -54,8 +53,7 @@ def _warm_up(attention, q, k, v, seq) -> None:
     for t in (q, k, v):
         t.grad = None
     torch.cuda.synchronize()
-    functional._INFO_CACHE.clear()
-    mask_info._Q_STARTS.clear()
+    clear_caches()
 
 
 def _streams() -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -126,7 +124,7 @@ def test_module_mask_built_on_one_stream_used_on_another(slow_builds):
 
 @pytest.mark.parametrize("kind", ["bits", "per-sample", "q_start", "pair types"])
 def test_a_stream_copy_is_the_same_mask(kind, device):
-    """What a copy for another stream is made of (:func:`functional._mask_fields`) gives the same outputs and
+    """What another stream gets (``same_tensors``: the mask's tensors, no block list) gives the same outputs and
     gradients, bit for bit, as the mask it copies; off the GPU a cached mask is always the mask itself."""
     topology, lens, seq, seq_q, q_start = TOPOLOGY, (9, 20, 15), 44, 44, None
     if kind == "per-sample":
@@ -136,8 +134,10 @@ def test_a_stream_copy_is_the_same_mask(kind, device):
     elif kind == "pair types":
         topology = [[CAUSAL, 1, 0], [0, CAUSAL, 1], [1, 0, 1]]
     info = build_mask_info(topology, lens, seq_q, seq, True, device, q_start=q_start)
-    copy = MaskInfo(**{name: getattr(info, name) for name in functional._mask_fields()})
-    assert (copy.mode, copy.batch, copy.seq_q, copy.seq_k) == (info.mode, info.batch, info.seq_q, info.seq_k)
+    copy = info.same_tensors()
+    assert type(copy) is type(info) and not copy._lists
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(copy.tensors(), info.tensors(), strict=True))
+    assert (copy.batch, copy.seq_q, copy.seq_k, copy.causal) == (info.batch, info.seq_q, info.seq_k, info.causal)
     results = []
     for mask in (info, copy):
         q, k, v = make_qkv(2, 2, 1, seq_q, seq, 16, torch.float32, device, torch.Generator().manual_seed(6))
@@ -147,4 +147,5 @@ def test_a_stream_copy_is_the_same_mask(kind, device):
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if device.type == "cpu":
-        assert CachedMask(info).get() is info
+        cache = MaskCache()
+        assert cache.store_mask("key", info) is info and cache.mask("key") is info

@@ -13,8 +13,9 @@ import pytest
 import torch
 from helpers import check_outputs, make_qkv
 
-from mmsparse import TritonMBSAttnKernel, functional, mbs_attention, reference_mask
+from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
 from mmsparse.functional import build_mask_info
+from mmsparse.mask.cache import CACHE
 
 # (topology, lengths A, lengths B, seq_q or None for all positions, causal, heads, kv_heads, dtype). Each thread
 # alternates two sets of lengths, so that its calls both hit and miss the caches.
@@ -35,13 +36,13 @@ SHARED_TOPOLOGY, SHARED_LENS = [[1, 1, 0], [0, 1, 1], [1, 0, 1]], (10, 20, 18)
 
 
 @pytest.fixture
-def contended(monkeypatch):
+def contended():
     """Caches of two entries (every few calls evict or clear one another thread may be reading) and a thread
     switch every 10 us instead of 5 ms."""
-    monkeypatch.setattr(functional, "_INFO_CACHE_SIZE", 2)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
-    yield
+    with CACHE.limits(max_entries=2):
+        yield
     sys.setswitchinterval(interval)
 
 

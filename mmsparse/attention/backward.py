@@ -68,7 +68,7 @@ def mbs_attn_bwd(
     dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
     plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device, info.sample_len,
                           dropout_p > 0.0)
-    info.prepare(plan.list_tiles(forward=False))  # on the current stream, before the fork
+    info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before the fork
     args = kernel_args(info)
     dq_mask, dkdv_mask = args.tile(*plan.dq.lists), args.tile(*plan.dkdv.lists)
     main, side = _streams(q.device) if plan.side_stream else (None, None)

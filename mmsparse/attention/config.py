@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 
@@ -45,10 +46,12 @@ class KernelConfig:
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
-    # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length.
+    # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
+    # block lists packed end to end (CSR) when their fixed slots would pass this many bytes.
     decode_max_q: int = 16
     short_keys: int = 2048
     short_samples: int = 4096
+    compact_bytes: int = COMPACT_BYTES
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -208,15 +211,18 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes")  # what use_config may set
+
+
 @contextlib.contextmanager
 def use_config(config: KernelConfig | None = None, **thresholds: int) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``)."""
+    ``short_samples``, ``compact_bytes``)."""
     global _override, _fields
-    unknown = set(thresholds) - {"decode_max_q", "short_keys", "short_samples"}
+    unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:
-        raise TypeError(f"use_config sets decode_max_q, short_keys and short_samples; got {sorted(unknown)}")
+        raise TypeError(f"use_config sets {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
     previous = _override, _fields
     _override = config if config is not None else _override
     _fields = {**_fields, **thresholds}

@@ -68,7 +68,7 @@ def mbs_attn_fwd(
         batch, num_heads, seq_q, _ = q.shape
         plan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device, info.sample_len,
                               dropout_p > 0.0)
-        info.prepare(plan.list_tiles(backward=False))  # on the current stream, before any launch
+        info.prepare(plan.list_tiles(backward=False), cfg.compact_bytes)  # on the current stream, before any launch
         if len(launches) >= _MAX_PLANS:
             launches.clear()
         launch = launches[key] = _ForwardLaunch(q, k, v, info, cfg, plan.forward, softmax_scale, dropout_p)

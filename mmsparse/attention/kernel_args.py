@@ -7,8 +7,9 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
              seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b
 
-(the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as the
-token-level tensors of :func:`pack`. Adding a kernel argument touches this module and the kernels, nothing above.
+(the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as its
+``as_tuple`` (:mod:`mmsparse.mask.info`). Adding a kernel argument touches this module and the kernels, nothing
+above.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import weakref
 
 import torch
 
-from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
-from ..mask.info import MaskInfo, TileKey
+from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
 from .config import KernelConfig
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
@@ -60,17 +60,19 @@ class KernelArgs:
         info = self.info
         lists = info.built_lists(block_m, block_n, by_key)
         shared = info.batch == 1
-        if info.mode == MASK_BITS:
+        if isinstance(info, BitMask):
             # k_bits' batch stride is 0 too when the key bits are shared (expanded)
             mask = (info.q_bits, info.k_bits, info.q_bits)
             mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0, 0)
-        elif info.mode == MASK_SEGMENTS:
-            mask = (info.q_bits, info.k_bits, info.table)
-            mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0,
+        elif isinstance(info, CodeMask):
+            mask = (info.q_codes, info.k_codes, info.table)
+            mask_strides = (0 if shared else info.q_codes.stride(0), 0 if shared else info.k_codes.stride(0), 0,
                             info.table.stride(0))
-        else:
+        elif isinstance(info, DenseMask):
             dense = info.dense.view(torch.uint8)
             mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
+        else:
+            raise TypeError(f"no kernel arguments for a {type(info).__name__}")
         list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0))
         q_start = info.q_start
         q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
@@ -103,39 +105,4 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | N
 def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
     CUDA-graph capture."""
-    return info.prepare(list_tiles(config, info.seq_q, info.seq_k, info.sample_len))
-
-
-PackedMask = tuple[list[torch.Tensor], int, bool, int, bool]  # (tensors, mode, causal, num_segments, short samples)
-
-
-def pack(info: MaskInfo, short_samples: int) -> PackedMask:
-    """A mask as a torch custom op takes it: the token-level tensors (q_bits, k_bits, dense mask, first-query
-    positions; empty stand-ins for the unused path; codes and the pair table in the bits' and dense mask's places)
-    and its mode, causality, segment count and whether it is a pack of short samples (a flag rather than the
-    mean length, so that new packs do not recompile a graph: it only picks the forward's tile; ``short_samples`` is
-    the config's threshold). The op builds the block lists it needs from them (:func:`unpack`)."""
-    short = info.sample_len is not None and info.sample_len <= short_samples
-    if info.mode == MASK_SEGMENTS:
-        return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments, short
-    if info.mode == MASK_BITS:
-        dense = torch.empty((info.batch, 0, 0), dtype=torch.bool, device=info.device)
-        tensors = [info.q_bits, info.k_bits, dense, info.q_start]
-    else:
-        bits = torch.empty((info.batch, 0), dtype=torch.int32, device=info.device)
-        tensors = [bits, bits, info.dense, info.q_start]
-    return tensors, info.mode, info.causal, info.num_segments, short
-
-
-def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
-           seq_q: int, seq_k: int, short_samples: int) -> MaskInfo:
-    """Inverse of :func:`pack`, for seq_q queries over seq_k keys (a pack of short samples comes back with the
-    longest mean sample length that counts as short, ``short_samples``)."""
-    q_bits, k_bits, dense, q_start = tensors
-    if mode == MASK_SEGMENTS:
-        return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start, table=dense, sample_len=short_samples if short else None)
-    if mode == MASK_BITS:
-        return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start)
-    return MaskInfo(mode, seq_q, seq_k, causal, dense=dense, q_start=q_start)
+    return info.prepare(list_tiles(config, info.seq_q, info.seq_k, info.sample_len), config.compact_bytes)

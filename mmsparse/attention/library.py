@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..mask.info import MaskInfo
+from ..mask.info import MaskInfo, mask_from_tuple
 from .backward import mbs_attn_bwd
 from .config import kernel_config
 from .forward import kernel_layout, mbs_attn_fwd
-from .kernel_args import pack, unpack
 
 
 def _forward(
@@ -47,7 +46,7 @@ def attention_forward(
             (``new_dropout_seed``).
     """
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
-        mask, mode, causal, num_segments, short = pack(info, _short_samples(q))
+        mask, mode, causal, num_segments, short = info.as_tuple(_short_samples(q))
         return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p)
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
@@ -58,7 +57,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group."""
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        mask, mode, causal, num_segments, short = pack(info, _short_samples(q))
+        mask, mode, causal, num_segments, short = info.as_tuple(_short_samples(q))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
                        dropout_p)
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
@@ -74,7 +73,7 @@ def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q))
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, _short_samples(q))
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
@@ -90,7 +89,7 @@ def _bwd_op(
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
     seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q))
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, _short_samples(q))
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 

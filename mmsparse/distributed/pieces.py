@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.library import attention_backward, attention_forward
-from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
-from ..mask.info import MaskInfo
+from ..mask.info import BitMask, CodeMask
 
 
 @dataclass
@@ -35,15 +34,14 @@ class Piece:
     k_rows: slice
     local_keys: bool
     causal: bool
-    info: MaskInfo
+    info: BitMask | CodeMask
     positions: tuple[int, int] | None = None  # global positions of the first query and key: one run each
 
 
 def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_bits: torch.Tensor,
                k_bits: torch.Tensor, num_segments: int) -> Piece:
     """q_bits: int32 ``[Bm, Sq_piece]`` row bits of the piece's queries; k_bits: ``[Bm, Sk_piece]`` column bits."""
-    info = MaskInfo(MASK_BITS, q_bits.shape[1], k_bits.shape[1], causal, q_bits=q_bits.contiguous(),
-                    k_bits=k_bits.contiguous(), num_segments=num_segments)
+    info = BitMask(q_bits.contiguous(), k_bits.contiguous(), num_segments, causal)
     return Piece(q_rows, k_rows, local_keys, causal, info)
 
 
@@ -51,8 +49,7 @@ def make_code_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool
                     k_codes: torch.Tensor, table: torch.Tensor, num_segments: int) -> Piece:
     """A piece of a segment-code mask (:mod:`mmsparse.mask.segments`): codes ``[Bm, S_piece]`` and the pair table its
     keys' side of the queries needs."""
-    info = MaskInfo(MASK_SEGMENTS, q_codes.shape[1], k_codes.shape[1], causal, q_bits=q_codes.contiguous(),
-                    k_bits=k_codes.contiguous(), num_segments=num_segments, table=table)
+    info = CodeMask(q_codes.contiguous(), k_codes.contiguous(), table, num_segments, causal)
     return Piece(q_rows, k_rows, local_keys, causal, info)
 
 
@@ -63,18 +60,25 @@ def split_by_position(piece: Piece, q_positions: torch.Tensor, k_positions: torc
     parts = []
     for qa, qb, q0 in _runs(q_positions):
         for ka, kb, k0 in _runs(k_positions):
-            info = piece.info
             # q_start 0: the kernels add it to the query positions that key the dropout bits (the seed's offsets
             # carry the global ones); the causal test of a piece compares local indices (a chunk against itself)
-            sliced = MaskInfo(info.mode, qb - qa, kb - ka, info.causal, q_bits=info.q_bits[:, qa:qb].contiguous(),
-                              k_bits=info.k_bits[:, ka:kb].contiguous(), num_segments=info.num_segments,
-                              q_start=torch.zeros_like(info.q_start), table=info.table)
+            sliced = _sliced(piece.info, slice(qa, qb), slice(ka, kb))
             parts.append(Piece(slice(piece.q_rows.start + qa, piece.q_rows.start + qb),
                                slice(piece.k_rows.start + ka, piece.k_rows.start + kb), piece.local_keys,
                                piece.causal, sliced, (q0, k0)))
     if piece.causal and len(parts) != 1:
         raise AssertionError("a causal piece spans one chunk: its rows and keys are one run each")
     return parts
+
+
+def _sliced(info: BitMask | CodeMask, rows: slice, keys: slice) -> BitMask | CodeMask:
+    """The mask of ``info``'s query ``rows`` over its ``keys``, its first query at position 0."""
+    q_start = torch.zeros_like(info.q_start)
+    if isinstance(info, BitMask):
+        return BitMask(info.q_bits[:, rows].contiguous(), info.k_bits[:, keys].contiguous(), info.num_segments,
+                       info.causal, q_start)
+    return CodeMask(info.q_codes[:, rows].contiguous(), info.k_codes[:, keys].contiguous(), info.table,
+                    info.num_segments, info.causal, q_start)
 
 
 def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:

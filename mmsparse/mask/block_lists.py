@@ -39,25 +39,26 @@ _SUMMARY, _LISTS = FastKernel(block_summary_kernel), FastKernel(block_lists_kern
 
 
 # Lists whose fixed slots (C a row) would take more bytes than this are packed end to end instead (CSR): one
-# read-back of the live-tile total per build, and a 1M-token mask's lists shrink to the live tiles.
+# read-back of the live-tile total per build, and a 1M-token mask's lists shrink to the live tiles. The default of
+# KernelConfig.compact_bytes, which a call passes down.
 COMPACT_BYTES = 32 << 20
 _INT32_MAX = 2**31 - 1
 
 
 def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: int, n_r: int, n_c: int,
-                device: torch.device, compact: bool | None = None) -> BlockLists:
+                device: torch.device, compact: bool | None = None, compact_bytes: int = COMPACT_BYTES) -> BlockLists:
     """Allocate and fill :class:`BlockLists` of ``bm`` samples, ``n_r`` rows and ``n_c`` columns through a list
     kernel: ``launch(phase, counts, indices)`` runs it once (``kernels.constants.LISTS_*``).
 
     compact: pack the lists (count, scan, read the total back, write); default: when fixed slots would take more
-    than ``COMPACT_BYTES``.
+    than ``compact_bytes``.
     """
     fixed = index_dtype(n_c, False)
     counts = torch.empty((bm, n_r, 3), dtype=torch.int32, device=device)
     if n_r == 0 or n_c == 0:
         return BlockLists(counts.zero_(), torch.empty((bm, 0), dtype=fixed, device=device))
     if compact is None:
-        compact = bm * n_r * n_c * fixed.itemsize > COMPACT_BYTES
+        compact = bm * n_r * n_c * fixed.itemsize > compact_bytes
     dtype = index_dtype(n_c, compact)
     if not compact:
         if n_r * n_c > _INT32_MAX:
@@ -103,6 +104,7 @@ def build_block_lists(
     fit: bool | None = None,
     summaries: dict[tuple[int, int], torch.Tensor] | None = None,
     compact: bool | None = None,
+    compact_bytes: int = COMPACT_BYTES,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
@@ -117,7 +119,7 @@ def build_block_lists(
             several chunks and row groups).
         summaries: optional cache of the block summaries per tile, for lists of one mask (the dK/dV lists and
             the dQ lists of one tile share them: one launch and one allocation fewer).
-        compact: packed (CSR) lists or fixed slots; default by size (:func:`write_lists`).
+        compact: packed (CSR) lists or fixed slots; default by size, above ``compact_bytes`` (:func:`write_lists`).
 
     Returns:
         :class:`BlockLists` with R = NQ rows of NK columns, or NK rows of NQ when by_key, on the input device.
@@ -161,7 +163,7 @@ def build_block_lists(
             BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
         )
 
-    return write_lists(launch, bm, n_r, n_c, dev, compact)
+    return write_lists(launch, bm, n_r, n_c, dev, compact, compact_bytes)
 
 
 @functools.lru_cache(maxsize=1024)

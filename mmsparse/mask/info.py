@@ -1,9 +1,13 @@
-"""The mask of one call: built once per (topology, lengths, device) and cached.
+"""The mask of one call: built once per (topology, lengths, device) and cached. One class per kind:
 
-The token-level part is O(S): per-token bit vectors (0/1 topologies of at most 32 segments), per-token segment codes
-and the pair table (any topology, packed samples: :mod:`mmsparse.mask.segments`), or the user's dense mask on the
-arbitrary-mask path.
-Block lists are built lazily for each tile shape asked for. Nothing here knows the attention kernels' signatures:
+- :class:`BitMask`: per-token row and column bit vectors (0/1 topologies of at most 32 segments);
+- :class:`CodeMask`: per-token segment codes and the pair table (any topology, packed samples:
+  :mod:`mmsparse.mask.segments`);
+- :class:`DenseMask`: the user's bool mask, on the arbitrary-mask path.
+
+The token-level part is O(S) (the dense mask aside). Their common base, :class:`MaskInfo`, builds block lists
+lazily for each tile asked for. ``as_tuple`` / :func:`mask_from_tuple` carry a mask across the torch custom-op
+boundary as plain tensors and ints. Nothing here knows the attention kernels' signatures:
 :mod:`mmsparse.attention.kernel_args` turns a mask into their arguments.
 """
 
@@ -13,8 +17,9 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from ..runtime.launch import stream_key
-from .block_lists import build_block_lists, kernels_run_on
+from .block_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
+from .cache import CACHE
 from .code_blocks import classify_blocks_from_codes
 from .segment_lists import CodeRuns, build_segment_lists
 from .segments import decode, query_codes, token_codes
@@ -22,42 +27,31 @@ from .token_bits import launch_token_bits
 from .topology import Topology, allowed_by_type
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
+# What crosses the custom-op boundary: (tensors, mode, causal, segment count, a pack of short samples)
+MaskTuple = tuple[list[torch.Tensor], int, bool, int, bool]
 
 
 class MaskInfo:
-    """Mask description for seq_q queries (at positions q_start .. q_start + seq_q - 1; by default the last seq_q)
-    over keys 0 .. seq_k - 1.
+    """What every mask kind shares: seq_q queries (at positions q_start .. q_start + seq_q - 1; by default the last
+    seq_q) over keys 0 .. seq_k - 1, and block lists built once per tile. ``batch`` is 1 when the whole batch shares
+    the mask.
 
-    Use :meth:`from_topology` or :meth:`from_dense`. ``batch`` is 1 when the whole batch shares the mask.
+    Build one with :meth:`from_topology`, :meth:`from_segments` or :meth:`from_dense` (or a kind's constructor).
+    A subclass gives its token-level tensors, its tile classification, its device-side list builder and its
+    tuple form.
     """
 
-    def __init__(
-        self,
-        mode: int,
-        seq_q: int,
-        seq_k: int,
-        causal: bool,
-        q_bits: torch.Tensor | None = None,
-        k_bits: torch.Tensor | None = None,
-        num_segments: int = 0,
-        dense: torch.Tensor | None = None,
-        q_start: torch.Tensor | None = None,
-        table: torch.Tensor | None = None,
-        sample_len: int | None = None,
-    ) -> None:
-        self.mode = mode
+    mode: int  # the kernels' MASK_MODE
+
+    def __init__(self, seq_q: int, seq_k: int, causal: bool, like: torch.Tensor,
+                 q_start: torch.Tensor | None = None, sample_len: int | None = None) -> None:
         self.seq_q, self.seq_k = seq_q, seq_k
         self.causal = causal
-        # MASK_BITS: row and column bits; MASK_SEGMENTS: query and key codes, and the pair table
-        self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
-        self.table = table
-        self.dense = dense
         # Tokens per sample of a pack, on average: rows see at most their sample, so short samples mean short
         # block lists (the forward picks its tile by it). None: not a pack.
         self.sample_len = sample_len
-        ref = dense if mode == MASK_DENSE else q_bits
-        self.batch = ref.shape[0]
-        self.device = ref.device
+        self.batch = like.shape[0]
+        self.device = like.device
         # int32 [1 or Bm]: the position of each sample's first query; by default the last seq_q positions.
         if q_start is None:
             self.q_start = _default_q_start(seq_k - seq_q, self.device)
@@ -65,52 +59,65 @@ class MaskInfo:
             self.q_start = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[TileKey, BlockLists] = {}
-        self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
-        self._runs: tuple[CodeRuns, CodeRuns] | None = None  # MASK_SEGMENTS: the codes' runs, for every tile
         # The kernels' view of this mask (an mmsparse.attention.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
+
+    # the kinds' part ---------------------------------------------------------------------------------------------
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The token-level tensors the mask is made of (the first-query positions included)."""
+        raise NotImplementedError
+
+    def same_tensors(self) -> MaskInfo:
+        """A mask of this kind over the same token-level tensors, with no block list built yet (a CUDA stream
+        other than the building one gets its own: see :mod:`mmsparse.mask.cache`)."""
+        raise NotImplementedError
+
+    def as_tuple(self, short_samples: int) -> MaskTuple:
+        """The mask as a torch custom op takes it: four tensors (unused places hold empty stand-ins; the last is
+        the first-query positions), the mode, causality, the segment count, and whether it is a pack of short
+        samples (a flag rather than the mean length, so that new packs do not recompile a graph: it only picks the
+        forward's tile; ``short_samples`` is the config's threshold). :func:`mask_from_tuple` inverts it."""
+        raise NotImplementedError
+
+    def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists | None:
+        """The block lists built on the device straight from the token-level tensors, or None where they come
+        from :meth:`classes` (dense masks; CPU tensors without Triton's interpreter)."""
+        return None
+
+    # shared --------------------------------------------------------------------------------------------------------
 
     @classmethod
     def from_topology(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
         q_start: torch.Tensor | None = None,
-    ) -> MaskInfo:
-        """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
-        int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
-        row_bits, col_bits = launch_token_bits(topology, seg_lens, seq_k)
-        if q_start is None:
-            q_bits = row_bits[:, seq_k - seq_q :].contiguous()
-        else:
-            q_start = q_start.to(device=row_bits.device, dtype=torch.int64).reshape(-1)
-            rows = q_start.shape[0]
-            row_bits, col_bits = row_bits.expand(rows, -1), col_bits.expand(rows, -1)  # stride 0 if shared
-            pos = q_start[:, None] + torch.arange(seq_q, device=row_bits.device)
-            inside = (pos >= 0) & (pos < seq_k)
-            q_bits = torch.where(inside, row_bits.gather(1, pos.clamp(0, max(seq_k - 1, 0))), 0).to(torch.int32)
-        return cls(MASK_BITS, seq_q, seq_k, causal, q_bits=q_bits, k_bits=col_bits,
-                   num_segments=topology.num_segments, q_start=q_start)
+    ) -> BitMask:
+        """A :class:`BitMask` (see there)."""
+        return BitMask.from_topology(topology, seg_lens, seq_q, seq_k, causal, q_start)
 
     @classmethod
     def from_segments(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
         q_start: torch.Tensor | None = None, packed: bool = False,
-    ) -> MaskInfo:
-        """Segment codes for any topology. seg_lens: int ``[Bm, k]`` per sample, or with ``packed`` ``[N, k]``:
-        N samples end to end in one sequence, each seeing only itself."""
-        k_codes = token_codes(seg_lens, topology.num_segments, seq_k, packed)
-        q_codes = query_codes(k_codes, seq_q, q_start, topology.num_segments)
-        if q_start is not None:
-            k_codes = k_codes.expand(q_codes.shape[0], -1)
-        return cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
-                   num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device),
-                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None)
+    ) -> CodeMask:
+        """A :class:`CodeMask` (see there)."""
+        return CodeMask.from_segments(topology, seg_lens, seq_q, seq_k, causal, q_start, packed)
 
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:
-        """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
-        mask = mask.contiguous()
-        return cls(MASK_DENSE, mask.shape[1], mask.shape[2], causal, dense=mask)
+    def from_dense(cls, mask: torch.Tensor, causal: bool) -> DenseMask:
+        """A :class:`DenseMask` (see there)."""
+        return DenseMask.from_dense(mask, causal)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the mask holds now: its token-level tensors, block lists and tile classes."""
+        held = [*self.tensors(), *(t for pair in self._classes.values() for t in pair)]
+        held += [t for lists in self._lists.values() for t in (lists.counts, lists.indices)]
+        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in held}.values())
 
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
@@ -120,33 +127,20 @@ class MaskInfo:
             fine_m, fine_n = finer[0]
             self._classes[key] = pool_classes(*self._classes[finer[0]], block_m // fine_m, block_n // fine_n)
         if key not in self._classes:
-            if self.mode == MASK_BITS:
-                self._classes[key] = classify_blocks_from_bits(
-                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start
-                )
-            elif self.mode == MASK_SEGMENTS:  # from the codes' runs: O(S + tiles x runs), no S x S mask
-                self._classes[key] = classify_blocks_from_codes(self.q_bits, self.k_bits, self.table, block_m, block_n,
-                                                                self.causal, self.q_start)
-            else:
-                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
+            self._classes[key] = self._classify(block_m, block_n)
         return self._classes[key]
 
-    def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
+    def lists(self, block_m: int, block_n: int, by_key: bool = False,
+              compact_bytes: int = COMPACT_BYTES) -> BlockLists:
         """Per query block its key blocks, or (by_key) per key block its query blocks. Topology masks: built by
-        Triton kernels straight from the token bits (two launches); dense masks, or CPU tensors without Triton's
-        interpreter: reduced from :meth:`classes` in torch."""
+        Triton kernels straight from the token-level tensors; dense masks, or CPU tensors without Triton's
+        interpreter: reduced from :meth:`classes` in torch. ``compact_bytes``: above it a bit mask's lists take
+        the compact layout (:func:`mmsparse.mask.block_lists.build_block_lists`)."""
         key = (block_m, block_n, by_key)
-        if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
-            self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
-                                                 self.causal, self.q_start, by_key, summaries=self._summaries)
-        if key not in self._lists and self.mode == MASK_SEGMENTS and kernels_run_on(self.device):
-            if self._runs is None:
-                k_codes = self.k_bits if self.k_bits.stride(0) != 0 else self.k_bits[:1]
-                q_runs = CodeRuns(self.q_bits)
-                same = _same_view(self.q_bits, k_codes)  # self-attention: the queries' codes are the keys'
-                self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
-            self._lists[key] = build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal,
-                                                   self.q_start, by_key)
+        if key not in self._lists and kernels_run_on(self.device):
+            built = self._build_lists(block_m, block_n, by_key, compact_bytes)
+            if built is not None:
+                self._lists[key] = built
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
@@ -163,22 +157,123 @@ class MaskInfo:
                                "built before the launch: plan the call and prepare its lists first")
         return lists
 
-    def prepare(self, tiles: list[TileKey]) -> MaskInfo:
+    def prepare(self, tiles: list[TileKey], compact_bytes: int = COMPACT_BYTES) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture
         (``mmsparse.attention.kernel_args.prepare`` names them for a kernel config; a call's plan names its own)."""
-        if self.mode == MASK_DENSE or not kernels_run_on(self.device):  # the lists come from classes()
+        if isinstance(self, DenseMask) or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(tiles, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
         for block_m, block_n, by_key in tiles:
-            self.lists(block_m, block_n, by_key)
+            self.lists(block_m, block_n, by_key, compact_bytes)
         return self
 
 
+class BitMask(MaskInfo):
+    """Row bits ``[Bm, Sq]`` and column bits ``[Bm or 1, Sk]`` (int32): a query sees a key when they share a bit
+    (:mod:`mmsparse.mask.topology`)."""
+
+    mode = MASK_BITS
+
+    def __init__(self, q_bits: torch.Tensor, k_bits: torch.Tensor, num_segments: int, causal: bool,
+                 q_start: torch.Tensor | None = None) -> None:
+        super().__init__(q_bits.shape[1], k_bits.shape[1], causal, q_bits, q_start)
+        self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
+        self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
+
+    @classmethod
+    def from_topology(
+        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
+        q_start: torch.Tensor | None = None,
+    ) -> BitMask:
+        """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
+        int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
+        row_bits, col_bits = launch_token_bits(topology, seg_lens, seq_k)
+        if q_start is None:
+            q_bits = row_bits[:, seq_k - seq_q :].contiguous()
+        else:
+            q_start = q_start.to(device=row_bits.device, dtype=torch.int64).reshape(-1)
+            rows = q_start.shape[0]
+            row_bits, col_bits = row_bits.expand(rows, -1), col_bits.expand(rows, -1)  # stride 0 if shared
+            pos = q_start[:, None] + torch.arange(seq_q, device=row_bits.device)
+            inside = (pos >= 0) & (pos < seq_k)
+            q_bits = torch.where(inside, row_bits.gather(1, pos.clamp(0, max(seq_k - 1, 0))), 0).to(torch.int32)
+        return cls(q_bits, col_bits, topology.num_segments, causal, q_start)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q_bits, self.k_bits, self.q_start
+
+    def same_tensors(self) -> BitMask:
+        return BitMask(self.q_bits, self.k_bits, self.num_segments, self.causal, self.q_start)
+
+    def as_tuple(self, short_samples: int) -> MaskTuple:
+        unused = torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)
+        return [self.q_bits, self.k_bits, unused, self.q_start], self.mode, self.causal, self.num_segments, False
+
+    def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return classify_blocks_from_bits(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
+                                         self.q_start)
+
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
+        return build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
+                                 self.q_start, by_key, summaries=self._summaries, compact_bytes=compact_bytes)
+
+
+class CodeMask(MaskInfo):
+    """Query and key segment codes (:mod:`mmsparse.mask.segments`: document and segment of each token) and the
+    k x k pair table of NONE/FULL/CAUSAL: any topology, and packs of samples that see only themselves."""
+
+    mode = MASK_SEGMENTS
+
+    def __init__(self, q_codes: torch.Tensor, k_codes: torch.Tensor, table: torch.Tensor, num_segments: int,
+                 causal: bool, q_start: torch.Tensor | None = None, sample_len: int | None = None) -> None:
+        super().__init__(q_codes.shape[1], k_codes.shape[1], causal, q_codes, q_start, sample_len)
+        self.q_codes, self.k_codes, self.table, self.num_segments = q_codes, k_codes, table, num_segments
+        self._runs: tuple[CodeRuns, CodeRuns] | None = None  # the codes' runs, for every tile
+
+    @classmethod
+    def from_segments(
+        cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
+        q_start: torch.Tensor | None = None, packed: bool = False,
+    ) -> CodeMask:
+        """seg_lens: int ``[Bm, k]`` per sample, or with ``packed`` ``[N, k]``: N samples end to end in one
+        sequence, each seeing only itself."""
+        k_codes = token_codes(seg_lens, topology.num_segments, seq_k, packed)
+        q_codes = query_codes(k_codes, seq_q, q_start, topology.num_segments)
+        if q_start is not None:
+            k_codes = k_codes.expand(q_codes.shape[0], -1)
+        return cls(q_codes, k_codes, topology.pair_table(k_codes.device), topology.num_segments, causal, q_start,
+                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q_codes, self.k_codes, self.table, self.q_start
+
+    def same_tensors(self) -> CodeMask:
+        return CodeMask(self.q_codes, self.k_codes, self.table, self.num_segments, self.causal, self.q_start,
+                        self.sample_len)
+
+    def as_tuple(self, short_samples: int) -> MaskTuple:
+        short = self.sample_len is not None and self.sample_len <= short_samples
+        return [self.q_codes, self.k_codes, self.table, self.q_start], self.mode, self.causal, self.num_segments, short
+
+    def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # from the codes' runs: O(S + tiles x runs), no S x S mask
+        return classify_blocks_from_codes(self.q_codes, self.k_codes, self.table, block_m, block_n, self.causal,
+                                          self.q_start)
+
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
+        if self._runs is None:
+            k_codes = self.k_codes if self.k_codes.stride(0) != 0 else self.k_codes[:1]
+            q_runs = CodeRuns(self.q_codes)
+            same = _same_view(self.q_codes, k_codes)  # self-attention: the queries' codes are the keys'
+            self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
+        return build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal, self.q_start, by_key,
+                                   compact_bytes=compact_bytes)
+
     def code_mask(self) -> torch.Tensor:
-        """The dense bool ``[Bm, Sq, Sk]`` of a segment-code mask, by the rule of :mod:`mmsparse.mask.segments` in
-        torch (O(S^2): tests and small sizes)."""
-        q_doc, q_seg = decode(self.q_bits)
-        k_doc, k_seg = decode(self.k_bits)
+        """The dense bool ``[Bm, Sq, Sk]`` by the rule of :mod:`mmsparse.mask.segments` in torch (O(S^2): tests and
+        small sizes)."""
+        q_doc, q_seg = decode(self.q_codes)
+        k_doc, k_seg = decode(self.k_codes)
         types = self.table.to(torch.int64)[q_seg[:, :, None], k_seg[:, None, :]]
         q_pos = self.q_start.to(torch.int64).reshape(-1, 1, 1) + torch.arange(self.seq_q, device=self.device)[:, None]
         k_pos = torch.arange(self.seq_k, device=self.device)
@@ -186,12 +281,44 @@ class MaskInfo:
         return mask & (k_pos <= q_pos) if self.causal else mask
 
 
-_Q_STARTS: dict[tuple, torch.Tensor] = {}
+class DenseMask(MaskInfo):
+    """The user's bool mask ``[Bm, Sq, Sk]`` over the query rows."""
+
+    mode = MASK_DENSE
+
+    def __init__(self, dense: torch.Tensor, causal: bool, q_start: torch.Tensor | None = None) -> None:
+        super().__init__(dense.shape[1], dense.shape[2], causal, dense, q_start)
+        self.dense = dense
+
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, causal: bool) -> DenseMask:
+        """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
+        return cls(mask.contiguous(), causal)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.dense, self.q_start
+
+    def same_tensors(self) -> DenseMask:
+        return DenseMask(self.dense, self.causal, self.q_start)
+
+    def as_tuple(self, short_samples: int) -> MaskTuple:
+        unused = torch.empty((self.batch, 0), dtype=torch.int32, device=self.device)
+        return [unused, unused, self.dense, self.q_start], self.mode, self.causal, 0, False
+
+    def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
 
 
-def clear_query_starts() -> None:
-    """Forget the kept first-query positions (:func:`_default_q_start`)."""
-    _Q_STARTS.clear()
+def mask_from_tuple(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
+                    short_samples: int) -> MaskInfo:
+    """The mask of :meth:`MaskInfo.as_tuple` (a pack of short samples comes back with the longest mean sample
+    length that counts as short, ``short_samples``)."""
+    first, second, third, q_start = tensors
+    if mode == MASK_BITS:
+        return BitMask(first, second, num_segments, causal, q_start)
+    if mode == MASK_SEGMENTS:
+        return CodeMask(first, second, third, num_segments, causal, q_start, short_samples if short else None)
+    return DenseMask(third, causal, q_start)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -204,13 +331,11 @@ def _default_q_start(q_start: int, device: torch.device) -> torch.Tensor:
     """int32 ``[1]`` holding ``q_start`` on ``device``, shared by the masks that need it (the kernels only read it):
     a mask built for new lengths skips one allocation and fill. One per CUDA stream: another stream could read it
     before the fill, and its memory could go back to the filling stream's pool while the other still reads it."""
-    key = (device, q_start, stream_key(device))
-    t = _Q_STARTS.get(key)
+    key = ("q_start", device, q_start, stream_key(device))
+    t = CACHE.value(key)
     if t is None:
         t = torch.full((1,), q_start, dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return t  # filled only when the graph replays: not for eager masks
-        if len(_Q_STARTS) >= 256:
-            _Q_STARTS.clear()
-        _Q_STARTS[key] = t
+        CACHE.store_value(key, t)
     return t

@@ -26,7 +26,7 @@ import triton
 
 from ..kernels.tl.segment_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
 from ..runtime.launch import FastKernel
-from .block_lists import no_launch, write_lists
+from .block_lists import COMPACT_BYTES, no_launch, write_lists
 from .blocks import BlockLists, cdiv
 
 # Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
@@ -90,6 +90,7 @@ class CodeRuns:
 def build_segment_lists(
     q_runs: CodeRuns, k_runs: CodeRuns, table: torch.Tensor, block_m: int, block_n: int, causal: bool,
     q_start: torch.Tensor, by_key: bool = False, fit: bool | None = None, compact: bool | None = None,
+    compact_bytes: int = COMPACT_BYTES,
 ) -> BlockLists:
     """Block lists of a segment-code mask at tile ``block_m`` x ``block_n``.
 
@@ -100,7 +101,8 @@ def build_segment_lists(
         q_start: int32 ``[1]`` or ``[Bm]``, the position of each sample's first query.
         by_key: per key block its query blocks instead of per query block its key blocks.
         fit: program sizes no larger than the lengths need (default: under the interpreter).
-        compact: packed (CSR) lists or fixed slots; default by size (``block_lists.write_lists``).
+        compact: packed (CSR) lists or fixed slots; default by size, above ``compact_bytes``
+            (``block_lists.write_lists``).
 
     Returns:
         :class:`BlockLists` of R = NQ rows (NK when by_key).
@@ -129,4 +131,4 @@ def build_segment_lists(
             BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
         )
 
-    return write_lists(launch, bm, n_r, n_c, dev, compact)
+    return write_lists(launch, bm, n_r, n_c, dev, compact, compact_bytes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import random
 import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -20,6 +19,7 @@ from einops import rearrange
 
 import mmsparse
 from mmsparse import TritonMBSAttnKernel, functional, mbs_attention
+from mmsparse.mask.cache import CACHE
 from mmsparse.mask.info import MaskInfo
 from mmsparse.nn import MultimodalSelfAttention
 
@@ -41,7 +41,7 @@ def _no_cycle_collector():
 def _live_masks() -> dict[int, MaskInfo]:
     """The masks alive by id, collectable ones included (the collector is off). Holding the result keeps their ids
     from going to new masks."""
-    return {id(o): o for o in gc.get_objects() if type(o) is MaskInfo}
+    return {id(o): o for o in gc.get_objects() if isinstance(o, MaskInfo)}
 
 
 def _rows(rng: random.Random, batch: int, seq: int) -> list[tuple[int, int, int]]:
@@ -70,11 +70,15 @@ def test_a_mask_that_ran_forward_and_backward_is_freed_by_refcount(device):
         assert _live_masks().keys() <= before.keys()
 
 
-def test_training_steps_with_new_lengths_keep_only_the_cached_masks(device, monkeypatch):
+def test_training_steps_with_new_lengths_keep_only_the_cached_masks(device):
     """The soak's two layer kinds (host lengths through the mask cache, device lengths built every call), new
     lengths every step: the masks alive are the cached ones, however many steps have run."""
-    monkeypatch.setattr(functional, "_INFO_CACHE", OrderedDict())
-    monkeypatch.setattr(functional, "_INFO_CACHE_SIZE", 2)
+    mmsparse.clear_caches()
+    with CACHE.limits(max_entries=4):
+        _steps_keep_only_cached_masks(device)
+
+
+def _steps_keep_only_cached_masks(device):
     torch.manual_seed(0)
     rng = random.Random(0)
     batch, dim, heads = 2, 32, 2
@@ -98,15 +102,15 @@ def test_training_steps_with_new_lengths_keep_only_the_cached_masks(device, monk
     with _no_cycle_collector():
         before = _live_masks()  # other tests' cached masks
         counts = []
-        for _ in range(3):
+        for _ in range(4):
             for _ in range(2):
                 step()
-            cached_masks = {id(entry.info) for entry in functional._INFO_CACHE.values()}
+            cached_masks = {id(mask) for mask in CACHE.masks()}
             new = _live_masks().keys() - before.keys()
             counts.append(len(new))
             assert new <= cached_masks, (
                 f"{len(new)} masks alive, {len(cached_masks)} cached: masks that no cache holds are kept")
-        assert counts[-1] == counts[0] == functional._INFO_CACHE_SIZE, counts
+        assert 1 <= counts[-1] == counts[-2] <= CACHE.max_entries, counts  # flat once the cache is full
 
 
 def test_clear_caches_forgets_masks_and_plans(device):
@@ -117,8 +121,9 @@ def test_clear_caches_forgets_masks_and_plans(device):
     q = torch.randn(1, 2, 50, 16, device=device)
     before = mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30))
     info = functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device)
-    assert functional._INFO_CACHE and functional._TOPOLOGIES and plan_attention.cache_info().currsize
+    assert CACHE.masks() and len(CACHE) > len(CACHE.masks())  # the topology and first-query positions too
+    assert plan_attention.cache_info().currsize
     mmsparse.clear_caches()
-    assert not functional._INFO_CACHE and not functional._TOPOLOGIES and not plan_attention.cache_info().currsize
+    assert not len(CACHE) and not plan_attention.cache_info().currsize
     assert functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device) is not info
     torch.testing.assert_close(mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30)), before, rtol=0, atol=0)

@@ -195,21 +195,28 @@ def test_pointer_loads_match_tensor_descriptors(device):
 
 
 @pytest.mark.parametrize("topology", [CYCLIC, [[2, 0, 1], [1, 1, 0], [2, 2, 2]]], ids=["bits", "codes"])
-def test_packed_block_lists(topology, device, monkeypatch):
+def test_packed_block_lists(topology, device):
     """Lists packed end to end (CSR, what large masks get) give bit for bit the fixed-slot lists' results, and
     match the reference: forward and the three gradients, per-sample lengths, GQA, causal."""
-    from mmsparse import functional
+    from mmsparse import clear_caches, use_config
     from mmsparse.mask import block_lists
+    from mmsparse.mask.cache import CACHE
 
     lens = [(5, 30, 9), (17, 0, 20), (1, 2, 3)]
     results = []
     for compact_bytes in (block_lists.COMPACT_BYTES, 0):
-        monkeypatch.setattr(block_lists, "COMPACT_BYTES", compact_bytes)
-        monkeypatch.setattr(functional, "_INFO_CACHE", type(functional._INFO_CACHE)())  # masks built afresh
-        gen = torch.Generator().manual_seed(5)
-        q, k, v = make_qkv(3, 4, 2, 44, 44, 32, torch.float32, device, gen)
-        torch.manual_seed(6)  # the same output gradient
-        out, _ = check_against_reference(q, k, v, topology, lens, causal=True)
+        clear_caches()  # masks built afresh, with this layout
+        with use_config(compact_bytes=compact_bytes):
+            gen = torch.Generator().manual_seed(5)
+            q, k, v = make_qkv(3, 4, 2, 44, 44, 32, torch.float32, device, gen)
+            torch.manual_seed(6)  # the same output gradient
+            out, _ = check_against_reference(q, k, v, topology, lens, causal=True)
         results.append((out, q.grad, k.grad, v.grad))
+        lists = [lst for mask in CACHE.masks() for lst in mask._lists.values()]
+        # fixed slots start row r at r * C; packed lists end to end, the first empty row's start shared by the next
+        packed = [bool((lst.counts[..., 2] != torch.arange(lst.counts.shape[1], device=device) *
+                        (lst.indices.shape[1] // max(lst.counts.shape[1], 1))).any()) for lst in lists]
+        assert lists and all(packed) == (compact_bytes == 0) and any(packed) == (compact_bytes == 0), packed
     for a, b in zip(*results):
         assert torch.equal(a, b)
+

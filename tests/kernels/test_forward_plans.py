@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import HUB, check_against_reference, make_qkv
 
-from mmsparse import functional, mbs_attention
+from mmsparse import clear_caches, mbs_attention
 from mmsparse.attention.kernel_args import kernel_args
 from mmsparse.functional import build_mask_info
 from mmsparse.runtime import launch
@@ -18,7 +18,7 @@ S = sum(LENS)
 
 @pytest.fixture(autouse=True)
 def fresh_masks():
-    functional._INFO_CACHE.clear()  # plans live on the cached masks: count only this test's
+    clear_caches()  # plans live on the cached masks: count only this test's
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:

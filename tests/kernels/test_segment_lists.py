@@ -35,18 +35,17 @@ def _info(seed: int, device: torch.device) -> MaskInfo:
 
 
 @pytest.mark.parametrize("seed", range(12))  # every (k, pack / batch / q_start) pairing
-def test_kernel_lists_match_torch_classes(seed, device, monkeypatch):
+def test_kernel_lists_match_torch_classes(seed, device):
     """Fixed-slot lists for even seeds, packed (CSR) lists for odd ones; by query and by key."""
-    if seed % 2:
-        monkeypatch.setattr(block_lists, "COMPACT_BYTES", 0)
+    compact_bytes = 0 if seed % 2 else block_lists.COMPACT_BYTES
     info = _info(seed, device)
     for block_m, block_n in ((16, 16), (32, 16)):
-        live, full = classify_blocks_from_codes(info.q_bits, info.k_bits, info.table, block_m, block_n, info.causal,
-                                                info.q_start)
+        live, full = classify_blocks_from_codes(info.q_codes, info.k_codes, info.table, block_m, block_n,
+                                                info.causal, info.q_start)
         for by_key in (False, True):
             l, f = (live.transpose(1, 2), full.transpose(1, 2)) if by_key else (live, full)
             want_counts, want_ids = (t.cpu() for t in lists_from_classes(l, f).padded(l.shape[2]))
-            got = info.lists(block_m, block_n, by_key).padded(l.shape[2])
+            got = info.lists(block_m, block_n, by_key, compact_bytes).padded(l.shape[2])
             got_counts, got_ids = (t.cpu().expand_as(w) for t, w in zip(got, (want_counts, want_ids)))
             where = f"tile {block_m}x{block_n}, by_key={by_key}"
             assert torch.equal(got_counts, want_counts), f"counts differ at {where}"

@@ -1,0 +1,168 @@
+"""The one cache of what calls build and reuse: masks, validated topologies and first-query positions.
+
+One policy for all of them: least recently used goes first once the entries' device bytes pass ``max_bytes`` or
+their number passes ``max_entries``. A mask's size is measured when it is stored and again when the next entry is
+stored (by then its kernels have run and built their block lists). Thread-safe: stores, evictions and per-stream
+copies take a lock; a hit takes none. Stream-safe: a mask read on a CUDA stream other than the one that built it
+comes as that stream's own copy (:class:`CachedMask`).
+
+The package keeps one instance for the functional API (:data:`CACHE`); a ``TritonMBSAttnKernel`` keeps its own
+masks in another, which goes with the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..runtime.launch import stream_key, stream_of
+
+MAX_BYTES = 1 << 30  # masks of 128k tokens hold a few MiB each: a bound for long-running processes, not a tuning knob
+MAX_ENTRIES = 256
+
+
+class CachedMask:
+    """A cached mask, the CUDA stream it was built on (None off the GPU), and a copy for each other stream that
+    has used it: :meth:`get`."""
+
+    __slots__ = ("info", "stream", "copies", "lock")
+
+    def __init__(self, info: Any, lock: threading.Lock) -> None:
+        self.info = info
+        self.stream = stream_key(info.device)
+        self.copies: dict[tuple[int, int, int], Any] = {}
+        self.lock = lock
+
+    def get(self) -> Any:
+        """The mask for the current stream: on the stream that built it (or off the GPU), the mask itself.
+
+        Another stream must not read the mask's tensors before the building stream has written them, nor may the
+        allocator hand their memory to the building stream while the other one still reads them. So the first
+        time another stream asks, it waits for the building stream's work so far, the token-level tensors are
+        recorded as used on it, and it gets a mask over those tensors whose block lists (built lazily) are its own
+        and are only ever written and read on it. During CUDA-graph capture: the mask itself (torch.cuda.graph
+        synchronises before capturing, and lists built in a capture would fill only at replay).
+        """
+        if self.stream is None:
+            return self.info
+        current = stream_key(self.info.device)
+        if current == self.stream:
+            return self.info
+        copy = self.copies.get(current)
+        return copy if copy is not None else self._copy_for(current)
+
+    def _copy_for(self, current: tuple[int, int, int]) -> Any:
+        if torch.cuda.is_current_stream_capturing():
+            return self.info
+        with self.lock:
+            copy = self.copies.get(current)
+            if copy is None:
+                stream = stream_of(current)
+                stream.wait_stream(stream_of(self.stream))
+                for tensor in self.info.tensors():
+                    tensor.record_stream(stream)
+                copy = self.copies[current] = self.info.same_tensors()
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes + sum(copy.nbytes for copy in self.copies.values())
+
+
+class MaskCache:
+    """Masks, topologies and small tensors under keys, least recently used out first past ``max_bytes`` device
+    bytes or ``max_entries`` entries (see the module docstring)."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()  # key -> (value, bytes when measured)
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+        # Pickled (with a module) as its bounds only: its entries are device tensors, rebuilt on first use.
+        return MaskCache, (self.max_bytes, self.max_entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the entries, as last measured."""
+        return sum(size for _, size in list(self._entries.values()))
+
+    def mask(self, key: Any) -> Any | None:
+        """The mask stored under ``key`` for the current stream, or None."""
+        entry = self._hit(key)
+        return None if entry is None else entry.get()
+
+    def store_mask(self, key: Any, info: Any) -> Any:
+        """Keep ``info`` under ``key`` and return it."""
+        self._store(key, CachedMask(info, self._lock))
+        return info
+
+    def masks(self, copies: bool = False) -> list[Any]:
+        """The stored masks as built, oldest first, and with ``copies`` the other streams' copies after each."""
+        cached = [value for value, _ in list(self._entries.values()) if isinstance(value, CachedMask)]
+        return [m for c in cached for m in (c.info, *(c.copies.values() if copies else ()))]
+
+    def value(self, key: Any) -> Any | None:
+        """Anything else stored under ``key`` (a topology, a small tensor), or None."""
+        return self._hit(key)
+
+    def store_value(self, key: Any, value: Any) -> Any:
+        """Keep ``value`` (a topology, a tensor) under ``key`` and return it."""
+        self._store(key, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    @contextlib.contextmanager
+    def limits(self, max_bytes: int | None = None, max_entries: int | None = None) -> Iterator[MaskCache]:
+        """Other bounds inside the block (tests of eviction, tight memory); the old ones after it."""
+        previous = self.max_bytes, self.max_entries
+        self.max_bytes = previous[0] if max_bytes is None else max_bytes
+        self.max_entries = previous[1] if max_entries is None else max_entries
+        try:
+            yield self
+        finally:
+            self.max_bytes, self.max_entries = previous
+
+    # internals ---------------------------------------------------------------------------------------------------
+
+    def _hit(self, key: Any) -> Any | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # another thread evicted it since the get: the value is still good to use
+            pass
+        return entry[0]
+
+    def _store(self, key: Any, value: Any) -> None:
+        with self._lock:
+            if self._entries:  # the newest entry has run since it was stored: its lists count now
+                newest = next(reversed(self._entries))
+                self._entries[newest] = (self._entries[newest][0], _nbytes(self._entries[newest][0]))
+            self._entries[key] = (value, _nbytes(value))
+            self._entries.move_to_end(key)
+            total = sum(size for _, size in self._entries.values())
+            while len(self._entries) > 1 and (len(self._entries) > self.max_entries or total > self.max_bytes):
+                _, (_, size) = self._entries.popitem(last=False)
+                total -= size
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().nbytes()
+    return int(getattr(value, "nbytes", 0))
+
+
+CACHE = MaskCache()
