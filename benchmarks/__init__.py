@@ -8,7 +8,6 @@
     torchrun --nproc-per-node N -m benchmarks.cp_nccl   # context parallelism over NCCL against one GPU
     torchrun --nproc-per-node 4 -m benchmarks.cp_fsdp   # context parallel x FSDP2 training against one GPU
     python -m benchmarks.profile_ncu          # Nsight Compute, per kernel, side by side
-    python -m benchmarks.shared_gpu           # several processes on one GPU at once: failures and stalls
 
 Importing the package imports nothing heavy: the A/B parent process never loads torch or mmsparse.
 """

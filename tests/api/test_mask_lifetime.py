@@ -3,7 +3,7 @@
 A mask that has run a kernel holds its kernel arguments (``info.kernel_args``: per-tile arguments, forward plans).
 When those held the mask back, every mask formed a cycle, and a training loop with new lengths every step kept
 each evicted cached mask and each mask built from a length tensor, with its token bits and block lists on the
-device, until the collector's next full collection: on an H100 the soak (benchmarks/soak.py) grew by ~100 KB a
+device, until the collector's next full collection: on an H100 the soak (tests/stress/soak.py) grew by ~100 KB a
 step and dropped back every ~1000 steps. Here the collector is off while the steps run, so any such cycle stays.
 """
 

@@ -1,12 +1,16 @@
-"""benchmarks.cold_runs on the CPU: fresh child processes through the interpreter, the record merged across
+"""tests.stress.cold_runs on the CPU: fresh child processes through the interpreter, the record merged across
 invocations, and wrong or crashed runs counted as wrong."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 import mmsparse
-from benchmarks import cold_runs
+from tests.stress import cold_runs
+
+pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 
 def test_lengths_are_new_each_run_and_stay_close():

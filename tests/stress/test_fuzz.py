@@ -13,15 +13,17 @@ import pytest
 import torch
 
 import mmsparse.functional
-from benchmarks import fuzz
 from mmsparse import reference_mask
+from tests.stress import fuzz
+
+pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")  # draw_case reads only the device type
 
 
 def test_random_cases_pass(device):
     if device.type != "cpu":
-        pytest.skip("the GPU runs python -m benchmarks.fuzz --minutes N")
+        pytest.skip("the GPU runs python -m tests.stress.fuzz --minutes N")
     result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=20)
     assert result["cases"] == 20
     assert result["failures"] == [], result["failures"]
@@ -170,7 +172,7 @@ def test_record(tmp_path, monkeypatch):
     assert record["failures"], "seed 3 draws a case with more than 3 segments"
     md = (tmp_path / "fuzz.md").read_text()
     for failure in record["failures"]:
-        assert failure["repro"] == f"python -m benchmarks.fuzz --repro {failure['seed']} --device cpu"
+        assert failure["repro"] == f"python -m tests.stress.fuzz --repro {failure['seed']} --device cpu"
         assert f"`{failure['repro']}`: out[b=0, kv head 0]: wrong" in md
     assert "6 cases in" in md and record["commit"] in md
 
@@ -254,7 +256,7 @@ def test_warmup_workers(device):
     """The warm-up's cases cover every variant its stream of draws touches; worker processes run some of them
     (checked, no failures) and report what they warmed."""
     if device.type != "cpu":
-        pytest.skip("the GPU runs python -m benchmarks.fuzz --warmup (its workers compile)")
+        pytest.skip("the GPU runs python -m tests.stress.fuzz --warmup (its workers compile)")
     seeds = fuzz.warmup_seeds(CPU)
     assert seeds == fuzz.warmup_seeds(CPU)
     master = random.Random(fuzz.WARMUP_SEED)

@@ -1,7 +1,7 @@
 """The compute-sanitizer driver without a GPU: its command line, the case lists, the parsers of the sanitizer's
 and the child's output on realistic samples, a clear exit without CUDA or without compute-sanitizer, and a whole
 driver run against a stand-in sanitizer that prints canned reports. (The GPU run itself: python -m
-benchmarks.sanitize on a CUDA machine.)"""
+tests.stress.sanitize on a CUDA machine.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import textwrap
 
 import pytest
 
-from benchmarks import sanitize
+from tests.stress import sanitize
+
+pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 MEMCHECK_CLEAN = """\
 ========= COMPUTE-SANITIZER
@@ -240,7 +242,7 @@ if "-c" in args:  # the preflight probe
     print("========= ERROR SUMMARY: 0 errors")
     sys.exit(0)
 assert "--report-api-errors" in args
-assert args[args.index("-m") + 1:args.index("-m") + 4] == ["benchmarks.sanitize", "--child", "--group"]
+assert args[args.index("-m") + 1:args.index("-m") + 4] == ["tests.stress.sanitize", "--child", "--group"]
 group = args[args.index("--group") + 1]
 if group == "tl-dense" and tool == "memcheck":
     print("========= Invalid __global__ read of size 4 bytes")
@@ -281,7 +283,7 @@ def test_driver_with_a_stand_in_sanitizer(monkeypatch, tmp_path, capsys):
     assert dense["errors"] == 1 and dense["report"][0] == "========= Invalid __global__ read of size 4 bytes"
     assert dense["cases"]["failed"] == {"dense-gqa": "RuntimeError: CUDA error: unspecified launch failure"}
     assert dense["command"].startswith(f"{fake} --tool memcheck --error-exitcode 1")
-    assert "python -m benchmarks.sanitize --child --group tl-dense" in dense["command"]
+    assert "python -m tests.stress.sanitize --child --group tl-dense" in dense["command"]
     assert record["sanitizer"]["version"] == "Version 2099.1.0.0 (fake)" and record["sanitizer"]["preflight"]["ok"]
     assert not record["ok"]
     md = (out / "sanitizer.md").read_text()
@@ -326,7 +328,7 @@ def test_a_case_runs_in_the_interpreter(device, capsys, group, case):
     """The child's code on the CPU (Triton's interpreter, no sanitizer): a case runs, forward and backward, and
     takes the paths it says (the interpreter splits grids under 8 programs)."""
     if device.type != "cpu":
-        pytest.skip("the GPU runs python -m benchmarks.sanitize")
+        pytest.skip("the GPU runs python -m tests.stress.sanitize")
     assert sanitize.main(["--child", "--group", group, "--only", case, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert f"CASE {case} ok" in out and "DONE 1 cases, 0 failed" in out

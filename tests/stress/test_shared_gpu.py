@@ -1,4 +1,4 @@
-"""benchmarks.shared_gpu: several processes running mmsparse at once, the watchdog that reports them, and the record
+"""tests.stress.shared_gpu: several processes running mmsparse at once, the watchdog that reports them, and the record
 that keeps one entry per setting."""
 
 from __future__ import annotations
@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
-from benchmarks import shared_gpu
+import pytest
+
+from tests.stress import shared_gpu
+
+pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 
 def test_mixed_children_run_to_the_end_and_are_recorded(capsys, tmp_path):

@@ -1,12 +1,16 @@
-"""The soak script (benchmarks/soak.py): a few steps on the CPU through the interpreter write its records, and its
+"""The soak script (tests/stress/soak.py): a few steps on the CPU through the interpreter write its records, and its
 verdict flags growing memory, caches and kernel variants on synthetic records."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import soak
+import pytest
+
 from mmsparse import functional
+from tests.stress import soak
+
+pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 
 def test_a_few_steps_write_the_records(tmp_path):

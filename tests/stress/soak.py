@@ -20,8 +20,8 @@ variant may be compiled in the last half of them. It writes ``soak.json`` and ``
 verdict fails or the loss stops being finite. A run with fewer than 4 records after warm-up is too short to judge:
 it reports, and passes.
 
-    python -m benchmarks.soak --steps 2000             # GPU: writes benchmarks/results/<gpu>/soak.{json,md}
-    python -m benchmarks.soak --steps 5 --out DIR      # CPU (Triton's interpreter): a smoke run, tiny shapes
+    python -m tests.stress.soak --steps 2000             # GPU: writes benchmarks/results/<gpu>/soak.{json,md}
+    python -m tests.stress.soak --steps 5 --out DIR      # CPU (Triton's interpreter): a smoke run, tiny shapes
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ from einops import rearrange
 from torch import nn
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
+from benchmarks.env import environment, results_dir
+from benchmarks.report import write_record
 from mmsparse import TritonMBSAttnKernel, functional
 from mmsparse.nn import MultimodalSelfAttention
-
-from .env import environment, results_dir
-from .report import write_record
 
 TOPIC = "soak"
 # The default warm-up fills the mask cache (one new key a step) twice over before the verdict's window opens.
@@ -319,7 +318,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tests.stress.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--every", type=int, default=None, help="steps between records (default steps / 50)")

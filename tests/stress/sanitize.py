@@ -1,8 +1,8 @@
-"""compute-sanitizer over the kernels: ``python -m benchmarks.sanitize --tool memcheck --out DIR``.
+"""compute-sanitizer over the kernels: ``python -m tests.stress.sanitize --tool memcheck --out DIR``.
 
 The driver runs, for each tool and each kernel group, one child process under NVIDIA's compute-sanitizer,
 
-    compute-sanitizer --tool TOOL --error-exitcode 1 python -m benchmarks.sanitize --child --group GROUP
+    compute-sanitizer --tool TOOL --error-exitcode 1 python -m tests.stress.sanitize --child --group GROUP
 
 with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (every tensor its own allocation, so that an access past a tensor's end
 leaves the allocation instead of landing in the caching allocator's slack), so that one failing group hides no
@@ -27,12 +27,12 @@ helps a second run). Estimated, not yet measured: a few minutes per group under 
 ``--timeout`` bounds each child (a child that runs out is recorded as such), and ``--groups`` with ``--merge``
 splits a run over several commands.
 
-    python -m benchmarks.sanitize --tool memcheck --out DIR                # every group under memcheck
-    python -m benchmarks.sanitize --tool racecheck --tool synccheck         # the subset under the other two
-    python -m benchmarks.sanitize --tool memcheck --groups tl-bits,builders --merge   # some groups, kept beside
+    python -m tests.stress.sanitize --tool memcheck --out DIR                # every group under memcheck
+    python -m tests.stress.sanitize --tool racecheck --tool synccheck         # the subset under the other two
+    python -m tests.stress.sanitize --tool memcheck --groups tl-bits,builders --merge   # some groups, kept beside
                                                                             # the others already in DIR
-    python -m benchmarks.sanitize --child --dry-run                         # list the cases (no GPU needed)
-    python -m benchmarks.sanitize --child --group tl-codes                  # one group without the sanitizer
+    python -m tests.stress.sanitize --child --dry-run                         # list the cases (no GPU needed)
+    python -m tests.stress.sanitize --child --group tl-codes                  # one group without the sanitizer
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .env import REPO_DIR, git_commit, gpu_slug, results_dir
+from benchmarks.env import REPO_DIR, git_commit, gpu_slug, results_dir
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 EXIT_CANNOT_RUN = 2
@@ -600,7 +600,7 @@ def sanitizer_command(sanitizer: str, tool: str, child: list[str], api_errors: b
 
 
 def child_command(group: str, only: tuple[str, ...] | None) -> list[str]:
-    cmd = [sys.executable, "-m", "benchmarks.sanitize", "--child", "--group", group]
+    cmd = [sys.executable, "-m", "tests.stress.sanitize", "--child", "--group", group]
     return cmd + (["--only", ",".join(only)] if only else [])
 
 
@@ -682,14 +682,14 @@ def markdown(record: dict[str, Any]) -> str:
 
 def drive(args: argparse.Namespace) -> int:
     if not cuda_available():
-        print("benchmarks.sanitize: no CUDA device here. The sanitizer checks the kernels on a GPU: run it on a "
+        print("tests.stress.sanitize: no CUDA device here. The sanitizer checks the kernels on a GPU: run it on a "
               "machine with an NVIDIA GPU and the CUDA toolkit's compute-sanitizer (the case list needs neither: "
-              "python -m benchmarks.sanitize --child --dry-run).", file=sys.stderr)
+              "python -m tests.stress.sanitize --child --dry-run).", file=sys.stderr)
         return EXIT_CANNOT_RUN
     sanitizer = find_sanitizer(args.sanitizer)
     if sanitizer is None:
         where = args.sanitizer or "on PATH, in $CUDA_HOME/bin or in /usr/local/cuda/bin"
-        print(f"benchmarks.sanitize: compute-sanitizer not found ({where}). It ships with the CUDA toolkit: put "
+        print(f"tests.stress.sanitize: compute-sanitizer not found ({where}). It ships with the CUDA toolkit: put "
               "its bin folder on PATH or pass --sanitizer /path/to/compute-sanitizer.", file=sys.stderr)
         return EXIT_CANNOT_RUN
     help_text = subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout
@@ -703,7 +703,7 @@ def drive(args: argparse.Namespace) -> int:
     print(f"sanitizer {sanitizer} ({version_line}); logs in {logs}", flush=True)
     check = preflight(sanitizer, logs, min(args.timeout, 300), args.api_errors, help_text)
     if not check["ok"]:
-        print("benchmarks.sanitize: compute-sanitizer does not run a plain CUDA program on this machine"
+        print("tests.stress.sanitize: compute-sanitizer does not run a plain CUDA program on this machine"
               f"{' (' + check['problem'] + ')' if check['problem'] else ''}; nothing to check here. Its last "
               "lines:\n  " + "\n  ".join(check["tail"]), file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -742,7 +742,7 @@ def drive(args: argparse.Namespace) -> int:
     record = {"env": env, "gpu_slug": gpu_slug(env["gpu"]), "ok": ok,
               "sanitizer": {"path": sanitizer, "version": version_line, "preflight": check},
               "environment": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "runs": runs}
-    from .report import write_record
+    from benchmarks.report import write_record
 
     path = write_record(out, "sanitizer", record, markdown(record))
     print(f"{'all clean' if ok else 'NOT CLEAN'}; wrote {path} and its .md", flush=True)
@@ -758,7 +758,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sanitize", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tests.stress.sanitize", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--tool", dest="tools", action="append", choices=[*TOOLS, "all"],
@@ -817,11 +817,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu":
         if GROUPS[args.group].path == "gluon":
-            print("benchmarks.sanitize --child: the Gluon kernels have no CPU interpreter", file=sys.stderr)
+            print("tests.stress.sanitize --child: the Gluon kernels have no CPU interpreter", file=sys.stderr)
             return EXIT_CANNOT_RUN
         return run_child(args.group, only, "cpu")
     if not cuda_available():
-        print("benchmarks.sanitize --child: no CUDA device here (the cases run on a GPU; --dry-run lists them)",
+        print("tests.stress.sanitize --child: no CUDA device here (the cases run on a GPU; --dry-run lists them)",
               file=sys.stderr)
         return EXIT_CANNOT_RUN
     return run_child(args.group, only, args.device)

@@ -1,11 +1,11 @@
-"""The production flow, one fresh process a run: ``python -m benchmarks.cold_runs --runs N --out DIR``.
+"""The production flow, one fresh process a run: ``python -m tests.stress.cold_runs --runs N --out DIR``.
 
 A user's first call in a new process is what a warm test process never sees: every cache of the package is empty,
 the mask is built inside the call from lengths the process has not seen, and the backward runs at the sizes where
 it takes its other paths (above ``SHORT_KEYS`` its dQ pass runs on a side stream beside dK/dV). Each run here is a
 new Python process that draws its lengths from its own seed (each segment within 10% of the config's), makes
 NaN-poisoned outputs, runs forward and backward once, and checks out, dq on sampled rows and dK/dV on every key
-row of the first KV head against the float32 reference (:func:`benchmarks.fuzz.run_case`, whose reference reads
+row of the first KV head against the float32 reference (:func:`tests.stress.fuzz.run_case`, whose reference reads
 neither the kernels' bits nor their block lists).
 
 The configs cover segment codes (pair types, more than 32 segments, a pack), bit masks, a dense mask, GQA,
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from .arguments import at_least_one
-from .env import environment, results_dir
+from benchmarks.arguments import at_least_one
+from benchmarks.env import environment, results_dir
 
 CODES5 = ((2, 0, 0, 0, 0), (1, 1, 0, 0, 0), (2, 1, 2, 0, 0), (1, 1, 1, 1, 0), (2, 0, 2, 0, 2))
 CYCLIC = ((0, 1, 0), (0, 0, 1), (1, 0, 0))
@@ -100,7 +100,7 @@ def jittered(seg_lens: tuple[tuple[int, ...], ...], seed: int) -> list[list[int]
 
 
 def make_case(cfg: ColdConfig, seed: int) -> Any:
-    """The :class:`benchmarks.fuzz.Case` of one run: the config with jittered lengths, given as a host list or a
+    """The :class:`tests.stress.fuzz.Case` of one run: the config with jittered lengths, given as a host list or a
     device tensor by the seed."""
     from .fuzz import Case
 
@@ -118,13 +118,15 @@ def make_case(cfg: ColdConfig, seed: int) -> Any:
 
 def child(name: str, seed: int, device_name: str) -> int:
     """One run in this (fresh) process: print one JSON line ``{"problems": [...], "seconds": ...}``."""
-    from .fuzz import poisoned_outputs, run_case
+    from tests.poison import poisoned_empty
+
+    from .fuzz import run_case
 
     device = torch.device(device_name)
     cfg = {c.name: c for c in configs_for(device)}[name]
     case = make_case(cfg, seed)
     start = time.monotonic()
-    with poisoned_outputs():
+    with poisoned_empty():
         problems = run_case(case, device)
     print(json.dumps({"problems": problems, "seconds": round(time.monotonic() - start, 2), "seq": case.seq_k}))
     return 0
@@ -144,7 +146,7 @@ def run_child(cfg: ColdConfig, seed: int, device_name: str, timeout: float) -> C
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.gluon:
         env["MMSPARSE_GLUON"] = "0"
-    cmd = [sys.executable, "-m", "benchmarks.cold_runs", "--child", cfg.name, "--seed", str(seed),
+    cmd = [sys.executable, "-m", "tests.stress.cold_runs", "--child", cfg.name, "--seed", str(seed),
            "--device", device_name]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -215,7 +217,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"(processes at once: {', '.join(str(i['parallel']) for i in record['invocations'])}).",
         "",
         "Each run checks out and dq on sampled rows and dK/dV on every key row of the first KV head against the "
-        "float32 reference (`python -m benchmarks.cold_runs`).",
+        "float32 reference (`python -m tests.stress.cold_runs`).",
         "",
         "| config | runs | wrong |",
         "|---|---:|---:|",
@@ -228,7 +230,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cold_runs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.stress.cold_runs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=at_least_one, default=20, help="fresh processes to run")
     parser.add_argument("--parallel", type=at_least_one, default=1, help="processes at once")
     parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")

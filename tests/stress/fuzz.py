@@ -1,4 +1,4 @@
-"""Random cases against an independent reference: ``python -m benchmarks.fuzz --minutes N --seed S``.
+"""Random cases against an independent reference: ``python -m tests.stress.fuzz --minutes N --seed S``.
 
 Each case draws, from its own 64-bit seed:
   - a topology of pair types: 0/1 only, or NONE/FULL/CAUSAL (0/1/2), drawn i.i.d. or with structure
@@ -39,16 +39,15 @@ the timed run then loads kernels instead of compiling them. Its time, cases and 
 (its failures also among the run's); ``--minutes`` counts after it. A second run on the same machine finds the
 kernels in Triton's cache, so its warm-up only loads and checks (not yet timed on a GPU).
 
-    python -m benchmarks.fuzz --minutes 10 --seed 1 --warmup         # GPU: S up to 64k, writes results/<gpu>/
-    python -m benchmarks.fuzz --minutes 5 --seed 2 --warmup --out DIR --merge   # a second run, added to DIR
-    python -m benchmarks.fuzz --cases 4 --seed 1 --device cpu       # the interpreter, small S
-    python -m benchmarks.fuzz --repro 1234567890123                 # one case again
+    python -m tests.stress.fuzz --minutes 10 --seed 1 --warmup         # GPU: S up to 64k, writes results/<gpu>/
+    python -m tests.stress.fuzz --minutes 5 --seed 2 --warmup --out DIR --merge   # a second run, added to DIR
+    python -m tests.stress.fuzz --cases 4 --seed 1 --device cpu       # the interpreter, small S
+    python -m tests.stress.fuzz --repro 1234567890123                 # one case again
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import json
@@ -59,7 +58,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,14 +67,15 @@ import torch
 
 import mmsparse
 import mmsparse.functional
+from benchmarks.env import REPO_DIR, environment, results_dir
+from benchmarks.report import write_record
 from mmsparse.attention.dropout import dropout_keep_rows
 from mmsparse.functional import new_dropout_seed
 from mmsparse.mask.topology import MAX_SEGMENTS
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
+from tests.poison import poisoned_empty
 
-from .env import REPO_DIR, environment, results_dir
 from .lists_layout import lists_layout
-from .report import write_record
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 NONE, FULL, CAUSAL = 0, 1, 2  # the pair types, spelled out here so that the reference does not import them
@@ -149,7 +149,7 @@ class Case:
     lens_as: str = "list"  # seg_lens given as a host "list" or a device "tensor"
     topology_as: str = "list"  # the topology given as a nested "list", a "tensor" or a "Topology"
     packed_lists: bool = False  # block lists packed end to end (CSR), as masks past COMPACT_BYTES get them
-    types: tuple[tuple[int, ...], ...] | None = None  # a given topology instead of one drawn (benchmarks.cold_runs)
+    types: tuple[tuple[int, ...], ...] | None = None  # a given topology instead of one drawn (tests.stress.cold_runs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -660,27 +660,6 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, plain: torch.Tensor, 
     return ""
 
 
-@contextlib.contextmanager
-def poisoned_outputs() -> Iterator[None]:
-    """Within it ``torch.empty`` fills its result, floats with NaN and integers with -1, so that an output element
-    a kernel leaves unwritten shows up in the comparison instead of passing as leftover memory."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        if out.dtype.is_floating_point:
-            out.fill_(float("nan"))
-        elif out.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
-            out.fill_(-1)
-        return out
-
-    torch.empty = poisoned
-    try:
-        yield
-    finally:
-        torch.empty = empty
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # What compiles
 
@@ -763,7 +742,7 @@ def warmup_seeds(device: torch.device, draws: int | None = None) -> list[int]:
 
 
 def repro_line(seed: int, device: torch.device) -> str:
-    return f"python -m benchmarks.fuzz --repro {seed} --device {device.type}"
+    return f"python -m tests.stress.fuzz --repro {seed} --device {device.type}"
 
 
 def _release(device: torch.device) -> None:
@@ -823,7 +802,7 @@ def run_one(seed: int, device: torch.device, memory: _Memory | None = None) -> t
     if memory is not None:
         memory.start()
     try:
-        with poisoned_outputs():
+        with poisoned_empty():
             problems = run_case(case, device)
     except Exception as err:  # a crash is a failure to report, not the end of the run
         problems = [f"{type(err).__name__}: {err}".splitlines()[0]]
@@ -926,7 +905,7 @@ def _run_workers(seeds: list[int], device: torch.device, jobs: int,
             if not shard:
                 continue
             path = Path(tmp) / f"worker{i}.jsonl"
-            cmd = [sys.executable, "-m", "benchmarks.fuzz", "--worker", ",".join(map(str, shard)),
+            cmd = [sys.executable, "-m", "tests.stress.fuzz", "--worker", ",".join(map(str, shard)),
                    "--worker-out", str(path), "--device", str(device)]
             if deadline is not None:
                 cmd += ["--deadline", str(deadline)]
@@ -1058,7 +1037,7 @@ def _default_jobs(device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.stress.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=None, help="run for this long (after any warm-up)")
     parser.add_argument("--cases", type=int, default=None, help="or this many cases")
     parser.add_argument("--seed", type=int, default=0, help="master seed (each case gets its own 64-bit seed)")
@@ -1088,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(case_record(case)))
         print(f"estimated peak {estimate_bytes(case) >> 20} MiB of a {memory_budget(device) >> 20} MiB budget; "
               f"{case_work(case):.3g} reference pairs")
-        with poisoned_outputs():
+        with poisoned_empty():
             problems = run_case(case, device)
         print("\n".join(problems) or "ok")
         return 1 if problems else 0

@@ -1,8 +1,8 @@
 """Several processes running mmsparse on one GPU at once: does any of them fail or stall?
 
-    python -m benchmarks.shared_gpu --procs 6 --seconds 60                  # the Gluon kernels (default on sm_90)
-    python -m benchmarks.shared_gpu --procs 6 --seconds 60 --gluon off      # the tl kernels only
-    python -m benchmarks.shared_gpu --procs 6 --seconds 60 --mode mixed     # training and inference side by side
+    python -m tests.stress.shared_gpu --procs 6 --seconds 60                  # the Gluon kernels (default on sm_90)
+    python -m tests.stress.shared_gpu --procs 6 --seconds 60 --gluon off      # the tl kernels only
+    python -m tests.stress.shared_gpu --procs 6 --seconds 60 --mode mixed     # training and inference side by side
 
 Each child process loops over ``--configs`` with a fresh mask every call (device lengths, so the block lists are
 built each time, as in a training step with new lengths), synchronises, and writes its call count to a progress
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .arguments import at_least_one
+from benchmarks.arguments import at_least_one
 
 DEFAULT_CONFIGS = "mm13k_cyclic,mm13k_hub,mm13k_hub_causal"
 ERROR_LINES = 5  # lines of a failed child's stderr kept in its report
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> tuple[list[ChildReport], dict[str, Any]]:
         env["MMSPARSE_GLUON"] = "0"
     repo = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    base = [sys.executable, "-m", "benchmarks.shared_gpu", "--child", "--configs", args.configs, "--device",
+    base = [sys.executable, "-m", "tests.stress.shared_gpu", "--child", "--configs", args.configs, "--device",
             args.device]
     roles = [role_of(args.mode, i) for i in range(args.procs)]
     child_env: dict[str, Any] = {}
@@ -256,7 +256,7 @@ def _kernels(run: dict[str, Any]) -> str:
 def markdown(record: dict[str, Any]) -> str:
     """A table of the record's runs, then what failed or stalled."""
     lines = [
-        "Several processes running mmsparse on one GPU at once (`python -m benchmarks.shared_gpu`): each loops "
+        "Several processes running mmsparse on one GPU at once (`python -m tests.stress.shared_gpu`): each loops "
         "over its configs with new masks every call; *failed* = exited with an error, *stalled* = no progress for "
         "the stall time. Mode train: forward + backward in every process; infer: the forward alone under "
         "inference mode; mixed: training and inference processes alternating.",
@@ -287,7 +287,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def write_record(out: Path, run: dict[str, Any]) -> Path:
     """Merge ``run`` into ``out/shared_gpu.json`` and rewrite ``out/shared_gpu.md``; returns the JSON's path."""
-    from .report import write_record as write
+    from benchmarks.report import write_record as write
 
     path = out / f"{TOPIC}.json"
     old = json.loads(path.read_text()) if path.exists() else None
@@ -296,7 +296,7 @@ def write_record(out: Path, run: dict[str, Any]) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.shared_gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tests.stress.shared_gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", type=at_least_one, default=6, help="processes at once (default 6)")
     p.add_argument("--seconds", type=float, default=60.0, help="how long each child loops (default 60)")
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.procs} processes, mode {args.mode}, Gluon {args.gluon} (kernels: "
           f"{_kernels({'gluon_kernels': child_env.get('gluon_kernels')})}), {args.seconds:g} s each: "
           f"{'all ran to the end' if not bad else f'{bad} failed or stalled'}")
-    from .env import git_commit, results_dir, versions
+    from benchmarks.env import git_commit, results_dir, versions
 
     if not child_env:  # the warm-up failed before reporting: this process says what it runs on
         import torch
