@@ -1,4 +1,4 @@
-"""The A/B tool (benchmarks/ab.py): its verdict, and one real run against HEAD on a tiny config."""
+"""The A/B tool (tools/ab.py): its verdict, and one real run against HEAD on a tiny config."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ab_stats import config_row, paired_ratio, verdict
 from tests.helpers import REPO
+from tools.ab_stats import config_row, paired_ratio, verdict
 
 
 def _row(name: str, base_fwd: list[float], new_fwd: list[float], equal: bool = True) -> dict:
@@ -50,7 +50,7 @@ def test_ab_runs_against_head(tmp_path):
     """Two workers per side start, time a tiny config in two rounds (one on each worker) and compare outputs of
     all four; on CPU the times mean nothing."""
     out = tmp_path / "ab.json"
-    cmd = [sys.executable, "-m", "benchmarks.ab", "--base", "HEAD", "--configs", "tiny_ab", "--rounds", "2",
+    cmd = [sys.executable, "-m", "tools.ab", "--base", "HEAD", "--configs", "tiny_ab", "--rounds", "2",
            "--workers", "2", "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]

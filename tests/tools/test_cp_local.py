@@ -1,4 +1,4 @@
-"""The per-rank context-parallel benchmark (benchmarks/cp_local.py): each rank's local problem, run without a process
+"""The per-rank context-parallel benchmark (tools/cp_local.py): each rank's local problem, run without a process
 group, put back in sequence order equals the single-process attention and the float64 reference (output and all
 three gradients); and the harness end to end on a tiny config, with its table's fields."""
 
@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from benchmarks import cp_local
 from benchmarks.configs import live_pairs
+from benchmarks.cp_rank import local_backward, local_forward
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.distributed import RankProblem
 from tests.helpers import check_outputs
+from tools import cp_local
 
 CPU = torch.device("cpu")
 
@@ -29,8 +30,8 @@ def _run_ranks(cfg: cp_local.LocalConfig, world: int, full: list[torch.Tensor]) 
     for rank in range(world):
         problem = RankProblem(cfg.topology, cfg.seg_lens, rank, world, causal=cfg.causal)
         x = cp_local.rank_inputs(problem, cfg.shape, torch.float32, CPU, full=full)
-        o, lse = cp_local.local_forward(problem, x, scale)
-        dq_l, dkv_l, dkv_g = cp_local.local_backward(problem, x, o, lse, scale)
+        o, lse = local_forward(problem, x, scale)
+        dq_l, dkv_l, dkv_g = local_backward(problem, x, o, lse, scale)
         index, gathered = problem.token_index, problem.gathered_positions()
         out[:, :, index], dq[:, :, index] = o, dq_l
         for target, part in ((dk, slice(0, hkv)), (dv, slice(hkv, 2 * hkv))):

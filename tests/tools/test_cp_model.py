@@ -1,10 +1,11 @@
-"""The context-parallel performance model (benchmarks/cp_model.py): its arithmetic on the plan."""
+"""The context-parallel performance model (tools/cp_model.py, benchmarks/cp_traffic.py): its arithmetic on the plan."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import cp_model
+from benchmarks.cp_traffic import exchange_bytes
+from tools import cp_model
 
 
 def test_one_gpu_is_the_baseline_and_more_bandwidth_never_hurts():
@@ -23,7 +24,7 @@ def test_the_exchange_counts_what_the_busiest_rank_fetches_and_serves():
     # rank 0 fetches 10 bytes of K/V and serves 4; rank 1 fetches 1 and serves 2
     summary = {"recv_bytes": [10, 1], "sent_bytes": [4, 2]}
     # rank 0, inbound: K/V twice (2 * 10) and the fp32 dK/dV of what it serves (2 * 4)
-    assert cp_model.exchange_bytes(summary) == 2 * 10 + 2 * 4
+    assert exchange_bytes(summary) == 2 * 10 + 2 * 4
 
 
 def test_compute_follows_the_flops_of_a_live_pair():

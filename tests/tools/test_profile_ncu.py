@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.profile_ncu import kernel_rows, markdown
+from tools.profile_ncu import kernel_rows, markdown
 
 RAW = '''==PROF== Connected to process 1
 "ID","Kernel Name","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed",\

@@ -1,9 +1,9 @@
 """Time the working tree against a git ref, interleaved, and compare their outputs bit for bit.
 
-    python -m benchmarks.ab --base REF                       # every benchmark config, 5 rounds
-    python -m benchmarks.ab --base REF --configs seed,mm13k_hub --rounds 9 --out ab.json
-    python -m benchmarks.ab --base DIR                       # a tree exported before (no .git needed here)
-    python -m benchmarks.ab --export REF DIR                 # write that tree: REF's files and DIR/.commit
+    python -m tools.ab --base REF                       # every benchmark config, 5 rounds
+    python -m tools.ab --base REF --configs seed,mm13k_hub --rounds 9 --out ab.json
+    python -m tools.ab --base DIR                       # a tree exported before (no .git needed here)
+    python -m tools.ab --export REF DIR                 # write that tree: REF's files and DIR/.commit
 
 Each side runs in worker processes of its own (both register the same torch custom ops), importing mmsparse from
 its tree and the timing harness from this checkout. Round r times every config on both sides back to back, the
@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.arguments import at_least_one
+from benchmarks.configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, expand_names
+from benchmarks.env import REPO_DIR, git_commit
+
 from .ab_stats import config_row, markdown, verdict
-from .arguments import at_least_one
-from .configs import ALL_CONFIGS, CONFIGS, DECODE_CONFIGS, expand_names
-from .env import REPO_DIR, git_commit
 
 WORKER = Path(__file__).resolve().parent / "ab_worker.py"
 COMMIT_FILE = ".commit"  # written by --export: the commit a tree was exported from
@@ -81,7 +82,7 @@ def resolve_tree(spec: str | None, scratch: Path) -> Tree:
         sha = export(spec, scratch)
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"{spec!r} is neither a folder with mmsparse/ nor a git ref here ({e}). Without .git, "
-                         f"export it where git works: python -m benchmarks.ab --export {spec} DIR") from e
+                         f"export it where git works: python -m tools.ab --export {spec} DIR") from e
     return Tree(f"{spec} ({sha[:12]})", scratch)
 
 
@@ -195,7 +196,7 @@ def _equal(digests: dict[str, Any]) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", help="git ref, or a folder holding mmsparse/ (e.g. from --export)")
     p.add_argument("--new", default=None, help="git ref or folder (default: this working tree)")

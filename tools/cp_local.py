@@ -1,15 +1,15 @@
-"""Each rank's local attention under the context-parallel plan, timed on one GPU: ``python -m benchmarks.cp_local``.
+"""Each rank's local attention under the context-parallel plan, timed on one GPU: ``python -m tools.cp_local``.
 
-For each config of :mod:`benchmarks.cp_plan` and world size P, every rank's problem in turn, in one process (no
-process group): its queries, the K/V it gathers, and the forward (pieces and merge) and backward that
+For each long-sequence layout (``benchmarks.cp_cases.LONG_LAYOUTS``) and world size P, every rank's problem in turn,
+in one process (no process group): its queries, the K/V it gathers, and the forward (pieces and merge) and backward that
 ``ContextParallel.attention`` runs (:mod:`mmsparse.distributed.local`), without the exchange. The plan balances
 live pairs; this measures whether the time follows. Per (config, P): max/mean over the ranks of the live pairs
 (target <= 1.05) and of the forward + backward time (target <= 1.10). B=1, Hq=16, Hkv=4, D=128, bf16. Each pass is
 timed by the wall clock with a device sync around each call, median of a few calls after warm-up (calls of up to
 seconds: ``do_bench``'s five estimating calls would cost minutes on long_1m).
 
-    python -m benchmarks.cp_local --out DIR                           # DIR/cp_local.{json,md}
-    python -m benchmarks.cp_local --configs tiny_hub_causal --worlds 2,3   # CPU smoke test (times mean nothing)
+    python -m tools.cp_local --out DIR                           # DIR/cp_local.{json,md}
+    python -m tools.cp_local --configs tiny_hub_causal --worlds 2,3   # CPU smoke test (times mean nothing)
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.configs import CYCLIC, HUB
+from benchmarks.cp_cases import LONG_LAYOUTS
+from benchmarks.cp_rank import RankInputs, local_backward, local_forward
+from benchmarks.devices import free_memory, sync
+from benchmarks.env import environment
+from benchmarks.report import log, write_record
+from benchmarks.timing import host_ms
 from mmsparse.distributed import RankProblem
-from mmsparse.distributed.local import backward_pieces, forward_pieces
-
-from .configs import CYCLIC, HUB
-from .cp_plan import CONFIGS as PLAN_CONFIGS
-from .devices import free_memory, sync
-from .env import environment
-from .report import log, write_record
-from .timing import host_ms
 
 TOPIC = "cp_local"
 PAIRS_TARGET, TIME_TARGET = 1.05, 1.10  # max/mean over the ranks
@@ -67,7 +66,7 @@ TINY_SHAPE = Shape(1, 2, 1, 16)
 _COUNTS = {"cyclic_43k": (3, 10), "hub_causal_256k": (1, 5), "long_1m": (1, 2)}
 CONFIGS: dict[str, LocalConfig] = {
     name: LocalConfig(name, topology, seg_lens, causal, GPU_SHAPE, *_COUNTS[name])
-    for name, (topology, seg_lens, causal) in PLAN_CONFIGS.items()
+    for name, (topology, seg_lens, causal) in LONG_LAYOUTS.items()
 }
 # CPU smoke tests through the interpreter (16-token chunks there): ragged lengths, several chunks a rank
 TINY: dict[str, LocalConfig] = {
@@ -79,19 +78,6 @@ TINY: dict[str, LocalConfig] = {
     )
 }
 ALL_CONFIGS = {**CONFIGS, **TINY}
-
-
-@dataclass
-class RankInputs:
-    """One rank's tensors, laid out as in a real run: q, k, v, dout of its own tokens ``[B, H, S_local, D]`` and
-    the gathered K/V, views of one ``[B, 2 Hkv, S_gathered, D]`` tensor as the exchange delivers them."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    dout: torch.Tensor
-    k_gathered: torch.Tensor
-    v_gathered: torch.Tensor
 
 
 def rank_inputs(problem: RankProblem, shape: Shape, dtype: torch.dtype, device: torch.device,
@@ -114,22 +100,6 @@ def rank_inputs(problem: RankProblem, shape: Shape, dtype: torch.dtype, device: 
         kv_g = torch.cat([full[1], full[2]], dim=1).to(device=device, dtype=dtype).index_select(2, gathered)
     hkv = k.shape[1]
     return RankInputs(q, k, v, dout, kv_g[:, :hkv], kv_g[:, hkv:])
-
-
-def local_forward(problem: RankProblem, x: RankInputs, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's forward as ``ContextParallel.attention`` runs it, the gathered K/V already there: (out, lse)."""
-    pieces = problem.pieces(x.q.device)
-    return forward_pieces(x.q, x.k, x.v, pieces, [None] * len(pieces), scale, 0.0,
-                          lambda: (x.k_gathered, x.v_gathered))
-
-
-def local_backward(problem: RankProblem, x: RankInputs, out: torch.Tensor, lse: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank's backward, without the exchange: float32 (dq, dK/dV of its own keys, dK/dV of the gathered
-    keys), see :func:`mmsparse.distributed.local.backward_pieces`."""
-    pieces = problem.pieces(x.q.device)
-    return backward_pieces(x.dout, x.q, x.k, x.v, out, lse, pieces, [None] * len(pieces), scale, 0.0,
-                           lambda: (x.k_gathered, x.v_gathered))
 
 
 def time_rank(cfg: LocalConfig, world: int, rank: int, device: torch.device, warmup: int, reps: int) -> dict:
@@ -250,7 +220,7 @@ def _worlds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cp_local", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.cp_local", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=_names, default=list(CONFIGS),
                         help=f"comma-separated, from: {', '.join(ALL_CONFIGS)} (default: {', '.join(CONFIGS)})")
     parser.add_argument("--worlds", type=_worlds, default=list(WORLD_SIZES), help="comma-separated (default 2,4,8)")

@@ -1,6 +1,6 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
-    python -m benchmarks.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
+    python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.configs import CONFIGS
+from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
 from mmsparse.attention.config import Tile, kernel_config, use_config
 from mmsparse.mask.topology import count_allowed_pairs
-
-from .configs import CONFIGS
-from .flex_mask import flex_mask_mod, segment_ids
 
 
 def flex_times(q, k, v, topo, lens, causal):
@@ -55,7 +54,7 @@ def profile_kernels(q, k, v, topo, lens, causal) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_tiles", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.tune_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
     ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")

@@ -1,4 +1,4 @@
-"""One side of an A/B run (``benchmarks.ab``): mmsparse from one source tree, timed on request.
+"""One side of an A/B run (``tools.ab``): mmsparse from one source tree, timed on request.
 
 Started by the A/B parent as ``python <this file> --tree DIR``, never imported. Both sides register the same torch
 custom ops, so each has a process of its own. It imports mmsparse from ``--tree`` first and only then this

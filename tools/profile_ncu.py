@@ -6,7 +6,7 @@ the clocks, so durations are ncu's, not the benchmark's). The table gives per ke
 tensor-pipe utilisation, issue slots busy, warp cycles per issued instruction, and the largest stall reasons in
 cycles per issued instruction. Writes ``--out DIR/ncu.{json,md}`` and the ``.ncu-rep`` reports.
 
-    python -m benchmarks.profile_ncu --configs mm13k_hub --impls mmsparse,flex_flash --out DIR
+    python -m tools.profile_ncu --configs mm13k_hub --impls mmsparse,flex_flash --out DIR
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .configs import ALL_CONFIGS
+from benchmarks.configs import ALL_CONFIGS
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats")
 METRICS = (
@@ -47,9 +47,9 @@ def child(config: str, impl: str) -> None:
     """Warm up, then one profiled forward + backward."""
     import torch
 
-    from .baselines import SETUPS
-    from .cases import Case
-    from .timing import Timing
+    from benchmarks.baselines import SETUPS
+    from benchmarks.cases import Case
+    from benchmarks.timing import Timing
 
     dev = torch.device("cuda")
     case = Case.make(ALL_CONFIGS[config], dev, torch.bfloat16)
@@ -70,7 +70,7 @@ def profile(ncu: str, config: str, impl: str, report: Path, timeout: float) -> l
     cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", "--force-overwrite",
            "--export", str(report), *[a for s in SECTIONS for a in ("--section", s)],
            "--metrics", ",".join(METRICS),
-           sys.executable, "-m", "benchmarks.profile_ncu", "--child", config, impl]
+           sys.executable, "-m", "tools.profile_ncu", "--child", config, impl]
     subprocess.run(cmd, check=True, timeout=timeout, stdout=subprocess.DEVNULL)
     raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--csv", "--page", "raw"], check=True,
                          capture_output=True, text=True).stdout
@@ -135,7 +135,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_ncu", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.profile_ncu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--configs", default="mm13k_hub", help="comma-separated config names")
     parser.add_argument("--impls", default="mmsparse,flex_flash", help="comma-separated implementations")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profiled {config} {impl}", flush=True)
     import torch
 
-    from .env import environment
+    from benchmarks.env import environment
 
     env = environment(torch.device("cuda"))
     (args.out / "ncu.json").write_text(json.dumps({"environment": env, "kernels": rows}, indent=1) + "\n")

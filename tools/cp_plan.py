@@ -1,4 +1,4 @@
-"""The context-parallel plan's balance and volume for the long-sequence configs: ``python -m benchmarks.cp_plan``.
+"""The context-parallel plan's balance and volume for the long-sequence configs: ``python -m tools.cp_plan``.
 
 Host arithmetic only (no GPU): live pairs per rank (max/mean) and the K/V bytes the busiest rank receives under
 the plan, against an all-gather (which a ring moves too, in P - 1 steps). All rows: Hkv=4, D=128, bf16. Writes
@@ -13,22 +13,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.cp_cases import LONG_LAYOUTS
 from mmsparse.distributed import plan_context_parallel
 
-from .configs import CYCLIC, HUB
-
-CONFIGS = {  # name: (topology, seg_lens, causal)
-    "cyclic_43k": (CYCLIC, (4096, 24576, 14336), False),
-    "hub_causal_256k": (HUB, (16384, 196608, 49152), True),
-    "long_1m": (HUB, (8192, 786432, 253952), True),
-}
 KV_BYTES_PER_TOKEN = 2 * 4 * 128 * 2  # K and V, 4 kv heads, D=128, bf16
 WORLD_SIZES = (2, 4, 8)
 
 
 def rows() -> list[dict]:
     out = []
-    for name, (topology, seg_lens, causal) in CONFIGS.items():
+    for name, (topology, seg_lens, causal) in LONG_LAYOUTS.items():
         for world in WORLD_SIZES:
             plan = plan_context_parallel(topology, seg_lens, world, causal=causal, tile=128)
             s = plan.summary(KV_BYTES_PER_TOKEN)
@@ -49,7 +43,7 @@ def markdown(table: list[dict]) -> str:
 def table_main(argv: list[str] | None, topic: str, doc: str, rows: Callable[[], list[dict]],
                markdown: Callable[[list[dict]], str]) -> int:
     """The command line of a host-arithmetic table: print it; with ``--out DIR``, write DIR/<topic>.{json,md}."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{topic}", description=doc.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m tools.{topic}", description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help=f"folder for {topic}.json and {topic}.md")
     args = parser.parse_args(argv)
     table = rows()

@@ -1,13 +1,13 @@
-"""A performance model of context parallelism, for the configs of :mod:`benchmarks.cp_plan`:
-``python -m benchmarks.cp_model [--out DIR]``.
+"""A performance model of context parallelism, for the long-sequence layouts of :mod:`benchmarks.cp_cases`:
+``python -m tools.cp_model [--out DIR]``.
 
 Per config and world size P (Hq=16, Hkv=4, D=128, bf16, batch 1), for one forward and backward step:
 
 - **compute**: the busiest rank's live pairs at the single-GPU rate of the attention kernels (forward 4·Hq·D flops
   a live pair, backward 2.5 times that), :data:`RATE_FWD` and :data:`RATE_BWD`, measured on one H100;
-- **exchange** at a link bandwidth per direction: in the forward the K/V a rank receives and serves; in the
-  backward the same K/V again (the forward keeps O(S/P)) and the dK/dV that go back to the owners, in float32
-  (twice the bytes); each direction is timed separately and the busier one counts;
+- **exchange** at a link bandwidth per direction (:mod:`benchmarks.cp_traffic`): in the forward the K/V a rank
+  receives and serves; in the backward the same K/V again (the forward keeps O(S/P)) and the dK/dV that go back to
+  the owners, in float32 (twice the bytes); each direction is timed separately and the busier one counts;
 - **step**: compute + exchange (no overlap: a bound from below on the speedup; the pieces over a rank's own
   chunk already run under the exchange), and max(compute, exchange) with the exchange fully hidden.
 
@@ -15,17 +15,19 @@ Speedup is over one GPU running every live pair at the same rate. A model, not a
 is the measured rate applied to the plan's pairs (the plan balances live pairs to 1.00-1.01 max/mean), and the
 links of the lent machines have not been measured, hence the three bandwidths. Beside it, where
 ``results/h100/cp_local.json`` holds them, the slowest rank's fwd+bwd measured alone on one GPU
-(``python -m benchmarks.cp_local``): the check of the compute term.
+(``python -m tools.cp_local``): the check of the compute term.
 """
 
 from __future__ import annotations
 
 import json
 
+from benchmarks.cp_cases import LONG_LAYOUTS
+from benchmarks.cp_traffic import exchange_bytes, predicted_speedup
+from benchmarks.env import RESULTS_DIR
 from mmsparse.distributed import plan_context_parallel
 
-from .cp_plan import CONFIGS, KV_BYTES_PER_TOKEN, table_main
-from .env import RESULTS_DIR
+from .cp_plan import KV_BYTES_PER_TOKEN, table_main
 
 MEASURED = RESULTS_DIR / "h100" / "cp_local.json"
 
@@ -43,31 +45,6 @@ def step_seconds(live_pairs: float) -> float:
     return flops / RATE_FWD + 2.5 * flops / RATE_BWD
 
 
-def exchange_bytes(summary: dict) -> float:
-    """Bytes over one direction of the busiest rank's link in a forward and backward step. Inbound: the K/V it
-    fetches, twice, and the float32 dK/dV of its own chunks coming back (twice the bytes of what it serves);
-    outbound mirrors it, so each direction carries 2 * (received + served)."""
-    return max(2 * (recv + sent) for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
-
-
-def predicted_speedup(summary: dict, one_gpu_s: float, bandwidth: float) -> tuple[float, float]:
-    """(exchange not overlapped, fully overlapped) speedup over one GPU that runs every live pair in
-    ``one_gpu_s``: the busiest rank's share of that time, and the exchange (:func:`exchange_bytes`) at
-    ``bandwidth`` bytes/s per direction."""
-    compute = one_gpu_s * max(summary["live_pairs"]) / sum(summary["live_pairs"])
-    moved = exchange_bytes(summary) / bandwidth
-    return one_gpu_s / (compute + moved), one_gpu_s / max(compute, moved)
-
-
-def rank_bytes(summary: dict, rank: int, kv_bytes_per_token: int, dkv_bytes_per_token: int) -> tuple[int, int]:
-    """(sent, received) bytes of ``rank`` in one forward and backward step under the plan (``summary`` with
-    ``kv_bytes_per_token=1``: tokens). Received: the K/V it fetches, twice (the backward fetches again), and the
-    dK/dV of the tokens it serves; sent: the K/V it serves, twice, and the dK/dV of the tokens it fetched."""
-    fetched, served = summary["recv_bytes"][rank], summary["sent_bytes"][rank]
-    return (2 * served * kv_bytes_per_token + fetched * dkv_bytes_per_token,
-            2 * fetched * kv_bytes_per_token + served * dkv_bytes_per_token)
-
-
 def measured_ms() -> dict[tuple[str, int], float]:
     """{(config, world size): the slowest rank's measured fwd+bwd ms} from the cp_local record, if there is one."""
     if not MEASURED.exists():
@@ -78,7 +55,7 @@ def measured_ms() -> dict[tuple[str, int], float]:
 def rows() -> list[dict]:
     out = []
     measured = measured_ms()
-    for name, (topology, seg_lens, causal) in CONFIGS.items():
+    for name, (topology, seg_lens, causal) in LONG_LAYOUTS.items():
         single = None
         for world in WORLD_SIZES:
             plan = plan_context_parallel(topology, seg_lens, world, causal=causal, tile=128)
