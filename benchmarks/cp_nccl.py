@@ -46,7 +46,6 @@ import torch.distributed as dist
 
 import mmsparse  # before triton: without CUDA it turns on Triton's interpreter
 from mmsparse.distributed import ContextParallel
-from mmsparse.distributed.context_parallel import _return_kv_grads, _start_gather_kv
 
 from . import cp_dist, cp_dropout, cp_links, cp_record
 from .cp_allgather import AllGatherCP
@@ -133,7 +132,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
 
     q, k, v = (t.detach() for t in leaves)
-    k_g, v_g = _start_gather_kv(cp, k, v)()
+    k_g, v_g = cp.fetch_kv(k, v)
     x = RankInputs(q, k, v, dout, k_g, v_g)
     scale = case.head_dim**-0.5
 
@@ -145,9 +144,9 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     dkv_g = torch.zeros((case.batch, 2 * case.heads_kv, *k_g.shape[2:]), dtype=torch.float32, device=device)
 
     def exchange() -> None:
-        _start_gather_kv(cp, k, v)()
-        _start_gather_kv(cp, k, v)()
-        _return_kv_grads(cp, dkv_g, dkv_l)
+        cp.fetch_kv(k, v)
+        cp.fetch_kv(k, v)
+        cp.return_kv_grads(dkv_g, dkv_l)
 
     row["compute_ms"], row["compute_ms_ranks"] = _timed(compute, case, device, args)
     row["exchange_ms"], row["exchange_ms_ranks"] = _timed(exchange, case, device, args)

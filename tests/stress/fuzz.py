@@ -66,10 +66,11 @@ from typing import Any
 import torch
 
 import mmsparse
-import mmsparse.functional
 from benchmarks.env import REPO_DIR, environment, results_dir
 from benchmarks.report import write_record
+from mmsparse.attention.config import cuda_kernel_config
 from mmsparse.attention.dropout import dropout_keep_rows
+from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import new_dropout_seed
 from mmsparse.mask.topology import MAX_SEGMENTS
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
@@ -78,6 +79,8 @@ from tests.poison import poisoned_empty
 from .lists_layout import lists_layout
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+GPU = torch.device("cuda")  # the device kernel_keys plans for (on any machine: no device is asked)
+H100_SMS = 132  # the multiprocessors of the GPU kernel_keys models (an H100 SXM)
 NONE, FULL, CAUSAL = 0, 1, 2  # the pair types, spelled out here so that the reference does not import them
 # A case passes when the kernel is within SLACK times the error of the same reference computed in the input
 # dtype (FlashAttention's calibrated check), plus a floor.
@@ -664,49 +667,40 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, plain: torch.Tensor, 
 # What compiles
 
 
-def kernel_keys(case: Case, sms: int = 132) -> frozenset[tuple]:
-    """The kernel variants a case compiles on a Hopper GPU, as the fuzzer models them (for the warm-up and the
-    run's tally; a model, not the kernels' own keys: a variant it merges compiles during the run, one it splits
-    costs a warm-up case). The attention kernels specialise on the dtype, head dim, query heads, GQA group, mask
-    path (bits, codes, dense), causal and dropout; the forward also on its tile (decode, with the GQA pack's rows;
-    under SHORT_KEYS keys; long), on splitting the key lists (few programs: tl kernel and combine) and on the
-    Gluon kernel (half precision, long, no dropout, no split: the split count itself is a runtime argument); dQ on
-    short or long keys. The list builders specialise on the tiles (float32 or not, head dim, query and key
-    lengths' classes), causal and (bits) the segments rounded up to a power of two, the token-bit kernel on k and
-    the lengths' dtype, the dropout keep mask on the query heads. ``sms``: the GPU's multiprocessors."""
-    from mmsparse.attention.config import DECODE_MAX_Q, SHORT_KEYS
-    from mmsparse.attention.plan import gqa_pack_rows
-
-    half, d, drop = case.dtype != "fp32", case.head_dim, case.dropout_p > 0
+def kernel_keys(case: Case, sms: int = H100_SMS) -> frozenset[tuple]:
+    """The kernel variants a case compiles on a Hopper GPU of ``sms`` multiprocessors, as the fuzzer models them
+    (for the warm-up and the run's tally; a model, not the kernels' own keys: a variant it merges compiles during
+    the run, one it splits costs a warm-up case). Which kernel and tile each pass runs, and which block lists they
+    read, is the plan's (:func:`mmsparse.attention.plan.plan_attention` over the tiles of
+    :func:`mmsparse.attention.config.cuda_kernel_config`: that GPU's, asked for without one). The attention kernels
+    specialise on the dtype, head dim, query heads, GQA group, mask path (bits, codes, dense), causal and dropout;
+    the forward also on its tile, the GQA pack's rows, splitting the key lists (tl kernel and combine) and the
+    Gluon kernel (the split count itself is a runtime argument); dQ on its tile. The list builders specialise on
+    the tiles they build, causal and (bits) the segments rounded up to a power of two, the token-bit kernel on k
+    and the lengths' dtype, the dropout keep mask on the query heads."""
+    d, drop = case.head_dim, case.dropout_p > 0
     group = case.heads_q // case.heads_kv
     bits = case.k <= 32 and case.pair_types == "01" and not case.packed and not case.dense
     mode = "dense" if case.dense else "bits" if bits else "codes"
     attn = (case.dtype, d, case.heads_q, group, mode, case.causal, drop)
-    short = case.seq_k < SHORT_KEYS
-    pack = 0
-    if case.seq_q <= DECODE_MAX_Q:
-        tile, block_m, block_n = "decode", 16, 64 if half else 32
-        pack = gqa_pack_rows(group, case.seq_q, 16)
-    elif short:
-        tile, block_m, block_n = "short", 64 if d == 64 else 128, 32 if d == 64 else 64
-    else:
-        tile, block_m, block_n = "long", 128 if half or d == 128 else 64, 128 if half else 32
-    programs = (1 if pack else -(-case.seq_q // block_m)) * case.batch * (case.heads_kv if pack else case.heads_q)
-    key_blocks = -(-case.seq_k // block_n)
-    split = programs < 2 * sms and min(-(-2 * sms // programs), key_blocks // 4) > 1
-    gluon = half and tile == "long" and not drop and not split
-    keys = {("fwd", *attn, tile, pack, gluon), ("dq", *attn, short), ("dkdv", *attn, case.heads_kv),
-            ("delta", d)}
-    if split:
+    # A pack runs as one sample of all its tokens, its mean sample length picking the forward's tile.
+    batch, sample_len = (1, case.seq_k // len(case.seg_lens)) if case.packed else (case.batch, None)
+    plan = plan_attention(cuda_kernel_config(d, DTYPES[case.dtype]), batch, case.heads_q, case.heads_kv,
+                          case.seq_q, case.seq_k, GPU, sample_len, drop, sms=sms)
+    fwd = plan.forward
+    keys = {("fwd", *attn, fwd.tile, fwd.pack_rows, fwd.gluon), ("dq", *attn, plan.dq.tile),
+            ("dkdv", *attn, case.heads_kv), ("delta", d)}
+    if fwd.n_splits > 1:
         keys.add(("combine", d))
     if drop:
         keys.add(("keep", case.heads_q))
-    lists = (case.dtype == "fp32", d, tile, short, case.causal)
+    for tile in plan.list_tiles():
+        if bits:
+            keys.add(("bit lists", max(2, 1 << (case.k - 1).bit_length()), *tile, case.causal))
+        elif mode == "codes":
+            keys.add(("code lists", *tile, case.causal))
     if bits:
-        keys.add(("bit lists", max(2, 1 << (case.k - 1).bit_length()), *lists))
         keys.add(("token bits", case.k, "int32" if case.lens_as == "list" else str(_lens_dtype(case))))
-    elif mode == "codes":
-        keys.add(("code lists", *lists))
     return frozenset(keys)
 
 
@@ -746,11 +740,10 @@ def repro_line(seed: int, device: torch.device) -> str:
 
 
 def _release(device: torch.device) -> None:
-    """Between cases: mmsparse's mask and topology caches (a cached mask keeps its token bits and block lists on
-    the device) and, when it holds more than RESERVED_KEEP, the CUDA cache (memory the driver may need for a
+    """Between cases: mmsparse's caches (``mmsparse.clear_caches``: a cached mask keeps its token bits and block
+    lists on the device) and, when it holds more than RESERVED_KEEP, the CUDA cache (memory the driver may need for a
     kernel's module or local memory, which a Triton launch cannot take back from torch's cache)."""
-    mmsparse.functional._INFO_CACHE.clear()
-    mmsparse.functional._TOPOLOGIES.clear()
+    mmsparse.clear_caches()
     if device.type == "cuda" and torch.cuda.memory_reserved(device) > RESERVED_KEEP:
         torch.cuda.empty_cache()
 
@@ -834,7 +827,7 @@ def fuzz(seed: int, device: torch.device, minutes: float | None, cases: int | No
     memory = _Memory(device)
     variants: set[tuple] = set()
     cold, slowest = 0, []
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
     while (cases is None or done < cases) and (deadline is None or time.monotonic() < deadline):
         case_seed = master.getrandbits(64)
         t0 = time.monotonic()
@@ -884,7 +877,7 @@ def warmup(device: torch.device, jobs: int, minutes: float | None = None,
         results, unfinished = _run_workers(seeds, device, jobs, deadline)
     failures = [_failure(draw_case(seed, device), problems, device, warmup=True)
                 for seed, problems in results.items() if problems]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
     warmed = frozenset().union(*(kernel_keys(draw_case(s, device), sms) for s in results))
     return {"seconds": round(time.monotonic() - start, 1), "cases": len(results), "chosen": len(seeds),
             "jobs": jobs, "failures": failures, "unfinished": unfinished, "kernel_variants": len(warmed),

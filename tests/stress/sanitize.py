@@ -17,8 +17,8 @@ split key lists): the tl kernels (forced with ``use_config``) and the Gluon Hopp
 enough heads that the forward's grid is not split); long and decode (short) query tiles, split-KV and its combine,
 dropout, the dense-mask path, bit masks, segment codes (pair types 0/1/2, k > 32, packs, ``[total, H, D]``),
 GQA, per-sample lengths and ``q_start``; and the block-list, segment-list and token-bit builders on their own.
-A case states which special paths it must take (a split, the Gluon passes); a spy on the launchers checks that
-it did, so the case list cannot silently drift off its target.
+A case states which special paths it must take (a split, the Gluon passes); the call's plan
+(``AttentionPlan.kernels``) says whether it did, so the case list cannot silently drift off its target.
 
 memcheck runs every group; racecheck and synccheck (slow: they track every shared-memory access and barrier)
 run a subset: the Gluon TMA/mbarrier kernels and one tl case. The Gluon groups are skipped off sm_90.
@@ -50,7 +50,6 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -306,38 +305,6 @@ def selected_cases(group: str, only: tuple[str, ...] | None) -> list[SanCase]:
 # The child: run a group's cases (on the GPU, under the sanitizer or not)
 
 
-@contextlib.contextmanager
-def _spies(taken: set[str], device: Any) -> Iterator[None]:
-    """Record in ``taken`` what the calls' plans chose: "split" (a forward with split key lists), "gluon-fwd",
-    "gluon-dq", "gluon-dkdv" (the Gluon kernel of that pass)."""
-    from mmsparse.attention import backward, forward
-
-    def forward_kernels(plan: Any) -> None:
-        if plan.forward.n_splits > 1:
-            taken.add("split")
-        if plan.forward.gluon:
-            taken.add("gluon-fwd")
-
-    def backward_kernels(plan: Any) -> None:
-        taken.update(tag for tag, on in (("gluon-dq", plan.dq.gluon), ("gluon-dkdv", plan.dkdv.gluon)) if on)
-
-    patches = [(forward, forward_kernels), (backward, backward_kernels)]
-    reals = [module.plan_attention for module, _ in patches]
-    for (module, read), real in zip(patches, reals):
-
-        def spy(*args: Any, _real: Any = real, _read: Any = read, **kwargs: Any) -> Any:
-            plan = _real(*args, **kwargs)
-            _read(plan)
-            return plan
-
-        module.plan_attention = spy
-    try:
-        yield
-    finally:
-        for (module, _), real in zip(patches, reals):
-            module.plan_attention = real
-
-
 def _tl_config(head_dim: int, dtype: Any, device: Any, use_tma: bool) -> Any:
     """This device's tiles with every Gluon kernel off (the tl kernels at the same tiles)."""
     from mmsparse.attention import config
@@ -352,11 +319,24 @@ def _tl_config(head_dim: int, dtype: Any, device: Any, use_tma: bool) -> Any:
                    decode=tl(cfg.decode), use_tma=cfg.use_tma and use_tma)
 
 
-def _run_attention(case: SanCase, path: str, device: Any) -> None:
+def taken_paths(plan: Any) -> set[str]:
+    """What a call's plan runs, in the cases' terms: "split" (a forward with split key lists), "gluon-fwd",
+    "gluon-dq", "gluon-dkdv" (the Gluon kernel of that pass)."""
+    kernels = plan.kernels()
+    taken = {"split"} if kernels["forward"] == "tl-split" else set()
+    taken.update(f"gluon-{tag}" for tag, name in (("fwd", "forward"), ("dq", "dq"), ("dkdv", "dkdv"))
+                 if kernels[name] == "gluon")
+    return taken
+
+
+def _run_attention(case: SanCase, path: str, device: Any) -> Any:
+    """Forward and backward of ``case``; returns the call's plan (:func:`mmsparse.attention.plan.plan_attention`
+    with the call's shapes, tiles and dropout)."""
     import torch
 
     import mmsparse
     from mmsparse.attention import config
+    from mmsparse.attention.plan import plan_attention
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
@@ -384,6 +364,10 @@ def _run_attention(case: SanCase, path: str, device: Any) -> None:
     context = (config.use_config(_tl_config(case.head_dim, dtype, device, case.use_tma)) if path == "tl"
                else contextlib.nullcontext())
     with context:
+        # A pack runs as one sample of all its tokens ([1, H, total, D]), its mean sample length picking the tile.
+        plan = plan_attention(config.kernel_config(case.head_dim, dtype, device), 1 if case.packed else batch, heads,
+                              kv_heads, seq_q, seq_k, device, seq_k // len(rows) if case.packed else None,
+                              case.dropout > 0)
         if case.packed:
             out = mmsparse.mbs_attention_varlen(q, k, v, topo_arg, rows, causal=case.causal, dropout_p=case.dropout)
         elif case.dense:
@@ -401,6 +385,7 @@ def _run_attention(case: SanCase, path: str, device: Any) -> None:
     for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         if not bool(torch.isfinite(t).all()):
             raise AssertionError(f"{name} has {int((~torch.isfinite(t)).sum())} non-finite values")
+    return plan
 
 
 def _sync(device: Any) -> None:
@@ -467,11 +452,11 @@ def _run_cases(group: str, only: tuple[str, ...] | None, spec: Any, device: Any)
         start = time.monotonic()
         taken: set[str] = set()
         try:
-            with _spies(taken, device), lists_layout(case.packed_lists):
+            with lists_layout(case.packed_lists):
                 if case.kind == "lists":
                     _run_lists(case, device)
                 else:
-                    _run_attention(case, spec.path, device)
+                    taken = taken_paths(_run_attention(case, spec.path, device))
             missing = case.expect - taken
             stray = {t for t in taken if t.startswith("gluon")} if spec.path == "tl" else set()
             if missing or stray:

@@ -48,6 +48,7 @@ from mmsparse import TritonMBSAttnKernel, functional
 from mmsparse.nn import MultimodalSelfAttention
 
 TOPIC = "soak"
+# A leak detector: it reads the package's private caches on purpose, to watch them grow.
 # The default warm-up fills the mask cache (one new key a step) twice over before the verdict's window opens.
 MIN_WARMUP = 2 * functional._INFO_CACHE_SIZE
 CACHE_TOL, CACHE_SLACK = 0.10, 2  # a cache's allowed growth after warm-up: relative, or entries if more

@@ -234,20 +234,24 @@ def test_reference_runs_without_autograd(device, monkeypatch):
 
 
 def test_kernel_keys():
-    """The warm-up's model of what compiles: the menu's fields split the variants, lengths do not; a long half-
-    precision case on many programs takes the Gluon forward, with dropout or split key lists the tl one."""
+    """The warm-up's model of what compiles, from the plan for an H100: the menu's fields split the variants,
+    lengths do not; a long half-precision case on many programs takes the Gluon forward, with dropout or split key
+    lists the tl one; the list builders' variants are the tiles the passes read."""
     case = fuzz.Case(1, "bf16", 64, 4, 2, 8, 3, "iid", "01", 1, [[4000, 4000, 192]], 8192, 8192, None, False,
                      False, False, 0.0)
     keys = fuzz.kernel_keys(case)
     fwd = next(k for k in keys if k[0] == "fwd")
-    assert fwd[-1] is True and ("bit lists", 4, False, 64, "long", False, False) in keys
+    assert fwd[-1] is True and (fwd[-3].block_m, fwd[-3].block_n) == (128, 128)  # the Gluon forward's D=64 tile
+    lists = {k[2:] for k in keys if k[0] == "bit lists" and k[1] == 4}  # 3 segments: 4 bits
+    assert lists == {(128, 128, False, False), (64, 128, True, False), (128, 64, False, False)}  # fwd, dK/dV, dQ
     assert fuzz.kernel_keys(dataclasses.replace(case, seg_lens=[[10, 4000, 4182]])) == keys
     assert not next(k for k in fuzz.kernel_keys(dataclasses.replace(case, dropout_p=0.1)) if k[0] == "fwd")[-1]
     one = dataclasses.replace(case, batch=1, heads_q=2, heads_kv=2, seq_q=4096, seq_k=4096)
     assert ("combine", 64) in fuzz.kernel_keys(one)  # 32 x 2 programs: split key lists, not Gluon
     assert not next(k for k in fuzz.kernel_keys(one) if k[0] == "fwd")[-1]
     decode = dataclasses.replace(case, seq_q=9)
-    assert next(k for k in fuzz.kernel_keys(decode) if k[0] == "fwd")[-3:] == ("decode", 32, False)
+    tile, pack, gluon = next(k for k in fuzz.kernel_keys(decode) if k[0] == "fwd")[-3:]
+    assert (tile.block_m, tile.block_n, pack, gluon) == (16, 64, 32, False)  # 2 x 9 rows packed into 32
     for other in (dict(dtype="fp16"), dict(head_dim=128), dict(heads_q=2), dict(causal=True)):
         assert fuzz.kernel_keys(dataclasses.replace(case, **other)) != keys
 

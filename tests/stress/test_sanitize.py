@@ -324,11 +324,29 @@ def test_driver_stops_when_the_sanitizer_cannot_run(monkeypatch, tmp_path, capsy
 
 @pytest.mark.parametrize("group, case", [("tl-codes", "codes-pack50-causal"), ("tl-dropout", "dropout-decode-split"),
                                          ("builders", "lists-codes")])
-def test_a_case_runs_in_the_interpreter(device, capsys, group, case):
+def test_a_case_runs_in_the_interpreter(device, capsys, monkeypatch, group, case):
     """The child's code on the CPU (Triton's interpreter, no sanitizer): a case runs, forward and backward, and
-    takes the paths it says (the interpreter splits grids under 8 programs)."""
+    takes the paths it says (the interpreter splits grids under 8 programs); the plan the child reads them from is
+    the one the call's forward and backward launchers plan."""
     if device.type != "cpu":
         pytest.skip("the GPU runs python -m tests.stress.sanitize")
+    from mmsparse.attention import backward, forward, plan
+
+    plans = []
+    for module in (plan, forward, backward):  # the child asks mmsparse.attention.plan; the launchers their own name
+        real = module.plan_attention
+
+        def spy(*args, _real=real, _where=module.__name__, **kwargs):
+            plans.append((_where, _real(*args, **kwargs)))
+            return plans[-1][1]
+
+        monkeypatch.setattr(module, "plan_attention", spy)
     assert sanitize.main(["--child", "--group", group, "--only", case, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert f"CASE {case} ok" in out and "DONE 1 cases, 0 failed" in out
+    if group != "builders":
+        asked = [p for where, p in plans if where == plan.__name__]
+        called = [p for where, p in plans if where != plan.__name__]
+        assert len(asked) == 1 and len(called) == 2, plans
+        assert all(p == asked[0] for p in called)
+        assert f"{sorted(sanitize.taken_paths(asked[0]))}" in out

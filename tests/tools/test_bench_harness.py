@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import mmsparse
-from benchmarks.baselines import Impl
 from benchmarks.cases import Case
 from benchmarks.configs import CYCLIC, HUB, TINY
 from benchmarks.env import gpu_slug
 from benchmarks.flex_mask import flex_mask_mod, segment_ids
+from benchmarks.impl import Impl
 from benchmarks.report import write_record
 from benchmarks.run import parse_args
 from benchmarks.runner import base_row, finish_row, time_round
