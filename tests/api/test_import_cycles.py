@@ -1,6 +1,7 @@
 """No import cycle anywhere in the repository: between the modules of mmsparse/, benchmarks/, tools/ and tests/,
-no module imports itself through others. Imports inside functions and under ``TYPE_CHECKING`` count too (a cycle
-that only type checking walks still ties two modules together).
+no module imports itself through others; and benchmarks/ imports neither tools/ nor tests/. Imports inside
+functions and under ``TYPE_CHECKING`` count too (a cycle that only type checking walks still ties two modules
+together).
 
 Read from the source with ``ast``, so nothing is imported to check it. A module's edges go to the modules it names
 (``from a import b`` names the module ``a.b`` when there is one, else ``a``); the parent packages Python runs on
@@ -95,6 +96,13 @@ def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles (break each, e.g. by moving what both need into a module of its own):\n" + (
         "\n".join(" <-> ".join(c) for c in found))
+
+
+def test_the_benchmark_imports_no_tool():
+    """The dependencies run one way: tools/ and the stress tools use the benchmark's harness, never the reverse."""
+    upward = sorted(f"{module} imports {target}" for module, targets in import_graph().items()
+                    if module.startswith("benchmarks") for target in targets if target.startswith(("tools", "tests")))
+    assert not upward, "\n".join(upward)
 
 
 def test_the_check_sees_a_cycle(tmp_path):

@@ -1,4 +1,5 @@
-"""The built wheel: numpy declared (Triton's interpreter imports it), the license and py.typed shipped."""
+"""The built wheel: numpy declared (Triton's interpreter imports it), the license and py.typed shipped, and nothing
+but the package: not the benchmark, the developer tools or the tests, though they are packages beside it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_wheel_declares_numpy_and_ships_license_and_py_typed(tmp_path):
     # A copy of what the build reads, so that its build/ and egg-info land in tmp_path, not in the checkout; no build
     # isolation: the installed setuptools builds it, offline.
     src = tmp_path / "src"
-    shutil.copytree(REPO / "mmsparse", src / "mmsparse", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("mmsparse", "benchmarks", "tools", "tests"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "results"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
@@ -32,6 +34,7 @@ def test_wheel_declares_numpy_and_ships_license_and_py_typed(tmp_path):
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         license_text = z.read(next(n for n in names if n.endswith("/LICENSE"))).decode()
     assert "mmsparse/py.typed" in names
+    assert {n.split("/")[0] for n in names} == {"mmsparse", wheel.name.split("-py")[0] + ".dist-info"}, names
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.startswith("numpy") for r in requires), requires
