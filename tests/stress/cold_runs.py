@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks.arguments import at_least_one
-from benchmarks.env import environment, results_dir
+from benchmarks.env import REPO_DIR, environment, results_dir
 
 CODES5 = ((2, 0, 0, 0, 0), (1, 1, 0, 0, 0), (2, 1, 2, 0, 0), (1, 1, 1, 1, 0), (2, 0, 2, 0, 2))
 CYCLIC = ((0, 1, 0), (0, 0, 1), (1, 0, 0))
@@ -149,7 +149,7 @@ def run_child(cfg: ColdConfig, seed: int, device_name: str, timeout: float) -> C
     cmd = [sys.executable, "-m", "tests.stress.cold_runs", "--child", cfg.name, "--seed", str(seed),
            "--device", device_name]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+                            cwd=REPO_DIR)
     start = time.monotonic()
 
     def wait() -> RunResult:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.arguments import at_least_one
+from benchmarks.env import REPO_DIR
 
 DEFAULT_CONFIGS = "mm13k_cyclic,mm13k_hub,mm13k_hub_causal"
 ERROR_LINES = 5  # lines of a failed child's stderr kept in its report
@@ -178,8 +179,7 @@ def run(args: argparse.Namespace) -> tuple[list[ChildReport], dict[str, Any]]:
     env = dict(os.environ)
     if args.gluon == "off":
         env["MMSPARSE_GLUON"] = "0"
-    repo = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
     base = [sys.executable, "-m", "tests.stress.shared_gpu", "--child", "--configs", args.configs, "--device",
             args.device]
     roles = [role_of(args.mode, i) for i in range(args.procs)]
