@@ -95,13 +95,19 @@ def import_graph(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dic
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles (break each, e.g. by moving what both need into a module of its own):\n" + (
-        "\n".join(" <-> ".join(c) for c in found))
+        "\n".join(" <-> ".join(c) for c in found)
+    )
 
 
 def test_the_benchmark_imports_no_tool():
     """The dependencies run one way: tools/ and the stress tools use the benchmark's harness, never the reverse."""
-    upward = sorted(f"{module} imports {target}" for module, targets in import_graph().items()
-                    if module.startswith("benchmarks") for target in targets if target.startswith(("tools", "tests")))
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith("benchmarks")
+        for target in targets
+        if target.startswith(("tools", "tests"))
+    )
     assert not upward, "\n".join(upward)
 
 
