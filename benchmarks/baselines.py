@@ -24,7 +24,6 @@ import os
 import re
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -38,6 +37,7 @@ from .configs import BenchConfig
 from .devices import allocated, device_alive, free_memory, sync
 from .errors import DeviceLost, Skip, short_error
 from .flex_mask import flex_mask_mod, packed_ids, segment_ids
+from .impl import Impl, TensorFn
 from .timing import Timing
 
 IMPLS = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash")
@@ -49,18 +49,6 @@ FLASH_BLOCK = 128  # FLASH's sparse block size is fixed: its BlockMask must be b
 FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the wheels script targets it)
 FLASH_ARCH = (9, 0)  # the FlashAttention-4 kernels this benchmark compares with are Hopper's
 FLASH_SETUP_HINT = "wheels: ../shared/tools/flex-flash-wheels.sh"
-
-TensorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Impl:
-    fn: TensorFn  # (q, k, v) -> out, autograd-capable
-    reference: str = "topology"  # the mask kind its output must match
-    build_ms: float | None = None
-    state_mib: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # extra row keys (backend, tiles, ...)
-
 
 def _build_state(case: Case, timing: Timing, build: Callable[[], Any]) -> tuple[Any, float | None, float]:
     """Build once (keeping the result), report the memory it holds, then time fresh builds."""
@@ -105,13 +93,8 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     ``build_mask_info`` with ``[1, k]`` lengths (a tensor is never cached) + the block lists of every kernel; for a
     pack what ``mbs_attention_varlen`` does, ``packed_lens_tensor`` + ``MaskInfo.from_segments(packed=True)``, + the
     block lists."""
+    from mmsparse.attention.kernel_args import prepare
     from mmsparse.functional import build_mask_info
-
-    try:
-        from mmsparse.attention.kernel_args import prepare
-    except ImportError:  # an A/B side from before mmsparse.attention.kernel_args: MaskInfo.prepare took the config
-        def prepare(info: Any, config: Any) -> Any:
-            return info.prepare(config)
 
     if cfg.packed:
         from mmsparse.mask.info import MaskInfo

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .cases import Case
 from .devices import device_alive
 from .errors import DeviceLost, short_error
-
-if TYPE_CHECKING:
-    from .baselines import Impl
+from .impl import Impl
 
 RTOL_OUT = 2e-2  # max |out - ref| / max |ref|: outputs here are ~1e-2 in size, so an absolute 2e-2 would pass zeros
 RTOL_GRAD = 5e-2  # the same for dq, dk, dv (bf16 backward: dS from bf16 P and dP)

@@ -5,9 +5,9 @@ GPU rows, B=1, D=128, bf16:
 | name | layout | topology | Hq / Hkv |
 |---|---|---|---|
 | ``mm43k_cyclic`` | (2048, 32768, 8192): the attention benchmark's config | cyclic | 8 / 8 |
-| ``hub_causal_256k`` | (16384, 196608, 49152), as :mod:`benchmarks.cp_plan` | hub, causal | 16 / 4 |
+| ``hub_causal_256k`` | (16384, 196608, 49152), as in :data:`LONG_LAYOUTS` | hub, causal | 16 / 4 |
 | ``video_256k`` | 8192 text tokens, then 64 frames of 3968 | text causal; a frame sees itself and all before | 16 / 4 |
-| ``long_1m`` | (8192, 786432, 253952), as :mod:`benchmarks.cp_plan` | hub, causal | 16 / 4 |
+| ``long_1m`` | (8192, 786432, 253952), as in :data:`LONG_LAYOUTS` | hub, causal | 16 / 4 |
 
 ``pairs_dropout`` is the dropout check's problem: five segments whose pairs are NONE, FULL and CAUSAL (CAUSAL pairs
 to an earlier segment, to itself and to a later one), ragged lengths, dropout 0.1. The ``tiny_*`` problems run on
@@ -19,7 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configs import CONFIGS, CYCLIC, HUB, video_layout
-from .cp_plan import CONFIGS as PLAN_CONFIGS
+
+# The long-sequence layouts of context parallelism, name: (topology, seg_lens, causal); the developer tools
+# tools.cp_plan, cp_model and cp_local read them too. ``cyclic_43k`` is not the attention benchmark's
+# ``mm43k_cyclic`` (2048, 32768, 8192).
+LONG_LAYOUTS = {
+    "cyclic_43k": (CYCLIC, (4096, 24576, 14336), False),
+    "hub_causal_256k": (HUB, (16384, 196608, 49152), True),
+    "long_1m": (HUB, (8192, 786432, 253952), True),
+}
 
 # Five segments (text, image, text, image, audio): 0 none, 1 full, 2 causal (keys at or before the query).
 PAIRS5 = (
@@ -88,7 +96,7 @@ class CPCase:
 
 
 def _plan(name: str, heads_q: int, heads_kv: int, reps: int, warmup: int) -> CPCase:
-    topology, seg_lens, causal = PLAN_CONFIGS[name]
+    topology, seg_lens, causal = LONG_LAYOUTS[name]
     return CPCase(name, topology, seg_lens, causal, 1, heads_q, heads_kv, 128, reps, warmup)
 
 

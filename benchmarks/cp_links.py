@@ -1,6 +1,6 @@
 """The links between the ranks, measured where the context-parallel rows are: all-gather bus bandwidth at a large
 message (as nccl-tests reports it) and the send/recv bandwidth from rank 0 to rank 1 (one direction, the others
-idle): the bandwidth per direction that :mod:`benchmarks.cp_model` takes."""
+idle): the bandwidth per direction that :mod:`benchmarks.cp_traffic` takes."""
 
 from __future__ import annotations
 

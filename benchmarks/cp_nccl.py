@@ -14,12 +14,12 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
     ``one_gpu_step_ms``: the whole problem's step on one GPU, timed in the same run by every rank on its own GPU at
     the same time (rank 0's median; every rank's in ``one_gpu_step_ms_ranks``); speedup = one_gpu / step;
   - **overlap** (``mmsparse_cp``): the local attention of the rank's pieces alone (``compute_ms``, the gathered K/V
-    already there, as ``cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward and
+    already there, as ``tools.cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward and
     again for the backward, dK/dV returned), ``hidden_ms`` = compute + exchange - step, and ``hidden_fraction``,
     its share of the exchange;
   - **bytes** each rank sent and received in one step (``ContextParallel.bytes_sent`` / ``bytes_received``) against
-    the plan's prediction (:func:`.cp_model.rank_bytes`); the all-gather baseline's are computed;
-  - **model**: :func:`.cp_model.predicted_speedup` from this run's one-GPU step and send/recv bandwidth;
+    the plan's prediction (:func:`.cp_traffic.rank_bytes`); the all-gather baseline's are computed;
+  - **model**: :func:`.cp_traffic.predicted_speedup` from this run's one-GPU step and send/recv bandwidth;
 - **dropout with pair types** (:mod:`.cp_dropout`): the ranks draw the single-GPU mask bit for bit.
 
 Writes ``DIR/cp_nccl.{json,md}`` (default ``benchmarks/results/<gpu>/``), merged by (config, GPUs) with the rows
@@ -46,13 +46,12 @@ import torch.distributed as dist
 
 import mmsparse  # before triton: without CUDA it turns on Triton's interpreter
 from mmsparse.distributed import ContextParallel
-from mmsparse.distributed.context_parallel import _return_kv_grads, _start_gather_kv
 
 from . import cp_dist, cp_dropout, cp_links, cp_record
 from .cp_allgather import AllGatherCP
 from .cp_cases import ALL_CASES, CASES, DROPOUT_CASE, TINY_DROPOUT_CASE, CPCase
-from .cp_local import RankInputs, local_backward, local_forward
-from .cp_model import predicted_speedup, rank_bytes
+from .cp_rank import RankInputs, local_backward, local_forward
+from .cp_traffic import predicted_speedup, rank_bytes
 from .env import environment, results_dir
 from .report import log
 
@@ -133,7 +132,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
 
     q, k, v = (t.detach() for t in leaves)
-    k_g, v_g = _start_gather_kv(cp, k, v)()
+    k_g, v_g = cp.fetch_kv(k, v)
     x = RankInputs(q, k, v, dout, k_g, v_g)
     scale = case.head_dim**-0.5
 
@@ -145,9 +144,9 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     dkv_g = torch.zeros((case.batch, 2 * case.heads_kv, *k_g.shape[2:]), dtype=torch.float32, device=device)
 
     def exchange() -> None:
-        _start_gather_kv(cp, k, v)()
-        _start_gather_kv(cp, k, v)()
-        _return_kv_grads(cp, dkv_g, dkv_l)
+        cp.fetch_kv(k, v)
+        cp.fetch_kv(k, v)
+        cp.return_kv_grads(dkv_g, dkv_l)
 
     row["compute_ms"], row["compute_ms_ranks"] = _timed(compute, case, device, args)
     row["exchange_ms"], row["exchange_ms_ranks"] = _timed(exchange, case, device, args)

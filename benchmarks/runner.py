@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-from .baselines import SETUPS, Impl
+from .baselines import SETUPS
 from .cases import Case
 from .check import check
 from .configs import BenchConfig, live_pairs
 from .devices import device_alive, free_memory, sync
 from .env import REPO_DIR
 from .errors import DeviceLost, Skip, short_error
+from .impl import Impl
 from .report import check_line, log, loud_fail, progress_line
 from .timing import Timing
 

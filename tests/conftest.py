@@ -1,15 +1,22 @@
 """Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
 NaN-poisoned outputs, the ``device`` fixture, and the skips of the ``gpu``, ``hopper`` and ``large`` markers.
 
-Where the tests are:
-  unit/         one piece at a time, mostly without attention kernels: block lists in torch, the context-parallel
-                plan, the references, launch keys, input errors and limits, the package's import layers
-  kernels/      the Triton and Gluon kernels against the float64 reference: attention, block lists, token bits,
-                dropout, decoding, launch plans, the Hopper kernels, GPU-only and past-2^31 sizes
-  integration/  the public entry points end to end: arguments, real batches, nn and Hugging Face layers, the CLI,
-                context parallelism, examples, the README's blocks, the fuzzer, the A/B tool, packaging
-helpers.py holds what several modules share (topologies, cases, the float64 checks); no test module imports
-another."""
+Where the tests are (they mirror the package; no test file sits at the root of tests/):
+  mask/         mmsparse/mask: lengths, segment codes, the torch tile classes, the list builders and token bits
+                against their torch references
+  kernels/      the Triton and Gluon kernels against the float64 reference: attention, pair types, dropout,
+                decoding, launch plans and keys, streams, the Hopper kernels and their PTX, GPU-only and past-2^31
+                sizes
+  api/          the public entry points end to end: arguments, input errors and limits, real batches, nn and
+                Hugging Face layers, the CLI, torch.compile, pickling, threads, the references; and the repository
+                as a whole: import layers and cycles, this layout, packaging, the README's and docs' blocks and links
+  distributed/  context parallelism: the plan, and ContextParallel against one process
+  tools/        the benchmark (benchmarks/) and the developer tools (tools/): harness, configs, baselines, A/B,
+                ncu tables, the context-parallel model, local timings and multi-GPU runs (on CPU where they can)
+  stress/       the stress tools themselves (fuzz, sanitize, soak, shared_gpu, cold_runs; README.md there) and
+                their CPU smoke tests, marked ``stress``
+helpers.py holds what several modules share (topologies, cases, the float64 checks), poison.py the NaN-poisoned
+``torch.empty`` (shared with the stress tools); no test module imports another."""
 
 import os
 
@@ -18,45 +25,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import functools  # noqa: E402
-
 import pytest  # noqa: E402
 
-# Devices the kernels write: CUDA, and the CPU under Triton's interpreter.
-_KERNEL_DEVICES = ("cuda", "cpu")
-
-
-def _poisoned(empty):
-    """``torch.empty`` whose floating result starts as NaN and integer result as -1 (all bits set), so an element
-    a kernel forgets to write shows up instead of passing as leftover memory. Tensor subclasses (fake, functional
-    tensors), other devices, empty results and tracing under torch.compile are left alone."""
-
-    @functools.wraps(empty)
-    def wrapper(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        if torch.compiler.is_compiling():  # first: nothing below gets traced
-            return out
-        if type(out) is not torch.Tensor or not out.numel() or out.device.type not in _KERNEL_DEVICES:
-            return out
-        if out.dtype.is_floating_point:
-            out.fill_(float("nan"))
-        elif out.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
-            out.fill_(-1)
-        return out
-
-    return wrapper
+from tests.poison import poisoned_empty  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def poison_empty():
-    """Every ``torch.empty`` of the test session is poisoned (see ``_poisoned``); the launchers allocate their
-    outputs with it."""
-    original = torch.empty
-    torch.empty = _poisoned(original)
-    try:
+    """Every ``torch.empty`` of the test session is NaN-poisoned (``tests/poison.py``)."""
+    with poisoned_empty():
         yield
-    finally:
-        torch.empty = original
 
 
 @pytest.fixture(scope="session")

@@ -154,15 +154,31 @@ def cuda_index(device: torch.device) -> int:
 
 @functools.cache
 def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> KernelConfig:
-    cfg = _cuda_config(head_dim_pad)
-    if torch.cuda.get_device_capability(device_index)[0] < 9:  # no TMA before Hopper
+    half = dtype in (torch.float16, torch.bfloat16)
+    gluon = half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index)
+    return cuda_kernel_config(head_dim_pad, dtype, torch.cuda.get_device_capability(device_index), gluon)
+
+
+HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
+
+
+@functools.cache
+def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = HOPPER,
+                       gluon: bool = True) -> KernelConfig:
+    """The tiles and thresholds of a CUDA GPU of compute ``capability`` (an H100 or H200 by default), with the
+    Gluon kernels where ``gluon`` (they run on sm_90 with Triton's Gluon API), without asking a device: for tools
+    that model that GPU on a machine without it. A call on a GPU gets :func:`kernel_config` (its device's, and
+    ``use_config``'s overrides)."""
+    d_pad = head_dim_pad(head_dim)
+    cfg = _cuda_config(d_pad)
+    if capability[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index):
-        cfg = replace(cfg, fwd=_GLUON_FWD[head_dim_pad], fwd_short=cfg.fwd_short or cfg.fwd,
-                      fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(head_dim_pad),
-                      bwd_dkdv=_GLUON_DKDV[head_dim_pad], bwd_dq=_GLUON_DQ[head_dim_pad],
-                      bwd_dq_short=cfg.bwd_dq if head_dim_pad in _GLUON_DQ_LONG_ONLY else None)
+    if half and d_pad in _GLUON_FWD and gluon:
+        cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
+                      fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
+                      bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
+                      bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,

@@ -71,7 +71,7 @@ class AttentionPlan:
 @functools.lru_cache(maxsize=1024)
 def plan_attention(
     config: KernelConfig, batch: int, num_heads: int, num_kv_heads: int, seq_q: int, seq_k: int,
-    device: torch.device, sample_len: int | None = None, dropout: bool = False,
+    device: torch.device, sample_len: int | None = None, dropout: bool = False, sms: int | None = None,
 ) -> AttentionPlan:
     """The plan of a call with q ``[batch, num_heads, seq_q, D]`` over k/v ``[batch, num_kv_heads, seq_k, D]`` on
     ``device``, with the tiles of ``config`` (:func:`mmsparse.attention.config.kernel_config` of D, dtype and device).
@@ -80,6 +80,8 @@ def plan_attention(
         sample_len: tokens per sample of a pack on average (None: not a pack): short samples take their own
             forward tile.
         dropout: dropout is on (the Gluon kernels have none: their passes run the tl kernels at the same tiles).
+        sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
+            (with :func:`mmsparse.attention.config.cuda_kernel_config`).
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -93,7 +95,7 @@ def plan_attention(
     else:
         block_m, num_warps = tile.block_m, tile.num_warps
         row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
-    n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device)
+    n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device, sms)
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
@@ -118,11 +120,15 @@ def gqa_pack_rows(group: int, seq_q: int, block_m: int, decode_max_q: int = Kern
     return max(block_m, 1 << (rows - 1).bit_length())
 
 
-def num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
+def num_splits(programs: int, key_blocks: int, device: torch.device, sms: int | None = None) -> int:
     """How many programs share one row block's key list (flash-decoding): only when the grid is too small to
     fill the GPU (a few queries over a long cache), each split keeping at least 4 key blocks. Through the
-    interpreter the bar is 8 programs and 1 block, so that the CPU tests exercise splits and the combine."""
-    target, min_blocks = (2 * sm_count(device), 4) if device.type == "cuda" else (8, 1)
+    interpreter the bar is 8 programs and 1 block, so that the CPU tests exercise splits and the combine.
+    ``sms``: the GPU's multiprocessors (None: ``device``'s)."""
+    if device.type == "cuda":
+        target, min_blocks = 2 * (sms if sms is not None else sm_count(device)), 4
+    else:
+        target, min_blocks = 8, 1
     if programs >= target:
         return 1
     return max(1, min(cdiv(target, programs), key_blocks // min_blocks))

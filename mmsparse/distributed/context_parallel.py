@@ -121,6 +121,29 @@ class ContextParallel(RankProblem):
             dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
         return _Attention.apply(q, k, v, self, scale, dropout_p, seed)
 
+    def fetch_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exchange of the attention alone, for timing it: the K and V of every chunk this rank's queries see,
+        fetched from their owners point to point (this rank serving its own to the others), in sequence order.
+
+        Args:
+            k, v: ``[B, Hkv, S_local, D]``, this rank's tokens. Every rank of the group must call it.
+        Returns:
+            ``(k_gathered, v_gathered)``, ``[B, Hkv, S_gathered, D]`` each.
+        """
+        return _start_gather_kv(self, k, v)()
+
+    def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
+        """The backward's return of dK/dV alone, for timing it: each fetched chunk's gradient goes to its owner,
+        which sums the contributions to its chunks in rank order.
+
+        Args:
+            dkv_gathered: float32 ``[B, 2 Hkv, S_gathered, D]`` (K's heads, then V's) of the fetched keys;
+            dkv_local: float32 ``[B, 2 Hkv, S_local, D]`` of this rank's own keys. Every rank must call it.
+        Returns:
+            The summed dK/dV of this rank's keys, ``[B, 2 Hkv, S_local, D]``.
+        """
+        return _return_kv_grads(self, dkv_gathered, dkv_local)
+
 
 def _process_group(group: Any) -> Any:
     if group is None:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-from helpers import CYCLIC, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
+from tests.helpers import CYCLIC, check_against_reference, check_outputs, make_qkv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [16, 40, 64, 128]

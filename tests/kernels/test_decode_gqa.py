@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.attention.plan import gqa_pack_rows
 from mmsparse.functional import new_dropout_seed
+from tests.helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 
 def test_pack_rows():

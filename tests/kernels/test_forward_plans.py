@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HUB, check_against_reference, make_qkv
 
 from mmsparse import clear_caches, mbs_attention
 from mmsparse.attention.kernel_args import kernel_args
 from mmsparse.functional import build_mask_info
 from mmsparse.runtime import launch
+from tests.helpers import HUB, check_against_reference, make_qkv
 
 LENS = (5, 9, 7)
 S = sum(LENS)

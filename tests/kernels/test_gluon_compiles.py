@@ -2,8 +2,8 @@
 
 Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release
 renamed, or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant
-is then read for barrier lifetimes (``tests/ptx_barriers.py``): every barrier a variant initialises is invalidated,
-and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
+is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every barrier a variant initialises is
+invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
 allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
 crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
 a variant uses are initialised (the ping-pong turns only with PINGPONG).
@@ -111,7 +111,7 @@ def test_gluon_kernels_compile_for_sm90(ptx_dir):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
-    from ptx_barriers import check_barrier_lifetimes
+    from tests.kernels.ptx_barriers import check_barrier_lifetimes
 
     out, proc = ptx_dir
     path = out / f"{variant.name}.ptx"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CYCLIC, FOUR, HUB, check_against_reference, make_qkv
 
 from mmsparse import mbs_attention
 from mmsparse.attention import backward
@@ -15,6 +14,7 @@ from mmsparse.kernels.tl.block_lists import block_lists_kernel, block_summary_ke
 from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
 from mmsparse.kernels.tl.token_bits import token_bits_kernel
 from mmsparse.runtime.launch import compiled_variants
+from tests.helpers import CYCLIC, FOUR, HUB, check_against_reference, make_qkv
 
 pytestmark = pytest.mark.gpu
 

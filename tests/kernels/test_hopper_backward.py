@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config
 from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_config
 from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
+from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 import torch
 import triton
-from helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config, dispatch, forward, plan
@@ -19,6 +18,7 @@ from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_con
 from mmsparse.attention.dispatch import hopper_gluon_available
 from mmsparse.attention.dropout import dropout_keep_mask
 from mmsparse.functional import new_dropout_seed
+from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CYCLIC, HUB
 
 from mmsparse import mbs_attention
 from mmsparse.attention import config, dispatch
@@ -21,6 +20,7 @@ from mmsparse.attention.dropout import dropout_keep_rows
 from mmsparse.functional import new_dropout_seed
 from mmsparse.mask.topology import Topology, segment_ids
 from mmsparse.reference import reference_group_rows
+from tests.helpers import CYCLIC, HUB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.large]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HUB, make_qkv
 
 from mmsparse import CAUSAL
 from mmsparse.attention.backward import mbs_attn_bwd
@@ -15,6 +14,7 @@ from mmsparse.attention.kernel_args import kernel_args
 from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.mask import info as mask_info
+from tests.helpers import HUB, make_qkv
 
 PAIR_TYPES = [[CAUSAL, 1, 0], [0, CAUSAL, 1], [1, 0, 1]]
 

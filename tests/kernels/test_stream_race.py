@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_outputs, make_qkv
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import backward
 from mmsparse.attention.config import SHORT_KEYS, KernelConfig, Tile, use_config
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
+from tests.helpers import check_outputs, make_qkv
 
 SLEEP_CYCLES = 1 << 28  # ~0.15-0.2 s at GPU clocks: far longer than building the lists and queueing the passes
 CODES = [[2, 0, 0, 0, 0], [1, 1, 0, 0, 0], [2, 1, 2, 0, 0], [1, 1, 1, 1, 0], [2, 0, 2, 0, 2]]  # pair types

@@ -1,0 +1,30 @@
+"""What the context-parallel plan predicts for one forward and backward step: the bytes each rank moves and the
+speedup over one GPU at a link bandwidth. ``cp_nccl`` holds its measurements against them; ``tools.cp_model``
+tabulates them for the long-sequence layouts."""
+
+from __future__ import annotations
+
+
+def exchange_bytes(summary: dict) -> float:
+    """Bytes over one direction of the busiest rank's link in a forward and backward step. Inbound: the K/V it
+    fetches, twice, and the float32 dK/dV of its own chunks coming back (twice the bytes of what it serves);
+    outbound mirrors it, so each direction carries 2 * (received + served)."""
+    return max(2 * (recv + sent) for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
+
+
+def predicted_speedup(summary: dict, one_gpu_s: float, bandwidth: float) -> tuple[float, float]:
+    """(exchange not overlapped, fully overlapped) speedup over one GPU that runs every live pair in
+    ``one_gpu_s``: the busiest rank's share of that time, and the exchange (:func:`exchange_bytes`) at
+    ``bandwidth`` bytes/s per direction."""
+    compute = one_gpu_s * max(summary["live_pairs"]) / sum(summary["live_pairs"])
+    moved = exchange_bytes(summary) / bandwidth
+    return one_gpu_s / (compute + moved), one_gpu_s / max(compute, moved)
+
+
+def rank_bytes(summary: dict, rank: int, kv_bytes_per_token: int, dkv_bytes_per_token: int) -> tuple[int, int]:
+    """(sent, received) bytes of ``rank`` in one forward and backward step under the plan (``summary`` with
+    ``kv_bytes_per_token=1``: tokens). Received: the K/V it fetches, twice (the backward fetches again), and the
+    dK/dV of the tokens it serves; sent: the K/V it serves, twice, and the dK/dV of the tokens it fetched."""
+    fetched, served = summary["recv_bytes"][rank], summary["sent_bytes"][rank]
+    return (2 * served * kv_bytes_per_token + fetched * dkv_bytes_per_token,
+            2 * fetched * kv_bytes_per_token + served * dkv_bytes_per_token)

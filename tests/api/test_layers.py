@@ -1,0 +1,114 @@
+"""The package's layers, bottom to top: a module imports only from its own layer or the ones below it. Device code
+(``kernels/``) imports nothing of the host; the mask (``mask/``) sits below the attention passes' plans, arguments
+and launchers (``attention/``) and knows none of them.
+
+Read from the source with ``ast`` (imports inside functions count too), so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import REPO
+
+PACKAGE = REPO / "mmsparse"
+
+# Bottom to top. An entry names a module, or a package and everything in it.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("kernels: device code of both dialects, the mask rule, the constants they read", ["mmsparse.kernels"]),
+    ("runtime: launches with little host work, stream keys, scratch for device-side descriptors",
+     ["mmsparse.runtime"]),
+    ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segments"]),
+    ("mask: topology and the torch block classification", [
+        "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
+    ]),
+    ("mask: the builders' launchers", [
+        "mmsparse.mask.token_bits", "mmsparse.mask.block_lists", "mmsparse.mask.segment_lists",
+    ]),
+    ("mask: the mask of a call and its block lists per tile", ["mmsparse.mask.info", "mmsparse.mask"]),
+    ("attention: limits, tiles, Gluon availability, TMA descriptors, the dropout mask for tests", [
+        "mmsparse.attention.limits", "mmsparse.attention.dispatch", "mmsparse.attention.config",
+        "mmsparse.attention.host_tma", "mmsparse.attention.dropout",
+    ]),
+    ("attention: the plan", ["mmsparse.attention.plan"]),
+    ("attention: the kernels' mask arguments", ["mmsparse.attention.kernel_args"]),
+    ("attention: the passes' launchers", [
+        "mmsparse.attention.forward", "mmsparse.attention.backward", "mmsparse.attention.gluon_launch",
+    ]),
+    ("attention: op boundary, custom ops and autograd", [
+        "mmsparse.attention.library", "mmsparse.attention.autograd", "mmsparse.attention",
+    ]),
+    ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
+    ("modules, integrations, tools", [
+        "mmsparse.qkv_module", "mmsparse.nn", "mmsparse.picture", "mmsparse.integrations", "mmsparse.distributed",
+        "mmsparse.__main__", "mmsparse",
+    ]),
+]
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _layer(module: str) -> int:
+    """Index of the layer holding ``module``: the longest entry that names it or a package above it."""
+    best, found = -1, -1
+    for i, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and len(entry) > best:
+                best, found = len(entry), i
+    assert found >= 0, f"{module} is in no layer: add it to LAYERS"
+    return found
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The mmsparse modules ``module`` imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:  # ``from . import limits`` imports a module
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {name for name in found if name == "mmsparse" or name.startswith("mmsparse.")}
+
+
+def test_every_module_has_a_layer():
+    for module in _module_names():
+        _layer(module)
+
+
+def test_no_import_points_upwards():
+    modules = _module_names()
+    upward = []
+    for module, path in sorted(modules.items()):
+        for target in sorted(_imports(module, path, set(modules))):
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
+                              f"({LAYERS[_layer(target)][0]})")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_imports(tmp_path):
+    """The parser finds relative, absolute and from-package imports (a check that sees nothing passes)."""
+    modules = _module_names()
+    known = set(modules)
+    assert "mmsparse.mask.info" in _imports("mmsparse.attention.forward", modules["mmsparse.attention.forward"], known)
+    from_package = tmp_path / "from_package.py"  # no module of the package imports a sibling module this way now
+    from_package.write_text("from . import limits\n")
+    assert "mmsparse.attention.limits" in _imports("mmsparse.attention.forward", from_package, known)
+    assert "mmsparse.functional" in _imports("mmsparse", modules["mmsparse"], known)

@@ -1,0 +1,66 @@
+"""The A/B tool (tools/ab.py): its verdict, and one real run against HEAD on a tiny config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from tools.ab_stats import config_row, paired_ratio, verdict
+
+
+def _row(name: str, base_fwd: list[float], new_fwd: list[float], equal: bool = True) -> dict:
+    both = lambda fwd: {"fwd_ms": fwd, "fwdbwd_ms": [3 * t for t in fwd]}  # bwd = 2x fwd on both sides
+    digests = {"base": {"out": "a", "dq": "b"}, "new": {"out": "a", "dq": "b" if equal else "c"}}
+    return config_row(name, both(base_fwd), both(new_fwd), digests, [])
+
+
+def test_ratio_is_the_median_of_paired_rounds():
+    assert paired_ratio([1.0, 2.0, 1.0], [1.0, 1.0, 2.0]) == 1.0  # round ratios 1, 2, 0.5
+    assert paired_ratio([], []) is None
+
+
+def test_verdict_applies_the_bar():
+    same = [_row("a", [1.0] * 3, [1.0] * 3), _row("b", [2.0] * 3, [2.0] * 3)]
+    assert verdict(same)["pass"]
+    slower = [_row("a", [1.0] * 3, [1.0] * 3), _row("b", [1.0] * 3, [1.06] * 3)]  # 0.943 < 0.95
+    v = verdict(slower)
+    assert not v["speed_ok"] and v["min_at"] in ("b fwd", "b bwd")
+    assert not verdict([_row("a", [1.0], [1.0], equal=False)])["pass"]
+    assert verdict([_row("a", [1.0], [1.0], equal=False)])["speed_ok"]
+    seed = verdict([_row("seed", [0.085] * 3, [0.0851] * 3)])  # 0.1 us slower, ratio 0.999
+    assert seed["seed_ok"] and seed["pass"]
+    assert not verdict([_row("seed", [0.085] * 3, [0.0905] * 3)])["seed_ok"]  # +5.5 us
+
+
+def _git_ok() -> bool:
+    try:
+        subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, check=True)
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+@pytest.mark.skipif(not _git_ok(), reason="needs a git checkout (the base is exported from HEAD)")
+def test_ab_runs_against_head(tmp_path):
+    """Two workers per side start, time a tiny config in two rounds (one on each worker) and compare outputs of
+    all four; on CPU the times mean nothing."""
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, "-m", "tools.ab", "--base", "HEAD", "--configs", "tiny_ab", "--rounds", "2",
+           "--workers", "2", "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    (row,) = record["configs"]
+    assert row["config"] == "tiny_ab" and row["rounds"] == 2 and row["errors"] == [] and record["workers"] == 2
+    assert row["fwd_ratio"] > 0 and row["bwd_ratio"] is not None
+    assert record["base"]["mmsparse"] != record["new"]["mmsparse"]  # two trees, two processes
+    assert Path(record["new"]["mmsparse"]) == REPO / "mmsparse"
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "mmsparse"], cwd=REPO).returncode == 0
+    if unchanged:  # the same kernels on the same seeded inputs
+        assert row["bit_equal"] is True
+    assert "verdict" in out.with_suffix(".md").read_text()

@@ -1,0 +1,108 @@
+"""Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
+
+    python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import replace
+
+import torch
+
+from benchmarks.configs import CONFIGS
+from benchmarks.flex_mask import flex_mask_mod, segment_ids
+from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
+from mmsparse.attention.config import Tile, kernel_config, use_config
+from mmsparse.mask.topology import count_allowed_pairs
+
+
+def flex_times(q, k, v, topo, lens, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from triton.testing import do_bench
+
+    mask_mod = flex_mask_mod(topo, segment_ids(lens, q.shape[2], q.device)[0], causal)
+    s = q.shape[2]
+    bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
+    fn = torch.compile(flex_attention)
+    fwd = do_bench(lambda: fn(q, k, v, block_mask=bm), return_mode="median")
+    g = torch.randn_like(q)
+    both = do_bench(lambda: fn(q, k, v, block_mask=bm).backward(g), return_mode="median")
+    return fwd, both - fwd
+
+
+def ours(q, k, v, topo, lens, causal):
+    from triton.testing import do_bench
+
+    fwd = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal), return_mode="median")
+    g = torch.randn_like(q)
+    both = do_bench(lambda: mbs_attention(q, k, v, topo, lens, causal=causal).backward(g), return_mode="median")
+    return fwd, both - fwd
+
+
+def profile_kernels(q, k, v, topo, lens, causal) -> None:
+    g = torch.randn_like(q)
+    for _ in range(3):
+        mbs_attention(q, k, v, topo, lens, causal=causal).backward(g)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            mbs_attention(q, k, v, topo, lens, causal=causal).backward(g)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m tools.tune_tiles", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
+    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
+    args = ap.parse_args()
+    for name in args.configs.split(","):
+        c = CONFIGS[name]
+        b, h, hk, d, lens, causal = c.batch, c.heads_q, c.heads_kv, c.head_dim, c.seg_lens, c.causal
+        topo = [list(row) for row in c.topology]
+        s = sum(lens)
+        q, k, v = (torch.randn(b, hh, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for hh in (h, hk, hk))
+        flops = 4 * b * h * d * count_allowed_pairs(topo, lens, causal)
+
+        def tf(ms: float, mult: float = 1.0, flops: int = flops) -> float:
+            return flops * mult / ms / 1e9
+
+        try:
+            if args.no_flex:
+                raise RuntimeError("skipped")
+            ff, fb = flex_times(q, k, v, topo, lens, causal)
+            print(f"{name:18s} flex  fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} flex failed: {e!r}"[:300])
+        base = kernel_config(d, torch.bfloat16, q.device)
+        if args.profile:
+            profile_kernels(q, k, v, topo, lens, causal)
+        variants = [base]
+        variants.append(replace(base, use_tma=False))
+        if args.sweep == "fwd":
+            for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+                variants.append(replace(base, fwd=Tile(bm, bn, w, st), fwd_short=None))
+        elif args.sweep == "dkdv":
+            for bm, bn, w, st in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3, 4)):
+                variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))
+        elif args.sweep == "dq":
+            for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
+                variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st), bwd_dq_short=None))
+        for cfg in variants:
+            try:
+                with use_config(cfg):
+                    f, bw = ours(q, k, v, topo, lens, causal)
+                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: "
+                      f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)
+
+
+if __name__ == "__main__":
+    main()
