@@ -118,7 +118,9 @@ class MaskInfo:
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
         key = (block_m, block_n)
-        finer = [k for k in self._classes if block_m % k[0] == 0 and block_n % k[1] == 0 and k != key]
+        # A window cuts tiles by their own positions (blocks.band_classes), as the list builders do: not pooled.
+        finer = [k for k in self._classes if block_m % k[0] == 0 and block_n % k[1] == 0 and k != key
+                 and self.window is None]
         if key not in self._classes and finer:  # a coarser tile is a union of finer ones: pool, don't recompute
             fine_m, fine_n = finer[0]
             self._classes[key] = pool_classes(*self._classes[finer[0]], block_m // fine_m, block_n // fine_n)
