@@ -32,7 +32,7 @@ CASES = [
     # sliding windows: causal bits, pair types (codes) with the keys after a chunk, dropout
     (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32, 0.0, 9),
     ([[2, 1, 0], [0, 2, 1], [1, 0, 2]], [(20, 25, 18), (5, 40, 3)], False, 2, 2, 1, torch.float32, 0.0, 14),
-    (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.2, 11),
+    (HUB, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.2, 11),
 ]
 
 

@@ -73,7 +73,7 @@ def test_ranks_together_match_the_reference(case, world):
 
 def test_ranks_together_match_the_single_call_with_dropout():
     """Dropout draws the bits of global positions: the windowed pieces' seeds place them as a single call does."""
-    case = (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 11, 2, 1)
+    case = (HUB, [(9, 30, 21), (5, 20, 10)], True, 11, 2, 1)
     topology, lens, causal, window, _, _ = case
     torch.manual_seed(21)
     seed = new_dropout_seed(torch.device("cpu"))
@@ -82,6 +82,8 @@ def test_ranks_together_match_the_single_call_with_dropout():
     torch.manual_seed(21)  # the same Philox key
     single = mbs_attention(*leaves, topology, [list(r) for r in lens], causal=causal, dropout_p=0.3, window=window)
     single.backward(do)
+    assert not torch.equal(single, mbs_attention(q, k, v, topology, [list(r) for r in lens], causal=causal,
+                                                  window=window))  # dropout did drop something
     for name, got, want in (("out", out, single), ("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad),
                             ("dv", dv, leaves[2].grad)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import CYCLIC, HUB, RING, check_against_reference, check_outputs, make_qkv
+from helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 from mmsparse import (
     Topology,
@@ -34,15 +34,16 @@ def _random_case(seed: int) -> dict:
     rng = random.Random(seed)
     k = rng.randint(1, 4)
     types = (0, 1, 2) if seed % 2 else (0, 1)  # odd seeds: pair types (segment codes); even: 0/1 (token bits)
-    topo = [[rng.choice(types) for _ in range(k)] for _ in range(k)]
-    lens = [rng.choice([0, 1, rng.randint(2, 20), rng.randint(20, 60)]) for _ in range(k)]
-    if sum(lens) == 0:
-        lens[0] = 7
+    # Each segment sees itself (so no case is empty), the other pairs at random.
+    topo = [[rng.choice(types[1:]) if r == c else rng.choice(types) for c in range(k)] for r in range(k)]
+    lens = [rng.choice([0, 1, rng.randint(2, 20), rng.randint(20, 60), rng.randint(40, 90)]) for _ in range(k)]
+    if sum(lens) < 60:  # several tiles of 16 and 32
+        lens[-1] += 60
     seq_k = sum(lens)
     # The interpreter's tiles are 16 and 32 wide: one key, under a tile, a tile, across tiles, past the sequence.
     window = [1, 5, 16, 23, 40, seq_k - 1, seq_k + 10][seed % 7]
     heads, kv_heads = rng.choice([(2, 2), (4, 2), (3, 1)])
-    return dict(topology=topo, seg_lens=lens, causal=rng.random() < 0.5, window=max(window, 1),
+    return dict(topology=topo, seg_lens=lens, causal=rng.random() < 0.5, window=window,
                 seq_q=seq_k if rng.random() < 0.7 else rng.randint(1, seq_k), batch=rng.choice([1, 2]),
                 heads=heads, kv_heads=kv_heads, head_dim=[16, 32, 40][seed % 3], dtype=DTYPES[seed % 3])
 
@@ -59,7 +60,8 @@ def test_random_topologies_and_windows(seed, device):
     gen = torch.Generator().manual_seed(500 + seed)
     q, k, v = make_qkv(c["batch"], c["heads"], c["kv_heads"], c["seq_q"], sum(c["seg_lens"]), c["head_dim"],
                        c["dtype"], device, gen)
-    check_against_reference(q, k, v, c["topology"], c["seg_lens"], causal=c["causal"], window=c["window"])
+    _, mask = check_against_reference(q, k, v, c["topology"], c["seg_lens"], causal=c["causal"], window=c["window"])
+    assert mask.any()
 
 
 @pytest.mark.parametrize("topology", [RING, [[2, 1, 0], [1, 2, 1], [0, 1, 1]]], ids=["bits", "codes"])
@@ -76,7 +78,8 @@ def test_future_keys_of_full_pairs_stay(topology, window, device):
 def test_per_sample_lengths_with_padding(device):
     lens = [(4, 20, 10), (0, 31, 5), (0, 0, 0)]
     q, k, v = make_qkv(3, 2, 1, 40, 40, 16, torch.float32, device)
-    out, _ = check_against_reference(q, k, v, CYCLIC, lens, causal=True, window=9)
+    out, mask = check_against_reference(q, k, v, HUB, lens, causal=True, window=9)
+    assert mask[:2].flatten(1).any(1).all() and not mask[2].any()
     assert torch.all(out[0, :, 34:] == 0) and torch.all(out[2] == 0)
 
 
@@ -132,13 +135,14 @@ def test_dropout_with_a_window(device):
     p, lens = 0.3, (9, 30, 21)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     torch.manual_seed(77)
-    out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, dropout_p=p, window=17)
+    out = mbs_attention(q, k, v, HUB, lens, causal=True, dropout_p=p, window=17)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     torch.manual_seed(77)
     keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 60, 60, p)
-    check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, 60, causal=True, window=17), dropout_keep=keep,
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, 60, causal=True, window=17), dropout_keep=keep,
                   dropout_p=p)
+    assert not torch.equal(out, mbs_attention(q, k, v, HUB, lens, causal=True, window=17))
 
 
 @pytest.mark.parametrize("topology", [RING, [[1, 2, 0], [2, 1, 1], [0, 0, 2]]], ids=["bits", "codes"])
