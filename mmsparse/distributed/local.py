@@ -292,12 +292,13 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:
-    """(piece, seed) pairs grouped by the pieces' query rows, in order (pieces of one query range are
-    adjacent)."""
-    groups: list[tuple[slice, list[tuple[Piece, Any]]]] = []
+    """(piece, seed) pairs grouped by the pieces' query rows, each group in list order (the merge order). Pieces
+    cut by position interleave their query runs, so a group gathers pieces that are not adjacent."""
+    groups: dict[tuple[int, int], tuple[slice, list[tuple[Piece, Any]]]] = {}
     for p, s in pieces:
-        if groups and groups[-1][0] == p.q_rows:
-            groups[-1][1].append((p, s))
-        else:
-            groups.append((p.q_rows, [(p, s)]))
-    return groups
+        groups.setdefault((p.q_rows.start, p.q_rows.stop), (p.q_rows, []))[1].append((p, s))
+    ordered = sorted(groups.values(), key=lambda g: g[0].start)
+    for (a, _), (b, _) in zip(ordered, ordered[1:]):
+        if b.start < a.stop:
+            raise AssertionError(f"pieces over query rows {a} and {b} overlap without being equal")
+    return ordered
