@@ -181,7 +181,6 @@ class RankProblem:
         self._pieces[_where(device)] = (pieces, gathered)
         return pieces
 
-
     def _window_pieces(self, device: torch.device) -> list[Piece]:
         """Pieces under a sliding window: per local query chunk, one piece per key chunk it has pairs with (the
         plan's counts, window included), its own from the local keys. Each piece's queries and keys are one run of
