@@ -121,3 +121,21 @@ def test_band_lists_at_the_gpu_tiles():
     counts = info.lists(tile.block_m, tile.block_n).counts[0, :, :2].sum(-1).cpu()
     assert int(counts.max()) <= -(-(w + tile.block_m) // tile.block_n) + 1
     assert int(counts[-1]) >= w // tile.block_n
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("topology", [HUB, [[2, 1, 0], [1, 1, 2], [0, 2, 2]]], ids=["bits", "codes"])
+def test_gluon_packs_of_short_samples(topology, gluon_calls):
+    """A pack of short samples (the forward's short-samples Gluon tile), causal, under a window: all three Gluon
+    passes against the float64 reference."""
+    dev = torch.device("cuda")
+    packs = [[300, 500, 200], [1000, 0, 40], [20, 1500, 700], [64, 64, 64]]
+    total = sum(map(sum, packs))
+    q, k, v = make_qkv(1, 16, 4, total, total, 128, torch.bfloat16, dev)
+    with _gluon_everywhere(128, torch.bfloat16):
+        out = mbs_attention_varlen(q, k, v, topology, packs, causal=True, window=300)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, reference_packed_mask(topology, packs, causal=True, window=300))
+    assert sorted(gluon_calls) == ["dkdv", "dq", "forward"]
