@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=64, help="most characters per line of the picture "
                         "(larger maps are downsampled; default 64)")
     parser.add_argument("--png", type=Path, help="also write the tiles as a PNG here (needs matplotlib)")
+    parser.add_argument("--window", type=int, help="a sliding window with --topology: keys at positions greater "
+                        "than the query's minus WINDOW only")
     return parser
 
 
@@ -93,7 +95,8 @@ def draw(args: argparse.Namespace, tiles: TileMap, topology: list, seg_lens: lis
         lens = f"{len(seg_lens)} samples packed" if len(seg_lens) > 4 else f"packed seg_lens {seg_lens}"
     else:
         lens = f"seg_lens {seg_lens[0]}" if k <= 8 else f"{k} segments"
-    print(f"topology {topo}, {lens} (S = {tiles.seq_len}), causal={args.causal}")
+    window = "" if args.window is None else f", window={args.window}"
+    print(f"topology {topo}, {lens} (S = {tiles.seq_len}), causal={args.causal}{window}")
     return _show(tiles, args)
 
 
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.topology is None) != (args.seg_lens is None):
         parser.error("--topology and --seg-lens go together (the k lengths of the k segments)")
+    if args.window is not None and args.topology is None:
+        parser.error("--window goes with --topology and --seg-lens (it draws that mask under the window)")
     if args.width < 1:
         parser.error(f"--width must be at least 1; got {args.width}")
     try:  # only the user's arguments: errors of the run itself keep their traceback
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--seg-lens has {len(seg_lens)} rows (separated by ';'): add --packed to draw them "
                                  "as samples packed end to end")
             tiles = tile_map(topology, seg_lens if args.packed else seg_lens[0], tile or 128, causal=args.causal,
-                             packed=args.packed)
+                             packed=args.packed, window=args.window)
     except (TypeError, ValueError) as e:
         parser.error(str(e))  # exits 2 with the usage line
     if args.topology is not None:

@@ -122,12 +122,13 @@ def check_outputs(q, k, v, out, grad_out, mask, softmax_scale=None, **kw):
         assert_calibrated(name, actual, exact[i], plain[i], q.dtype)
 
 
-def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_scale=None, **kw):
+def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_scale=None, window=None, **kw):
     """Run mbs_attention forward and backward; compare output and all three gradients with the references."""
-    out = mbs_attention(q, k, v, topology, seg_lens, causal=causal, softmax_scale=softmax_scale, **kw)
+    out = mbs_attention(q, k, v, topology, seg_lens, causal=causal, softmax_scale=softmax_scale, window=window, **kw)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    mask = reference_mask(topology, seg_lens, k.shape[2], q.shape[2], causal=causal)
+    mask = reference_mask(topology, seg_lens, k.shape[2], q.shape[2], causal=causal, q_start=kw.get("q_start"),
+                          window=window)
     check_outputs(q, k, v, out, grad_out, mask, softmax_scale)
     return out, mask
 

@@ -5,7 +5,8 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
     tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
              table and stride_mask_q its row stride)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-             seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b
+             seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b, window (the
+             sliding window, read only by the HAS_WINDOW variants; 0 without one)
 
 (the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as its
 ``as_tuple`` (:mod:`mmsparse.mask.info`). Adding a kernel argument touches this module and the kernels, nothing
@@ -18,6 +19,7 @@ import weakref
 
 import torch
 
+from ..mask.block_lists import kernel_window
 from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
 from .config import KernelConfig
 
@@ -78,7 +80,8 @@ class KernelArgs:
         q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
         args = self._tiles[key] = (
             (*mask, lists.counts, lists.indices),
-            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride),
+            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride,
+             kernel_window(info.window)),
         )
         return args
 

@@ -46,8 +46,8 @@ def attention_forward(
             (``new_dropout_seed``).
     """
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
-        mask, mode, causal, num_segments, short = info.as_tuple(_short_samples(q))
-        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p)
+        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q))
+        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window)
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
@@ -57,9 +57,9 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group."""
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        mask, mode, causal, num_segments, short = info.as_tuple(_short_samples(q))
+        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p)
+                       dropout_p, window)
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
@@ -72,13 +72,14 @@ def _short_samples(q: torch.Tensor) -> int:
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, _short_samples(q))
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q))
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
+def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window=0):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -87,12 +88,13 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, _short_samples(q))
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q))
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
 @_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
+def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
+      window=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -1,6 +1,6 @@
 """ContextParallel: one multimodal sequence over the ranks of a process group.
 
-    cp = ContextParallel(topology, seg_lens, causal=False, group=None)   # group: ProcessGroup or 1-D DeviceMesh
+    cp = ContextParallel(topology, seg_lens, causal=False, group=None, window=None)  # group: ProcessGroup/DeviceMesh
     ids_l = cp.shard(input_ids, seq_dim=1)     # this rank's tokens of any tensor with a sequence dim
     o_l = cp.attention(q_l, k_l, v_l)          # [B, Hq, S_local, D], differentiable in q_l, k_l, v_l
     o = cp.unshard(o_l, seq_dim=2)             # the whole sequence on every rank, differentiable
@@ -38,17 +38,20 @@ class ContextParallel(RankProblem):
         group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (the context-parallel dim of a larger mesh: pass
             ``mesh["cp"]``), or None for the default group.
         chunk: tokens per chunk (default: the plan's, about 16 chunks a rank).
+        window: a sliding window, as in ``mbs_attention`` (key position > query position - window): a rank
+            fetches and runs only the key chunks its queries' windows reach.
     """
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
-                 causal: bool = False, group: Any = None, chunk: int | None = None) -> None:
+                 causal: bool = False, group: Any = None, chunk: int | None = None,
+                 window: int | None = None) -> None:
         check_causal(causal)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
         self._group = _process_group(group)
         # The plan, tokens and pieces of this rank: RankProblem builds them for any rank, without a group.
         super().__init__(topology, seg_lens, dist.get_rank(self._group), dist.get_world_size(self._group), causal,
-                         chunk)
+                         chunk, window=window)
         # Bytes this rank has sent and received point to point (K/V fetches, dK/dV returns), so that a benchmark
         # can hold them against the plan's prediction.
         self.bytes_sent = 0

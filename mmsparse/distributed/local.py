@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..functional import check_window
+from ..mask.info import BitMask, CodeMask
 from ..mask.segments import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from ..runtime.launch import stream_key
@@ -33,10 +35,13 @@ class RankProblem:
         causal: the global causal flag.
         chunk: tokens per chunk (default: the plan's, about 16 chunks a rank).
         tile: chunks are multiples of it (default: 128 rows on a GPU, 16 in the interpreter).
+        window: a sliding window, as in ``mbs_attention`` (key position > query position - window); key chunks
+            wholly outside it are neither fetched nor run.
     """
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, rank: int,
-                 world_size: int, causal: bool = False, chunk: int | None = None, tile: int | None = None) -> None:
+                 world_size: int, causal: bool = False, chunk: int | None = None, tile: int | None = None,
+                 window: int | None = None) -> None:
         check_causal(causal)
         self.topology = Topology(topology)
         lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
@@ -46,10 +51,11 @@ class RankProblem:
                 [validate_seg_lens(lens, k)])
         self.causal = causal
         self.seq_len = max(sum(r) for r in rows)
+        self.window = check_window(window, self.seq_len)
         if tile is None:  # chunks of whole kernel tiles (128 rows on a GPU; the interpreter's tiles are 16 or 32)
             tile = 128 if torch.cuda.is_available() else 16
         self.plan: ContextParallelPlan = plan_context_parallel(self.topology, rows, world_size, causal, self.seq_len,
-                                                               chunk, tile)
+                                                               chunk, tile, self.window)
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
         self.rank, self.world_size = rank, world_size
@@ -106,6 +112,8 @@ class RankProblem:
         cached = self._pieces.get(_where(device))
         if cached is not None:
             return cached[0]
+        if self.window is not None:
+            return self._window_pieces(device)
         if not self.topology.uses_bits:
             return self._code_pieces(device)
         row_bits, col_bits = self._token_bits(device)
@@ -168,6 +176,45 @@ class RankProblem:
             if not self.causal and after < gathered.numel():
                 pieces.append(make_code_piece(rows, slice(after, gathered.numel()), False, False, q_codes,
                                               codes[:, gathered[after:]], after_table, k))
+            start += n
+        self._pieces[_where(device)] = (pieces, gathered)
+        return pieces
+
+    def _window_pieces(self, device: torch.device) -> list[Piece]:
+        """Pieces under a sliding window: per local query chunk, one piece per key chunk it has pairs with (the
+        plan's counts, window included), its own from the local keys. Each piece's queries and keys are one run of
+        positions, so its first query's position relative to its first key (``q_start``) puts the causal test,
+        CAUSAL pairs and the window where they belong, with the real pair table."""
+        gathered = self.gathered_positions().to(device)
+        local = self._index.to(device)
+        chunk = self.plan.chunk
+        needed = self.plan.needed_kv[self.rank]
+        starts = dict(zip(needed, torch.tensor([0, *(self.plan.chunk_tokens(c) for c in needed)]).cumsum(0).tolist()))
+        if self.topology.uses_bits:
+            row_bits, col_bits = self._token_bits(device)
+        else:
+            codes = token_codes(self._lens.to(device), self.topology.num_segments, self.seq_len, packed=False)
+            table = self.topology.pair_table(device)
+        pieces, start = [], 0
+        for c in self.plan.local_chunks[self.rank]:
+            n = self.plan.chunk_tokens(c)
+            rows = slice(start, start + n)
+            q_pos = local[rows]
+            for c2 in needed:
+                if int(self.plan.pairs[c, c2]) == 0:
+                    continue
+                own = c2 == c
+                keys = rows if own else slice(starts[c2], starts[c2] + self.plan.chunk_tokens(c2))
+                k_pos = q_pos if own else gathered[keys]
+                q_start = torch.tensor([(c - c2) * chunk], dtype=torch.int32, device=device)
+                info: BitMask | CodeMask
+                if self.topology.uses_bits:
+                    info = BitMask(row_bits[:, q_pos].contiguous(), col_bits[:, k_pos].contiguous(),
+                                   self.topology.num_segments, self.causal, q_start, self.window)
+                else:
+                    info = CodeMask(codes[:, q_pos].contiguous(), codes[:, k_pos].contiguous(), table,
+                                    self.topology.num_segments, self.causal, q_start, window=self.window)
+                pieces.append(Piece(rows, keys, own, self.causal, info))
             start += n
         self._pieces[_where(device)] = (pieces, gathered)
         return pieces

@@ -10,6 +10,10 @@ queries a CAUSAL pair is FULL, after them NONE, so those pieces take the pair ta
 Pieces merge by their log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp,
 which gives exactly its share of the gradients (the ring-attention identity).
 
+With a sliding window every piece is one query chunk against one key chunk (:mod:`.local`), and its ``q_start``
+is the first query's position less the first key's: the kernels then test the causal order, CAUSAL pairs and the
+window on true relative positions, with the real pair table.
+
 Dropout draws its bits by global query and key positions, so with dropout every piece is split until its queries
 and its keys are each one run of consecutive positions (:func:`split_by_position`); its seed then carries the
 positions of its first query and first key, and the kernels draw the bits a single-GPU call draws there.
@@ -35,7 +39,9 @@ class Piece:
     local_keys: bool
     causal: bool
     info: BitMask | CodeMask
-    positions: tuple[int, int] | None = None  # global positions of the first query and key: one run each
+    # The dropout seed's position offsets (one run each): the kernels draw a query's bits at q_start + row + the
+    # first, a key's at column + the second, which are then the global positions.
+    positions: tuple[int, int] | None = None
 
 
 def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_bits: torch.Tensor,
@@ -60,25 +66,26 @@ def split_by_position(piece: Piece, q_positions: torch.Tensor, k_positions: torc
     parts = []
     for qa, qb, q0 in _runs(q_positions):
         for ka, kb, k0 in _runs(k_positions):
-            # q_start 0: the kernels add it to the query positions that key the dropout bits (the seed's offsets
-            # carry the global ones); the causal test of a piece compares local indices (a chunk against itself)
-            sliced = _sliced(piece.info, slice(qa, qb), slice(ka, kb))
+            # Without a window q_start is 0: the causal test of a piece compares local indices (a chunk against
+            # itself). With one it is the first query's position less the first key's (the window needs them).
+            shift = 0 if piece.info.window is None else q0 - k0
+            sliced = _sliced(piece.info, slice(qa, qb), slice(ka, kb), shift)
             parts.append(Piece(slice(piece.q_rows.start + qa, piece.q_rows.start + qb),
                                slice(piece.k_rows.start + ka, piece.k_rows.start + kb), piece.local_keys,
-                               piece.causal, sliced, (q0, k0)))
+                               piece.causal, sliced, (q0 - shift, k0)))
     if piece.causal and len(parts) != 1:
         raise AssertionError("a causal piece spans one chunk: its rows and keys are one run each")
     return parts
 
 
-def _sliced(info: BitMask | CodeMask, rows: slice, keys: slice) -> BitMask | CodeMask:
-    """The mask of ``info``'s query ``rows`` over its ``keys``, its first query at position 0."""
-    q_start = torch.zeros_like(info.q_start)
+def _sliced(info: BitMask | CodeMask, rows: slice, keys: slice, q_start: int) -> BitMask | CodeMask:
+    """The mask of ``info``'s query ``rows`` over its ``keys``, its first query at position ``q_start``."""
+    start = torch.full_like(info.q_start, q_start)
     if isinstance(info, BitMask):
         return BitMask(info.q_bits[:, rows].contiguous(), info.k_bits[:, keys].contiguous(), info.num_segments,
-                       info.causal, q_start)
+                       info.causal, start, info.window)
     return CodeMask(info.q_codes[:, rows].contiguous(), info.k_codes[:, keys].contiguous(), info.table,
-                    info.num_segments, info.causal, q_start)
+                    info.num_segments, info.causal, start, window=info.window)
 
 
 def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -6,7 +6,8 @@ plan can:
 - give each rank chunks whose queries carry about the same number of live pairs (longest processing time first,
   with at most ceil(chunks / ranks) chunks a rank, so that tokens, hence activations, stay balanced too);
 - list, for each rank, the K/V chunks its queries see, and fetch only those, where a ring or an all-gather moves
-  every chunk to every rank.
+  every chunk to every rank. Under a sliding window a rank holds one run of chunks when that balances as well,
+  so that it fetches only the chunks next to its run.
 With per-sample lengths one layout serves the whole batch: the pair counts are summed over the samples.
 
 Balance comes first: the assignment meets max/mean <= 1.05 on the multimodal configs, and a rank then holds
@@ -24,17 +25,25 @@ from typing import Any
 
 import torch
 
-from ..mask.topology import Topology, validate_seg_lens
+from ..mask.topology import CAUSAL, Topology, validate_seg_lens
 
 
 def interval_pairs(
-    q0: torch.Tensor, q1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, causal: bool
+    q0: torch.Tensor, q1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, causal: bool, window: int | None = None
 ) -> torch.Tensor:
-    """Pairs (i, j) with q0 <= i < q1 and k0 <= j < k1 (and j <= i when causal), elementwise over int64
-    tensors of interval bounds (empty intervals count 0)."""
+    """Pairs (i, j) with q0 <= i < q1 and k0 <= j < k1 (and j <= i when causal, j > i - window with a window),
+    elementwise over int64 tensors of interval bounds (empty intervals count 0)."""
     nq, nk = (q1 - q0).clamp(min=0), (k1 - k0).clamp(min=0)
-    if not causal:
-        return nq * nk
+    pairs = _keys_up_to(q0, q1, k0, k1, 0) if causal else nq * nk
+    if window is not None:  # less the pairs whose key is at or before the query minus the window
+        pairs = pairs - _keys_up_to(q0, q1, k0, k1, -window)
+    return pairs
+
+
+def _keys_up_to(q0: torch.Tensor, q1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, shift: int) -> torch.Tensor:
+    """Pairs (i, j) of ``[q0, q1) x [k0, k1)`` with j <= i + shift, elementwise."""
+    nq, nk = (q1 - q0).clamp(min=0), (k1 - k0).clamp(min=0)
+    q0, q1 = q0 + shift, q1 + shift
     # Sum over i of clamp(i + 1 - k0, 0, nk): zero for i < k0, a ramp up to nk at i = k1 - 1, then nk.
     lo, hi = torch.maximum(q0, k0), torch.minimum(q1, k1)  # queries on the ramp: [lo, hi)
     ramp_n = (hi - lo).clamp(min=0)
@@ -45,10 +54,11 @@ def interval_pairs(
 
 
 def chunk_pairs(topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]], chunk: int, seq_len: int,
-                causal: bool = False) -> torch.Tensor:
+                causal: bool = False, window: int | None = None) -> torch.Tensor:
     """Live pairs between query chunk a and key chunk b, int64 ``[n, n]`` with n = ceil(seq_len / chunk), summed
     over the samples when ``seg_lens`` is ``[B, k]``. Tokens past a sample's total are padding: they attend
-    nothing and nobody attends them."""
+    nothing and nobody attends them. With a window only pairs with key > query - window count (and CAUSAL pairs
+    count as such); without one, CAUSAL pairs of a call that is not causal count as FULL (an upper bound)."""
     topo = Topology(topology)
     k = topo.num_segments
     rows = _rows(seg_lens, k)
@@ -56,6 +66,7 @@ def chunk_pairs(topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]]
     c0 = torch.arange(n, dtype=torch.int64) * chunk
     c1 = torch.clamp(c0 + chunk, max=seq_len)
     table = topo.matrix.to(torch.int64)
+    ordered = (topo.types == CAUSAL) | causal
     total = torch.zeros(n, n, dtype=torch.int64)
     for lens in rows:
         ends = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
@@ -64,7 +75,7 @@ def chunk_pairs(topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]]
         starts = ends - torch.tensor(lens, dtype=torch.int64)
         # [n, k]: each chunk's overlap with each segment, as an interval
         s0, s1 = torch.maximum(c0[:, None], starts[None, :]), torch.minimum(c1[:, None], ends[None, :])
-        if not causal:
+        if not causal and window is None:
             overlap = (s1 - s0).clamp(min=0)
             total += overlap @ table @ overlap.T
             continue
@@ -72,7 +83,8 @@ def chunk_pairs(topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]]
         for r in range(k):
             for c in range(k):
                 if table[r, c]:
-                    total += interval_pairs(s0[:, r, None], s1[:, r, None], s0[None, :, c], s1[None, :, c], True)
+                    total += interval_pairs(s0[:, r, None], s1[:, r, None], s0[None, :, c], s1[None, :, c],
+                                            bool(ordered[r, c]), window)
     return total
 
 
@@ -87,6 +99,7 @@ class ContextParallelPlan:
         needed_kv: per rank, every chunk whose K/V its queries see (its own included), in sequence order.
         live_pairs: per rank, the live (query, key) pairs of its queries.
         pairs: the chunk-by-chunk live pairs the plan was made from, int64 ``[n, n]``.
+        window: the sliding window the pairs were counted under (None: none).
     """
 
     world_size: int
@@ -97,6 +110,7 @@ class ContextParallelPlan:
     needed_kv: tuple[tuple[int, ...], ...]
     live_pairs: tuple[int, ...]
     pairs: torch.Tensor
+    window: int | None = None
 
     def chunk_tokens(self, c: int) -> int:
         return min(self.chunk, self.seq_len - c * self.chunk)
@@ -137,7 +151,7 @@ class ContextParallelPlan:
 
 def plan_context_parallel(
     topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]], world_size: int, causal: bool = False,
-    seq_len: int | None = None, chunk: int | None = None, tile: int = 128,
+    seq_len: int | None = None, chunk: int | None = None, tile: int = 128, window: int | None = None,
 ) -> ContextParallelPlan:
     """Split a sequence over ``world_size`` ranks, balancing live pairs (see the module's docstring).
 
@@ -146,6 +160,8 @@ def plan_context_parallel(
         causal: the global causal flag, as in ``mbs_attention``.
         seq_len: the sequence length S (default: the largest sample's total).
         chunk: tokens per chunk, a multiple of ``tile`` (default: about 16 chunks a rank, at least one tile).
+        window: a sliding window (key > query - window): chunks wholly outside it carry no pairs, so no rank
+            fetches them for those queries.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
@@ -155,9 +171,33 @@ def plan_context_parallel(
         chunk = tile * max(1, seq_len // (tile * world_size * 16))
     if chunk <= 0 or chunk % tile:
         raise ValueError(f"chunk must be a positive multiple of the tile ({tile}); got {chunk}")
-    pairs = chunk_pairs(topology, rows, chunk, seq_len, causal)
+    pairs = chunk_pairs(topology, rows, chunk, seq_len, causal, window)
     n = pairs.shape[0]
     work = pairs.sum(1).tolist()
+    owner = _longest_first(work, world_size)
+    if window is not None:
+        # A window's queries see only nearby keys: a rank holding one run of chunks fetches only the chunks
+        # next to its run, where interleaved chunks would make it fetch almost every chunk. Taken when it
+        # balances about as well.
+        runs = [c * world_size // n for c in range(n)]
+        if _imbalance(work, runs, world_size) <= max(BALANCE, _imbalance(work, owner, world_size)):
+            owner = runs
+    load = [0] * world_size
+    for c, r in enumerate(owner):
+        load[r] += work[c]
+    local = tuple(tuple(c for c in range(n) if owner[c] == r) for r in range(world_size))
+    sees = pairs > 0
+    needed = tuple(tuple(torch.nonzero(sees[list(chunks)].any(0)).flatten().tolist()) if chunks else ()
+                   for chunks in local)
+    return ContextParallelPlan(world_size, chunk, seq_len, tuple(owner), local, needed, tuple(load), pairs, window)
+
+
+BALANCE = 1.05  # max / mean live pairs a plan aims for
+
+
+def _longest_first(work: list[int], world_size: int) -> list[int]:
+    """Each chunk's rank: longest processing time first, at most ceil(n / world_size) chunks a rank."""
+    n = len(work)
     cap = math.ceil(n / world_size)
     load, count = [0] * world_size, [0] * world_size
     owner = [0] * n
@@ -166,11 +206,16 @@ def plan_context_parallel(
         owner[c] = r
         load[r] += work[c]
         count[r] += 1
-    local = tuple(tuple(c for c in range(n) if owner[c] == r) for r in range(world_size))
-    sees = pairs > 0
-    needed = tuple(tuple(torch.nonzero(sees[list(chunks)].any(0)).flatten().tolist()) if chunks else ()
-                   for chunks in local)
-    return ContextParallelPlan(world_size, chunk, seq_len, tuple(owner), local, needed, tuple(load), pairs)
+    return owner
+
+
+def _imbalance(work: list[int], owner: list[int], world_size: int) -> float:
+    """max / mean of the ranks' live pairs under ``owner``."""
+    load = [0] * world_size
+    for c, r in enumerate(owner):
+        load[r] += work[c]
+    mean = sum(load) / world_size
+    return max(load) / mean if mean else 1.0
 
 
 def _rows(seg_lens: Any, k: int) -> list[tuple[int, ...]]:

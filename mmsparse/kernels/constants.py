@@ -25,8 +25,8 @@ LISTS_DENSE = 0
 LISTS_COUNT = 1
 LISTS_WRITE = 2
 
-# Sequence lengths, offsets and batch/head strides change with every new length: the attention kernels never
-# specialise on them, so a new length reuses the compiled kernel.
+# Sequence lengths, offsets and batch/head strides change with every new length, and the sliding window with the
+# model: the attention kernels never specialise on them, so a new length or window reuses the compiled kernel.
 DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                 "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
-                "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b"]
+                "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window"]

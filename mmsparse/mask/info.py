@@ -27,14 +27,14 @@ from .token_bits import launch_token_bits
 from .topology import Topology, allowed_by_type
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
-# What crosses the custom-op boundary: (tensors, mode, causal, segment count, a pack of short samples)
-MaskTuple = tuple[list[torch.Tensor], int, bool, int, bool]
+# What crosses the custom-op boundary: (tensors, mode, causal, segment count, a pack of short samples, window or 0)
+MaskTuple = tuple[list[torch.Tensor], int, bool, int, bool, int]
 
 
 class MaskInfo:
     """What every mask kind shares: seq_q queries (at positions q_start .. q_start + seq_q - 1; by default the last
-    seq_q) over keys 0 .. seq_k - 1, and block lists built once per tile. ``batch`` is 1 when the whole batch shares
-    the mask.
+    seq_q) over keys 0 .. seq_k - 1, with ``window`` only the keys past the query's position minus the window, and
+    block lists built once per tile. ``batch`` is 1 when the whole batch shares the mask.
 
     Build one with :meth:`from_topology`, :meth:`from_segments` or :meth:`from_dense` (or a kind's constructor).
     A subclass gives its token-level tensors, its tile classification, its device-side list builder and its
@@ -44,9 +44,11 @@ class MaskInfo:
     mode: int  # the kernels' MASK_MODE
 
     def __init__(self, seq_q: int, seq_k: int, causal: bool, like: torch.Tensor,
-                 q_start: torch.Tensor | None = None, sample_len: int | None = None) -> None:
+                 q_start: torch.Tensor | None = None, sample_len: int | None = None,
+                 window: int | None = None) -> None:
         self.seq_q, self.seq_k = seq_q, seq_k
         self.causal = causal
+        self.window = window  # sliding window (keys past query - window), or None
         # Tokens per sample of a pack, on average: rows see at most their sample, so short samples mean short
         # block lists (the forward picks its tile by it). None: not a pack.
         self.sample_len = sample_len
@@ -78,7 +80,8 @@ class MaskInfo:
         """The mask as a torch custom op takes it: four tensors (unused places hold empty stand-ins; the last is
         the first-query positions), the mode, causality, the segment count, and whether it is a pack of short
         samples (a flag rather than the mean length, so that new packs do not recompile a graph: it only picks the
-        forward's tile; ``short_samples`` is the config's threshold). :func:`mask_from_tuple` inverts it."""
+        forward's tile; ``short_samples`` is the config's threshold), and the window (0 for none).
+        :func:`mask_from_tuple` inverts it."""
         raise NotImplementedError
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,23 +97,23 @@ class MaskInfo:
     @classmethod
     def from_topology(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None,
+        q_start: torch.Tensor | None = None, window: int | None = None,
     ) -> BitMask:
         """A :class:`BitMask` (see there)."""
-        return BitMask.from_topology(topology, seg_lens, seq_q, seq_k, causal, q_start)
+        return BitMask.from_topology(topology, seg_lens, seq_q, seq_k, causal, q_start, window)
 
     @classmethod
     def from_segments(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None, packed: bool = False,
+        q_start: torch.Tensor | None = None, packed: bool = False, window: int | None = None,
     ) -> CodeMask:
         """A :class:`CodeMask` (see there)."""
-        return CodeMask.from_segments(topology, seg_lens, seq_q, seq_k, causal, q_start, packed)
+        return CodeMask.from_segments(topology, seg_lens, seq_q, seq_k, causal, q_start, packed, window)
 
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, causal: bool) -> DenseMask:
+    def from_dense(cls, mask: torch.Tensor, causal: bool, window: int | None = None) -> DenseMask:
         """A :class:`DenseMask` (see there)."""
-        return DenseMask.from_dense(mask, causal)
+        return DenseMask.from_dense(mask, causal, window)
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +125,9 @@ class MaskInfo:
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
         key = (block_m, block_n)
-        finer = [k for k in self._classes if block_m % k[0] == 0 and block_n % k[1] == 0 and k != key]
+        # A window cuts tiles by their own positions (blocks.band_classes), as the list builders do: not pooled.
+        finer = [k for k in self._classes if block_m % k[0] == 0 and block_n % k[1] == 0 and k != key
+                 and self.window is None]
         if key not in self._classes and finer:  # a coarser tile is a union of finer ones: pool, don't recompute
             fine_m, fine_n = finer[0]
             self._classes[key] = pool_classes(*self._classes[finer[0]], block_m // fine_m, block_n // fine_n)
@@ -175,15 +180,15 @@ class BitMask(MaskInfo):
     mode = MASK_BITS
 
     def __init__(self, q_bits: torch.Tensor, k_bits: torch.Tensor, num_segments: int, causal: bool,
-                 q_start: torch.Tensor | None = None) -> None:
-        super().__init__(q_bits.shape[1], k_bits.shape[1], causal, q_bits, q_start)
+                 q_start: torch.Tensor | None = None, window: int | None = None) -> None:
+        super().__init__(q_bits.shape[1], k_bits.shape[1], causal, q_bits, q_start, window=window)
         self.q_bits, self.k_bits, self.num_segments = q_bits, k_bits, num_segments
         self._summaries: dict[tuple[int, int], torch.Tensor] = {}  # per tile, shared by that tile's lists
 
     @classmethod
     def from_topology(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None,
+        q_start: torch.Tensor | None = None, window: int | None = None,
     ) -> BitMask:
         """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
         int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
@@ -197,25 +202,27 @@ class BitMask(MaskInfo):
             pos = q_start[:, None] + torch.arange(seq_q, device=row_bits.device)
             inside = (pos >= 0) & (pos < seq_k)
             q_bits = torch.where(inside, row_bits.gather(1, pos.clamp(0, max(seq_k - 1, 0))), 0).to(torch.int32)
-        return cls(q_bits, col_bits, topology.num_segments, causal, q_start)
+        return cls(q_bits, col_bits, topology.num_segments, causal, q_start, window)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.q_bits, self.k_bits, self.q_start
 
     def same_tensors(self) -> BitMask:
-        return BitMask(self.q_bits, self.k_bits, self.num_segments, self.causal, self.q_start)
+        return BitMask(self.q_bits, self.k_bits, self.num_segments, self.causal, self.q_start, self.window)
 
     def as_tuple(self, short_samples: int) -> MaskTuple:
         unused = torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)
-        return [self.q_bits, self.k_bits, unused, self.q_start], self.mode, self.causal, self.num_segments, False
+        return ([self.q_bits, self.k_bits, unused, self.q_start], self.mode, self.causal, self.num_segments, False,
+                _window_arg(self.window))
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return classify_blocks_from_bits(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
-                                         self.q_start)
+                                         self.q_start, self.window)
 
     def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
         return build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
-                                 self.q_start, by_key, summaries=self._summaries, compact_bytes=compact_bytes)
+                                 self.q_start, by_key, summaries=self._summaries, compact_bytes=compact_bytes,
+                                 window=self.window)
 
 
 class CodeMask(MaskInfo):
@@ -225,15 +232,16 @@ class CodeMask(MaskInfo):
     mode = MASK_SEGMENTS
 
     def __init__(self, q_codes: torch.Tensor, k_codes: torch.Tensor, table: torch.Tensor, num_segments: int,
-                 causal: bool, q_start: torch.Tensor | None = None, sample_len: int | None = None) -> None:
-        super().__init__(q_codes.shape[1], k_codes.shape[1], causal, q_codes, q_start, sample_len)
+                 causal: bool, q_start: torch.Tensor | None = None, sample_len: int | None = None,
+                 window: int | None = None) -> None:
+        super().__init__(q_codes.shape[1], k_codes.shape[1], causal, q_codes, q_start, sample_len, window)
         self.q_codes, self.k_codes, self.table, self.num_segments = q_codes, k_codes, table, num_segments
         self._runs: tuple[CodeRuns, CodeRuns] | None = None  # the codes' runs, for every tile
 
     @classmethod
     def from_segments(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None, packed: bool = False,
+        q_start: torch.Tensor | None = None, packed: bool = False, window: int | None = None,
     ) -> CodeMask:
         """seg_lens: int ``[Bm, k]`` per sample, or with ``packed`` ``[N, k]``: N samples end to end in one
         sequence, each seeing only itself."""
@@ -242,23 +250,24 @@ class CodeMask(MaskInfo):
         if q_start is not None:
             k_codes = k_codes.expand(q_codes.shape[0], -1)
         return cls(q_codes, k_codes, topology.pair_table(k_codes.device), topology.num_segments, causal, q_start,
-                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None)
+                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None, window=window)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.q_codes, self.k_codes, self.table, self.q_start
 
     def same_tensors(self) -> CodeMask:
         return CodeMask(self.q_codes, self.k_codes, self.table, self.num_segments, self.causal, self.q_start,
-                        self.sample_len)
+                        self.sample_len, self.window)
 
     def as_tuple(self, short_samples: int) -> MaskTuple:
         short = self.sample_len is not None and self.sample_len <= short_samples
-        return [self.q_codes, self.k_codes, self.table, self.q_start], self.mode, self.causal, self.num_segments, short
+        tensors = [self.q_codes, self.k_codes, self.table, self.q_start]
+        return tensors, self.mode, self.causal, self.num_segments, short, _window_arg(self.window)
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # from the codes' runs: O(S + tiles x runs), no S x S mask
         return classify_blocks_from_codes(self.q_codes, self.k_codes, self.table, block_m, block_n, self.causal,
-                                          self.q_start)
+                                          self.q_start, self.window)
 
     def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
         if self._runs is None:
@@ -267,7 +276,7 @@ class CodeMask(MaskInfo):
             same = _same_view(self.q_codes, k_codes)  # self-attention: the queries' codes are the keys'
             self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
         return build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal, self.q_start, by_key,
-                                   compact_bytes=compact_bytes)
+                                   compact_bytes=compact_bytes, window=self.window)
 
     def code_mask(self) -> torch.Tensor:
         """The dense bool ``[Bm, Sq, Sk]`` by the rule of :mod:`mmsparse.mask.segments` in torch (O(S^2): tests and
@@ -278,6 +287,8 @@ class CodeMask(MaskInfo):
         q_pos = self.q_start.to(torch.int64).reshape(-1, 1, 1) + torch.arange(self.seq_q, device=self.device)[:, None]
         k_pos = torch.arange(self.seq_k, device=self.device)
         mask = (q_doc[:, :, None] == k_doc[:, None, :]) & allowed_by_type(types, q_pos, k_pos)
+        if self.window is not None:
+            mask = mask & (k_pos > q_pos - self.window)
         return mask & (k_pos <= q_pos) if self.causal else mask
 
 
@@ -286,39 +297,46 @@ class DenseMask(MaskInfo):
 
     mode = MASK_DENSE
 
-    def __init__(self, dense: torch.Tensor, causal: bool, q_start: torch.Tensor | None = None) -> None:
-        super().__init__(dense.shape[1], dense.shape[2], causal, dense, q_start)
+    def __init__(self, dense: torch.Tensor, causal: bool, q_start: torch.Tensor | None = None,
+                 window: int | None = None) -> None:
+        super().__init__(dense.shape[1], dense.shape[2], causal, dense, q_start, window=window)
         self.dense = dense
 
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, causal: bool) -> DenseMask:
+    def from_dense(cls, mask: torch.Tensor, causal: bool, window: int | None = None) -> DenseMask:
         """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
-        return cls(mask.contiguous(), causal)
+        return cls(mask.contiguous(), causal, window=window)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.dense, self.q_start
 
     def same_tensors(self) -> DenseMask:
-        return DenseMask(self.dense, self.causal, self.q_start)
+        return DenseMask(self.dense, self.causal, self.q_start, self.window)
 
     def as_tuple(self, short_samples: int) -> MaskTuple:
         unused = torch.empty((self.batch, 0), dtype=torch.int32, device=self.device)
-        return [unused, unused, self.dense, self.q_start], self.mode, self.causal, 0, False
+        return [unused, unused, self.dense, self.q_start], self.mode, self.causal, 0, False, _window_arg(self.window)
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
+        return classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start, self.window)
 
 
 def mask_from_tuple(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
-                    short_samples: int) -> MaskInfo:
+                    window: int, short_samples: int) -> MaskInfo:
     """The mask of :meth:`MaskInfo.as_tuple` (a pack of short samples comes back with the longest mean sample
-    length that counts as short, ``short_samples``)."""
+    length that counts as short, ``short_samples``; a window of 0 is none)."""
     first, second, third, q_start = tensors
+    win = window if window > 0 else None
     if mode == MASK_BITS:
-        return BitMask(first, second, num_segments, causal, q_start)
+        return BitMask(first, second, num_segments, causal, q_start, win)
     if mode == MASK_SEGMENTS:
-        return CodeMask(first, second, third, num_segments, causal, q_start, short_samples if short else None)
-    return DenseMask(third, causal, q_start)
+        return CodeMask(first, second, third, num_segments, causal, q_start, short_samples if short else None, win)
+    return DenseMask(third, causal, q_start, win)
+
+
+def _window_arg(window: int | None) -> int:
+    """The window as a custom op's int: 0 for none."""
+    return 0 if window is None else window
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -193,3 +193,14 @@ def test_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli.main(["--topology", str(RING), "--seg-lens", "9,21,14", "--png", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").exists()
+
+
+def test_draws_a_window(capsys):
+    """--window draws the mask under a sliding window: the band's tiles only, its density counted exactly."""
+    assert cli.main(["--topology", "[[1]]", "--seg-lens", "1000", "--causal", "--tile", "64", "--window", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "window=200" in out and "density 0.180 of token pairs" in out  # sum_i min(i + 1, 200) / 1000^2
+    rows = [line for line in out.splitlines() if set(line) <= set("#+.") and line]
+    assert rows[-1] == "." * 11 + "++##+"  # the last query tile reaches 200 positions back, no further
+    with pytest.raises(SystemExit):
+        cli.main(["--window", "5"])

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tests.helpers import CYCLIC, HUB, REPO, check_outputs
 
 CASES = [
-    # topology, seg_lens, causal, batch, heads, kv heads, dtype[, dropout_p]
+    # topology, seg_lens, causal, batch, heads, kv heads, dtype[, dropout_p[, window]]
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),
     (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32),
     (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
@@ -30,6 +30,10 @@ CASES = [
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32, 0.3),
     (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.2),
     ([[2, 0, 0], [1, 1, 0], [1, 2, 2]], (20, 25, 18), False, 1, 2, 1, torch.float32, 0.25),
+    # sliding windows: causal bits, pair types (codes) with the keys after a chunk, dropout
+    (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32, 0.0, 9),
+    ([[2, 1, 0], [0, 2, 1], [1, 0, 2]], [(20, 25, 18), (5, 40, 3)], False, 2, 2, 1, torch.float32, 0.0, 14),
+    (HUB, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.2, 11),
 ]
 
 
@@ -39,10 +43,11 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
 
     topology, lens, causal, batch, heads, kv_heads, dtype, *rest = case
     dropout_p = rest[0] if rest else 0.0
+    window = rest[1] if len(rest) > 1 else None
     seq = max(sum(r) for r in (lens if isinstance(lens[0], tuple) else [lens]))
     gen = torch.Generator().manual_seed(11)
     q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
-    cp = ContextParallel(topology, lens, causal=causal, group=group)
+    cp = ContextParallel(topology, lens, causal=causal, group=group, window=window)
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -63,19 +68,20 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(5)  # rank 0's generator: the seed every rank used
     out_single = mbs_attention(*leaves, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens],
-                               causal=causal, dropout_p=dropout_p)
+                               causal=causal, dropout_p=dropout_p, window=window)
     torch.testing.assert_close(out, out_single, rtol=2e-3, atol=2e-3)
     if dropout_p:
         out_single.backward(do)
         assert out.isfinite().all() and not torch.equal(out_single, mbs_attention(
-            q, k, v, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens], causal=causal))
+            q, k, v, topology, lens if isinstance(lens[0], int) else [list(r) for r in lens], causal=causal,
+            window=window))
         for g, single in zip(grads, leaves):
             torch.testing.assert_close(g, single.grad, rtol=2e-3, atol=2e-3)
         return
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     for t, g in zip((qd, kd, vd), grads):
         t.grad = g
-    mask = reference_mask(topology, lens, seq, causal=causal)
+    mask = reference_mask(topology, lens, seq, causal=causal, window=window)
     check_outputs(qd, kd, vd, out, do, mask)
 
 
