@@ -91,7 +91,7 @@ def test_empty_sides():
 
 def test_mask_info_classes_build_no_dense_mask(monkeypatch):
     """MaskInfo.classes of a segment-code mask comes from the runs, never from the S x S code mask."""
-    from mmsparse.mask.info import MaskInfo
+    from mmsparse.mask.info import CodeMask, MaskInfo
 
     topo = Topology([[CAUSAL, NONE, FULL], [FULL, FULL, NONE], [NONE, CAUSAL, CAUSAL]])
     lens = torch.tensor([[10, 25, 7], [3, 0, 30]])
@@ -101,7 +101,7 @@ def test_mask_info_classes_build_no_dense_mask(monkeypatch):
     def no_dense_mask(self):
         raise AssertionError("classes() built the S x S mask")
 
-    monkeypatch.setattr(MaskInfo, "code_mask", no_dense_mask)
+    monkeypatch.setattr(CodeMask, "code_mask", no_dense_mask)
     live, full = info.classes(16, 16)
     want_live, want_full = classify_blocks_from_mask(dense, 16, 16, False, info.q_start)
     assert torch.equal(live, want_live) and torch.equal(full, want_full)
