@@ -241,8 +241,9 @@ def _row_table(
     if same_sample is not None and bool((types[~same_sample] != NONE).any()):
         raise ValueError(_LEAK)
     lens = runs.lengths()
-    if valid is not None and not bool(valid[-1]):
-        types, lens = types[:-1, :-1], lens[:-1]
+    if valid is not None:
+        keep = int(valid.nonzero().max()) + 1 if bool(valid.any()) else 0
+        types, lens = types[:keep, :keep], lens[:keep]
     return types, lens
 
 
@@ -310,6 +311,8 @@ def _side_by_side(tables: list[tuple[torch.Tensor, list[int]]]) -> tuple[Topolog
     offsets = [0]
     for t in chosen:
         offsets.append(offsets[-1] + t.shape[0])
+    if offsets[-1] == 0:  # nothing but padding
+        return Topology([[NONE]]), tuple((0,) for _ in tables)
     matrix = torch.full((offsets[-1], offsets[-1]), NONE, dtype=torch.int8)
     for c, t in enumerate(chosen):
         matrix[offsets[c] : offsets[c + 1], offsets[c] : offsets[c + 1]] = t
