@@ -83,6 +83,24 @@ def check_flag(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
 
 
+def check_window(window: Any, seq_k: int | None = None) -> int | None:
+    """A sliding window as an int or None: a key is kept only when its position is past the query's minus
+    ``window``, so ``window=1`` keeps each query's own position and the future, ``window=W`` the W positions up to
+    the query. None, or (given the key count ``seq_k``) a window of at least seq_k, which keeps every key, is
+    no window."""
+    if window is None:
+        return None
+    numpy_int = type(window).__module__ == "numpy" and hasattr(window, "item") and "int" in type(window).__name__
+    if isinstance(window, bool) or not (isinstance(window, int) or numpy_int):
+        raise TypeError(f"window must be a positive int (keys within that many positions up to the query) or None; "
+                        f"got {type(window).__name__} {window!r}")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be a positive int: a key is kept when its position is past the query's minus "
+                         f"the window, so window=1 keeps only the query's own position; got {window}")
+    return None if seq_k is not None and window >= seq_k else window
+
+
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """``"1 sample"``, ``"2 samples"``: a number and its noun, in the plural (default: noun + "s") unless 1."""
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
@@ -136,17 +154,20 @@ def build_mask_info(
     check_lengths: bool = True,
     q_start: torch.Tensor | Sequence[int] | None = None,
     packed: bool = False,
+    window: int | None = None,
 ) -> MaskInfo:
     """Validated :class:`MaskInfo` for a topology and lengths. Host-side lengths (ints, lists) are cached by
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported).
-    ``packed``: seg_lens are ``[N, k]`` samples laid end to end in one sequence."""
+    ``packed``: seg_lens are ``[N, k]`` samples laid end to end in one sequence. ``window``: a sliding window
+    (:func:`check_window`)."""
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
+    window = check_window(window, seq_k)
     topo_key, key = _topology_key(topology), None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed)
+        key = (topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed, window)
         hit = _INFO_CACHE.get(key)
         if hit is not None:
             try:
@@ -157,7 +178,7 @@ def build_mask_info(
     topo = _as_topology(topology, topo_key)
     if packed:
         lens = packed_lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, packed=True)
+        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, packed=True, window=window)
         return _cache(key, info)
     lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
@@ -166,9 +187,9 @@ def build_mask_info(
             raise ValueError(f"q_start has {count(q_start.shape[0], 'entry', 'entries')} but seg_lens has "
                              f"{count(lens.shape[0], 'row')}")
     if topo.uses_bits:
-        info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start)
+        info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start, window)
     else:
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start)
+        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start, window=window)
     return _cache(key, info)
 
 
@@ -275,9 +296,11 @@ def _topology_key(topology: Any) -> Any:
     return Topology(topology)  # tensors, arrays: validated and hashed by value
 
 
-def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool, device: torch.device) -> MaskInfo:
+def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool, device: torch.device,
+                window: int | None = None) -> MaskInfo:
     """MaskInfo of a user's bool mask: ``[Sq or S, S]``, ``[B, Sq or S, S]`` or SDPA's ``[B, 1, Sq or S, S]``, with
-    B = 1 or the batch; a query dim of 1 (a key padding mask) is broadcast over the queries."""
+    B = 1 or the batch; a query dim of 1 (a key padding mask) is broadcast over the queries. ``window``: checked
+    (:func:`check_window`), AND-ed with the mask."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a bool torch.Tensor (True = may attend); got {type(attn_mask).__name__}")
     if attn_mask.is_floating_point():
@@ -310,7 +333,7 @@ def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool
     if m.shape[1] == 1 and seq_q != 1:
         m = m.expand(-1, seq_q, -1)  # a key padding mask: the same keys for every query
     m = m[:, m.shape[1] - seq_q :]  # the query rows: the last Sq positions
-    return MaskInfo.from_dense(m.to(device), causal)
+    return MaskInfo.from_dense(m.to(device), causal, window)
 
 
 def _mask_shapes(batch: int, seq_q: int, seq_k: int) -> str:
@@ -357,6 +380,7 @@ def mbs_attention(
     attn_mask: torch.Tensor | None = None,
     check_lengths: bool = True,
     q_start: torch.Tensor | Sequence[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Block-sparse multimodal attention.
 
@@ -394,23 +418,25 @@ def mbs_attention(
             )
         if q_start is not None:
             raise ValueError("q_start goes with a topology; with attn_mask the mask's rows place the queries")
-        info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, check_flag("causal", causal), q.device)
+        info = _dense_info(attn_mask, q.shape[0], seq_q, seq_k, check_flag("causal", causal), q.device,
+                           check_window(window, seq_k))
     elif topology is None:
         raise ValueError("mbs_attention needs a topology with seg_lens, or attn_mask (a bool [S, S] mask)")
     else:
-        info = topology_mask(q, k, topology, seg_lens, causal, check_lengths, q_start)
+        info = topology_mask(q, k, topology, seg_lens, causal, check_lengths, q_start, window)
     return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
 
 
 def topology_mask(
     q: torch.Tensor, k: torch.Tensor, topology: Any, seg_lens: SegLensArg, causal: bool, check_lengths: bool = True,
-    q_start: torch.Tensor | Sequence[int] | None = None,
+    q_start: torch.Tensor | Sequence[int] | None = None, window: int | None = None,
 ) -> MaskInfo:
     """The mask of a topology and lengths for checked q ``[B, Hq, Sq, D]`` and k ``[B, Hkv, S, D]`` (cached as
     :func:`build_mask_info` caches). A length error says so when k looks like ``[B, S, H, D]``; a mask with one row
     per sample must have as many rows as q has samples."""
     try:
-        info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start)
+        info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start,
+                               window=window)
     except ValueError as e:  # checked only on failure: the common path pays nothing for the hint
         hint = layout_hint(k, seg_lens)
         if hint is None:
@@ -432,6 +458,7 @@ def mbs_attention_varlen(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     check_lengths: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Packed ("varlen") batches: samples laid end to end along one sequence, no padding, any number of them.
 
@@ -447,6 +474,8 @@ def mbs_attention_varlen(
         causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
         check_lengths: validate a device tensor of lengths (one host sync). Host lengths (lists) are validated
             once and the mask is cached by value, as in :func:`mbs_attention`; a tensor builds it every call.
+        window: a sliding window, as in :func:`mbs_attention` (positions are the packed ones; samples never see
+            each other anyway).
 
     Returns:
         q's layout: ``[1, Hq, total, D]`` or ``[total, Hq, D]``.
@@ -466,6 +495,7 @@ def mbs_attention_varlen(
     if q.shape[2] != k.shape[2]:
         raise ValueError("packed attention needs q and k/v over the same positions")
     total = k.shape[2]
-    info = build_mask_info(topology, seg_lens, total, total, causal, q.device, check_lengths, packed=True)
+    info = build_mask_info(topology, seg_lens, total, total, causal, q.device, check_lengths, packed=True,
+                           window=window)
     out = attention_with_info(q, k, v, info, softmax_scale, dropout_p)
     return out[0].permute(1, 0, 2) if flash_layout else out

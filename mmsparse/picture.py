@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import torch
 
-from .functional import check_flag
+from .functional import check_flag, check_window
 from .mask.blocks import cdiv
 from .mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
 from .mask.lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
@@ -151,7 +151,8 @@ def parse_tile(tile: Any) -> tuple[int, int]:
 
 
 def tile_map(
-    topology: Any, seg_lens: SegLensArg, tile: TileArg = 128, causal: bool = False, packed: bool = False
+    topology: Any, seg_lens: SegLensArg, tile: TileArg = 128, causal: bool = False, packed: bool = False,
+    window: int | None = None,
 ) -> TileMap:
     """Classify the tiles of a topology mask (self-attention over all S positions).
 
@@ -166,12 +167,14 @@ def tile_map(
         causal: also require key position <= query position, for every pair.
         packed: ``seg_lens`` rows are samples laid end to end (as ``mbs_attention_varlen`` takes them), each
             seeing only itself; S is the total.
+        window: a sliding window: keys at positions greater than the query's minus ``window`` only.
 
     Returns:
         A :class:`TileMap`; ``.picture()`` draws it as text, ``.summary()`` counts, ``.save_png()`` a PNG.
     """
     causal = check_flag("causal", causal)
     packed = check_flag("packed", packed)
+    window = check_window(window)
     bm, bn = parse_tile(tile)
     topo = Topology(topology)
     lens = _lens_rows(seg_lens, topo.num_segments, packed)
@@ -184,8 +187,8 @@ def tile_map(
                          f"S = {seq}: use a larger tile")
     codes = token_codes(lens, topo.num_segments, seq, packed)  # [1, S], on the CPU
     table = topo.pair_table(codes.device)
-    live, full = classify_blocks_from_codes(codes, codes, table, bm, bn, causal, 0)
-    density = int(count_pairs_from_codes(codes, codes, table, causal, 0)[0]) / seq**2
+    live, full = classify_blocks_from_codes(codes, codes, table, bm, bn, causal, 0, window)
+    density = int(count_pairs_from_codes(codes, codes, table, causal, 0, window)[0]) / seq**2
     return TileMap(live[0], full[0], (bm, bn), seq, density)
 
 
@@ -209,7 +212,7 @@ def _lens_rows(seg_lens: SegLensArg, num_segments: int, packed: bool) -> torch.T
 
 def tile_picture(
     topology: Any, seg_lens: SegLensArg, tile: TileArg = 128, causal: bool = False, width: int = 64,
-    png: str | Path | None = None, packed: bool = False,
+    png: str | Path | None = None, packed: bool = False, window: int | None = None,
 ) -> str:
     """The tile picture of a topology mask as text (see :meth:`TileMap.picture`), optionally also as a PNG.
 
@@ -222,11 +225,12 @@ def tile_picture(
         width: the most characters per line; larger maps are downsampled.
         png: a path to also write the full-resolution PNG to (needs matplotlib).
         packed: the rows of ``seg_lens`` are samples laid end to end, each seeing only itself.
+        window: a sliding window (see :func:`tile_map`).
 
     Returns:
         The picture (header line, then the rows) followed by the summary line.
     """
-    tiles = tile_map(topology, seg_lens, tile, causal, packed)
+    tiles = tile_map(topology, seg_lens, tile, causal, packed, window)
     if png is not None:
         tiles.save_png(png)
     return f"{tiles.picture(width)}\n{tiles.summary()}"

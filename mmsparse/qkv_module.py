@@ -19,6 +19,7 @@ from .functional import (
     check_flag,
     check_qkv,
     check_softmax_scale,
+    check_window,
     layout_hint,
     topology_mask,
 )
@@ -41,6 +42,8 @@ class TritonMBSAttnKernel(nn.Module):
         dropout: attention dropout probability, applied in training mode only.
         softmax_scale: default ``1/sqrt(D)``.
         names: optional segment names, e.g. ``("text", "vision", "audio")``.
+        window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
+            :func:`mmsparse.mbs_attention`); None (default) for none.
 
     ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.
     Masks and block lists are built on the inputs' device on first use and cached.
@@ -54,6 +57,7 @@ class TritonMBSAttnKernel(nn.Module):
         dropout: float = 0.0,
         softmax_scale: float | None = None,
         names: Any = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.topology = Topology(topology, names)
@@ -63,6 +67,7 @@ class TritonMBSAttnKernel(nn.Module):
         self.causal_mask = check_flag("causal_mask", causal_mask)
         self.dropout = float(dropout)
         self.softmax_scale = check_softmax_scale(softmax_scale)
+        self.window = check_window(window)
         self._infos: dict[tuple, CachedMask] = {}
         self._dense_mask: torch.Tensor | None = None
 
@@ -96,11 +101,13 @@ class TritonMBSAttnKernel(nn.Module):
 
     def _info(self, seq_q: int, seq_k: int, device: torch.device) -> MaskInfo:
         if torch.compiler.is_compiling():  # traced: built in the graph; a kept mask would hold another call's tensors
-            return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
+            return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device,
+                                   window=self.window)
         key = (seq_q, seq_k, str(device))
         entry = self._infos.get(key)  # one get: another thread's insert between a check and a read is harmless
         if entry is None:
-            info = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device)
+            info = build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device,
+                                   window=self.window)
             entry = self._infos[key] = CachedMask(info)
         return entry.get()
 
@@ -112,7 +119,7 @@ class TritonMBSAttnKernel(nn.Module):
         call: per-sample ``[B, k]`` (int tensor or list of B tuples), rows summing to at most S, padding after."""
         check_qkv(q, k, v)
         if seg_lens is not None:
-            info = topology_mask(q, k, self.topology, seg_lens, self.causal_mask, check_lengths)
+            info = topology_mask(q, k, self.topology, seg_lens, self.causal_mask, check_lengths, window=self.window)
             return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
         if k.shape[2] != self.seq_len:
             hint = layout_hint(k, self.seg_lens)
@@ -125,4 +132,5 @@ class TritonMBSAttnKernel(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, "
-                f"causal_mask={self.causal_mask}, dropout={self.dropout}")
+                f"causal_mask={self.causal_mask}, dropout={self.dropout}"
+                + ("" if self.window is None else f", window={self.window}"))

@@ -18,11 +18,13 @@ from .mask.topology import NONE, Topology, allowed_by_type, lookup_pairs, segmen
 def reference_mask(
     topology: Any, seg_lens: SegLensArg, seq_k: int,
     seq_q: int | None = None, causal: bool = False, q_start: Sequence[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dense bool mask ``[B, Sq, Sk]`` (B = 1 for one set of lengths) by direct token-by-token lookup.
 
     seg_lens: k lengths or ``[B, k]`` per-sample lengths; tokens past a sample's total are padding.
     q_start: per-sample position of the first query (default Sk - Sq).
+    window: keep only keys whose position is greater than the query's minus ``window`` (None: all).
     """
     topo = Topology(topology)
     lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
@@ -41,12 +43,15 @@ def reference_mask(
     mask = allowed_by_type(lookup_pairs(table, q_seg, seg), q_pos[:, :, None], k_pos)
     if causal:
         mask = mask & (k_pos <= q_pos[:, :, None])
+    if window is not None:
+        mask = mask & (k_pos > q_pos[:, :, None] - window)
     return mask
 
 
-def reference_packed_mask(topology: Any, seg_lens: Any, causal: bool = False) -> torch.Tensor:
+def reference_packed_mask(topology: Any, seg_lens: Any, causal: bool = False,
+                          window: int | None = None) -> torch.Tensor:
     """Dense bool mask ``[1, S, S]`` of N samples packed end to end (``seg_lens`` ``[N, k]``, S the total): each
-    sample's tokens see the tokens of the same sample per the topology, nothing else."""
+    sample's tokens see the tokens of the same sample per the topology (and the window), nothing else."""
     lens = torch.as_tensor(seg_lens, dtype=torch.int64).cpu()
     totals = lens.sum(-1).tolist()
     seq = sum(totals)
@@ -54,7 +59,7 @@ def reference_packed_mask(topology: Any, seg_lens: Any, causal: bool = False) ->
     start = 0
     for row, total in zip(lens.tolist(), totals):
         end = start + total
-        mask[0, start:end, start:end] = reference_mask(topology, row, total, causal=causal)[0]
+        mask[0, start:end, start:end] = reference_mask(topology, row, total, causal=causal, window=window)[0]
         start = end
     return mask
 

@@ -55,8 +55,9 @@ def mbs_attn_bwd(
     cfg = kernel_config(head_dim, q.dtype, q.device)
     qk_scale = softmax_scale * _LOG2E
     seed = seed if seed is not None else lse
+    has_window = info.window is not None
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-                 HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
+                 HAS_WINDOW=has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
     if cfg.use_tma:
         ensure_tma_allocator(q.device)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
@@ -78,7 +79,7 @@ def mbs_attn_bwd(
         tile = plan.dq.tile
         if plan.dq.gluon:
             _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, info.mode, info.causal, qk_scale, softmax_scale,
-                            tile)
+                            tile, has_window)
         else:
             mask_tensors, mask_scalars = dq_mask
             _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
@@ -92,7 +93,7 @@ def mbs_attn_bwd(
     tile = plan.dkdv.tile
     if plan.dkdv.gluon:
         _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, info.mode, info.causal, qk_scale,
-                          softmax_scale, tile)
+                          softmax_scale, tile, has_window)
     else:
         mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](

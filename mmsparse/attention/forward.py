@@ -89,7 +89,7 @@ class _ForwardLaunch:
         batch, num_heads, seq_q, head_dim = q.shape
         tile = plan.tile
         self.cfg, self.tile, self.gluon = cfg, tile, plan.gluon
-        self.mode, self.causal = info.mode, info.causal
+        self.mode, self.causal, self.has_window = info.mode, info.causal, info.window is not None
         if cfg.use_tma:
             ensure_tma_allocator(q.device)
         self.mask = kernel_args(info).tile(tile.block_m, tile.block_n)
@@ -104,7 +104,7 @@ class _ForwardLaunch:
         self.grid = (plan.row_blocks * n_splits, plan.bh_programs)
         self.constexprs = dict(
             NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-            BM=plan.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+            BM=plan.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal, HAS_WINDOW=self.has_window,
             HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
             PACK_GQA=plan.pack_rows > 0, num_warps=plan.num_warps, num_stages=tile.num_stages,
         )
@@ -141,7 +141,8 @@ def _hopper_forward(q, k, v, launch: _ForwardLaunch, qk_scale_log2: float):
     """The Gluon Hopper forward (the plan chose it: the tile has one, no dropout, no split key lists)."""
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
-    return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, qk_scale_log2, launch.tile)
+    return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, qk_scale_log2, launch.tile,
+                                    launch.has_window)
 
 
 _COMBINE_ROWS = 16

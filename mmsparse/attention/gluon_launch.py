@@ -25,7 +25,7 @@ _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluo
 
 def run_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
-    qk_scale_log2: float, tile: Tile,
+    qk_scale_log2: float, tile: Tile, has_window: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask arguments ``mask`` of that
@@ -41,8 +41,8 @@ def run_forward(
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=_LAUNCH_REGS,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS,
     )
     return out, lse
 
@@ -50,7 +50,7 @@ def run_forward(
 def run_dq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float, softmax_scale: float,
-    tile: Tile,
+    tile: Tile, has_window: bool = False,
 ) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
     without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask
@@ -66,15 +66,15 @@ def run_dq(
         box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
         qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=_LAUNCH_REGS,
+        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS,
     )
 
 
 def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
-    softmax_scale: float, tile: Tile,
+    softmax_scale: float, tile: Tile, has_window: bool = False,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
@@ -91,8 +91,8 @@ def run_dkdv(
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, PINGPONG=tile.pingpong,
-        num_warps=4, maxnreg=_LAUNCH_REGS,
+        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS,
     )
 
 

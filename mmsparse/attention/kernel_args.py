@@ -5,7 +5,8 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
     tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
              table and stride_mask_q its row stride)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-             seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b
+             seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b, window (the
+             sliding window, read only by the HAS_WINDOW variants; 0 without one)
 
 (the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as the
 token-level tensors of :func:`pack`. Adding a kernel argument touches this module and the kernels, nothing above.
@@ -18,6 +19,7 @@ import weakref
 import torch
 
 from ..kernels.constants import MASK_BITS, MASK_SEGMENTS
+from ..mask.block_lists import kernel_window
 from ..mask.info import MaskInfo, TileKey
 from .config import KernelConfig
 
@@ -76,7 +78,8 @@ class KernelArgs:
         q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
         args = self._tiles[key] = (
             (*mask, lists.counts, lists.indices),
-            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride),
+            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride,
+             kernel_window(info.window)),
         )
         return args
 
@@ -114,7 +117,8 @@ def pack(info: MaskInfo, short_samples: int) -> PackedMask:
     positions; empty stand-ins for the unused path; codes and the pair table in the bits' and dense mask's places)
     and its mode, causality, segment count and whether it is a pack of short samples (a flag rather than the
     mean length, so that new packs do not recompile a graph: it only picks the forward's tile; ``short_samples`` is
-    the config's threshold). The op builds the block lists it needs from them (:func:`unpack`)."""
+    the config's threshold). The op builds the block lists it needs from them (:func:`unpack`); the window goes as
+    its own argument (:func:`packed_window`)."""
     short = info.sample_len is not None and info.sample_len <= short_samples
     if info.mode == MASK_SEGMENTS:
         return [info.q_bits, info.k_bits, info.table, info.q_start], info.mode, info.causal, info.num_segments, short
@@ -127,15 +131,21 @@ def pack(info: MaskInfo, short_samples: int) -> PackedMask:
     return tensors, info.mode, info.causal, info.num_segments, short
 
 
+def packed_window(info: MaskInfo) -> int:
+    """The mask's window as a custom op's int argument: 0 for none."""
+    return 0 if info.window is None else info.window
+
+
 def unpack(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
-           seq_q: int, seq_k: int, short_samples: int) -> MaskInfo:
+           seq_q: int, seq_k: int, short_samples: int, window: int = 0) -> MaskInfo:
     """Inverse of :func:`pack`, for seq_q queries over seq_k keys (a pack of short samples comes back with the
-    longest mean sample length that counts as short, ``short_samples``)."""
+    longest mean sample length that counts as short, ``short_samples``; a window of 0 is none)."""
     q_bits, k_bits, dense, q_start = tensors
+    win = window if window > 0 else None
     if mode == MASK_SEGMENTS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start, table=dense, sample_len=short_samples if short else None)
+                        q_start=q_start, table=dense, sample_len=short_samples if short else None, window=win)
     if mode == MASK_BITS:
         return MaskInfo(mode, seq_q, seq_k, causal, q_bits=q_bits, k_bits=k_bits, num_segments=num_segments,
-                        q_start=q_start)
-    return MaskInfo(mode, seq_q, seq_k, causal, dense=dense, q_start=q_start)
+                        q_start=q_start, window=win)
+    return MaskInfo(mode, seq_q, seq_k, causal, dense=dense, q_start=q_start, window=win)

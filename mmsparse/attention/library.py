@@ -14,7 +14,7 @@ from ..mask.info import MaskInfo
 from .backward import mbs_attn_bwd
 from .config import kernel_config
 from .forward import kernel_layout, mbs_attn_fwd
-from .kernel_args import pack, unpack
+from .kernel_args import pack, packed_window, unpack
 
 
 def _forward(
@@ -48,7 +48,8 @@ def attention_forward(
     """
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
         mask, mode, causal, num_segments, short = pack(info, _short_samples(q))
-        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p)
+        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p,
+                       packed_window(info))
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
@@ -60,7 +61,7 @@ def attention_backward(
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         mask, mode, causal, num_segments, short = pack(info, _short_samples(q))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p)
+                       dropout_p, packed_window(info))
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
@@ -73,13 +74,14 @@ def _short_samples(q: torch.Tensor) -> int:
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q))
+    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q), window)
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
+def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window=0):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -88,12 +90,13 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q))
+    info = unpack(mask, mode, causal, num_segments, short_samples, q.shape[2], k.shape[2], _short_samples(q), window)
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
 
 
 @_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p):
+def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
+      window=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

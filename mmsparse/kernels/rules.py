@@ -18,13 +18,15 @@ _MASK_SEGMENTS = tl.constexpr(MASK_SEGMENTS)
 
 
 @triton.jit
-def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
-                  MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+                  MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Allowed pairs of one tile. ``offs_q``/``offs_k`` are broadcastable 2-D row and column indices ([M, 1] x
     [1, N], or [1, M] x [N, 1] for a transposed tile), and ``q_val``/``k_val`` the rows' and columns' bits or
     segment codes, broadcast alike and loaded as 0 past the ends (a dense mask reads neither). ``mask_ptr`` is
     the batch row of the dense mask (row stride ``stride_mask_q``), or the pair table with codes (its row stride
     in ``stride_mask_q``). Query positions are ``q_start + offs_q``; key positions are ``offs_k``.
+    With HAS_WINDOW a key is also kept only when its position is past the query's minus ``window`` (a sliding
+    window over the past; keys after the query are left to the rest of the rule).
 
     - bits: some segment is seen by the row and holds the column (bits past the ends are 0);
     - codes (:mod:`mmsparse.mask.segments`): same doc, and the pair table says FULL, or CAUSAL with the key at or
@@ -44,4 +46,6 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
         allowed = tl.load(mask_ptr + offs_q.to(tl.int64) * stride_mask_q + offs_k, mask=inside, other=0) != 0
     if IS_CAUSAL:
         allowed = allowed & (offs_k <= q_start + offs_q)
+    if HAS_WINDOW:
+        allowed = allowed & (offs_k > q_start + offs_q - window)
     return allowed

@@ -4,7 +4,8 @@ synchronisation unless the lists are large enough to be packed (:func:`write_lis
 1. ``block_summary_kernel`` reduces each query block and each key block to a few int32 words (``SUM[b, blk]``):
    query block: OR of its rows' bits, AND over its real rows (those < seq_q), first row position, and (causal)
    per segment t the last row position that sees t; key block: OR of its bits, a flag set when some column is
-   padding or past seq_k, its last column, and (causal) per segment t its first column.
+   padding or past seq_k, its last column, and (causal) per segment t its first column; with a window, both
+   sides also keep their first and last position.
 2. ``block_lists_kernel`` classifies BR row blocks against CB column blocks at a time from those summaries and
    writes, per row block, the full column blocks in ascending order, then the partial ones: a first pass counts
    the full tiles, a second writes each id at its place (a cumulative sum over the chunk). Packed lists count
@@ -13,8 +14,9 @@ synchronisation unless the lists are large enough to be packed (:func:`write_lis
 A tile is full when no segment among its keys is unseen by one of its real rows, none of its columns is padding,
 and (causal) its last column is visible from its first row; a full tile is always live. It is live when some
 pair is allowed: some segment shared by a row and a key (causal: seen by a row at or after the segment's first
-column in the tile). The result equals ``lists_from_classes(*classify_blocks_from_bits(...))`` row by row
-(``BlockLists.padded``); slots past a row's count are left unwritten.
+column in the tile). A window then cuts them by position (``blocks.band_classes``). The result equals
+``lists_from_classes(*classify_blocks_from_bits(...))`` row by row (``BlockLists.padded``); slots past a row's
+count are left unwritten.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: i
     return BlockLists(counts, indices)
 
 
+def kernel_window(window: int | None) -> int:
+    """A window as the kernels' int32 argument: 0 without one (never read), else capped at 2^31 - 1 (positions
+    are below it, so a larger window keeps every key, as the capped one does)."""
+    return 0 if window is None else min(int(window), _INT32_MAX)
+
+
 def no_launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
     """The launch of lists with no row or no column: nothing to write."""
 
@@ -103,6 +111,7 @@ def build_block_lists(
     fit: bool | None = None,
     summaries: dict[tuple[int, int], torch.Tensor] | None = None,
     compact: bool | None = None,
+    window: int | None = None,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
@@ -118,6 +127,7 @@ def build_block_lists(
         summaries: optional cache of the block summaries per tile, for lists of one mask (the dK/dV lists and
             the dQ lists of one tile share them: one launch and one allocation fewer).
         compact: packed (CSR) lists or fixed slots; default by size (:func:`write_lists`).
+        window: also require key position > query position - window (None: no window).
 
     Returns:
         :class:`BlockLists` with R = NQ rows of NK columns, or NK rows of NQ when by_key, on the input device.
@@ -137,7 +147,7 @@ def build_block_lists(
         return write_lists(no_launch, bm, n_r, n_c, dev)
 
     k = max(2, 1 << (num_segments - 1).bit_length())  # segments rounded up to a power of two
-    w = 3 + k if causal else 2
+    w = (3 + k if causal else 2) + (2 if window is not None else 0)  # a window adds each block's first/last position
     interpret = dev.type != "cuda"
     elems = tile_elems or (_INTERPRETER_TILE if interpret else _GPU_TILE)
     gq, gk, cb, br = _program_sizes(n_q, n_k, n_r, n_c, block_m, block_n, k, causal, elems,
@@ -150,7 +160,7 @@ def build_block_lists(
             q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
             q_start.stride(0) if q_start.shape[0] > 1 else 0, summary.stride(0),
             seq_q, seq_k, n_q, n_k, -1 if num_segments == 32 else (1 << num_segments) - 1,
-            BM=block_m, BN=block_n, GQ=gq, GK=gk, K=k, W=w, IS_CAUSAL=causal,
+            BM=block_m, BN=block_n, GQ=gq, GK=gk, K=k, W=w, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
         )
         if summaries is not None:
             summaries[(block_m, block_n)] = summary
@@ -158,7 +168,8 @@ def build_block_lists(
     def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
         _LISTS[(cdiv(n_r, br), bm)](
             summary, counts, indices, summary.stride(0), counts.stride(0), indices.stride(0), n_q, n_k,
-            BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
+            kernel_window(window), BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
+            BY_KEY=by_key, PHASE=phase,
         )
 
     return write_lists(launch, bm, n_r, n_c, dev, compact)

@@ -3,6 +3,10 @@
 A tile is *live* when at least one pair in it is allowed, *full* when every pair is allowed and the key block
 lies inside the sequence (then the kernel needs no mask at all), and *partial* otherwise (live, masked).
 
+A sliding window (a key is kept only when its position is past the query's minus W) cuts the tiles by geometry
+alone (:func:`band_classes`): a tile wholly before the band is empty, one wholly inside keeps its class, and one
+across the band's edge is partial (the kernel masks it exactly).
+
 The lists are built from per-token bit vectors (see :mod:`mmsparse.mask.topology`), so the cost is O(S * k) for the
 tokens plus O(blocks * k) for the tiles: no S x S tensor. Everything stays on the input device; only lists large
 enough to be packed to their live tiles read one number (their length) back to the host.
@@ -92,8 +96,9 @@ def classify_blocks_from_bits(
     block_n: int,
     causal: bool,
     q_start: int | torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact live/full maps of the tiles of a topology mask.
+    """Exact live/full maps of the tiles of a topology mask (with a window: :func:`band_classes`).
 
     Args:
         q_bits: int32 ``[Bm, Sq]`` row bits of the query tokens (positions q_start .. q_start + Sq - 1).
@@ -102,6 +107,7 @@ def classify_blocks_from_bits(
         block_m, block_n: the tile.
         causal: also require ``j <= q_start + i``.
         q_start: position of the first query: Sk - Sq, or int ``[Bm]`` per sample.
+        window: also require key position > query position - window (None: no window).
 
     Returns:
         ``(live, full)``, bool ``[Bm, NQ, NK]``.
@@ -139,7 +145,32 @@ def classify_blocks_from_bits(
         last_col = torch.clamp(torch.arange(1, nk + 1, device=dev) * block_n, max=sk) - 1
         first_row = q_start + torch.arange(nq, device=dev) * block_m  # [1 or Bm, NQ]
         full &= last_col[None, None, :] <= first_row[:, :, None]
-    return live, full
+    return band_classes(live, full, block_m, block_n, sq, sk, q_start, window)
+
+
+def band_classes(
+    live: torch.Tensor, full: torch.Tensor, block_m: int, block_n: int, seq_q: int, seq_k: int,
+    q_start: int | torch.Tensor, window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live/full maps ``[Bm, NQ, NK]`` cut to the window's band (key position > query position - window), from
+    the tiles' positions alone (clipped to seq_q and seq_k): a tile whose positions all lie before the band is
+    empty, one whose positions all lie in it keeps its class, one across the band's edge is not full. The last
+    are masked exactly by the kernel; if the topology leaves such a tile no allowed pair in the band, it costs a
+    visit but changes nothing. A causal test keeps this exact: a tile's key-minus-query distances are one run of
+    integers, so a tile that meets both the band and the causal half-plane holds a pair allowed by both."""
+    if window is None:
+        return live, full
+    dev = live.device
+    nq, nk = live.shape[1], live.shape[2]
+    starts = _as_positions(q_start, dev)  # [1 or Bm, 1]
+    rows = torch.arange(nq, device=dev, dtype=torch.int64) * block_m
+    q_first = starts + rows  # [1 or Bm, NQ]
+    q_last = starts + torch.clamp(rows + block_m, max=seq_q) - 1
+    k_first = torch.arange(nk, device=dev, dtype=torch.int64) * block_n
+    k_last = torch.clamp(k_first + block_n, max=seq_k) - 1
+    meets = k_last[None, None, :] > q_first[:, :, None] - window
+    inside = k_first[None, None, :] > q_last[:, :, None] - window
+    return live & meets, full & inside
 
 
 def _as_positions(q_start: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -148,18 +179,24 @@ def _as_positions(q_start: int | torch.Tensor, device: torch.device) -> torch.Te
 
 
 def classify_blocks_from_mask(
-    mask: torch.Tensor, block_m: int, block_n: int, causal: bool, q_start: int | torch.Tensor
+    mask: torch.Tensor, block_m: int, block_n: int, causal: bool, q_start: int | torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Live/full maps by reducing a dense bool mask ``[Bm, Sq, Sk]`` over each tile (the arbitrary-mask path).
+    """Live/full maps by reducing a dense bool mask ``[Bm, Sq, Sk]`` over each tile (the arbitrary-mask path),
+    with the causal test and the window (key position > query position - window) applied to its elements: exact.
 
-    This is also the pure-torch reference for :func:`classify_blocks_from_bits`.
+    Without a window this is also the pure-torch reference for :func:`classify_blocks_from_bits`.
     """
     bm, sq, sk = mask.shape
     nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
-    if causal:
+    if causal or window is not None:
         i = torch.arange(sq, device=mask.device)[:, None]
         j = torch.arange(sk, device=mask.device)[None, :]
-        mask = mask & (j <= _as_positions(q_start, mask.device)[:, :, None] + i)
+        q_pos = _as_positions(q_start, mask.device)[:, :, None] + i  # [1 or Bm, Sq, 1]
+        if causal:
+            mask = mask & (j <= q_pos)
+        if window is not None:
+            mask = mask & (j > q_pos - window)
     cols = torch.zeros(bm, sq, nk * block_n, dtype=torch.bool, device=mask.device)
     cols[:, :, :sk] = mask
     any_ = _pad_rows(cols, nq * block_m, False).view(bm, nq, block_m, nk, block_n).any(4).any(2)

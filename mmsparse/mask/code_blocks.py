@@ -7,7 +7,9 @@ one (query piece, key piece) pair, and that piece pair's type decides all of its
 - another doc, NONE, or padding: none allowed;
 - FULL: all allowed;
 - CAUSAL (or any type when the call is causal): all allowed when the piece pair's last key is at or before its
-  first query, some when its first key is at or before its last query, none otherwise.
+  first query, some when its first key is at or before its last query, none otherwise;
+- with a window W on top: all allowed only if its first key is past its last query minus W, some only if its last
+  key is past its first query minus W (a piece pair's key-minus-query distances are one run of integers).
 
 Only pieces of the same sample and doc are paired, so a pack's cross-sample tiles cost nothing. The cost is O(S)
 for the pieces plus the piece pairs: per tile, the product of the runs its two blocks meet. No S x S tensor.
@@ -117,6 +119,7 @@ def classify_blocks_from_codes(
     block_n: int,
     causal: bool,
     q_start: int | torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact live/full maps of the tiles of a segment-code mask.
 
@@ -127,6 +130,7 @@ def classify_blocks_from_codes(
         block_m, block_n: the tile.
         causal: also require key position <= query position everywhere.
         q_start: position of the first query, an int or int ``[1 or Bm]`` per sample.
+        window: also require key position > query position - window (None: no window).
 
     Returns:
         ``(live, full)``, bool ``[Bm, NQ, NK]`` on q_codes' device. A tile is full when every pair is allowed and
@@ -146,6 +150,9 @@ def classify_blocks_from_codes(
     for qi, ki, allowed, ordered in _piece_pairs(q, k, table, causal):
         some = allowed & (~ordered | (k.first[ki] <= q.last[qi]))
         every = allowed & (~ordered | (k.last[ki] <= q.first[qi]))
+        if window is not None:
+            some &= k.last[ki] > q.first[qi] - window
+            every &= k.first[ki] > q.last[qi] - window
         tile = (q.row[qi] * nq + q.block[qi]) * nk + k.block[ki]
         live.view(-1)[tile[some]] = True
         broken.view(-1)[tile[~every]] = True
@@ -157,6 +164,7 @@ def classify_blocks_from_codes(
 
 def count_pairs_from_codes(
     q_codes: torch.Tensor, k_codes: torch.Tensor, table: torch.Tensor, causal: bool, q_start: int | torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Allowed (query, key) pairs of each sample of a segment-code mask (arguments as for
     :func:`classify_blocks_from_codes`), in O(S + run pairs).
@@ -174,11 +182,20 @@ def count_pairs_from_codes(
     k = _pieces(k_codes.expand(bsz, -1), seq_k)
     for qi, ki, allowed, ordered in _piece_pairs(q, k, table, causal):
         q0, q1, k0, k1 = q.first[qi], q.last[qi], k.first[ki], k.last[ki]
-        n_k = k1 - k0 + 1
-        # Ordered: query i sees keys k0 .. min(i, k1): a ramp 1, 2, ... while i <= k1, then all n_k keys.
-        lo, hi = torch.maximum(q0, k0), torch.minimum(q1, k1)
-        ramp_n = (hi - lo + 1).clamp(min=0)
-        ramp = ramp_n * (lo - k0 + 1) + ramp_n * (ramp_n - 1) // 2
-        flat = (q1 - torch.maximum(q0, k1 + 1) + 1).clamp(min=0) * n_k
-        total.index_add_(0, q.row[qi], torch.where(ordered, ramp + flat, (q1 - q0 + 1) * n_k) * allowed)
+        pairs = torch.where(ordered, _keys_up_to(q0, q1, k0, k1, 0), (q1 - q0 + 1) * (k1 - k0 + 1))
+        if window is not None:  # less the pairs whose key is at or before query - window
+            pairs = pairs - _keys_up_to(q0, q1, k0, k1, -window)
+        total.index_add_(0, q.row[qi], pairs * allowed)
     return total
+
+
+def _keys_up_to(q0: torch.Tensor, q1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, shift: int) -> torch.Tensor:
+    """Pairs (i, j) with q0 <= i <= q1, k0 <= j <= k1 and j <= i + shift, elementwise (int64 bounds)."""
+    q0, q1 = q0 + shift, q1 + shift
+    n_k = k1 - k0 + 1
+    # Query i sees keys k0 .. min(i, k1): a ramp 1, 2, ... while i <= k1, then all n_k keys.
+    lo, hi = torch.maximum(q0, k0), torch.minimum(q1, k1)
+    ramp_n = (hi - lo + 1).clamp(min=0)
+    ramp = ramp_n * (lo - k0 + 1) + ramp_n * (ramp_n - 1) // 2
+    flat = (q1 - torch.maximum(q0, k1 + 1) + 1).clamp(min=0) * n_k
+    return ramp + flat

@@ -26,7 +26,8 @@ TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of bloc
 
 class MaskInfo:
     """Mask description for seq_q queries (at positions q_start .. q_start + seq_q - 1; by default the last seq_q)
-    over keys 0 .. seq_k - 1.
+    over keys 0 .. seq_k - 1; with ``window`` a key is kept only when its position is past the query's minus the
+    window.
 
     Use :meth:`from_topology` or :meth:`from_dense`. ``batch`` is 1 when the whole batch shares the mask.
     """
@@ -44,6 +45,7 @@ class MaskInfo:
         q_start: torch.Tensor | None = None,
         table: torch.Tensor | None = None,
         sample_len: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.mode = mode
         self.seq_q, self.seq_k = seq_q, seq_k
@@ -55,6 +57,7 @@ class MaskInfo:
         # Tokens per sample of a pack, on average: rows see at most their sample, so short samples mean short
         # block lists (the forward picks its tile by it). None: not a pack.
         self.sample_len = sample_len
+        self.window = window  # sliding window (keys past query - window), or None
         ref = dense if mode == MASK_DENSE else q_bits
         self.batch = ref.shape[0]
         self.device = ref.device
@@ -74,7 +77,7 @@ class MaskInfo:
     @classmethod
     def from_topology(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None,
+        q_start: torch.Tensor | None = None, window: int | None = None,
     ) -> MaskInfo:
         """seg_lens: int ``[Bm, k]`` on the target device, each row summing to at most seq_k. q_start: optional
         int ``[B]``, the position of each sample's first query (decoding over caches of different lengths)."""
@@ -89,12 +92,12 @@ class MaskInfo:
             inside = (pos >= 0) & (pos < seq_k)
             q_bits = torch.where(inside, row_bits.gather(1, pos.clamp(0, max(seq_k - 1, 0))), 0).to(torch.int32)
         return cls(MASK_BITS, seq_q, seq_k, causal, q_bits=q_bits, k_bits=col_bits,
-                   num_segments=topology.num_segments, q_start=q_start)
+                   num_segments=topology.num_segments, q_start=q_start, window=window)
 
     @classmethod
     def from_segments(
         cls, topology: Topology, seg_lens: torch.Tensor, seq_q: int, seq_k: int, causal: bool,
-        q_start: torch.Tensor | None = None, packed: bool = False,
+        q_start: torch.Tensor | None = None, packed: bool = False, window: int | None = None,
     ) -> MaskInfo:
         """Segment codes for any topology. seg_lens: int ``[Bm, k]`` per sample, or with ``packed`` ``[N, k]``:
         N samples end to end in one sequence, each seeing only itself."""
@@ -104,13 +107,13 @@ class MaskInfo:
             k_codes = k_codes.expand(q_codes.shape[0], -1)
         return cls(MASK_SEGMENTS, seq_q, seq_k, causal, q_bits=q_codes, k_bits=k_codes,
                    num_segments=topology.num_segments, q_start=q_start, table=topology.pair_table(k_codes.device),
-                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None)
+                   sample_len=seq_k // max(seg_lens.shape[0], 1) if packed else None, window=window)
 
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, causal: bool) -> MaskInfo:
+    def from_dense(cls, mask: torch.Tensor, causal: bool, window: int | None = None) -> MaskInfo:
         """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
         mask = mask.contiguous()
-        return cls(MASK_DENSE, mask.shape[1], mask.shape[2], causal, dense=mask)
+        return cls(MASK_DENSE, mask.shape[1], mask.shape[2], causal, dense=mask, window=window)
 
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
@@ -122,13 +125,15 @@ class MaskInfo:
         if key not in self._classes:
             if self.mode == MASK_BITS:
                 self._classes[key] = classify_blocks_from_bits(
-                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start
+                    self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal, self.q_start,
+                    self.window,
                 )
             elif self.mode == MASK_SEGMENTS:  # from the codes' runs: O(S + tiles x runs), no S x S mask
                 self._classes[key] = classify_blocks_from_codes(self.q_bits, self.k_bits, self.table, block_m, block_n,
-                                                                self.causal, self.q_start)
+                                                                self.causal, self.q_start, self.window)
             else:
-                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start)
+                self._classes[key] = classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start,
+                                                               self.window)
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
@@ -138,7 +143,8 @@ class MaskInfo:
         key = (block_m, block_n, by_key)
         if key not in self._lists and self.mode == MASK_BITS and kernels_run_on(self.device):
             self._lists[key] = build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n,
-                                                 self.causal, self.q_start, by_key, summaries=self._summaries)
+                                                 self.causal, self.q_start, by_key, summaries=self._summaries,
+                                                 window=self.window)
         if key not in self._lists and self.mode == MASK_SEGMENTS and kernels_run_on(self.device):
             if self._runs is None:
                 k_codes = self.k_bits if self.k_bits.stride(0) != 0 else self.k_bits[:1]
@@ -146,7 +152,7 @@ class MaskInfo:
                 same = _same_view(self.q_bits, k_codes)  # self-attention: the queries' codes are the keys'
                 self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
             self._lists[key] = build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal,
-                                                   self.q_start, by_key)
+                                                   self.q_start, by_key, window=self.window)
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
@@ -183,6 +189,8 @@ class MaskInfo:
         q_pos = self.q_start.to(torch.int64).reshape(-1, 1, 1) + torch.arange(self.seq_q, device=self.device)[:, None]
         k_pos = torch.arange(self.seq_k, device=self.device)
         mask = (q_doc[:, :, None] == k_doc[:, None, :]) & allowed_by_type(types, q_pos, k_pos)
+        if self.window is not None:
+            mask = mask & (k_pos > q_pos - self.window)
         return mask & (k_pos <= q_pos) if self.causal else mask
 
 

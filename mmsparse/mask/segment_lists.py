@@ -8,7 +8,9 @@ run) pair, and the pair type of that run pair decides all of its pairs at once:
 - another doc, NONE, or padding: none allowed;
 - FULL: all allowed;
 - CAUSAL (or any type when the call is causal): all allowed when the run pair's last key is at or before its
-  first query, some when its first key is at or before its last query, none otherwise.
+  first query, some when its first key is at or before its last query, none otherwise;
+- with a window W on top: all allowed only if its first key is past its last query minus W, some only if its last
+  key is past its first query minus W.
 
 A tile is full when every run pair it meets allows all of its pairs and its key block lies inside the keys; live
 when some run pair allows some pair. Tiles whose query and key blocks hold disjoint doc ranges are empty without
@@ -26,7 +28,7 @@ import triton
 
 from ..kernels.tl.segment_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
 from ..runtime.launch import FastKernel
-from .block_lists import no_launch, write_lists
+from .block_lists import kernel_window, no_launch, write_lists
 from .blocks import BlockLists, cdiv
 
 # Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
@@ -90,6 +92,7 @@ class CodeRuns:
 def build_segment_lists(
     q_runs: CodeRuns, k_runs: CodeRuns, table: torch.Tensor, block_m: int, block_n: int, causal: bool,
     q_start: torch.Tensor, by_key: bool = False, fit: bool | None = None, compact: bool | None = None,
+    window: int | None = None,
 ) -> BlockLists:
     """Block lists of a segment-code mask at tile ``block_m`` x ``block_n``.
 
@@ -101,6 +104,7 @@ def build_segment_lists(
         by_key: per key block its query blocks instead of per query block its key blocks.
         fit: program sizes no larger than the lengths need (default: under the interpreter).
         compact: packed (CSR) lists or fixed slots; default by size (``block_lists.write_lists``).
+        window: also require key position > query position - window (None: no window).
 
     Returns:
         :class:`BlockLists` of R = NQ rows (NK when by_key).
@@ -125,8 +129,9 @@ def build_segment_lists(
             q_sum.stride(0), 0 if shared_k else k_sum.stride(0), q_runs.starts.stride(0),
             0 if shared_k else k_runs.starts.stride(0), q_start.stride(0) if q_start.shape[0] > 1 else 0,
             counts.stride(0), indices.stride(0), table.stride(0),
-            seq_q, seq_k, n_q, n_k,
-            BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, BY_KEY=by_key, PHASE=phase,
+            seq_q, seq_k, n_q, n_k, kernel_window(window),
+            BM=block_m, BN=block_n, BR=br, CB=cb, IS_CAUSAL=causal, HAS_WINDOW=window is not None, BY_KEY=by_key,
+            PHASE=phase,
         )
 
     return write_lists(launch, bm, n_r, n_c, dev, compact)

@@ -10,9 +10,9 @@ a variant uses are initialised (the ping-pong turns only with PINGPONG).
 
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
-off. All compile in one child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit``
-helpers that the Gluon kernels call), which writes each variant's PTX to a folder. Run as a script,
-``python tests/kernels/test_gluon_compiles.py DIR`` compiles them all and prints one line a kernel.
+off, with and without a sliding window. All compile in one child process without TRITON_INTERPRET (the interpreter
+replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX to a folder. Run
+as a script, ``python tests/kernels/test_gluon_compiles.py DIR`` compiles them all and prints one line a kernel.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ class Variant:
     mask: str  # "bits", "codes", "dense"
     causal: bool = False
     pingpong: bool | None = None  # None: as the config's tile
+    window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}"
+        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}" + (
+            "-window" if self.window else "")
 
 
 # Each pass at each head dim, each mask mode at D=128 and one or two at D=64, causal on and off, and the ping-pong
@@ -64,6 +66,12 @@ VARIANTS = [
     Variant("dkdv", 128, "dense"),
     Variant("dkdv", 128, "bits", pingpong=True),
     Variant("dkdv", 64, "bits", causal=True),
+    # A sliding window: each pass, each mask mode once.
+    Variant("fwd", 128, "bits", causal=True, window=True),
+    Variant("fwd_short", 128, "codes", causal=True, window=True),
+    Variant("dq", 128, "codes", window=True),
+    Variant("dkdv", 128, "bits", causal=True, window=True),
+    Variant("dkdv", 64, "dense", window=True),
 ]
 COMPILE_TIMEOUT_S = 900
 
@@ -148,18 +156,19 @@ def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
     print(name, "compiled", flush=True)
 
 
-def _mask_info(mask: str, causal: bool, seq: int):
+def _mask_info(mask: str, causal: bool, seq: int, window: bool):
     import torch
 
     from mmsparse.functional import build_mask_info
     from mmsparse.mask.info import MaskInfo
 
     lens = [[150, 150, seq - 300]]
+    w = 100 if window else None
     if mask == "dense":
-        return MaskInfo.from_dense(torch.rand(1, seq, seq) < 0.5, causal)
+        return MaskInfo.from_dense(torch.rand(1, seq, seq) < 0.5, causal, w)
     # Pair type 2 (causal within a pair) makes the segment-code mask; a 0/1 topology the bit mask.
     topology = [[2, 1, 0], [0, 2, 1], [1, 0, 2]] if mask == "codes" else [[1, 1, 0], [0, 1, 1], [1, 0, 1]]
-    return build_mask_info(topology, lens, seq, seq, causal, torch.device("cpu"))
+    return build_mask_info(topology, lens, seq, seq, causal, torch.device("cpu"), window=w)
 
 
 def _main(out: Path) -> None:
@@ -184,9 +193,9 @@ def _main(out: Path) -> None:
     batch, heads, kv_heads, seq = 1, 4, 2, 384
     infos = {}
     for variant in VARIANTS:
-        key = (variant.mask, variant.causal)
+        key = (variant.mask, variant.causal, variant.window)
         if key not in infos:
-            infos[key] = _mask_info(variant.mask, variant.causal, seq)
+            infos[key] = _mask_info(variant.mask, variant.causal, seq, variant.window)
         info = infos[key]
         assert info.mode == modes[variant.mask], variant.name
         q = torch.randn(batch, heads, seq, variant.head_dim, dtype=torch.bfloat16)
@@ -198,13 +207,15 @@ def _main(out: Path) -> None:
         by_key = variant.kind == "dkdv"
         info.prepare([(tile.block_m, tile.block_n, by_key)])
         mask = (kernel_args(info).tile(tile.block_m, tile.block_n, by_key), info.mode, info.causal)
+        assert (info.window is not None) == variant.window, variant.name
         if variant.kind in ("fwd", "fwd_short"):
-            gluon_launch.run_forward(q, k, v, *mask, 1.0, tile)
+            gluon_launch.run_forward(q, k, v, *mask, 1.0, tile, variant.window)
         elif variant.kind == "dq":
-            gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile)
+            gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile,
+                                variant.window)
         else:
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
-                                  1.0, 1.0, tile)
+                                  1.0, 1.0, tile, variant.window)
 
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd() / "gluon-ptx"

@@ -3,7 +3,7 @@ the producer's K/V ring, and the ping-pong turns of the two consumer warpgroups.
 
 The mask bundle is a tuple that every pass unpacks by these names, never reads by position::
 
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
 
 (``q_bits_ptr``/``k_bits_ptr`` hold bits or segment codes, ``mask_ptr`` the dense mask or the pair table: see
 :func:`mmsparse.kernels.rules.allowed_pairs`).
@@ -50,7 +50,7 @@ def box(smem):
 @gluon.jit
 def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
                   stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k,
-                  stride_qstart_b):
+                  stride_qstart_b, window):
     """One program's block list and mask bundle (``tl.common.program_setup`` for the Gluon kernels): ``(n_full,
     n_total, idx_ptr, mask_args)`` for batch b; the list of row (or key) block blk starts with its n_full full
     blocks."""
@@ -60,23 +60,23 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride
     n_total = n_full + gl.load(cnt_ptr + 1)
     idx_ptr = INDICES + b64 * stride_idx_b + gl.load(cnt_ptr + 2)  # the list starts at counts' third word
     mask_args = (Q_BITS + b64 * stride_qbits_b, K_BITS + b64 * stride_kbits_b, MASK + b64 * stride_mask_b,
-                 stride_mask_q, seq_q, seq_k, gl.load(Q_START + b * stride_qstart_b))
+                 stride_mask_q, seq_q, seq_k, gl.load(Q_START + b * stride_qstart_b), window)
     return n_full, n_total, idx_ptr, mask_args
 
 
 @gluon.jit
 def masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN: gl.constexpr, MASK_MODE: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """The exact token mask of one partial [rows, keys] score tile (key block ``n_blk``): disallowed scores ->
     -inf. ``q_bits`` are the rows' bits or codes (a dense mask reads none)."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = n_blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
     k_bits = offs_n  # a stand-in: a dense mask reads no bits
     if MASK_MODE != _MASK_DENSE:
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     allowed = allowed_pairs(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), gl.expand_dims(q_bits, 1),
-                            gl.expand_dims(k_bits, 0), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, MASK_MODE,
-                            IS_CAUSAL)
+                            gl.expand_dims(k_bits, 0), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+                            MASK_MODE, IS_CAUSAL, HAS_WINDOW)
     return gl.where(allowed, s, float("-inf"))
 
 

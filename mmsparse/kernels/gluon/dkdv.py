@@ -60,7 +60,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, _ = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma_load(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
@@ -100,24 +100,24 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
 
 @gluon.jit
 def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, MASK_MODE: gl.constexpr,
-               IS_CAUSAL: gl.constexpr):
+               IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """The exact token mask of one partial [keys, queries] tile (:func:`mmsparse.kernels.rules.allowed_pairs`)
     as the initial value of S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and
     queries past the end are 0."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_m = rows_s.load(cols)
     q_bits = offs_m  # a stand-in: a dense mask reads no bits
     if MASK_MODE != _MASK_DENSE:
         q_bits = qbits_s.load(cols)
     allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
-                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, MASK_MODE,
-                            IS_CAUSAL)
+                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+                            MASK_MODE, IS_CAUSAL, HAS_WINDOW)
     return gl.where(allowed, 0.0, float("-inf"))
 
 
 @gluon.jit
 def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero, MASK_MODE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """The accumulator S^T = K Q^T is issued onto: the mask bias in the partial blocks (it >= n_full), nothing in
     the full ones: ``(initial value, use_acc)``. Built before the matmuls are issued, while only dK and dV hold
     registers: as a where() on P^T it spilled at D=128, BM=64."""
@@ -125,14 +125,15 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
     partial = it >= n_full
     st0 = st_zero
     if partial:
-        st0 = _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL)
+        st0 = _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
     return st0, partial
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
-              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
@@ -152,7 +153,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
     if MASK_MODE != _MASK_DENSE:
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
@@ -166,7 +167,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         turn_phase = 0
         mbarrier.wait(ready.index(0), 0)
         st0, partial = _scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
-                                    st_zero, MASK_MODE, IS_CAUSAL)
+                                    st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         wait_turn(turn, WG, turn_phase, PINGPONG)
         do_s = do_smem.index(0)
         st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
@@ -187,7 +188,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             it = i % n_total
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
-                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL)
+                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             wait_turn(turn, WG, turn_phase, PINGPONG)
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
@@ -225,9 +226,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 def attention_dkdv_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
@@ -243,7 +244,7 @@ def attention_dkdv_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
     col0 = pid_n * (2 * WG_KEYS)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
@@ -275,9 +276,9 @@ def attention_dkdv_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
             (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),

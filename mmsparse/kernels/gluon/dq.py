@@ -61,11 +61,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
 
 @gluon.jit
 def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args, qk_scale, BN: gl.constexpr,
-                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """dS = P (dP - delta) of one tile. Rows past the end (lse = +inf) and disallowed pairs (s = -inf) get
     p = 0."""
     if masked:
-        s = masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN, MASK_MODE, IS_CAUSAL)
+        s = masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
     p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(neg_lse, 1)))  # explicit FMA, as the tl kernels
     return p * (dp - gl.expand_dims(delta, 1))
 
@@ -73,14 +73,14 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
               BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup, 64 query rows: dQ over the listed key blocks. With PINGPONG the two warpgroups take turns
     to issue each step's matmuls (n_total + 1 turns each), so one forms dS while the other's matmuls run."""
     q_smem, do_smem, k_smem, v_smem = buffers
     qdo_bar, k_ready, v_ready, kv_empty, turn = barriers
     lse_ptr, delta_ptr = row_ptrs
     idx_ptr, n_full, n_total, row0 = blocks
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -111,7 +111,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
         turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, block_id(idx_ptr, 0), mask_args,
-                          qk_scale, BN, MASK_MODE, IS_CAUSAL)
+                          qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         for it in range(1, n_total):
             stage = it % STAGES
@@ -126,7 +126,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, block_id(idx_ptr, it), mask_args,
-                              qk_scale, BN, MASK_MODE, IS_CAUSAL)
+                              qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
@@ -147,9 +147,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
 def attention_dq_gluon(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout), save that
@@ -167,7 +167,7 @@ def attention_dq_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
@@ -193,9 +193,9 @@ def attention_dq_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
             (_consumer, (1, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, PINGPONG)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, b, h, h // GROUP,
                          BN, STAGES)),
         ],

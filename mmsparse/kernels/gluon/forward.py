@@ -75,13 +75,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, NUM_HEADS: gl.constexpr):
+              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs."""
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start = mask_args
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -109,7 +109,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
-            s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL)
+            s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(1, n_total):
@@ -123,7 +123,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
-                s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL)
+                s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
+                                  HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(kv_empty.index(prev))
@@ -153,9 +154,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
 def attention_fwd_gluon(
     q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits),
@@ -173,7 +174,7 @@ def attention_fwd_gluon(
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b)
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
@@ -197,9 +198,9 @@ def attention_fwd_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, PINGPONG, NUM_HEADS)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, PINGPONG, NUM_HEADS)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES)),
         ],

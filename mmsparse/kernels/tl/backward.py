@@ -37,9 +37,10 @@ def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 @triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh, dropout_p,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
     BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
     for it in range(start, stop):
@@ -56,7 +57,7 @@ def _dkdv_tiles(
         b_pt = tl.math.exp2(tl.fma(b_st, qk_scale, -lse[None, :]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[None, :], offs_n[:, None], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
-                                seq_q, seq_k, q_start, MASK_MODE, IS_CAUSAL)
+                                seq_q, seq_k, q_start, window, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             b_pt = tl.where(allowed, b_pt, 0.0)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, q_start + offs_m[None, :], offs_n[:, None], dropout_p)
@@ -75,10 +76,11 @@ def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
@@ -111,13 +113,14 @@ def attention_dkdv_tl(
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh,
-            dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed,
+            bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
-            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT,
+            DOT_MODE, USE_TMA,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
     dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
@@ -130,9 +133,10 @@ def attention_dkdv_tl(
 @triton.jit
 def _dq_tiles(
     dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh, dropout_p,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks idx[start:stop]."""
     for it in range(start, stop):
@@ -145,7 +149,7 @@ def _dq_tiles(
         b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
-                                seq_q, seq_k, q_start, MASK_MODE, IS_CAUSAL)
+                                seq_q, seq_k, q_start, window, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             b_p = tl.where(allowed, b_p, 0.0)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, q_start + offs_m[:, None], offs_n[None, :], dropout_p)
@@ -160,9 +164,9 @@ def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, sm_scale, dropout_p,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
@@ -194,13 +198,13 @@ def attention_dq_tl(
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, pid_bh, dropout_p,
-        BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, pid_bh,
+        dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
-        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed,
-        pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale,
+        seed, pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
     dq_dst = make_source(DQ + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     store_block(dq_dst, pid_m * BM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,

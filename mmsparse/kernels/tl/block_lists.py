@@ -16,10 +16,11 @@ def block_summary_kernel(
     stride_qb, stride_kb, stride_qstart, stride_sb,
     seq_q, seq_k, n_q, n_k, bit_mask,
     BM: tl.constexpr, BN: tl.constexpr, GQ: tl.constexpr, GK: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Program (g, b) summarises query blocks g*GQ .. g*GQ+GQ-1 and key blocks g*GK .. g*GK+GK-1 of sample b
-    into ``SUM[b, blk]`` and ``SUM[b, n_q + blk]`` (W words each)."""
+    into ``SUM[b, blk]`` and ``SUM[b, n_q + blk]`` (W words each; with HAS_WINDOW the last two are the block's
+    first and last position, clipped to the sequence)."""
     i_g, i_b = tl.program_id(0), tl.program_id(1)
     b64 = i_b.to(tl.int64)  # B * S token bits may pass 2^31
     offs_t = tl.arange(0, K)
@@ -40,6 +41,10 @@ def block_summary_kernel(
             tl.store(p_s + 2, q_start + offs_qb * BM, mask=m_s)
             b_last = tl.max(tl.where(b_see != 0, q_start + offs_m[:, :, None], _NEG), 1)  # [GQ, K]
             tl.store(p_s[:, None] + 3 + offs_t[None, :], b_last, mask=m_s[:, None])
+        if HAS_WINDOW:
+            q_start = tl.load(Q_START + i_b * stride_qstart)
+            tl.store(p_s + W - 2, q_start + offs_qb * BM, mask=m_s)
+            tl.store(p_s + W - 1, q_start + tl.minimum(offs_qb * BM + BM, seq_q) - 1, mask=m_s)
     if i_g * GK < n_k:
         offs_kb = i_g * GK + tl.arange(0, GK)  # [GK]
         offs_n = offs_kb[:, None] * BN + tl.arange(0, BN)[None, :]  # [GK, BN]
@@ -53,13 +58,17 @@ def block_summary_kernel(
             tl.store(p_s + 2, offs_kb * BN + BN - 1, mask=m_s)  # a block running past seq_k is dirty anyway
             b_first = tl.min(tl.where(b_has != 0, offs_n[:, :, None], _POS), 1)  # [GK, K]
             tl.store(p_s[:, None] + 3 + offs_t[None, :], b_first, mask=m_s[:, None])
+        if HAS_WINDOW:
+            tl.store(p_s + W - 2, offs_kb * BN, mask=m_s)
+            tl.store(p_s + W - 1, tl.minimum(offs_kb * BN + BN, seq_k) - 1, mask=m_s)
 
 
 @triton.jit
-def _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K: tl.constexpr, W: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, BY_KEY: tl.constexpr, LIVE: tl.constexpr):
-    """(full, live) bool ``[BR, CB]`` of row blocks (summaries ``r_*``: [BR, 1], [BR, 1, K]) against column
-    blocks offs_c; live only when LIVE (full otherwise)."""
+def _classify(r_or, r_x, r_edge, r_pos, r_span, p_col, offs_c, m_r, n_c, window, K: tl.constexpr, W: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BY_KEY: tl.constexpr, LIVE: tl.constexpr):
+    """(full, live) bool ``[BR, CB]`` of row blocks (summaries ``r_*``: [BR, 1], [BR, 1, K]; ``r_span``: their
+    first and last positions, with HAS_WINDOW) against column blocks offs_c; live only when LIVE (full
+    otherwise). The window's band cuts the tiles by position, as ``mmsparse.mask.blocks.band_classes``."""
     m_c = offs_c < n_c
     p_c = p_col + offs_c * W  # [CB]
     c_or = tl.load(p_c, mask=m_c, other=0)[None, :]  # [1, CB]
@@ -87,6 +96,16 @@ def _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K: tl.constexpr
             live = (tl.max(see.to(tl.int32), 2) != 0) & m_rc
     elif LIVE:
         live = ((q_or & k_or) != 0) & m_rc
+    if HAS_WINDOW:
+        r_first, r_last = r_span
+        c_first = tl.load(p_c + W - 2, mask=m_c, other=0)[None, :]
+        c_last = tl.load(p_c + W - 1, mask=m_c, other=0)[None, :]
+        if BY_KEY:
+            q_first, q_last, k_first, k_last = c_first, c_last, r_first, r_last
+        else:
+            q_first, q_last, k_first, k_last = r_first, r_last, c_first, c_last
+        full = full & (k_first > q_last - window)
+        live = live & (k_last > q_first - window)
     return full, live
 
 
@@ -135,13 +154,13 @@ def store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE: tl.constexpr):
         tl.store(p_cnt + 2, offs_r * n_c, mask=m_r)
 
 
-@triton.jit(do_not_specialize=["stride_sb", "stride_cb", "stride_ib", "n_q", "n_k"])
+@triton.jit(do_not_specialize=["stride_sb", "stride_cb", "stride_ib", "n_q", "n_k", "window"])
 def block_lists_kernel(
     SUM, COUNTS, INDICES,
     stride_sb, stride_cb, stride_ib,
-    n_q, n_k,
+    n_q, n_k, window,
     BR: tl.constexpr, CB: tl.constexpr, K: tl.constexpr, W: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BY_KEY: tl.constexpr, PHASE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, BY_KEY: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Program (g, b) handles the row blocks r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b, walking
     the column blocks CB at a time: ``COUNTS[b, r]`` and/or the lists, as PHASE says."""
@@ -161,6 +180,9 @@ def block_lists_kernel(
         offs_t = tl.arange(0, K)
         r_edge = tl.load(p_r + 2, mask=m_r, other=0)[:, None]
         r_pos = tl.load(p_r[:, None] + 3 + offs_t[None, :], mask=m_r[:, None], other=0)[:, None, :]  # [BR, 1, K]
+    r_span = (r_or, r_or)
+    if HAS_WINDOW:
+        r_span = (tl.load(p_r + W - 2, mask=m_r, other=0)[:, None], tl.load(p_r + W - 1, mask=m_r, other=0)[:, None])
     offs_cb = tl.arange(0, CB)
     p_cnt = COUNTS + i_b * stride_cb + offs_r * 3
     p_idx, n_full = list_rows(p_cnt, INDICES, i_b.to(tl.int64), offs_r, m_r, n_c, stride_ib, PHASE)
@@ -168,14 +190,15 @@ def block_lists_kernel(
     n_part = tl.zeros([BR], dtype=tl.int32)
     if PHASE != PHASE_WRITE:
         for c0 in range(0, n_c, CB):
-            full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, c0 + offs_cb, m_r, n_c, K, W, IS_CAUSAL, BY_KEY,
-                                   PHASE == PHASE_COUNT)
+            full, live = _classify(r_or, r_x, r_edge, r_pos, r_span, p_col, c0 + offs_cb, m_r, n_c, window, K, W,
+                                   IS_CAUSAL, HAS_WINDOW, BY_KEY, PHASE == PHASE_COUNT)
             n_full, n_part = count_chunk(full, live, n_full, n_part)
     if PHASE != PHASE_COUNT:
         i_full, i_part = tl.zeros([BR], dtype=tl.int32), n_full
         for c0 in range(0, n_c, CB):
             offs_c = c0 + offs_cb
-            full, live = _classify(r_or, r_x, r_edge, r_pos, p_col, offs_c, m_r, n_c, K, W, IS_CAUSAL, BY_KEY, True)
+            full, live = _classify(r_or, r_x, r_edge, r_pos, r_span, p_col, offs_c, m_r, n_c, window, K, W, IS_CAUSAL,
+                                   HAS_WINDOW, BY_KEY, True)
             i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
         n_part = i_part - n_full
     store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE)

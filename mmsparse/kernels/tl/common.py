@@ -44,8 +44,10 @@ def pair_mask(
     seq_q,
     seq_k,
     q_start,
+    window,
     MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """:func:`mmsparse.kernels.rules.allowed_pairs` of a tile, with the rows' and columns' bits or codes loaded
     here from pointers already at the (batch) row; offs_q/offs_k are broadcastable 2-D index tiles ([BM, 1] x
@@ -55,8 +57,8 @@ def pair_mask(
     if MASK_MODE != _MASK_DENSE:  # a dense mask reads neither
         q_val = tl.load(q_bits_ptr + offs_q, mask=offs_q < seq_q, other=0)
         k_val = tl.load(k_bits_ptr + offs_k, mask=offs_k < seq_k, other=0)
-    return allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, MASK_MODE,
-                         IS_CAUSAL)
+    return allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW)
 
 
 @triton.jit

@@ -27,10 +27,10 @@ _FWD_DYNAMIC = [*DYNAMIC_ARGS, "n_splits", "split_len"]  # (an int arg equal to 
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale, seed, bh, dropout_p,
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
     for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
@@ -41,7 +41,7 @@ def _fwd_tiles(
         b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores; m_i is kept in raw units too
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_kv[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
-                                seq_q, seq_k, q_start, MASK_MODE, IS_CAUSAL)
+                                seq_q, seq_k, q_start, window, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             b_s = tl.where(allowed, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # A row that has seen nothing yet keeps m = -inf: use 0 as the exponent base so exp2 gives 0, not NaN.
@@ -65,9 +65,9 @@ def attention_fwd_tl(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, qk_scale, dropout_p, n_splits, split_len,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, dropout_p, n_splits, split_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     PACK_GQA: tl.constexpr,
 ):
@@ -130,14 +130,15 @@ def attention_fwd_tl(
     acc = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, lo,
-        tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, qk_scale,
-        seed, bh_rows, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA, WARP_SPEC,
+        tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+        qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT,
+        DOT_MODE, USE_TMA, WARP_SPEC,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr,
         tl.maximum(lo, n_full), hi, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
-        qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_DROPOUT, DOT_MODE, USE_TMA,
-        False,
+        window, qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+        HAS_DROPOUT, DOT_MODE, USE_TMA, False,
     )
 
     # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0

@@ -57,9 +57,10 @@ def run_summary_kernel(CODES, RUN, OUT, stride_cb, stride_rb, stride_ob, seq, n_
 @triton.jit
 def _classify_runs(
     qb, kb, valid, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table, q_start, seq_q, seq_k,
-    BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    window, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """(full, live) of the tiles (query block qb, key block kb), broadcastable block-id tiles, where valid."""
+    """(full, live) of the tiles (query block qb, key block kb), broadcastable block-id tiles, where valid. With
+    HAS_WINDOW a run pair's pairs must also have key position > query position - window."""
     q_lo = tl.load(q_sum + qb * 4, mask=valid, other=0)
     q_hi = tl.load(q_sum + qb * 4 + 1, mask=valid, other=-1)
     k_lo = tl.load(k_sum + kb * 4, mask=valid, other=0)
@@ -72,6 +73,8 @@ def _classify_runs(
     q1 = tl.minimum(q0 + BM, seq_q)
     k0 = kb * BN
     k1 = tl.minimum(k0 + BN, seq_k)
+    if HAS_WINDOW:  # tiles wholly before the band skip their runs
+        meet = meet & (k1 - 1 > q0 + q_start - window)
     full = meet & (k0 + BN <= seq_k)  # a key block running past the keys is never full
     live = meet != meet
     n_x = tl.max(tl.max(tl.where(meet, q_hi - q_lo + 1, 0), 1), 0)
@@ -91,15 +94,20 @@ def _classify_runs(
             kind = tl.load(table + (x_code & _SEG_MASK) * stride_table + (y_code & _SEG_MASK), mask=v, other=0)
             kind = tl.where(((x_code ^ y_code) >> _SEG_BITS) == 0, kind, 0)
             ordered = (kind == _CAUSAL) | IS_CAUSAL
-            live = live | (v & (kind != 0) & (~ordered | (y_first <= x_last)))
-            full = full & (~v | ((kind != 0) & (~ordered | (y_last <= x_first))))
+            some = v & (kind != 0) & (~ordered | (y_first <= x_last))
+            every = (kind != 0) & (~ordered | (y_last <= x_first))
+            if HAS_WINDOW:
+                some = some & (y_last > x_first - window)
+                every = every & (y_first > x_last - window)
+            live = live | some
+            full = full & (~v | every)
     return full, live
 
 
 @triton.jit
 def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table,
-                   q_start, seq_q, seq_k, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   BY_KEY: tl.constexpr):
+                   q_start, seq_q, seq_k, window, BM: tl.constexpr, BN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, BY_KEY: tl.constexpr):
     """(full, live) ``[BR, CB]`` of the program's row blocks against the column blocks offs_c."""
     valid = m_r[:, None] & (offs_c < n_c)[None, :]
     if BY_KEY:
@@ -107,17 +115,17 @@ def _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_
     else:
         qb, kb = offs_r[:, None], offs_c[None, :]
     return _classify_runs(qb, kb, valid, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes, table, stride_table,
-                          q_start, seq_q, seq_k, BM, BN, IS_CAUSAL)
+                          q_start, seq_q, seq_k, window, BM, BN, IS_CAUSAL, HAS_WINDOW)
 
 
 @triton.jit(do_not_specialize=["stride_qs", "stride_ks", "stride_qr", "stride_kr", "stride_pb", "stride_cb",
-                               "stride_ib", "stride_table", "seq_q", "seq_k", "n_q", "n_k"])
+                               "stride_ib", "stride_table", "seq_q", "seq_k", "n_q", "n_k", "window"])
 def segment_lists_kernel(
     Q_SUM, K_SUM, Q_FIRSTS, Q_CODES, K_FIRSTS, K_CODES, TABLE, Q_START, COUNTS, INDICES,
     stride_qs, stride_ks, stride_qr, stride_kr, stride_qstart, stride_cb, stride_ib, stride_table,
-    seq_q, seq_k, n_q, n_k,
+    seq_q, seq_k, n_q, n_k, window,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BY_KEY: tl.constexpr, PHASE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, BY_KEY: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Program (g, b) handles the row blocks r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full
     column blocks in ascending order, then the partial ones, as PHASE says (as ``block_lists.block_lists_kernel``)."""
@@ -138,7 +146,8 @@ def segment_lists_kernel(
     if PHASE != PHASE_WRITE:
         for c0 in range(0, n_c, CB):
             full, live = _chunk_classes(c0 + offs_cb, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts,
-                                        k_codes, TABLE, stride_table, q_start, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+                                        k_codes, TABLE, stride_table, q_start, seq_q, seq_k, window, BM, BN, IS_CAUSAL,
+                                        HAS_WINDOW, BY_KEY)
             if PHASE != PHASE_COUNT:
                 live = full  # the first of two passes counts the full tiles only
             n_full, n_part = count_chunk(full, live, n_full, n_part)
@@ -147,7 +156,8 @@ def segment_lists_kernel(
         for c0 in range(0, n_c, CB):
             offs_c = c0 + offs_cb
             full, live = _chunk_classes(offs_c, offs_r, m_r, n_c, q_sum, k_sum, q_firsts, q_codes, k_firsts, k_codes,
-                                        TABLE, stride_table, q_start, seq_q, seq_k, BM, BN, IS_CAUSAL, BY_KEY)
+                                        TABLE, stride_table, q_start, seq_q, seq_k, window, BM, BN, IS_CAUSAL,
+                                        HAS_WINDOW, BY_KEY)
             i_full, i_part = store_chunk(p_idx, offs_c, full, live, i_full, i_part)
         n_part = i_part - n_full
     store_counts(p_cnt, m_r, n_full, n_part, offs_r, n_c, PHASE)
