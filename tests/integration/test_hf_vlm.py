@@ -115,14 +115,10 @@ def test_gemma3_images_at_several_positions_and_right_padding(device):
 
 def test_gemma3_sliding_window_shorter_than_the_images(device):
     """Sliding layers with a window of 3 keys: images of 4 tokens are cut by it (transformers ANDs the window over
-    the blocks). Needs mmsparse's own window; without it, a clear error."""
+    the blocks, as mmsparse's window does)."""
     ref, mm = pair(transformers.Gemma3ForConditionalGeneration, gemma3_config(window=3), device)
     ids, tt, am, pixels = gemma3_inputs([(20, [2, 12])], device)
     inputs = dict(input_ids=ids, token_type_ids=tt, pixel_values=pixels)
-    if not hf.WINDOW_SUPPORTED:
-        with pytest.raises(NotImplementedError, match="no sliding window"):
-            mm(**inputs)
-        return
     check_training_step(ref, mm, inputs, am, torch.where(tt == 0, ids, -100))
 
 
@@ -149,10 +145,11 @@ def test_paligemma_prefix_and_suffix(device):
     check_training_step(ref, mm, inputs, am, labels)
 
 
-def test_gemma3_packed_row_matches_eager(device):
+@pytest.mark.parametrize("window", [64, 5], ids=["window-64", "window-5"])
+def test_gemma3_packed_row_matches_eager(window, device):
     """DataCollatorWithFlattening's layout: one row, position ids restarting per sample, any number of images per
     sample; against eager on the same packed row (transformers' own packed mask)."""
-    config = gemma3_config(layer_types=("full_attention", "sliding_attention"))
+    config = gemma3_config(window, layer_types=("full_attention", "sliding_attention"))
     ref, mm = pair(transformers.Gemma3ForConditionalGeneration, config, device)
     parts = [gemma3_inputs([(n, starts)], device, seed=10 + i) for i, (n, starts) in
              enumerate([(12, [3]), (9, []), (17, [1, 11])])]
@@ -181,12 +178,14 @@ def test_packed_samples_see_only_themselves(device):
     assert_close("packed vs alone", packed, alone)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma3-window-6", "paligemma"])
 def test_generate_matches_eager(family, device):
     """Greedy generate() with images: the prefill (queries over the image blocks) and the cached decoding steps
-    (one query at an offset) give eager's tokens and scores."""
-    if family == "gemma3":
-        ref, mm = pair(transformers.Gemma3ForConditionalGeneration, gemma3_config(), device)
+    (one query at an offset; with a window of 6, the sliding layers' cache keeps the last keys only) give eager's
+    tokens and scores."""
+    if family.startswith("gemma3"):
+        window = 6 if family.endswith("6") else 64
+        ref, mm = pair(transformers.Gemma3ForConditionalGeneration, gemma3_config(window), device)
         ids, tt, am, pixels = gemma3_inputs([(18, [2, 10]), (18, [5])], device, seed=4)
     else:
         ref, mm = pair(transformers.PaliGemmaForConditionalGeneration, paligemma_config(), device)

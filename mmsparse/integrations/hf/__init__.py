@@ -21,14 +21,14 @@ transformers is an optional dependency: it is imported by :func:`register`, neve
 
 from __future__ import annotations
 
-from .attention import WINDOW_SUPPORTED, mmsparse_attention_forward, mmsparse_mask
+from .attention import mmsparse_attention_forward, mmsparse_mask
 from .model_mask import MaskSpec, ModelMask
 from .versions import SUPPORTED, check_transformers_version
 
 NAME = "mmsparse"
 
 __all__ = [
-    "NAME", "SUPPORTED", "WINDOW_SUPPORTED", "MaskSpec", "ModelMask", "mmsparse_attention_forward", "mmsparse_mask",
+    "NAME", "SUPPORTED", "MaskSpec", "ModelMask", "mmsparse_attention_forward", "mmsparse_mask",
     "register",
 ]
 

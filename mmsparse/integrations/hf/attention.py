@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -13,9 +12,6 @@ from ...functional import mbs_attention, mbs_attention_varlen
 from ...mask.topology import FULL
 from .model_mask import MaskSpec, ModelMask, build_model_mask
 from .topology_route import topology_attention, user_topology
-
-# The sliding window of mmsparse itself (key kept when its position > query position - window): the local layers.
-WINDOW_SUPPORTED = "window" in inspect.signature(mbs_attention).parameters
 
 
 def mmsparse_mask(
@@ -94,10 +90,9 @@ def mmsparse_attention_forward(
             f"attn_implementation='mmsparse': the mask was built for {spec.q_length} queries and {spec.kv_length} "
             f"keys but the layer has {query.shape[2]} and {key.shape[2]}"
         )
-    extra = {} if window is None else {"window": window}
     run = mbs_attention_varlen if spec.packed else mbs_attention
     out = run(query, key, value, spec.topology, spec.seg_lens, causal=False, dropout_p=dropout, softmax_scale=scaling,
-              **extra)
+              window=window)
     return rearrange(out, "b h s d -> b s h d"), None
 
 
@@ -124,15 +119,11 @@ _ONE_SEGMENT = ((FULL,),)
 
 
 def _layer_window(spec: MaskSpec, layer_window: int | None) -> int | None:
-    """The window to pass mmsparse: the mask's, which must be the layer's."""
-    if spec.layer_window != layer_window and layer_window is not None:
+    """The window to pass mmsparse: the mask's (key kept when its position > query position - window, AND-ed over
+    every pair), which must be the layer's."""
+    if layer_window is not None and spec.layer_window != layer_window:
         raise ValueError(
             f"attn_implementation='mmsparse': the layer's sliding window is {layer_window} but its mask has "
             f"{spec.layer_window}"
-        )
-    if spec.window is not None and not WINDOW_SUPPORTED:
-        raise NotImplementedError(
-            f"attn_implementation='mmsparse': this mmsparse has no sliding window, and the sliding layers' window "
-            f"({spec.window}) is shorter than the {spec.kv_length} keys"
         )
     return spec.window

@@ -107,15 +107,17 @@ def topology_attention(
     kwargs: dict,
 ) -> torch.Tensor:
     """Attention under the user's topology: ``[B, Sq, H, D]``. ``spec``: the model's own mask (its padding; it must
-    have no blocks or sliding window, which the topology would silently replace)."""
+    have no blocks, which the topology would silently replace; its sliding window applies)."""
     if spec is not None and spec.has_blocks:
         raise ValueError(
             "attn_implementation='mmsparse': this model builds its own mask with bidirectional blocks (a vision "
             "model's images, from token_type_ids); mm_topology would replace it. Drop mm_topology/mm_seg_lens: the "
             "model's mask is used as transformers builds it"
         )
-    if kwargs.get("sliding_window") is not None or (spec is not None and spec.window is not None):
-        raise NotImplementedError("attn_implementation='mmsparse' with mm_topology does not support sliding windows")
+    # A sliding layer's window applies over the topology, as transformers applies it over the causal mask.
+    window = None if spec is None else spec.window
+    if kwargs.get("sliding_window") is not None and spec is None:
+        raise ValueError("attn_implementation='mmsparse': a sliding-window layer without its mask")
     kv_len = key.shape[2]
     causal = _setting(module, kwargs, "mm_causal", kwargs.get("is_causal"))
     if causal is None:
@@ -128,13 +130,12 @@ def topology_attention(
             _segments(module, kwargs, kv_len)  # raises the missing-argument error
         rows = _packed_rows(seg_lens, samples)
         out = mbs_attention_varlen(query, key, value, topology, rows, causal=bool(causal), dropout_p=dropout,
-                                   softmax_scale=scaling)
+                                   softmax_scale=scaling, window=window)
         return rearrange(out, "b h s d -> b s h d")
     topology, seg_lens = _segments(module, kwargs, kv_len)
     padding = None if spec is None else spec.padding
     if padding is not None:
         seg_lens = clip_seg_lens(seg_lens, valid_lens_from_padding(padding))
-    out = mbs_attention(
-        query, key, value, topology, seg_lens, causal=bool(causal), dropout_p=dropout, softmax_scale=scaling
-    )
+    out = mbs_attention(query, key, value, topology, seg_lens, causal=bool(causal), dropout_p=dropout,
+                        softmax_scale=scaling, window=window)
     return rearrange(out, "b h s d -> b s h d")
