@@ -114,8 +114,7 @@ class RankProblem:
         local = self._index.to(device)
         pieces: list[Piece] = []
         if not self.causal and gathered.numel():
-            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
-                                     row_bits[:, local], col_bits[:, gathered], num_segments))
+            pieces = self._full_pieces(row_bits[:, local], col_bits, local, gathered)
         else:
             chunk, start = self.plan.chunk, 0
             for c in self.plan.local_chunks[self.rank]:
@@ -131,6 +130,34 @@ class RankProblem:
                 start += n
         self._pieces[_where(device)] = (pieces, gathered)
         return pieces
+
+    def _full_pieces(self, q_bits: torch.Tensor, col_bits: torch.Tensor, local: torch.Tensor,
+                     gathered: torch.Tensor) -> list[Piece]:
+        """Without causal tests the rank's queries take every key in two pieces over its own keys and one over
+        the gathered ones, with the columns of its own chunks zeroed there (their tiles are empty, so skipped).
+        The own-key pieces need no exchange: both run while the forward's fetch is in flight; in the backward the
+        first runs during the fetch and the second (``late``) while the dK/dV of the gathered keys go back."""
+        num_segments, rows = self.topology.num_segments, slice(0, self.local_len)
+        remote_cols = col_bits[:, gathered] * (~torch.isin(gathered, local)).to(col_bits.dtype)
+        # The return moves float32 dK/dV, twice the bytes of the fetch: the late piece takes about 2/3 of the keys.
+        cut = self._own_cut(1 / 3)
+        pieces = [make_piece(rows, keys, True, False, q_bits, col_bits[:, local[keys]], num_segments)
+                  for keys in (slice(0, cut), slice(cut, self.local_len)) if keys.stop > keys.start]
+        if len(pieces) == 2:
+            pieces[1].late = True
+        pieces.append(make_piece(rows, slice(0, gathered.numel()), False, False, q_bits, remote_cols, num_segments))
+        return pieces
+
+    def _own_cut(self, share: float) -> int:
+        """A local row at a chunk boundary near ``share`` of this rank's tokens (at least one chunk before it
+        when there are two)."""
+        ends, start = [], 0
+        for c in self.plan.local_chunks[self.rank]:
+            start += self.plan.chunk_tokens(c)
+            ends.append(start)
+        if len(ends) < 2:
+            return ends[0] if ends else 0
+        return min(ends[:-1], key=lambda e: abs(e - share * self.local_len))
 
     def _pieces_by_position(self, device: torch.device) -> list[Piece]:
         """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
@@ -209,44 +236,54 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    gather: Gather, send_back: Callable[[torch.Tensor], None] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: float32 (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]``, dK/dV of the gathered keys
-    ``[B, 2 Hkv, S_gathered, D]``). ``gather`` is called once, after the pieces over the rank's own keys."""
+    ``[B, 2 Hkv, S_gathered, D]``).
+
+    The pieces over the rank's own keys run first, while the fetch is in flight; ``gather`` is called once after
+    them, then the pieces over gathered keys run; ``send_back`` (if given) then gets the gathered keys' finished
+    dK/dV, to start returning them while the ``late`` own-key pieces run. The order is fixed, so the float32
+    sums are too."""
     hkv = k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
-    gathered = None  # (k_g, v_g, their dK/dV) once gathered
 
-    def wait() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k_g, v_g = gather()
-        return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
-                                     device=q.device)
-
-    # Own keys first, as in the forward (a stable sort: a fixed order).
-    for piece, seed in sorted(zip(pieces, seeds), key=lambda ps: not ps[0].local_keys):
-        if piece.local_keys:
-            kk, vv, target = k, v, dkv_l
-        else:
-            gathered = gathered or wait()
-            kk, vv, target = gathered
+    def run(piece: Piece, seed: Any, kk: torch.Tensor, vv: torch.Tensor, target: torch.Tensor) -> None:
         rows, keys = piece.q_rows, piece.k_rows
         dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
                                           out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed)
         dq[:, :, rows] += dq_p
         target[:, :hkv, keys] += dk_p
         target[:, hkv:, keys] += dv_p
-    gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
-    return dq, dkv_l, gathered[2]
+
+    pairs = list(zip(pieces, seeds))
+    for piece, seed in pairs:
+        if piece.local_keys and not piece.late:
+            run(piece, seed, k, v, dkv_l)
+    # called even when no piece reads gathered keys (a real run's sends complete)
+    k_g, v_g = gather()
+    dkv_g = torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+    for piece, seed in pairs:
+        if not piece.local_keys:
+            run(piece, seed, k_g, v_g, dkv_g)
+    if send_back is not None:
+        send_back(dkv_g)
+    for piece, seed in pairs:
+        if piece.local_keys and piece.late:
+            run(piece, seed, k, v, dkv_l)
+    return dq, dkv_l, dkv_g
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:
-    """(piece, seed) pairs grouped by the pieces' query rows, in order (pieces of one query range are
-    adjacent)."""
-    groups: list[tuple[slice, list[tuple[Piece, Any]]]] = []
+    """(piece, seed) pairs grouped by the pieces' query rows, each group in list order (the merge order). Pieces
+    cut by position interleave their query runs, so a group gathers pieces that are not adjacent."""
+    groups: dict[tuple[int, int], tuple[slice, list[tuple[Piece, Any]]]] = {}
     for p, s in pieces:
-        if groups and groups[-1][0] == p.q_rows:
-            groups[-1][1].append((p, s))
-        else:
-            groups.append((p.q_rows, [(p, s)]))
-    return groups
+        groups.setdefault((p.q_rows.start, p.q_rows.stop), (p.q_rows, []))[1].append((p, s))
+    ordered = sorted(groups.values(), key=lambda g: g[0].start)
+    for (a, _), (b, _) in zip(ordered, ordered[1:]):
+        if b.start < a.stop:
+            raise AssertionError(f"pieces over query rows {a} and {b} overlap without being equal")
+    return ordered

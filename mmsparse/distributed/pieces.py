@@ -37,6 +37,7 @@ class Piece:
     causal: bool
     info: MaskInfo
     positions: tuple[int, int] | None = None  # global positions of the first query and key: one run each
+    late: bool = False  # own keys, run last in the backward: it hides the dK/dV return of the gathered keys
 
 
 def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_bits: torch.Tensor,
@@ -71,7 +72,7 @@ def split_by_position(piece: Piece, q_positions: torch.Tensor, k_positions: torc
                               q_start=torch.zeros_like(info.q_start), table=info.table)
             parts.append(Piece(slice(piece.q_rows.start + qa, piece.q_rows.start + qb),
                                slice(piece.k_rows.start + ka, piece.k_rows.start + kb), piece.local_keys,
-                               piece.causal, sliced, (q0, k0)))
+                               piece.causal, sliced, (q0, k0), piece.late))
     if piece.causal and len(parts) != 1:
         raise AssertionError("a causal piece spans one chunk: its rows and keys are one run each")
     return parts
