@@ -129,11 +129,21 @@ def test_kv_cache_queries_are_the_last_positions(device):
         mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=RING, mm_seg_lens=(5, 20, 12))
 
 
+def test_without_a_topology_the_models_own_mask(device):
+    """No mm_topology: the mask transformers builds for the model (causal, with right padding) on the kernels."""
+    ref, mm = _pair("llama", device)
+    ids = torch.randint(0, VOCAB, (2, S), device=device)
+    am = torch.ones(2, S, dtype=torch.long, device=device)
+    am[1, 30:] = 0
+    with torch.no_grad():
+        out, expected = mm(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits
+    keep = am.bool()[..., None]
+    assert_logits_close("logits (real tokens)", out * keep, expected * keep)
+
+
 def test_clear_errors(device):
     _, mm = _pair("llama", device)
     ids = torch.randint(0, VOCAB, (1, S), device=device)
-    with pytest.raises(ValueError, match="mm_topology"):
-        mm(ids)
     with pytest.raises(ValueError, match="2-D padding mask"):
         mm(ids, attention_mask=_sdpa_mask(SEG, 1, device), mm_topology=RING, mm_seg_lens=SEG)
     with pytest.raises(ValueError, match="sum to 39"):
@@ -178,5 +188,6 @@ def test_register_is_idempotent_and_import_is_lazy():
     hf.register()
     hf.register()
     assert transformers.AttentionInterface._global_mapping["mmsparse"] is hf.mmsparse_attention_forward
+    assert transformers.masking_utils.AttentionMaskInterface._global_mapping["mmsparse"] is hf.mmsparse_mask
     code = "import sys, mmsparse, mmsparse.nn, mmsparse.integrations; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,24 @@
+"""python -m benchmarks.hf_vlm --tiny: the VLM training-step benchmark runs on a CPU and writes its record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_tiny_run_writes_the_record(tmp_path):
+    from benchmarks import hf_vlm
+
+    assert hf_vlm.main(["--tiny", "--impls", "mmsparse,sdpa", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "hf_vlm.json").read_text())
+    assert {"gpu", "torch", "triton", "transformers", "commit"} <= set(record["env"])
+    rows = record["rows"]
+    assert [r["impl"] for r in rows] == ["mmsparse", "sdpa"] * len(hf_vlm.TINY_CASES)
+    for r in rows:
+        assert not r.get("skipped"), r
+        assert r["step_ms"] > 0 and abs(r["loss_vs_sdpa"]) < 1e-3, r
+    table = (tmp_path / "hf_vlm.md").read_text()
+    assert "| mmsparse |" in table and "| sdpa |" in table
