@@ -72,6 +72,8 @@ def mbs_attn_fwd(
         if len(launches) >= _MAX_PLANS:
             launches.clear()
         launch = launches[key] = _ForwardLaunch(q, k, v, info, cfg, plan.forward, softmax_scale, dropout_p)
+    if cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), the launch is not
+        ensure_tma_allocator(q.device)
     if launch.gluon:
         return _hopper_forward(q, k, v, launch, softmax_scale * _LOG2E)
     return launch(q, k, v, seed)
@@ -90,8 +92,6 @@ class _ForwardLaunch:
         tile = plan.tile
         self.cfg, self.tile, self.gluon = cfg, tile, plan.gluon
         self.mode, self.causal, self.has_window = info.mode, info.causal, info.window is not None
-        if cfg.use_tma:
-            ensure_tma_allocator(q.device)
         self.mask = kernel_args(info).tile(tile.block_m, tile.block_n)
         self.mask_tensors, mask_scalars = self.mask
         self.device, self.dtype = q.device, q.dtype

@@ -8,7 +8,8 @@ import triton
 
 def ensure_tma_allocator(device: torch.device) -> None:
     """Device-side tensor descriptors need scratch memory from Triton's allocator. Install a torch-backed one
-    unless the user has set their own."""
+    unless the user has set their own. Triton keeps the allocator in a context variable, so each thread (the
+    autograd engine's, a user's worker) needs its own: call this before every launch, not once."""
     if device.type != "cuda":
         return
     from triton.runtime import _allocation

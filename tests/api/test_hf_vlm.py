@@ -212,7 +212,8 @@ def test_soft_capping_is_an_error_at_the_first_forward(device):
                 layer_types=["sliding_attention", "full_attention"])
     config = paligemma_config(**text)
     hf.register()
-    model = transformers.PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="mmsparse")
+    model_class = transformers.PaliGemmaForConditionalGeneration
+    model = model_class._from_config(config, attn_implementation="mmsparse").to(device)
     ids = torch.full((1, 20), 5)
     ids[:, :16] = IMAGE
     with pytest.raises(NotImplementedError, match="soft-capping"):

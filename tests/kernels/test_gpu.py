@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -155,3 +157,27 @@ def test_side_stream_only_over_long_key_lists():
     assert not plan_attention(cfg, 1, 4, 4, SHORT_KEYS, SHORT_KEYS, torch.device("cpu")).side_stream
     main, side = backward._streams(dev)
     assert main == torch.cuda.current_stream() and side is not None and side != main
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_a_launch_made_in_one_thread_runs_in_another(head_dim):
+    """A forward launch is kept on its mask, but Triton's allocator for device-side tensor descriptors is per
+    thread: a second thread reusing the launch (autograd's engine runs the backward and checkpoint recomputes in
+    its own) must still get scratch memory, and give the same output."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(1, 2, 2, 4096, 4096, head_dim, torch.bfloat16, torch.device("cuda"), gen)
+    lens = (1024, 2048, 1024)
+    first = mbs_attention(q, k, v, HUB, lens).detach()
+    got, errors = [], []
+
+    def run() -> None:
+        try:
+            got.append(mbs_attention(q, k, v, HUB, lens).detach())
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.testing.assert_close(got[0], first, rtol=0, atol=0)
