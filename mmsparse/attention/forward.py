@@ -146,5 +146,19 @@ def _hopper_forward(q, k, v, launch: _ForwardLaunch, qk_scale_log2: float):
 
 
 _COMBINE_ROWS = 16
+
+
+def combine_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attention results over disjoint key sets with the split-KV combine kernel, in part order
+    (deterministic): ``outs`` float32 ``[P, *rows, D]``, ``lses`` float32 ``[P, *rows]`` in log2 units, -inf
+    where a part saw no key. Returns ``(out [*rows, D] in dtype, lse [*rows])``, lse +inf where no part saw any."""
+    rows, head_dim = outs.shape[1:-1], outs.shape[-1]
+    n_rows = math.prod(rows)
+    out = torch.empty((*rows, head_dim), dtype=dtype, device=outs.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=outs.device)
+    _COMBINE[(cdiv(n_rows, _COMBINE_ROWS),)](outs.contiguous(), lses.contiguous(), out, lse, n_rows, outs.shape[0],
+                                             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+                                             BR=_COMBINE_ROWS)
+    return out, lse
 _MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale) launches kept
 _LOG2E = math.log2(math.e)

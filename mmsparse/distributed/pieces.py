@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.forward import combine_partials
 from ..attention.library import attention_backward, attention_forward
 from ..mask.info import BitMask, CodeMask
 
@@ -120,18 +121,13 @@ def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial results over disjoint key sets, in list order (deterministic): out = sum_p 2^(lse_p - lse)
-    out_p, lse = log2 sum_p 2^lse_p; rows that see nothing anywhere give 0 and lse = +inf."""
+    """Merge partial results over disjoint key sets, in list order (deterministic), with the forward's split-KV
+    combine: out = sum_p 2^(lse_p - lse) out_p, lse = log2 sum_p 2^lse_p; rows that see nothing anywhere give 0
+    and lse = +inf."""
     if len(outs) == 1:
         return outs[0], lses[0]
-    lse = torch.stack(lses)  # [P, B, H, Sq]
-    seen = lse != float("inf")
-    top = torch.where(seen, lse, float("-inf")).amax(0)
-    base = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weights = torch.where(seen, torch.exp2(lse - base), torch.zeros_like(lse))
-    total = weights.sum(0)
-    acc = sum(w[..., None] * o.float() for w, o in zip(weights, outs))
-    out = acc / torch.where(total == 0, torch.ones_like(total), total)[..., None]
-    merged = torch.where(total > 0, base + torch.log2(torch.where(total > 0, total, torch.ones_like(total))),
-                         torch.full_like(total, float("inf")))
-    return out.to(outs[0].dtype), merged
+    parts = torch.stack([o.float() for o in outs])
+    part_lses = torch.stack(lses)
+    # a piece marks a row that sees nothing with +inf, a split of the forward with -inf
+    part_lses = torch.where(part_lses == float("inf"), float("-inf"), part_lses)
+    return combine_partials(parts, part_lses, outs[0].dtype)
