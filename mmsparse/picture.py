@@ -79,11 +79,11 @@ class TileMap:
             raise ValueError(f"width must be at least 1; got {width}")
         nq, nk = self.live.shape
         g = max(1, cdiv(max(nq, nk), width))
-        bm, bn = self.tile
+        block_m, block_n = self.tile
         if g == 1:
-            header = f"block mask at {bm}x{bn} tiles ('#' full, '+' partial, '.' skipped):"
+            header = f"block mask at {block_m}x{block_n} tiles ('#' full, '+' partial, '.' skipped):"
         else:
-            header = (f"block mask at {bm}x{bn} tiles, {g}x{g} tiles per character ('#' all full, '.' all "
+            header = (f"block mask at {block_m}x{block_n} tiles, {g}x{g} tiles per character ('#' all full, '.' all "
                       "skipped, '+' the rest):")
         # Padding past the ragged edge counts as full and not live, so an edge group shows what its tiles are.
         live, full = _pool(self.live, g, False, "any"), _pool(self.full, g, True, "all")
@@ -144,10 +144,10 @@ def parse_tile(tile: Any) -> tuple[int, int]:
     if (not isinstance(tile, (tuple, list)) or len(tile) not in (1, 2)
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in tile)):
         raise TypeError(f"tile must be an int or a pair of ints (query rows, key columns); got {tile!r}")
-    bm, bn = (tile[0], tile[0]) if len(tile) == 1 else tile
-    if bm < 1 or bn < 1:
-        raise ValueError(f"tile sizes must be positive; got {bm}x{bn}")
-    return bm, bn
+    block_m, block_n = (tile[0], tile[0]) if len(tile) == 1 else tile
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"tile sizes must be positive; got {block_m}x{block_n}")
+    return block_m, block_n
 
 
 def tile_map(
@@ -175,21 +175,21 @@ def tile_map(
     causal = check_flag("causal", causal)
     packed = check_flag("packed", packed)
     window = check_window(window)
-    bm, bn = parse_tile(tile)
+    block_m, block_n = parse_tile(tile)
     topo = Topology(topology)
     lens = _lens_rows(seg_lens, topo.num_segments, packed)
     seq = int(lens.sum())
     if seq == 0:
         raise ValueError(f"seg_lens {lens.tolist() if packed else lens[0].tolist()} sum to 0: there is nothing to "
                          "draw")
-    if cdiv(seq, bm) * cdiv(seq, bn) > _MAX_TILES:
-        raise ValueError(f"{cdiv(seq, bm)} x {cdiv(seq, bn)} tiles of {bm}x{bn} are too many to classify for "
-                         f"S = {seq}: use a larger tile")
+    if cdiv(seq, block_m) * cdiv(seq, block_n) > _MAX_TILES:
+        raise ValueError(f"{cdiv(seq, block_m)} x {cdiv(seq, block_n)} tiles of {block_m}x{block_n} are too many to "
+                         f"classify for S = {seq}: use a larger tile")
     codes = token_codes(lens, topo.num_segments, seq, packed)  # [1, S], on the CPU
     table = topo.pair_table(codes.device)
-    live, full = classify_blocks_from_codes(codes, codes, table, bm, bn, causal, 0, window)
+    live, full = classify_blocks_from_codes(codes, codes, table, block_m, block_n, causal, 0, window)
     density = int(count_pairs_from_codes(codes, codes, table, causal, 0, window)[0]) / seq**2
-    return TileMap(live[0], full[0], (bm, bn), seq, density)
+    return TileMap(live[0], full[0], (block_m, block_n), seq, density)
 
 
 def _lens_rows(seg_lens: SegLensArg, num_segments: int, packed: bool) -> torch.Tensor:

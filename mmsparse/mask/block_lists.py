@@ -47,39 +47,39 @@ COMPACT_BYTES = 32 << 20
 _INT32_MAX = 2**31 - 1
 
 
-def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], bm: int, n_r: int, n_c: int,
+def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], mask_batch: int, n_r: int, n_c: int,
                 device: torch.device, compact: bool | None = None, compact_bytes: int = COMPACT_BYTES) -> BlockLists:
-    """Allocate and fill :class:`BlockLists` of ``bm`` samples, ``n_r`` rows and ``n_c`` columns through a list
+    """Allocate and fill :class:`BlockLists` of ``mask_batch`` samples, ``n_r`` rows and ``n_c`` columns through a list
     kernel: ``launch(phase, counts, indices)`` runs it once (``kernels.constants.LISTS_*``).
 
     compact: pack the lists (count, scan, read the total back, write); default: when fixed slots would take more
     than ``compact_bytes``.
     """
     fixed = index_dtype(n_c, False)
-    counts = torch.empty((bm, n_r, 3), dtype=torch.int32, device=device)
+    counts = torch.empty((mask_batch, n_r, 3), dtype=torch.int32, device=device)
     if n_r == 0 or n_c == 0:
-        return BlockLists(counts.zero_(), torch.empty((bm, 0), dtype=fixed, device=device))
+        return BlockLists(counts.zero_(), torch.empty((mask_batch, 0), dtype=fixed, device=device))
     if compact is None:
-        compact = bm * n_r * n_c * fixed.itemsize > compact_bytes
+        compact = mask_batch * n_r * n_c * fixed.itemsize > compact_bytes
     dtype = index_dtype(n_c, compact)
     if not compact:
         if n_r * n_c > _INT32_MAX:
             raise ValueError(f"{n_r} x {n_c} tiles of fixed-slot block lists pass 2^31 entries: build them compact")
-        indices = torch.empty((bm, n_r * n_c), dtype=dtype, device=device)
+        indices = torch.empty((mask_batch, n_r * n_c), dtype=dtype, device=device)
         launch(LISTS_DENSE, counts, indices)
         return BlockLists(counts, indices)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"block lists of {n_r} x {n_c} tiles are packed, which reads their length back to the "
                            "host: build the mask before capturing the CUDA graph (call it once first, or "
                            "mmsparse.attention.kernel_args.prepare)")
-    launch(LISTS_COUNT, counts, counts.new_empty((bm, 0), dtype=dtype))
+    launch(LISTS_COUNT, counts, counts.new_empty((mask_batch, 0), dtype=dtype))
     sizes = counts[..., :2].sum(-1, dtype=torch.int64)
     ends = sizes.cumsum(1)
     counts[..., 2] = ends - sizes
     total = int(ends[:, -1].max())  # the one read-back: the packed lists' length
     if total > _INT32_MAX:
         raise ValueError(f"a sample's block lists hold {total} tiles, past 2^31: use larger tiles or shorter samples")
-    indices = torch.empty((bm, max(total, 1)), dtype=dtype, device=device)
+    indices = torch.empty((mask_batch, max(total, 1)), dtype=dtype, device=device)
     launch(LISTS_WRITE, counts, indices)
     return BlockLists(counts, indices)
 
@@ -134,11 +134,11 @@ def build_block_lists(
     Returns:
         :class:`BlockLists` with R = NQ rows of NK columns, or NK rows of NQ when by_key, on the input device.
     """
-    bm, seq_q, seq_k = q_bits.shape[0], q_bits.shape[1], k_bits.shape[1]
+    mask_batch, seq_q, seq_k = q_bits.shape[0], q_bits.shape[1], k_bits.shape[1]
     if not 1 <= num_segments <= 32:
         raise ValueError(f"num_segments must be in [1, 32]; got {num_segments}")
-    if k_bits.shape[0] not in (1, bm) or q_start.numel() not in (1, bm):
-        raise ValueError(f"q_bits has {bm} rows but k_bits has {k_bits.shape[0]} and q_start {q_start.numel()}")
+    if k_bits.shape[0] not in (1, mask_batch) or q_start.numel() not in (1, mask_batch):
+        raise ValueError(f"q_bits has {mask_batch} rows but k_bits has {k_bits.shape[0]} and q_start {q_start.numel()}")
     dev = q_bits.device
     q_bits, k_bits = (t if t.stride(1) == 1 else t.contiguous() for t in (q_bits, k_bits))
     if q_start.dtype != torch.int32 or q_start.device != dev or q_start.dim() != 1:
@@ -146,7 +146,7 @@ def build_block_lists(
     n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     if n_r == 0 or n_c == 0:
-        return write_lists(no_launch, bm, n_r, n_c, dev)
+        return write_lists(no_launch, mask_batch, n_r, n_c, dev)
 
     k = max(2, 1 << (num_segments - 1).bit_length())  # segments rounded up to a power of two
     w = (3 + k if causal else 2) + (2 if window is not None else 0)  # a window adds each block's first/last position
@@ -156,8 +156,8 @@ def build_block_lists(
                                     interpret if fit is None else fit)
     summary = None if summaries is None else summaries.get((block_m, block_n))
     if summary is None:
-        summary = torch.empty((bm, n_q + n_k, w), dtype=torch.int32, device=dev)
-        _SUMMARY[(max(cdiv(n_q, gq), cdiv(n_k, gk)), bm)](
+        summary = torch.empty((mask_batch, n_q + n_k, w), dtype=torch.int32, device=dev)
+        _SUMMARY[(max(cdiv(n_q, gq), cdiv(n_k, gk)), mask_batch)](
             q_bits, k_bits, q_start, summary,
             q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
             q_start.stride(0) if q_start.shape[0] > 1 else 0, summary.stride(0),
@@ -168,13 +168,13 @@ def build_block_lists(
             summaries[(block_m, block_n)] = summary
 
     def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
-        _LISTS[(cdiv(n_r, br), bm)](
+        _LISTS[(cdiv(n_r, br), mask_batch)](
             summary, counts, indices, summary.stride(0), counts.stride(0), indices.stride(0), n_q, n_k,
             kernel_window(window), BR=br, CB=cb, K=k, W=w, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
             BY_KEY=by_key, PHASE=phase,
         )
 
-    return write_lists(launch, bm, n_r, n_c, dev, compact, compact_bytes)
+    return write_lists(launch, mask_batch, n_r, n_c, dev, compact, compact_bytes)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -67,10 +67,10 @@ class BlockLists:
 
 def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
     """Turn bool ``[Bm, R, C]`` live/full tile maps into :class:`BlockLists` over the last dim (C slots a row)."""
-    bm, rows, cols = live.shape
+    mask_batch, rows, cols = live.shape
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
-    indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(bm, rows * cols)
-    starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(bm, rows) * cols
+    indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(mask_batch, rows * cols)
+    starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(mask_batch, rows) * cols
     counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32)
     return BlockLists(counts.contiguous(), indices.contiguous())
 
@@ -112,7 +112,7 @@ def classify_blocks_from_bits(
     Returns:
         ``(live, full)``, bool ``[Bm, NQ, NK]``.
     """
-    bm = q_bits.shape[0]
+    mask_batch = q_bits.shape[0]
     sq, sk = q_bits.shape[1], k_bits.shape[1]
     nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
     dev = q_bits.device
@@ -130,15 +130,15 @@ def classify_blocks_from_bits(
         k_pos = torch.zeros(nk * block_n, device=dev, dtype=torch.int64)
     q_flags_p = _pad_rows(q_flags, nq * block_m, False)
     k_flags_p = _pad_rows(k_flags, nk * block_n, False)
-    last_row = torch.where(q_flags_p, q_pos[:, :, None], -_FAR).view(bm, nq, block_m, -1).amax(2)
-    first_col = torch.where(k_flags_p, k_pos[None, :, None], _FAR).view(bm, nk, block_n, -1).amin(2)
+    last_row = torch.where(q_flags_p, q_pos[:, :, None], -_FAR).view(mask_batch, nq, block_m, -1).amax(2)
+    first_col = torch.where(k_flags_p, k_pos[None, :, None], _FAR).view(mask_batch, nk, block_n, -1).amin(2)
     live = (last_row[:, :, None, :] >= first_col[:, None, :, :]).any(-1)
 
     # Full: every in-range row sees every segment present in the key block, the key block is all real tokens,
     # and (causal) its last column is visible from the block's first row.
-    rows_see_all = _pad_rows(q_flags, nq * block_m, True).view(bm, nq, block_m, -1).all(2)  # [Bm, NQ, k]
+    rows_see_all = _pad_rows(q_flags, nq * block_m, True).view(mask_batch, nq, block_m, -1).all(2)  # [Bm, NQ, k]
     present = first_col < _FAR  # [Bm, NK, k]
-    keys_clean = k_flags_p.any(-1).view(bm, nk, block_n).all(-1)  # [Bm, NK]
+    keys_clean = k_flags_p.any(-1).view(mask_batch, nk, block_n).all(-1)  # [Bm, NK]
     unseen = (present[:, None, :, :] & ~rows_see_all[:, :, None, :]).any(-1)
     full = live & ~unseen & keys_clean[:, None, :]
     if causal:
@@ -187,7 +187,7 @@ def classify_blocks_from_mask(
 
     Without a window this is also the pure-torch reference for :func:`classify_blocks_from_bits`.
     """
-    bm, sq, sk = mask.shape
+    mask_batch, sq, sk = mask.shape
     nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
     if causal or window is not None:
         i = torch.arange(sq, device=mask.device)[:, None]
@@ -197,10 +197,10 @@ def classify_blocks_from_mask(
             mask = mask & (j <= q_pos)
         if window is not None:
             mask = mask & (j > q_pos - window)
-    cols = torch.zeros(bm, sq, nk * block_n, dtype=torch.bool, device=mask.device)
+    cols = torch.zeros(mask_batch, sq, nk * block_n, dtype=torch.bool, device=mask.device)
     cols[:, :, :sk] = mask
-    any_ = _pad_rows(cols, nq * block_m, False).view(bm, nq, block_m, nk, block_n).any(4).any(2)
-    all_ = _pad_rows(cols, nq * block_m, True).view(bm, nq, block_m, nk, block_n).all(4).all(2)
+    any_ = _pad_rows(cols, nq * block_m, False).view(mask_batch, nq, block_m, nk, block_n).any(4).any(2)
+    all_ = _pad_rows(cols, nq * block_m, True).view(mask_batch, nq, block_m, nk, block_n).all(4).all(2)
     return any_, all_
 
 
@@ -211,13 +211,13 @@ def pool_classes(live: torch.Tensor, full: torch.Tensor, rows: int, cols: int) -
     exist (they would be past the end of the queries), so they count as full; missing fine columns would be
     past the end of the keys, which a full tile may not reach, so they count as not full.
     """
-    bm, nq, nk = live.shape
+    mask_batch, nq, nk = live.shape
     nq2, nk2 = cdiv(nq, rows), cdiv(nk, cols)
 
     def pad(x: torch.Tensor, row_value: bool, col_value: bool) -> torch.Tensor:
-        out = x.new_full((bm, nq2 * rows, nk2 * cols), col_value)
+        out = x.new_full((mask_batch, nq2 * rows, nk2 * cols), col_value)
         out[:, nq:, :] = row_value
         out[:, :nq, :nk] = x
-        return out.view(bm, nq2, rows, nk2, cols)
+        return out.view(mask_batch, nq2, rows, nk2, cols)
 
     return pad(live, False, False).any(4).any(2), pad(full, True, False).all(4).all(2)

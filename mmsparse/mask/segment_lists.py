@@ -111,13 +111,13 @@ def build_segment_lists(
     Returns:
         :class:`BlockLists` of R = NQ rows (NK when by_key).
     """
-    bm, seq_q = q_runs.codes.shape
+    mask_batch, seq_q = q_runs.codes.shape
     seq_k = k_runs.codes.shape[1]
     dev = q_runs.codes.device
     n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
     if n_r == 0 or n_c == 0:
-        return write_lists(no_launch, bm, n_r, n_c, dev)
+        return write_lists(no_launch, mask_batch, n_r, n_c, dev)
     q_sum, k_sum = q_runs.summary(block_m), k_runs.summary(block_n)
     fit = dev.type != "cuda" if fit is None else fit
     br = 4 if not fit else min(64, triton.next_power_of_2(n_r))
@@ -125,7 +125,7 @@ def build_segment_lists(
     shared_k = k_runs.codes.shape[0] == 1
 
     def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:
-        _LISTS[(cdiv(n_r, br), bm)](
+        _LISTS[(cdiv(n_r, br), mask_batch)](
             q_sum, k_sum, q_runs.starts, q_runs.run_codes, k_runs.starts, k_runs.run_codes, table, q_start,
             counts, indices,
             q_sum.stride(0), 0 if shared_k else k_sum.stride(0), q_runs.starts.stride(0),
@@ -136,4 +136,4 @@ def build_segment_lists(
             PHASE=phase,
         )
 
-    return write_lists(launch, bm, n_r, n_c, dev, compact, compact_bytes)
+    return write_lists(launch, mask_batch, n_r, n_c, dev, compact, compact_bytes)
