@@ -204,11 +204,13 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
     key = _topology_key(topology) if key is None else key
     if isinstance(key, Topology):
         return key
+    # Traced: built in the graph, and the cache is not read either (a guard on its entries would recompile the graph
+    # whenever an eager call reorders or adds them); a kept topology would hold the graph's tensors.
+    if torch.compiler.is_compiling():
+        return Topology(topology)
     topo = CACHE.value(("topology", key))
     if topo is None:
-        topo = Topology(topology)
-        if not torch.compiler.is_compiling():  # traced: a kept topology would hold the graph's tensors
-            CACHE.store_value(("topology", key), topo)
+        topo = CACHE.store_value(("topology", key), Topology(topology))
     return topo
 
 
