@@ -7,12 +7,10 @@ Read from the source with ``ast`` (imports inside functions count too), so nothi
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from tests.helpers import REPO
-
-PACKAGE = REPO / "mmsparse"
+from tests.imports import imported, module_files
 
 # Bottom to top. An entry names a module, or a package and everything in it.
 LAYERS: list[tuple[str, list[str]]] = [
@@ -48,13 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 
 def _module_names() -> dict[str, Path]:
-    names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        names[".".join(parts)] = path
-    return names
+    return module_files(REPO, ("mmsparse",))
 
 
 def _layer(module: str) -> int:
@@ -68,25 +60,6 @@ def _layer(module: str) -> int:
     return found
 
 
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The mmsparse modules ``module`` imports."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                base = ".".join(base + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            for alias in node.names:  # ``from . import limits`` imports a module
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
-    return {name for name in found if name == "mmsparse" or name.startswith("mmsparse.")}
-
-
 def test_every_module_has_a_layer():
     for module in _module_names():
         _layer(module)
@@ -96,19 +69,19 @@ def test_no_import_points_upwards():
     modules = _module_names()
     upward = []
     for module, path in sorted(modules.items()):
-        for target in sorted(_imports(module, path, set(modules))):
+        for target in sorted(imported(module, path, set(modules))):
             if _layer(target) > _layer(module):
                 upward.append(f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
                               f"({LAYERS[_layer(target)][0]})")
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
-def test_the_layer_check_sees_imports(tmp_path):
+def test_the_layer_check_seesimported(tmp_path):
     """The parser finds relative, absolute and from-package imports (a check that sees nothing passes)."""
     modules = _module_names()
     known = set(modules)
-    assert "mmsparse.mask.info" in _imports("mmsparse.attention.forward", modules["mmsparse.attention.forward"], known)
+    assert "mmsparse.mask.info" in imported("mmsparse.attention.forward", modules["mmsparse.attention.forward"], known)
     from_package = tmp_path / "from_package.py"  # no module of the package imports a sibling module this way now
     from_package.write_text("from . import limits\n")
-    assert "mmsparse.attention.limits" in _imports("mmsparse.attention.forward", from_package, known)
-    assert "mmsparse.functional" in _imports("mmsparse", modules["mmsparse"], known)
+    assert "mmsparse.attention.limits" in imported("mmsparse.attention.forward", from_package, known)
+    assert "mmsparse.functional" in imported("mmsparse", modules["mmsparse"], known)
