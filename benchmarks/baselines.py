@@ -1,6 +1,6 @@
 """The implementations a benchmark compares: mmsparse and what a user would otherwise reach for.
 
-  - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology and segment lengths; for a pack
+  - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology, segment lengths and window; for a pack
     ``mmsparse.mbs_attention_varlen`` with its ``[N, k]`` lengths (:func:`mmsparse_fn`).
   - ``flex``: ``torch.compile(flex_attention)`` with :func:`benchmarks.flex_mask.flex_mask_mod` and a block mask
     from ``create_block_mask``.
@@ -8,10 +8,12 @@
     torch >= 2.11, Hopper, the ``flash_attn.cute`` and ``cutlass`` packages), the ``mask_mod`` with int32 captures
     and 128 x 128 blocks. Its row adds ``first_call_s`` and ``deterministic_bwd``. Skipped, with the reason, where
     it cannot run (:func:`flex_flash_unavailable`, or a first call that fails to compile).
-  - ``sdpa_mask``: ``F.scaled_dot_product_attention`` with a dense bool mask ``[1, 1, Sq, Sk]``, on the cuDNN
-    backend, else the memory-efficient one (never the math backend on CUDA).
+  - ``sdpa_mask``: ``F.scaled_dot_product_attention`` with a dense bool mask ``[1, 1, Sq, Sk]`` (the config's
+    reference mask, window included), on the cuDNN backend, else the memory-efficient one (never the math backend
+    on CUDA).
   - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on configs with causal pairs,
-    ``cfg.dense_causal``): the cost of ignoring the sparsity. A speed reference only: it computes another mask.
+    ``cfg.dense_causal``; never a window): the cost of ignoring the sparsity. A speed reference only: it computes
+    another mask.
 
 Each ``setup_*`` returns an :class:`Impl` (the call plus the cost of its mask state) or raises :class:`Skip`.
 """
@@ -78,12 +80,12 @@ def mmsparse_fn(cfg: BenchConfig, device: torch.device) -> TensorFn:
         rows = [list(r) for r in cfg.seg_lens]
 
         def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal)
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal, window=cfg.window)
 
         return varlen
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal)
+        return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal, window=cfg.window)
 
     return fn
 
@@ -94,7 +96,7 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     pack what ``mbs_attention_varlen`` does, ``packed_lens_tensor`` + ``MaskInfo.from_segments(packed=True)``, + the
     block lists."""
     from mmsparse.attention.kernel_args import prepare
-    from mmsparse.functional import build_mask_info
+    from mmsparse.functional import build_mask_info, check_window
 
     if cfg.packed:
         from mmsparse.mask.info import MaskInfo
@@ -103,10 +105,12 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
         topo = mmsparse.Topology(cfg.topology)  # mbs_attention_varlen's is validated once and kept, too
         rows = torch.tensor(cfg.seg_lens, dtype=torch.int32, device=device)
         total = cfg.seq_k
+        window = check_window(cfg.window, total)  # as build_mask_info has it: a window covering every key is None
 
         def build_packed() -> Any:
             lens = packed_lens_tensor(rows, topo.num_segments, total, device, check_lengths=True)
-            return prepare(MaskInfo.from_segments(topo, lens, total, total, cfg.causal, packed=True), tiles)
+            info = MaskInfo.from_segments(topo, lens, total, total, cfg.causal, packed=True, window=window)
+            return prepare(info, tiles)
 
         return build_packed
 
@@ -114,7 +118,8 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     topology = call_topology(cfg)
 
     def build() -> Any:
-        return prepare(build_mask_info(topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, device), tiles)
+        info = build_mask_info(topology, lens, cfg.q_len, cfg.seq_k, cfg.causal, device, window=cfg.window)
+        return prepare(info, tiles)
 
     return build
 
@@ -162,6 +167,17 @@ def compiled_flex_flash() -> Any:
     return _FLEX_FLASH
 
 
+def config_mask_mod(cfg: BenchConfig, device: torch.device, index_dtype: torch.dtype = torch.int64) -> Any:
+    """The config's Flex ``mask_mod`` (:func:`benchmarks.flex_mask.flex_mask_mod`): its topology, causal flag,
+    decode offset or pack documents, and window, with captures of ``index_dtype``."""
+    if cfg.packed:
+        doc, seg = packed_ids(cfg.rows, device)
+        return flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc, index_dtype=index_dtype, window=cfg.window)
+    seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, device)  # type: ignore[arg-type]
+    return flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len, index_dtype=index_dtype,
+                         window=cfg.window)
+
+
 def _flex_impl(case: Case, timing: Timing, flex: Any, backend: str, index_dtype: torch.dtype = torch.int64,
                block_size: int | None = None) -> Impl:
     """Flex on the config's ``mask_mod``: the block mask built (and its build timed) with ``block_size`` (Flex's
@@ -169,12 +185,7 @@ def _flex_impl(case: Case, timing: Timing, flex: Any, backend: str, index_dtype:
     from torch.nn.attention.flex_attention import create_block_mask
 
     cfg, dev = case.cfg, case.device
-    if cfg.packed:
-        doc, seg = packed_ids(cfg.rows, dev)
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc, index_dtype=index_dtype)
-    else:
-        seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, dev)  # type: ignore[arg-type]
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len, index_dtype=index_dtype)
+    mask_mod = config_mask_mod(cfg, dev, index_dtype)
 
     # Past 32k positions the eager build materialises S x S index tensors (32 GiB at 64k): the compiled build, as a
     # user at that size runs it.

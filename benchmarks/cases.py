@@ -16,23 +16,25 @@ MASK_CHUNK_PAIRS = 1 << 26  # reference_mask builds on the CPU: query rows per c
 
 
 def topology_mask(topology: object, seg_lens: tuple[int, ...], seq_k: int, seq_q: int, causal: bool,
-                  device: torch.device, chunk_pairs: int = MASK_CHUNK_PAIRS) -> torch.Tensor:
+                  device: torch.device, chunk_pairs: int = MASK_CHUNK_PAIRS,
+                  window: int | None = None) -> torch.Tensor:
     """``mmsparse.reference_mask`` as a dense bool ``[Sq, Sk]`` on ``device``, built on the CPU a chunk of query rows
     at a time (``q_start`` places each chunk), so that the CPU never holds more than ``chunk_pairs`` pairs."""
     topo = mmsparse.Topology(topology)  # validated once, not per chunk
     rows = max(1, chunk_pairs // max(seq_k, 1))
     if rows >= seq_q:
-        return mmsparse.reference_mask(topo, seg_lens, seq_k, seq_q, causal)[0].to(device)
+        return mmsparse.reference_mask(topo, seg_lens, seq_k, seq_q, causal, window=window)[0].to(device)
     past = seq_k - seq_q
     mask = torch.empty(seq_q, seq_k, dtype=torch.bool, device=device)
     for r0 in range(0, seq_q, rows):
         n = min(rows, seq_q - r0)
-        mask[r0 : r0 + n] = mmsparse.reference_mask(topo, seg_lens, seq_k, n, causal, q_start=[past + r0])[0].to(device)
+        chunk = mmsparse.reference_mask(topo, seg_lens, seq_k, n, causal, q_start=[past + r0], window=window)
+        mask[r0 : r0 + n] = chunk[0].to(device)
     return mask
 
 
 def packed_mask(topology: object, rows: tuple[tuple[int, ...], ...], causal: bool,
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, window: int | None = None) -> torch.Tensor:
     """``mmsparse.reference_packed_mask`` as a dense bool ``[S, S]`` made on ``device``: zeros, and each sample's
     own ``reference_mask`` (built on the CPU, sample by sample) on the diagonal. No S x S tensor on the CPU."""
     topo = mmsparse.Topology(topology)
@@ -42,7 +44,8 @@ def packed_mask(topology: object, rows: tuple[tuple[int, ...], ...], causal: boo
     for row in rows:
         end = start + sum(row)
         if end > start:
-            mask[start:end, start:end] = mmsparse.reference_mask(topo, row, end - start, causal=causal)[0].to(device)
+            sample = mmsparse.reference_mask(topo, row, end - start, causal=causal, window=window)
+            mask[start:end, start:end] = sample[0].to(device)
         start = end
     return mask
 
@@ -75,10 +78,10 @@ class Case:
         return b, kh, slice(kh * self.group, (kh + 1) * self.group)
 
     def mask(self, kind: str) -> torch.Tensor:
-        """Dense bool ``[Sq, Sk]`` on the device. ``"topology"``: the config's mask, from
+        """Dense bool ``[Sq, Sk]`` on the device. ``"topology"``: the config's mask, window included, from
         ``mmsparse.reference_mask`` (a pack: ``reference_packed_mask``'s, sample by sample), never S x S on the CPU.
         ``"dense"``: what dense_flash computes, all pairs, or every key at or before the query on configs with
-        causal pairs (``cfg.dense_causal``)."""
+        causal pairs (``cfg.dense_causal``); never a window."""
         if kind not in self.masks:
             cfg = self.cfg
             if kind == "dense" and not cfg.dense_causal:  # every pair: a broadcast view, no S x S memory
@@ -87,10 +90,10 @@ class Case:
                 mask = torch.ones(cfg.q_len, cfg.seq_k, dtype=torch.bool, device=self.device)
                 self.masks[kind] = mask.tril_(cfg.seq_k - cfg.q_len)
             elif kind == "topology" and cfg.packed:
-                self.masks[kind] = packed_mask(cfg.topology, cfg.rows, cfg.causal, self.device)
+                self.masks[kind] = packed_mask(cfg.topology, cfg.rows, cfg.causal, self.device, window=cfg.window)
             elif kind == "topology":
                 self.masks[kind] = topology_mask(cfg.topology, cfg.seg_lens, cfg.seq_k, cfg.q_len, cfg.causal,
-                                                 self.device)
+                                                 self.device, window=cfg.window)
             else:
                 raise ValueError(f"mask kind {kind!r}: 'topology' or 'dense'")
         return self.masks[kind]

@@ -1,8 +1,9 @@
 """Benchmark shapes, by name, and the live-pair count behind the TFLOP/s numbers.
 
 Most configs are one multimodal sequence (text, vision, audio) under a 3 x 3 topology. The mask rows
-(:data:`MASK_CONFIGS`) add packs of many samples (``packed``: ``[N, k]`` lengths) and topologies of many segments
-with pair types 0/1/2 (none, full, causal). Results, the A/B tool and docs/performance.md refer to configs by name.
+(:data:`MASK_CONFIGS`) add packs of many samples (``packed``: ``[N, k]`` lengths), topologies of many segments
+with pair types 0/1/2 (none, full, causal) and a sliding window (``window``). Results, the A/B tool and
+docs/performance.md refer to configs by name.
 
 No torch here: the A/B tool's parent process imports this module.
 """
@@ -41,6 +42,8 @@ class BenchConfig:
         causal: also require key position <= query position (per sample in a pack).
         seq_q: query positions (the last seq_q of the S); None means S (prefill). Decode rows set it.
         packed: ``seg_lens`` is ``[N, k]``: N samples packed in one sequence (batch 1), each seeing only itself.
+        window: a sliding window on top of the rest: a key is kept only when its position is greater than the
+            query's minus ``window`` (``mmsparse.mbs_attention(..., window=)``); None: no window.
     """
 
     name: str
@@ -54,6 +57,7 @@ class BenchConfig:
     seq_q: int | None = None
     tags: tuple[str, ...] = field(default=())
     packed: bool = False
+    window: int | None = None
 
     def __post_init__(self) -> None:
         k = len(self.topology)
@@ -65,6 +69,7 @@ class BenchConfig:
             raise ValueError(f"{self.name}: every row of seg_lens needs {k} lengths")
         if self.packed and (self.batch != 1 or self.seq_q is not None):
             raise ValueError(f"{self.name}: a pack is one sequence (batch 1) of prefill queries (seq_q None)")
+        check_window(self.window, self.name)
 
     @property
     def rows(self) -> tuple[tuple[int, ...], ...]:
@@ -105,7 +110,8 @@ class BenchConfig:
     @cached_property
     def live_pairs(self) -> int:
         """Allowed (query, key) pairs of one head, from the lengths alone (no S x S tensor)."""
-        return live_pairs(self.topology, self.seg_lens, self.q_len, self.causal, packed=self.packed)
+        return live_pairs(self.topology, self.seg_lens, self.q_len, self.causal, packed=self.packed,
+                          window=self.window)
 
     @property
     def density(self) -> float:
@@ -124,10 +130,23 @@ class BenchConfig:
     def describe(self) -> str:
         gqa = f" Hkv={self.heads_kv}" if self.heads_kv != self.heads_q else ""
         causal = (" causal per sample" if self.packed else " causal") if self.causal else ""
+        window = "" if self.window is None else f" window={self.window}"
         return (
             f"B={self.batch} Hq={self.heads_q}{gqa} D={self.head_dim} seg={self.layout} {self.topology_name}"
-            f"{causal} S={self.seq_k} density={self.density:.4f}"
+            f"{causal}{window} S={self.seq_k} density={self.density:.4f}"
         )
+
+
+def check_window(window: object, name: str = "window") -> None:
+    """Raise unless ``window`` is None or a positive int (a bool is not one)."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"{name}: window must be a positive int (keys within that many positions up to the query) "
+                        f"or None, not {type(window).__name__} {window!r}")
+    if window < 1:
+        raise ValueError(f"{name}: window must be at least 1 (a key is kept when its position is greater than the "
+                         f"query's minus the window), not {window}")
 
 
 def _clamped_prefix(n: int, cap: int) -> int:
@@ -140,13 +159,15 @@ def _clamped_prefix(n: int, cap: int) -> int:
 
 
 def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int] | Sequence[Sequence[int]],
-               seq_q: int | None = None, causal: bool = False, packed: bool = False) -> int:
+               seq_q: int | None = None, causal: bool = False, packed: bool = False,
+               window: int | None = None) -> int:
     """Number of allowed (query, key) pairs for one head, exactly, in O(k^2) (O(N k^2) for a pack).
 
     Queries are the last ``seq_q`` of the S = sum(seg_lens) positions (past_len = S - seq_q). A query at absolute
     position i in segment r may see a key j in segment c when ``topology[r][c]`` is FULL, or CAUSAL and
-    ``j <= i``; if causal, also only when ``j <= i``. A pack counts each sample on its own (a sample sees only
-    itself; its positions are the sample's).
+    ``j <= i``; if causal, also only when ``j <= i``; with a window, also only when ``j > i - window``. A pack
+    counts each sample on its own (a sample sees only itself; its positions are the sample's, and the window
+    compares positions within it).
 
     Args:
         topology: k x k pair types 0/1/2.
@@ -154,14 +175,16 @@ def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int] | Sequ
         seq_q: query positions; None means S. Packs are prefill (None).
         causal: add the causal condition (per sample in a pack).
         packed: ``seg_lens`` is ``[N, k]``, samples laid end to end.
+        window: a sliding window (None: none).
 
     Returns:
         The count, a Python int.
     """
+    check_window(window)
     if packed:
         if seq_q is not None and seq_q != sum(sum(row) for row in seg_lens):  # type: ignore[arg-type]
             raise ValueError("a pack's queries are all its positions")
-        return sum(live_pairs(topology, row, None, causal) for row in seg_lens)  # type: ignore[arg-type]
+        return sum(live_pairs(topology, row, None, causal, window=window) for row in seg_lens)  # type: ignore[arg-type]
     seq_k = sum(seg_lens)  # type: ignore[arg-type]
     seq_q = seq_k if seq_q is None else seq_q
     past = seq_k - seq_q
@@ -181,6 +204,8 @@ def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int] | Sequ
                 total += _clamped_prefix(a1 + 1 - c0, cl) - _clamped_prefix(a0 + 1 - c0, cl)
             else:
                 raise ValueError(f"topology[{r}][{c}] = {kind!r}: pair types are 0, 1 and 2")
+            if window is not None:  # less the keys at or before i - window: min(max(i - window + 1 - c0, 0), cl)
+                total -= _clamped_prefix(a1 - window + 1 - c0, cl) - _clamped_prefix(a0 - window + 1 - c0, cl)
     return total
 
 
@@ -218,7 +243,8 @@ DECODE_CONFIGS: dict[str, BenchConfig] = {
     )
 }
 
-# Mask rows: the shapes of multimodal training that are not three segments. B = 1, Hq = 16, Hkv = 4, D = 128.
+# Mask rows: the shapes of multimodal training that are not three segments. B = 1, Hq = 16, Hkv = 4, D = 128, but
+# for the sliding-window row (a Gemma-3-like sequence: B = 2, Hkv = 8).
 
 
 def pack_lengths(samples: int, ranges: Sequence[tuple[int, int]], seed: int = 0,
@@ -231,30 +257,43 @@ def pack_lengths(samples: int, ranges: Sequence[tuple[int, int]], seed: int = 0,
     rng = random.Random(seed)
     flat = [rng.randint(low, high) for _ in range(samples) for low, high in ranges]
     if total is not None:
-        drawn = sum(flat)
-        scaled = [x * total // drawn for x in flat]
-        by_remainder = sorted(range(len(flat)), key=lambda i: (-(flat[i] * total % drawn), i))
-        for i in by_remainder[: total - sum(scaled)]:
-            scaled[i] += 1
-        flat = scaled
+        flat = scale_to_total(flat, total)
     k = len(ranges)
     return tuple(tuple(flat[n * k : (n + 1) * k]) for n in range(samples))
 
 
-def transfusion_layout(images: int, image_len: int, text_lens: tuple[int, int],
-                       seed: int = 0) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """Interleaved text and images (Transfusion): text, image, text, ..., image, text, 2 * images + 1 segments,
-    the text lengths drawn from ``text_lens`` by ``random.Random(seed)``. Text is causal over everything before it
-    (FULL for earlier segments, CAUSAL within itself); an image sees all of itself and everything before it.
+def scale_to_total(lengths: Sequence[int], total: int) -> list[int]:
+    """``lengths`` scaled so that they sum to exactly ``total``: each scaled down, the largest remainders rounded
+    up (ties to the earlier one). Proportions are kept and zeros stay zero."""
+    drawn = sum(lengths)
+    if drawn <= 0 or total < 0:
+        raise ValueError(f"cannot scale lengths summing to {drawn} to a total of {total}")
+    scaled = [x * total // drawn for x in lengths]
+    by_remainder = sorted(range(len(lengths)), key=lambda i: (-(lengths[i] * total % drawn), i))
+    for i in by_remainder[: total - sum(scaled)]:
+        scaled[i] += 1
+    return scaled
+
+
+def transfusion_layout(images: int, image_len: int, text_lens: tuple[int, int], seed: int = 0,
+                       total: int | None = None) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Interleaved text and images (Transfusion, Gemma 3): text, image, text, ..., image, text, 2 * images + 1
+    segments, the text lengths drawn from ``text_lens`` by ``random.Random(seed)``. Text is causal over everything
+    before it (FULL for earlier segments, CAUSAL within itself); an image sees all of itself and everything before
+    it. With ``total``, the text lengths are then scaled (:func:`scale_to_total`) so that the sequence holds
+    exactly ``total`` tokens.
 
     Returns:
         ``(seg_lens, topology)``.
     """
     rng = random.Random(seed)
+    texts = [rng.randint(*text_lens) for _ in range(images + 1)]
+    if total is not None:
+        texts = scale_to_total(texts, total - images * image_len)
     lens: list[int] = []
-    for _ in range(images):
-        lens += [rng.randint(*text_lens), image_len]
-    lens.append(rng.randint(*text_lens))
+    for text in texts[:-1]:
+        lens += [text, image_len]
+    lens.append(texts[-1])
     k = len(lens)
     topology = tuple(
         tuple(FULL if c < r or (c == r and r % 2) else CAUSAL if c == r else NONE for c in range(k)) for r in range(k)
@@ -281,6 +320,8 @@ def video_layout(text_len: int, frames: int, frame_len: int) -> tuple[tuple[int,
 PACK_RANGES = ((16, 64), (64, 256), (0, 64))  # text, vision, audio tokens of one sample, before scaling
 _TRANSFUSION_16K = transfusion_layout(40, 256, (20, 200))
 _VIDEO_64K = video_layout(2048, 256, 240)
+# 32 images of 256 tokens among 33 texts drawn from 256-1280 tokens, scaled to 32768 tokens in all (x ~0.97)
+_VLM_32K = transfusion_layout(32, 256, (256, 1280), seed=0, total=32768)
 MASK_CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in (
@@ -292,6 +333,9 @@ MASK_CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("transfusion_16k", 1, 16, 4, 128, *_TRANSFUSION_16K, tags=("masks",)),
         # 2048 text tokens, then 256 frames of 240 tokens: 257 segments
         BenchConfig("video_64k", 1, 16, 4, 128, *_VIDEO_64K, tags=("masks",)),
+        # the transfusion mask (text causal, each image bidirectional and seeing everything before it) under a
+        # 4096-token sliding window, as Gemma 3's sliding layers compose it: 65 segments
+        BenchConfig("vlm32k_window4k", 2, 16, 8, 128, *_VLM_32K, window=4096, tags=("masks",)),
     )
 }
 
@@ -309,6 +353,9 @@ TINY: dict[str, BenchConfig] = {
                     packed=True, tags=("masks",)),
         BenchConfig("tiny_transfusion", 1, 4, 2, 32, *transfusion_layout(3, 16, (3, 12)), tags=("masks",)),
         BenchConfig("tiny_video", 1, 2, 1, 16, *video_layout(20, 4, 12), tags=("masks",)),
+        # a window of 11: below one tile, not a multiple of any block size, and shorter than the images (cut by it)
+        BenchConfig("tiny_window", 2, 4, 2, 32, *transfusion_layout(3, 14, (3, 12), seed=2), window=11,
+                    tags=("masks",)),
     )
 }
 

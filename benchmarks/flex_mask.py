@@ -1,13 +1,17 @@
 """The one FlexAttention ``mask_mod`` for a topology over segments: what Flex is given in every comparison.
 
 Every rule of mmsparse's masks is in it: segment ids and the topology's pair types (0/1/2: none, full, causal
-within the pair), per-sample padding, decode offsets, and the document ids of a pack (a token sees only its own
-sample). Ids are int64: ``create_block_mask`` evaluates the ``mask_mod`` over every (query, key) pair, and int32
-ids make it convert each S x S index to int64 first (two S x S int64 temporaries: 64 GB at S = 64k).
+within the pair), per-sample padding, decode offsets, the document ids of a pack (a token sees only its own
+sample) and a sliding window. Ids are int64: ``create_block_mask`` evaluates the ``mask_mod`` over every (query,
+key) pair, and int32 ids make it convert each S x S index to int64 first (two S x S int64 temporaries: 64 GB at
+S = 64k).
 
 FlexAttention's FLASH backend (FlashAttention-4, CuTe DSL) needs the other choice, ``index_dtype=torch.int32``: it
 does not lower int64 captured index tensors. The ``mask_mod`` uses no ``clamp`` or ``maximum`` either way, since
 FLASH does not lower those.
+
+The window is a Python int closed over, as the decode offset is: the traced ``mask_mod`` holds it as a constant of
+the index dtype, so int32 indices stay int32 for FLASH.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .configs import CAUSAL, FULL, NONE
+from .configs import CAUSAL, FULL, NONE, check_window
 
 MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,10 +68,11 @@ def packed_ids(rows: Sequence[Sequence[int]] | torch.Tensor, device: torch.devic
 
 def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: bool, past: int = 0,
                   real: torch.Tensor | None = None, doc: torch.Tensor | None = None,
-                  index_dtype: torch.dtype = torch.int64) -> MaskMod:
+                  index_dtype: torch.dtype = torch.int64, window: int | None = None) -> MaskMod:
     """``mask_mod(b, h, q_idx, kv_idx)``: key ``kv_idx`` is visible to query ``q_idx`` when both are in the same
     document (a pack's sample), the topology's pair type of their segments is FULL, or CAUSAL with the key not
-    after the query, both are real tokens and, if causal, the key is not after the query.
+    after the query, both are real tokens, if causal the key is not after the query, and with a window the key is
+    less than ``window`` positions before the query.
 
     Args:
         topology: k x k pair types 0/1/2 (NONE/FULL/CAUSAL); ``topology[r][c]`` says what segment r sees of
@@ -81,9 +86,12 @@ def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: 
         index_dtype: the dtype of every tensor the ``mask_mod`` captures. ``torch.int64`` (default) for the Triton
             backend and ``create_block_mask``; ``torch.int32`` for the FLASH backend, which lowers only int32
             captures: then the pair-type table, the ids and ``real`` are all int32 (``real`` compared with 0).
+        window: keep only ``kv_idx > q_pos - window`` (``mmsparse``'s ``window=``); None: no window. In a pack the
+            positions are the packed ones, as in ``mbs_attention_varlen``: the same differences as the sample's.
     """
     if index_dtype not in (torch.int64, torch.int32):
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, not {index_dtype}")
+    check_window(window)
     types = torch.tensor(topology, dtype=torch.int8)
     if bool(((types != NONE) & (types != FULL) & (types != CAUSAL)).any()):
         raise ValueError("topology entries are pair types 0, 1 and 2")
@@ -118,6 +126,8 @@ def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: 
             allowed = allowed & (doc[q_pos] == doc[kv_idx])
         if causal:
             allowed = allowed & (kv_idx <= q_pos)
+        if window is not None:
+            allowed = allowed & (q_pos - kv_idx < window)
         return allowed
 
     return mask_mod

@@ -125,9 +125,9 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
         "(or the causal half on configs with causal pairs): a speed reference only, checked against the mask it "
         "computes, not the config's.",
         "",
-        f"| config | S | density | mmsparse fwd ms | flex fwd ms | fwd speedup | {flash_head[0]}mmsparse bwd ms "
-        f"| flex bwd ms | bwd speedup | {flash_head[1]}build ms mmsparse / flex{flash_head[2]} |",
-        "|---|---:|---:|---:|---:|---:|" + flash_cols + "---:|---:|---:|" + flash_cols + "---:|",
+        f"| config | S | density | window | mmsparse fwd ms | flex fwd ms | fwd speedup | {flash_head[0]}mmsparse bwd "
+        f"ms | flex bwd ms | bwd speedup | {flash_head[1]}build ms mmsparse / flex{flash_head[2]} |",
+        "|---|---:|---:|---:|---:|---:|---:|" + flash_cols + "---:|---:|---:|" + flash_cols + "---:|",
     ]
     for c in configs:
         m, f, ff = by.get((c, "mmsparse"), {}), by.get((c, "flex"), {}), by.get((c, "flex_flash"), {})
@@ -136,7 +136,8 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
         bwd_flash = f"{fmt(ff.get('bwd_ms'))} | {_ratio(ff.get('bwd_ms'), m.get('bwd_ms'))} | " if flash else ""
         build_flash = f" / {fmt(ff.get('build_ms'), 2)}" if flash else ""
         lines.append(
-            f"| {c} | {any_row.get('seq_len')} | {fmt(any_row.get('density'), 2)} | {fmt(m.get('fwd_ms'))} | "
+            f"| {c} | {any_row.get('seq_len')} | {fmt(any_row.get('density'), 2)} | {fmt(any_row.get('window'))} | "
+            f"{fmt(m.get('fwd_ms'))} | "
             f"{fmt(f.get('fwd_ms'))} | {_ratio(f.get('fwd_ms'), m.get('fwd_ms'))} | {fwd_flash}"
             f"{fmt(m.get('bwd_ms'))} | {fmt(f.get('bwd_ms'))} | {_ratio(f.get('bwd_ms'), m.get('bwd_ms'))} | "
             f"{bwd_flash}{fmt(m.get('build_ms'), 2)} / {fmt(f.get('build_ms'), 2)}{build_flash} |"

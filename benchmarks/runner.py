@@ -42,7 +42,7 @@ def base_row(cfg: BenchConfig, impl: str, env: dict[str, str], timing: Timing) -
         error=None, reference=None, batch=cfg.batch, heads_q=cfg.heads_q, heads_kv=cfg.heads_kv,
         head_dim=cfg.head_dim, seq_len=cfg.seq_k, seq_q=cfg.q_len, seg_lens=_json_lens(cfg.seg_lens),
         topology=cfg.topology_name, segments=cfg.num_segments, packed=cfg.packed, causal=cfg.causal,
-        density=round(cfg.density, 4), live_pairs=cfg.live_pairs, dtype="bf16", timer=timing.method,
+        window=cfg.window, density=round(cfg.density, 4), live_pairs=cfg.live_pairs, dtype="bf16", timer=timing.method,
     )
     if cfg.packed:
         row["samples"] = len(cfg.rows)

@@ -97,8 +97,8 @@ def child(configs: list[str], seconds: float, progress: Path, device_name: str, 
         lens = torch.tensor(cfg.seg_lens if cfg.packed else [cfg.seg_lens], device=device)
         topology = call_topology(cfg)
         if cfg.packed:
-            return mmsparse.mbs_attention_varlen(q, k, v, topology, lens, causal=cfg.causal)
-        return mmsparse.mbs_attention(q, k, v, topology, lens, causal=cfg.causal)
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, lens, causal=cfg.causal, window=cfg.window)
+        return mmsparse.mbs_attention(q, k, v, topology, lens, causal=cfg.causal, window=cfg.window)
 
     end, calls = time.monotonic() + seconds, 0
     while True:
