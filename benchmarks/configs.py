@@ -354,7 +354,7 @@ TINY: dict[str, BenchConfig] = {
         BenchConfig("tiny_transfusion", 1, 4, 2, 32, *transfusion_layout(3, 16, (3, 12)), tags=("masks",)),
         BenchConfig("tiny_video", 1, 2, 1, 16, *video_layout(20, 4, 12), tags=("masks",)),
         # a window of 11: below one tile, not a multiple of any block size, and shorter than the images (cut by it)
-        BenchConfig("tiny_window", 2, 4, 2, 32, *transfusion_layout(3, 14, (3, 12), seed=2), window=11,
+        BenchConfig("tiny_window", 2, 2, 1, 16, *transfusion_layout(3, 14, (3, 12), seed=2), window=11,
                     tags=("masks",)),
     )
 }

@@ -11,11 +11,18 @@ import torch
 
 import mmsparse
 from benchmarks import baselines
-from benchmarks.baselines import IMPLS, SETUPS, deterministic_backward, flex_flash_unavailable, setup_flex_flash
+from benchmarks.baselines import (
+    IMPLS,
+    SETUPS,
+    config_mask_mod,
+    deterministic_backward,
+    flex_flash_unavailable,
+    setup_flex_flash,
+)
 from benchmarks.cases import Case
 from benchmarks.configs import HUB, TINY
 from benchmarks.errors import Skip
-from benchmarks.flex_mask import flex_mask_mod, packed_ids, segment_ids
+from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from benchmarks.report import markdown
 from benchmarks.run import parse_args, select
 from benchmarks.timing import Timing
@@ -29,11 +36,7 @@ def _case_and_timing() -> tuple[Case, Timing]:
 
 
 def _mask_mods(cfg, index_dtype):
-    if cfg.packed:
-        doc, seg = packed_ids(cfg.rows, CPU)
-        return flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc, index_dtype=index_dtype)
-    seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, CPU)
-    return flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len, index_dtype=index_dtype)
+    return config_mask_mod(cfg, CPU, index_dtype)
 
 
 def test_flex_flash_is_an_impl():
@@ -96,7 +99,7 @@ def test_the_int32_mask_mod_with_per_sample_padding():
     assert torch.equal(got[:, 0], mmsparse.reference_mask(HUB, lens, 64, 64, True))
 
 
-@pytest.mark.parametrize("name", ["tiny_decode", "tiny_pack", "tiny_transfusion"])
+@pytest.mark.parametrize("name", ["tiny_decode", "tiny_pack", "tiny_transfusion", "tiny_window"])
 def test_the_int32_mask_mod_captures_and_computes_only_what_flash_lowers(name):
     """FLASH lowers int32 captures only, and no clamp / maximum: every captured tensor and every integer value of
     the traced mask_mod is int32 (with int32 indices, as the kernel passes them)."""

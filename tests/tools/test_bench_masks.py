@@ -1,6 +1,6 @@
 """The benchmark's mask rows: packs and topologies of pair types 0/1/2 (pack_64k_x512, transfusion_16k, video_64k and
 their tiny CPU versions): exact live-pair counts, the Flex mask_mod, the dense reference masks, the config groups,
-and the harness end to end on the tiny rows."""
+and the harness end to end on the tiny rows. The sliding-window row has its own tests (test_bench_window.py)."""
 
 import json
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmsparse
-from benchmarks.baselines import mmsparse_build
+from benchmarks.baselines import config_mask_mod, mmsparse_build
 from benchmarks.cases import packed_mask, topology_mask
 from benchmarks.configs import (
     ALL_CONFIGS,
@@ -27,7 +27,7 @@ from benchmarks.configs import (
     transfusion_layout,
     video_layout,
 )
-from benchmarks.flex_mask import flex_mask_mod, packed_ids, segment_ids
+from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from benchmarks.run import parse_args, select
 
 TINY_MASKS = [TINY[n] for n in GROUPS["tiny_masks"]]
@@ -36,8 +36,8 @@ TINY_MASKS = [TINY[n] for n in GROUPS["tiny_masks"]]
 def _reference(cfg: BenchConfig) -> torch.Tensor:
     """The dense reference mask of a config, straight from mmsparse (small sizes only)."""
     if cfg.packed:
-        return mmsparse.reference_packed_mask(cfg.topology, cfg.seg_lens, cfg.causal)[0]
-    return mmsparse.reference_mask(cfg.topology, cfg.seg_lens, cfg.seq_k, cfg.q_len, cfg.causal)[0]
+        return mmsparse.reference_packed_mask(cfg.topology, cfg.seg_lens, cfg.causal, window=cfg.window)[0]
+    return mmsparse.reference_mask(cfg.topology, cfg.seg_lens, cfg.seq_k, cfg.q_len, cfg.causal, window=cfg.window)[0]
 
 
 def _random_case(rng: random.Random) -> tuple[list[list[int]], list[int], int | None, bool]:
@@ -87,8 +87,8 @@ def test_the_mask_rows_are_what_they_say():
     assert video.num_segments == 257 and video.seq_k == 2048 + 256 * 240
     assert video.topology[0] == (CAUSAL,) + (NONE,) * 256
     assert video.topology[5][:6] == (FULL,) * 6 and set(video.topology[5][6:]) == {NONE}
-    for cfg in MASK_CONFIGS.values():
-        assert (cfg.batch, cfg.heads_q, cfg.heads_kv, cfg.head_dim) == (1, 16, 4, 128)
+    for cfg in (pack, tf, video):
+        assert (cfg.batch, cfg.heads_q, cfg.heads_kv, cfg.head_dim) == (1, 16, 4, 128) and cfg.window is None
 
 
 def test_live_pairs_of_a_long_video_are_exact_and_quick():
@@ -103,13 +103,7 @@ def test_live_pairs_of_a_long_video_are_exact_and_quick():
 def test_flex_mask_mod_is_the_reference_mask(cfg):
     from torch.nn.attention.flex_attention import create_mask
 
-    cpu = torch.device("cpu")
-    if cfg.packed:
-        doc, seg = packed_ids(cfg.rows, cpu)
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, doc=doc)
-    else:
-        seg, _ = segment_ids(cfg.seg_lens, cfg.seq_k, cpu)
-        mask_mod = flex_mask_mod(cfg.topology, seg, cfg.causal, past=cfg.seq_k - cfg.q_len)
+    mask_mod = config_mask_mod(cfg, torch.device("cpu"))  # the harness's: pack documents, offsets, window
     got = create_mask(mask_mod, 1, 1, cfg.q_len, cfg.seq_k, device="cpu")[0, 0]
     assert torch.equal(got, _reference(cfg))
 
@@ -165,9 +159,10 @@ def test_the_packed_build_is_the_reference_mask():
 
 def test_groups_select_the_mask_rows():
     configs, impls = select(parse_args(["--configs", "masks,mm13k_hub_causal", "--impls", "mmsparse,flex,dense_flash"]))
-    assert [c.name for c in configs] == ["pack_64k_x512", "transfusion_16k", "video_64k", "mm13k_hub_causal"]
+    assert [c.name for c in configs] == ["pack_64k_x512", "transfusion_16k", "video_64k", "vlm32k_window4k",
+                                         "mm13k_hub_causal"]
     assert impls == ["mmsparse", "flex", "dense_flash"]
-    assert expand_names(["tiny_masks", "tiny_pack"]) == ["tiny_pack", "tiny_transfusion", "tiny_video"]
+    assert expand_names(["tiny_masks", "tiny_pack"]) == ["tiny_pack", "tiny_transfusion", "tiny_video", "tiny_window"]
     assert set(MASK_CONFIGS) <= {c.name for c in select(parse_args([]))[0]}  # the default run has them
     assert set(GROUPS["masks"]) <= set(ALL_CONFIGS)
     with pytest.raises(SystemExit):
