@@ -126,8 +126,8 @@ def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: 
             allowed = allowed & (doc[q_pos] == doc[kv_idx])
         if causal:
             allowed = allowed & (kv_idx <= q_pos)
-        if window is not None:
-            allowed = allowed & (q_pos - kv_idx < window)
+        if window is not None:  # the subtraction on the query side: no S x S int64 temporary of its own in create_mask
+            allowed = allowed & (kv_idx > q_pos - window)
         return allowed
 
     return mask_mod

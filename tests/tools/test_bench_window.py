@@ -205,7 +205,7 @@ def test_the_int32_window_mask_mod_computes_only_what_flash_lowers():
     graph = make_fx(mask_mod)(idx, idx, idx, idx).graph
     ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     assert not {op for op in ops if any(w in op for w in ("clamp", "maximum", "minimum"))}
-    assert "aten.lt.Scalar" in ops  # q_pos - kv_idx < window, the window a scalar of the graph
+    assert "aten.gt.Tensor" in ops  # kv_idx > q_pos - window, the window a scalar of the graph
     assert {n.meta["val"].dtype for n in graph.nodes if "val" in n.meta} <= {torch.int32, torch.bool}
 
 
