@@ -69,7 +69,7 @@ class BenchConfig:
             raise ValueError(f"{self.name}: every row of seg_lens needs {k} lengths")
         if self.packed and (self.batch != 1 or self.seq_q is not None):
             raise ValueError(f"{self.name}: a pack is one sequence (batch 1) of prefill queries (seq_q None)")
-        check_window(self.window, self.name)
+        validate_window(self.window, self.name)
 
     @property
     def rows(self) -> tuple[tuple[int, ...], ...]:
@@ -137,7 +137,7 @@ class BenchConfig:
         )
 
 
-def check_window(window: object, name: str = "window") -> None:
+def validate_window(window: object, name: str = "window") -> None:
     """Raise unless ``window`` is None or a positive int (a bool is not one)."""
     if window is None:
         return
@@ -180,7 +180,7 @@ def live_pairs(topology: Sequence[Sequence[int]], seg_lens: Sequence[int] | Sequ
     Returns:
         The count, a Python int.
     """
-    check_window(window)
+    validate_window(window)
     if packed:
         if seq_q is not None and seq_q != sum(sum(row) for row in seg_lens):  # type: ignore[arg-type]
             raise ValueError("a pack's queries are all its positions")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .configs import CAUSAL, FULL, NONE, check_window
+from .configs import CAUSAL, FULL, NONE, validate_window
 
 MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,7 +91,7 @@ def flex_mask_mod(topology: Sequence[Sequence[int]], seg: torch.Tensor, causal: 
     """
     if index_dtype not in (torch.int64, torch.int32):
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, not {index_dtype}")
-    check_window(window)
+    validate_window(window)
     types = torch.tensor(topology, dtype=torch.int8)
     if bool(((types != NONE) & (types != FULL) & (types != CAUSAL)).any()):
         raise ValueError("topology entries are pair types 0, 1 and 2")
