@@ -5,8 +5,9 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
 ``NVSHMEM_DISABLE_NVLS=1``, each only where the environment does not set it already). Per run:
 
 - **links**: all-gather bus bandwidth at 256 MiB a rank, send/recv from rank 0 to rank 1 (:mod:`.cp_links`);
-- per config (:mod:`.cp_cases`) and impl (``mmsparse_cp``: ``ContextParallel``; ``all_gather``: contiguous shards,
-  K/V all-gathered, :mod:`.cp_allgather`):
+- per config (:mod:`.cp_cases`) and impl (``mmsparse_cp``: ``ContextParallel``; ``mmsparse_cp_keep``: the same
+  with ``keep_fetched_kv=True``, no second fetch in the backward; ``all_gather``: contiguous shards, K/V
+  all-gathered, :mod:`.cp_allgather`):
   - **correctness**: out, dq, dk, dv against ``mbs_attention`` on the whole sequence with the same inputs (every
     rank runs it on its own GPU), relative L2 and max abs over the union of the shards; a second run must be
     bitwise equal;
@@ -51,6 +52,7 @@ from . import cp_dist, cp_dropout, cp_links, cp_record
 from .cp_allgather import AllGatherCP
 from .cp_cases import ALL_CASES, CASES, DROPOUT_CASE, TINY_DROPOUT_CASE, CPCase
 from .cp_rank import RankInputs, local_backward, local_forward
+from .cp_record import IMPLS
 from .cp_traffic import predicted_speedup, rank_bytes
 from .env import environment, results_dir
 from .report import log
@@ -118,10 +120,11 @@ def _step_fn(attention, leaves: list[torch.Tensor], dout: torch.Tensor):
     return step
 
 
-def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict:
-    """The ``mmsparse_cp`` row of a config (without its one-GPU fields)."""
+def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fetched_kv: bool = False) -> dict:
+    """The ``mmsparse_cp`` row of a config (without its one-GPU fields); ``mmsparse_cp_keep`` with
+    ``keep_fetched_kv``: the K/V fetched in the forward kept for the backward (its step, check and bytes only)."""
     case, device = p.case, p.device
-    cp = ContextParallel(case.topology, case.seg_lens, causal=case.causal)
+    cp = ContextParallel(case.topology, case.seg_lens, causal=case.causal, keep_fetched_kv=keep_fetched_kv)
     index = cp.token_index.to(device)
     leaves = [t.index_select(2, index).requires_grad_() for t in p.inputs()]
     dout = p.dout.index_select(2, index)
@@ -130,6 +133,21 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     row = _check(step, leaves, p.ref, lambda t: t.index_select(2, index), device)
     sent, received = cp.bytes_sent // 2, cp.bytes_received // 2  # the two checked steps move the same bytes
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
+
+    element = p.q.element_size()
+    kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, 4))
+    fetches = 1 if keep_fetched_kv else 2
+    plan = [rank_bytes(cp.plan.summary(1), r, kv_token, dkv_token, fetches) for r in range(cp.world_size)]
+    measured = cp_dist.gather_lists([sent, received], device)
+    row.update(
+        bytes_sent=[int(m[0]) for m in measured], bytes_received=[int(m[1]) for m in measured],
+        plan_bytes_sent=[s for s, _ in plan], plan_bytes_received=[r for _, r in plan],
+        chunk=cp.plan.chunk, imbalance=cp.plan.imbalance(), model_bandwidth_gbs=bandwidth / 1e9,
+    )
+    row["bytes_match"] = (row["bytes_sent"], row["bytes_received"]) == (row["plan_bytes_sent"],
+                                                                         row["plan_bytes_received"])
+    if keep_fetched_kv:
+        return row
 
     q, k, v = (t.detach() for t in leaves)
     k_g, v_g = cp.fetch_kv(k, v)
@@ -152,18 +170,6 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float) -> dict
     row["exchange_ms"], row["exchange_ms_ranks"] = _timed(exchange, case, device, args)
     row["hidden_ms"] = row["compute_ms"] + row["exchange_ms"] - row["step_ms"]
     row["hidden_fraction"] = row["hidden_ms"] / row["exchange_ms"] if row["exchange_ms"] > 0 else None
-
-    element = p.q.element_size()
-    kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, 4))
-    plan = [rank_bytes(cp.plan.summary(1), r, kv_token, dkv_token) for r in range(cp.world_size)]
-    measured = cp_dist.gather_lists([sent, received], device)
-    row.update(
-        bytes_sent=[int(m[0]) for m in measured], bytes_received=[int(m[1]) for m in measured],
-        plan_bytes_sent=[s for s, _ in plan], plan_bytes_received=[r for _, r in plan],
-        chunk=cp.plan.chunk, imbalance=cp.plan.imbalance(), model_bandwidth_gbs=bandwidth / 1e9,
-    )
-    row["bytes_match"] = (row["bytes_sent"], row["bytes_received"]) == (row["plan_bytes_sent"],
-                                                                         row["plan_bytes_received"])
     row["_summary"] = cp.plan.summary(kv_token)  # for the model, once the one-GPU time is known
     return row
 
@@ -183,10 +189,10 @@ def run_all_gather(p: Problem, args: argparse.Namespace) -> dict:
 
 def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, links: dict,
              base: dict) -> list[dict]:
-    """The config's rows: ``mmsparse_cp`` and ``all_gather``, or one skipped row."""
+    """The config's rows: ``mmsparse_cp``, ``mmsparse_cp_keep`` and ``all_gather``, or one skipped row."""
     world = dist.get_world_size()
     rows = [{**base, "config": case.name, "gpus": world, "impl": impl, "layout": case.layout,
-             "seq_len": case.seq_len, "shape": case.describe()} for impl in ("mmsparse_cp", "all_gather")]
+             "seq_len": case.seq_len, "shape": case.describe()} for impl in IMPLS]
     need = case.memory_bytes(world, torch.empty((), dtype=dtype).element_size())
     if device.type == "cuda":
         free = cp_dist.reduce_value(torch.cuda.mem_get_info(device)[0], device, dist.ReduceOp.MIN)
@@ -201,7 +207,9 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
     one_gpu = {"one_gpu_step_ms": single_ranks[0], "one_gpu_step_ms_ranks": single_ranks}
     for t in (p.q, p.k, p.v):
         t.grad = None
-    done = [run_mmsparse(p, args, links["send_recv_gbs"] * 1e9), run_all_gather(p, args)]
+    bandwidth = links["send_recv_gbs"] * 1e9
+    done = [run_mmsparse(p, args, bandwidth), run_mmsparse(p, args, bandwidth, keep_fetched_kv=True),
+            run_all_gather(p, args)]
     for row, result in zip(rows, done):
         row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"])
         row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES)

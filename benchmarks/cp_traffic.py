@@ -21,10 +21,12 @@ def predicted_speedup(summary: dict, one_gpu_s: float, bandwidth: float) -> tupl
     return one_gpu_s / (compute + moved), one_gpu_s / max(compute, moved)
 
 
-def rank_bytes(summary: dict, rank: int, kv_bytes_per_token: int, dkv_bytes_per_token: int) -> tuple[int, int]:
+def rank_bytes(summary: dict, rank: int, kv_bytes_per_token: int, dkv_bytes_per_token: int,
+               fetches: int = 2) -> tuple[int, int]:
     """(sent, received) bytes of ``rank`` in one forward and backward step under the plan (``summary`` with
-    ``kv_bytes_per_token=1``: tokens). Received: the K/V it fetches, twice (the backward fetches again), and the
-    dK/dV of the tokens it serves; sent: the K/V it serves, twice, and the dK/dV of the tokens it fetched."""
+    ``kv_bytes_per_token=1``: tokens). Received: the K/V it fetches, ``fetches`` times (2: the backward fetches
+    again; 1 with ``keep_fetched_kv``), and the dK/dV of the tokens it serves; sent: the K/V it serves as often,
+    and the dK/dV of the tokens it fetched."""
     fetched, served = summary["recv_bytes"][rank], summary["sent_bytes"][rank]
-    return (2 * served * kv_bytes_per_token + fetched * dkv_bytes_per_token,
-            2 * fetched * kv_bytes_per_token + served * dkv_bytes_per_token)
+    return (fetches * served * kv_bytes_per_token + fetched * dkv_bytes_per_token,
+            fetches * fetched * kv_bytes_per_token + served * dkv_bytes_per_token)

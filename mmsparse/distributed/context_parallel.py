@@ -10,7 +10,8 @@ Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced b
 runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight; :mod:`.local` builds
 and runs them, for any rank), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
 contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state
-is saved per rank (fetched K/V is fetched again in the backward).
+is saved per rank by default: fetched K/V is fetched again in the backward, unless ``keep_fetched_kv`` trades its
+memory for that second exchange.
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ class ContextParallel(RankProblem):
         chunk: tokens per chunk (default: the plan's, about 16 chunks a rank).
         window: a sliding window, as in ``mbs_attention`` (key position > query position - window): a rank
             fetches and runs only the key chunks its queries' windows reach.
+        keep_fetched_kv: keep the K/V fetched in the forward until the backward instead of fetching it again
+            there: one exchange fewer per step, for the fetched keys' memory (``[B, 2 Hkv, S_gathered, D]`` per
+            call, up to the whole sequence's K/V) held from forward to backward. Off by default: the saved state
+            then stays O(S / P). Worth it where the exchange, not the attention, bounds the step (tens of
+            thousands of tokens on a fast link).
     """
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  causal: bool = False, group: Any = None, chunk: int | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, keep_fetched_kv: bool = False) -> None:
         check_causal(causal)
+        if not isinstance(keep_fetched_kv, bool):
+            raise TypeError(f"keep_fetched_kv must be a bool; got {type(keep_fetched_kv).__name__}")
+        self.keep_fetched_kv = keep_fetched_kv
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
         self._group = _process_group(group)
@@ -284,17 +293,24 @@ class _Attention(torch.autograd.Function):
                 seed: torch.Tensor | None):
         pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
+        finish, fetched = _start_gather_kv(cp, k, v), []
+
+        def gather() -> tuple[torch.Tensor, torch.Tensor]:
+            fetched.extend(finish())
+            return fetched[0], fetched[1]
+
         # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
-        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, _start_gather_kv(cp, k, v))
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather)
+        ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *fetched = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
-        finish = _start_gather_kv(cp, k, v)  # fetched again: the forward keeps O(S / P)
+        # Fetched again unless the forward kept it (its state is then O(S / P)).
+        finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
                                            ctx.dropout_p, finish)
         dkv = _return_kv_grads(cp, dkv_g, dkv_l)

@@ -4,6 +4,7 @@ Each world size is spawned once and runs every case inside. A case shards full i
 forward and backward on each rank, puts the gradients back together, and checks them against the float64
 reference (and the single-process ``mbs_attention``); a second run must be bitwise equal. With dropout the
 reference is the single-process call with the same seed: the ranks draw the bits of the same global positions.
+The second run keeps the fetched K/V for the backward (``keep_fetched_kv``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
     q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
     cp = ContextParallel(topology, lens, causal=causal, group=group, window=window)
 
-    def run():
+    def run(cp=cp):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         q_l, k_l, v_l = (cp.shard(t) for t in leaves)
         torch.manual_seed(rank + 5)  # the ranks' generators differ: rank 0's seed must reach them all
@@ -61,9 +62,16 @@ def _run_case(rank: int, world: int, case, group=None) -> None:
         return cp.unshard(o_l.detach()), grads
 
     out, grads = run()
-    out2, grads2 = run()
+    # The second run keeps the forward's fetched K/V for the backward: the same kernels on the same keys, so a
+    # repeatable run gives the same bits whether the backward fetches again or not.
+    kept = ContextParallel(topology, lens, causal=causal, group=group, window=window, keep_fetched_kv=True)
+    out2, grads2 = run(kept)
     for a, b in zip((out, *grads), (out2, *grads2)):
-        assert torch.equal(a, b), "a second run at the same world size must be bitwise equal"
+        assert torch.equal(a, b), "a second run (keeping the fetched K/V) must be bitwise equal to the first"
+    # One fetch fewer: the difference is the K/V of one fetch, > 0 where this rank needs another rank's keys.
+    remote = any(cp.plan.owner[c] != cp.rank for c in cp.plan.needed_kv[cp.rank])
+    assert kept.bytes_received < cp.bytes_received if remote else kept.bytes_received == cp.bytes_received, (
+        "with keep_fetched_kv the backward must not fetch again")
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(5)  # rank 0's generator: the seed every rank used

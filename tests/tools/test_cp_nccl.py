@@ -35,6 +35,7 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
     record = json.loads((tmp_path / "cp_nccl.json").read_text())
     rows = record["rows"]
     assert [(r["config"], r["gpus"], r["impl"]) for r in rows] == [("tiny_hub_causal", 2, "mmsparse_cp"),
+                                                                     ("tiny_hub_causal", 2, "mmsparse_cp_keep"),
                                                                      ("tiny_hub_causal", 2, "all_gather")]
     for row in rows:
         missing = [f for f in ROW_FIELDS + (CP_FIELDS if row["impl"] == "mmsparse_cp" else ()) if f not in row]
@@ -43,8 +44,10 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
         assert max(row[f"{n}_rel_l2"] for n in ("out", "dq", "dk", "dv")) <= 1e-4
         assert row["speedup"] == pytest.approx(row["one_gpu_step_ms"] / row["step_ms"])
         assert row["nccl"]["NCCL_NVLS_ENABLE"] == "0"
-    cp = rows[0]
+    cp, kept = rows[0], rows[1]
     assert cp["bytes_match"] and min(cp["bytes_sent"]) > 0, "the ranks exchange exactly what the plan says"
+    assert kept["bytes_match"] and sum(kept["bytes_received"]) < sum(cp["bytes_received"]), (
+        "keeping the fetched K/V saves the backward's fetch, as planned")
     assert cp["hidden_ms"] == pytest.approx(cp["compute_ms"] + cp["exchange_ms"] - cp["step_ms"])
     links = record["links"]
     assert len(links) == 1 and links[0]["all_gather_busbw_gbs"] > 0 and links[0]["send_recv_gbs"] > 0
