@@ -54,6 +54,8 @@ def _check_head_dim(embed_dim: int, num_heads: int) -> int:
 class _MBSAttentionCore(nn.Module):
     """Shared state and the head-split / attention / head-merge step of the layers below."""
 
+    deterministic: bool | None = None  # also the value of modules pickled before the argument existed
+
     def _init_core(
         self, num_heads: int, num_kv_heads: int, head_dim: int, topology: Any, seg_lens: SegLensArg, causal: bool,
         dropout: float, window: int | None = None, deterministic: bool | None = None,

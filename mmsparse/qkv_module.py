@@ -52,6 +52,8 @@ class TritonMBSAttnKernel(nn.Module):
     Masks and block lists are built on the inputs' device on first use and cached.
     """
 
+    deterministic: bool | None = None  # also the value of modules pickled before the argument existed
+
     def __init__(
         self,
         topology: Any,
