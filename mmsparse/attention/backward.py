@@ -5,6 +5,7 @@ the one-pass backward: the tl dK/dV kernel also adds dQ into a float32 accumulat
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import ModuleType
 
 import torch
@@ -79,6 +80,7 @@ def mbs_attn_bwd(
     main, side = _streams(q.device) if plan.side_stream else (None, None)
     one_pass = plan.dq is None
     if one_pass:
+        _alert_not_deterministic()
         dq_sum = torch.zeros(out.shape, dtype=torch.float32, device=q.device)  # rows no tile reaches stay 0
     else:
         dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
@@ -117,6 +119,20 @@ def mbs_attn_bwd(
     if one_pass:
         dq = dq_sum if q.dtype == torch.float32 else dq_sum.to(q.dtype)
     return dq, dk, dv
+
+
+def _alert_not_deterministic() -> None:
+    """As torch's own ops without a deterministic kernel: under ``torch.use_deterministic_algorithms(True)`` the
+    one-pass backward raises a RuntimeError (a warning with ``warn_only=True``)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("mmsparse's one-pass backward (deterministic=False, or use_config(deterministic=False)) adds dQ with "
+               "atomics and is not deterministic, but torch.use_deterministic_algorithms(True) is set: pass "
+               "deterministic=True to the attention call or module for the bitwise repeatable two-pass backward")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=2)
+    else:
+        raise RuntimeError(message)
 
 
 def _gluon() -> ModuleType:

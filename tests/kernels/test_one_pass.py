@@ -299,3 +299,24 @@ def test_bad_deterministic_values_are_type_errors(value, device):
         with use_config(deterministic=value):
             pass
     assert default_deterministic() is True
+
+
+def test_torch_deterministic_mode_refuses_the_one_pass_backward(device):
+    """As torch's ops without a deterministic kernel: an error under use_deterministic_algorithms(True), a warning
+    with warn_only; the default backward runs under either."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 16, torch.float32, device)
+    mbs_attention(q, k, v, HUB, (10, 18, 12))  # the mask is built and cached outside the mode: only kernels run in it
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        mbs_attention(q, k, v, HUB, (10, 18, 12)).sum().backward()
+        out = mbs_attention(q, k, v, HUB, (10, 18, 12), deterministic=False)
+        with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+            out.sum().backward()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out = mbs_attention(q, k, v, HUB, (10, 18, 12), deterministic=False)
+        with pytest.warns(UserWarning, match="not deterministic"):
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
