@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .attention.autograd import MBSAttentionFunction
+from .attention.config import default_deterministic
 from .attention.limits import check_problem_size
 from .attention.plan import plan_attention
 from .mask.cache import CACHE
@@ -74,6 +75,19 @@ def check_flag(name: str, value: Any) -> bool:
     if numpy_bool or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
+
+
+def check_deterministic(value: Any) -> bool | None:
+    """The ``deterministic`` argument: None (the process-wide default, :func:`mmsparse.use_config`) or a bool
+    (:func:`check_flag`); anything else is a TypeError."""
+    if value is None:
+        return None
+    try:
+        return check_flag("deterministic", value)
+    except TypeError:
+        raise TypeError(f"deterministic must be True (bitwise repeatable two-pass backward), False (one-pass backward, "
+                        f"dQ by atomic adds) or None (the default of use_config); got {type(value).__name__} "
+                        f"{value!r}") from None
 
 
 def check_window(window: Any, seq_k: int | None = None) -> int | None:
@@ -283,17 +297,20 @@ def new_dropout_seed(device: torch.device) -> torch.Tensor:
 
 def attention_with_info(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float | None,
-    dropout_p: float,
+    dropout_p: float, deterministic: bool | None = None,
 ) -> torch.Tensor:
-    """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API)."""
+    """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API).
+    ``deterministic``: the backward (None: :func:`mmsparse.attention.config.default_deterministic`, read now)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     scale = check_softmax_scale(softmax_scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    deterministic = check_deterministic(deterministic)
+    deterministic = default_deterministic() if deterministic is None else deterministic
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
-    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed)
+    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic)
 
 
 def mbs_attention(
@@ -309,6 +326,7 @@ def mbs_attention(
     check_lengths: bool = True,
     q_start: torch.Tensor | Sequence[int] | None = None,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Block-sparse multimodal attention.
 
@@ -333,6 +351,12 @@ def mbs_attention(
             CUDA-graph capture either.
         q_start: optional int ``[B]``: the position of each sample's first query, e.g. each cache's length
             when decoding over caches of different lengths (default: the last Sq positions, ``S - Sq``).
+        window: a sliding window: a key is kept only when its position is past the query's minus ``window``
+            (None: no window).
+        deterministic: the backward. True: two passes (dK/dV, then dQ), bitwise repeatable. False: one pass that
+            adds dQ into a float32 ``[B, Hq, Sq, D]`` buffer by atomic adds (5 matmuls per tile pair instead of 7;
+            dQ's last bits vary from run to run). None (default): ``mmsparse.use_config(deterministic=...)``'s
+            setting, True unless changed; an argument given here wins.
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.
@@ -352,7 +376,7 @@ def mbs_attention(
         raise ValueError("mbs_attention needs a topology with seg_lens, or attn_mask (a bool [S, S] mask)")
     else:
         info = topology_mask(q, k, topology, seg_lens, causal, check_lengths, q_start, window)
-    return attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+    return attention_with_info(q, k, v, info, softmax_scale, dropout_p, deterministic)
 
 
 def topology_mask(
@@ -387,6 +411,7 @@ def mbs_attention_varlen(
     softmax_scale: float | None = None,
     check_lengths: bool = True,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Packed ("varlen") batches: samples laid end to end along one sequence, no padding, any number of them.
 
@@ -404,6 +429,7 @@ def mbs_attention_varlen(
             once and the mask is cached by value, as in :func:`mbs_attention`; a tensor builds it every call.
         window: a sliding window, as in :func:`mbs_attention` (positions are the packed ones; samples never see
             each other anyway).
+        deterministic: the backward, as in :func:`mbs_attention` (False: one pass, dQ by atomic adds).
 
     Returns:
         q's layout: ``[1, Hq, total, D]`` or ``[total, Hq, D]``.
@@ -425,5 +451,5 @@ def mbs_attention_varlen(
     total = k.shape[2]
     info = build_mask_info(topology, seg_lens, total, total, causal, q.device, check_lengths, packed=True,
                            window=window)
-    out = attention_with_info(q, k, v, info, softmax_scale, dropout_p)
+    out = attention_with_info(q, k, v, info, softmax_scale, dropout_p, deterministic)
     return out[0].permute(1, 0, 2) if flash_layout else out

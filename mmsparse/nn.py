@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_flag, check_window, mbs_attention
+from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_deterministic, check_flag, check_window, mbs_attention
 from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
 from .mask.topology import Topology
 
@@ -54,9 +54,11 @@ def _check_head_dim(embed_dim: int, num_heads: int) -> int:
 class _MBSAttentionCore(nn.Module):
     """Shared state and the head-split / attention / head-merge step of the layers below."""
 
+    deterministic: bool | None = None  # also the value of modules pickled before the argument existed
+
     def _init_core(
         self, num_heads: int, num_kv_heads: int, head_dim: int, topology: Any, seg_lens: SegLensArg, causal: bool,
-        dropout: float, window: int | None = None,
+        dropout: float, window: int | None = None, deterministic: bool | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -66,6 +68,7 @@ class _MBSAttentionCore(nn.Module):
         self.causal = check_flag("causal", causal)
         self.dropout = _check_dropout(dropout)
         self.window = check_window(window)
+        self.deterministic = check_deterministic(deterministic)
 
     @property
     def seq_len(self) -> int:
@@ -112,10 +115,12 @@ class _MBSAttentionCore(nn.Module):
         """
         dropout_p = self.dropout if self.training else 0.0
         return mbs_attention(q, k, v, self.topology, seg_lens, causal=causal, dropout_p=dropout_p,
-                             window=self.window)
+                             window=self.window, deterministic=self.deterministic)
 
     def _window_repr(self) -> str:
-        return "" if self.window is None else f", window={self.window}"
+        """The optional settings, as extra_repr shows them (only those set)."""
+        return ("" if self.window is None else f", window={self.window}") + (
+            "" if self.deterministic is None else f", deterministic={self.deterministic}")
 
 
 class MultimodalSelfAttention(_MBSAttentionCore):
@@ -135,6 +140,8 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         bias: bias in the q/k/v and output projections.
         window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
             :func:`mmsparse.mbs_attention`); None (default) for none.
+        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (two passes, bitwise
+            repeatable), False (one pass, dQ by atomic adds) or None (default: ``use_config``'s, True unless set).
 
     ``forward(x, seg_lens=None)``: x ``[B, S, E]`` -> ``[B, S, E]``. ``seg_lens`` overrides the default for one call:
     k lengths summing to S, or per-sample ``[B, k]`` rows summing to at most S (the tail of a row is padding; its
@@ -154,6 +161,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         window: int | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         super().__init__()
         self.embed_dim = _check_positive_int("embed_dim", embed_dim)
@@ -162,7 +170,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         head_dim = _check_head_dim(embed_dim, num_heads)
-        self._init_core(num_heads, num_kv_heads, head_dim, topology, seg_lens, causal, dropout, window)
+        self._init_core(num_heads, num_kv_heads, head_dim, topology, seg_lens, causal, dropout, window, deterministic)
         kv_dim = num_kv_heads * head_dim
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -205,6 +213,8 @@ class MultiheadMBSAttention(_MBSAttentionCore):
         causal: also require key position <= query position (``is_causal=True`` at call time does the same).
         dropout: attention dropout in training mode; default the MHA's own ``dropout``.
         window: a sliding window, as in :func:`mmsparse.mbs_attention`; None (default) for none.
+        deterministic: the backward, as in :func:`mmsparse.mbs_attention` (False: one pass, dQ by atomic adds;
+            None: ``use_config``'s default).
     """
 
     # nn.TransformerEncoderLayer (and nn.TransformerEncoder) run a fused C++ fast path in eval mode that reads the
@@ -213,7 +223,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
 
     def __init__(
         self, mha: nn.MultiheadAttention, topology: Any, seg_lens: SegLensArg, causal: bool = False,
-        dropout: float | None = None, window: int | None = None,
+        dropout: float | None = None, window: int | None = None, deterministic: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(mha, nn.MultiheadAttention):
@@ -224,7 +234,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
             raise ValueError("MHA with add_bias_kv or add_zero_attn is not supported")
         head_dim = _check_head_dim(mha.embed_dim, mha.num_heads)
         self._init_core(mha.num_heads, mha.num_heads, head_dim, topology, seg_lens, causal,
-                        mha.dropout if dropout is None else dropout, window)
+                        mha.dropout if dropout is None else dropout, window, deterministic)
         self.embed_dim = mha.embed_dim
         self.batch_first = mha.batch_first
         self.in_proj_weight = mha.in_proj_weight
@@ -287,6 +297,7 @@ def replace_attention(
     dropout: float | None = None,
     include: Callable[[str, nn.MultiheadAttention], bool] | None = None,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> list[str]:
     """Swap the ``nn.MultiheadAttention`` self-attention modules of a model for mmsparse, in place, keeping weights.
 
@@ -305,12 +316,14 @@ def replace_attention(
         include: optional ``include(name, mha) -> bool`` choosing which modules to replace (name as in
             ``model.named_modules()``).
         window: a sliding window, as in :func:`mmsparse.mbs_attention`; None (default) for none.
+        deterministic: the backward of the new modules, as in :func:`mmsparse.mbs_attention`.
 
     Returns:
         The names of the replaced modules. Raises ValueError when there is none.
     """
     Topology(topology)  # validate once, up front, before changing anything
     check_window(window)
+    check_deterministic(deterministic)
     targets = []
     for name, parent in model.named_modules():
         for attr, child in parent.named_children():
@@ -323,7 +336,8 @@ def replace_attention(
             f"no nn.MultiheadAttention self-attention found in {type(model).__name__}; for a custom block that calls "
             "F.scaled_dot_product_attention, call mmsparse.mbs_attention there instead (same q/k/v layout)"
         )
-    new = [MultiheadMBSAttention(child, topology, seg_lens, causal, dropout, window) for _, _, _, child in targets]
+    new = [MultiheadMBSAttention(child, topology, seg_lens, causal, dropout, window, deterministic)
+           for _, _, _, child in targets]
     for (parent, attr, _, _), module in zip(targets, new):
         setattr(parent, attr, module)
     return [full for _, _, full, _ in targets]

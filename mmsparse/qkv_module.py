@@ -15,6 +15,7 @@ from .attention.config import kernel_config
 from .functional import (
     attention_with_info,
     build_mask_info,
+    check_deterministic,
     check_flag,
     check_qkv,
     check_softmax_scale,
@@ -44,10 +45,14 @@ class TritonMBSAttnKernel(nn.Module):
         names: optional segment names, e.g. ``("text", "vision", "audio")``.
         window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
             :func:`mmsparse.mbs_attention`); None (default) for none.
+        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (two passes, bitwise
+            repeatable), False (one pass, dQ by atomic adds) or None (default: ``use_config``'s, True unless set).
 
     ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.
     Masks and block lists are built on the inputs' device on first use and cached.
     """
+
+    deterministic: bool | None = None  # also the value of modules pickled before the argument existed
 
     def __init__(
         self,
@@ -58,6 +63,7 @@ class TritonMBSAttnKernel(nn.Module):
         softmax_scale: float | None = None,
         names: Any = None,
         window: int | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         super().__init__()
         self.topology = Topology(topology, names)
@@ -68,6 +74,7 @@ class TritonMBSAttnKernel(nn.Module):
         self.dropout = float(dropout)
         self.softmax_scale = check_softmax_scale(softmax_scale)
         self.window = check_window(window)
+        self.deterministic = check_deterministic(deterministic)
         self._infos = MaskCache()  # this module's masks, per (Sq, Sk, device): they go with the module
         self._dense_mask: torch.Tensor | None = None
 
@@ -119,7 +126,8 @@ class TritonMBSAttnKernel(nn.Module):
         check_qkv(q, k, v)
         if seg_lens is not None:
             info = topology_mask(q, k, self.topology, seg_lens, self.causal_mask, check_lengths, window=self.window)
-            return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
+            return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0,
+                                       self.deterministic)
         if k.shape[2] != self.seq_len:
             hint = layout_hint(k, self.seg_lens)
             raise ValueError(
@@ -127,9 +135,11 @@ class TritonMBSAttnKernel(nn.Module):
                 + (f". {hint}" if hint else "")
             )
         info = self._info(q.shape[2], k.shape[2], q.device)
-        return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0)
+        return attention_with_info(q, k, v, info, self.softmax_scale, self.dropout if self.training else 0.0,
+                                   self.deterministic)
 
     def extra_repr(self) -> str:
         return (f"topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, "
                 f"causal_mask={self.causal_mask}, dropout={self.dropout}"
-                + ("" if self.window is None else f", window={self.window}"))
+                + ("" if self.window is None else f", window={self.window}")
+                + ("" if self.deterministic is None else f", deterministic={self.deterministic}"))

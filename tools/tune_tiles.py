@@ -1,6 +1,9 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
-    python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|none] [--profile]
+    python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|one_pass|none] [--profile]
+
+``--sweep one_pass`` times the one-pass backward (``deterministic=False``) at each ``bwd_one_pass`` tile, after the
+two-pass backward at the table's tiles.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.tune_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
-    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq or none")
+    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq, one_pass or none")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
     args = ap.parse_args()
@@ -94,11 +97,19 @@ def main() -> None:
         elif args.sweep == "dq":
             for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
                 variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st), bwd_dq_short=None))
-        for cfg in variants:
+        one_pass = args.sweep == "one_pass"
+        if one_pass:
+            variants.append(base)  # the one-pass backward at the table's tile
+            for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
+                variants.append(replace(base, bwd_one_pass=Tile(bm, bn, w, st)))
+        for i, cfg in enumerate(variants):
+            deterministic = not one_pass or i < 2  # the first two: the two-pass backward, with and without TMA
             try:
-                with use_config(cfg):
+                with use_config(cfg, deterministic=deterministic):
                     f, bw = ours(q, k, v, topo, lens, causal)
-                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}: "
+                bwd_tiles = (f"dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}" if deterministic
+                             else f"one-pass{cfg.one_pass_tile()}")
+                print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} {bwd_tiles}: "
                       f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)

@@ -1,9 +1,11 @@
 """The backward passes' launcher: delta = rowsum(dO * O), then dQ and dK/dV, each as its Gluon kernel on Hopper
-where the tile has one and as its tl kernel elsewhere, with the same numerics."""
+where the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``,
+the one-pass backward: the tl dK/dV kernel also adds dQ into a float32 accumulator by atomics."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import ModuleType
 
 import torch
@@ -32,6 +34,7 @@ def mbs_attn_bwd(
     softmax_scale: float,
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward passes. On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side
     stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots.
@@ -41,6 +44,9 @@ def mbs_attn_bwd(
     side stream's pool while the mask that keeps it is used on the current one. The current stream waits for the
     side stream before returning, so callers, CUDA graphs and the caching allocator (whose blocks stay with the
     current stream) see one ordered stream.
+
+    With ``deterministic`` False there is no dQ pass (nor side stream): the tl dK/dV kernel also adds dQ into a
+    zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics, cast to q's dtype at the end.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -66,27 +72,33 @@ def mbs_attn_bwd(
     n_rows = batch * num_heads * seq_q
     _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
-    dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
     plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device, info.sample_len,
-                          dropout_p > 0.0)
+                          dropout_p > 0.0, deterministic=deterministic)
     info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before the fork
     args = kernel_args(info)
-    dq_mask, dkdv_mask = args.tile(*plan.dq.lists), args.tile(*plan.dkdv.lists)
+    dkdv_mask = args.tile(*plan.dkdv.lists)
     main, side = _streams(q.device) if plan.side_stream else (None, None)
-    if side is not None:
-        side.wait_stream(main)  # delta, the block lists and the inputs are ready
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        tile = plan.dq.tile
-        if plan.dq.gluon:
-            _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, info.mode, info.causal, qk_scale, softmax_scale,
-                            tile, has_window)
-        else:
-            mask_tensors, mask_scalars = dq_mask
-            _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
-                q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-                dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags,
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
-            )
+    one_pass = plan.dq is None
+    if one_pass:
+        _alert_not_deterministic()
+        dq_sum = torch.zeros(out.shape, dtype=torch.float32, device=q.device)  # rows no tile reaches stay 0
+    else:
+        dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
+        dq_mask = args.tile(*plan.dq.lists)
+        if side is not None:
+            side.wait_stream(main)  # delta, the block lists and the inputs are ready
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            tile = plan.dq.tile
+            if plan.dq.gluon:
+                _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, info.mode, info.causal, qk_scale,
+                                softmax_scale, tile, has_window)
+            else:
+                mask_tensors, mask_scalars = dq_mask
+                _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
+                    q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale,
+                    softmax_scale, dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
+                    **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                )
 
     dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
     dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
@@ -97,13 +109,30 @@ def mbs_attn_bwd(
     else:
         mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-            q, k, v, do, lse, delta, dk, dv, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-            dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
-            BN=tile.block_n, **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            q, k, v, do, lse, delta, dk, dv, dq_sum if one_pass else dk,  # DQ: dk stands in, unread without ONE_PASS
+            *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale, dropout_p, NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags, ONE_PASS=one_pass,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
     if side is not None:
         main.wait_stream(side)
+    if one_pass:
+        dq = dq_sum if q.dtype == torch.float32 else dq_sum.to(q.dtype)
     return dq, dk, dv
+
+
+def _alert_not_deterministic() -> None:
+    """As torch's own ops without a deterministic kernel: under ``torch.use_deterministic_algorithms(True)`` the
+    one-pass backward raises a RuntimeError (a warning with ``warn_only=True``)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("mmsparse's one-pass backward (deterministic=False, or use_config(deterministic=False)) adds dQ with "
+               "atomics and is not deterministic, but torch.use_deterministic_algorithms(True) is set: pass "
+               "deterministic=True to the attention call or module for the bitwise repeatable two-pass backward")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=2)
+    else:
+        raise RuntimeError(message)
 
 
 def _gluon() -> ModuleType:

@@ -45,6 +45,9 @@ class KernelConfig:
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
+    # The one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not bwd_dkdv's.
+    # block_n: the key block a program owns; block_m: the query tiles it walks.
+    bwd_one_pass: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
     # block lists packed end to end (CSR) when their fixed slots would pass this many bytes.
@@ -67,6 +70,10 @@ class KernelConfig:
     def dq_tile(self, seq_k: int) -> Tile:
         """The dQ pass's tile: ``bwd_dq_short`` over few keys, for the same reason as the forward's."""
         return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k, self)
+
+    def one_pass_tile(self) -> Tile:
+        """The one-pass backward's tile: ``bwd_one_pass``, else ``bwd_dkdv``'s sizes."""
+        return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
     def few_keys(self, seq_k: int) -> bool:
         """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
@@ -123,6 +130,13 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 
 _override: KernelConfig | None = None
 _fields: dict[str, int] = {}  # thresholds use_config sets on every config
+_deterministic = True  # the backward of calls that do not pass deterministic= (use_config sets it)
+
+
+def default_deterministic() -> bool:
+    """Whether a call that passes no ``deterministic`` argument gets the deterministic two-pass backward: True,
+    unless set otherwise by an enclosing ``use_config(deterministic=...)``."""
+    return _deterministic
 
 
 def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -175,8 +189,11 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and d_pad in _GLUON_FWD and gluon:
+        # The one-pass backward is a tl kernel (no Gluon one yet): it keeps the tl dK/dV tile, whose registers
+        # it was written for, rather than running the Gluon tile's 128 keys per program.
         cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
                       fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
+                      bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
                       bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
@@ -231,18 +248,25 @@ THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes")  #
 
 
 @contextlib.contextmanager
-def use_config(config: KernelConfig | None = None, **thresholds: int) -> Iterator[None]:
+def use_config(config: KernelConfig | None = None, deterministic: bool | None = None,
+               **thresholds: int) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``, ``compact_bytes``)."""
-    global _override, _fields
+    ``short_samples``, ``compact_bytes``), and/or with another default backward: ``use_config(deterministic=False)``
+    gives the one-pass backward (dQ by atomic adds, not bitwise repeatable) to every call that does not pass
+    ``deterministic`` itself (an argument given to the call wins). The choice is read when the forward runs."""
+    global _override, _fields, _deterministic
     unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:
-        raise TypeError(f"use_config sets {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
-    previous = _override, _fields
+        raise TypeError(f"use_config sets deterministic, {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
+    if deterministic is not None and deterministic is not True and deterministic is not False:
+        raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
+                        f"{type(deterministic).__name__} {deterministic!r}")
+    previous = _override, _fields, _deterministic
     _override = config if config is not None else _override
     _fields = {**_fields, **thresholds}
+    _deterministic = _deterministic if deterministic is None else deterministic
     try:
         yield
     finally:
-        _override, _fields = previous
+        _override, _fields, _deterministic = previous

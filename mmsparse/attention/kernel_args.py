@@ -94,10 +94,16 @@ def kernel_args(info: MaskInfo) -> KernelArgs:
     return args  # type: ignore[return-value]
 
 
-def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None) -> list[TileKey]:
+def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None,
+               deterministic: bool = True) -> list[TileKey]:
     """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
-    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given)."""
-    fwd, dq = config.forward_tile(seq_q, seq_k, sample_len), config.dq_tile(seq_k)
+    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given); with ``deterministic``
+    False, the forward's and the one-pass backward's."""
+    fwd = config.forward_tile(seq_q, seq_k, sample_len)
+    if not deterministic:
+        one_pass = config.one_pass_tile()
+        return [(fwd.block_m, fwd.block_n, False), (one_pass.block_m, one_pass.block_n, True)]
+    dq = config.dq_tile(seq_k)
     return [
         (fwd.block_m, fwd.block_n, False),
         (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
@@ -105,7 +111,8 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | N
     ]
 
 
-def prepare(info: MaskInfo, config: KernelConfig) -> MaskInfo:
-    """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ), e.g. before timing or
-    CUDA-graph capture."""
-    return info.prepare(list_tiles(config, info.seq_q, info.seq_k, info.sample_len), config.compact_bytes)
+def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True) -> MaskInfo:
+    """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; with ``deterministic`` False
+    the one-pass backward's instead of the last two), e.g. before timing or CUDA-graph capture."""
+    tiles = list_tiles(config, info.seq_q, info.seq_k, info.sample_len, deterministic)
+    return info.prepare(tiles, config.compact_bytes)

@@ -26,12 +26,12 @@ def _forward(
 
 def _backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward's inputs, as :func:`_forward` laid them out."""
     grad_out = kernel_layout(grad_out.contiguous())
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
+    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
 
 
 def attention_forward(
@@ -53,14 +53,15 @@ def attention_forward(
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group."""
+    """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
+    ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable)."""
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p, window)
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
+                       dropout_p, window, deterministic)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
 
 
 def _short_samples(q: torch.Tensor) -> int:
@@ -88,13 +89,13 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
 
 
 @_bwd_op.register_fake
 def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
-      window=0):
+      window=0, deterministic=True):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

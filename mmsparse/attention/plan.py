@@ -39,11 +39,13 @@ class ForwardPass:
 
 @dataclass(frozen=True)
 class BackwardPass:
-    """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel."""
+    """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
+    dK/dV pass also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass."""
 
     tile: Tile
     gluon: bool
     by_key: bool
+    one_pass: bool = False
 
     @property
     def lists(self) -> TileKey:
@@ -53,25 +55,29 @@ class BackwardPass:
 @dataclass(frozen=True)
 class AttentionPlan:
     forward: ForwardPass
-    dq: BackwardPass
+    dq: BackwardPass | None  # None: the one-pass backward (dQ added by the dK/dV pass, ``dkdv.one_pass``)
     dkdv: BackwardPass
     side_stream: bool  # the dQ pass runs on a side stream, concurrently with dK/dV
 
     def list_tiles(self, forward: bool = True, backward: bool = True) -> list[TileKey]:
         """The block lists the planned passes read, each once."""
-        keys = ([self.forward.lists] if forward else []) + ([self.dkdv.lists, self.dq.lists] if backward else [])
+        passes = [self.dkdv] + ([self.dq] if self.dq is not None else [])
+        keys = ([self.forward.lists] if forward else []) + ([p.lists for p in passes] if backward else [])
         return list(dict.fromkeys(keys))
 
     def kernels(self) -> dict[str, str]:
-        """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``."""
+        """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
+        one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel)."""
         fwd = "gluon" if self.forward.gluon else "tl-split" if self.forward.n_splits > 1 else "tl"
-        return {"forward": fwd, "dq": "gluon" if self.dq.gluon else "tl", "dkdv": "gluon" if self.dkdv.gluon else "tl"}
+        dq = "one-pass" if self.dq is None else "gluon" if self.dq.gluon else "tl"
+        return {"forward": fwd, "dq": dq, "dkdv": "gluon" if self.dkdv.gluon else "tl"}
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_attention(
     config: KernelConfig, batch: int, num_heads: int, num_kv_heads: int, seq_q: int, seq_k: int,
     device: torch.device, sample_len: int | None = None, dropout: bool = False, sms: int | None = None,
+    deterministic: bool = True,
 ) -> AttentionPlan:
     """The plan of a call with q ``[batch, num_heads, seq_q, D]`` over k/v ``[batch, num_kv_heads, seq_k, D]`` on
     ``device``, with the tiles of ``config`` (:func:`mmsparse.attention.config.kernel_config` of D, dtype and device).
@@ -82,6 +88,8 @@ def plan_attention(
         dropout: dropout is on (the Gluon kernels have none: their passes run the tl kernels at the same tiles).
         sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
             (with :func:`mmsparse.attention.config.cuda_kernel_config`).
+        deterministic: False plans the one-pass backward (``config.one_pass_tile()``): the tl dK/dV kernel adds
+            dQ by atomics, on every device, with no dQ pass and no side stream.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -98,6 +106,11 @@ def plan_attention(
     n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device, sms)
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
+    if not deterministic:
+        # Only the tl kernel has the one-pass variant; a Gluon one would set gluon here (tile.gluon and not dropout)
+        # and take its tile from the Gluon table.
+        one_pass = BackwardPass(config.one_pass_tile(), False, True, one_pass=True)
+        return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
     return AttentionPlan(
         forward=forward,

@@ -108,7 +108,9 @@ class ContextParallel(RankProblem):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                   softmax_scale: float | None = None) -> torch.Tensor:
-        """Attention of this rank's queries over every key its topology lets them see.
+        """Attention of this rank's queries over every key its topology lets them see. Its backward is always the
+        deterministic two-pass one: ``deterministic=False`` and ``use_config(deterministic=False)`` do not reach
+        the pieces (their dK/dV return to the owners in rank order, and dQ stays bitwise repeatable too).
 
         Args:
             q: ``[B, Hq, S_local, D]``; k, v: ``[B, Hkv, S_local, D]``: this rank's tokens (from ``shard``).

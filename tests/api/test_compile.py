@@ -93,3 +93,33 @@ def test_traced_tensor_topology_checks_its_values_when_run(device):
     compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, bad, SEG), fullgraph=True, backend="eager")
     with pytest.raises(RuntimeError, match="0 \\(none\\), 1 \\(full\\) or 2 \\(causal\\)"):
         compiled(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkeypatch):
+    """deterministic=False reaches the backward launcher through the traced graph (under aot_eager, through the
+    custom op), and the compiled gradients are the eager one-pass gradients up to float32 accumulation order."""
+    from mmsparse.attention import library
+
+    seen = []
+    real = library.mbs_attn_bwd
+
+    def recording(*args, **kwargs):
+        seen.append(args[10] if len(args) > 10 else kwargs.get("deterministic", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(library, "mbs_attn_bwd", recording)
+    torch._dynamo.reset()
+    matrix, seg = _fresh(TYPES, 12), SEG + (0,) * 12
+    q, k, v = _qkv(device)
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, matrix, seg, deterministic=False),
+                             fullgraph=True, backend=backend)
+    compiled(q, k, v).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    assert seen == [False]
+    for t in (q, k, v):
+        t.grad = None
+    mbs_attention(q, k, v, matrix, seg).sum().backward()  # the default: two passes
+    assert seen == [False, True]
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

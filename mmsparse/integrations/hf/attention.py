@@ -63,6 +63,9 @@ def mmsparse_attention_forward(
             ``mm_topology`` route ``mm_topology``, ``mm_seg_lens``, ``mm_extend_last_segment``, ``mm_causal``,
             ``is_causal``, ``position_ids``, ``cu_seq_lens_k``.
 
+    The backward is the one ``mmsparse.use_config(deterministic=...)`` sets around the forward (the
+    deterministic two-pass backward by default).
+
     Returns:
         ``(out [B, Sq, H, D], None)``: no attention weights.
     """

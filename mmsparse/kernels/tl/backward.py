@@ -1,7 +1,11 @@
 """tl backward: delta = rowsum(dO * O); dK/dV per key block; dQ per query block.
 
 Each pass recomputes P from the saved log-sum-exp and owns its output tile, so there are no atomics and the
-result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group."""
+result is bitwise reproducible. For GQA a dK/dV program walks all query heads of its group.
+
+The one-pass variant (``ONE_PASS``, ``deterministic=False``) has the dK/dV kernel also add each tile pair's
+dQ contribution dS K into a float32 ``[B, Hq, Sq, D]`` accumulator with atomic adds: 5 matmuls per tile pair
+instead of 7 and no dQ pass, but the order of the adds, hence dQ's last bits, changes from run to run."""
 
 from __future__ import annotations
 
@@ -36,13 +40,15 @@ def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, stride_qm, idx_ptr, start, stop,
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
-    BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, dq_ptr, stride_qm, idx_ptr, start,
+    stop, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, sm_scale, seed,
+    bh, dropout_p, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM]."""
+    """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM].
+    ``ONE_PASS``: also add each query block's dQ contribution into the float32 rows at ``dq_ptr`` (this head's
+    ``[Sq, HEAD_DIM]``, from a 64-bit base)."""
     for it in range(start, stop):
         m_blk = block_id(idx_ptr, it)
         offs_m = m_blk * BM + offs_m0
@@ -66,22 +72,32 @@ def _dkdv_tiles(
             b_dpt = tl.where(keep, b_dpt * scale_keep, 0.0)
         else:
             dv += dot(b_pt.to(b_do.dtype), b_do, DOT_MODE)
-        b_dst = b_pt * (b_dpt - delta[None, :])
-        dk += dot(b_dst.to(b_q.dtype), b_q, DOT_MODE)
+        b_dst = (b_pt * (b_dpt - delta[None, :])).to(b_q.dtype)
+        dk += dot(b_dst, b_q, DOT_MODE)
+        if ONE_PASS:
+            # dS in the input dtype, as the dQ pass multiplies it: the two paths differ only in the order of the adds
+            b_dq = dot(tl.trans(b_dst), b_k, DOT_MODE)  # [BM, D]
+            # 64-bit row base, 32-bit offsets in the tile (as load_block); relaxed: the adds need only be atomic,
+            # the kernel's end orders them before the launcher reads the sum
+            p_dq = dq_ptr + (m_blk * BM).to(tl.int64) * HEAD_DIM + offs_m0[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.atomic_add(p_dq, b_dq * sm_scale, mask=(offs_m < seq_q)[:, None] & (offs_d < HEAD_DIM)[None, :],
+                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_tl(
-    Q, K, V, DO, LSE, DELTA, DK, DV, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr = False,
 ):
+    """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group); with ``ONE_PASS`` also dQ's
+    contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, zeroed by the launcher (unused otherwise)."""
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_n = tl.program_id(0)
@@ -111,16 +127,18 @@ def attention_dkdv_tl(
         q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
                             HEAD_DIM_PAD, USE_TMA)
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        dq_ptr = DQ + row0 * HEAD_DIM  # 64-bit base: B * Hq * Sq * D passes 2^31, as do's does
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed,
-            bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
+            idx_ptr, 0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+            qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+            HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, stride_qm, idx_ptr,
-            n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
-            qk_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT,
-            DOT_MODE, USE_TMA,
+            dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
+            idx_ptr, n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
+            window, qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+            HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
     dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
