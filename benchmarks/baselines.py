@@ -2,6 +2,7 @@
 
   - ``mmsparse``: ``mmsparse.mbs_attention`` with the config's topology, segment lengths and window; for a pack
     ``mmsparse.mbs_attention_varlen`` with its ``[N, k]`` lengths (:func:`mmsparse_fn`).
+  - ``mmsparse_nondet``: the same with ``deterministic=False``, the one-pass backward (not in the default list).
   - ``flex``: ``torch.compile(flex_attention)`` with :func:`benchmarks.flex_mask.flex_mask_mod` and a block mask
     from ``create_block_mask``.
   - ``flex_flash``: the same with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 CuTe-DSL kernels;
@@ -42,7 +43,8 @@ from .flex_mask import flex_mask_mod, packed_ids, segment_ids
 from .impl import Impl, TensorFn
 from .timing import Timing
 
-IMPLS = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash")
+IMPLS = ("mmsparse", "mmsparse_nondet", "flex", "flex_flash", "sdpa_mask", "dense_flash")
+DEFAULT_IMPLS = tuple(n for n in IMPLS if n != "mmsparse_nondet")  # the opt-in backward only when asked for
 SDPA_MASK_BYTES_PER_PAIR = 5  # bool mask + the bf16 bias SDPA makes from it on each call (+ alignment copies)
 SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this share of free memory
 
@@ -67,8 +69,8 @@ def call_topology(cfg: BenchConfig) -> Any:
     return mmsparse.Topology(cfg.topology) if cfg.num_segments > BIG_TOPOLOGY else cfg.topology
 
 
-def mmsparse_fn(cfg: BenchConfig, device: torch.device) -> TensorFn:
-    """mmsparse as a user calls it for ``cfg``.
+def mmsparse_fn(cfg: BenchConfig, device: torch.device, deterministic: bool = True) -> TensorFn:
+    """mmsparse as a user calls it for ``cfg`` (``deterministic=False``: the one-pass backward).
 
     ``mbs_attention`` with host lengths (its mask is built once and cached); a topology of more than
     ``BIG_TOPOLOGY`` segments goes in as an ``mmsparse.Topology`` built once, as a caller of such a topology would
@@ -80,12 +82,14 @@ def mmsparse_fn(cfg: BenchConfig, device: torch.device) -> TensorFn:
         rows = [list(r) for r in cfg.seg_lens]
 
         def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal, window=cfg.window)
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal, window=cfg.window,
+                                                 deterministic=deterministic)
 
         return varlen
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal, window=cfg.window)
+        return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal, window=cfg.window,
+                                      deterministic=deterministic)
 
     return fn
 
@@ -124,7 +128,7 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     return build
 
 
-def setup_mmsparse(case: Case, timing: Timing) -> Impl:
+def setup_mmsparse(case: Case, timing: Timing, deterministic: bool = True) -> Impl:
     from mmsparse.attention.config import kernel_config
 
     cfg, dev = case.cfg, case.device
@@ -135,10 +139,17 @@ def setup_mmsparse(case: Case, timing: Timing) -> Impl:
     fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k, cfg.seq_k // len(cfg.seg_lens) if cfg.packed else None)
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
-                     for n, x in (("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k))))
+                     for n, x in ((("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k)))
+                                  if deterministic else (("fwd", fwd), ("one-pass", tiles.one_pass_tile))))
     backend = "triton, mbs_attention_varlen" if cfg.packed else "triton"
-    return Impl(mmsparse_fn(cfg, dev), build_ms=build_ms, state_mib=state_mib,
+    if not deterministic:
+        backend += ", deterministic=False (one-pass backward)"
+    return Impl(mmsparse_fn(cfg, dev, deterministic), build_ms=build_ms, state_mib=state_mib,
                 info={"backend": backend, "tiles": desc})
+
+
+def setup_mmsparse_nondet(case: Case, timing: Timing) -> Impl:
+    return setup_mmsparse(case, timing, deterministic=False)
 
 
 _FLEX: Any = None
@@ -371,6 +382,7 @@ def setup_dense_flash(case: Case, timing: Timing) -> Impl:
 
 SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {
     "mmsparse": setup_mmsparse,
+    "mmsparse_nondet": setup_mmsparse_nondet,
     "flex": setup_flex,
     "flex_flash": setup_flex_flash,
     "sdpa_mask": setup_sdpa_mask,

@@ -46,7 +46,7 @@ import torch
 import mmsparse  # before triton: on a machine without CUDA it turns on Triton's interpreter
 
 from .arguments import at_least_one
-from .baselines import IMPLS
+from .baselines import DEFAULT_IMPLS, IMPLS
 from .configs import ALL_CONFIGS, GPU_CONFIGS, GROUPS, QUICK, TINY, BenchConfig, expand_names
 from .env import environment, results_dir
 from .errors import DeviceLost
@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=None,
                    help=f"comma-separated config or group names; groups: {', '.join(GROUPS)}; configs: "
                         f"{', '.join(ALL_CONFIGS)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from: {', '.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma-separated, from: {', '.join(IMPLS)} (default: all but mmsparse_nondet)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
