@@ -140,7 +140,7 @@ def setup_mmsparse(case: Case, timing: Timing, deterministic: bool = True) -> Im
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
                      for n, x in ((("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k)))
-                                  if deterministic else (("fwd", fwd), ("one-pass", tiles.one_pass_tile))))
+                                  if deterministic else (("fwd", fwd), ("one-pass", tiles.one_pass_tile()))))
     backend = "triton, mbs_attention_varlen" if cfg.packed else "triton"
     if not deterministic:
         backend += ", deterministic=False (one-pass backward)"
