@@ -353,10 +353,11 @@ def mbs_attention(
             when decoding over caches of different lengths (default: the last Sq positions, ``S - Sq``).
         window: a sliding window: a key is kept only when its position is past the query's minus ``window``
             (None: no window).
-        deterministic: the backward. True: two passes (dK/dV, then dQ), bitwise repeatable. False: one pass that
-            adds dQ into a float32 ``[B, Hq, Sq, D]`` buffer by atomic adds (5 matmuls per tile pair instead of 7;
-            dQ's last bits vary from run to run). None (default): ``mmsparse.use_config(deterministic=...)``'s
-            setting, True unless changed; an argument given here wins.
+        deterministic: the backward. True: two passes (dK/dV, then dQ), bitwise repeatable. False: allows one
+            pass that adds dQ into a float32 ``[B, Hq, Sq, D]`` buffer by atomic adds (5 matmuls per tile pair
+            instead of 7; dQ's last bits vary from run to run), run below ``one_pass_max_keys`` keys (2048), where
+            it was measured faster; longer calls keep the two passes. None (default):
+            ``mmsparse.use_config(deterministic=...)``'s setting, True unless changed; an argument given here wins.
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.

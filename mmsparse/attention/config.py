@@ -55,6 +55,10 @@ class KernelConfig:
     short_keys: int = 2048
     short_samples: int = 4096
     compact_bytes: int = COMPACT_BYTES
+    # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there. H200,
+    # bf16 (benchmarks/results/h200/one_pass.md): the one-pass (tl, dQ by per-element atomics) is 1.14x the
+    # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up.
+    one_pass_max_keys: int = 2048
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -74,6 +78,10 @@ class KernelConfig:
     def one_pass_tile(self) -> Tile:
         """The one-pass backward's tile: ``bwd_one_pass``, else ``bwd_dkdv``'s sizes."""
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
+
+    def one_pass(self, seq_k: int) -> bool:
+        """A backward allowed to be non-deterministic runs in one pass over this many keys."""
+        return seq_k < self.one_pass_max_keys
 
     def few_keys(self, seq_k: int) -> bool:
         """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
@@ -244,7 +252,7 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes")  # what use_config may set
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
 
 
 @contextlib.contextmanager
@@ -252,9 +260,10 @@ def use_config(config: KernelConfig | None = None, deterministic: bool | None = 
                **thresholds: int) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``, ``compact_bytes``), and/or with another default backward: ``use_config(deterministic=False)``
-    gives the one-pass backward (dQ by atomic adds, not bitwise repeatable) to every call that does not pass
-    ``deterministic`` itself (an argument given to the call wins). The choice is read when the forward runs."""
+    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``), and/or with another default backward:
+    ``use_config(deterministic=False)`` allows the one-pass backward (dQ by atomic adds, not bitwise repeatable;
+    run below ``one_pass_max_keys`` keys) to every call that does not pass ``deterministic`` itself (an argument
+    given to the call wins). The choice is read when the forward runs."""
     global _override, _fields, _deterministic
     unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:

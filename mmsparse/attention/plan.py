@@ -88,8 +88,9 @@ def plan_attention(
         dropout: dropout is on (the Gluon kernels have none: their passes run the tl kernels at the same tiles).
         sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
             (with :func:`mmsparse.attention.config.cuda_kernel_config`).
-        deterministic: False plans the one-pass backward (``config.one_pass_tile()``): the tl dK/dV kernel adds
-            dQ by atomics, on every device, with no dQ pass and no side stream.
+        deterministic: False allows the one-pass backward (``config.one_pass_tile()``: the tl dK/dV kernel adds
+            dQ by atomics, with no dQ pass and no side stream), planned below ``config.one_pass_max_keys`` keys;
+            from there the two-pass backward was faster on every config measured.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -106,7 +107,7 @@ def plan_attention(
     n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device, sms)
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
-    if not deterministic:
+    if not deterministic and config.one_pass(seq_k):
         # Only the tl kernel has the one-pass variant; a Gluon one would set gluon here (tile.gluon and not dropout)
         # and take its tile from the Gluon table.
         one_pass = BackwardPass(config.one_pass_tile(), False, True, one_pass=True)

@@ -4,6 +4,7 @@ two-pass backward; the two backwards agree within float32 accumulation; bad valu
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -187,6 +188,18 @@ def test_default_is_the_two_pass_backward_and_argument_wins(launches, device):
     assert default_deterministic() is True
 
 
+def test_from_one_pass_max_keys_keys_the_call_keeps_two_passes(launches, device):
+    """deterministic=False allows the one pass; at one_pass_max_keys keys or more (40 here) the plan keeps the two
+    passes, measured faster there."""
+    with use_config(one_pass_max_keys=40):
+        _backward_once(device, deterministic=False)
+        assert launches == [("dq", False), ("dkdv", False)]
+        launches.clear()
+    with use_config(one_pass_max_keys=41):
+        _backward_once(device, deterministic=False)
+        assert launches == [("dkdv", True)]
+
+
 def test_setting_is_read_when_the_forward_runs(launches, device):
     """A forward inside use_config(deterministic=False) keeps the one-pass backward after the block ends."""
     q, k, v = make_qkv(1, 2, 1, 40, 40, 16, torch.float32, device)
@@ -250,15 +263,25 @@ def test_plan_of_the_one_pass_backward(device):
 
 
 def test_one_pass_runs_the_tl_kernel_at_the_tl_tile_on_hopper():
-    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is the tl kernel at the tl dK/dV tile."""
+    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is the tl kernel at the tl dK/dV tile, planned
+    below one_pass_max_keys keys; from there deterministic=False keeps the two Gluon passes (measured faster)."""
     for head_dim in (64, 128):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
         assert cfg.bwd_dkdv.gluon
         tile = cfg.one_pass_tile()
         assert not tile.gluon and tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
-        plan = plan_attention(cfg, 4, 16, 4, 4096, 4096, torch.device("cpu"), None, False, sms=132,
-                              deterministic=False)
-        assert plan.kernels()["dkdv"] == "tl" and plan.dkdv.tile == tile
+        limit = cfg.one_pass_max_keys
+
+        def plan(config, seq):
+            return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, False, sms=132,
+                                  deterministic=False)
+
+        short = plan(cfg, limit - 1)
+        assert short.dq is None and short.kernels()["dkdv"] == "tl" and short.dkdv.tile == tile
+        long = plan(cfg, limit)
+        assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+        forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
+        assert forced.dq is None and forced.dkdv.tile == tile
     own = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
                        bwd_one_pass=Tile(32, 16))
     assert own.one_pass_tile() == Tile(32, 16)
