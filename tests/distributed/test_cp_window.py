@@ -1,7 +1,7 @@
 """Context parallelism under a sliding window, every rank in one process (``RankProblem``: no process group): the
 plan counts only the pairs inside the window and fetches no key chunk wholly outside it; the ranks' pieces, put
 back together, give the float64 reference's output and gradients, and with dropout the single-process call's.
-(tests/integration/test_context_parallel.py runs windows over gloo with the exchange.)"""
+(tests/distributed/test_context_parallel.py runs windows over gloo with the exchange.)"""
 
 from __future__ import annotations
 

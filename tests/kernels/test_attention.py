@@ -53,8 +53,9 @@ def test_random_topologies(seed, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_seed_example(dtype, device):
-    """The seed's own case: cyclic topology, segments (50, 375, 500)."""
-    q, k, v = make_qkv(1, 2, 1, 925, 925, 16, dtype, device)
+    """The seed's own case: cyclic topology, segments (50, 375, 500); one head, as the CI-sized demo runs it (GQA
+    is covered by the random topologies)."""
+    q, k, v = make_qkv(1, 1, 1, 925, 925, 16, dtype, device)
     check_against_reference(q, k, v, CYCLIC, (50, 375, 500))
 
 

@@ -170,15 +170,17 @@ def test_groups_select_the_mask_rows():
 
 
 def test_the_benchmark_runs_the_tiny_mask_rows(tmp_path, device):
-    """``python -m benchmarks`` on tiny_pack and tiny_transfusion: mmsparse (varlen for the pack) and dense_flash
-    checked against their reference masks, timed, written; Flex checked too (forward only on CPU, which has no Flex
-    backward)."""
+    """``python -m benchmarks`` on tiny_pack, tiny_transfusion and tiny_window: mmsparse (varlen for the pack),
+    sdpa_mask and dense_flash checked against their reference masks (dense_flash: its own unwindowed one), timed,
+    written; Flex checked too (forward only on CPU, which has no Flex backward); the window row and the tables carry
+    the window. One run for the three: each run pays the harness's fixed costs again."""
     from benchmarks.run import main
 
     threads = torch.get_num_threads()
     try:
-        status = main(["--device", device.type, "--configs", "tiny_pack,tiny_transfusion",
-                       "--impls", "mmsparse,flex,dense_flash", "--no-plot", "--out", str(tmp_path), "--warmup", "0",
+        status = main(["--device", device.type, "--configs", "tiny_pack,tiny_transfusion,tiny_window",
+                       "--impls", "mmsparse,flex,sdpa_mask,dense_flash", "--no-plot", "--out", str(tmp_path),
+                       "--warmup", "0",
                        "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
     finally:
         torch.set_num_threads(threads)
@@ -194,3 +196,13 @@ def test_the_benchmark_runs_the_tiny_mask_rows(tmp_path, device):
     assert "varlen" in rows["tiny_pack", "mmsparse"]["backend"]
     table = (tmp_path / "latest.md").read_text()
     assert "| tiny_pack | dense_flash |" in table and "ok (speed only: other mask)" in table
+    window = {impl: r for (config, impl), r in rows.items() if config == "tiny_window"}
+    cfg = ALL_CONFIGS["tiny_window"]
+    for row in window.values():
+        assert row["window"] == 11 and row["live_pairs"] == cfg.live_pairs and row["density"] == round(cfg.density, 4)
+    mm = window["mmsparse"]
+    assert mm["check"] == "ok" and mm["fwd_ms"] > 0 and mm["build_ms"] > 0
+    assert window["sdpa_mask"]["check"] == "ok" and window["sdpa_mask"]["reference"] == "topology"
+    assert window["flex"]["check"] == ("ok" if device.type == "cuda" else "ok (fwd only)")
+    assert window["dense_flash"]["check"] == "ok" and window["dense_flash"]["reference"] == "dense"
+    assert "| config | S | density | window |" in table and f"| tiny_window | {cfg.seq_k} | 0.24 | 11 |" in table

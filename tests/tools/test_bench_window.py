@@ -1,8 +1,7 @@
 """The benchmark's sliding-window row (vlm32k_window4k, tiny_window): the window on a config, its exact live-pair
-count, the Flex mask_mod with a window for both index dtypes, the harness's masks, build and check, and the CPU run
-end to end."""
+count, the Flex mask_mod with a window for both index dtypes, the harness's masks, build and check (the CPU run end
+to end is in test_bench_masks.py, with the other tiny mask rows)."""
 
-import json
 import random
 
 import pytest
@@ -254,29 +253,3 @@ def test_the_check_fails_an_impl_that_drops_the_window():
     assert check(case, Impl(sdpa_under(case.mask("topology"))), grads=True)["check"] == "ok"
     res = check(case, Impl(sdpa_under(no_window)), grads=True)
     assert res["check"] == "FAIL" and not res["correct"]
-
-
-def test_the_benchmark_runs_the_tiny_window_row(tmp_path, device):
-    """``python -m benchmarks --configs tiny_window``: mmsparse, Flex (forward only on CPU) and sdpa_mask pass the
-    check against the windowed reference; dense_flash is checked against its own unwindowed mask; the row and the
-    tables carry the window."""
-    from benchmarks.run import main
-
-    threads = torch.get_num_threads()
-    try:
-        status = main(["--device", device.type, "--configs", "tiny_window", "--impls",
-                       "mmsparse,flex,sdpa_mask,dense_flash", "--no-plot", "--out", str(tmp_path), "--warmup", "0",
-                       "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
-    finally:
-        torch.set_num_threads(threads)
-    assert status == 0
-    rows = {r["impl"]: r for r in json.loads((tmp_path / "latest.json").read_text())}
-    cfg = TINY["tiny_window"]
-    for row in rows.values():
-        assert row["window"] == 11 and row["live_pairs"] == cfg.live_pairs and row["density"] == round(cfg.density, 4)
-    assert rows["mmsparse"]["check"] == "ok" and rows["mmsparse"]["fwd_ms"] > 0 and rows["mmsparse"]["build_ms"] > 0
-    assert rows["sdpa_mask"]["check"] == "ok" and rows["sdpa_mask"]["reference"] == "topology"
-    assert rows["flex"]["check"] == ("ok" if device.type == "cuda" else "ok (fwd only)")
-    assert rows["dense_flash"]["check"] == "ok" and rows["dense_flash"]["reference"] == "dense"
-    table = (tmp_path / "latest.md").read_text()
-    assert "| config | S | density | window |" in table and f"| tiny_window | {cfg.seq_k} | 0.24 | 11 |" in table
