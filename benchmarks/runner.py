@@ -23,7 +23,7 @@ from .configs import BenchConfig, live_pairs
 from .devices import device_alive, free_memory, sync
 from .env import REPO_DIR
 from .errors import DeviceLost, Skip, short_error
-from .impl import Impl
+from .impl import Impl, TensorFn
 from .report import check_line, log, loud_fail, progress_line
 from .timing import Timing
 
@@ -63,8 +63,10 @@ def add_error(row: dict[str, Any], stage: str, exc: BaseException, device: torch
         raise DeviceLost(message) from exc
 
 
-def peak_mib(case: Case, impl: Impl) -> float | None:
-    """Peak CUDA memory of one forward + backward above what was allocated before it."""
+def peak_mib(case: Case, impl: Impl | TensorFn) -> float | None:
+    """Peak CUDA memory of one forward + backward of ``impl`` (or a bare call) above what was allocated before it;
+    None off the GPU."""
+    fn = impl.fn if isinstance(impl, Impl) else impl
     if case.device.type != "cuda":
         return None
     case.clear_grads()
@@ -72,7 +74,7 @@ def peak_mib(case: Case, impl: Impl) -> float | None:
     sync(case.device)
     base = torch.cuda.memory_allocated(case.device)
     torch.cuda.reset_peak_memory_stats(case.device)
-    impl.fn(case.q, case.k, case.v).backward(case.dout)
+    fn(case.q, case.k, case.v).backward(case.dout)
     sync(case.device)
     peak = torch.cuda.max_memory_allocated(case.device) - base
     case.clear_grads()

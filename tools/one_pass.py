@@ -24,9 +24,10 @@ from benchmarks.baselines import call_topology
 from benchmarks.cases import Case
 from benchmarks.check import check
 from benchmarks.configs import ALL_CONFIGS, BenchConfig
-from benchmarks.devices import free_memory, sync
+from benchmarks.devices import free_memory
 from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
+from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
@@ -60,22 +61,6 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| over max |a| (0 for equal tensors)."""
     a, b = a.float(), b.float()
     return float((a - b).abs().max()) / max(float(a.abs().max()), 1e-30)
-
-
-def peak_mib(case: Case, fn: TensorFn) -> float | None:
-    """Peak memory of one forward + backward above what was allocated before, MiB (None off the GPU)."""
-    if case.device.type != "cuda":
-        return None
-    case.clear_grads()
-    free_memory(case.device)
-    sync(case.device)
-    before = torch.cuda.memory_allocated(case.device)
-    torch.cuda.reset_peak_memory_stats(case.device)
-    fn(case.q, case.k, case.v).backward(case.dout)
-    sync(case.device)
-    peak = torch.cuda.max_memory_allocated(case.device) - before
-    case.clear_grads()
-    return peak / 2**20
 
 
 def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, timing: Timing) -> dict[str, Any]:

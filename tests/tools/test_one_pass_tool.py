@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from tools import one_pass
 
@@ -14,5 +15,8 @@ def test_one_pass_tool_checks_and_compares(tmp_path, capsys):
     assert row["config"] == "tiny_ab"
     assert row["two-pass_check"] == "ok" and row["one-pass_check"] == "ok" and row["out_equal"]
     assert row["dq_rel_diff"] < 1e-5 and row["dk_rel_diff"] < 1e-5 and row["dv_rel_diff"] < 1e-5
-    assert row["two-pass_bwd_ms"] > 0 and row["one-pass_bwd_ms"] > 0
+    # CPU times mean nothing, and the backward's is a difference of two of them (it can come out <= 0 on a busy
+    # machine): only that both sides were timed.
+    assert row["two-pass_fwd_ms"] > 0 and row["one-pass_fwd_ms"] > 0
+    assert math.isfinite(row["two-pass_bwd_ms"]) and math.isfinite(row["one-pass_bwd_ms"])
     assert "| tiny_ab | ok / ok | True |" in capsys.readouterr().out
