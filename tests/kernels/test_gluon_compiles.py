@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -102,7 +104,9 @@ def ptx_dir(tmp_path_factory):
     """Every variant compiled in one child process; its PTX files and the child's output and time."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path_factory.mktemp("gluon-ptx")
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # this checkout's mmsparse in the child too, not an installed one
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
