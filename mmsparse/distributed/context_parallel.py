@@ -259,13 +259,6 @@ def _start_gather_kv(cp: ContextParallel, k: torch.Tensor,
 def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
     """Send each gathered chunk's dK/dV to its owner; every owner sums its chunks' contributions in rank order
     (its own at its rank's place): deterministic, no atomics. dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
-    return _start_return_kv_grads(cp, dkv_gathered, dkv_local.shape)(dkv_local)
-
-
-def _start_return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor,
-                           local_shape: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`_return_kv_grads` started: the sends and receives are posted now; ``finish(dkv_local)`` waits for
-    them and sums, so the rank's work between the two overlaps the return."""
     plan, rank = cp.plan, cp.rank
     gathered = _ranges(plan, plan.needed_kv[rank])
     sends = {}
@@ -277,29 +270,23 @@ def _start_return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor,
     recv_shapes = {}
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
-        recv_shapes[peer] = (*local_shape[:2], n, local_shape[3])
-    received, requests = _post_exchange(cp, sends, recv_shapes, dkv_gathered)
-
-    def finish(dkv_local: torch.Tensor) -> torch.Tensor:
-        for request in requests:
-            request.wait()
-        total = torch.zeros_like(dkv_local)
-        for peer in range(cp.world_size):  # rank order
-            if peer == rank:
-                total += dkv_local
-                for c, (a, b) in mine.items():
-                    if c in gathered:
-                        total[:, :, a:b] += dkv_gathered[:, :, slice(*gathered[c])]
-            elif peer in received:
-                offset = 0
-                for c in plan.needed_kv[peer]:
-                    if plan.owner[c] == rank:
-                        a, b = mine[c]
-                        total[:, :, a:b] += received[peer][:, :, offset : offset + b - a]
-                        offset += b - a
-        return total
-
-    return finish
+        recv_shapes[peer] = (*dkv_local.shape[:2], n, dkv_local.shape[3])
+    received = _exchange(cp, sends, recv_shapes, dkv_local)
+    total = torch.zeros_like(dkv_local)
+    for peer in range(cp.world_size):  # rank order
+        if peer == rank:
+            total += dkv_local
+            for c, (a, b) in mine.items():
+                if c in gathered:
+                    total[:, :, a:b] += dkv_gathered[:, :, slice(*gathered[c])]
+        elif peer in received:
+            offset = 0
+            for c in plan.needed_kv[peer]:
+                if plan.owner[c] == rank:
+                    a, b = mine[c]
+                    total[:, :, a:b] += received[peer][:, :, offset : offset + b - a]
+                    offset += b - a
+    return total
 
 
 class _Attention(torch.autograd.Function):
@@ -324,19 +311,11 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse, *fetched = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
-        # Fetched again unless the forward kept it (its state is then O(S / P)). A kept K/V is at hand, so the
-        # pieces over gathered keys run first and the pieces over the rank's own keys overlap the dK/dV return.
+        # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v)
-        local_shape = (k.shape[0], 2 * k.shape[1], *k.shape[2:])
-        returning = []
-
-        def start_return(dkv_g: torch.Tensor) -> None:
-            returning.append(_start_return_kv_grads(cp, dkv_g, local_shape))
-
-        dq, dkv_l, _ = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                       ctx.dropout_p, finish, gathered_done=start_return,
-                                       gathered_first=bool(fetched))
-        dkv = returning[0](dkv_l)
+        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
+                                           ctx.dropout_p, finish)
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l)
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

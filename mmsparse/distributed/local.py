@@ -122,17 +122,8 @@ class RankProblem:
         local = self._index.to(device)
         pieces: list[Piece] = []
         if not self.causal and gathered.numel():
-            # Key order does not matter here, so the rank's own keys are a piece of their own, run from its local
-            # K/V while the exchange is in flight; the other piece spans the gathered keys with the own keys' bits
-            # cleared (no pair: their key blocks are empty, skipped by the block lists).
-            rows, owners = slice(0, self.local_len), [self.plan.owner[c] for c in self.plan.needed_kv[self.rank]]
-            if self.rank in owners:
-                pieces.append(make_piece(rows, rows, True, False, row_bits[:, local], col_bits[:, local],
-                                         num_segments))
-            if any(owner != self.rank for owner in owners):
-                remote_bits = col_bits[:, gathered].masked_fill(torch.isin(gathered, local), 0)
-                pieces.append(make_piece(rows, slice(0, gathered.numel()), False, False, row_bits[:, local],
-                                         remote_bits, num_segments))
+            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
+                                     row_bits[:, local], col_bits[:, gathered], num_segments))
         else:
             chunk, start = self.plan.chunk, 0
             for c in self.plan.local_chunks[self.rank]:
@@ -265,20 +256,12 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather, gathered_done: Callable[[torch.Tensor], None] | None = None,
-                    gathered_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: float32 (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]``, dK/dV of the gathered keys
-    ``[B, 2 Hkv, S_gathered, D]``).
-
-    ``gather`` is called once, before the first piece over gathered keys. The pieces over the rank's own keys run
-    first (they overlap the fetch ``gather`` waits for), or last with ``gathered_first`` (where the K/V is at hand:
-    they then overlap the return of the gathered keys' dK/dV). ``gathered_done(dkv_gathered)`` is called once that
-    tensor is complete, before the pieces that remain."""
+    ``[B, 2 Hkv, S_gathered, D]``). ``gather`` is called once, after the pieces over the rank's own keys."""
     hkv = k.shape[1]
-    # dQ of the two kinds of pieces summed apart, then added: the same bits in either order.
-    dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq_gathered = torch.zeros_like(dq_own)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
     gathered = None  # (k_g, v_g, their dK/dV) once gathered
 
@@ -287,30 +270,21 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
                                      device=q.device)
 
-    # A stable sort: a fixed order.
-    ordered = sorted(zip(pieces, seeds), key=lambda ps: ps[0].local_keys == gathered_first)
-    remaining_gathered = sum(not p.local_keys for p in pieces)
-    if not remaining_gathered:
-        gathered = wait()  # called even when no piece reads gathered keys (a real run's sends complete)
-        if gathered_done is not None:
-            gathered_done(gathered[2])
-    for piece, seed in ordered:
+    # Own keys first, as in the forward (a stable sort: a fixed order).
+    for piece, seed in sorted(zip(pieces, seeds), key=lambda ps: not ps[0].local_keys):
         if piece.local_keys:
-            kk, vv, target, dq = k, v, dkv_l, dq_own
+            kk, vv, target = k, v, dkv_l
         else:
             gathered = gathered or wait()
-            (kk, vv, target), dq = gathered, dq_gathered
+            kk, vv, target = gathered
         rows, keys = piece.q_rows, piece.k_rows
         dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
                                           out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed)
         dq[:, :, rows] += dq_p
         target[:, :hkv, keys] += dk_p
         target[:, hkv:, keys] += dv_p
-        if not piece.local_keys:
-            remaining_gathered -= 1
-            if not remaining_gathered and gathered_done is not None:
-                gathered_done(gathered[2])
-    return dq_own.add_(dq_gathered), dkv_l, gathered[2]
+    gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
+    return dq, dkv_l, gathered[2]
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:

@@ -2,8 +2,7 @@
 
 A rank's queries are chunks of the sequence; the keys it holds after the exchange are the needed chunks, in
 sequence order. The topology part of the mask comes from per-token bits (or segment codes), whatever the tokens'
-positions. So without a causal test a bit mask runs as two pieces: the rank's own keys, from its local K/V while
-the fetch is in flight, and the gathered keys with the own keys' bits cleared. The causal part needs positions, and the kernels compare local indices (key j <= first query + i), so
+positions. The causal part needs positions, and the kernels compare local indices (key j <= first query + i), so
 with ``causal`` each query chunk runs as two pieces whose positions the kernels get right: the key chunks before
 it (all visible: no causal test) and its own chunk (queries and keys at the same positions). A topology with
 CAUSAL pairs runs every query chunk that way, plus (without the global flag) the key chunks after it: before its
