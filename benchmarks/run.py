@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="print tracebacks of recorded errors")
     p.add_argument("--tiny", action="store_true", help="the tiny configs (CPU smoke test; writes to a temp folder)")
     p.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--cpu-warmup", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one --isolate subprocess
     return p.parse_args(argv)
 
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir is None:
         out_dir = Path(tempfile.mkdtemp(prefix="mmsparse-bench-tiny-")) if args.tiny else results_dir(env["gpu"])
     timing = Timing(device, args.warmup or (10 if args.quick else 25), args.rep or (50 if args.quick else 200),
-                    cpu_reps=args.cpu_reps, rounds=args.rounds or (1 if args.quick or args.tiny else 3))
+                    cpu_warmup=args.cpu_warmup, cpu_reps=args.cpu_reps,
+                    rounds=args.rounds or (1 if args.quick or args.tiny else 3))
     for name in ("recompile_limit", "cache_size_limit"):  # one Flex compile per config and grad mode
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))

@@ -231,7 +231,8 @@ def run_isolated(args: argparse.Namespace, configs: list[BenchConfig], impls: li
             with tempfile.TemporaryDirectory(prefix="mmsparse-bench-") as tmp:
                 cmd = [sys.executable, "-m", "benchmarks.run", "--child", "--no-plot", "--configs", cfg.name,
                        "--impls", impl, "--out", tmp, "--device", args.device, "--warmup", str(timing.warmup),
-                       "--rep", str(timing.rep), "--cpu-reps", str(timing.cpu_reps), "--rounds", str(timing.rounds)]
+                       "--rep", str(timing.rep), "--cpu-warmup", str(timing.cpu_warmup),
+                       "--cpu-reps", str(timing.cpu_reps), "--rounds", str(timing.rounds)]
                 if not args.grad_check:
                     cmd.append("--no-grad-check")
                 proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO_DIR)

@@ -59,7 +59,10 @@ class Timing:
         return statistics.median(times)
 
     def host_ms(self, fn: Callable[[], Any]) -> float:
-        return host_ms(fn, self.device)
+        if self.device.type == "cuda":
+            return host_ms(fn, self.device)
+        # The CPU fallback's counts: through the interpreter one build of a tiny mask takes seconds.
+        return host_ms(fn, self.device, min_reps=max(1, self.cpu_reps), warmup_calls=self.cpu_warmup)
 
 
 def time_passes(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,

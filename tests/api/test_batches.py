@@ -19,7 +19,7 @@ def test_per_sample_lengths_forms_agree_and_match_reference(device):
     gen = torch.Generator().manual_seed(5)
     outs = []
     for form in (lens, torch.tensor(lens), torch.tensor(lens, device=device)):
-        q, k, v = make_qkv(3, 4, 2, 47, 47, 32, torch.bfloat16, device, torch.Generator().manual_seed(5))
+        q, k, v = make_qkv(3, 2, 1, 47, 47, 32, torch.bfloat16, device, torch.Generator().manual_seed(5))
         out = mbs_attention(q, k, v, HUB, form, causal=True)
         grad_out = torch.randn(out.shape, generator=gen).to(device, out.dtype)
         out.backward(grad_out)
@@ -59,7 +59,7 @@ def test_packed_varlen_samples_never_mix(device):
 
 def test_decode_steps_with_a_growing_cache(device):
     """One new text token per step over a cache that grows; each step matches the reference."""
-    q_all, k_all, v_all = make_qkv(2, 4, 2, 72, 72, 64, torch.bfloat16, device)
+    q_all, k_all, v_all = make_qkv(2, 2, 1, 72, 72, 64, torch.bfloat16, device)
     for text_len in (10, 11, 12):
         lens = (40, 20, text_len)  # vision, audio, then the text written so far
         s = sum(lens)
@@ -96,7 +96,7 @@ def test_torch_compile_fullgraph_matches_eager_without_recompiles(device):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = _Block(64, 4, (8, 24, 16)).to(device)
+    block = _Block(32, 2, (8, 24, 16)).to(device)
     compiled = torch.compile(block, fullgraph=True)
     counters.clear()
     with CACHE.limits(max_entries=2):
@@ -105,10 +105,10 @@ def test_torch_compile_fullgraph_matches_eager_without_recompiles(device):
 
 def _compiled_steps(block, compiled, counters, device):
     for step, lens in enumerate([[(8, 24, 16), (4, 30, 10)], [(2, 40, 6), (8, 0, 16)], [(0, 48, 0), (8, 24, 16)]]):
-        x = torch.randn(2, 48, 64, device=device, requires_grad=True)
+        x = torch.randn(2, 48, 32, device=device, requires_grad=True)
         lens_t = torch.tensor(lens, device=device)
         # eager calls with host lengths fill the one cache and evict from it: the graph must not guard on it
-        mbs_attention(x.detach().view(2, 1, 48, 64), x.detach().view(2, 1, 48, 64), x.detach().view(2, 1, 48, 64),
+        mbs_attention(x.detach().view(2, 1, 48, 32), x.detach().view(2, 1, 48, 32), x.detach().view(2, 1, 48, 32),
                       [[1, 1, 0], [0, 1, 1], [1, 0, 1]], lens[0])
         y_eager = block(x, lens_t)
         g_eager = torch.autograd.grad(y_eager.square().sum(), [x, *block.parameters()])

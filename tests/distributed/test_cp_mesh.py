@@ -1,4 +1,4 @@
-"""Context parallelism over 4 processes (gloo, Triton's interpreter): every case of test_context_parallel.py on 4
+"""Context parallelism over 4 processes (gloo, Triton's interpreter): test_context_parallel.py's sample of cases for 4
 ranks, then the context-parallel group as one dim of a 2-D (dp x cp) mesh, with FSDP2 sharding the weights over the
 other. A file of its own so that the test runner can run it beside the 2- and 3-rank ones."""
 

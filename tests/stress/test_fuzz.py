@@ -24,11 +24,14 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")  # draw_case reads only the
 def test_random_cases_pass(device):
     if device.type != "cpu":
         pytest.skip("the GPU runs python -m tests.stress.fuzz --minutes N")
-    result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=20)
-    assert result["cases"] == 20
+    # 15 cases of seed 7 draw every feature the CPU's draws have (q_start first at case 14, the dense mask at 13);
+    # the GPU-only ones (k > 600, packs of > 100 samples, D=64/128) are left out.
+    result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=15)
+    assert result["cases"] == 15
     assert result["failures"] == [], result["failures"]
-    for tag in ("pair types 0/1/2", "bit path (0/1, k <= 32)", "k > 32", "packed", "q_start", "dropout"):
-        assert result["coverage"][tag], tag
+    gpu_only = {"k > 600", "packed, > 100 samples", "D=64", "D=128"}
+    for tag in set(fuzz.FEATURES) - gpu_only:
+        assert result["coverage"].get(tag), tag
 
 
 def _causal_as_full(types: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,8 @@ def test_the_benchmark_records_flex_flash_as_skipped(tmp_path):
     threads = torch.get_num_threads()
     try:
         status = main(["--device", "cpu", "--configs", "tiny_cyclic", "--impls", "flex_flash", "--no-plot", "--out",
-                       str(tmp_path), "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
+                       str(tmp_path), "--warmup", "0", "--rep", "0", "--cpu-warmup", "1", "--cpu-reps", "1",
+                       "--rounds", "1"])
     finally:
         torch.set_num_threads(threads)
     assert status == 0

@@ -108,7 +108,8 @@ def test_the_benchmark_checks_times_and_writes_its_record(tmp_path, device):
     threads = torch.get_num_threads()
     try:
         status = main(["--device", device.type, "--configs", "tiny_ab", "--impls", "mmsparse,sdpa_mask", "--no-plot",
-                       "--out", str(tmp_path), "--warmup", "0", "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
+                       "--out", str(tmp_path), "--warmup", "0", "--rep", "0", "--cpu-warmup", "1", "--cpu-reps", "1",
+                       "--rounds", "1"])
     finally:
         torch.set_num_threads(threads)
     assert status == 0

@@ -181,7 +181,7 @@ def test_the_benchmark_runs_the_tiny_mask_rows(tmp_path, device):
         status = main(["--device", device.type, "--configs", "tiny_pack,tiny_transfusion,tiny_window",
                        "--impls", "mmsparse,flex,sdpa_mask,dense_flash", "--no-plot", "--out", str(tmp_path),
                        "--warmup", "0",
-                       "--rep", "0", "--cpu-reps", "1", "--rounds", "1"])
+                       "--rep", "0", "--cpu-warmup", "1", "--cpu-reps", "1", "--rounds", "1"])
     finally:
         torch.set_num_threads(threads)
     assert status == 0
