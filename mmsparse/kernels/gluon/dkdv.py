@@ -14,6 +14,12 @@ query indices and bits the producer stores per stage) rather than a where() on P
 scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
 ``ops.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
+
+``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
+shared tile of its own, computes dQ_w = dS_w K_w from it (a fifth wgmma per step: A is the staged tile seen
+transposed, B the warpgroup's K) and adds it with relaxed float32 atomics into a ``[B, Hq, Sq, D]`` buffer
+(:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from that tile rather
+than from registers. The two warpgroups add their own 64 keys' share into the same rows. No dQ pass runs.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from .common import (
     tma_store,
     wait_turn,
 )
+from .dq_adds import add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -130,17 +137,55 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args,
+def _drain_step(dv, pt_op, dst, ds_w, k_w, row0, dq_head, seq_q, sm_scale, BM: gl.constexpr, ONE_PASS: gl.constexpr,
+                HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+    """The end of a step: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
+    staged in ``ds_w`` while dV runs; dQ_w = dS_w K_w (rows row0.. of the head at ``dq_head``) is issued once dV is
+    done, so that P^T's operand registers are free, then waited for and added, so that its 64 registers (D=128)
+    die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
+    next step's dK reads dS^T_i from ``ds_w`` too (no registers held across the step)."""
+    if ONE_PASS:
+        stage_ds(dst, ds_w)  # while dV runs
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        dq = issue_dq(ds_w, k_w, BM, HEAD_DIM_PAD)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, HEAD_DIM, HEAD_DIM_PAD)
+    else:
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+    return dv, pt_op
+
+
+@gluon.jit
+def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
+    """The first query row of list entry ``it`` (only ONE_PASS reads it: the block's dQ rows)."""
+    if ONE_PASS:
+        return block_id(idx_ptr, it) * BM
+    return it
+
+
+@gluon.jit
+def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31)."""
+    if GROUP == 1:
+        return dq_head0
+    return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
 
     With ``PINGPONG`` the warpgroups take turns to issue each step's first group of matmuls (S^T_i, dP^T_i,
     dK_{i-1}; the last dK alone), so that one's exponentials run while the other's matmuls do. Both take the same
-    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first."""
+    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first.
+
+    With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's ``ds_smem`` tile and adds dQ_w = dS_w K_w
+    into the float32 rows at ``dq_head0`` (the group's first head; :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, turn = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -150,13 +195,14 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
 
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
     if MASK_MODE != _MASK_DENSE:
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
+    ds_w = ds_smem.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
@@ -179,8 +225,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         delta = delta_smem.index(0).load(cols)
-        dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
-        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        if not ONE_PASS:
+            dst_op = gl.convert_layout(dst, op_layout)
+        dv, pt_op = _drain_step(dv, pt_op, dst, ds_w, k_w, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q,
+                                sm_scale, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             stage = i % STAGES
@@ -193,7 +242,10 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
             dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            if ONE_PASS:
+                dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
+            else:
+                dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
@@ -201,18 +253,32 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).
-            dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
+            # With ONE_PASS, dK_{i-1} read dS^T_{i-1} from ds_w: the tile may now take dS^T_i.
+            if ONE_PASS:
+                dpt, dk = warpgroup_mma_wait(1, deps=(dpt, dk))
+            else:
+                dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
             mbarrier.arrive(empty.index(prev))
             delta = delta_smem.index(stage).load(cols)
-            dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
-            # dV_i is drained here rather than in the next step: a wgmma still in flight across the loop's back edge
-            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
-            dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            if not ONE_PASS:
+                dst_op = gl.convert_layout(dst, op_layout)
+            # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
+            # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
+            # resources").
+            dv, pt_op = _drain_step(dv, pt_op, dst, ds_w, k_w, _first_row(idx_ptr, it, BM, ONE_PASS),
+                                    _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
+                                    BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         last = (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
-        dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
-        pass_turn(turn, WG, turn_phase, PINGPONG)
-        dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+        if ONE_PASS:
+            dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
+            pass_turn(turn, WG, turn_phase, PINGPONG)
+            dk, dv, pt_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op))
+        else:
+            dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
+            pass_turn(turn, WG, turn_phase, PINGPONG)
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
@@ -224,15 +290,16 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
-    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors."""
+    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
+    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -256,6 +323,14 @@ def attention_dkdv_gluon(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
     qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    if ONE_PASS:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup
+        # 64-bit: B * Hq * Sq * D passes 2^31
+        dq_head0 = DQ + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * seq_q * HEAD_DIM
+    else:
+        ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
+        dq_head0 = DQ
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -275,10 +350,12 @@ def attention_dkdv_gluon(
     barriers = (kv_bar, ready, empty, done, turn)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
-            (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
+            (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
+                         ONE_PASS, HEAD_DIM)),
+            (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
+                         ONE_PASS, HEAD_DIM)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),
