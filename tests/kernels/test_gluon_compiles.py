@@ -108,11 +108,12 @@ def _tile(variant: Variant):
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns."""
+    stage; dK/dV K and V once, done, ready and release per stage, and with the one pass dS staged and dS read; with
+    ping-pong the two turns."""
     tile = _tile(variant)
     turns = 2 if tile.pingpong else 0
     if variant.kind == "dkdv":
-        return 2 + 2 * tile.gluon_stages + turns
+        return 2 + 2 * tile.gluon_stages + turns + (2 if variant.one_pass else 0)  # one pass: the dS handshake
     return 1 + 3 * tile.gluon_stages + turns
 
 

@@ -16,10 +16,11 @@ consumers hold no descriptors across their loop). No dropout: that stays with th
 ``ops.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
 
 ``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
-shared tile of its own, computes dQ_w = dS_w K_w from it (a fifth wgmma per step: A is the staged tile seen
-transposed, B the warpgroup's K) and adds it with relaxed float32 atomics into a ``[B, Hq, Sq, D]`` buffer
-(:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from that tile rather
-than from registers. The two warpgroups add their own 64 keys' share into the same rows. No dQ pass runs.
+shared tile of its own; once both are staged (a handshake of two barriers per step), warpgroup w computes columns
+[w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
+transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
+buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
+rather than from registers. No dQ pass runs.
 """
 from __future__ import annotations
 
@@ -137,19 +138,27 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 
 
 @gluon.jit
-def _drain_step(dv, pt_op, dst, ds_w, k_w, row0, dq_head, seq_q, sm_scale, BM: gl.constexpr, ONE_PASS: gl.constexpr,
-                HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
-    """The end of a step: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
-    staged in ``ds_w`` while dV runs; dQ_w = dS_w K_w (rows row0.. of the head at ``dq_head``) is issued once dV is
-    done, so that P^T's operand registers are free, then waited for and added, so that its 64 registers (D=128)
+def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
+                ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+    """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
+    staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
+    done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
+    dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
-    next step's dK reads dS^T_i from ``ds_w`` too (no registers held across the step)."""
+    next step's dK reads dS^T_i from the tile too (no registers held across the step)."""
     if ONE_PASS:
-        stage_ds(dst, ds_w)  # while dV runs
+        ds_smem, k_smem, ds_bars = dq_bufs
+        # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
+        mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
+        stage_ds(dst, ds_smem.index(WG))
+        mbarrier.arrive(ds_bars.index(0))
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
-        dq = issue_dq(ds_w, k_w, BM, HEAD_DIM_PAD)
+        mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
+        N: gl.constexpr = HEAD_DIM_PAD // 2
+        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, HEAD_DIM, HEAD_DIM_PAD)
+        mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
+        add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
     else:
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
     return dv, pt_op
@@ -172,7 +181,7 @@ def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.cons
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0,
+def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
               PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -184,8 +193,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     dK_{i-1}; the last dK alone), so that one's exponentials run while the other's matmuls do. Both take the same
     GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first.
 
-    With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's ``ds_smem`` tile and adds dQ_w = dS_w K_w
-    into the float32 rows at ``dq_head0`` (the group's first head; :func:`_drain_step`)."""
+    With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
+    the two handshake barriers) and adds half of dQ's columns into the float32 rows at ``dq_head0`` (the group's
+    first head; :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, turn = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -202,7 +212,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
-    ds_w = ds_smem.index(WG)
+    if ONE_PASS:
+        ds_w = dq_bufs[0].index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
@@ -228,8 +239,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
-        dv, pt_op = _drain_step(dv, pt_op, dst, ds_w, k_w, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q,
-                                sm_scale, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
+        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
+                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             stage = i % STAGES
@@ -266,9 +277,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
             # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
             # resources").
-            dv, pt_op = _drain_step(dv, pt_op, dst, ds_w, k_w, _first_row(idx_ptr, it, BM, ONE_PASS),
+            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
-                                    BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
+                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         last = (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
@@ -280,6 +291,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             pass_turn(turn, WG, turn_phase, PINGPONG)
             dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
+        if ONE_PASS:
+            mbarrier.wait(dq_bufs[2].index(1), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
@@ -337,10 +350,15 @@ def attention_dkdv_gluon(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    # ONE_PASS: both warpgroups' dS^T are staged (0), both have read them for dQ (1)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
     if PINGPONG:
         init_turns(turn)
+    if ONE_PASS:
+        for j in gl.static_range(2):
+            mbarrier.init(ds_bars.index(j), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
@@ -348,12 +366,13 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
+    dq_bufs = (ds_smem, k_smem, ds_bars)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0, qk_scale,
+            (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
                          ONE_PASS, HEAD_DIM)),
-            (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, ds_smem, dq_head0, qk_scale,
+            (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
                          ONE_PASS, HEAD_DIM)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
@@ -370,3 +389,5 @@ def attention_dkdv_gluon(
     invalidate_ring(empty, STAGES)
     if PINGPONG:
         invalidate_turns(turn)
+    if ONE_PASS:
+        invalidate_ring(ds_bars, 2)
