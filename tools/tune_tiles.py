@@ -2,8 +2,9 @@
 
     python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|one_pass|none] [--profile]
 
-``--sweep one_pass`` times the one-pass backward (``deterministic=False``) at each ``bwd_one_pass`` tile, after the
-two-pass backward at the table's tiles.
+``--sweep one_pass`` times the one-pass backward (``deterministic=False``) at the table's tiles (on Hopper the Gluon
+kernel at ``bwd_dkdv``) and the tl one-pass kernel at each ``bwd_one_pass`` tile, after the two-pass backward at the
+table's tiles.
 """
 
 from __future__ import annotations
@@ -99,15 +100,17 @@ def main() -> None:
                 variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st), bwd_dq_short=None))
         one_pass = args.sweep == "one_pass"
         if one_pass:
-            variants.append(base)  # the one-pass backward at the table's tile
+            variants.append(base)  # the one-pass backward at the table's tile (Gluon's where bwd_dkdv is Gluon)
+            tl_dkdv = replace(base.bwd_dkdv, gluon_stages=0)  # so that the plan runs the tl one-pass kernel
             for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
-                variants.append(replace(base, bwd_one_pass=Tile(bm, bn, w, st)))
+                variants.append(replace(base, bwd_one_pass=Tile(bm, bn, w, st), bwd_dkdv=tl_dkdv))
         for i, cfg in enumerate(variants):
             deterministic = not one_pass or i < 2  # the first two: the two-pass backward, with and without TMA
             try:
                 with use_config(cfg, deterministic=deterministic):
                     f, bw = ours(q, k, v, topo, lens, causal)
                 bwd_tiles = (f"dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}" if deterministic
+                             else f"one-pass gluon{cfg.bwd_dkdv}" if cfg.bwd_dkdv.gluon
                              else f"one-pass{cfg.one_pass_tile()}")
                 print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} {bwd_tiles}: "
                       f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)

@@ -1,6 +1,6 @@
 """The backward passes' launcher: delta = rowsum(dO * O), then dQ and dK/dV, each as its Gluon kernel on Hopper
 where the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``,
-the one-pass backward: the tl dK/dV kernel also adds dQ into a float32 accumulator by atomics."""
+the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def mbs_attn_bwd(
     side stream before returning, so callers, CUDA graphs and the caching allocator (whose blocks stay with the
     current stream) see one ordered stream.
 
-    With ``deterministic`` False there is no dQ pass (nor side stream): the tl dK/dV kernel also adds dQ into a
-    zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics, cast to q's dtype at the end.
+    With ``deterministic`` False there is no dQ pass (nor side stream): the dK/dV kernel (the Gluon one where the
+    plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics,
+    cast to q's dtype at the end.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -105,7 +106,7 @@ def mbs_attn_bwd(
     tile = plan.dkdv.tile
     if plan.dkdv.gluon:
         _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, info.mode, info.causal, qk_scale,
-                          softmax_scale, tile, has_window)
+                          softmax_scale, tile, has_window, dq_sum if one_pass else None)
     else:
         mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](

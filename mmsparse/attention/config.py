@@ -45,7 +45,8 @@ class KernelConfig:
     fwd_short: Tile | None = None  # the forward's tile over fewer than SHORT_KEYS keys, if not fwd
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
-    # The one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not bwd_dkdv's.
+    # The tl one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not
+    # bwd_dkdv's; where bwd_dkdv is a Gluon tile the one-pass runs there (the Gluon kernel), save with dropout.
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
@@ -56,8 +57,9 @@ class KernelConfig:
     short_samples: int = 4096
     compact_bytes: int = COMPACT_BYTES
     # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there. H200,
-    # bf16 (benchmarks/results/h200/one_pass.md): the one-pass (tl, dQ by per-element atomics) is 1.14x the
-    # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up.
+    # bf16 (benchmarks/results/h200/one_pass.md): the tl one-pass (dQ by per-element atomics) is 1.14x the
+    # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
+    # one-pass (Hopper) obeys the same threshold until it is measured.
     one_pass_max_keys: int = 2048
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
@@ -197,8 +199,8 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and d_pad in _GLUON_FWD and gluon:
-        # The one-pass backward is a tl kernel (no Gluon one yet): it keeps the tl dK/dV tile, whose registers
-        # it was written for, rather than running the Gluon tile's 128 keys per program.
+        # The one-pass backward runs the Gluon dK/dV kernel at bwd_dkdv (plan.plan_attention); with dropout it is
+        # the tl kernel, which keeps the tl dK/dV tile, whose registers it was written for.
         cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
                       fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
                       bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,

@@ -40,7 +40,7 @@ class ForwardPass:
 @dataclass(frozen=True)
 class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
-    dK/dV pass also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass."""
+    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass."""
 
     tile: Tile
     gluon: bool
@@ -88,9 +88,11 @@ def plan_attention(
         dropout: dropout is on (the Gluon kernels have none: their passes run the tl kernels at the same tiles).
         sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
             (with :func:`mmsparse.attention.config.cuda_kernel_config`).
-        deterministic: False allows the one-pass backward (``config.one_pass_tile()``: the tl dK/dV kernel adds
-            dQ by atomics, with no dQ pass and no side stream), planned below ``config.one_pass_max_keys`` keys;
-            from there the two-pass backward was faster on every config measured.
+        deterministic: False allows the one-pass backward (the dK/dV kernel also adds dQ by atomics, with no dQ
+            pass and no side stream): the Gluon dK/dV kernel at ``config.bwd_dkdv`` where that pass is Gluon and
+            there is no dropout, else the tl one at ``config.one_pass_tile()``; planned below
+            ``config.one_pass_max_keys`` keys, from where the tl one-pass backward was slower than the two-pass one
+            on every config measured.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -108,9 +110,12 @@ def plan_attention(
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
     if not deterministic and config.one_pass(seq_k):
-        # Only the tl kernel has the one-pass variant; a Gluon one would set gluon here (tile.gluon and not dropout)
-        # and take its tile from the Gluon table.
-        one_pass = BackwardPass(config.one_pass_tile(), False, True, one_pass=True)
+        # Where the dK/dV pass is the Gluon kernel (Hopper, half precision, no dropout) its ONE_PASS variant runs at
+        # the Gluon tile; elsewhere the tl kernel's, at the one-pass tile.
+        if config.bwd_dkdv.gluon and not dropout:
+            one_pass = BackwardPass(config.bwd_dkdv, True, True, one_pass=True)
+        else:
+            one_pass = BackwardPass(config.one_pass_tile(), False, True, one_pass=True)
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
     return AttentionPlan(

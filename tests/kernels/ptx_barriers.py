@@ -22,7 +22,11 @@ A plain access whose range stays unbounded is reported as unresolved, never take
 "Between" is text order. Triton lays a kernel's warp-specialised partitions out between the code before
 ``gl.warp_specialize`` (where the barriers are initialised) and the code after it (where they are invalidated).
 Every other barrier operation (wait, arrive, expect, a TMA copy's completion) is checked to lie within the
-init..inval span of the barriers it may address, so a layout that broke that assumption shows as a problem.
+init..inval span of the barriers it may address, so a layout that broke that assumption shows as a problem. LLVM
+may still place a loop of the default partition (which is not outlined) after the code that follows
+``gl.warp_specialize``: an operation also lies within a span when the control-flow graph says so, that is, when the
+init dominates it and it cannot be reached from the inval. A plain access is checked against both: it is a problem
+if it touches a barrier's bytes where either order puts it inside the span.
 
 Checked as plain shared accesses: ``ld``/``st``/``atom``/``red`` on ``.shared``, ``ldmatrix``/``stmatrix``,
 ``cp.async`` and the shared operand of ``cp.async.bulk`` copies (TMA: their first byte only, the box size is in
@@ -715,18 +719,102 @@ def check_barrier_lifetimes(ptx: str) -> BarrierReport:
             for ins in block.instrs:
                 accesses += _accesses(ins, functools.partial(values.resolve, facts=facts))
         spans = _barrier_spans(accesses, lines[-1][0], report)
+        flow = _Flow(blocks)
         for acc in accesses:
             if acc.kind not in ("init", "inval"):
-                _check_access(acc, spans, report)
+                _check_access(acc, spans, report, flow)
     return report
 
 
-def _check_access(acc: _Access, spans: list[tuple[Barrier, int, int]], report: BarrierReport) -> None:
+class _Flow:
+    """Dominators and reachability of a function's blocks, by the lines of their statements: whether a statement
+    lies within an init..inval span by the control-flow graph."""
+
+    def __init__(self, blocks: list[_Block]):
+        index = {b.label: i for i, b in enumerate(blocks)}
+        self.succs = [[index[label] for label, _ in b.succs if label in index] for b in blocks]
+        self.block_of = {ins.line: i for i, b in enumerate(blocks) for ins in b.instrs}
+        preds: list[list[int]] = [[] for _ in blocks]
+        for i, out in enumerate(self.succs):
+            for j in out:
+                preds[j].append(i)
+        order, seen, stack = [], {0}, [(0, iter(self.succs[0]))] if blocks else []
+        while stack:  # postorder from the entry
+            node, it = stack[-1]
+            nxt = next((j for j in it if j not in seen), None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(self.succs[nxt])))
+        rpo = order[::-1]
+        rank = {b: k for k, b in enumerate(rpo)}
+        self.idom = {0: 0} if blocks else {}
+
+        def common(a: int, b: int) -> int:
+            while a != b:
+                while rank[a] > rank[b]:
+                    a = self.idom[a]
+                while rank[b] > rank[a]:
+                    b = self.idom[b]
+            return a
+
+        changed = True
+        while changed:  # Cooper, Harvey and Kennedy's iterative dominators
+            changed = False
+            for b in rpo[1:]:
+                done = [p for p in preds[b] if p in self.idom]
+                new = done[0]
+                for p in done[1:]:
+                    new = common(p, new)
+                if self.idom.get(b) != new:
+                    self.idom[b], changed = new, True
+        self._reach: dict[int, set[int]] = {}
+
+    def _dominates(self, a: int, b: int) -> bool:
+        if b not in self.idom:
+            return False
+        while b != a and self.idom[b] != b:
+            b = self.idom[b]
+        return b == a
+
+    def _reachable(self, a: int) -> set[int]:
+        """The blocks reached from block a by one edge or more."""
+        if a not in self._reach:
+            seen, work = set(), list(self.succs[a])
+            while work:
+                b = work.pop()
+                if b not in seen:
+                    seen.add(b)
+                    work += self.succs[b]
+            self._reach[a] = seen
+        return self._reach[a]
+
+    def within(self, line: int, start: int, stop: int | None) -> bool:
+        """The statement at ``line`` runs after the init at ``start`` (which dominates it) and cannot run after the
+        inval at ``stop`` (None: none)."""
+        b, bs = self.block_of.get(line), self.block_of.get(start)
+        if b is None or bs is None or not (line > start if b == bs else self._dominates(bs, b)):
+            return False
+        if stop is None:
+            return True
+        be = self.block_of.get(stop)
+        return be is not None and b not in self._reachable(be) and not (b == be and line > stop)
+
+
+def _inside(line: int, start: int, stop: int, flow: _Flow, barrier: Barrier) -> bool:
+    """Within the barrier's init..inval span (``stop``: the function's end if it has no inval) by text order or by
+    the control-flow graph."""
+    return start <= line <= stop or flow.within(line, start, stop if barrier.inval_line is not None else None)
+
+
+def _check_access(acc: _Access, spans: list[tuple[Barrier, int, int]], report: BarrierReport, flow: _Flow) -> None:
     v = acc.value
     if v is None or v[0] != "addr" or v[2] is None or v[3] is None:
         if acc.kind == "plain":
             report.unresolved.append(f"line {acc.line}: {acc.text}")
-        elif not any(start <= acc.line <= stop for _, start, stop in spans):
+        elif not any(_inside(acc.line, start, stop, flow, b) for b, start, stop in spans):
             # Unbounded, it is still some barrier (every init is a constant): it must lie where one is live.
             report.problems.append(f"line {acc.line}: `{acc.text}` lies where no barrier is live")
         return
@@ -735,11 +823,11 @@ def _check_access(acc: _Access, spans: list[tuple[Barrier, int, int]], report: B
     if acc.kind == "plain":
         report.checked += 1
         for b, start, stop in touched:
-            if start <= acc.line <= stop:
+            if _inside(acc.line, start, stop, flow, b):
                 report.problems.append(f"line {acc.line}: `{acc.text}` touches the live barrier {b}")
     elif not touched:
         report.problems.append(f"line {acc.line}: `{acc.text}` addresses no initialised barrier")
-    elif not any(start <= acc.line <= stop for _, start, stop in touched):
+    elif not any(_inside(acc.line, start, stop, flow, b) for b, start, stop in touched):
         report.problems.append(f"line {acc.line}: `{acc.text}` lies outside the init..inval span of "
                                + ", ".join(str(b) for b, _, _ in touched))
 

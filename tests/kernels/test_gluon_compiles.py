@@ -10,14 +10,18 @@ a variant uses are initialised (the ping-pong turns only with PINGPONG).
 
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
-off, with and without a sliding window. All compile in one child process without TRITON_INTERPRET (the interpreter
-replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX to a folder. Run
-as a script, ``python tests/kernels/test_gluon_compiles.py DIR`` compiles them all and prints one line a kernel.
+off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
+float32 atomics). ptxas's report of each dK/dV variant must not say that it serialized the wgmmas (C7512). All
+compile in one child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the
+Gluon kernels call), which writes each variant's PTX and ptxas report to a folder. Run as a script, ``python
+tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING)
+and prints one line a kernel.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,12 +41,15 @@ class Variant:
     causal: bool = False
     pingpong: bool | None = None  # None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
+    group: int = 2  # query heads per KV head
+    one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS), dQ added by atomics
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}" + (
-            "-window" if self.window else "")
+        kind = "dkdv1p" if self.one_pass else self.kind
+        return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}" + (
+            "-window" if self.window else "") + ("" if self.group == 2 else f"-group{self.group}")
 
 
 # Each pass at each head dim, each mask mode at D=128 and one or two at D=64, causal on and off, and the ping-pong
@@ -74,8 +81,18 @@ VARIANTS = [
     Variant("dq", 128, "codes", window=True),
     Variant("dkdv", 128, "bits", causal=True, window=True),
     Variant("dkdv", 64, "dense", window=True),
+    # The one-pass dK/dV kernel (dQ by atomics): each head dim, the bit and code masks, causal, a window, a GQA
+    # group and none.
+    Variant("dkdv", 128, "bits", causal=True, one_pass=True),
+    Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
+    Variant("dkdv", 64, "codes", causal=True, one_pass=True),
+    Variant("dkdv", 64, "bits", window=True, group=1, one_pass=True),
 ]
+# A relaxed float32 atomic add whose result is unused: red (3.9) or atom (3.6), maybe vectorised
+RELAXED_ADD = r"\b(?:red|atom)\.global\.gpu\.relaxed\.add(?:\.v\d)?\.f32\b"
+ORDERED_ATOMIC = r"\b(?:red|atom)\.global\.[a-z.]*(?:acq_rel|release|acquire)"
 COMPILE_TIMEOUT_S = 900
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one CTA may take on an H100 or H200
 
 
 def _tile(variant: Variant):
@@ -91,11 +108,12 @@ def _tile(variant: Variant):
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns."""
+    stage; dK/dV K and V once, done, ready and release per stage, and with the one pass dS staged and dS read; with
+    ping-pong the two turns."""
     tile = _tile(variant)
     turns = 2 if tile.pingpong else 0
     if variant.kind == "dkdv":
-        return 2 + 2 * tile.gluon_stages + turns
+        return 2 + 2 * tile.gluon_stages + turns + (2 if variant.one_pass else 0)  # one pass: the dS handshake
     return 1 + 3 * tile.gluon_stages + turns
 
 
@@ -106,7 +124,8 @@ def ptx_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("gluon-ptx")
     # this checkout's mmsparse in the child too, not an installed one
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    # a cache of its own: a cached kernel skips ptxas, whose report the spill test reads
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path, TRITON_CACHE_DIR=str(out / "cache"))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
@@ -134,13 +153,44 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert report.checked > 0  # the shared accesses were read, not skipped
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass], ids=lambda v: v.name)
+def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, variant):
+    """The one-pass dK/dV kernel adds dQ with relaxed float32 atomics (no fences around each add)."""
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptx"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    ptx = path.read_text()
+    assert re.search(RELAXED_ADD, ptx), f"{variant.name}: no relaxed float32 atomic add in the PTX"
+    assert not re.search(ORDERED_ATOMIC, ptx), variant.name
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv"], ids=lambda v: v.name)
+def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
+    """ptxas did not serialize the dK/dV kernel's wgmmas for want of registers (C7512): the pipeline would be
+    gone; and the kernel fits a Hopper SM's shared memory (the one pass adds a dS^T tile per warpgroup to the
+    4-stage ring). Spills are printed for the record."""
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptxas.txt"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    report = path.read_text()
+    assert "Function properties" in report, f"{variant.name}: no ptxas report:\n{report}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    print(variant.name, "spill stores / loads:", spills)
+    assert "C7512" not in report, f"{variant.name}:\n{report}"
+    shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
+    assert shared <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} bytes of shared memory"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The child: compile, don't launch
 
 
 def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
     """What ``kernel[grid](*args, **kwargs)`` would compile, built for sm_90 instead of launched; its PTX to
-    ``out/<name>.ptx``."""
+    ``out/<name>.ptx``, ptxas's report (registers, spills, warnings) to ``out/<name>.ptxas.txt``."""
+    import contextlib
+    import io
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -152,11 +202,14 @@ def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # ptxas's -v report (knobs.nvidia.dump_ptxas_log)
+        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
     ptx = compiled.asm["ptx"]
     assert "wgmma" in ptx, name  # the Hopper matmuls, not a fallback
     (out / f"{name}.ptx").write_text(ptx)
+    (out / f"{name}.ptxas.txt").write_text(log.getvalue() + f"\nshared memory: {compiled.metadata.shared} bytes\n")
     print(name, "compiled", flush=True)
 
 
@@ -175,8 +228,9 @@ def _mask_info(mask: str, causal: bool, seq: int, window: bool):
     return build_mask_info(topology, lens, seq, seq, causal, torch.device("cpu"), window=w)
 
 
-def _main(out: Path) -> None:
+def _main(out: Path, only: str = "") -> None:
     import torch
+    from triton import knobs
 
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.kernel_args import kernel_args
@@ -191,12 +245,16 @@ def _main(out: Path) -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: _compile_launch(current["name"], out, self.kernel, args, kwargs)
 
+    knobs.nvidia.dump_ptxas_log = True
     gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV = (
         Compile(gluon_launch._FWD), Compile(gluon_launch._DQ), Compile(gluon_launch._DKDV))
     modes = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}
-    batch, heads, kv_heads, seq = 1, 4, 2, 384
+    batch, heads, seq = 1, 4, 384
     infos = {}
     for variant in VARIANTS:
+        if only not in variant.name:
+            continue
+        kv_heads = heads // variant.group
         key = (variant.mask, variant.causal, variant.window)
         if key not in infos:
             infos[key] = _mask_info(variant.mask, variant.causal, seq, variant.window)
@@ -218,10 +276,13 @@ def _main(out: Path) -> None:
             gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile,
                                 variant.window)
         else:
+            dq_sum = torch.zeros(q.shape) if variant.one_pass else None
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
-                                  1.0, 1.0, tile, variant.window)
+                                  1.0, 1.0, tile, variant.window, dq_sum)
+
 
 if __name__ == "__main__":
+    # python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]: the variants whose name contains SUBSTRING
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd() / "gluon-ptx"
     target.mkdir(parents=True, exist_ok=True)
-    _main(target)
+    _main(target, sys.argv[2] if len(sys.argv) > 2 else "")

@@ -247,9 +247,10 @@ def test_dropout_past_2_31():
 
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_one_pass_past_2_31(layout):
-    """The one-pass backward (deterministic=False, the tl kernel on every GPU): its float32 dQ accumulator has
-    B * Hq * S * D = 2.36e9 elements, and q as a [B, S, H, D] view puts row * stride_row past 2^31. Atomic adds
-    run in any order, so the check is the float32 reference on the sampled rows and the two-pass result."""
+    """The one-pass backward (deterministic=False: the Gluon kernel on Hopper, the tl one elsewhere): its float32 dQ
+    accumulator has B * Hq * S * D = 2.36e9 elements, and q as a [B, S, H, D] view puts row * stride_row past 2^31.
+    Atomic adds run in any order, so the check is the float32 reference on the sampled rows and the two-pass
+    result."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     seg = (4096, 120000, 20000)
     seq = sum(seg)

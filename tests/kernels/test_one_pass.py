@@ -262,26 +262,35 @@ def test_plan_of_the_one_pass_backward(device):
     assert not two.dkdv.one_pass and two.dq is not None
 
 
-def test_one_pass_runs_the_tl_kernel_at_the_tl_tile_on_hopper():
-    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is the tl kernel at the tl dK/dV tile, planned
-    below one_pass_max_keys keys; from there deterministic=False keeps the two Gluon passes (measured faster)."""
+def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
+    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is its ONE_PASS variant at the Gluon tile,
+    planned below one_pass_max_keys keys (use_config moves it); from there deterministic=False keeps the two Gluon
+    passes. With dropout (no Gluon kernel has it) it is the tl kernel at the tl dK/dV tile."""
     for head_dim in (64, 128):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
         assert cfg.bwd_dkdv.gluon
-        tile = cfg.one_pass_tile()
-        assert not tile.gluon and tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
+        tl_tile = cfg.one_pass_tile()
+        assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
         limit = cfg.one_pass_max_keys
 
-        def plan(config, seq):
-            return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, False, sms=132,
+        def plan(config, seq, dropout=False):
+            return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
                                   deterministic=False)
 
         short = plan(cfg, limit - 1)
-        assert short.dq is None and short.kernels()["dkdv"] == "tl" and short.dkdv.tile == tile
+        assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == cfg.bwd_dkdv
+        assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
+        assert short.list_tiles(forward=False) == [(cfg.bwd_dkdv.block_m, cfg.bwd_dkdv.block_n, True)]
+        dropout = plan(cfg, limit - 1, dropout=True)
+        assert dropout.dq is None and not dropout.dkdv.gluon and dropout.dkdv.tile == tl_tile
+        assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
         long = plan(cfg, limit)
         assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
         forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
-        assert forced.dq is None and forced.dkdv.tile == tile
+        assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == cfg.bwd_dkdv
+        with use_config(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
+            forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
+        assert forced.dq is None and forced.dkdv.gluon
     own = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
                        bwd_one_pass=Tile(32, 16))
     assert own.one_pass_tile() == Tile(32, 16)

@@ -1,5 +1,5 @@
-"""The one-pass dK/dV kernel (``ONE_PASS``) compiles for sm_90 on any machine, with its dQ adds as relaxed vector
-atomics and its matmuls on wgmma.
+"""The tl one-pass dK/dV kernel (``ONE_PASS``) compiles for sm_90 on any machine, with its dQ adds as relaxed vector
+atomics and its matmuls on wgmma (the Gluon one-pass kernel: tests/kernels/test_gluon_compiles.py).
 
 The interpreter runs the kernel's Python, not Triton's compiler: a construct the compiler rejects (a layout it
 cannot convert, an atomic it cannot lower) would first show on a GPU. The variants compile in one child process
@@ -125,7 +125,9 @@ def _main(out: Path) -> None:
         k = torch.randn(1, 2, seq, head_dim, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         lse = torch.zeros(1, 4, seq)
-        cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16), use_tma=use_tma)
+        # the tl kernel's tile (on Hopper the one-pass runs it with dropout; the Gluon one is compiled in
+        # test_gluon_compiles.py)
+        cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16, gluon=False), use_tma=use_tma)
         seed = torch.zeros(3, dtype=torch.int64) if dropout else None
         with config.use_config(cfg):
             backward.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, 0.1 if dropout else 0.0, seed,

@@ -173,3 +173,40 @@ def test_terms_split_apart_by_the_compiler_cancel():
 """
     report = check_barrier_lifetimes(kernel(INIT + split + USE + INVAL))
     assert report.ok and report.checked == 3, report.summary()
+
+
+# A loop that LLVM placed after the function's end (its preheader jumps there and its exit jumps back): text order
+# puts its barrier operations after the inval, the control-flow graph inside the span.
+OUT_OF_LINE = """
+	bra.uni 	$L__loop;
+$L__back:
+""" + INVAL + """
+	st.shared.b32 	[global_smem+1024], %r1;
+	ret;
+$L__loop:
+""" + USE + """
+	setp.lt.s32 	%p2, %r1, 7;
+	@%p2 bra 	$L__loop;
+	bra.uni 	$L__back;
+"""
+
+
+def test_a_loop_placed_after_the_inval_is_within_the_span_by_the_control_flow_graph():
+    report = check_barrier_lifetimes(kernel(INIT + OUT_OF_LINE))
+    assert report.ok, report.summary()
+
+
+def test_an_operation_reachable_from_the_inval_fails():
+    """The same loop, entered again after the inval: its wait and arrive may run on invalidated barriers, and its
+    load of the passed value touches no barrier (still fine)."""
+    again = OUT_OF_LINE.replace("\tret;\n$L__loop:", "\tbra.uni \t$L__loop;\n$L__loop:")
+    report = check_barrier_lifetimes(kernel(INIT + again))
+    assert len(report.problems) == 2, report.summary()
+    assert all("lies outside the init..inval span" in p for p in report.problems), report.summary()
+
+
+def test_a_store_in_an_out_of_line_loop_into_a_live_barrier_fails():
+    """Text order puts the store after the inval; the control-flow graph puts it inside the span."""
+    store = OUT_OF_LINE.replace("$L__loop:\n", "$L__loop:\n\tst.shared.b32 \t[global_smem+1032], %r1;\n")
+    report = check_barrier_lifetimes(kernel(INIT + store))
+    assert any("touches the live barrier global_smem+1032" in p for p in report.problems), report.summary()

@@ -14,6 +14,13 @@ query indices and bits the producer stores per stage) rather than a where() on P
 scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
 ``ops.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
+
+``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
+shared tile of its own; once both are staged (a handshake of two barriers per step), warpgroup w computes columns
+[w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
+transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
+buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
+rather than from registers. No dQ pass runs.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from .common import (
     tma_store,
     wait_turn,
 )
+from .dq_adds import add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -130,17 +138,64 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args,
+def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
+                ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+    """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
+    staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
+    done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
+    dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
+    die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
+    next step's dK reads dS^T_i from the tile too (no registers held across the step)."""
+    if ONE_PASS:
+        ds_smem, k_smem, ds_bars = dq_bufs
+        # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
+        mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
+        stage_ds(dst, ds_smem.index(WG))
+        mbarrier.arrive(ds_bars.index(0))
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
+        N: gl.constexpr = HEAD_DIM_PAD // 2
+        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
+        add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
+    else:
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+    return dv, pt_op
+
+
+@gluon.jit
+def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
+    """The first query row of list entry ``it`` (only ONE_PASS reads it: the block's dQ rows)."""
+    if ONE_PASS:
+        return block_id(idx_ptr, it) * BM
+    return it
+
+
+@gluon.jit
+def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31)."""
+    if GROUP == 1:
+        return dq_head0
+    return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
 
     With ``PINGPONG`` the warpgroups take turns to issue each step's first group of matmuls (S^T_i, dP^T_i,
     dK_{i-1}; the last dK alone), so that one's exponentials run while the other's matmuls do. Both take the same
-    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first."""
+    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first.
+
+    With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
+    the two handshake barriers) and adds half of dQ's columns into the float32 rows at ``dq_head0`` (the group's
+    first head; :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, turn = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -150,13 +205,15 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
 
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
     if MASK_MODE != _MASK_DENSE:
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
+    if ONE_PASS:
+        ds_w = dq_bufs[0].index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
@@ -179,8 +236,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         delta = delta_smem.index(0).load(cols)
-        dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
-        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        if not ONE_PASS:
+            dst_op = gl.convert_layout(dst, op_layout)
+        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
+                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             stage = i % STAGES
@@ -193,7 +253,10 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
             dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            if ONE_PASS:
+                dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
+            else:
+                dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
@@ -201,19 +264,35 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).
-            dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
+            # With ONE_PASS, dK_{i-1} read dS^T_{i-1} from ds_w: the tile may now take dS^T_i.
+            if ONE_PASS:
+                dpt, dk = warpgroup_mma_wait(1, deps=(dpt, dk))
+            else:
+                dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
             mbarrier.arrive(empty.index(prev))
             delta = delta_smem.index(stage).load(cols)
-            dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), op_layout)
-            # dV_i is drained here rather than in the next step: a wgmma still in flight across the loop's back edge
-            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
-            dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            if not ONE_PASS:
+                dst_op = gl.convert_layout(dst, op_layout)
+            # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
+            # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
+            # resources").
+            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
+                                    _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
+                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
         last = (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
-        dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
-        pass_turn(turn, WG, turn_phase, PINGPONG)
-        dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+        if ONE_PASS:
+            dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
+            pass_turn(turn, WG, turn_phase, PINGPONG)
+            dk, dv, pt_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op))
+        else:
+            dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
+            pass_turn(turn, WG, turn_phase, PINGPONG)
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
+        if ONE_PASS:
+            mbarrier.wait(dq_bufs[2].index(1), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
@@ -224,15 +303,16 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
-    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors."""
+    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
+    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -256,16 +336,29 @@ def attention_dkdv_gluon(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
     rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
     qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    if ONE_PASS:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup
+        # 64-bit: B * Hq * Sq * D passes 2^31
+        dq_head0 = DQ + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * seq_q * HEAD_DIM
+    else:
+        ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
+        dq_head0 = DQ
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    # ONE_PASS: both warpgroups' dS^T are staged (0), both have read them for dQ (1)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
     if PINGPONG:
         init_turns(turn)
+    if ONE_PASS:
+        for j in gl.static_range(2):
+            mbarrier.init(ds_bars.index(j), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
@@ -273,12 +366,15 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
+    dq_bufs = (ds_smem, k_smem, ds_bars)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
-            (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
+            (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
+                         ONE_PASS, HEAD_DIM)),
+            (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
+                         ONE_PASS, HEAD_DIM)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),
@@ -293,3 +389,5 @@ def attention_dkdv_gluon(
     invalidate_ring(empty, STAGES)
     if PINGPONG:
         invalidate_turns(turn)
+    if ONE_PASS:
+        invalidate_ring(ds_bars, 2)

@@ -1,0 +1,64 @@
+"""The one-pass dK/dV pass's dQ step (``gluon.dkdv`` with ``ONE_PASS``): the key block's contribution dQ = dS K
+to one query block, added into the float32 dQ accumulator.
+
+Each consumer warpgroup stages its dS^T (its 64 keys x BM queries, in registers as the A operand of dK += dS^T Q)
+in a shared tile of its own; once both are staged, warpgroup w computes columns [w D/2, (w + 1) D/2) of dQ over all
+128 keys (A: the staged tiles seen transposed, B: column slices of the K tiles already in shared memory) and adds
+them with relaxed float32 atomics, as the ``tl`` one-pass kernel adds its dQ (``tl.backward._dkdv_tiles``): dS
+rounded to the input dtype, the product times the softmax scale. Split by columns, each dQ element is added once
+per key block (not once per warpgroup), and a warpgroup holds half of dQ's accumulator.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from .common import thread_barrier
+
+
+@gluon.jit
+def stage_ds(dst, ds_w):
+    """Store dS^T (``[keys, BM]``, the input dtype) in the warpgroup's tile ``ds_w``, visible to its wgmmas. No
+    wgmma may still read ``ds_w``."""
+    ds_w.store(dst)
+    fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+    thread_barrier()  # every thread's part of the tile, before the warpgroup's wgmma reads all of it
+
+
+@gluon.jit
+def issue_dq(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr):
+    """Issue columns COL0 .. COL0 + N - 1 of the block's dQ = dS_0 K_0 + dS_1 K_1 (``[BM, N]`` fp32, asynchronous)
+    over both warpgroups' keys: A is each staged dS^T seen transposed, B a column slice of that warpgroup's K."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    zero = gl.zeros([BM, N], gl.float32, layout)
+    dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(COL0, N, dim=1), zero, use_acc=False,
+                       is_async=True)
+    return warpgroup_mma(ds_smem.index(1).permute((1, 0)), k_smem.index(1).slice(COL0, N, dim=1), dq, is_async=True)
+
+
+@gluon.jit
+def add_dq(dq, row0, dq_head, seq_q, sm_scale, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr,
+           HEAD_DIM: gl.constexpr):
+    """Add ``dq * sm_scale`` (``[BM, N]``) into rows row0 .. row0 + BM - 1, columns COL0 .. COL0 + N - 1 of one
+    head's float32 ``[Sq, HEAD_DIM]`` at ``dq_head`` (a 64-bit base): relaxed atomics, masked to rows < seq_q and
+    columns < HEAD_DIM. Relaxed: the adds need only be atomic; the kernel's end orders them before the sum is read.
+    A block inside the sequence adds without the row mask (ptxas turns each predicated add into a branch)."""
+    rows: gl.constexpr = gl.SliceLayout(1, dq.type.layout)
+    cols: gl.constexpr = gl.SliceLayout(0, dq.type.layout)
+    offs_m = gl.arange(0, BM, layout=rows)
+    offs_d = COL0 + gl.arange(0, N, layout=cols)
+    # a 64-bit block base (Sq * D may pass 2^31), 32-bit offsets in the tile
+    ptrs = (dq_head + row0.to(gl.int64) * HEAD_DIM) + (gl.expand_dims(offs_m * HEAD_DIM, 1) +
+                                                      gl.expand_dims(offs_d, 0))
+    val = dq * sm_scale
+    in_cols = gl.expand_dims(offs_m < BM, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)  # [BM, N]
+    if row0 + BM <= seq_q:
+        if COL0 + N <= HEAD_DIM:
+            gl.atomic_add(ptrs, val, sem="relaxed")
+        else:
+            gl.atomic_add(ptrs, val, mask=in_cols, sem="relaxed")
+    else:
+        in_rows = gl.expand_dims(row0 + offs_m < seq_q, 1) & in_cols
+        gl.atomic_add(ptrs, val, mask=in_rows, sem="relaxed")
