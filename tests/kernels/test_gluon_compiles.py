@@ -6,7 +6,8 @@ is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every ba
 invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
 allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
 crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
-a variant uses are initialised (the ping-pong turns only with PINGPONG).
+a variant uses are initialised (the ping-pong turns only with PINGPONG). The forward's consumer loops are counted
+too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
 
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
@@ -37,11 +38,13 @@ class Variant:
     causal: bool = False
     pingpong: bool | None = None  # None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
+    turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}" + (
+        turns = "" if self.turns is None else f"-{self.turns}"
+        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}" + (
             "-window" if self.window else "")
 
 
@@ -53,6 +56,8 @@ VARIANTS = [
     Variant("fwd", 128, "codes"),
     Variant("fwd", 128, "dense", causal=True),
     Variant("fwd", 128, "bits", pingpong=False),
+    Variant("fwd", 128, "codes", causal=True, turns="mbarrier"),
+    Variant("fwd", 128, "bits", turns="handoff"),
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
@@ -86,13 +91,17 @@ def _tile(variant: Variant):
 
     table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
-    return tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+    tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+    return tile if variant.turns is None else replace(tile, turns=variant.turns)
 
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns."""
+    stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns. The forward's
+    hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage."""
     tile = _tile(variant)
+    if variant.kind in ("fwd", "fwd_short") and tile.pingpong and tile.turns == "handoff":
+        return 1 + 4 * tile.gluon_stages
     turns = 2 if tile.pingpong else 0
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + turns
@@ -132,6 +141,29 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert not report.problems and not report.unresolved, f"{variant.name}:\n{report.summary()}"
     assert len(report.barriers) == expected_barriers(variant), f"{variant.name}:\n{report.summary()}"
     assert report.checked > 0  # the shared accesses were read, not skipped
+
+
+FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
+
+
+def expected_arrives_per_block(variant: Variant) -> int:
+    """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
+    each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages."""
+    tile = _tile(variant)
+    return 2 if tile.pingpong and tile.turns == "mbarrier" else 1
+
+
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS, ids=lambda v: v.name)
+def test_forward_arrives_per_key_block(ptx_dir, variant):
+    from tests.kernels.ptx_loops import matmul_loops
+
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptx"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    loops = matmul_loops(path.read_text())
+    assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
+    for loop in loops:
+        assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

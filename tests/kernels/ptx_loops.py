@@ -1,0 +1,55 @@
+"""The synchronisation in the steady-state loops of a Gluon kernel's PTX, counted per iteration.
+
+A loop is a branch back to an earlier label; LLVM lays a loop's blocks out between its header and its back edge, so
+the instructions in between are one iteration (a block of a nested loop counts once). ``matmul_loops`` keeps the
+loops that commit ``commits`` wgmma groups an iteration (the forward's consumer loop commits two: Q K^T and P V).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+# instruction -> the key it is counted under; named barriers keep their id and thread count
+_KINDS = [
+    (re.compile(r"^(?:@%p\d+\s+)?(bar\.sync|bar\.arrive|barrier\.sync|barrier\.arrive)\s+(\d+)(?:,\s*(\d+))?;"), None),
+    (re.compile(r"mbarrier\.arrive(?:\.release)?(?:\.cta)?\.shared(?:::cta)?\.b64"), "mbarrier.arrive"),
+    (re.compile(r"mbarrier\.try_wait"), "mbarrier.try_wait"),
+    (re.compile(r"wgmma\.commit_group"), "wgmma.commit_group"),
+]
+
+
+def _kind(stmt: str) -> str | None:
+    for pattern, name in _KINDS:
+        m = pattern.search(stmt)
+        if m:
+            if name is not None:
+                return name
+            op, bar, threads = m.groups()
+            return f"{op.replace('barrier.', 'bar.')} {bar}" + (f", {threads}" if threads else "")
+    return None
+
+
+def loop_syncs(ptx: str) -> dict[str, Counter]:
+    """Per loop header label, the synchronisation instructions between the header and its nearest back edge."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    spans: dict[str, tuple[int, int]] = {}
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            start = labels[m.group(1)]
+            if m.group(1) not in spans or i - start < spans[m.group(1)][1] - spans[m.group(1)][0]:
+                spans[m.group(1)] = (start, i)
+    loops = {}
+    for label, (start, end) in spans.items():
+        kinds = (_kind(line) for line in lines[start : end + 1] if not line.startswith("//"))
+        loops[label] = Counter(k for k in kinds if k is not None)
+    return loops
+
+
+def matmul_loops(ptx: str, commits: int = 2) -> list[Counter]:
+    """The loops that commit ``commits`` wgmma groups an iteration, in the order of their headers."""
+    return [c for c in loop_syncs(ptx).values() if c["wgmma.commit_group"] == commits]
