@@ -30,7 +30,8 @@ class Tile:
     gluon_stages: int = 0
     pingpong: bool = False  # Gluon kernels: the two consumer warpgroups take turns to issue their matmuls
     # How the Gluon forward's warpgroups take turns with pingpong (gluon_launch.TURNS): "mbarrier" (a turn
-    # mbarrier each, stages released apart: two arrives a key block) or "handoff" (the hand-offs release the stages).
+    # mbarrier each, stages released apart: two arrives a key block), "handoff" (the hand-offs release the stages)
+    # or "named" (hardware named barriers; stages released apart).
     turns: str = "mbarrier"
 
     @property
@@ -226,7 +227,7 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
 # needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
-    128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="handoff"),
+    128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="named"),
 }
 # Packs of short samples (64k tokens, hub, causal per sample; H100, forward alone, Gluon 128x128 / 128x64 time):
 # 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
@@ -234,7 +235,7 @@ _GLUON_FWD = {
 # 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
 # not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
 _GLUON_FWD_SHORT_SAMPLES = {
-    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="handoff"),
+    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="named"),
 }
 # The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;

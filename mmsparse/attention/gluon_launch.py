@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER
+from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
@@ -22,7 +22,7 @@ from .kernel_args import LaunchArgs
 _LAUNCH_REGS = 168
 
 # Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
-TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF}
+TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 

@@ -1,8 +1,10 @@
 """The synchronisation in the steady-state loops of a Gluon kernel's PTX, counted per iteration.
 
 A loop is a branch back to an earlier label; LLVM lays a loop's blocks out between its header and its back edge, so
-the instructions in between are one iteration (a block of a nested loop counts once). ``matmul_loops`` keeps the
-loops that commit ``commits`` wgmma groups an iteration (the forward's consumer loop commits two: Q K^T and P V).
+the instructions in between are one iteration (a block of a nested loop counts once), though not necessarily in
+the order they run: LLVM may rotate a loop, so an iteration's text can start anywhere in its cycle.
+``matmul_loops`` keeps the loops that commit ``commits`` wgmma groups an iteration (the forward's consumer loop
+commits two: Q K^T and P V).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _KINDS = [
     (re.compile(r"mbarrier\.arrive(?:\.release)?(?:\.cta)?\.shared(?:::cta)?\.b64"), "mbarrier.arrive"),
     (re.compile(r"mbarrier\.try_wait"), "mbarrier.try_wait"),
     (re.compile(r"wgmma\.commit_group"), "wgmma.commit_group"),
+    (re.compile(r"wgmma\.mma_async"), "wgmma.mma_async"),
 ]
 
 
@@ -32,8 +35,9 @@ def _kind(stmt: str) -> str | None:
     return None
 
 
-def loop_syncs(ptx: str) -> dict[str, Counter]:
-    """Per loop header label, the synchronisation instructions between the header and its nearest back edge."""
+def loop_syncs(ptx: str) -> dict[str, list[str]]:
+    """Per loop header label, the synchronisation instructions (and wgmmas) between the header and its nearest back
+    edge, in text order."""
     lines = [line.strip() for line in ptx.splitlines()]
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     spans: dict[str, tuple[int, int]] = {}
@@ -46,10 +50,15 @@ def loop_syncs(ptx: str) -> dict[str, Counter]:
     loops = {}
     for label, (start, end) in spans.items():
         kinds = (_kind(line) for line in lines[start : end + 1] if not line.startswith("//"))
-        loops[label] = Counter(k for k in kinds if k is not None)
+        loops[label] = [k for k in kinds if k is not None]
     return loops
 
 
-def matmul_loops(ptx: str, commits: int = 2) -> list[Counter]:
-    """The loops that commit ``commits`` wgmma groups an iteration, in the order of their headers."""
-    return [c for c in loop_syncs(ptx).values() if c["wgmma.commit_group"] == commits]
+def matmul_loops(ptx: str, commits: int = 2) -> list[list[str]]:
+    """The loops that commit ``commits`` wgmma groups an iteration: their instructions as :func:`loop_syncs`."""
+    return [seq for seq in loop_syncs(ptx).values() if seq.count("wgmma.commit_group") == commits]
+
+
+def counts(seq: list[str]) -> Counter:
+    """How often each instruction kind occurs in one loop's sequence (wgmma.mma_async left out)."""
+    return Counter(k for k in seq if k != "wgmma.mma_async")

@@ -4,8 +4,8 @@ The model replays what ``kernels/gluon/forward.py`` does with its barriers, with
 the producer waits, loads and signals; each consumer warpgroup takes its turn, issues its matmuls (reads of a K or V
 stage that last until its ``warpgroup_mma_wait``), hands the turn over and releases stages. mbarriers follow PTX's
 parity semantics (a wait for parity P returns once the barrier's current phase has the other parity, so a fresh
-barrier counts as phase 1 complete). A random scheduler interleaves the three roles and the TMA engine, whose copies
-land in any order later. Checked: no deadlock, every matmul reads the block it expects (a stage refilled too early
+barrier counts as phase 1 complete); a named barrier completes a generation once both warpgroups counted in. A
+random scheduler interleaves the three roles and the TMA engine, whose copies land in any order later. Checked: no deadlock, every matmul reads the block it expects (a stage refilled too early
 fails), no stage is refilled while a matmul reads it, and the warpgroups issue their turns strictly in turn.
 """
 
@@ -31,6 +31,28 @@ class MBarrier:
         return (self.completed & 1) != parity
 
 
+class NamedBarrier:
+    """A hardware named barrier over both consumer warpgroups: a generation completes once each warpgroup counted
+    in, by ``bar.sync`` (then waits) or ``bar.arrive`` (goes on). A warpgroup counting twice in one generation would
+    complete it early on hardware (it counts threads, not warpgroups)."""
+
+    def __init__(self) -> None:
+        self.counted: set[int] = set()
+        self.generation = 0
+
+    def arrive(self, wg: int) -> None:
+        assert wg not in self.counted, f"warpgroup {wg} counted twice in one generation"
+        self.counted.add(wg)
+        if len(self.counted) == 2:
+            self.counted, self.generation = set(), self.generation + 1
+
+    def sync(self, wg: int) -> Iterator[None]:
+        generation = self.generation
+        self.arrive(wg)
+        while self.generation == generation:
+            yield
+
+
 class Protocol:
     """One CTA's barriers and K/V stages, for ``n`` listed key blocks and ``stages`` stages."""
 
@@ -42,6 +64,7 @@ class Protocol:
         self.kv_empty = [MBarrier(2) for _ in range(stages)]
         self.turn = [MBarrier(1), MBarrier(1)]
         self.handoffs = [[MBarrier(1) for _ in range(stages)] for _ in range(2)]
+        self.named = [NamedBarrier(), NamedBarrier()]  # forward.TURN_BARRIER_IDS
         self.copies: list[tuple[str, int, int]] = []  # issued TMA copies: (k or v, stage, block)
         self.issued: list[tuple[int, int]] = []  # (warpgroup, turn) in the order the turns issued their matmuls
         if turns == "mbarrier":
@@ -97,12 +120,17 @@ class Protocol:
                 yield from self.wait(self.handoffs[1][prev % stages], ((prev // stages) & 1) ^ 1)
             else:
                 yield from self.wait(self.handoffs[0][e % stages], (e // stages) & 1)
+        elif self.turns == "named":
+            yield from self.named[wg].sync(wg)
         else:
             yield from self.wait(self.turn[wg], e & 1)
 
     def hand_off(self, wg: int, e: int) -> None:
         if self.turns == "handoff":
             self.handoffs[wg][e % self.stages].arrive()
+        elif self.turns == "named":
+            if wg == 0 or e < self.n:  # warpgroup 1 skips its last: warpgroup 0 takes no turn after it
+                self.named[1 - wg].arrive(wg)
         else:
             self.turn[1 - wg].arrive()
 
@@ -127,6 +155,8 @@ class Protocol:
                 kind, stage = pending.pop(0)
                 self.reads[kind][stage].discard(wg)
 
+        if self.turns == "named" and wg == 1:
+            self.named[0].arrive(1)  # warpgroup 0 goes first
         for e in range(n + 1):  # turn 0: S_0 alone; turn n: the last P V alone
             yield from self.take_turn(wg, e)
             self.issued.append((wg, e))
@@ -158,14 +188,26 @@ class Protocol:
                 del roles[name]
         assert not roles, f"deadlock: {sorted(roles)} still waiting"
         assert self.issued == [(wg, e) for e in range(self.n + 1) for wg in (0, 1)], self.issued
+        assert all(not b.counted for b in self.named), "a named barrier is left with a warpgroup counted in"
 
 
-@pytest.mark.parametrize("turns", ["mbarrier", "handoff"])
+@pytest.mark.parametrize("turns", ["mbarrier", "handoff", "named"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_forward_turns_protocol(turns, stages):
     for n in (1, 2, 3, 4, 7, 10):
         for seed in range(25):
             Protocol(turns, n, stages, random.Random(seed * 131 + n)).run()
+
+
+def test_the_model_fails_an_unbalanced_named_turn(monkeypatch):
+    """Warpgroup 1 arriving after its last turn too leaves warpgroup 0's barrier counted: the model must catch it."""
+
+    def always(self, wg, e):
+        self.named[1 - wg].arrive(wg)
+
+    monkeypatch.setattr(Protocol, "hand_off", always)
+    with pytest.raises(AssertionError, match="left with a warpgroup counted"):
+        Protocol("named", 3, 3, random.Random(0)).run()
 
 
 def test_the_model_fails_a_stage_refilled_too_early(monkeypatch):

@@ -19,6 +19,7 @@ as a script, ``python tests/kernels/test_gluon_compiles.py DIR`` compiles them a
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ VARIANTS = [
     Variant("fwd", 128, "bits", pingpong=False),
     Variant("fwd", 128, "codes", causal=True, turns="mbarrier"),
     Variant("fwd", 128, "bits", turns="handoff"),
+    Variant("fwd", 128, "dense", turns="named"),
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
@@ -98,11 +100,13 @@ def _tile(variant: Variant):
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
     stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns. The forward's
-    hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage."""
+    hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage;
+    its named turns (``turns="named"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
-    if variant.kind in ("fwd", "fwd_short") and tile.pingpong and tile.turns == "handoff":
+    forward = variant.kind in ("fwd", "fwd_short")
+    if forward and tile.pingpong and tile.turns == "handoff":
         return 1 + 4 * tile.gluon_stages
-    turns = 2 if tile.pingpong else 0
+    turns = 2 if tile.pingpong and not (forward and tile.turns == "named") else 0
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + turns
     return 1 + 3 * tile.gluon_stages + turns
@@ -148,22 +152,79 @@ FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
 
 def expected_arrives_per_block(variant: Variant) -> int:
     """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
-    each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages."""
+    each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages; named
+    barriers hand the turn over without an mbarrier."""
     tile = _tile(variant)
     return 2 if tile.pingpong and tile.turns == "mbarrier" else 1
 
 
 @pytest.mark.parametrize("variant", FORWARD_VARIANTS, ids=lambda v: v.name)
 def test_forward_arrives_per_key_block(ptx_dir, variant):
-    from tests.kernels.ptx_loops import matmul_loops
+    from tests.kernels.ptx_loops import counts, matmul_loops
 
     out, proc = ptx_dir
     path = out / f"{variant.name}.ptx"
     assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
-    loops = matmul_loops(path.read_text())
+    loops = [counts(seq) for seq in matmul_loops(path.read_text())]
     assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
     for loop in loops:
         assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
+
+
+_BARRIER = re.compile(
+    r"^\s*(?:@%p\d+\s+)?(?:bar|barrier)\.(?:cta\.)?(sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?")
+
+
+def test_named_turns_keep_clear_of_tritons_barriers(ptx_dir):
+    """The forward's named turn barriers use ids that none of Triton's own barriers use (warp specialisation's
+    rendezvous and each partition's bar.sync), only ever over the two consumer warpgroups' 256 threads, and only in
+    the variants that take turns through them."""
+    from mmsparse.kernels.gluon.forward import TURN_BARRIER_IDS
+
+    out, _ = ptx_dir
+    named = 0
+    for variant in VARIANTS:
+        lines = (out / f"{variant.name}.ptx").read_text().splitlines()
+        uses = [m.groups() for line in lines if (m := _BARRIER.match(line))]
+        tile = _tile(variant)
+        ours = variant.kind in ("fwd", "fwd_short") and tile.pingpong and tile.turns == "named"
+        mine = [(op, int(bar), threads) for op, bar, threads in uses if int(bar) in TURN_BARRIER_IDS]
+        theirs = {int(bar) for op, bar, threads in uses if int(bar) not in TURN_BARRIER_IDS}
+        assert 0 in theirs or 1 in theirs, f"{variant.name}: no barrier of Triton's found: {uses[:5]}"
+        if ours:
+            named += 1
+            assert {(op, bar) for op, bar, _ in mine} == {(op, bar) for op in ("sync", "arrive") for bar in
+                                                          TURN_BARRIER_IDS}, f"{variant.name}: {mine}"
+            assert {threads for _, _, threads in mine} == {"256"}, f"{variant.name}: {mine}"
+        else:
+            assert not mine, f"{variant.name} uses barrier ids {TURN_BARRIER_IDS}: {mine}"
+    assert named > 0
+
+
+@pytest.mark.parametrize("variant", [v for v in FORWARD_VARIANTS], ids=lambda v: v.name)
+def test_named_turns_fence_each_turns_matmuls(ptx_dir, variant):
+    """With named turn barriers, each consumer loop iteration waits on its own turn barrier before its first wgmma
+    and arrives on the other warpgroup's after committing both groups: the inline assembly stayed where it was
+    written (LLVM may rotate the loop, so the order is read cyclically from the wait)."""
+    from mmsparse.kernels.gluon.forward import TURN_BARRIER_IDS
+    from tests.kernels.ptx_loops import matmul_loops
+
+    tile = _tile(variant)
+    if not (tile.pingpong and tile.turns == "named"):
+        pytest.skip("no named turns")
+    out, _ = ptx_dir
+    loops = matmul_loops((out / f"{variant.name}.ptx").read_text())
+    assert len(loops) == 2, f"{variant.name}: {loops}"
+    for seq in loops:
+        named = [i for i, k in enumerate(seq) if k.startswith("bar.sync") and k.endswith(", 256")]
+        assert len(named) == 1, f"{variant.name}: {seq}"
+        seq = seq[named[0]:] + seq[: named[0]]  # from the turn's wait on
+        own = int(seq[0].split()[1].rstrip(","))
+        other = TURN_BARRIER_IDS[1 - TURN_BARRIER_IDS.index(own)]
+        events = " ".join("mma" if k == "wgmma.mma_async" else "commit" if k == "wgmma.commit_group" else
+                          k.replace(" ", "") for k in seq if k.endswith(", 256") or k.startswith("wgmma."))
+        pattern = rf"bar.sync{own},256( mma)+ commit( mma)+ commit bar.arrive{other},256"
+        assert re.fullmatch(pattern, events), f"{variant.name}: {events}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
   matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
   warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: with turn mbarriers
   (``TURNS_MBARRIER``) a warpgroup arrives twice per block, handing the turn over and releasing the stage;
-  with hand-off mbarriers (``TURNS_HANDOFF``) once, as the hand-off also tells the producer which stages are free.
+  with hand-off mbarriers (``TURNS_HANDOFF``) once, as the hand-off also tells the producer which stages are free;
+  with named barriers (``TURNS_NAMED``, as FlashAttention-3) once, the stage release, while the turns go through
+  ``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads, which need no mbarrier and no extra bar.sync.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
@@ -29,9 +31,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_HANDOFF, TURNS_MBARRIER
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED
 from ..lists import block_id
 from .common import (
+    FIRST_FREE_BARRIER_ID,
     WG_ROWS,
     WORKER_REGS,
     WORKER_WARPS,
@@ -42,6 +45,8 @@ from .common import (
     invalidate_ring,
     invalidate_turns,
     masked_scores,
+    named_barrier,
+    named_barrier_asm,
     pass_turn,
     program_lists,
     stream_kv_ring,
@@ -53,6 +58,15 @@ from .common import (
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 _TURNS_MBARRIER = gl.constexpr(TURNS_MBARRIER)
 _TURNS_HANDOFF = gl.constexpr(TURNS_HANDOFF)
+_TURNS_NAMED = gl.constexpr(TURNS_NAMED)
+# TURNS_NAMED: warpgroup w's turn is named barrier TURN_BARRIER_IDS[w], counted over both consumer warpgroups: w
+# waits there (bar.sync) before issuing its matmuls, the other warpgroup arrives (bar.arrive) once it issued its own.
+TURN_BARRIER_IDS = (FIRST_FREE_BARRIER_ID, FIRST_FREE_BARRIER_ID + 1)
+_CONSUMER_THREADS = 2 * 4 * 32  # the two consumer warpgroups
+_SYNC_TURN_0 = named_barrier_asm("sync", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
+_SYNC_TURN_1 = named_barrier_asm("sync", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
+_ARRIVE_TURN_0 = named_barrier_asm("arrive", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
+_ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
 
 
 @gluon.jit
@@ -122,17 +136,29 @@ def _take_turn(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.con
                 mbarrier.wait(handoff1.index(prev % STAGES), ((prev // STAGES) & 1) ^ 1)
             else:
                 mbarrier.wait(handoff0.index(e % STAGES), (e // STAGES) & 1)
+        elif TURNS == _TURNS_NAMED:
+            if WG == 0:
+                named_barrier(_SYNC_TURN_0)
+            else:
+                named_barrier(_SYNC_TURN_1)
         else:
             wait_turn(turn, WG, e & 1, PINGPONG)
 
 
 @gluon.jit
-def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr, STAGES: gl.constexpr):
-    """With PINGPONG, end turn e of warpgroup WG once its matmuls are issued."""
+def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr, STAGES: gl.constexpr,
+              LAST: gl.constexpr = False):
+    """With PINGPONG, end turn e of warpgroup WG once its matmuls are issued (LAST: turn n_total, the last)."""
     if PINGPONG:
         turn, handoffs = turns
         if TURNS == _TURNS_HANDOFF:
             mbarrier.arrive(handoffs[WG].index(e % STAGES))
+        elif TURNS == _TURNS_NAMED:
+            if WG == 0:
+                named_barrier(_ARRIVE_TURN_1)
+            elif not LAST:
+                # Warpgroup 0 takes no turn after its last: an arrive nobody syncs with would stay counted.
+                named_barrier(_ARRIVE_TURN_0)
         else:
             pass_turn(turn, WG, e & 1, PINGPONG)
 
@@ -186,6 +212,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     if n_total > 0:
+        if PINGPONG and TURNS == _TURNS_NAMED and WG == 1:
+            named_barrier(_ARRIVE_TURN_0)  # warpgroup 0 goes first; matched by its sync of turn 0
         # Block 0: its scores alone.
         _take_turn(turns, WG, 0, PINGPONG, TURNS, STAGES)
         mbarrier.wait(k_ready.index(0), 0)
@@ -218,7 +246,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         _take_turn(turns, WG, n_total, PINGPONG, TURNS, STAGES)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-        _hand_off(turns, WG, n_total, PINGPONG, TURNS, STAGES)
+        _hand_off(turns, WG, n_total, PINGPONG, TURNS, STAGES, LAST=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         _release_stage(kv_empty, last, PINGPONG, TURNS)
 
@@ -272,7 +300,8 @@ def attention_fwd_gluon(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    # A warpgroup's hand-off slots (TURNS_HANDOFF): it arrives on its own and waits on the other's.
+    # A warpgroup's hand-off slots (TURNS_HANDOFF): it arrives on its own and waits on the other's. TURNS_NAMED
+    # needs no barrier in shared memory: its turns are hardware barriers.
     handoffs = (gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout),
                 gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout))
     mbarrier.init(q_bar, count=1)
@@ -284,7 +313,7 @@ def attention_fwd_gluon(
             mbarrier.init(handoffs[1].index(i), count=1)
     else:
         init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-        if PINGPONG:
+        if PINGPONG and TURNS == _TURNS_MBARRIER:
             init_turns(turn)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
@@ -312,5 +341,5 @@ def attention_fwd_gluon(
         invalidate_ring(handoffs[1], STAGES)
     else:
         invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-        if PINGPONG:
+        if PINGPONG and TURNS == _TURNS_MBARRIER:
             invalidate_turns(turn)
