@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED
+from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED, TURNS_NAMED_RELEASE
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
@@ -22,7 +22,8 @@ from .kernel_args import LaunchArgs
 _LAUNCH_REGS = 168
 
 # Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
-TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED}
+TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED,
+         "named_release": TURNS_NAMED_RELEASE}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 

@@ -1,8 +1,9 @@
 """The synchronisation in the steady-state loops of a Gluon kernel's PTX, counted per iteration.
 
-A loop is a branch back to an earlier label; LLVM lays a loop's blocks out between its header and its back edge, so
-the instructions in between are one iteration (a block of a nested loop counts once), though not necessarily in
-the order they run: LLVM may rotate a loop, so an iteration's text can start anywhere in its cycle.
+A loop is a label that later branches jump back to; LLVM lays a loop's blocks out between its header and its last
+back edge, so the instructions in between are one iteration (a block of a nested loop counts once, a conditional
+block as if taken), though not necessarily in the order they run: LLVM may rotate a loop, so an iteration's text
+can start anywhere in its cycle.
 ``matmul_loops`` keeps the loops that commit ``commits`` wgmma groups an iteration (the forward's consumer loop
 commits two: Q K^T and P V).
 """
@@ -14,9 +15,10 @@ from collections import Counter
 
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
-# instruction -> the key it is counted under; named barriers keep their id and thread count
+# instruction -> the key it is counted under; named barriers keep their id ("reg" if in a register) and thread count
 _KINDS = [
-    (re.compile(r"^(?:@%p\d+\s+)?(bar\.sync|bar\.arrive|barrier\.sync|barrier\.arrive)\s+(\d+)(?:,\s*(\d+))?;"), None),
+    (re.compile(r"^(?:@%p\d+\s+)?(bar\.sync|bar\.arrive|barrier\.sync|barrier\.arrive)\s+(\d+|%r\d+)(?:,\s*(\d+))?;"),
+     None),
     (re.compile(r"mbarrier\.arrive(?:\.release)?(?:\.cta)?\.shared(?:::cta)?\.b64"), "mbarrier.arrive"),
     (re.compile(r"mbarrier\.try_wait"), "mbarrier.try_wait"),
     (re.compile(r"wgmma\.commit_group"), "wgmma.commit_group"),
@@ -31,12 +33,13 @@ def _kind(stmt: str) -> str | None:
             if name is not None:
                 return name
             op, bar, threads = m.groups()
+            bar = "reg" if bar.startswith("%") else bar  # an id in a register
             return f"{op.replace('barrier.', 'bar.')} {bar}" + (f", {threads}" if threads else "")
     return None
 
 
 def loop_syncs(ptx: str) -> dict[str, list[str]]:
-    """Per loop header label, the synchronisation instructions (and wgmmas) between the header and its nearest back
+    """Per loop header label, the synchronisation instructions (and wgmmas) between the header and its last back
     edge, in text order."""
     lines = [line.strip() for line in ptx.splitlines()]
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
@@ -45,8 +48,7 @@ def loop_syncs(ptx: str) -> dict[str, list[str]]:
         m = _BRANCH.search(line)
         if m and labels.get(m.group(1), i) < i:
             start = labels[m.group(1)]
-            if m.group(1) not in spans or i - start < spans[m.group(1)][1] - spans[m.group(1)][0]:
-                spans[m.group(1)] = (start, i)
+            spans[m.group(1)] = (start, i)  # the last back edge wins
     loops = {}
     for label, (start, end) in spans.items():
         kinds = (_kind(line) for line in lines[start : end + 1] if not line.startswith("//"))

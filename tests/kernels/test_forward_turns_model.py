@@ -4,9 +4,10 @@ The model replays what ``kernels/gluon/forward.py`` does with its barriers, with
 the producer waits, loads and signals; each consumer warpgroup takes its turn, issues its matmuls (reads of a K or V
 stage that last until its ``warpgroup_mma_wait``), hands the turn over and releases stages. mbarriers follow PTX's
 parity semantics (a wait for parity P returns once the barrier's current phase has the other parity, so a fresh
-barrier counts as phase 1 complete); a named barrier completes a generation once both warpgroups counted in. A
-random scheduler interleaves the three roles and the TMA engine, whose copies land in any order later. Checked: no deadlock, every matmul reads the block it expects (a stage refilled too early
-fails), no stage is refilled while a matmul reads it, and the warpgroups issue their turns strictly in turn.
+barrier counts as phase 1 complete); a named barrier completes a generation once all its parties counted in. A
+random scheduler interleaves the three roles and the TMA engine, whose copies land in any order later. Checked: no
+deadlock, every matmul reads the block it expects (a stage refilled too early fails), no stage is refilled while a
+matmul reads it, the warpgroups issue their turns strictly in turn, and no named barrier is left counted.
 """
 
 from __future__ import annotations
@@ -32,21 +33,22 @@ class MBarrier:
 
 
 class NamedBarrier:
-    """A hardware named barrier over both consumer warpgroups: a generation completes once each warpgroup counted
-    in, by ``bar.sync`` (then waits) or ``bar.arrive`` (goes on). A warpgroup counting twice in one generation would
-    complete it early on hardware (it counts threads, not warpgroups)."""
+    """A hardware named barrier: a generation completes once each of its parties (the consumer warpgroups 0 and 1,
+    for a release also the producer "p") counted in, by ``bar.sync`` (then waits) or ``bar.arrive`` (goes on). A
+    party counting twice in one generation would complete it early on hardware (it counts threads, not parties)."""
 
-    def __init__(self) -> None:
-        self.counted: set[int] = set()
+    def __init__(self, parties: int = 2) -> None:
+        self.parties = parties
+        self.counted: set = set()
         self.generation = 0
 
-    def arrive(self, wg: int) -> None:
-        assert wg not in self.counted, f"warpgroup {wg} counted twice in one generation"
+    def arrive(self, wg) -> None:
+        assert wg not in self.counted, f"{wg} counted twice in one generation"
         self.counted.add(wg)
-        if len(self.counted) == 2:
+        if len(self.counted) == self.parties:
             self.counted, self.generation = set(), self.generation + 1
 
-    def sync(self, wg: int) -> Iterator[None]:
+    def sync(self, wg) -> Iterator[None]:
         generation = self.generation
         self.arrive(wg)
         while self.generation == generation:
@@ -65,6 +67,7 @@ class Protocol:
         self.turn = [MBarrier(1), MBarrier(1)]
         self.handoffs = [[MBarrier(1) for _ in range(stages)] for _ in range(2)]
         self.named = [NamedBarrier(), NamedBarrier()]  # forward.TURN_BARRIER_IDS
+        self.named_releases = [NamedBarrier(3) for _ in range(stages)]  # from forward.RELEASE_BARRIER_ID
         self.copies: list[tuple[str, int, int]] = []  # issued TMA copies: (k or v, stage, block)
         self.issued: list[tuple[int, int]] = []  # (warpgroup, turn) in the order the turns issued their matmuls
         if turns == "mbarrier":
@@ -104,6 +107,14 @@ class Protocol:
                             yield from self.wait(self.handoffs[0][ahead % stages], phase)
                             yield from self.wait(self.handoffs[1][ahead % stages], phase)
                             yield from self.load(kind, stage, it)
+        elif self.turns == "named_release":  # forward._stream_kv_named
+            for first in range(0, n, stages):
+                for stage in range(stages):
+                    if first + stage < n:
+                        if first > 0:
+                            yield from self.named_releases[stage].sync("p")
+                        yield from self.load("k", stage, first + stage)
+                        yield from self.load("v", stage, first + stage)
         else:  # common.stream_kv_ring
             for it in range(n):
                 stage = it % stages
@@ -120,7 +131,7 @@ class Protocol:
                 yield from self.wait(self.handoffs[1][prev % stages], ((prev // stages) & 1) ^ 1)
             else:
                 yield from self.wait(self.handoffs[0][e % stages], (e // stages) & 1)
-        elif self.turns == "named":
+        elif self.turns in ("named", "named_release"):
             yield from self.named[wg].sync(wg)
         else:
             yield from self.wait(self.turn[wg], e & 1)
@@ -128,14 +139,18 @@ class Protocol:
     def hand_off(self, wg: int, e: int) -> None:
         if self.turns == "handoff":
             self.handoffs[wg][e % self.stages].arrive()
-        elif self.turns == "named":
+        elif self.turns in ("named", "named_release"):
             if wg == 0 or e < self.n:  # warpgroup 1 skips its last: warpgroup 0 takes no turn after it
                 self.named[1 - wg].arrive(wg)
         else:
             self.turn[1 - wg].arrive()
 
-    def release(self, stage: int) -> None:
-        if self.turns != "handoff":
+    def release(self, wg: int, block: int) -> None:
+        stage = block % self.stages
+        if self.turns == "named_release":
+            if block + self.stages < self.n:  # only where the producer waits for it
+                self.named_releases[stage].arrive(wg)
+        elif self.turns != "handoff":
             self.kv_empty[stage].arrive()
 
     def consumer(self, wg: int) -> Iterator[None]:
@@ -155,7 +170,7 @@ class Protocol:
                 kind, stage = pending.pop(0)
                 self.reads[kind][stage].discard(wg)
 
-        if self.turns == "named" and wg == 1:
+        if self.turns in ("named", "named_release") and wg == 1:
             self.named[0].arrive(1)  # warpgroup 0 goes first
         for e in range(n + 1):  # turn 0: S_0 alone; turn n: the last P V alone
             yield from self.take_turn(wg, e)
@@ -171,7 +186,7 @@ class Protocol:
                 yield
             mma_wait(0)
             if e > 0:
-                self.release((e - 1) % stages)
+                self.release(wg, e - 1)
             yield
 
     def run(self) -> None:
@@ -188,10 +203,11 @@ class Protocol:
                 del roles[name]
         assert not roles, f"deadlock: {sorted(roles)} still waiting"
         assert self.issued == [(wg, e) for e in range(self.n + 1) for wg in (0, 1)], self.issued
-        assert all(not b.counted for b in self.named), "a named barrier is left with a warpgroup counted in"
+        named = self.named + self.named_releases
+        assert all(not b.counted for b in named), "a named barrier is left with a warpgroup counted in"
 
 
-@pytest.mark.parametrize("turns", ["mbarrier", "handoff", "named"])
+@pytest.mark.parametrize("turns", ["mbarrier", "handoff", "named", "named_release"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_forward_turns_protocol(turns, stages):
     for n in (1, 2, 3, 4, 7, 10):
@@ -208,6 +224,18 @@ def test_the_model_fails_an_unbalanced_named_turn(monkeypatch):
     monkeypatch.setattr(Protocol, "hand_off", always)
     with pytest.raises(AssertionError, match="left with a warpgroup counted"):
         Protocol("named", 3, 3, random.Random(0)).run()
+
+
+def test_the_model_fails_a_named_release_of_the_last_blocks(monkeypatch):
+    """Releasing every block through its named barrier, also those the producer never waits for, leaves the
+    barriers counted at the end: the model must catch it."""
+
+    def every(self, wg, block):
+        self.named_releases[block % self.stages].arrive(wg)
+
+    monkeypatch.setattr(Protocol, "release", every)
+    with pytest.raises(AssertionError, match="left with a warpgroup counted|counted twice"):
+        Protocol("named_release", 5, 3, random.Random(0)).run()
 
 
 def test_the_model_fails_a_stage_refilled_too_early(monkeypatch):

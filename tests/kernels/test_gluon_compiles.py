@@ -60,6 +60,7 @@ VARIANTS = [
     Variant("fwd", 128, "codes", causal=True, turns="mbarrier"),
     Variant("fwd", 128, "bits", turns="handoff"),
     Variant("fwd", 128, "dense", turns="named"),
+    Variant("fwd", 128, "codes", causal=True, turns="named_release"),
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
@@ -101,11 +102,14 @@ def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
     stage; dK/dV K and V once, done, ready and release per stage; with ping-pong the two turns. The forward's
     hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage;
-    its named turns (``turns="named"``) are hardware barriers, not mbarriers."""
+    its named turns (``turns="named"``) are hardware barriers, not mbarriers, and so are its named releases
+    (``turns="named_release"``)."""
     tile = _tile(variant)
     forward = variant.kind in ("fwd", "fwd_short")
     if forward and tile.pingpong and tile.turns == "handoff":
         return 1 + 4 * tile.gluon_stages
+    if forward and tile.pingpong and tile.turns == "named_release":
+        return 1 + 2 * tile.gluon_stages
     turns = 2 if tile.pingpong and not (forward and tile.turns == "named") else 0
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + turns
@@ -153,8 +157,10 @@ FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
 def expected_arrives_per_block(variant: Variant) -> int:
     """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
     each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages; named
-    barriers hand the turn over without an mbarrier."""
+    barriers hand the turn over without an mbarrier, and named releases release the stages without one."""
     tile = _tile(variant)
+    if tile.pingpong and tile.turns == "named_release":
+        return 0
     return 2 if tile.pingpong and tile.turns == "mbarrier" else 1
 
 
@@ -167,37 +173,44 @@ def test_forward_arrives_per_key_block(ptx_dir, variant):
     assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
     loops = [counts(seq) for seq in matmul_loops(path.read_text())]
     assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
+    released_by_name = _tile(variant).pingpong and _tile(variant).turns == "named_release"
     for loop in loops:
         assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
+        assert loop["bar.arrive reg, 288"] == released_by_name, f"{variant.name}: {dict(loop)}"
 
 
 _BARRIER = re.compile(
-    r"^\s*(?:@%p\d+\s+)?(?:bar|barrier)\.(?:cta\.)?(sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?")
+    r"^\s*(?:@%p\d+\s+)?(?:bar|barrier)\.(?:cta\.)?(sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+|%r\d+)(?:,\s*(\d+))?")
 
 
 def test_named_turns_keep_clear_of_tritons_barriers(ptx_dir):
-    """The forward's named turn barriers use ids that none of Triton's own barriers use (warp specialisation's
-    rendezvous and each partition's bar.sync), only ever over the two consumer warpgroups' 256 threads, and only in
-    the variants that take turns through them."""
-    from mmsparse.kernels.gluon.forward import TURN_BARRIER_IDS
+    """The forward's named barriers use ids that none of Triton's own barriers use (warp specialisation's
+    rendezvous and each partition's bar.sync): the turns only ever over the two consumer warpgroups' 256 threads,
+    the releases (ids from RELEASE_BARRIER_ID on, in a register) over those and the producer warp's 288, and only in
+    the variants that take turns or release stages through them."""
+    from mmsparse.kernels.gluon.forward import RELEASE_BARRIER_ID, TURN_BARRIER_IDS
 
+    ours_ids = {*TURN_BARRIER_IDS, *range(RELEASE_BARRIER_ID.value, 16)}
     out, _ = ptx_dir
     named = 0
     for variant in VARIANTS:
         lines = (out / f"{variant.name}.ptx").read_text().splitlines()
         uses = [m.groups() for line in lines if (m := _BARRIER.match(line))]
         tile = _tile(variant)
-        ours = variant.kind in ("fwd", "fwd_short") and tile.pingpong and tile.turns == "named"
-        mine = [(op, int(bar), threads) for op, bar, threads in uses if int(bar) in TURN_BARRIER_IDS]
-        theirs = {int(bar) for op, bar, threads in uses if int(bar) not in TURN_BARRIER_IDS}
+        turns = tile.turns if variant.kind in ("fwd", "fwd_short") and tile.pingpong else None
+        mine = {(op, bar, threads) for op, bar, threads in uses if bar.startswith("%") or int(bar) in ours_ids}
+        theirs = {int(bar) for op, bar, threads in uses if not bar.startswith("%") and int(bar) not in ours_ids}
         assert 0 in theirs or 1 in theirs, f"{variant.name}: no barrier of Triton's found: {uses[:5]}"
-        if ours:
-            named += 1
-            assert {(op, bar) for op, bar, _ in mine} == {(op, bar) for op in ("sync", "arrive") for bar in
-                                                          TURN_BARRIER_IDS}, f"{variant.name}: {mine}"
-            assert {threads for _, _, threads in mine} == {"256"}, f"{variant.name}: {mine}"
+        turn_uses = {(op, str(bar), "256") for op in ("sync", "arrive") for bar in TURN_BARRIER_IDS}
+        if turns == "named":
+            assert mine == turn_uses, f"{variant.name}: {mine}"
+        elif turns == "named_release":
+            releases = {(op, threads) for op, bar, threads in mine - turn_uses if bar.startswith("%")}
+            assert mine - turn_uses and releases == {("sync", "288"), ("arrive", "288")}, f"{variant.name}: {mine}"
+            assert turn_uses <= mine, f"{variant.name}: {mine}"
         else:
-            assert not mine, f"{variant.name} uses barrier ids {TURN_BARRIER_IDS}: {mine}"
+            assert not mine, f"{variant.name} uses barrier ids {sorted(ours_ids)}: {mine}"
+        named += turns in ("named", "named_release")
     assert named > 0
 
 
@@ -210,7 +223,7 @@ def test_named_turns_fence_each_turns_matmuls(ptx_dir, variant):
     from tests.kernels.ptx_loops import matmul_loops
 
     tile = _tile(variant)
-    if not (tile.pingpong and tile.turns == "named"):
+    if not (tile.pingpong and tile.turns in ("named", "named_release")):
         pytest.skip("no named turns")
     out, _ = ptx_dir
     loops = matmul_loops((out / f"{variant.name}.ptx").read_text())

@@ -45,13 +45,15 @@ FIRST_FREE_BARRIER_ID = 2 + len(WORKER_WARPS.value)
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
-def named_barrier_asm(op: str, barrier_id: int, threads: int) -> gl.constexpr:
+def named_barrier_asm(op: str, barrier_id: int | None, threads: int) -> gl.constexpr:
     """The PTX of :func:`named_barrier`: ``bar.sync`` (wait until ``threads`` threads arrived, counting this one) or
-    ``bar.arrive`` (count this thread, don't wait) on barrier ``barrier_id``."""
-    if op not in ("sync", "arrive") or not FIRST_FREE_BARRIER_ID <= barrier_id < 16 or threads % 32:
+    ``bar.arrive`` (count this thread, don't wait) on barrier ``barrier_id`` (None: the id is the asm's operand $1,
+    for :func:`named_barrier_at`)."""
+    free = barrier_id is None or FIRST_FREE_BARRIER_ID <= barrier_id < 16
+    if op not in ("sync", "arrive") or not free or threads % 32:
         raise ValueError(f"named barrier: op sync or arrive, id in {FIRST_FREE_BARRIER_ID}..15, threads a multiple "
                          f"of 32; got {op!r}, {barrier_id}, {threads}")
-    return gl.constexpr(f"bar.{op} {barrier_id}, {threads};\n\tmov.u32 $0, 0;")
+    return gl.constexpr(f"bar.{op} {'$1' if barrier_id is None else barrier_id}, {threads};\n\tmov.u32 $0, 0;")
 
 
 @gluon.jit
@@ -60,6 +62,13 @@ def named_barrier(ASM: gl.constexpr):
     assembly with a side effect, which the compiler keeps in place: not hoisted, merged or dropped (the value it
     has to return is unused)."""
     gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_barrier_at(ASM: gl.constexpr, barrier_id):
+    """:func:`named_barrier` with the id in a register: ``ASM`` from ``named_barrier_asm(op, None, threads)``, the id
+    a warp-uniform int32."""
+    gl.inline_asm_elementwise(ASM, "=r,r", [barrier_id], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

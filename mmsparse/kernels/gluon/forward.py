@@ -11,7 +11,9 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
   (``TURNS_MBARRIER``) a warpgroup arrives twice per block, handing the turn over and releasing the stage;
   with hand-off mbarriers (``TURNS_HANDOFF``) once, as the hand-off also tells the producer which stages are free;
   with named barriers (``TURNS_NAMED``, as FlashAttention-3) once, the stage release, while the turns go through
-  ``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads, which need no mbarrier and no extra bar.sync.
+  ``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads, which need no mbarrier and no extra bar.sync;
+  with ``TURNS_NAMED_RELEASE`` the stages are released through named barriers as well (the consumers'
+  ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive in the consumer loop.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
@@ -31,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED, TURNS_NAMED_RELEASE
 from ..lists import block_id
 from .common import (
     FIRST_FREE_BARRIER_ID,
@@ -47,6 +49,7 @@ from .common import (
     masked_scores,
     named_barrier,
     named_barrier_asm,
+    named_barrier_at,
     pass_turn,
     program_lists,
     stream_kv_ring,
@@ -59,6 +62,7 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 _TURNS_MBARRIER = gl.constexpr(TURNS_MBARRIER)
 _TURNS_HANDOFF = gl.constexpr(TURNS_HANDOFF)
 _TURNS_NAMED = gl.constexpr(TURNS_NAMED)
+_TURNS_NAMED_RELEASE = gl.constexpr(TURNS_NAMED_RELEASE)
 # TURNS_NAMED: warpgroup w's turn is named barrier TURN_BARRIER_IDS[w], counted over both consumer warpgroups: w
 # waits there (bar.sync) before issuing its matmuls, the other warpgroup arrives (bar.arrive) once it issued its own.
 TURN_BARRIER_IDS = (FIRST_FREE_BARRIER_ID, FIRST_FREE_BARRIER_ID + 1)
@@ -67,20 +71,31 @@ _SYNC_TURN_0 = named_barrier_asm("sync", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _SYNC_TURN_1 = named_barrier_asm("sync", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
 _ARRIVE_TURN_0 = named_barrier_asm("arrive", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
+# TURNS_NAMED_RELEASE: stage s is released through named barrier RELEASE_BARRIER_ID + s, counted over both consumer
+# warpgroups and the producer warp: the consumers arrive once they no longer read the stage, the producer waits
+# there (bar.sync) before refilling it.
+RELEASE_BARRIER_ID = gl.constexpr(TURN_BARRIER_IDS[1] + 1)
+_RELEASE_THREADS = _CONSUMER_THREADS + 32
+_ARRIVE_RELEASE = named_barrier_asm("arrive", None, _RELEASE_THREADS)
+_SYNC_RELEASE = named_barrier_asm("sync", None, _RELEASE_THREADS)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, handoffs, idx_ptr,
-              n_total, row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, HANDOFF: gl.constexpr):
+              n_total, row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, HANDOFF: gl.constexpr,
+              NAMED_RELEASE: gl.constexpr):
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
-    can start before V lands). A stage is free again once both warpgroups released it (``kv_empty``) or, with
-    ``HANDOFF``, once both handed their turns over past its last read."""
+    can start before V lands). A stage is free again once both warpgroups released it (``kv_empty``, or with
+    ``NAMED_RELEASE`` its named barrier) or, with ``HANDOFF``, once both handed their turns over past its last
+    read."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
     tma_load(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
     if HANDOFF:
         _stream_kv_handoff(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, handoffs, idx_ptr, n_total, b, hk, BN,
                            STAGES)
+    elif NAMED_RELEASE:
+        _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN, STAGES)
     else:
         stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN,
                        STAGES)
@@ -111,6 +126,26 @@ def _stream_kv_handoff(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, handoff
 
 
 @gluon.jit
+def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """``stream_kv_ring`` with each stage's release a named barrier (TURNS_NAMED_RELEASE): block it >= STAGES waits
+    for both warpgroups to arrive there after block it - STAGES. Hardware barriers count threads, not phases: a
+    warpgroup cannot arrive for the stage's next block before this wait completes, as that block is loaded only
+    after it. A lap of STAGES at a time, so that every stage is a constant."""
+    for first in range(0, n_total, STAGES):
+        for stage in gl.static_range(STAGES):
+            it = first + stage
+            if it < n_total:
+                n_blk = block_id(idx_ptr, it)
+                if first > 0:
+                    named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + stage)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
+
+
+@gluon.jit
 def _wait_hand_offs(handoffs, lap, AHEAD: gl.constexpr, STAGES: gl.constexpr):
     """Wait until both warpgroups made hand-off e = (lap - 1) * STAGES + AHEAD: arrive number e // STAGES on slot
     AHEAD % STAGES. For e < 0 that is arrive -1, phase 1 of a barrier nothing arrived on yet, which counts as
@@ -136,7 +171,7 @@ def _take_turn(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.con
                 mbarrier.wait(handoff1.index(prev % STAGES), ((prev // STAGES) & 1) ^ 1)
             else:
                 mbarrier.wait(handoff0.index(e % STAGES), (e // STAGES) & 1)
-        elif TURNS == _TURNS_NAMED:
+        elif TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE:
             if WG == 0:
                 named_barrier(_SYNC_TURN_0)
             else:
@@ -153,7 +188,7 @@ def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.cons
         turn, handoffs = turns
         if TURNS == _TURNS_HANDOFF:
             mbarrier.arrive(handoffs[WG].index(e % STAGES))
-        elif TURNS == _TURNS_NAMED:
+        elif TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE:
             if WG == 0:
                 named_barrier(_ARRIVE_TURN_1)
             elif not LAST:
@@ -164,9 +199,17 @@ def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.cons
 
 
 @gluon.jit
-def _release_stage(kv_empty, stage, PINGPONG: gl.constexpr, TURNS: gl.constexpr):
-    """This warpgroup no longer reads the K/V stage: release it to the producer, unless the hand-offs do."""
-    if not PINGPONG or TURNS != _TURNS_HANDOFF:
+def _release_stage(kv_empty, stage, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer, unless the hand-offs
+    do. A named release only where the producer waits for it (a block STAGES later exists): an arrive nobody syncs
+    with would stay counted."""
+    if not PINGPONG:
+        mbarrier.arrive(kv_empty.index(stage))
+    elif TURNS == _TURNS_NAMED_RELEASE:
+        if block + STAGES < n_total:
+            named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
+    elif TURNS != _TURNS_HANDOFF:
         mbarrier.arrive(kv_empty.index(stage))
 
 
@@ -212,7 +255,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     if n_total > 0:
-        if PINGPONG and TURNS == _TURNS_NAMED and WG == 1:
+        if PINGPONG and (TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE) and WG == 1:
             named_barrier(_ARRIVE_TURN_0)  # warpgroup 0 goes first; matched by its sync of turn 0
         # Block 0: its scores alone.
         _take_turn(turns, WG, 0, PINGPONG, TURNS, STAGES)
@@ -239,7 +282,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
                                   HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            _release_stage(kv_empty, prev, PINGPONG, TURNS)
+            _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
@@ -248,7 +291,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         _hand_off(turns, WG, n_total, PINGPONG, TURNS, STAGES, LAST=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-        _release_stage(kv_empty, last, PINGPONG, TURNS)
+        if not (PINGPONG and TURNS == _TURNS_NAMED_RELEASE):  # no block comes STAGES after the last
+            _release_stage(kv_empty, last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
 
     # Rows that attend nothing: l = 0, output 0, lse = +inf (the backward's exp2(s - lse) is then 0).
     empty = l_i == 0.0
@@ -285,6 +329,8 @@ def attention_fwd_gluon(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
     handoff: gl.constexpr = PINGPONG and TURNS == _TURNS_HANDOFF
+    named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
+    gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
@@ -305,12 +351,13 @@ def attention_fwd_gluon(
     handoffs = (gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout),
                 gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout))
     mbarrier.init(q_bar, count=1)
-    if handoff:
+    if handoff or named_release:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(handoffs[0].index(i), count=1)
-            mbarrier.init(handoffs[1].index(i), count=1)
+            if handoff:
+                mbarrier.init(handoffs[0].index(i), count=1)
+                mbarrier.init(handoffs[1].index(i), count=1)
     else:
         init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:
@@ -327,18 +374,19 @@ def attention_fwd_gluon(
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, handoffs,
-                         idx_ptr, n_total, row0, b, h, h // GROUP, BN, STAGES, handoff)),
+                         idx_ptr, n_total, row0, b, h, h // GROUP, BN, STAGES, handoff, named_release)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(q_bar)
-    if handoff:
+    if handoff or named_release:
         invalidate_ring(k_ready, STAGES)
         invalidate_ring(v_ready, STAGES)
-        invalidate_ring(handoffs[0], STAGES)
-        invalidate_ring(handoffs[1], STAGES)
+        if handoff:
+            invalidate_ring(handoffs[0], STAGES)
+            invalidate_ring(handoffs[1], STAGES)
     else:
         invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:
