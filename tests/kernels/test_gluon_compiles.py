@@ -40,12 +40,14 @@ class Variant:
     pingpong: bool | None = None  # None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
+    stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
         turns = "" if self.turns is None else f"-{self.turns}"
-        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}" + (
+        stages = "" if self.stages is None else f"-{self.stages}stages"
+        return f"{self.kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
             "-window" if self.window else "")
 
 
@@ -64,6 +66,11 @@ VARIANTS = [
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
+    # D=64 with ping-pong (the config runs it without): each turn scheme, 2 and 3 stages.
+    Variant("fwd", 64, "bits", pingpong=True, turns="named_release", stages=3),
+    Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named", stages=2),
+    Variant("fwd", 64, "dense", pingpong=True, turns="handoff", stages=3),
+    Variant("fwd", 64, "bits", causal=True, pingpong=True, turns="mbarrier", stages=2),
     Variant("fwd_short", 128, "codes", causal=True),
     Variant("dq", 128, "bits", causal=True),
     Variant("dq", 128, "codes"),
@@ -95,6 +102,7 @@ def _tile(variant: Variant):
     table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+    tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
     return tile if variant.turns is None else replace(tile, turns=variant.turns)
 
 
