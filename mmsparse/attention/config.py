@@ -29,6 +29,11 @@ class Tile:
     # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
     pingpong: bool = False  # Gluon kernels: the two consumer warpgroups take turns to issue their matmuls
+    # How the Gluon forward's warpgroups take turns with pingpong (gluon_launch.TURNS): "mbarrier" (a turn
+    # mbarrier each, stages released apart: two arrives a key block), "handoff" (the hand-offs release the stages)
+    # "named" (hardware named barriers; stages released apart) or "named_release" (named turns and releases: no
+    # mbarrier arrive in the consumer loop).
+    turns: str = "mbarrier"
 
     @property
     def gluon(self) -> bool:
@@ -222,10 +227,13 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
 # stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
 # the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
 # are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
-# needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory.
+# needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory. Those ping-pong timings
+# had turn mbarriers (turns="mbarrier"); the other schemes (Tile.turns) are not timed yet. D=64 with ping-pong and any
+# scheme, at 2 or 3 stages, compiles (tests/kernels/test_gluon_compiles.py) but is untimed:
+# replace(_GLUON_FWD[64], gluon_stages=3, pingpong=True, turns="named_release") through use_config.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
-    128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True),
+    128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
 }
 # Packs of short samples (64k tokens, hub, causal per sample; H100, forward alone, Gluon 128x128 / 128x64 time):
 # 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
@@ -233,7 +241,7 @@ _GLUON_FWD = {
 # 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
 # not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
 _GLUON_FWD_SHORT_SAMPLES = {
-    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True),
+    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
 }
 # The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;

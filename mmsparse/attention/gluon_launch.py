@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED, TURNS_NAMED_RELEASE
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
@@ -20,6 +21,10 @@ from .kernel_args import LaunchArgs
 # partitions set their own (kernels.gluon.common.WORKER_REGS): 168 x 288 threads fit an SM's 64K.
 _LAUNCH_REGS = 168
 
+# Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
+TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED,
+         "named_release": TURNS_NAMED_RELEASE}
+
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
 
@@ -28,9 +33,11 @@ def run_forward(
     qk_scale_log2: float, tile: Tile, has_window: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
-    at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask arguments ``mask`` of that
-    tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
+    at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
+    that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
     _check_rows(tile.block_m, BLOCK_M)
+    if tile.turns not in TURNS:
+        raise ValueError(f"Tile.turns must be one of {sorted(TURNS)}; got {tile.turns!r}")
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = mask
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
@@ -42,7 +49,7 @@ def run_forward(
         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
         NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
         BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS,
+        PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS,
     )
     return out, lse
 

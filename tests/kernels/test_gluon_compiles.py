@@ -6,7 +6,8 @@ is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every ba
 invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
 allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
 crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
-a variant uses are initialised (the ping-pong turns only with PINGPONG).
+a variant uses are initialised (the ping-pong turns only with PINGPONG). The forward's consumer loops are counted
+too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
 
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
@@ -43,12 +44,16 @@ class Variant:
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     group: int = 2  # query heads per KV head
     one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS), dQ added by atomics
+    turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
+    stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
         kind = "dkdv1p" if self.one_pass else self.kind
-        return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}" + (
+        turns = "" if self.turns is None else f"-{self.turns}"
+        stages = "" if self.stages is None else f"-{self.stages}stages"
+        return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
             "-window" if self.window else "") + ("" if self.group == 2 else f"-group{self.group}")
 
 
@@ -60,9 +65,18 @@ VARIANTS = [
     Variant("fwd", 128, "codes"),
     Variant("fwd", 128, "dense", causal=True),
     Variant("fwd", 128, "bits", pingpong=False),
+    Variant("fwd", 128, "codes", causal=True, turns="mbarrier"),
+    Variant("fwd", 128, "bits", turns="handoff"),
+    Variant("fwd", 128, "dense", turns="named"),
+    Variant("fwd", 128, "codes", causal=True, turns="named_release"),
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
+    # D=64 with ping-pong (the config runs it without): each turn scheme, 2 and 3 stages.
+    Variant("fwd", 64, "bits", pingpong=True, turns="named_release", stages=3),
+    Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named", stages=2),
+    Variant("fwd", 64, "dense", pingpong=True, turns="handoff", stages=3),
+    Variant("fwd", 64, "bits", causal=True, pingpong=True, turns="mbarrier", stages=2),
     Variant("fwd_short", 128, "codes", causal=True),
     Variant("dq", 128, "bits", causal=True),
     Variant("dq", 128, "codes"),
@@ -103,15 +117,25 @@ def _tile(variant: Variant):
 
     table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
-    return tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+    tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
+    tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
+    return tile if variant.turns is None else replace(tile, turns=variant.turns)
 
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage; dK/dV K and V once, done, ready and release per stage, and with the one pass dS staged and dS read; with
-    ping-pong the two turns."""
+    stage; dK/dV K and V once, done, ready and release per stage, and with the one pass the dS handshake's two;
+    with ping-pong the two turns. The forward's
+    hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage;
+    its named turns (``turns="named"``) are hardware barriers, not mbarriers, and so are its named releases
+    (``turns="named_release"``)."""
     tile = _tile(variant)
-    turns = 2 if tile.pingpong else 0
+    forward = variant.kind in ("fwd", "fwd_short")
+    if forward and tile.pingpong and tile.turns == "handoff":
+        return 1 + 4 * tile.gluon_stages
+    if forward and tile.pingpong and tile.turns == "named_release":
+        return 1 + 2 * tile.gluon_stages
+    turns = 2 if tile.pingpong and not (forward and tile.turns == "named") else 0
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + turns + (2 if variant.one_pass else 0)  # one pass: the dS handshake
     return 1 + 3 * tile.gluon_stages + turns
@@ -179,6 +203,95 @@ def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
     assert "C7512" not in report, f"{variant.name}:\n{report}"
     shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
     assert shared <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} bytes of shared memory"
+
+
+FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
+
+
+def expected_arrives_per_block(variant: Variant) -> int:
+    """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
+    each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages; named
+    barriers hand the turn over without an mbarrier, and named releases release the stages without one."""
+    tile = _tile(variant)
+    if tile.pingpong and tile.turns == "named_release":
+        return 0
+    return 2 if tile.pingpong and tile.turns == "mbarrier" else 1
+
+
+@pytest.mark.parametrize("variant", FORWARD_VARIANTS, ids=lambda v: v.name)
+def test_forward_arrives_per_key_block(ptx_dir, variant):
+    from tests.kernels.ptx_loops import counts, matmul_loops
+
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptx"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    loops = [counts(seq) for seq in matmul_loops(path.read_text())]
+    assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
+    released_by_name = _tile(variant).pingpong and _tile(variant).turns == "named_release"
+    for loop in loops:
+        assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
+        assert loop["bar.arrive reg, 288"] == released_by_name, f"{variant.name}: {dict(loop)}"
+
+
+_BARRIER = re.compile(
+    r"^\s*(?:@%p\d+\s+)?(?:bar|barrier)\.(?:cta\.)?(sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+|%r\d+)(?:,\s*(\d+))?")
+
+
+def test_named_turns_keep_clear_of_tritons_barriers(ptx_dir):
+    """The forward's named barriers use ids that none of Triton's own barriers use (warp specialisation's
+    rendezvous and each partition's bar.sync): the turns only ever over the two consumer warpgroups' 256 threads,
+    the releases (ids from RELEASE_BARRIER_ID on, in a register) over those and the producer warp's 288, and only in
+    the variants that take turns or release stages through them."""
+    from mmsparse.kernels.gluon.forward import RELEASE_BARRIER_ID, TURN_BARRIER_IDS
+
+    ours_ids = {*TURN_BARRIER_IDS, *range(RELEASE_BARRIER_ID.value, 16)}
+    out, _ = ptx_dir
+    named = 0
+    for variant in VARIANTS:
+        lines = (out / f"{variant.name}.ptx").read_text().splitlines()
+        uses = [m.groups() for line in lines if (m := _BARRIER.match(line))]
+        tile = _tile(variant)
+        turns = tile.turns if variant.kind in ("fwd", "fwd_short") and tile.pingpong else None
+        mine = {(op, bar, threads) for op, bar, threads in uses if bar.startswith("%") or int(bar) in ours_ids}
+        theirs = {int(bar) for op, bar, threads in uses if not bar.startswith("%") and int(bar) not in ours_ids}
+        assert 0 in theirs or 1 in theirs, f"{variant.name}: no barrier of Triton's found: {uses[:5]}"
+        turn_uses = {(op, str(bar), "256") for op in ("sync", "arrive") for bar in TURN_BARRIER_IDS}
+        if turns == "named":
+            assert mine == turn_uses, f"{variant.name}: {mine}"
+        elif turns == "named_release":
+            releases = {(op, threads) for op, bar, threads in mine - turn_uses if bar.startswith("%")}
+            assert mine - turn_uses and releases == {("sync", "288"), ("arrive", "288")}, f"{variant.name}: {mine}"
+            assert turn_uses <= mine, f"{variant.name}: {mine}"
+        else:
+            assert not mine, f"{variant.name} uses barrier ids {sorted(ours_ids)}: {mine}"
+        named += turns in ("named", "named_release")
+    assert named > 0
+
+
+@pytest.mark.parametrize("variant", [v for v in FORWARD_VARIANTS], ids=lambda v: v.name)
+def test_named_turns_fence_each_turns_matmuls(ptx_dir, variant):
+    """With named turn barriers, each consumer loop iteration waits on its own turn barrier before its first wgmma
+    and arrives on the other warpgroup's after committing both groups: the inline assembly stayed where it was
+    written (LLVM may rotate the loop, so the order is read cyclically from the wait)."""
+    from mmsparse.kernels.gluon.forward import TURN_BARRIER_IDS
+    from tests.kernels.ptx_loops import matmul_loops
+
+    tile = _tile(variant)
+    if not (tile.pingpong and tile.turns in ("named", "named_release")):
+        pytest.skip("no named turns")
+    out, _ = ptx_dir
+    loops = matmul_loops((out / f"{variant.name}.ptx").read_text())
+    assert len(loops) == 2, f"{variant.name}: {loops}"
+    for seq in loops:
+        named = [i for i, k in enumerate(seq) if k.startswith("bar.sync") and k.endswith(", 256")]
+        assert len(named) == 1, f"{variant.name}: {seq}"
+        seq = seq[named[0]:] + seq[: named[0]]  # from the turn's wait on
+        own = int(seq[0].split()[1].rstrip(","))
+        other = TURN_BARRIER_IDS[1 - TURN_BARRIER_IDS.index(own)]
+        events = " ".join("mma" if k == "wgmma.mma_async" else "commit" if k == "wgmma.commit_group" else
+                          k.replace(" ", "") for k in seq if k.endswith(", 256") or k.startswith("wgmma."))
+        pattern = rf"bar.sync{own},256( mma)+ commit( mma)+ commit bar.arrive{other},256"
+        assert re.fullmatch(pattern, events), f"{variant.name}: {events}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

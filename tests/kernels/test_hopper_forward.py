@@ -111,6 +111,36 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
     assert hopper_calls == []
 
 
+# (Tile.turns, gluon_stages) of the ping-pong schemes checked on a GPU, beside the forward without ping-pong.
+TURN_SCHEMES = [("mbarrier", 3), ("handoff", 3), ("handoff", 2), ("named", 3), ("named", 2), ("named_release", 3),
+                ("named_release", 2)]
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_turn_scheme_gives_the_same_bits(head_dim, hopper_calls, gluon_at_every_length):
+    """The ping-pong turn schemes (Tile.turns) only move synchronisation: at 2 and 3 stages each gives the output
+    of the forward without ping-pong bit for bit (D=64 included, which runs without ping-pong by default), and
+    that output matches the float64 reference (forward and gradients)."""
+    dev = torch.device("cuda")
+    base = kernel_config(head_dim, torch.bfloat16, dev)
+    lens = (1000, 1700, 1300)  # ragged: partial blocks in every segment
+    q, k, v = make_qkv(1, 64, 32, 4000, 4000, head_dim, torch.bfloat16, dev)
+    outs = {}
+    for turns, stages in [("mbarrier", 2), *TURN_SCHEMES]:
+        tile = replace(base.fwd, gluon_stages=stages, pingpong=(turns, stages) != ("mbarrier", 2), turns=turns)
+        with use_config(replace(base, fwd=tile, fwd_short_samples=None)), torch.no_grad():
+            outs[turns, stages, tile.pingpong] = mbs_attention(q, k, v, HUB, lens, causal=True)
+    assert len(hopper_calls) == len(outs)
+    plain = outs["mbarrier", 2, False]
+    for scheme, out in outs.items():
+        assert torch.equal(out, plain), f"{scheme}: {(out.float() - plain.float()).abs().max()}"
+    tile = replace(base.fwd, gluon_stages=3, pingpong=True, turns="named_release")
+    with use_config(replace(base, fwd=tile, fwd_short_samples=None)):
+        check_against_reference(q, k, v, HUB, lens, causal=True)
+
+
 def test_a_failing_gluon_forward_raises(monkeypatch, device):
     """An error inside the Gluon forward reaches the caller, on every call: no silent fallback to the tl forward."""
     from mmsparse.attention import gluon_launch

@@ -38,7 +38,37 @@ WORKER_WARPS = gl.constexpr([4, 1])
 # producer almost nothing (2 x 128 x 240 + 32 x 24 fit an SM's 64K).
 WORKER_REGS = gl.constexpr([240, 24])
 BLOCK_M = 2 * WG_ROWS.value  # query rows per CTA in the forward and dQ passes
+# Named hardware barriers (bar.sync / bar.arrive with an id; 16 per CTA) that a kernel uses itself. Triton's warp
+# specialisation takes id 0 (the default warpgroup's barriers), 1 (the partitions' start and end) and 2 + i (worker
+# partition i's; a one-warp partition uses bar.warp.sync instead), so the ids from 2 + len(WORKER_WARPS) are free.
+FIRST_FREE_BARRIER_ID = 2 + len(WORKER_WARPS.value)
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
+
+
+def named_barrier_asm(op: str, barrier_id: int | None, threads: int) -> gl.constexpr:
+    """The PTX of :func:`named_barrier`: ``bar.sync`` (wait until ``threads`` threads arrived, counting this one) or
+    ``bar.arrive`` (count this thread, don't wait) on barrier ``barrier_id`` (None: the id is the asm's operand $1,
+    for :func:`named_barrier_at`)."""
+    free = barrier_id is None or FIRST_FREE_BARRIER_ID <= barrier_id < 16
+    if op not in ("sync", "arrive") or not free or threads % 32:
+        raise ValueError(f"named barrier: op sync or arrive, id in {FIRST_FREE_BARRIER_ID}..15, threads a multiple "
+                         f"of 32; got {op!r}, {barrier_id}, {threads}")
+    return gl.constexpr(f"bar.{op} {'$1' if barrier_id is None else barrier_id}, {threads};\n\tmov.u32 $0, 0;")
+
+
+@gluon.jit
+def named_barrier(ASM: gl.constexpr):
+    """Run the named-barrier instruction ``ASM`` (:func:`named_barrier_asm`) once in every thread. It is inline
+    assembly with a side effect, which the compiler keeps in place: not hoisted, merged or dropped (the value it
+    has to return is unused)."""
+    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_barrier_at(ASM: gl.constexpr, barrier_id):
+    """:func:`named_barrier` with the id in a register: ``ASM`` from ``named_barrier_asm(op, None, threads)``, the id
+    a warp-uniform int32."""
+    gl.inline_asm_elementwise(ASM, "=r,r", [barrier_id], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
