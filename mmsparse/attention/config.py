@@ -228,8 +228,9 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
 # the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
 # are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
 # needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory. Those ping-pong timings
-# had turn mbarriers (turns="mbarrier"); the other schemes (Tile.turns) are not timed yet. D=64 with ping-pong and any
-# scheme, at 2 or 3 stages, compiles (tests/kernels/test_gluon_compiles.py) but is untimed:
+# had turn mbarriers (turns="mbarrier"); named turns and releases (turns="named_release") run the D=128 forward
+# 1.016-1.043x faster on an H200, bit-equal (benchmarks/results/h200/ab.md); "handoff" and "named" are untimed.
+# D=64 with ping-pong and any scheme, at 2 or 3 stages, compiles (tests/kernels/test_gluon_compiles.py), untimed:
 # replace(_GLUON_FWD[64], gluon_stages=3, pingpong=True, turns="named_release") through use_config.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
