@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> tuple[list[ChildReport], dict[str, Any]]:
     env = dict(os.environ)
     if args.gluon == "off":
         env["MMSPARSE_GLUON"] = "0"
+    if args.device == "cpu":  # CPU tensors run through the interpreter, also on a machine that has a GPU
+        env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
     base = [sys.executable, "-m", "tests.stress.shared_gpu", "--child", "--configs", args.configs, "--device",
             args.device]
