@@ -64,7 +64,7 @@ class KernelConfig:
     # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there. H200,
     # bf16 (benchmarks/results/h200/one_pass.md): the tl one-pass (dQ by per-element atomics) is 1.14x the
     # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
-    # one-pass (Hopper) obeys the same threshold until it is measured.
+    # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
     one_pass_max_keys: int = 2048
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:

@@ -91,8 +91,8 @@ def plan_attention(
         deterministic: False allows the one-pass backward (the dK/dV kernel also adds dQ by atomics, with no dQ
             pass and no side stream): the Gluon dK/dV kernel at ``config.bwd_dkdv`` where that pass is Gluon and
             there is no dropout, else the tl one at ``config.one_pass_tile()``; planned below
-            ``config.one_pass_max_keys`` keys, from where the tl one-pass backward was slower than the two-pass one
-            on every config measured.
+            ``config.one_pass_max_keys`` keys, from where both one-pass kernels were slower than the two-pass
+            backward on every config measured.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
