@@ -137,11 +137,10 @@ def setup_mmsparse(case: Case, timing: Timing, deterministic: bool = True) -> Im
     del state
 
     fwd = tiles.forward_tile(cfg.q_len, cfg.seq_k, cfg.seq_k // len(cfg.seg_lens) if cfg.packed else None)
-    one_pass = tiles.bwd_dkdv if tiles.bwd_dkdv.gluon else tiles.one_pass_tile()  # the plan's (no dropout here)
     desc = "; ".join(f"{n} {x.block_m}x{x.block_n} w{x.num_warps} s{x.num_stages}"
                      + (f" (gluon s{x.gluon_stages})" if x.gluon else "")
                      for n, x in ((("fwd", fwd), ("dkdv", tiles.bwd_dkdv), ("dq", tiles.dq_tile(cfg.seq_k)))
-                                  if deterministic else (("fwd", fwd), ("one-pass", one_pass))))
+                                  if deterministic else (("fwd", fwd), ("one-pass", tiles.one_pass_kernel_tile()))))
     backend = "triton, mbs_attention_varlen" if cfg.packed else "triton"
     if not deterministic:
         backend += ", deterministic=False (one-pass backward)"

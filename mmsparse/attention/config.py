@@ -86,6 +86,16 @@ class KernelConfig:
         """The one-pass backward's tile: ``bwd_one_pass``, else ``bwd_dkdv``'s sizes."""
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
+    def one_pass_runs_gluon(self, dropout: bool = False) -> bool:
+        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, and no dropout
+        (no Gluon kernel has it)."""
+        return self.bwd_dkdv.gluon and not dropout
+
+    def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
+        """The tile the one-pass backward runs at: the Gluon dK/dV tile where :meth:`one_pass_runs_gluon`, else
+        the tl kernel's :meth:`one_pass_tile`."""
+        return self.bwd_dkdv if self.one_pass_runs_gluon(dropout) else self.one_pass_tile()
+
     def one_pass(self, seq_k: int) -> bool:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
         return seq_k < self.one_pass_max_keys

@@ -98,10 +98,10 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | N
                deterministic: bool = True) -> list[TileKey]:
     """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
     over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given); with ``deterministic``
-    False, the forward's and the one-pass backward's."""
+    False, below ``config.one_pass_max_keys`` keys, the forward's and the one-pass backward's."""
     fwd = config.forward_tile(seq_q, seq_k, sample_len)
-    if not deterministic:
-        one_pass = config.one_pass_tile()
+    if not deterministic and config.one_pass(seq_k):  # as plan_attention chooses (no dropout)
+        one_pass = config.one_pass_kernel_tile()
         return [(fwd.block_m, fwd.block_n, False), (one_pass.block_m, one_pass.block_n, True)]
     dq = config.dq_tile(seq_k)
     return [

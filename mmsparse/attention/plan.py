@@ -110,12 +110,8 @@ def plan_attention(
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
     if not deterministic and config.one_pass(seq_k):
-        # Where the dK/dV pass is the Gluon kernel (Hopper, half precision, no dropout) its ONE_PASS variant runs at
-        # the Gluon tile; elsewhere the tl kernel's, at the one-pass tile.
-        if config.bwd_dkdv.gluon and not dropout:
-            one_pass = BackwardPass(config.bwd_dkdv, True, True, one_pass=True)
-        else:
-            one_pass = BackwardPass(config.one_pass_tile(), False, True, one_pass=True)
+        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
+                                one_pass=True)
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
     return AttentionPlan(

@@ -286,6 +286,9 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
         assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
         long = plan(cfg, limit)
         assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+        # The lists prepare() builds ahead (e.g. before CUDA-graph capture) are those the planned passes read.
+        assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == short.list_tiles(forward=False)
+        assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
         forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
         assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == cfg.bwd_dkdv
         with use_config(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
