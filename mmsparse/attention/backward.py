@@ -1,10 +1,13 @@
 """The backward passes' launcher: delta = rowsum(dO * O), then dQ and dK/dV, each as its Gluon kernel on Hopper
 where the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``,
-the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics."""
+the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics (the
+ordered one-pass, for deterministic calls where the config asks for it: in the order of the key blocks on each dQ
+tile, counted by an int32 semaphore per tile)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from types import ModuleType
 
@@ -47,7 +50,9 @@ def mbs_attn_bwd(
 
     With ``deterministic`` False there is no dQ pass (nor side stream): the dK/dV kernel (the Gluon one where the
     plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics,
-    cast to q's dtype at the end.
+    cast to q's dtype at the end. The ordered one-pass backward (``deterministic`` with
+    ``KernelConfig.deterministic_backward == "ordered_one_pass"``) runs the same kernel with the adds into each dQ
+    tile ordered by key block (:mod:`mmsparse.mask.add_order`): the semaphores sit in the accumulator's allocation.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -80,9 +85,16 @@ def mbs_attn_bwd(
     dkdv_mask = args.tile(*plan.dkdv.lists)
     main, side = _streams(q.device) if plan.side_stream else (None, None)
     one_pass = plan.dq is None
+    ordered = one_pass and plan.dkdv.ordered
     if one_pass:
-        _alert_not_deterministic()
-        dq_sum = torch.zeros(out.shape, dtype=torch.float32, device=q.device)  # rows no tile reaches stay 0
+        tile = plan.dkdv.tile
+        # Per (batch, q head, query block) one semaphore; two in the Gluon kernel, one per warpgroup's columns.
+        semaphores = batch * num_heads * cdiv(seq_q, tile.block_m) * (2 if plan.dkdv.gluon else 1) if ordered else 0
+        dq_sum, dq_sem = _dq_accumulator(out.shape, q.device, semaphores)
+        if ordered:
+            dq_ranks = info.dq_add_ranks(tile.block_m, tile.block_n)  # on the current stream, before the launch
+        else:
+            _alert_not_deterministic()
     else:
         dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
         dq_mask = args.tile(*plan.dq.lists)
@@ -106,20 +118,31 @@ def mbs_attn_bwd(
     tile = plan.dkdv.tile
     if plan.dkdv.gluon:
         _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, info.mode, info.causal, qk_scale,
-                          softmax_scale, tile, has_window, dq_sum if one_pass else None)
+                          softmax_scale, tile, has_window, dq_sum if one_pass else None,
+                          (dq_ranks, dq_sem) if ordered else None)
     else:
         mask_tensors, mask_scalars = dkdv_mask
         _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-            q, k, v, do, lse, delta, dk, dv, dq_sum if one_pass else dk,  # DQ: dk stands in, unread without ONE_PASS
-            *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale, dropout_p, NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n, **flags, ONE_PASS=one_pass,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            # DQ, DQ_RANKS, DQ_SEM: dk stands in, unread without ONE_PASS (and ORDERED)
+            q, k, v, do, lse, delta, dk, dv, dq_sum if one_pass else dk, dq_ranks if ordered else dk,
+            dq_sem if ordered else dk, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
+            dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
+            BN=tile.block_n, **flags, ONE_PASS=one_pass, ORDERED=ordered, num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
         )
     if side is not None:
         main.wait_stream(side)
     if one_pass:
         dq = dq_sum if q.dtype == torch.float32 else dq_sum.to(q.dtype)
     return dq, dk, dv
+
+
+def _dq_accumulator(shape: torch.Size, device: torch.device, semaphores: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-pass backward's zeroed float32 dQ accumulator (rows no tile reaches stay 0) and ``semaphores``
+    zeroed int32 words after it: one allocation and one fill, which count in the backward's peak memory."""
+    numel = math.prod(shape)
+    buffer = torch.zeros(numel + semaphores, dtype=torch.float32, device=device)
+    return buffer[:numel].view(shape), buffer[numel:].view(torch.int32)
 
 
 def _alert_not_deterministic() -> None:

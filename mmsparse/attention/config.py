@@ -16,6 +16,8 @@ import torch
 from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
+DETERMINISTIC_BACKWARDS = ("two_pass", "ordered_one_pass")  # KernelConfig.deterministic_backward's values
+
 
 @dataclass(frozen=True)
 class Tile:
@@ -66,6 +68,16 @@ class KernelConfig:
     # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
     # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
     one_pass_max_keys: int = 2048
+    # The backward of deterministic calls (both bitwise repeatable): "two_pass" (a dK/dV pass and a dQ pass, 7
+    # matmuls per tile pair) or "ordered_one_pass" (the one-pass kernel, 5 matmuls, whose dK/dV programs add into
+    # each dQ tile in the order of their key blocks, a semaphore per tile; :mod:`mmsparse.mask.add_order`), run
+    # below one_pass_max_keys keys as the atomic one-pass is. Two passes until the ordered one is timed faster.
+    deterministic_backward: str = "two_pass"
+
+    def __post_init__(self) -> None:
+        if self.deterministic_backward not in DETERMINISTIC_BACKWARDS:
+            raise ValueError(f"deterministic_backward must be one of {', '.join(map(repr, DETERMINISTIC_BACKWARDS))}; "
+                             f"got {self.deterministic_backward!r}")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -99,6 +111,12 @@ class KernelConfig:
     def one_pass(self, seq_k: int) -> bool:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
         return seq_k < self.one_pass_max_keys
+
+    def runs_one_pass(self, seq_k: int, deterministic: bool) -> bool:
+        """The backward over ``seq_k`` keys runs in one pass: the atomic one (``deterministic`` False) or the
+        ordered one (``deterministic_backward``), below ``one_pass_max_keys`` keys."""
+        allowed = not deterministic or self.deterministic_backward == "ordered_one_pass"
+        return allowed and self.one_pass(seq_k)
 
     def few_keys(self, seq_k: int) -> bool:
         """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
@@ -154,7 +172,7 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 
 
 _override: KernelConfig | None = None
-_fields: dict[str, int] = {}  # thresholds use_config sets on every config
+_fields: dict[str, int | str] = {}  # thresholds and settings use_config sets on every config
 _deterministic = True  # the backward of calls that do not pass deterministic= (use_config sets it)
 
 
@@ -176,7 +194,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Ke
 
 
 @functools.lru_cache(maxsize=64)
-def _with_thresholds(cfg: KernelConfig, thresholds: tuple[tuple[str, int], ...]) -> KernelConfig:
+def _with_thresholds(cfg: KernelConfig, thresholds: tuple[tuple[str, int | str], ...]) -> KernelConfig:
     """``cfg`` with other thresholds, one object per combination (launches are kept per config)."""
     return replace(cfg, **dict(thresholds))
 
@@ -274,21 +292,26 @@ _GLUON_DKDV = {
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
+SETTINGS = (*THRESHOLDS, "deterministic_backward")  # every field use_config sets on each call's config
 
 
 @contextlib.contextmanager
 def use_config(config: KernelConfig | None = None, deterministic: bool | None = None,
-               **thresholds: int) -> Iterator[None]:
+               **thresholds: int | str) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
     ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``), and/or with another default backward:
     ``use_config(deterministic=False)`` allows the one-pass backward (dQ by atomic adds, not bitwise repeatable;
     run below ``one_pass_max_keys`` keys) to every call that does not pass ``deterministic`` itself (an argument
-    given to the call wins). The choice is read when the forward runs."""
+    given to the call wins). The choice is read when the forward runs. ``use_config(deterministic_backward=
+    "ordered_one_pass")`` runs deterministic calls below ``one_pass_max_keys`` keys with the ordered one-pass
+    backward (bitwise repeatable too) instead of the two passes."""
     global _override, _fields, _deterministic
-    unknown = set(thresholds) - set(THRESHOLDS)
+    unknown = set(thresholds) - set(SETTINGS)
     if unknown:
-        raise TypeError(f"use_config sets deterministic, {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
+        raise TypeError(f"use_config sets deterministic, {', '.join(SETTINGS)}; got {sorted(unknown)}")
+    if "deterministic_backward" in thresholds:
+        replace(config or _INTERPRETER, deterministic_backward=thresholds["deterministic_backward"])  # validates
     if deterministic is not None and deterministic is not True and deterministic is not False:
         raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
                         f"{type(deterministic).__name__} {deterministic!r}")

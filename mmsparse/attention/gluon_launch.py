@@ -82,12 +82,16 @@ def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
+    dq_order: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
     least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
-    into it by atomics, as the tl one-pass kernel adds it."""
+    into it by atomics, as the tl one-pass kernel adds it. With ``dq_order`` as well, ``(ranks, semaphores)``, the
+    ordered one-pass: each warpgroup adds into a dQ tile in the order of the key blocks' ``ranks``
+    (:func:`mmsparse.mask.add_order.add_ranks` of the by-key lists), counted by ``semaphores`` (zeroed int32,
+    ``B * Hq * cdiv(Sq, block_m) * 2``)."""
     _check_rows(tile.block_n, BLOCK_N)
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -97,10 +101,16 @@ def run_dkdv(
     q_rows, kv_rows = tile.block_m, WG_KEYS.value
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
     one_pass = {} if dq_sum is None else dict(ONE_PASS=True, HEAD_DIM=head_dim)
+    if dq_order is not None:
+        if dq_sum is None:
+            raise ValueError("the ordered one-pass (dq_order) adds into dq_sum: pass both")
+        one_pass["ORDERED"] = True
+    ranks, semaphores = dq_order if dq_order is not None else (delta, delta)  # stand-ins, unread without ORDERED
     _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-        delta, delta if dq_sum is None else dq_sum, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
+        delta, delta if dq_sum is None else dq_sum, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2,
+        softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
         BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
         PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass,

@@ -97,10 +97,11 @@ def kernel_args(info: MaskInfo) -> KernelArgs:
 def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None,
                deterministic: bool = True) -> list[TileKey]:
     """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
-    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given); with ``deterministic``
-    False, below ``config.one_pass_max_keys`` keys, the forward's and the one-pass backward's."""
+    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given); where the backward runs in
+    one pass (``deterministic`` False, or ``config.deterministic_backward`` ordered; below
+    ``config.one_pass_max_keys`` keys), the forward's and the one-pass backward's."""
     fwd = config.forward_tile(seq_q, seq_k, sample_len)
-    if not deterministic and config.one_pass(seq_k):  # as plan_attention chooses (no dropout)
+    if config.runs_one_pass(seq_k, deterministic):  # as plan_attention chooses (no dropout)
         one_pass = config.one_pass_kernel_tile()
         return [(fwd.block_m, fwd.block_n, False), (one_pass.block_m, one_pass.block_n, True)]
     dq = config.dq_tile(seq_k)
@@ -112,7 +113,12 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | N
 
 
 def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True) -> MaskInfo:
-    """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; with ``deterministic`` False
-    the one-pass backward's instead of the last two), e.g. before timing or CUDA-graph capture."""
+    """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; where the backward runs in one
+    pass the one-pass backward's instead of the last two, and the ordered one's add ranks), e.g. before timing or
+    CUDA-graph capture."""
     tiles = list_tiles(config, info.seq_q, info.seq_k, info.sample_len, deterministic)
-    return info.prepare(tiles, config.compact_bytes)
+    info.prepare(tiles, config.compact_bytes)
+    if deterministic and config.runs_one_pass(info.seq_k, deterministic):  # the ordered one-pass: its add ranks
+        tile = config.one_pass_kernel_tile()
+        info.dq_add_ranks(tile.block_m, tile.block_n)
+    return info

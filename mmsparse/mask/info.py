@@ -17,6 +17,7 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from ..runtime.launch import stream_key
+from .add_order import add_ranks
 from .block_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
 from .cache import CACHE
@@ -61,6 +62,7 @@ class MaskInfo:
             self.q_start = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[TileKey, BlockLists] = {}
+        self._add_ranks: dict[tuple[int, int], torch.Tensor] = {}
         # The kernels' view of this mask (an mmsparse.attention.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
@@ -120,6 +122,7 @@ class MaskInfo:
         """Device bytes the mask holds now: its token-level tensors, block lists and tile classes."""
         held = [*self.tensors(), *(t for pair in self._classes.values() for t in pair)]
         held += [t for lists in self._lists.values() for t in (lists.counts, lists.indices)]
+        held += list(self._add_ranks.values())
         return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in held}.values())
 
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +164,17 @@ class MaskInfo:
             raise RuntimeError(f"the block lists at tile {block_m}x{block_n}{' by key' if by_key else ''} were not "
                                "built before the launch: plan the call and prepare its lists first")
         return lists
+
+    def dq_add_ranks(self, block_m: int, block_n: int) -> torch.Tensor:
+        """The ordered one-pass backward's add ranks (:func:`mmsparse.mask.add_order.add_ranks`) of the by-key lists
+        at this tile, which must have been built: int32, the shape of their indices. Built once, on the current
+        stream, and kept with the lists."""
+        key = (block_m, block_n)
+        ranks = self._add_ranks.get(key)
+        if ranks is None:
+            lists = self.built_lists(block_m, block_n, by_key=True)
+            ranks = self._add_ranks[key] = add_ranks(lists, -(-self.seq_q // block_m))
+        return ranks
 
     def prepare(self, tiles: list[TileKey], compact_bytes: int = COMPACT_BYTES) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture

@@ -20,7 +20,8 @@ shared tile of its own; once both are staged (a handshake of two barriers per st
 [w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
 transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
 buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
-rather than from registers. No dQ pass runs.
+rather than from registers. No dQ pass runs. ``ORDERED`` (the ordered one-pass backward) adds each dQ tile's
+column halves in the order of the key blocks, a semaphore per tile and warpgroup (:mod:`.dq_order`).
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ from .common import (
     wait_turn,
 )
 from .dq_adds import add_dq, issue_dq, stage_ds
+from .dq_order import pass_turn as pass_add_turn
+from .dq_order import turn_semaphore
+from .dq_order import wait_turn as wait_add_turn
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -139,15 +143,17 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 
 @gluon.jit
 def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
-                ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+                ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                ORDERED: gl.constexpr = False):
     """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
     staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
     done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
     dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
-    next step's dK reads dS^T_i from the tile too (no registers held across the step)."""
+    next step's dK reads dS^T_i from the tile too (no registers held across the step). ``ORDERED``: the add waits
+    for this warpgroup's turn on the tile and passes it on (:mod:`.dq_order`)."""
     if ONE_PASS:
-        ds_smem, k_smem, ds_bars = dq_bufs
+        ds_smem, k_smem, ds_bars, order = dq_bufs
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
         mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
         stage_ds(dst, ds_smem.index(WG))
@@ -158,7 +164,12 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
         dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
+        if ORDERED:
+            sem, rank = turn_semaphore(order, i, row0, WG, BM)
+            wait_add_turn(sem, rank)
         add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
+        if ORDERED:
+            pass_add_turn(sem)
     else:
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
     return dv, pt_op
@@ -184,7 +195,7 @@ def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.cons
 def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr):
+              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
@@ -240,7 +251,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
         dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
-                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
+                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             stage = i % STAGES
@@ -279,7 +290,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # resources").
             dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
-                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD)
+                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
         last = (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
@@ -303,16 +314,20 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, DQ_RANKS, DQ_SEM, Q_BITS, K_BITS, MASK, COUNTS,
+    INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
+    ORDERED: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
-    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise)."""
+    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise). With ``ORDERED`` in the order
+    of DQ_RANKS (int32, INDICES' shape: each entry's rank among the key blocks that add into its query block),
+    counted by DQ_SEM (int32 ``[B, Hq, cdiv(Sq, BM), 2]``, a semaphore per warpgroup; zeroed by the launcher)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -344,6 +359,14 @@ def attention_dkdv_gluon(
     else:
         ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
         dq_head0 = DQ
+    order = (0, 0, 0, 0)  # stand-ins: only ORDERED reads them
+    if ORDERED:
+        n_qb = gl.cdiv(seq_q, BM)
+        # the entries' ranks sit at the list's own offset (DQ_RANKS has INDICES' shape)
+        b64 = b.to(gl.int64)
+        rank_ptr = DQ_RANKS + b64 * stride_idx_b + gl.load(COUNTS + b64 * stride_cnt_b + pid_n * 3 + 2)
+        sem_ptr0 = DQ_SEM + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * n_qb * 2
+        order = (rank_ptr, sem_ptr0, n_total, n_qb)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -366,15 +389,15 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
-    dq_bufs = (ds_smem, k_smem, ds_bars)
+    dq_bufs = (ds_smem, k_smem, ds_bars, order)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM)),
+                         ONE_PASS, HEAD_DIM, ORDERED)),
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM)),
+                         ONE_PASS, HEAD_DIM, ORDERED)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE)),
