@@ -1,16 +1,20 @@
-"""The one-pass backward (``deterministic=False``) against the default two-pass one, config by config: both checked
-against the float32 reference, their gradients against each other, the one-pass dQ's run-to-run differences, and
-the backward's time and peak memory of each, in interleaved rounds. The one-pass kernel runs at every length here
-(``use_config(one_pass_max_keys=...)``); a call alone runs it only below that many keys.
+"""The one-pass backwards against the default two-pass one, config by config: the atomic one-pass
+(``deterministic=False``) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the same kernel,
+its dQ adds ordered by key block, bitwise repeatable), each checked against the float32 reference, their gradients
+against the two passes', each one-pass dQ's run-to-run differences, and the backward's time and peak memory of
+each, in interleaved rounds. The one-pass kernels run at every length here (``use_config(one_pass_max_keys=...)``);
+a call alone runs them only below that many keys.
 
-    python -m tools.one_pass                                   # the GPU configs below, 5 rounds
+    python -m tools.one_pass                                   # the GPU configs below, 5 rounds, all three sides
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
+    python -m tools.one_pass --sides two-pass,ordered-one-pass     # leave a side out
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,11 +37,15 @@ from benchmarks.timing import Timing, time_passes
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
-SIDES = {"two-pass": True, "one-pass": False}  # name: deterministic
+# name: (deterministic, KernelConfig.deterministic_backward); the first is the baseline the others are compared to
+SIDES = {"two-pass": (True, "two_pass"), "one-pass": (False, "two_pass"),
+         "ordered-one-pass": (True, "ordered_one_pass")}
 
 
-def attention_fn(cfg: BenchConfig, deterministic: bool) -> TensorFn:
-    """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with ``deterministic``."""
+def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
+    """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with the ``deterministic`` of ``side``
+    (``SIDES``); its ``deterministic_backward`` is set around whatever runs the backward (:func:`side_setting`)."""
+    deterministic = SIDES[side][0]
     topology = call_topology(cfg)
     if cfg.packed:
         rows = [list(r) for r in cfg.seg_lens]
@@ -45,6 +53,11 @@ def attention_fn(cfg: BenchConfig, deterministic: bool) -> TensorFn:
                                                              deterministic=deterministic)
     return lambda q, k, v: mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal,
                                                   deterministic=deterministic)
+
+
+def side_setting(side: str) -> contextlib.AbstractContextManager:
+    """The backward setting of ``side``: the backward reads it when it runs, so it covers forward and backward."""
+    return mmsparse.use_config(deterministic_backward=SIDES[side][1])
 
 
 def grads(case: Case, fn: TensorFn) -> tuple[torch.Tensor, ...]:
@@ -63,51 +76,72 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(a.abs().max()), 1e-30)
 
 
-def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, timing: Timing) -> dict[str, Any]:
-    """One config's row: correctness of both sides, their differences, and the backward's time and memory."""
+def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, timing: Timing,
+                   sides: tuple[str, ...] = tuple(SIDES)) -> dict[str, Any]:
+    """One config's row: correctness of each side, the one-pass sides' differences from the two passes (the first
+    side) and their dQ's run-to-run differences, and the backward's time and memory of each."""
     case = Case.make(cfg, device, dtype)
-    fns = {side: attention_fn(cfg, det) for side, det in SIDES.items()}
+    fns = {side: attention_fn(cfg, side) for side in sides}
     row: dict[str, Any] = {"config": cfg.name}
+    results = {}
     for side, fn in fns.items():
-        res = check(case, Impl(fn), grads=True)
+        with side_setting(side):
+            res = check(case, Impl(fn), grads=True)
+            results[side] = grads(case, fn)
+            again = grads(case, fn) if side != "two-pass" else None
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
-    two, one, again = grads(case, fns["two-pass"]), grads(case, fns["one-pass"]), grads(case, fns["one-pass"])
-    row["out_equal"] = bool(torch.equal(two[0], one[0]))
-    for i, name in enumerate(("dq", "dk", "dv"), start=1):
-        row[f"{name}_rel_diff"] = rel_diff(two[i], one[i])
-    row["one_pass_dq_bits_changed"] = int((one[1] != again[1]).sum())  # run-to-run, the atomics' order
-    del two, one, again
+        if again is not None:  # run to run: the atomic adds' order (none for the ordered adds)
+            row[f"{side}_dq_bits_changed"] = int((results[side][1] != again[1]).sum())
+        del again
+    base = results[sides[0]]
+    for side in sides[1:]:
+        row[f"{side}_out_equal"] = bool(torch.equal(base[0], results[side][0]))
+        for i, name in enumerate(("dq", "dk", "dv"), start=1):
+            row[f"{side}_{name}_rel_diff"] = rel_diff(base[i], results[side][i])
+    if "one-pass" in results and "ordered-one-pass" in results:  # the same kernel: dK, dV the same bits
+        row["ordered_dkdv_equal_one_pass"] = all(torch.equal(results["one-pass"][i], results["ordered-one-pass"][i])
+                                                 for i in (2, 3))
+    del results, base
     times: dict[str, list[dict[str, float]]] = {side: [] for side in fns}
     for r in range(timing.rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # who goes first alternates
         for side in order:
-            times[side].append(time_passes(fns[side], case.q, case.k, case.v, case.dout, timing))
+            with side_setting(side):
+                times[side].append(time_passes(fns[side], case.q, case.k, case.v, case.dout, timing))
     for side in fns:
         row[f"{side}_fwd_ms"] = statistics.median(t["fwd_ms"] for t in times[side])
         row[f"{side}_bwd_ms"] = statistics.median(t["fwdbwd_ms"] - t["fwd_ms"] for t in times[side])
-        row[f"{side}_peak_mib"] = peak_mib(case, fns[side])
-    row["bwd_speedup"] = row["two-pass_bwd_ms"] / max(row["one-pass_bwd_ms"], 1e-9)  # > 1: one pass is faster
+        with side_setting(side):
+            row[f"{side}_peak_mib"] = peak_mib(case, fns[side])
+    for side in sides[1:]:  # > 1: the side's backward is faster than the first side's
+        row[f"{side}_bwd_speedup"] = row[f"{sides[0]}_bwd_ms"] / max(row[f"{side}_bwd_ms"], 1e-9)
     del case
     free_memory(device)
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table."""
-    head = ("| config | check two / one | out equal | dq / dk / dv rel diff | one-pass dq bits changed | bwd ms two / "
-            "one | speedup | peak MiB two / one |")
-    lines = [head, "|" + "---|" * 8]
+def table(rows: list[dict[str, Any]], sides: tuple[str, ...] = tuple(SIDES)) -> str:
+    """The rows as a markdown table: a column group per side, the first side the baseline."""
+    others = sides[1:]
+    head = ("| config | check " + " / ".join(sides) + " | " + "".join(
+        f"{side}: out equal, dq / dk / dv rel diff, speedup | " for side in others)
+        + "dq bits changed " + " / ".join(others) + " | bwd ms " + " / ".join(sides) + " | peak MiB "
+        + " / ".join(sides) + " |")
+    lines = [head, "|" + "---|" * (5 + len(others))]
 
     def mib(x: float | None) -> str:
         return "-" if x is None else f"{x:.0f}"
 
     for r in rows:
+        diffs = "".join(
+            f"{r[f'{s}_out_equal']}, {r[f'{s}_dq_rel_diff']:.1e} / {r[f'{s}_dk_rel_diff']:.1e} / "
+            f"{r[f'{s}_dv_rel_diff']:.1e}, {r[f'{s}_bwd_speedup']:.3f} | " for s in others)
         lines.append(
-            f"| {r['config']} | {r['two-pass_check']} / {r['one-pass_check']} | {r['out_equal']} | "
-            f"{r['dq_rel_diff']:.1e} / {r['dk_rel_diff']:.1e} / {r['dv_rel_diff']:.1e} | "
-            f"{r['one_pass_dq_bits_changed']} | {r['two-pass_bwd_ms']:.3f} / {r['one-pass_bwd_ms']:.3f} | "
-            f"{r['bwd_speedup']:.3f} | {mib(r['two-pass_peak_mib'])} / {mib(r['one-pass_peak_mib'])} |")
+            f"| {r['config']} | {' / '.join(r[f'{s}_check'] for s in sides)} | {diffs}"
+            f"{' / '.join(str(r.get(f'{s}_dq_bits_changed', '-')) for s in others)} | "
+            f"{' / '.join(format(r[f'{s}_bwd_ms'], '.3f') for s in sides)} | "
+            f"{' / '.join(mib(r[f'{s}_peak_mib']) for s in sides)} |")
     return "\n".join(lines)
 
 
@@ -119,12 +153,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--rounds", type=int, default=5 if cuda else 1, help="interleaved timing rounds (median)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in ALL_CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; see benchmarks/configs.py")
+    sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
+    if len(sides) < 2 or any(side not in SIDES for side in sides):
+        ap.error(f"--sides takes two or more of {', '.join(SIDES)}; got {args.sides!r}")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timing = Timing(device, warmup=25 if cuda else 0, rep=100 if cuda else 0, cpu_warmup=1, cpu_reps=1,
@@ -133,17 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     # The kernel at every length: deterministic=False alone runs it only below one_pass_max_keys keys.
     with mmsparse.use_config(one_pass_max_keys=1 << 62):
         for name in names:
-            rows.append(compare_config(ALL_CONFIGS[name], device, dtype, timing))
-            print(f"{name}: bwd two-pass {rows[-1]['two-pass_bwd_ms']:.3f} ms, one-pass "
-                  f"{rows[-1]['one-pass_bwd_ms']:.3f} ms", flush=True)
-    print(table(rows))
+            rows.append(compare_config(ALL_CONFIGS[name], device, dtype, timing, sides))
+            print(f"{name}: bwd " + ", ".join(f"{s} {rows[-1][f'{s}_bwd_ms']:.3f} ms" for s in sides), flush=True)
+    print(table(rows, sides))
     if args.out is not None:
-        record = {"rows": rows, "versions": versions(device), "commit": git_commit(), "dtype": args.dtype,
-                  "rounds": args.rounds, "timing": timing.method}
+        record = {"rows": rows, "sides": sides, "versions": versions(device), "commit": git_commit(),
+                  "dtype": args.dtype, "rounds": args.rounds, "timing": timing.method}
         args.out.write_text(json.dumps(record, indent=1))
         args.out.with_suffix(".md").write_text(f"{record['versions']}, commit {record['commit']}, {args.dtype}; "
-                                               f"{record['timing']}\n\n{table(rows)}")
-    bad = [r["config"] for r in rows if "FAIL" in (r["two-pass_check"], r["one-pass_check"]) or not r["out_equal"]]
+                                               f"{record['timing']}\n\n{table(rows, sides)}")
+    # a failed check, an output that differs, or an ordered dQ that changed from run to run
+    bad = [r["config"] for r in rows if any(r[f"{s}_check"] == "FAIL" for s in sides)
+           or not all(r[f"{s}_out_equal"] for s in sides[1:]) or r.get("ordered-one-pass_dq_bits_changed", 0)]
     if bad:
         print(f"failed checks: {bad}", file=sys.stderr)
     return 1 if bad else 0

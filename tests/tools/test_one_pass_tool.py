@@ -1,9 +1,12 @@
-"""tools/one_pass.py on a CPU: the one-pass and the two-pass backward of a tiny config, checked and compared."""
+"""tools/one_pass.py on a CPU: the atomic and the ordered one-pass backward against the two-pass one on a tiny
+config, checked and compared."""
 
 from __future__ import annotations
 
 import json
 import math
+
+import pytest
 
 from tools import one_pass
 
@@ -11,12 +14,27 @@ from tools import one_pass
 def test_one_pass_tool_checks_and_compares(tmp_path, capsys):
     out = tmp_path / "one_pass.json"
     assert one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
+    record = json.loads(out.read_text())
+    assert record["sides"] == ["two-pass", "one-pass", "ordered-one-pass"]
+    row = record["rows"][0]
     assert row["config"] == "tiny_ab"
-    assert row["two-pass_check"] == "ok" and row["one-pass_check"] == "ok" and row["out_equal"]
-    assert row["dq_rel_diff"] < 1e-5 and row["dk_rel_diff"] < 1e-5 and row["dv_rel_diff"] < 1e-5
-    # CPU times mean nothing, and the backward's is a difference of two of them (it can come out <= 0 on a busy
-    # machine): only that both sides were timed.
-    assert row["two-pass_fwd_ms"] > 0 and row["one-pass_fwd_ms"] > 0
-    assert math.isfinite(row["two-pass_bwd_ms"]) and math.isfinite(row["one-pass_bwd_ms"])
-    assert "| tiny_ab | ok / ok | True |" in capsys.readouterr().out
+    for side in record["sides"]:
+        assert row[f"{side}_check"] == "ok", side
+        # CPU times mean nothing, and the backward's is a difference of two of them (it can come out <= 0 on a
+        # busy machine): only that every side was timed.
+        assert row[f"{side}_fwd_ms"] > 0 and math.isfinite(row[f"{side}_bwd_ms"]), side
+    for side in ("one-pass", "ordered-one-pass"):
+        assert row[f"{side}_out_equal"], side
+        assert max(row[f"{side}_{g}_rel_diff"] for g in ("dq", "dk", "dv")) < 1e-5, side
+    assert row["ordered-one-pass_dq_bits_changed"] == 0 and row["ordered_dkdv_equal_one_pass"]
+    assert "| tiny_ab | ok / ok / ok | True, " in capsys.readouterr().out
+
+
+def test_one_pass_tool_sides(tmp_path):
+    out = tmp_path / "one_pass.json"
+    args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
+    assert one_pass.main([*args, "--sides", "two-pass,ordered-one-pass"]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert "one-pass_check" not in row and row["ordered-one-pass_check"] == "ok"
+    with pytest.raises(SystemExit):
+        one_pass.main([*args, "--sides", "two-pass,ordered"])
