@@ -159,6 +159,24 @@ def test_ordered_one_pass_is_bitwise_repeatable_and_close_to_two_passes(device):
         assert ((a - b).abs() <= tol).all(), f"{name}: max diff {(a - b).abs().max().item():.3e}"
 
 
+def test_ordered_one_pass_with_dropout_is_the_tl_kernel_and_agrees(device):
+    """Dropout (the tl kernel everywhere): with the same seed the output is the two passes' and the gradients agree
+    up to the order of float32 adds."""
+    q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device, torch.Generator().manual_seed(25))
+    grad_out = torch.randn(2, 4, 60, 32, generator=torch.Generator().manual_seed(26)).to(device)
+    kw = dict(topology=CYCLIC, seg_lens=(9, 30, 21), causal=True, dropout_p=0.3)
+    torch.manual_seed(1234)
+    two = _grads(q, k, v, grad_out, **kw)
+    with use_config(deterministic_backward=ORDERED):
+        torch.manual_seed(1234)
+        ordered = _grads(q, k, v, grad_out, **kw)
+    assert torch.equal(two[0], ordered[0])
+    for name, a, b in zip(("dq", "dk", "dv"), two[1:], ordered[1:]):
+        a, b = a.double(), b.double()
+        tol = 1e-5 * a.abs().max().item() + 2.0**-23 * torch.maximum(a.abs(), b.abs())
+        assert ((a - b).abs() <= tol).all(), f"{name}: max diff {(a - b).abs().max().item():.3e}"
+
+
 def test_ordered_one_pass_is_not_the_nondeterministic_alert(device):
     """Deterministic in torch's sense: torch.use_deterministic_algorithms(True) does not refuse it."""
     q, k, v = make_qkv(1, 2, 1, 40, 40, 16, torch.float32, device, torch.Generator().manual_seed(2))
