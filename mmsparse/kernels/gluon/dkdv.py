@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id
+from ..lists import block_id, visit_slot
 from ..rules import allowed_pairs
 from .common import (
     WORKER_REGS,
@@ -65,10 +65,11 @@ BLOCK_N = 2 * WG_KEYS.value
 @gluon.jit
 def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr):
+              MASK_MODE: gl.constexpr, ORDERED: gl.constexpr = False):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
-    token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
+    token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64). ``ORDERED``: in the
+    ordered one-pass's visiting order (``lists.visit_slot``)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, _ = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
@@ -84,7 +85,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
         for it in range(n_total):
             i = g * n_total + it
             stage = i % STAGES
-            m_blk = block_id(idx_ptr, it)
+            m_blk = block_id(idx_ptr, visit_slot(it, n_full, n_total, ORDERED))
             offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
             # Rows past the end get lse = +inf, hence p = 0.
             lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
@@ -176,10 +177,10 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
 
 
 @gluon.jit
-def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
-    """The first query row of list entry ``it`` (only ONE_PASS reads it: the block's dQ rows)."""
+def _first_row(idx_ptr, it, n_full, n_total, BM: gl.constexpr, ONE_PASS: gl.constexpr, ORDERED: gl.constexpr):
+    """The first query row of step ``it``'s list entry (only ONE_PASS reads it: the block's dQ rows)."""
     if ONE_PASS:
-        return block_id(idx_ptr, it) * BM
+        return block_id(idx_ptr, visit_slot(it, n_full, n_total, ORDERED)) * BM
     return it
 
 
@@ -250,8 +251,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
-        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
-                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
+        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, n_full, n_total, BM, ONE_PASS, ORDERED),
+                                dq_head0, seq_q, sm_scale, dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             stage = i % STAGES
@@ -288,7 +289,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
             # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
             # resources").
-            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
+            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, n_full, n_total, BM, ONE_PASS, ORDERED),
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
                                     dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
         last = (total - 1) % STAGES
@@ -359,14 +360,14 @@ def attention_dkdv_gluon(
     else:
         ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
         dq_head0 = DQ
-    order = (0, 0, 0, 0)  # stand-ins: only ORDERED reads them
+    order = (0, 0, 0, 0, 0)  # stand-ins: only ORDERED reads them
     if ORDERED:
         n_qb = gl.cdiv(seq_q, BM)
         # the entries' ranks sit at the list's own offset (DQ_RANKS has INDICES' shape)
         b64 = b.to(gl.int64)
         rank_ptr = DQ_RANKS + b64 * stride_idx_b + gl.load(COUNTS + b64 * stride_cnt_b + pid_n * 3 + 2)
         sem_ptr0 = DQ_SEM + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * n_qb * 2
-        order = (rank_ptr, sem_ptr0, n_total, n_qb)
+        order = (rank_ptr, sem_ptr0, n_full, n_total, n_qb)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -400,7 +401,7 @@ def attention_dkdv_gluon(
                          ONE_PASS, HEAD_DIM, ORDERED)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
-                         MASK_MODE)),
+                         MASK_MODE, ORDERED)),
         ],
         WORKER_WARPS,
         WORKER_REGS,

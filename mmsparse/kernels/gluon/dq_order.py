@@ -20,6 +20,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..lists import visit_slot
 from .common import thread_barrier
 
 # Labels inside braces are local to the block: the asm may be inlined several times in one kernel.
@@ -48,14 +49,14 @@ _PASS_ASM = gl.constexpr("""{
 @gluon.jit
 def turn_semaphore(order, i, row0, WG: gl.constexpr, BM: gl.constexpr):
     """``(semaphore pointer, rank)`` of step i's dQ tile for warpgroup WG: ``order`` is ``(rank_ptr, sem_ptr0,
-    n_total, n_qb)``, the key block's list ranks, the group's first head's semaphores, the list's length and the
-    query blocks per head; the step's head is i // n_total, its list entry i % n_total, its query block row0 //
-    BM."""
-    rank_ptr, sem_ptr0, n_total, n_qb = order
-    it = i % n_total
+    n_full, n_total, n_qb)``, the key block's list ranks, the group's first head's semaphores, the list's full
+    blocks and length, and the query blocks per head; the step's head is i // n_total, its list entry the one
+    visited at step i % n_total (``lists.visit_slot``, descending), its query block row0 // BM."""
+    rank_ptr, sem_ptr0, n_full, n_total, n_qb = order
+    slot = visit_slot(i % n_total, n_full, n_total, True)
     g = i // n_total
     sem = sem_ptr0 + ((g * n_qb + row0 // BM) * 2 + WG).to(gl.int64)
-    return sem, gl.load(rank_ptr + it)
+    return sem, gl.load(rank_ptr + slot)
 
 
 @gluon.jit

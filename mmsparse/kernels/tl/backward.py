@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS
-from ..lists import block_id
+from ..lists import block_id, visit_slot
 from .common import (
     dot,
     dropout_keep,
@@ -69,9 +69,12 @@ def _dkdv_tiles(
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM].
     ``ONE_PASS``: also add each query block's dQ contribution into the float32 rows at ``dq_ptr`` (this head's
     ``[Sq, HEAD_DIM]``, from a 64-bit base); ``ORDERED``: after the adds of the key blocks ranked before this one
-    (``rank_ptr[it]``), counted by this head's semaphores at ``sem_ptr`` (one per query block)."""
+    (``rank_ptr[slot]``), counted by this head's semaphores at ``sem_ptr`` (one per query block), visiting the
+    blocks in descending order (``lists.visit_slot``; start..stop is all of the full or of the partial blocks).
+    """
     for it in range(start, stop):
-        m_blk = block_id(idx_ptr, it)
+        slot = visit_slot(it, start, stop, ORDERED)
+        m_blk = block_id(idx_ptr, slot)
         offs_m = m_blk * BM + offs_m0
         b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
@@ -102,7 +105,7 @@ def _dkdv_tiles(
             # the kernel's end orders them before the launcher reads the sum
             p_dq = dq_ptr + (m_blk * BM).to(tl.int64) * HEAD_DIM + offs_m0[:, None] * HEAD_DIM + offs_d[None, :]
             if ORDERED:
-                wait_turn(sem_ptr + m_blk, tl.load(rank_ptr + it))
+                wait_turn(sem_ptr + m_blk, tl.load(rank_ptr + slot))
             tl.atomic_add(p_dq, b_dq * sm_scale, mask=(offs_m < seq_q)[:, None] & (offs_d < HEAD_DIM)[None, :],
                           sem="relaxed")
             if ORDERED:
