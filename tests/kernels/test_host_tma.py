@@ -61,7 +61,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
                 # defaulted flags a variant leaves off: ping-pong, and the one pass's (off in a two-pass launch)
-                optional = ("PINGPONG", "ONE_PASS", "HEAD_DIM") if self.name == "dkdv" else ("PINGPONG",)
+                optional = ("PINGPONG", "ONE_PASS", "HEAD_DIM", "ORDERED") if self.name == "dkdv" else ("PINGPONG",)
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
