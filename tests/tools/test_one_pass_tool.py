@@ -26,7 +26,7 @@ def test_one_pass_tool_checks_and_compares(tmp_path, capsys):
     for side in ("one-pass", "ordered-one-pass"):
         assert row[f"{side}_out_equal"], side
         assert max(row[f"{side}_{g}_rel_diff"] for g in ("dq", "dk", "dv")) < 1e-5, side
-    assert row["ordered-one-pass_dq_bits_changed"] == 0 and row["ordered_dkdv_equal_one_pass"]
+    assert row["ordered-one-pass_dq_bits_changed"] == 0
     assert "| tiny_ab | ok / ok / ok | True, " in capsys.readouterr().out
 
 
