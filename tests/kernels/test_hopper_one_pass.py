@@ -19,6 +19,7 @@ from mmsparse.attention import backward
 from mmsparse.attention.config import kernel_config
 from mmsparse.attention.plan import plan_attention
 from mmsparse.mask.blocks import cdiv
+from mmsparse.mask.info import MaskInfo
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]  # the segment-code mask
@@ -168,12 +169,16 @@ ORDERED_CASES = ["bits-gqa2-D128", "bits-causal-D64-fp16", "codes-gqa2-D128", "c
 
 @pytest.fixture
 def ordered_launches(monkeypatch):
-    """Records, per Gluon dK/dV launch, whether it was the ordered one-pass (dq_order given), and the semaphores
-    the backward allocated (read after the call)."""
+    """Records, per Gluon dK/dV launch, whether it was the ordered one-pass (dq_order given), the semaphores the
+    backward allocated and the by-key lists its ranks came from (read after the call)."""
     from mmsparse.attention import gluon_launch
 
-    record = {"ordered": [], "semaphores": []}
-    real_dkdv, real_alloc = gluon_launch.run_dkdv, backward._dq_accumulator
+    record = {"ordered": [], "semaphores": [], "lists": []}
+    real_dkdv, real_alloc, real_ranks = gluon_launch.run_dkdv, backward._dq_accumulator, MaskInfo.dq_add_ranks
+
+    def ranks(info, block_m, block_n):
+        record["lists"].append((info.built_lists(block_m, block_n, True), cdiv(info.seq_q, block_m)))
+        return real_ranks(info, block_m, block_n)
 
     def dkdv(*args, **kwargs):
         record["ordered"].append((args[15] if len(args) > 15 else kwargs.get("dq_order")) is not None)
@@ -186,7 +191,16 @@ def ordered_launches(monkeypatch):
 
     monkeypatch.setattr(gluon_launch, "run_dkdv", dkdv)
     monkeypatch.setattr(backward, "_dq_accumulator", alloc)
+    monkeypatch.setattr(MaskInfo, "dq_add_ranks", ranks)
     return record
+
+
+def _listed_counts(lists, n_cols: int, batch: int, heads: int) -> torch.Tensor:
+    """int32 ``[B, Hq, query blocks, 2]``: how many key blocks' lists hold each query block, once per warpgroup's
+    semaphore."""
+    counts, ids = lists.padded(n_cols)
+    held = torch.stack([(ids == c).sum((1, 2)) for c in range(n_cols)], -1).to(torch.int32)  # [Bm, NQ]
+    return held[:, None, :, None].expand(batch, heads, n_cols, 2)
 
 
 def _tile_counts(mask: torch.Tensor, heads: int, block_m: int, block_n: int) -> torch.Tensor:
@@ -220,9 +234,12 @@ def test_gluon_ordered_one_pass_matches_float64(name, ordered_launches):
     assert ordered_launches["ordered"] == [True]  # the Gluon ordered one-pass kernel, no dQ pass
     mask = reference_mask(topo, lens, seq, seq_q, causal, window=window)
     check_outputs(q, k, v, out, grad_out, mask)
-    (sem,) = ordered_launches["semaphores"]
-    want = _tile_counts(mask.to(dev), heads, cfg.bwd_dkdv.block_m, cfg.bwd_dkdv.block_n).expand(batch, -1, -1, -1)
+    (sem,), ((lists, n_cols),) = ordered_launches["semaphores"], ordered_launches["lists"]
+    want = _listed_counts(lists, n_cols, batch, heads)
     assert torch.equal(sem.view(want.shape), want), "a semaphore does not count its tile's key blocks"
+    if window is None:  # a window's edge may list a tile with no allowed pair
+        live = _tile_counts(mask.to(dev), heads, cfg.bwd_dkdv.block_m, cfg.bwd_dkdv.block_n)
+        assert torch.equal(want, live.expand(batch, -1, -1, -1))
 
 
 @pytest.mark.hopper

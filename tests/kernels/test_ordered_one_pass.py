@@ -27,6 +27,7 @@ from mmsparse.attention.kernel_args import list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.mask.blocks import cdiv
+from mmsparse.mask.info import MaskInfo
 from tests.helpers import CYCLIC, HUB, RING, check_outputs, make_qkv
 
 ORDERED = "ordered_one_pass"
@@ -54,25 +55,38 @@ def _case_id(name: str) -> str:
 
 
 class _Accumulators:
-    """Wraps the backward's dQ accumulator allocation: keeps each call's semaphores to read after the call."""
+    """Wraps the backward's dQ accumulator allocation and the mask's add ranks: keeps each call's semaphores and
+    the by-key lists its ranks came from, to read after the call."""
 
-    def __init__(self, allocate) -> None:
-        self.allocate, self.semaphores = allocate, []
+    def __init__(self, allocate, ranks) -> None:
+        self.allocate, self.ranks, self.semaphores, self.lists = allocate, ranks, [], []
 
     def __call__(self, shape, device, semaphores):
         dq_sum, dq_sem = self.allocate(shape, device, semaphores)
         self.semaphores.append(dq_sem)
         return dq_sum, dq_sem
 
+    def add_ranks(self, info, block_m, block_n):
+        self.lists.append((info.built_lists(block_m, block_n, True), cdiv(info.seq_q, block_m)))
+        return self.ranks(info, block_m, block_n)
+
 
 @pytest.fixture
 def accumulators(monkeypatch):
-    spy = _Accumulators(backward._dq_accumulator)
+    spy = _Accumulators(backward._dq_accumulator, MaskInfo.dq_add_ranks)
     monkeypatch.setattr(backward, "_dq_accumulator", spy)
+    monkeypatch.setattr(MaskInfo, "dq_add_ranks", lambda info, bm, bn: spy.add_ranks(info, bm, bn))
     return spy
 
 
-def _expected_counts(mask: torch.Tensor, batch: int, heads: int, block_m: int, block_n: int) -> torch.Tensor:
+def _listed_counts(lists, n_cols: int, batch: int, heads: int) -> torch.Tensor:
+    """int32 ``[B, Hq, query blocks]``: how many key blocks' lists hold each query block."""
+    counts, ids = lists.padded(n_cols)
+    held = torch.stack([(ids == c).sum((1, 2)) for c in range(n_cols)], -1).to(torch.int32).cpu()  # [Bm, NQ]
+    return held[:, None, :].expand(batch, heads, n_cols)
+
+
+def _live_counts(mask: torch.Tensor, batch: int, heads: int, block_m: int, block_n: int) -> torch.Tensor:
     """int32 ``[B, Hq, query blocks]``: the key blocks with an allowed pair in each query block (from the dense
     reference mask: the tiles the float64 reference says are live)."""
     mask = mask.expand(batch, *mask.shape[-2:]) if mask.dim() == 3 else mask.expand(batch, *mask.shape)
@@ -87,7 +101,8 @@ def _expected_counts(mask: torch.Tensor, batch: int, heads: int, block_m: int, b
 @pytest.mark.parametrize("name", list(CASES), ids=_case_id)
 def test_ordered_one_pass_matches_reference(name, device, accumulators):
     """Fresh inputs, the mask built inside the call; out, dq, dk, dv against float64; every semaphore ends at the
-    number of key blocks that add into its tile (each waited for its turn and passed it on)."""
+    number of key blocks whose lists hold its tile (each waited for its turn and passed it on), which without a
+    window is the number of live tiles of the reference mask (a window's edge may list a tile with no pair)."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, extra = CASES[name]
     seq = sum(lens) if isinstance(lens[0], int) else max(map(sum, lens))
     seq_q = seq if seq_q is None else seq_q
@@ -100,9 +115,11 @@ def test_ordered_one_pass_matches_reference(name, device, accumulators):
     mask = reference_mask(topo, lens, seq, seq_q, causal, extra.get("q_start"), window=extra.get("window"))
     check_outputs(q, k, v, out, grad_out, mask)
     tile = kernel_config(head_dim, dtype, device).one_pass_kernel_tile()
-    (sem,) = accumulators.semaphores
-    want = _expected_counts(mask, batch, heads, tile.block_m, tile.block_n)
+    (sem,), ((lists, n_cols),) = accumulators.semaphores, accumulators.lists
+    want = _listed_counts(lists, n_cols, batch, heads)
     assert torch.equal(sem.cpu().view(want.shape), want), f"semaphores {sem.view(want.shape)} vs {want}"
+    if "window" not in extra:
+        assert torch.equal(want, _live_counts(mask, batch, heads, tile.block_m, tile.block_n))
 
 
 @pytest.mark.parametrize("kind", ["bits", "dense"])
