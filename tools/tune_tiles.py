@@ -109,9 +109,9 @@ def main() -> None:
             try:
                 with use_config(cfg, deterministic=deterministic):
                     f, bw = ours(q, k, v, topo, lens, causal)
+                kernel = "gluon" if cfg.one_pass_runs_gluon() else "tl"
                 bwd_tiles = (f"dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}" if deterministic
-                             else f"one-pass gluon{cfg.bwd_dkdv}" if cfg.bwd_dkdv.gluon
-                             else f"one-pass{cfg.one_pass_tile()}")
+                             else f"one-pass {kernel}{cfg.one_pass_kernel_tile()}")
                 print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} {bwd_tiles}: "
                       f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001

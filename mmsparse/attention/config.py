@@ -16,6 +16,7 @@ import torch
 from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
+TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
 DETERMINISTIC_BACKWARDS = ("two_pass", "ordered_one_pass")  # KernelConfig.deterministic_backward's values
 
 
@@ -32,10 +33,13 @@ class Tile:
     gluon_stages: int = 0
     pingpong: bool = False  # Gluon kernels: the two consumer warpgroups take turns to issue their matmuls
     # How the Gluon forward's warpgroups take turns with pingpong (gluon_launch.TURNS): "mbarrier" (a turn
-    # mbarrier each, stages released apart: two arrives a key block), "handoff" (the hand-offs release the stages)
-    # "named" (hardware named barriers; stages released apart) or "named_release" (named turns and releases: no
-    # mbarrier arrive in the consumer loop).
+    # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
+    # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURN_SCHEMES:
+            raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
 
     @property
     def gluon(self) -> bool:
@@ -257,9 +261,10 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
 # are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
 # needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory. Those ping-pong timings
 # had turn mbarriers (turns="mbarrier"); named turns and releases (turns="named_release") run the D=128 forward
-# 1.016-1.043x faster on an H200, bit-equal (benchmarks/results/h200/ab.md); "handoff" and "named" are untimed.
-# D=64 with ping-pong and any scheme, at 2 or 3 stages, compiles (tests/kernels/test_gluon_compiles.py), untimed:
-# replace(_GLUON_FWD[64], gluon_stages=3, pingpong=True, turns="named_release") through use_config.
+# 1.006-1.046x faster on an H200, bit-equal (benchmarks/results/h200/fwd_turns.md: mm13k_cyclic, mm13k_hub,
+# mm43k_cyclic, transfusion_16k). D=64 with ping-pong (same record, mm13k_hub_d64): 3 stages 1.014x (mbarrier) and
+# 1.020x (named_release) the 2 stages without, within the run's spread, 2 stages with named releases 0.80x; the
+# table keeps D=64 as it was.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
@@ -268,9 +273,11 @@ _GLUON_FWD = {
 # 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
 # A row block meets a few partial tiles, and 64-key tiles waste less of them; pack_64k_x512 at 128x64: 3 stages
 # 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
-# not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES).
+# not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES). Its lists
+# are a few blocks long, and the turn mbarriers beat named turns and releases there (pack_64k_x512 on an H200,
+# h200/fwd_turns.md: named_release 0.983x).
 _GLUON_FWD_SHORT_SAMPLES = {
-    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
+    128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="mbarrier"),
 }
 # The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
 # process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constants import TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED, TURNS_NAMED_RELEASE
+from ..kernels.constants import TURNS_MBARRIER, TURNS_NAMED_RELEASE
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
@@ -22,8 +22,7 @@ from .kernel_args import LaunchArgs
 _LAUNCH_REGS = 168
 
 # Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
-TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED,
-         "named_release": TURNS_NAMED_RELEASE}
+TURNS = {"mbarrier": TURNS_MBARRIER, "named_release": TURNS_NAMED_RELEASE}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
@@ -36,8 +35,6 @@ def run_forward(
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
     that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
     _check_rows(tile.block_m, BLOCK_M)
-    if tile.turns not in TURNS:
-        raise ValueError(f"Tile.turns must be one of {sorted(TURNS)}; got {tile.turns!r}")
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = mask
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)

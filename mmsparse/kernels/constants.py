@@ -15,9 +15,9 @@ MASK_SEGMENTS = 2  # any topology, packed samples: per-token segment codes and t
 
 # How the two consumer warpgroups of the Gluon forward take turns with ping-pong (its ``TURNS``; config.Tile.turns).
 TURNS_MBARRIER = 0  # a turn mbarrier per warpgroup; each stage released apart through the ring's kv_empty
-TURNS_HANDOFF = 1  # an mbarrier per warpgroup and stage slot; the hand-offs also release stages: one arrive a block
-TURNS_NAMED = 2  # a named hardware barrier per warpgroup (bar.sync / bar.arrive); stages released through kv_empty
-TURNS_NAMED_RELEASE = 3  # named turns, and stages released through a named barrier per stage: no mbarrier arrive
+# a named hardware barrier per warpgroup for the turns (bar.sync / bar.arrive), and one per stage for its release:
+# no mbarrier arrive in the consumer loop
+TURNS_NAMED_RELEASE = 1
 
 # How the tl kernels multiply tiles (their ``DOT_MODE``).
 DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation

@@ -65,7 +65,6 @@ class Protocol:
         self.ready = {"k": [MBarrier(1) for _ in range(stages)], "v": [MBarrier(1) for _ in range(stages)]}
         self.kv_empty = [MBarrier(2) for _ in range(stages)]
         self.turn = [MBarrier(1), MBarrier(1)]
-        self.handoffs = [[MBarrier(1) for _ in range(stages)] for _ in range(2)]
         self.named = [NamedBarrier(), NamedBarrier()]  # forward.TURN_BARRIER_IDS
         self.named_releases = [NamedBarrier(3) for _ in range(stages)]  # from forward.RELEASE_BARRIER_ID
         self.copies: list[tuple[str, int, int]] = []  # issued TMA copies: (k or v, stage, block)
@@ -96,18 +95,7 @@ class Protocol:
     # -- the producer (forward._producer) --------------------------------------------------------------------------
     def producer(self) -> Iterator[None]:
         n, stages = self.n, self.stages
-        if self.turns == "handoff":  # forward._stream_kv_handoff / _wait_hand_offs
-            for first in range(0, n, stages):
-                lap = first // stages
-                for stage in range(stages):
-                    it = first + stage
-                    if it < n:
-                        for kind, ahead in (("k", stage + 1), ("v", stage + 2)):
-                            phase = (lap + 1 + ahead // stages) & 1
-                            yield from self.wait(self.handoffs[0][ahead % stages], phase)
-                            yield from self.wait(self.handoffs[1][ahead % stages], phase)
-                            yield from self.load(kind, stage, it)
-        elif self.turns == "named_release":  # forward._stream_kv_named
+        if self.turns == "named_release":  # forward._stream_kv_named
             for first in range(0, n, stages):
                 for stage in range(stages):
                     if first + stage < n:
@@ -124,22 +112,13 @@ class Protocol:
 
     # -- a consumer warpgroup (forward._consumer) -----------------------------------------------------------------
     def take_turn(self, wg: int, e: int) -> Iterator[None]:
-        stages = self.stages
-        if self.turns == "handoff":
-            if wg == 0:
-                prev = e + stages - 1
-                yield from self.wait(self.handoffs[1][prev % stages], ((prev // stages) & 1) ^ 1)
-            else:
-                yield from self.wait(self.handoffs[0][e % stages], (e // stages) & 1)
-        elif self.turns in ("named", "named_release"):
+        if self.turns == "named_release":
             yield from self.named[wg].sync(wg)
         else:
             yield from self.wait(self.turn[wg], e & 1)
 
     def hand_off(self, wg: int, e: int) -> None:
-        if self.turns == "handoff":
-            self.handoffs[wg][e % self.stages].arrive()
-        elif self.turns in ("named", "named_release"):
+        if self.turns == "named_release":
             if wg == 0 or e < self.n:  # warpgroup 1 skips its last: warpgroup 0 takes no turn after it
                 self.named[1 - wg].arrive(wg)
         else:
@@ -150,7 +129,7 @@ class Protocol:
         if self.turns == "named_release":
             if block + self.stages < self.n:  # only where the producer waits for it
                 self.named_releases[stage].arrive(wg)
-        elif self.turns != "handoff":
+        else:
             self.kv_empty[stage].arrive()
 
     def consumer(self, wg: int) -> Iterator[None]:
@@ -170,7 +149,7 @@ class Protocol:
                 kind, stage = pending.pop(0)
                 self.reads[kind][stage].discard(wg)
 
-        if self.turns in ("named", "named_release") and wg == 1:
+        if self.turns == "named_release" and wg == 1:
             self.named[0].arrive(1)  # warpgroup 0 goes first
         for e in range(n + 1):  # turn 0: S_0 alone; turn n: the last P V alone
             yield from self.take_turn(wg, e)
@@ -207,7 +186,7 @@ class Protocol:
         assert all(not b.counted for b in named), "a named barrier is left with a warpgroup counted in"
 
 
-@pytest.mark.parametrize("turns", ["mbarrier", "handoff", "named", "named_release"])
+@pytest.mark.parametrize("turns", ["mbarrier", "named_release"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_forward_turns_protocol(turns, stages):
     for n in (1, 2, 3, 4, 7, 10):
@@ -223,7 +202,7 @@ def test_the_model_fails_an_unbalanced_named_turn(monkeypatch):
 
     monkeypatch.setattr(Protocol, "hand_off", always)
     with pytest.raises(AssertionError, match="left with a warpgroup counted"):
-        Protocol("named", 3, 3, random.Random(0)).run()
+        Protocol("named_release", 3, 3, random.Random(0)).run()
 
 
 def test_the_model_fails_a_named_release_of_the_last_blocks(monkeypatch):
@@ -239,21 +218,14 @@ def test_the_model_fails_a_named_release_of_the_last_blocks(monkeypatch):
 
 
 def test_the_model_fails_a_stage_refilled_too_early(monkeypatch):
-    """V released one hand-off too early (after its P V was issued, not waited for): the model must catch it."""
+    """A producer that refills each stage without waiting for its release: the model must catch it."""
 
     def early(self):
-        n, stages = self.n, self.stages
-        for first in range(0, n, stages):
-            lap = first // stages
-            for stage in range(stages):
-                if first + stage < n:
-                    for kind, ahead in (("k", stage + 1), ("v", stage + 1)):
-                        phase = (lap + 1 + ahead // stages) & 1
-                        yield from self.wait(self.handoffs[0][ahead % stages], phase)
-                        yield from self.wait(self.handoffs[1][ahead % stages], phase)
-                        yield from self.load(kind, stage, first + stage)
+        for it in range(self.n):
+            yield from self.load("k", it % self.stages, it)
+            yield from self.load("v", it % self.stages, it)
 
     monkeypatch.setattr(Protocol, "producer", early)
-    with pytest.raises(AssertionError, match="refilled while|reads v block"):
+    with pytest.raises(AssertionError, match="refilled while|reads [kv] block"):
         for seed in range(50):
-            Protocol("handoff", 6, 3, random.Random(seed)).run()
+            Protocol("mbarrier", 6, 3, random.Random(seed)).run()

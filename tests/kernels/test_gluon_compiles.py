@@ -68,16 +68,14 @@ VARIANTS = [
     Variant("fwd", 128, "dense", causal=True),
     Variant("fwd", 128, "bits", pingpong=False),
     Variant("fwd", 128, "codes", causal=True, turns="mbarrier"),
-    Variant("fwd", 128, "bits", turns="handoff"),
-    Variant("fwd", 128, "dense", turns="named"),
+    Variant("fwd", 128, "dense", turns="mbarrier"),
     Variant("fwd", 128, "codes", causal=True, turns="named_release"),
     Variant("fwd", 64, "bits"),
     Variant("fwd", 64, "codes", causal=True),
     Variant("fwd", 64, "dense"),
     # D=64 with ping-pong (the config runs it without): each turn scheme, 2 and 3 stages.
     Variant("fwd", 64, "bits", pingpong=True, turns="named_release", stages=3),
-    Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named", stages=2),
-    Variant("fwd", 64, "dense", pingpong=True, turns="handoff", stages=3),
+    Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named_release", stages=2),
     Variant("fwd", 64, "bits", causal=True, pingpong=True, turns="mbarrier", stages=2),
     Variant("fwd_short", 128, "codes", causal=True),
     Variant("dq", 128, "bits", causal=True),
@@ -132,17 +130,13 @@ def _tile(variant: Variant):
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
     stage; dK/dV K and V once, done, ready and release per stage, and with the one pass the dS handshake's two;
-    with ping-pong the two turns. The forward's
-    hand-offs (``turns="handoff"``) replace the turns and the releases with one barrier per warpgroup and stage;
-    its named turns (``turns="named"``) are hardware barriers, not mbarriers, and so are its named releases
-    (``turns="named_release"``)."""
+    with ping-pong the two turns. The forward's named turns and releases (``turns="named_release"``) are hardware
+    barriers, not mbarriers."""
     tile = _tile(variant)
     forward = variant.kind in ("fwd", "fwd_short")
-    if forward and tile.pingpong and tile.turns == "handoff":
-        return 1 + 4 * tile.gluon_stages
     if forward and tile.pingpong and tile.turns == "named_release":
         return 1 + 2 * tile.gluon_stages
-    turns = 2 if tile.pingpong and not (forward and tile.turns == "named") else 0
+    turns = 2 if tile.pingpong else 0
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + turns + (2 if variant.one_pass else 0)  # one pass: the dS handshake
     return 1 + 3 * tile.gluon_stages + turns
@@ -245,8 +239,8 @@ FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
 
 def expected_arrives_per_block(variant: Variant) -> int:
     """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
-    each): the stage release, and with turn mbarriers the turn hand-off as well; hand-offs release the stages; named
-    barriers hand the turn over without an mbarrier, and named releases release the stages without one."""
+    each): the stage release, and with turn mbarriers the turn hand-off as well; named barriers hand the turn over
+    and release the stages without one."""
     tile = _tile(variant)
     if tile.pingpong and tile.turns == "named_release":
         return 0
@@ -291,15 +285,13 @@ def test_named_turns_keep_clear_of_tritons_barriers(ptx_dir):
         theirs = {int(bar) for op, bar, threads in uses if not bar.startswith("%") and int(bar) not in ours_ids}
         assert 0 in theirs or 1 in theirs, f"{variant.name}: no barrier of Triton's found: {uses[:5]}"
         turn_uses = {(op, str(bar), "256") for op in ("sync", "arrive") for bar in TURN_BARRIER_IDS}
-        if turns == "named":
-            assert mine == turn_uses, f"{variant.name}: {mine}"
-        elif turns == "named_release":
+        if turns == "named_release":
             releases = {(op, threads) for op, bar, threads in mine - turn_uses if bar.startswith("%")}
             assert mine - turn_uses and releases == {("sync", "288"), ("arrive", "288")}, f"{variant.name}: {mine}"
             assert turn_uses <= mine, f"{variant.name}: {mine}"
         else:
             assert not mine, f"{variant.name} uses barrier ids {sorted(ours_ids)}: {mine}"
-        named += turns in ("named", "named_release")
+        named += turns == "named_release"
     assert named > 0
 
 
@@ -312,7 +304,7 @@ def test_named_turns_fence_each_turns_matmuls(ptx_dir, variant):
     from tests.kernels.ptx_loops import matmul_loops
 
     tile = _tile(variant)
-    if not (tile.pingpong and tile.turns in ("named", "named_release")):
+    if not (tile.pingpong and tile.turns == "named_release"):
         pytest.skip("no named turns")
     out, _ = ptx_dir
     loops = matmul_loops((out / f"{variant.name}.ptx").read_text())

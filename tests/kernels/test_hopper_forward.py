@@ -112,8 +112,7 @@ def test_dropout_and_small_grids_run_the_tl_forward_at_the_same_tile(hopper_call
 
 
 # (Tile.turns, gluon_stages) of the ping-pong schemes checked on a GPU, beside the forward without ping-pong.
-TURN_SCHEMES = [("mbarrier", 3), ("handoff", 3), ("handoff", 2), ("named", 3), ("named", 2), ("named_release", 3),
-                ("named_release", 2)]
+TURN_SCHEMES = [("mbarrier", 3), ("named_release", 3), ("named_release", 2)]
 
 
 @pytest.mark.hopper

@@ -3,6 +3,8 @@ lists the plan names before any launch; the launchers only read them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -124,3 +126,13 @@ def test_thresholds_live_in_the_config(device):
     with pytest.raises(TypeError, match="short_keys"):
         with use_config(short_key=0):
             pass
+
+
+def test_an_unknown_turn_scheme_is_refused_when_the_tile_is_made():
+    """A tile names how the Gluon forward's warpgroups take turns; a name the kernel does not know is a ValueError
+    at ``Tile(...)`` (or ``replace``), listing the known ones, not at a launch."""
+    assert Tile(128, 128, turns="named_release").turns == "named_release"
+    with pytest.raises(ValueError, match=r"Tile.turns must be one of \['mbarrier', 'named_release'\]; got 'named'"):
+        Tile(128, 128, turns="named")
+    with pytest.raises(ValueError, match="got 'handoff'"):
+        replace(Tile(128, 128), turns="handoff")

@@ -9,11 +9,10 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
   matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
   warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: with turn mbarriers
   (``TURNS_MBARRIER``) a warpgroup arrives twice per block, handing the turn over and releasing the stage;
-  with hand-off mbarriers (``TURNS_HANDOFF``) once, as the hand-off also tells the producer which stages are free;
-  with named barriers (``TURNS_NAMED``, as FlashAttention-3) once, the stage release, while the turns go through
-  ``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads, which need no mbarrier and no extra bar.sync;
-  with ``TURNS_NAMED_RELEASE`` the stages are released through named barriers as well (the consumers'
-  ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive in the consumer loop.
+  with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as in FlashAttention-3
+  (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra bar.sync), and so do the
+  stage releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive
+  in the consumer loop.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
@@ -33,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_HANDOFF, TURNS_MBARRIER, TURNS_NAMED, TURNS_NAMED_RELEASE
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_MBARRIER, TURNS_NAMED_RELEASE
 from ..lists import block_id
 from .common import (
     FIRST_FREE_BARRIER_ID,
@@ -60,10 +59,8 @@ from .common import (
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 _TURNS_MBARRIER = gl.constexpr(TURNS_MBARRIER)
-_TURNS_HANDOFF = gl.constexpr(TURNS_HANDOFF)
-_TURNS_NAMED = gl.constexpr(TURNS_NAMED)
 _TURNS_NAMED_RELEASE = gl.constexpr(TURNS_NAMED_RELEASE)
-# TURNS_NAMED: warpgroup w's turn is named barrier TURN_BARRIER_IDS[w], counted over both consumer warpgroups: w
+# TURNS_NAMED_RELEASE: warpgroup w's turn is named barrier TURN_BARRIER_IDS[w], counted over both consumer warpgroups: w
 # waits there (bar.sync) before issuing its matmuls, the other warpgroup arrives (bar.arrive) once it issued its own.
 TURN_BARRIER_IDS = (FIRST_FREE_BARRIER_ID, FIRST_FREE_BARRIER_ID + 1)
 _CONSUMER_THREADS = 2 * 4 * 32  # the two consumer warpgroups
@@ -71,7 +68,7 @@ _SYNC_TURN_0 = named_barrier_asm("sync", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _SYNC_TURN_1 = named_barrier_asm("sync", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
 _ARRIVE_TURN_0 = named_barrier_asm("arrive", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
-# TURNS_NAMED_RELEASE: stage s is released through named barrier RELEASE_BARRIER_ID + s, counted over both consumer
+# Stage s is released through named barrier RELEASE_BARRIER_ID + s, counted over both consumer
 # warpgroups and the producer warp: the consumers arrive once they no longer read the stage, the producer waits
 # there (bar.sync) before refilling it.
 RELEASE_BARRIER_ID = gl.constexpr(TURN_BARRIER_IDS[1] + 1)
@@ -81,48 +78,19 @@ _SYNC_RELEASE = named_barrier_asm("sync", None, _RELEASE_THREADS)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, handoffs, idx_ptr,
-              n_total, row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, HANDOFF: gl.constexpr,
-              NAMED_RELEASE: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr, n_total,
+              row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
     can start before V lands). A stage is free again once both warpgroups released it (``kv_empty``, or with
-    ``NAMED_RELEASE`` its named barrier) or, with ``HANDOFF``, once both handed their turns over past its last
-    read."""
+    ``NAMED_RELEASE`` its named barrier)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
     tma_load(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
-    if HANDOFF:
-        _stream_kv_handoff(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, handoffs, idx_ptr, n_total, b, hk, BN,
-                           STAGES)
-    elif NAMED_RELEASE:
+    if NAMED_RELEASE:
         _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN, STAGES)
     else:
         stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN,
                        STAGES)
-
-
-@gluon.jit
-def _stream_kv_handoff(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, handoffs, idx_ptr, n_total, b, hk,
-                       BN: gl.constexpr, STAGES: gl.constexpr):
-    """``stream_kv_ring`` with the stages released by the warpgroups' hand-offs (:func:`_hand_off`). Turn e of a
-    warpgroup issues S_e = Q K_e^T and P_{e-1} V_{e-1}, hands off, and waits for both before turn e + 1. So K_j
-    was last read before hand-off j + 1 and V_j before hand-off j + 2: block it refills its stage after hand-off
-    it - STAGES + 1 of both warpgroups for K, it - STAGES + 2 for V. Those hand-offs need only blocks before it,
-    so 2 stages cannot deadlock; 3 leave the producer a block of slack.
-
-    The blocks go a lap of STAGES at a time, so that every stage and hand-off slot is a constant."""
-    for first in range(0, n_total, STAGES):
-        lap = first // STAGES
-        for stage in gl.static_range(STAGES):
-            it = first + stage
-            if it < n_total:
-                n_blk = block_id(idx_ptr, it)
-                _wait_hand_offs(handoffs, lap, stage + 1, STAGES)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
-                _wait_hand_offs(handoffs, lap, stage + 2, STAGES)
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
 
 
 @gluon.jit
@@ -146,32 +114,11 @@ def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, 
 
 
 @gluon.jit
-def _wait_hand_offs(handoffs, lap, AHEAD: gl.constexpr, STAGES: gl.constexpr):
-    """Wait until both warpgroups made hand-off e = (lap - 1) * STAGES + AHEAD: arrive number e // STAGES on slot
-    AHEAD % STAGES. For e < 0 that is arrive -1, phase 1 of a barrier nothing arrived on yet, which counts as
-    complete (the hand-off it would pair with needs this block first)."""
-    handoff0, handoff1 = handoffs
-    phase = (lap + 1 + AHEAD // STAGES) & 1  # (e // STAGES) & 1, kept non-negative
-    mbarrier.wait(handoff0.index(AHEAD % STAGES), phase)
-    mbarrier.wait(handoff1.index(AHEAD % STAGES), phase)
-
-
-@gluon.jit
-def _take_turn(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr, STAGES: gl.constexpr):
+def _take_turn(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr):
     """With PINGPONG, wait until warpgroup WG may issue the matmuls of its turn e (0 .. n_total): warpgroup 0 after
     warpgroup 1's turn e - 1, warpgroup 1 after warpgroup 0's turn e."""
     if PINGPONG:
-        turn, handoffs = turns
-        if TURNS == _TURNS_HANDOFF:
-            handoff0, handoff1 = handoffs
-            if WG == 0:
-                # Turn e - 1 of warpgroup 1, written e + STAGES - 1 so that turn 0 waits for phase 1 of a fresh
-                # barrier (complete): no negative remainder.
-                prev = e + STAGES - 1
-                mbarrier.wait(handoff1.index(prev % STAGES), ((prev // STAGES) & 1) ^ 1)
-            else:
-                mbarrier.wait(handoff0.index(e % STAGES), (e // STAGES) & 1)
-        elif TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE:
+        if TURNS == _TURNS_NAMED_RELEASE:
             if WG == 0:
                 named_barrier(_SYNC_TURN_0)
             else:
@@ -181,14 +128,10 @@ def _take_turn(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.con
 
 
 @gluon.jit
-def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr, STAGES: gl.constexpr,
-              LAST: gl.constexpr = False):
+def _hand_off(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr, LAST: gl.constexpr = False):
     """With PINGPONG, end turn e of warpgroup WG once its matmuls are issued (LAST: turn n_total, the last)."""
     if PINGPONG:
-        turn, handoffs = turns
-        if TURNS == _TURNS_HANDOFF:
-            mbarrier.arrive(handoffs[WG].index(e % STAGES))
-        elif TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE:
+        if TURNS == _TURNS_NAMED_RELEASE:
             if WG == 0:
                 named_barrier(_ARRIVE_TURN_1)
             elif not LAST:
@@ -201,15 +144,13 @@ def _hand_off(turns, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.cons
 @gluon.jit
 def _release_stage(kv_empty, stage, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
                    STAGES: gl.constexpr):
-    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer, unless the hand-offs
-    do. A named release only where the producer waits for it (a block STAGES later exists): an arrive nobody syncs
-    with would stay counted."""
-    if not PINGPONG:
-        mbarrier.arrive(kv_empty.index(stage))
-    elif TURNS == _TURNS_NAMED_RELEASE:
+    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer. A named release only
+    where the producer waits for it (a block STAGES later exists): an arrive nobody syncs with would stay
+    counted."""
+    if PINGPONG and TURNS == _TURNS_NAMED_RELEASE:
         if block + STAGES < n_total:
             named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
-    elif TURNS != _TURNS_HANDOFF:
+    else:
         mbarrier.arrive(kv_empty.index(stage))
 
 
@@ -233,7 +174,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
     turn n_total the last P V alone."""
     q_smem, k_smem, v_smem = buffers
-    q_bar, k_ready, v_ready, kv_empty, turns = barriers
+    q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
@@ -255,13 +196,13 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
     if n_total > 0:
-        if PINGPONG and (TURNS == _TURNS_NAMED or TURNS == _TURNS_NAMED_RELEASE) and WG == 1:
+        if PINGPONG and TURNS == _TURNS_NAMED_RELEASE and WG == 1:
             named_barrier(_ARRIVE_TURN_0)  # warpgroup 0 goes first; matched by its sync of turn 0
         # Block 0: its scores alone.
-        _take_turn(turns, WG, 0, PINGPONG, TURNS, STAGES)
+        _take_turn(turn, WG, 0, PINGPONG, TURNS)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _hand_off(turns, WG, 0, PINGPONG, TURNS, STAGES)
+        _hand_off(turn, WG, 0, PINGPONG, TURNS)
         s = warpgroup_mma_wait(0, deps=(s,))
         if n_full == 0:
             s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
@@ -270,12 +211,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
-            _take_turn(turns, WG, it, PINGPONG, TURNS, STAGES)
+            _take_turn(turn, WG, it, PINGPONG, TURNS)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-            _hand_off(turns, WG, it, PINGPONG, TURNS, STAGES)
+            _hand_off(turn, WG, it, PINGPONG, TURNS)
             s = warpgroup_mma_wait(1, deps=(s,))
             if it >= n_full:
                 s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
@@ -286,10 +227,10 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
-        _take_turn(turns, WG, n_total, PINGPONG, TURNS, STAGES)
+        _take_turn(turn, WG, n_total, PINGPONG, TURNS)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-        _hand_off(turns, WG, n_total, PINGPONG, TURNS, STAGES, LAST=True)
+        _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         if not (PINGPONG and TURNS == _TURNS_NAMED_RELEASE):  # no block comes STAGES after the last
             _release_stage(kv_empty, last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
@@ -328,7 +269,6 @@ def attention_fwd_gluon(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
-    handoff: gl.constexpr = PINGPONG and TURNS == _TURNS_HANDOFF
     named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
     gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
@@ -346,18 +286,11 @@ def attention_fwd_gluon(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    # A warpgroup's hand-off slots (TURNS_HANDOFF): it arrives on its own and waits on the other's. TURNS_NAMED
-    # needs no barrier in shared memory: its turns are hardware barriers.
-    handoffs = (gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout),
-                gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout))
     mbarrier.init(q_bar, count=1)
-    if handoff or named_release:
+    if named_release:  # no kv_empty, and the turns are hardware barriers
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            if handoff:
-                mbarrier.init(handoffs[0].index(i), count=1)
-                mbarrier.init(handoffs[1].index(i), count=1)
     else:
         init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:
@@ -365,7 +298,7 @@ def attention_fwd_gluon(
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, k_smem, v_smem)
-    barriers = (q_bar, k_ready, v_ready, kv_empty, (turn, handoffs))
+    barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
@@ -373,20 +306,17 @@ def attention_fwd_gluon(
                          MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, handoffs,
-                         idx_ptr, n_total, row0, b, h, h // GROUP, BN, STAGES, handoff, named_release)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
+                         n_total, row0, b, h, h // GROUP, BN, STAGES, named_release)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(q_bar)
-    if handoff or named_release:
+    if named_release:
         invalidate_ring(k_ready, STAGES)
         invalidate_ring(v_ready, STAGES)
-        if handoff:
-            invalidate_ring(handoffs[0], STAGES)
-            invalidate_ring(handoffs[1], STAGES)
     else:
         invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:

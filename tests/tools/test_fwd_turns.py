@@ -1,0 +1,26 @@
+"""tools.fwd_turns: the settings it compares, and a clear refusal where there is no Hopper GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse.attention.config import TURN_SCHEMES, cuda_kernel_config
+from tools import fwd_turns
+
+
+def test_settings_cover_every_turn_scheme_and_d64_pingpong():
+    d128 = fwd_turns.settings(cuda_kernel_config(128, torch.bfloat16))
+    assert list(d128) == list(TURN_SCHEMES)
+    for turns, cfg in d128.items():
+        assert cfg.fwd.turns == turns and cfg.fwd_short_samples.turns == turns and cfg.fwd.pingpong
+    d64 = fwd_turns.settings(cuda_kernel_config(64, torch.bfloat16))
+    assert next(iter(d64)) == "no_pingpong" and not d64["no_pingpong"].fwd.pingpong
+    assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if k != "no_pingpong"} == {
+        (s, t) for s in (2, 3) for t in TURN_SCHEMES}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
+def test_without_a_hopper_gpu_it_says_so(capsys):
+    assert fwd_turns.main(["--configs", "mm13k_hub"]) == 2
+    assert "needs a Hopper GPU" in capsys.readouterr().err
