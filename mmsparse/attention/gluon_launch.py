@@ -25,6 +25,9 @@ _LAUNCH_REGS = 168
 TURNS = {"mbarrier": TURNS_MBARRIER, "handoff": TURNS_HANDOFF, "named": TURNS_NAMED,
          "named_release": TURNS_NAMED_RELEASE}
 
+# Tile.dq_adds: how the one-pass dK/dV kernel adds dQ; True: TMA bulk reduce-adds (the kernel's DQ_BULK).
+DQ_ADDS = {"atomic": False, "bulk": True}
+
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
 
@@ -87,7 +90,8 @@ def run_dkdv(
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
     least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
-    into it by atomics, as the tl one-pass kernel adds it."""
+    into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
+    TMA bulk reduce-adds through a descriptor of ``dq_sum``)."""
     _check_rows(tile.block_n, BLOCK_N)
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -96,11 +100,19 @@ def run_dkdv(
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = tile.block_m, WG_KEYS.value
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
-    one_pass = {} if dq_sum is None else dict(ONE_PASS=True, HEAD_DIM=head_dim)
+    one_pass, dq_arg = {}, delta
+    if dq_sum is not None:
+        if tile.dq_adds not in DQ_ADDS:
+            raise ValueError(f"Tile.dq_adds must be one of {sorted(DQ_ADDS)}; got {tile.dq_adds!r}")
+        one_pass, dq_arg = dict(ONE_PASS=True, HEAD_DIM=head_dim), dq_sum
+        if DQ_ADDS[tile.dq_adds]:
+            # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
+            one_pass["DQ_BULK"] = True
+            dq_arg = box_descriptor(dq_sum, q_rows, pad // 2)
     _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-        delta, delta if dq_sum is None else dq_sum, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
+        delta, dq_arg, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
         BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
         PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass,

@@ -16,7 +16,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 @functools.cache
@@ -25,7 +25,7 @@ def _box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayo
 
 
 def box_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
-    """The descriptor of ``t`` ([B, H, S, D], half precision, unit stride in D, 16-byte aligned base and strides,
+    """The descriptor of ``t`` ([B, H, S, D], half precision (float32: the one-pass dQ sum), unit stride in D, 16-byte aligned base and strides,
     as ``kernel_layout`` leaves the inputs and as fresh outputs are) with ``[1, 1, rows, width]`` boxes.
 
     Built without ``TensorDescriptor``'s own checks: they cost ~6 us per descriptor, six per backward, on calls
