@@ -14,7 +14,7 @@ from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
 from ..runtime.launch import FastKernel
 from .config import Tile, head_dim_pad
-from .host_tma import box_descriptor
+from .host_tma import box_descriptor, head_rows_descriptor
 from .kernel_args import LaunchArgs
 
 # Registers per thread at launch, for the 9 warps of a CTA (two consumer warpgroups and the producer) before the
@@ -108,7 +108,7 @@ def run_dkdv(
         if DQ_ADDS[tile.dq_adds]:
             # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
             one_pass["DQ_BULK"] = True
-            dq_arg = box_descriptor(dq_sum, q_rows, pad // 2)
+            dq_arg = head_rows_descriptor(dq_sum, q_rows, pad // 2)
     _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,

@@ -113,7 +113,7 @@ VARIANTS = [
 RELAXED_ADD = r"\b(?:red|atom)\.global\.gpu\.relaxed\.add(?:\.v\d)?\.f32\b"
 ORDERED_ATOMIC = r"\b(?:red|atom)\.global\.[a-z.]*(?:acq_rel|release|acquire)"
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
-BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
+BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
 COMPILE_TIMEOUT_S = 900
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one CTA may take on an H100 or H200
 
@@ -208,9 +208,9 @@ def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, variant):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "bulk"],
                          ids=lambda v: v.name)
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
-    """With ``Tile.dq_adds="bulk"`` the one-pass kernel adds dQ only by TMA bulk reduce-adds into the 4-D dQ
-    descriptor (per head: rows past Sq are dropped), waits for them before it reuses the staging tile, and has no
-    global atomic left."""
+    """With ``Tile.dq_adds="bulk"`` the one-pass kernel adds dQ only by TMA bulk reduce-adds through the
+    ``[B * Hq, Sq, D]`` dQ descriptor (rows past Sq are dropped per head), waits for them before it reuses the
+    staging tile, and has no global atomic left."""
     out, proc = ptx_dir
     path = out / f"{variant.name}.ptx"
     assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"

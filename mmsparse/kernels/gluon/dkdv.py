@@ -149,17 +149,14 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
     dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
     next step's dK reads dS^T_i from the tile too (no registers held across the step). With ``DQ_BULK``,
-    ``dq_head`` is ``(descriptor, batch, head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`)
+    ``dq_head`` is ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`)
     from this warpgroup's staging tile."""
     if ONE_PASS:
         ds_smem, k_smem, ds_bars, dq_stage = dq_bufs
-        if DQ_BULK:
-            # The previous step's reduce has read the staging tile (it had a whole step's matmuls to do so);
-            # stage_ds's barrier orders this thread's wait before every thread's next store into the tile.
-            tma.store_wait(0)
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
         mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
-        stage_ds(dst, ds_smem.index(WG))
+        # with DQ_BULK also: the previous step's reduce (a whole step of matmuls ago) has read the staging tile
+        stage_ds(dst, ds_smem.index(WG), DQ_BULK)
         mbarrier.arrive(ds_bars.index(0))
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
@@ -168,8 +165,8 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
         if DQ_BULK:
-            dq_desc, b, h = dq_head
-            bulk_add_dq(dq, dq_stage.index(WG), dq_desc, b, h, row0, sm_scale, WG * N)
+            dq_desc, bh = dq_head
+            bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
         else:
             add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
     else:
@@ -188,12 +185,12 @@ def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
 @gluon.jit
 def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr = False):
     """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31). With
-    ``DQ_BULK``, ``dq_head0`` is ``(descriptor, batch, the group's first head)`` and so is the result."""
+    ``DQ_BULK``, ``dq_head0`` is ``(descriptor, the group's first batch * Hq + head)`` and so is the result."""
     if GROUP == 1:
         return dq_head0
     elif DQ_BULK:
-        dq_desc, b, h0 = dq_head0
-        return dq_desc, b, h0 + i // n_total
+        dq_desc, bh0 = dq_head0
+        return dq_desc, bh0 + i // n_total
     else:
         return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
 
@@ -213,7 +210,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 
     With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
     the two handshake barriers, the float32 staging tiles of ``DQ_BULK``) and adds half of dQ's columns into the
-    float32 rows at ``dq_head0`` (the group's first head; with ``DQ_BULK`` its descriptor, batch and head index;
+    float32 rows at ``dq_head0`` (the group's first head; with ``DQ_BULK`` the descriptor and that head's index;
     :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, turn = barriers
@@ -335,7 +332,8 @@ def attention_dkdv_gluon(
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
     DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise); with ``DQ_BULK`` as well, DQ is
-    that buffer's ``host_tma`` descriptor with ``[1, 1, BM, HEAD_DIM_PAD / 2]`` boxes (the TMA bulk reduce-add)."""
+    that buffer's ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, HEAD_DIM]``) with ``[1, BM, HEAD_DIM_PAD / 2]``
+    boxes (the TMA bulk reduce-adds)."""
     gl.static_assert(ONE_PASS or not DQ_BULK, "DQ_BULK is the one-pass variant's way to add dQ")
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
@@ -367,7 +365,7 @@ def attention_dkdv_gluon(
             stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
             # each warpgroup's half of the block's dQ, read by its TMA reduce
             dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)
-            dq_head0 = (DQ, b, hk * GROUP)  # the descriptor's coordinates: the group's first head
+            dq_head0 = (DQ, b * NUM_HEADS + hk * GROUP)  # the group's first head in the descriptor's [B * Hq] rows
         else:
             dq_stage = ds_smem  # a stand-in: only DQ_BULK stages dQ
             # 64-bit: B * Hq * Sq * D passes 2^31

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma
 
-from .common import box, thread_barrier, tma_atomic_add
+from .common import thread_barrier, tma_atomic_add
 
 
 @gluon.jit
-def stage_ds(dst, ds_w):
+def stage_ds(dst, ds_w, DQ_BULK: gl.constexpr = False):
     """Store dS^T (``[keys, BM]``, the input dtype) in the warpgroup's tile ``ds_w``, visible to its wgmmas. No
-    wgmma may still read ``ds_w``."""
+    wgmma may still read ``ds_w``. With ``DQ_BULK`` also wait until the warpgroup's last bulk reduce-add has read
+    its dQ staging tile: the barrier that follows orders that wait (by the issuing thread) before every thread's
+    next store into the tile, so the wait needs no barrier of its own."""
     ds_w.store(dst)
     fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+    if DQ_BULK:
+        tma.store_wait(0)
     thread_barrier()  # every thread's part of the tile, before the warpgroup's wgmma reads all of it
 
 
@@ -70,13 +74,13 @@ def add_dq(dq, row0, dq_head, seq_q, sm_scale, BM: gl.constexpr, COL0: gl.conste
 
 
 @gluon.jit
-def bulk_add_dq(dq, dq_stage, dq_desc, b, h, row0, sm_scale, COL0: gl.constexpr):
-    """Add ``dq * sm_scale`` (``[BM, N]``) into rows row0 .. row0 + BM - 1, columns COL0 .. COL0 + N - 1 of head h
-    of batch b of the float32 dQ behind ``dq_desc`` (``[B, Hq, Sq, D]``, ``[1, 1, BM, N]`` boxes: rows past Sq and
-    columns past D are dropped, per head; 32-bit coordinates, so no offset passes 2^31): staged in ``dq_stage``,
-    this warpgroup's ``[BM, N]`` float32 tile, then one asynchronous TMA bulk reduce-add. No earlier reduce may
-    still read ``dq_stage`` (``tma.store_wait`` first)."""
+def bulk_add_dq(dq, dq_stage, dq_desc, bh, row0, sm_scale, COL0: gl.constexpr):
+    """Add ``dq * sm_scale`` (``[BM, N]``) into rows row0 .. row0 + BM - 1, columns COL0 .. COL0 + N - 1 of head
+    ``bh`` (batch * Hq + head) of the float32 dQ behind ``dq_desc`` (``[B * Hq, Sq, D]``, ``[1, BM, N]`` boxes:
+    rows past Sq and columns past D are dropped, per head; 32-bit coordinates, so no offset passes 2^31): staged
+    in ``dq_stage``, this warpgroup's ``[BM, N]`` float32 tile, then one asynchronous TMA bulk reduce-add. No
+    earlier reduce may still read ``dq_stage`` (:func:`stage_ds` waits)."""
     dq_stage.store(dq * sm_scale)
     fence_async_shared()  # the generic-proxy stores, before the async proxy (TMA) reads them
     thread_barrier()  # every thread's part of the tile, before the one thread that issues the reduce
-    tma_atomic_add(dq_desc, [b, h, row0, COL0], box(dq_stage))
+    tma_atomic_add(dq_desc, [bh, row0, COL0], dq_stage.reshape([1, dq_stage.shape[0], dq_stage.shape[1]]))
