@@ -48,8 +48,10 @@ def head_rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescri
     D are still dropped per head, and each coordinate stays 32-bit however large ``t`` is."""
     batch, heads, seq, dim = t.shape
     if t.stride(0) != heads * t.stride(1):
-        raise ValueError(f"head_rows_descriptor: batch and head must be contiguous to each other (stride(0) == H * "
-                         f"stride(1)), e.g. a contiguous tensor; got shape {tuple(t.shape)}, strides {t.stride()}")
+        raise ValueError(
+            f"head_rows_descriptor: batch and head must be contiguous to each other (stride(0) == H * "
+            f"stride(1)), e.g. a contiguous tensor; got shape {tuple(t.shape)}, strides {t.stride()}"
+        )
     desc = object.__new__(TensorDescriptor)
     desc.base = t
     desc.shape = (batch * heads, seq, dim)

@@ -12,11 +12,11 @@ too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
 off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
-float32 atomics, or with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of each dK/dV variant must not say that it serialized the wgmmas (C7512). All
-compile in one child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the
-Gluon kernels call), which writes each variant's PTX and ptxas report to a folder. Run as a script, ``python
-tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING)
-and prints one line a kernel.
+float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of each
+dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
+TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes
+each variant's PTX and ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR
+[SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING) and prints one line a kernel.
 """
 
 from __future__ import annotations

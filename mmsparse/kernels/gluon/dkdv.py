@@ -149,8 +149,8 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
     dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
     next step's dK reads dS^T_i from the tile too (no registers held across the step). With ``DQ_BULK``,
-    ``dq_head`` is ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`)
-    from this warpgroup's staging tile."""
+    ``dq_head`` is ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add
+    (:func:`bulk_add_dq`) from this warpgroup's staging tile."""
     if ONE_PASS:
         ds_smem, k_smem, ds_bars, dq_stage = dq_bufs
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
