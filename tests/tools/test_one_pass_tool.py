@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tools import one_pass
 
 
@@ -19,4 +21,26 @@ def test_one_pass_tool_checks_and_compares(tmp_path, capsys):
     # machine): only that both sides were timed.
     assert row["two-pass_fwd_ms"] > 0 and row["one-pass_fwd_ms"] > 0
     assert math.isfinite(row["two-pass_bwd_ms"]) and math.isfinite(row["one-pass_bwd_ms"])
-    assert "| tiny_ab | ok / ok | True |" in capsys.readouterr().out
+    assert "| tiny_ab | one-pass (16x32 tl) | ok / ok | True |" in capsys.readouterr().out
+
+
+def test_one_pass_tool_times_both_ways_of_adding_dq(tmp_path, capsys):
+    """--dq-adds atomic,bulk: a side each, timed in the same rounds; off Hopper both run the tl one pass."""
+    out = tmp_path / "one_pass.json"
+    argv = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--dq-adds", "atomic,bulk", "--out", str(out)]
+    assert one_pass.main(argv) == 0
+    record = json.loads(out.read_text())
+    row = record["rows"][0]
+    assert record["dq_adds"] == ["atomic", "bulk"]
+    for side in ("one-pass", "one-pass-bulk"):
+        assert row[f"{side}_check"] == "ok" and row[f"{side}_out_equal"] and row[f"{side}_dq_rel_diff"] < 1e-5
+        assert math.isfinite(row[f"{side}_bwd_ms"]) and row[f"{side}_tile"] == "16x32 tl"
+    assert math.isfinite(row["bulk_vs_atomic"]) and row["bwd_speedup"] == row["one-pass_speedup"]
+    printed = capsys.readouterr().out
+    assert "| tiny_ab | one-pass-bulk (16x32 tl) | ok / ok | True |" in printed and "bulk vs atomic" in printed
+
+
+def test_one_pass_tool_refuses_unknown_dq_adds(capsys):
+    with pytest.raises(SystemExit):
+        one_pass.main(["--configs", "tiny_ab", "--dq-adds", "atomic,tma"])
+    assert "--dq-adds" in capsys.readouterr().err
