@@ -175,6 +175,20 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
 
 
 @gluon.jit
+def _count_slot(stage, phase, STAGES: gl.constexpr):
+    """The ring stage after ``stage`` and the parity of its ready barrier (``phase``: the parity of ``stage``'s).
+    Counted rather than taken as ``i % STAGES`` where STAGES is not a power of two (``COUNTED`` in the consumer):
+    from the remainder, LLVM's loop strength reduction builds the stage's shared addresses as a multiple of i minus
+    a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``) cannot bound. A
+    power of two keeps the mask and shift of i (the counters are then dead and dropped)."""
+    stage += 1
+    if stage == STAGES:
+        stage = 0
+        phase ^= 1
+    return stage, phase
+
+
+@gluon.jit
 def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
     """The first query row of list entry ``it`` (only ONE_PASS reads it: the block's dQ rows)."""
     if ONE_PASS:
@@ -221,6 +235,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
 
+    COUNTED: gl.constexpr = STAGES & (STAGES - 1) != 0  # the ring's stage and phase counted (_count_slot)
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
@@ -257,12 +272,18 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             dst_op = gl.convert_layout(dst, op_layout)
         dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
                                 dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
+        stage = 0
+        phase = 0
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
-            stage = i % STAGES
-            prev = (i - 1) % STAGES
+            if COUNTED:
+                prev = stage
+                stage, phase = _count_slot(stage, phase, STAGES)
+            else:
+                stage = i % STAGES
+                prev = (i - 1) % STAGES
             it = i % n_total
-            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
             st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             wait_turn(turn, WG, turn_phase, PINGPONG)
@@ -296,7 +317,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM, DQ_BULK), seq_q,
                                     sm_scale, dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
-        last = (total - 1) % STAGES
+        last = stage if COUNTED else (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
             dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
