@@ -178,14 +178,12 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
 def _count_slot(stage, phase, STAGES: gl.constexpr):
     """The ring stage after ``stage`` and the parity of its ready barrier (``phase``: the parity of ``stage``'s).
     Counted rather than taken as ``i % STAGES`` where STAGES is not a power of two (``COUNTED`` in the consumer):
-    from the remainder, LLVM's loop strength reduction builds the stage's shared addresses as a multiple of i minus
-    a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``) cannot bound. A
-    power of two keeps the mask and shift of i (the counters are then dead and dropped)."""
-    stage += 1
-    if stage == STAGES:
-        stage = 0
-        phase ^= 1
-    return stage, phase
+    from the remainder of i, LLVM's loop strength reduction builds the stage's shared addresses as a multiple of i
+    minus a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``) cannot
+    bound; a counter modulo STAGES it can. A power of two keeps the mask and shift of i (the counters are then dead
+    and dropped: the loop compiles as before)."""
+    stage = (stage + 1) % STAGES
+    return stage, phase ^ (stage == 0).to(gl.int32)
 
 
 @gluon.jit
