@@ -490,10 +490,11 @@ class _Values:
         unsigned = all(".s" not in d.opcode for d in chain)
         return _int(0, c - 1) if unsigned else _int(-(c - 1), c - 1)
 
-    def _modular_counter(self, ins: _Instr) -> Value | None:
+    def _modular_counter(self, ins: _Instr, evaluate) -> Value | None:
         """``r = selp(k, x, p)`` with ``p = (x == C)`` (or ``selp(x, k, x != C)``) and ``x = y + 1``, where every
-        value y can hold (through movs) is r itself or a constant in [0, C-1], and 0 <= k < C: r counts modulo C,
-        so by induction r lies in [0, C-1]. The fixed point cannot see it: it widens r + 1 on every round."""
+        value y can hold (through movs) is r itself, a constant in [0, C-1] or a register whose interval
+        (``evaluate``) lies there, and 0 <= k < C: r counts modulo C, so by induction r lies in [0, C-1]. The fixed
+        point cannot see it: it widens r + 1 on every round."""
         if not ins.opcode.startswith("selp") or len(ins.operands) != 4:
             return None
         r, a, b, p = ins.operands
@@ -517,9 +518,12 @@ class _Values:
             seen.add(y)
             if y in self.opaque or y not in self.defs:
                 return None
-            for d in self.defs[y]:
-                if not d.opcode.startswith("mov") or len(d.operands) != 2:
+            if not all(d.opcode.startswith("mov") and len(d.operands) == 2 for d in self.defs[y]):
+                v = evaluate(y)  # e.g. a ring's phase bit, copied in as the stage's first 0
+                if not _nonneg(v) or v[3] is None or v[3] >= c:
                     return None
+                continue
+            for d in self.defs[y]:
                 v = _parse_int(d.operands[1])
                 if v is None and d.operands[1].startswith("%") and d.operands[1] not in self.special:
                     pending.append(d.operands[1])
@@ -550,7 +554,7 @@ class _Values:
         rem = self._remainder(ins)
         if rem is not None:
             return rem
-        counter = self._modular_counter(ins)
+        counter = self._modular_counter(ins, evaluate)
         if counter is not None:
             return counter
         op = ins.opcode.split(".")[0]

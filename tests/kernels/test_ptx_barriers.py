@@ -183,6 +183,11 @@ def test_a_ring_indexed_by_a_counter_modulo_its_size_resolves_to_its_slots():
     reused = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", "0").replace("{ROW}", "1800")))
     assert {p.split("barrier ")[1].split(" ")[0] for p in reused.problems} == {
         "global_smem+2048", "global_smem+2056", "global_smem+2064"}, reused.summary()
+    # Its first value copied from a register known to lie below the modulus (a phase bit, as ptxas may share them).
+    phase = COUNTED.replace("\tmov.b32 \t%r40, {FIRST};", "\tand.b32 \t%r39, %r1, 1;\n\tmov.b32 \t%r40, %r39;")
+    assert phase != COUNTED
+    shared = check_barrier_lifetimes(kernel(setup + phase.replace("{ROW}", "512")))
+    assert shared.ok and shared.checked == 1, shared.summary()
     # A counter that may start past its modulus (or from an unknown value) is not bounded by it.
     for first in ("5", "%r1"):
         wild = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", first).replace("{ROW}", "512")))
