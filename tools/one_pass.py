@@ -1,11 +1,13 @@
 """The one-pass backwards against the default two-pass one, config by config: the atomic one-pass
-(``deterministic=False``) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the same kernel,
-its dQ adds ordered by key block, bitwise repeatable), each checked against the float32 reference, their gradients
+(``deterministic=False``), the same adding dQ by TMA bulk reduce-adds ("one-pass-bulk": on Hopper the Gluon kernel at
+``config.GLUON_ONE_PASS_BULK``'s tile through ``KernelConfig.gluon_one_pass``; elsewhere the tl kernel, as the
+atomic one) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the atomic kernel, its dQ adds
+ordered by key block, bitwise repeatable), each checked against the float32 reference, their gradients
 against the two passes', each one-pass dQ's run-to-run differences, and the backward's time and peak memory of
 each, in interleaved rounds. The one-pass kernels run at every length here (``use_config(one_pass_max_keys=...)``);
 a call alone runs them only below that many keys.
 
-    python -m tools.one_pass                                   # the GPU configs below, 5 rounds, all three sides
+    python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
     python -m tools.one_pass --sides two-pass,ordered-one-pass     # leave a side out
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +37,16 @@ from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
 from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
+from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_config
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
-# name: (deterministic, KernelConfig.deterministic_backward); the first is the baseline the others are compared to
-SIDES = {"two-pass": (True, "two_pass"), "one-pass": (False, "two_pass"),
-         "ordered-one-pass": (True, "ordered_one_pass")}
+# name: (deterministic, KernelConfig.deterministic_backward, the Gluon one pass's Tile.dq_adds); the first side
+# given is the baseline the others are compared to
+SIDES = {"two-pass": (True, "two_pass", "atomic"), "one-pass": (False, "two_pass", "atomic"),
+         "one-pass-bulk": (False, "two_pass", "bulk"), "ordered-one-pass": (True, "ordered_one_pass", "atomic")}
+ONE_PASS_SIDES = ("one-pass", "one-pass-bulk", "ordered-one-pass")
 
 
 def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
@@ -55,9 +62,22 @@ def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
                                                   deterministic=deterministic)
 
 
-def side_setting(side: str) -> contextlib.AbstractContextManager:
-    """The backward setting of ``side``: the backward reads it when it runs, so it covers forward and backward."""
-    return mmsparse.use_config(deterministic_backward=SIDES[side][1])
+@contextlib.contextmanager
+def side_setting(side: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """The backward setting of ``side``: the backward reads it when it runs, so it covers forward and backward.
+    The bulk side also runs the device's config with the bulk one-pass tile (none at a head dim without Gluon
+    kernels: the default config)."""
+    bulk = GLUON_ONE_PASS_BULK.get(head_dim_pad(cfg.head_dim)) if SIDES[side][2] == "bulk" else None
+    tiles = None if bulk is None else dataclasses.replace(kernel_config(cfg.head_dim, dtype, device),
+                                                          gluon_one_pass=bulk)
+    with mmsparse.use_config(tiles, deterministic_backward=SIDES[side][1]):
+        yield
+
+
+def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The tile the one pass runs at under the current config, as the record shows it."""
+    x = kernel_config(cfg.head_dim, dtype, device).one_pass_kernel_tile()
+    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages} {x.dq_adds}" if x.gluon else " tl")
 
 
 def grads(case: Case, fn: TensorFn) -> tuple[torch.Tensor, ...]:
@@ -85,10 +105,12 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     row: dict[str, Any] = {"config": cfg.name}
     results = {}
     for side, fn in fns.items():
-        with side_setting(side):
+        with side_setting(side, cfg, device, dtype):
             res = check(case, Impl(fn), grads=True)
             results[side] = grads(case, fn)
-            again = grads(case, fn) if side != "two-pass" else None
+            again = grads(case, fn) if side in ONE_PASS_SIDES else None
+            if side in ONE_PASS_SIDES:
+                row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype)
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
         if again is not None:  # run to run: the atomic adds' order (none for the ordered adds)
@@ -104,12 +126,12 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     for r in range(timing.rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # who goes first alternates
         for side in order:
-            with side_setting(side):
+            with side_setting(side, cfg, device, dtype):
                 times[side].append(time_passes(fns[side], case.q, case.k, case.v, case.dout, timing))
     for side in fns:
         row[f"{side}_fwd_ms"] = statistics.median(t["fwd_ms"] for t in times[side])
         row[f"{side}_bwd_ms"] = statistics.median(t["fwdbwd_ms"] - t["fwd_ms"] for t in times[side])
-        with side_setting(side):
+        with side_setting(side, cfg, device, dtype):
             row[f"{side}_peak_mib"] = peak_mib(case, fns[side])
     for side in sides[1:]:  # > 1: the side's backward is faster than the first side's
         row[f"{side}_bwd_speedup"] = row[f"{sides[0]}_bwd_ms"] / max(row[f"{side}_bwd_ms"], 1e-9)
@@ -150,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--rounds", type=int, default=5 if cuda else 1, help="interleaved timing rounds (median)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--sides", default=",".join(SIDES),
+    # off Hopper the bulk side runs the atomic side's tl kernel: not a default there
+    default_sides = SIDES if cuda else [s for s in SIDES if s != "one-pass-bulk"]
+    ap.add_argument("--sides", default=",".join(default_sides),
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)

@@ -17,6 +17,7 @@ from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
+DQ_ADD_MODES = ("atomic", "bulk")  # Tile.dq_adds
 DETERMINISTIC_BACKWARDS = ("two_pass", "ordered_one_pass")  # KernelConfig.deterministic_backward's values
 
 
@@ -36,10 +37,16 @@ class Tile:
     # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
     # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
+    # How the Gluon one-pass backward adds dQ (gluon_launch.DQ_ADDS; read only there): "atomic" (relaxed float32
+    # atomics from registers) or "bulk" (a float32 staging tile per warpgroup and a TMA bulk reduce-add; at D=128
+    # its 32 KB fit beside 3 stages, not 4: GLUON_ONE_PASS_BULK).
+    dq_adds: str = "atomic"
 
     def __post_init__(self) -> None:
         if self.turns not in TURN_SCHEMES:
             raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
+        if self.dq_adds not in DQ_ADD_MODES:
+            raise ValueError(f"Tile.dq_adds must be one of {list(DQ_ADD_MODES)}; got {self.dq_adds!r}")
 
     @property
     def gluon(self) -> bool:
@@ -60,6 +67,8 @@ class KernelConfig:
     # bwd_dkdv's; where bwd_dkdv is a Gluon tile the one-pass runs there (the Gluon kernel), save with dropout.
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
+    # The Gluon one-pass backward's tile (its stages and Tile.dq_adds), if not bwd_dkdv's; block_n 128.
+    gluon_one_pass: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
     # block lists packed end to end (CSR) when their fixed slots would pass this many bytes.
@@ -108,9 +117,11 @@ class KernelConfig:
         return self.bwd_dkdv.gluon and not dropout
 
     def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
-        """The tile the one-pass backward runs at: the Gluon dK/dV tile where :meth:`one_pass_runs_gluon`, else
-        the tl kernel's :meth:`one_pass_tile`."""
-        return self.bwd_dkdv if self.one_pass_runs_gluon(dropout) else self.one_pass_tile()
+        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``, else the
+        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`."""
+        if self.one_pass_runs_gluon(dropout):
+            return self.gluon_one_pass if self.gluon_one_pass is not None else self.bwd_dkdv
+        return self.one_pass_tile()
 
     def one_pass(self, seq_k: int) -> bool:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
@@ -297,6 +308,15 @@ _GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ til
 _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
+}
+# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds (Tile.dq_adds="bulk"), for
+# KernelConfig.gluon_one_pass. Shared memory per CTA: at D=128 K, V and 4 stages of Q and dO take 192 KB, the dS^T
+# tiles 16 KB and the rows 4 KB, so the two 64 x 64 float32 staging tiles (32 KB) fit only with 3 stages
+# (~211 KB of 227); 2 x 32-column pieces (16 KB) would still pass 227 KB at 4 stages. At D=64 all of it takes
+# ~132 KB. Untimed against the atomics (tools/one_pass.py --dq-adds atomic,bulk): not the default.
+GLUON_ONE_PASS_BULK = {
+    64: replace(_GLUON_DKDV[64], dq_adds="bulk"),
+    128: replace(_GLUON_DKDV[128], gluon_stages=3, dq_adds="bulk"),
 }
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
 SETTINGS = (*THRESHOLDS, "deterministic_backward")  # every field use_config sets on each call's config

@@ -14,7 +14,7 @@ from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
 from ..runtime.launch import FastKernel
 from .config import Tile, head_dim_pad
-from .host_tma import box_descriptor
+from .host_tma import box_descriptor, head_rows_descriptor
 from .kernel_args import LaunchArgs
 
 # Registers per thread at launch, for the 9 warps of a CTA (two consumer warpgroups and the producer) before the
@@ -23,6 +23,9 @@ _LAUNCH_REGS = 168
 
 # Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
 TURNS = {"mbarrier": TURNS_MBARRIER, "named_release": TURNS_NAMED_RELEASE}
+
+# Tile.dq_adds: how the one-pass dK/dV kernel adds dQ; True: TMA bulk reduce-adds (the kernel's DQ_BULK).
+DQ_ADDS = {"atomic": False, "bulk": True}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
@@ -85,8 +88,9 @@ def run_dkdv(
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
     least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
-    into it by atomics, as the tl one-pass kernel adds it. With ``dq_order`` as well, ``(ranks, semaphores)``, the
-    ordered one-pass: each warpgroup adds into a dQ tile in the order of the key blocks' ``ranks``
+    into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
+    TMA bulk reduce-adds through a descriptor of ``dq_sum``). With ``dq_order`` as well, ``(ranks, semaphores)``,
+    the ordered one-pass (atomic adds): each warpgroup adds into a dQ tile in the order of the key blocks' ``ranks``
     (:func:`mmsparse.mask.add_order.add_ranks` of the by-key lists), counted by ``semaphores`` (zeroed int32,
     ``B * Hq * cdiv(Sq, block_m) * 2``)."""
     _check_rows(tile.block_n, BLOCK_N)
@@ -97,7 +101,13 @@ def run_dkdv(
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = tile.block_m, WG_KEYS.value
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
-    one_pass = {} if dq_sum is None else dict(ONE_PASS=True, HEAD_DIM=head_dim)
+    one_pass, dq_arg = {}, delta
+    if dq_sum is not None:
+        one_pass, dq_arg = dict(ONE_PASS=True, HEAD_DIM=head_dim), dq_sum
+        if DQ_ADDS[tile.dq_adds] and dq_order is None:
+            # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
+            one_pass["DQ_BULK"] = True
+            dq_arg = head_rows_descriptor(dq_sum, q_rows, pad // 2)
     if dq_order is not None:
         if dq_sum is None:
             raise ValueError("the ordered one-pass (dq_order) adds into dq_sum: pass both")
@@ -106,8 +116,7 @@ def run_dkdv(
     _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
         box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-        delta, delta if dq_sum is None else dq_sum, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2,
-        softmax_scale,
+        delta, dq_arg, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
         BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
         PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass,

@@ -16,12 +16,12 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 @functools.cache
-def _box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_DTYPES[dtype])
+def _box_layout(rows: int, width: int, dtype: torch.dtype, rank: int = 4) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([1] * (rank - 2) + [rows, width], _GL_DTYPES[dtype])
 
 
 def box_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
@@ -37,5 +37,26 @@ def box_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
     desc.strides = t.stride()
     desc.block_shape = [1, 1, rows, width]
     desc.layout = _box_layout(rows, width, t.dtype)
+    desc.padding = "zero"
+    return desc
+
+
+def head_rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
+    """The descriptor of ``t`` ([B, H, S, D], float32 or half precision, B and H contiguous to each other, rules as
+    :func:`box_descriptor`'s) seen as ``[B * H, S, D]``, with ``[1, rows, width]`` boxes that a program addresses as
+    ``[b * H + h, row, col]``: one coordinate fewer to hold than ``[b, h, row, col]``; rows past S and columns past
+    D are still dropped per head, and each coordinate stays 32-bit however large ``t`` is."""
+    batch, heads, seq, dim = t.shape
+    if t.stride(0) != heads * t.stride(1):
+        raise ValueError(
+            f"head_rows_descriptor: batch and head must be contiguous to each other (stride(0) == H * "
+            f"stride(1)), e.g. a contiguous tensor; got shape {tuple(t.shape)}, strides {t.stride()}"
+        )
+    desc = object.__new__(TensorDescriptor)
+    desc.base = t
+    desc.shape = (batch * heads, seq, dim)
+    desc.strides = t.stride()[1:]
+    desc.block_shape = [1, rows, width]
+    desc.layout = _box_layout(rows, width, t.dtype, 3)
     desc.padding = "zero"
     return desc

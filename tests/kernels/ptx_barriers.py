@@ -15,6 +15,9 @@ that terms LLVM splits apart cancel again; each atom gets an interval from a sma
 widened). An address is then a range of offsets from the symbol. Two refinements keep the ranges tight:
 - a remainder by a constant C, however the compiler spelt it (``rem``, ``x - ((x + bias) & -C)``, or ``x - C *
   (mul.hi(x, magic) >> s)``), lies in ``[-(C-1), C-1]``: a ring indexed by ``it % STAGES`` resolves to its slots;
+- a counter modulo C (``r = selp(k, y + 1, y + 1 == C)`` where y is only ever r itself or a constant in
+  ``[0, C-1]``, and k in ``[0, C-1]``) lies in ``[0, C-1]`` by induction: a ring whose stage is counted resolves
+  to its slots too;
 - a branch on ``setp`` of a register against a constant bounds that register in the blocks only that edge reaches:
   the worker partitions read their per-warp state at ``global_smem + warp + OFFSET`` only for worker warps.
 A plain access whose range stays unbounded is reported as unresolved, never taken as safe.
@@ -487,6 +490,47 @@ class _Values:
         unsigned = all(".s" not in d.opcode for d in chain)
         return _int(0, c - 1) if unsigned else _int(-(c - 1), c - 1)
 
+    def _modular_counter(self, ins: _Instr, evaluate) -> Value | None:
+        """``r = selp(k, x, p)`` with ``p = (x == C)`` (or ``selp(x, k, x != C)``) and ``x = y + 1``, where every
+        value y can hold (through movs) is r itself, a constant in [0, C-1] or a register whose interval
+        (``evaluate``) lies there, and 0 <= k < C: r counts modulo C, so by induction r lies in [0, C-1]. The fixed
+        point cannot see it: it widens r + 1 on every round."""
+        if not ins.opcode.startswith("selp") or len(ins.operands) != 4:
+            return None
+        r, a, b, p = ins.operands
+        pdef = self.single_def(p)
+        if pdef is None or not pdef.opcode.startswith("setp.") or len(pdef.operands) != 3:
+            return None
+        cmp = pdef.opcode.split(".")[1]
+        x, c = pdef.operands[1], _parse_int(pdef.operands[2])
+        if c is None:
+            x, c = pdef.operands[2], _parse_int(pdef.operands[1])
+        k = _parse_int(a) if cmp == "eq" and b == x else _parse_int(b) if cmp == "ne" and a == x else None
+        xdef = self.single_def(x)
+        if c is None or c <= 0 or k is None or not 0 <= k < c or xdef is None or not xdef.opcode.startswith("add") \
+                or ".f" in xdef.opcode or len(xdef.operands) != 3 or _parse_int(xdef.operands[2]) != 1:
+            return None
+        pending, seen = [xdef.operands[1]], set()
+        while pending:  # every value y can hold: r, or constants in [0, C-1], through movs
+            y = pending.pop()
+            if y == r or y in seen:
+                continue
+            seen.add(y)
+            if y in self.opaque or y not in self.defs:
+                return None
+            if not all(d.opcode.startswith("mov") and len(d.operands) == 2 for d in self.defs[y]):
+                v = evaluate(y)  # e.g. a ring's phase bit, copied in as the stage's first 0
+                if not _nonneg(v) or v[3] is None or v[3] >= c:
+                    return None
+                continue
+            for d in self.defs[y]:
+                v = _parse_int(d.operands[1])
+                if v is None and d.operands[1].startswith("%") and d.operands[1] not in self.special:
+                    pending.append(d.operands[1])
+                elif v is None or not 0 <= v < c:
+                    return None
+        return _int(0, c - 1)
+
     def _eval_operand(self, text: str) -> Value | None:
         """An operand's interval from its own definition alone (no fixed point needed: shifts of constants)."""
         ins = self.single_def(text) if text.startswith("%") else None
@@ -510,6 +554,9 @@ class _Values:
         rem = self._remainder(ins)
         if rem is not None:
             return rem
+        counter = self._modular_counter(ins, evaluate)
+        if counter is not None:
+            return counter
         op = ins.opcode.split(".")[0]
         bits = _bits(ins.opcode)
         args = [evaluate(o) for o in ins.operands[1:]]

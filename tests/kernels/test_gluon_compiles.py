@@ -12,12 +12,12 @@ too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
 off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
-float32 atomics; with ``ORDERED`` each warpgroup's adds into a dQ tile wait for their turn on a semaphore).
-ptxas's report of each dK/dV variant must not say that it serialized the wgmmas (C7512). All
-compile in one child process without TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the
-Gluon kernels call), which writes each variant's PTX and ptxas report to a folder. Run as a script, ``python
-tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING)
-and prints one line a kernel.
+float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all; with ``ORDERED`` each
+warpgroup's adds into a dQ tile wait for their turn on a semaphore). ptxas's report of each dK/dV variant must not
+say that it serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the
+interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and
+ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles
+them all (or those whose name contains SUBSTRING) and prints one line a kernel.
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ class Variant:
     ordered: bool = False  # one_pass only: the adds into each dQ tile in key-block order (ORDERED)
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
+    dq_adds: str = "atomic"  # one pass only: Tile.dq_adds ("bulk": config.GLUON_ONE_PASS_BULK's tile)
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        kind = ("dkdv1p-ordered" if self.ordered else "dkdv1p") if self.one_pass else self.kind
+        kind = (("dkdv1p-ordered" if self.ordered else "dkdv1p") + ("" if self.dq_adds == "atomic" else
+                 f"-{self.dq_adds}")) if self.one_pass else self.kind
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -106,10 +108,18 @@ VARIANTS = [
     Variant("dkdv", 128, "bits", causal=True, one_pass=True, ordered=True),
     Variant("dkdv", 128, "dense", group=1, one_pass=True, ordered=True),
     Variant("dkdv", 64, "codes", window=True, one_pass=True, ordered=True),
+    # The one pass with TMA bulk reduce-adds of dQ: each head dim, GQA and not, each list mask mode.
+    Variant("dkdv", 128, "bits", causal=True, one_pass=True, dq_adds="bulk"),
+    Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True, dq_adds="bulk"),
+    Variant("dkdv", 128, "dense", group=4, one_pass=True, dq_adds="bulk"),
+    Variant("dkdv", 64, "codes", causal=True, one_pass=True, dq_adds="bulk"),
+    Variant("dkdv", 64, "bits", group=1, one_pass=True, dq_adds="bulk"),
 ]
 # A relaxed float32 atomic add whose result is unused: red (3.9) or atom (3.6), maybe vectorised
 RELAXED_ADD = r"\b(?:red|atom)\.global\.gpu\.relaxed\.add(?:\.v\d)?\.f32\b"
 ORDERED_ATOMIC = r"\b(?:red|atom)\.global\.[a-z.]*(?:acq_rel|release|acquire)"
+ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
+BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
 COMPILE_TIMEOUT_S = 900
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one CTA may take on an H100 or H200
 
@@ -118,9 +128,16 @@ def _tile(variant: Variant):
     """The config's tile of the variant's pass, with its ping-pong setting."""
     from dataclasses import replace
 
-    from mmsparse.attention.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD, _GLUON_FWD_SHORT_SAMPLES
+    from mmsparse.attention.config import (
+        _GLUON_DKDV,
+        _GLUON_DQ,
+        _GLUON_FWD,
+        _GLUON_FWD_SHORT_SAMPLES,
+        GLUON_ONE_PASS_BULK,
+    )
 
-    table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ, "dkdv": _GLUON_DKDV}
+    table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
+             "dkdv": GLUON_ONE_PASS_BULK if variant.dq_adds == "bulk" else _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
@@ -178,7 +195,8 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert report.checked > 0  # the shared accesses were read, not skipped
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "atomic"],
+                         ids=lambda v: v.name)
 def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, variant):
     """The one-pass dK/dV kernel adds dQ with relaxed float32 atomics (no fences around each add)."""
     out, proc = ptx_dir
@@ -215,6 +233,22 @@ def test_ordered_one_pass_waits_and_passes_its_turns(ptx_dir, variant):
         code = [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith(".loc")]
         assert [line.split()[0] for line in code] == ["ld.acquire.gpu.global.b32", "setp.ne.s32"], code
     assert all(re.fullmatch(r"bar\.sync\s+\d+, 128", barrier) for barrier in passes), passes
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "bulk"],
+                         ids=lambda v: v.name)
+def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
+    """With ``Tile.dq_adds="bulk"`` the one-pass kernel adds dQ only by TMA bulk reduce-adds through the
+    ``[B * Hq, Sq, D]`` dQ descriptor (rows past Sq are dropped per head), waits for them before it reuses the
+    staging tile, and has no global atomic left."""
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptx"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    ptx = path.read_text()
+    assert re.search(BULK_REDUCE_ADD, ptx), f"{variant.name}: no TMA bulk reduce-add in the PTX"
+    assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group" in ptx, variant.name
+    atomics = re.findall(ANY_GLOBAL_ATOMIC + r"\S*", ptx)
+    assert not atomics, f"{variant.name}: {atomics}"
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv"], ids=lambda v: v.name)

@@ -1,8 +1,10 @@
 """The Gluon one-pass backward on Hopper (``deterministic=False``: mmsparse/kernels/gluon/dkdv.py with ``ONE_PASS``,
-dQ added by atomics from mmsparse/kernels/gluon/dq_adds.py): the plan runs it, and output and all three gradients
-match the float64 reference. The ordered one-pass (``deterministic_backward="ordered_one_pass"``, ``ORDERED``: each
-warpgroup's adds into a dQ tile wait for their turn, mmsparse/kernels/gluon/dq_order.py) likewise, every semaphore
-ends at its tile's key-block count, and two calls give the same bits where the atomic one-pass's dQ varies.
+dQ added by atomics from mmsparse/kernels/gluon/dq_adds.py, from registers or, with ``Tile.dq_adds="bulk"``, by TMA
+bulk reduce-adds from shared memory): the plan runs it, and output and all three gradients match the float64
+reference, with either way of adding dQ. The ordered one-pass
+(``deterministic_backward="ordered_one_pass"``, ``ORDERED``: each warpgroup's adds into a dQ tile wait for their turn,
+mmsparse/kernels/gluon/dq_order.py) likewise, every semaphore ends at its tile's key-block count, and two calls give
+the same bits where the atomic one-pass's dQ varies.
 
 Fresh random inputs, NaN-poisoned outputs (tests/conftest.py); lengths that are not multiples of the tiles (64 query
 rows, 128 keys), several query blocks per key block, several heads and GQA groups, D 64/96/128, bits, segment codes
@@ -11,12 +13,15 @@ tests/kernels/test_one_pass.py."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, reference_mask, use_config
 from mmsparse.attention import backward
-from mmsparse.attention.config import kernel_config
+from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_config
 from mmsparse.attention.plan import plan_attention
 from mmsparse.mask.blocks import cdiv
 from mmsparse.mask.info import MaskInfo
@@ -43,18 +48,36 @@ def _case_id(name: str) -> str:
             f"{'-causal' if causal else ''}{f'-window{window}' if window else ''}")
 
 
+DQ_ADDS = ["atomic", "bulk"]  # Tile.dq_adds of the Gluon one pass
+
+
+def dq_adds_config(dq_adds: str, head_dim: int, dtype: torch.dtype):
+    """The calls' config: the default (register atomics) or the GPU's config with the bulk one-pass tile."""
+    if dq_adds == "atomic":
+        return contextlib.nullcontext()
+    cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
+    return use_config(dataclasses.replace(cfg, gluon_one_pass=GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)]))
+
+
 @pytest.fixture
 def one_pass_calls(monkeypatch):
-    """Records each Gluon dK/dV launch as (one_pass, gluon dQ pass ran); the tl kernels give the same gradients
-    within tolerance, so only a spy on the Gluon launchers tells which kernel ran."""
+    """Records each Gluon dK/dV launch as (one_pass, gluon dQ pass ran) and the one pass's Tile.dq_adds in
+    ``calls.dq_adds``; the tl kernels give the same gradients within tolerance, so only a spy on the Gluon
+    launchers tells which kernel ran."""
     from mmsparse.attention import gluon_launch
 
-    calls = []
+    class Calls(list):
+        dq_adds: list[str]
+
+    calls = Calls()
+    calls.dq_adds = []
     real_dkdv, real_dq = gluon_launch.run_dkdv, gluon_launch.run_dq
 
     def dkdv(*args, **kwargs):
         dq_sum = args[14] if len(args) > 14 else kwargs.get("dq_sum")
         calls.append(("dkdv", dq_sum is not None))
+        if dq_sum is not None:
+            calls.dq_adds.append((args[12] if len(args) > 12 else kwargs["tile"]).dq_adds)
         return real_dkdv(*args, **kwargs)
 
     def dq(*args, **kwargs):
@@ -75,64 +98,72 @@ def _planned_one_pass(q, k, dropout=False):
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_adds", DQ_ADDS)
 @pytest.mark.parametrize("name", list(CASES), ids=_case_id)
-def test_gluon_one_pass_matches_float64(name, one_pass_calls):
+def test_gluon_one_pass_matches_float64(name, dq_adds, one_pass_calls):
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
     dev = torch.device("cuda")
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, dev)
-    plan = _planned_one_pass(q, k)
-    assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
-    out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)]  # the Gluon one-pass kernel, no dQ pass
+    with dq_adds_config(dq_adds, head_dim, dtype):
+        plan = _planned_one_pass(q, k)
+        assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]  # no dQ pass
     mask = reference_mask(topo, lens, seq, seq_q, causal, window=window)
     check_outputs(q, k, v, out, grad_out, mask)
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_adds", DQ_ADDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_one_pass_dense_mask(head_dim, one_pass_calls):
+def test_gluon_one_pass_dense_mask(head_dim, dq_adds, one_pass_calls):
     """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN."""
     dev = torch.device("cuda")
     q, k, v = make_qkv(1, 4, 2, 1100, 1100, head_dim, torch.bfloat16, dev)
     mask = torch.rand(1100, 1100, device=dev) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)]
+    with dq_adds_config(dq_adds, head_dim, torch.bfloat16):
+        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]
     check_outputs(q, k, v, out, grad_out, mask.cpu())
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_gluon_one_pass_past_the_threshold_when_forced(one_pass_calls):
+@pytest.mark.parametrize("dq_adds", DQ_ADDS)
+def test_gluon_one_pass_past_the_threshold_when_forced(dq_adds, one_pass_calls):
     """use_config(one_pass_max_keys=...) reaches the Gluon kernel (as tools/one_pass.py forces it): over 2048 keys
-    and more query blocks per key block than the ring has stages."""
+    and more query blocks per key block than the ring has stages (and than the bulk adds' one staging tile per
+    warpgroup: each step waits for the previous step's reduce)."""
     dev = torch.device("cuda")
     lens = (700, 1500, 1001)
     q, k, v = make_qkv(1, 2, 1, sum(lens), sum(lens), 128, torch.bfloat16, dev)
-    with use_config(one_pass_max_keys=1 << 62):
+    with dq_adds_config(dq_adds, 128, torch.bfloat16), use_config(one_pass_max_keys=1 << 62):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)]
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=True))
     one_pass_calls.clear()
-    out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
-    out.backward(grad_out)
+    with dq_adds_config(dq_adds, 128, torch.bfloat16):
+        out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
+        out.backward(grad_out)
     assert sorted(one_pass_calls) == [("dkdv", False), ("dq", False)]
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_gluon_one_pass_agrees_with_the_two_pass_backward(one_pass_calls):
+@pytest.mark.parametrize("dq_adds", DQ_ADDS)
+def test_gluon_one_pass_agrees_with_the_two_pass_backward(dq_adds, one_pass_calls):
     """The same numbers up to the order of float32 adds: both round dS to bf16 the same way, so dQ differs by its
     accumulation order only, and dK, dV (the same schedule; the one pass reads dS^T from shared memory rather than
     registers) by at most that."""
@@ -143,9 +174,11 @@ def test_gluon_one_pass_agrees_with_the_two_pass_backward(one_pass_calls):
     grads = {}
     for deterministic in (True, False):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
-        out.backward(grad_out)
+        with dq_adds_config(dq_adds, 128, torch.bfloat16):
+            out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
+            out.backward(grad_out)
         grads[deterministic] = [t.grad for t in leaves]
+    assert one_pass_calls.dq_adds == [dq_adds]
     for name, two, one in zip(("dq", "dk", "dv"), grads[True], grads[False]):
         a, b = two.double(), one.double()
         # float32 sums of ~1000 terms: 1e-5 relative to the largest gradient, plus a bf16 ulp of rounding apart

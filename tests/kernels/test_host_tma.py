@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsparse.attention.host_tma import box_descriptor
+from mmsparse.attention.host_tma import box_descriptor, head_rows_descriptor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -41,6 +41,23 @@ def test_descriptor_matches_the_checked_constructor():
         checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding)
 
 
+def test_head_rows_descriptor_sees_batch_and_heads_as_one_dimension():
+    """The one-pass dQ sum's descriptor: [B, H, S, D] float32 as [B * H, S, D] (rows still end at S, per head), as
+    the checked constructor builds it; a tensor whose batch and head strides do not fold is refused."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dq = torch.zeros(2, 3, 70, 96)
+    fast = head_rows_descriptor(dq, 64, 64)
+    assert fast.base is dq and tuple(fast.shape) == (6, 70, 96) and tuple(fast.strides) == (70 * 96, 96, 1)
+    assert fast.block_shape == [1, 64, 64] and fast.padding == "zero"
+    assert fast.layout.rank == 3 and fast.layout.element_bitwidth == 32 and fast.layout.swizzle_byte_width == 128
+    checked = TensorDescriptor(dq.flatten(0, 1), [6, 70, 96], [70 * 96, 96, 1], [1, 64, 64], fast.layout)
+    assert (list(fast.shape), list(fast.strides), fast.block_shape, fast.layout) == (
+        checked.shape, checked.strides, checked.block_shape, checked.layout)
+    with pytest.raises(ValueError, match="contiguous"):
+        head_rows_descriptor(torch.zeros(3, 2, 70, 96).transpose(0, 1), 64, 64)
+
+
 def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     """The three Gluon launchers, with the kernel launch replaced by a recorder: every kernel parameter is given
     (positionally or by keyword), the tensors the kernels read through TMA arrive as descriptors with the boxes
@@ -61,7 +78,8 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
                 # defaulted flags a variant leaves off: ping-pong, and the one pass's (off in a two-pass launch)
-                optional = ("PINGPONG", "ONE_PASS", "HEAD_DIM", "ORDERED") if self.name == "dkdv" else ("PINGPONG",)
+                one_pass = ("ONE_PASS", "HEAD_DIM", "ORDERED", "DQ_BULK")
+                optional = ("PINGPONG", *one_pass) if self.name == "dkdv" else ("PINGPONG",)
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
@@ -100,3 +118,28 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     assert (dkdv["STAGES"], dq["STAGES"], fwd["STAGES"]) == (4, 4, _GLUON_FWD[128].gluon_stages)
     assert dkdv["HEAD_DIM_PAD"] == dq["HEAD_DIM_PAD"] == fwd["HEAD_DIM_PAD"] == 128
     assert dkdv["GROUP"] == dq["GROUP"] == fwd["GROUP"] == 2
+    assert "ONE_PASS" not in dkdv and "DQ_BULK" not in dkdv  # the two-pass variant keeps its compile key
+
+    # The one pass: dQ's float32 sum as a pointer (register atomics) or as a [B * Hq, Sq, D] descriptor whose box is
+    # one warpgroup's half of a block's dQ (TMA bulk reduce-adds).
+    from dataclasses import replace
+
+    from mmsparse.attention.config import GLUON_ONE_PASS_BULK
+
+    dq_sum = torch.zeros(batch, heads, seq, head_dim)
+    one_mask = args.tile(dkdv_t.block_m, dkdv_t.block_n, True)
+    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
+                          *mask, 1.0, 1.0, dkdv_t, False, dq_sum)
+    atomic = launched["dkdv"]
+    assert atomic["DQ"] is dq_sum and atomic["ONE_PASS"] and atomic["HEAD_DIM"] == head_dim
+    assert "DQ_BULK" not in atomic
+    bulk_t = GLUON_ONE_PASS_BULK[128]
+    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
+                          *mask, 1.0, 1.0, bulk_t, False, dq_sum)
+    bulk = launched["dkdv"]
+    assert bulk["ONE_PASS"] and bulk["DQ_BULK"] and bulk["STAGES"] == bulk_t.gluon_stages == 3
+    assert bulk["DQ"].base is dq_sum and tuple(bulk["DQ"].shape) == (batch * heads, seq, head_dim)
+    assert bulk["DQ"].block_shape == [1, 64, 64] and bulk["DQ"].layout.element_bitwidth == 32
+    with pytest.raises(ValueError, match="dq_adds"):
+        gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
+                              *mask, 1.0, 1.0, replace(bulk_t, dq_adds="tma"), False, dq_sum)

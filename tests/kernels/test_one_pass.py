@@ -299,6 +299,33 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
     assert own.one_pass_tile() == Tile(32, 16)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_one_pass_tile_with_bulk_dq_adds(head_dim):
+    """KernelConfig.gluon_one_pass (the bulk dQ adds' tile, GLUON_ONE_PASS_BULK) is the tile the Gluon one pass runs
+    at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs; the default
+    config has none (register atomics at the dK/dV tile)."""
+    from mmsparse.attention.config import GLUON_ONE_PASS_BULK
+
+    cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+    assert cfg.gluon_one_pass is None and cfg.one_pass_kernel_tile().dq_adds == "atomic"
+    bulk = GLUON_ONE_PASS_BULK[head_dim]
+    assert bulk.dq_adds == "bulk" and bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
+    assert bulk.gluon_stages == (3 if head_dim == 128 else cfg.bwd_dkdv.gluon_stages)  # 32 KB of staging at D=128
+    with_bulk = dataclasses.replace(cfg, gluon_one_pass=bulk)
+    assert with_bulk.one_pass_kernel_tile() == bulk
+    assert with_bulk.one_pass_kernel_tile(dropout=True) == cfg.one_pass_tile()
+
+    def plan(config, seq, dropout=False, deterministic=False):
+        return plan_attention(config, 1, 4, 2, seq, seq, torch.device("cpu"), None, dropout, sms=132,
+                              deterministic=deterministic)
+
+    one = plan(with_bulk, 1000)
+    assert one.dq is None and one.dkdv.gluon and one.dkdv.tile == bulk
+    assert list_tiles(with_bulk, 1000, 1000, deterministic=False)[1:] == one.list_tiles(forward=False)
+    assert plan(with_bulk, 1000, deterministic=True).dkdv.tile == cfg.bwd_dkdv
+    assert plan(with_bulk, 1000, dropout=True).dkdv.tile == cfg.one_pass_tile()
+
+
 def test_one_pass_at_its_own_tile_matches_reference(device):
     """A one-pass tile other than the dK/dV pass's (its own block lists)."""
     cfg = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),

@@ -1,6 +1,7 @@
 """tests/kernels/ptx_barriers.py on hand-written PTX: a kernel that keeps its barriers' bytes to itself passes; one that
 stores into a live barrier, or never invalidates one, fails; and the address forms Triton emits (a symbol plus an
-offset, registers computed from it, a ring indexed by a remainder, a per-warp slot behind a branch) resolve."""
+offset, registers computed from it, a ring indexed by a remainder or by a counter modulo its size, a per-warp slot
+behind a branch) resolve."""
 
 from __future__ import annotations
 
@@ -140,6 +141,57 @@ def test_a_ring_indexed_by_a_remainder_resolves_to_its_slots():
     reused = check_barrier_lifetimes(kernel(setup + RING.replace("{STORE}", store)))
     assert {p.split("barrier ")[1].split(" ")[0] for p in reused.problems} == {
         "global_smem+2048", "global_smem+2056", "global_smem+2064", "global_smem+2072"}, reused.summary()
+
+
+# Three rows of 256 bytes at +512 and a ring of 3 barriers at +2048, the stage counted modulo 3 as LLVM spells
+# (s + 1) % 3 for a loop-carried s in [0, 2]: x = y + 1; s = x == 3 ? 0 : x; y = s on the back edge.
+COUNTED = """
+	mov.b32 	%r2, global_smem;
+	add.s32 	%r20, %r2, 2048;
+	@%p1 mbarrier.init.shared::cta.b64 [%r20], 1;
+	add.s32 	%r21, %r2, 2056;
+	@%p1 mbarrier.init.shared::cta.b64 [%r21], 1;
+	add.s32 	%r22, %r2, 2064;
+	@%p1 mbarrier.init.shared::cta.b64 [%r22], 1;
+	mov.b32 	%r40, {FIRST};
+	mov.b32 	%r30, 0;
+$L__BB0_1:
+	add.s32 	%r41, %r40, 1;
+	setp.eq.b32 	%p3, %r41, 3;
+	selp.b32 	%r42, 0, %r41, %p3;
+	shl.b32 	%r43, %r42, 3;
+	add.s32 	%r44, %r20, %r43;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r44];
+	shl.b32 	%r45, %r42, 8;
+	add.s32 	%r46, %r2, %r45;
+	ld.shared.b32 	%r47, [%r46+{ROW}];
+	mov.b32 	%r40, %r42;
+	add.s32 	%r30, %r30, 1;
+	setp.lt.s32 	%p2, %r30, 100;
+	@%p2 bra 	$L__BB0_1;
+	@%p1 mbarrier.inval.shared::cta.b64 [%r20];
+	@%p1 mbarrier.inval.shared::cta.b64 [%r21];
+	@%p1 mbarrier.inval.shared::cta.b64 [%r22];
+"""
+
+
+def test_a_ring_indexed_by_a_counter_modulo_its_size_resolves_to_its_slots():
+    setup = "\tmov.u32 \t%r1, %tid.x;\n\tsetp.eq.b32 \t%p1, %r1, 0;\n"
+    clean = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", "0").replace("{ROW}", "512")))
+    assert clean.ok and len(clean.barriers) == 3 and clean.checked == 1, clean.summary()
+    # Rows at +1800: the three stages' rows (1800, 2056, 2312) span the barriers.
+    reused = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", "0").replace("{ROW}", "1800")))
+    assert {p.split("barrier ")[1].split(" ")[0] for p in reused.problems} == {
+        "global_smem+2048", "global_smem+2056", "global_smem+2064"}, reused.summary()
+    # Its first value copied from a register known to lie below the modulus (a phase bit, as ptxas may share them).
+    phase = COUNTED.replace("\tmov.b32 \t%r40, {FIRST};", "\tand.b32 \t%r39, %r1, 1;\n\tmov.b32 \t%r40, %r39;")
+    assert phase != COUNTED
+    shared = check_barrier_lifetimes(kernel(setup + phase.replace("{ROW}", "512")))
+    assert shared.ok and shared.checked == 1, shared.summary()
+    # A counter that may start past its modulus (or from an unknown value) is not bounded by it.
+    for first in ("5", "%r1"):
+        wild = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", first).replace("{ROW}", "512")))
+        assert not wild.ok and wild.unresolved, wild.summary()
 
 
 def test_a_per_warp_slot_behind_a_branch_is_bounded_by_it():

@@ -38,3 +38,16 @@ def test_one_pass_tool_sides(tmp_path):
     assert "one-pass_check" not in row and row["ordered-one-pass_check"] == "ok"
     with pytest.raises(SystemExit):
         one_pass.main([*args, "--sides", "two-pass,ordered"])
+
+
+def test_one_pass_tool_times_both_ways_of_adding_dq(tmp_path):
+    """The bulk side (TMA reduce-adds on Hopper) is timed in the same rounds as the atomic one; off Hopper both run
+    the tl one pass, and the record says which tile each ran."""
+    out = tmp_path / "one_pass.json"
+    argv = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--sides", "two-pass,one-pass,one-pass-bulk",
+            "--out", str(out)]
+    assert one_pass.main(argv) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    for side in ("one-pass", "one-pass-bulk"):
+        assert row[f"{side}_check"] == "ok" and row[f"{side}_out_equal"] and row[f"{side}_dq_rel_diff"] < 1e-5
+        assert math.isfinite(row[f"{side}_bwd_ms"]) and row[f"{side}_tile"] == "16x32 tl"

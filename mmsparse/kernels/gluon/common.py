@@ -30,6 +30,26 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise (a CTA-wide barrier)
 
+
+def _tma_reduce_add_builtin():
+    """Triton 3.6 and 3.7 have the builder's bulk tensor reduction (``cp.reduce.async.bulk.tensor``) but no Gluon
+    wrapper for it; 3.8 adds ``tma.async_atomic_add``, which calls the same builder method."""
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def async_atomic_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    return async_atomic_add
+
+
+# A TMA bulk reduce-add of a shared tile into global memory through a descriptor (one bulk group; tma.store_wait
+# waits for it like for a store).
+tma_atomic_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_builtin()
+
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
 # The warp roles of every pass: the default partition and the second consumer are a warpgroup each; the producer is
 # one warp that only issues TMA copies.

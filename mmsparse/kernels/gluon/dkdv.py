@@ -21,7 +21,11 @@ shared tile of its own; once both are staged (a handshake of two barriers per st
 transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
 buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
 rather than from registers. No dQ pass runs. ``ORDERED`` (the ordered one-pass backward) adds each dQ tile's
-column halves in the order of the key blocks, a semaphore per tile and warpgroup (:mod:`.dq_order`).
+column halves in the order of the key blocks, a semaphore per tile and warpgroup (:mod:`.dq_order`). With
+``DQ_BULK`` each warpgroup adds its half as one TMA bulk reduce-add from a float32 staging tile of its own (64 x
+D/2: 32 KB for both at D=128, which fits beside 3 stages, not 4), asynchronously: it waits for the tile to be read
+only at the start of the next step's dQ work. ``ORDERED`` adds with the atomics (a turn is passed on only once its
+adds are done, which a bulk reduce would first have to wait for).
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from .common import (
     tma_store,
     wait_turn,
 )
-from .dq_adds import add_dq, issue_dq, stage_ds
+from .dq_adds import add_dq, bulk_add_dq, issue_dq, stage_ds
 from .dq_order import pass_turn as pass_add_turn
 from .dq_order import turn_semaphore
 from .dq_order import wait_turn as wait_add_turn
@@ -145,19 +149,22 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 @gluon.jit
 def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
                 ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                ORDERED: gl.constexpr = False):
+                ORDERED: gl.constexpr = False, DQ_BULK: gl.constexpr = False):
     """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
     staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
     done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
     dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
     next step's dK reads dS^T_i from the tile too (no registers held across the step). ``ORDERED``: the add waits
-    for this warpgroup's turn on the tile and passes it on (:mod:`.dq_order`)."""
+    for this warpgroup's turn on the tile and passes it on (:mod:`.dq_order`). With ``DQ_BULK``, ``dq_head`` is
+    ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`) from
+    this warpgroup's staging tile."""
     if ONE_PASS:
-        ds_smem, k_smem, ds_bars, order = dq_bufs
+        ds_smem, k_smem, ds_bars, order, dq_stage = dq_bufs
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
         mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
-        stage_ds(dst, ds_smem.index(WG))
+        # with DQ_BULK also: the previous step's reduce (a whole step of matmuls ago) has read the staging tile
+        stage_ds(dst, ds_smem.index(WG), DQ_BULK)
         mbarrier.arrive(ds_bars.index(0))
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
@@ -168,12 +175,28 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
         if ORDERED:
             sem, rank = turn_semaphore(order, i, row0, WG, BM)
             wait_add_turn(sem, rank)
-        add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
+        if DQ_BULK:
+            dq_desc, bh = dq_head
+            bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
+        else:
+            add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
         if ORDERED:
             pass_add_turn(sem)
     else:
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
     return dv, pt_op
+
+
+@gluon.jit
+def _count_slot(stage, phase, STAGES: gl.constexpr):
+    """The ring stage after ``stage`` and the parity of its ready barrier (``phase``: the parity of ``stage``'s).
+    Counted rather than taken as ``i % STAGES`` where STAGES is not a power of two (``COUNTED`` in the consumer):
+    from the remainder of i, LLVM's loop strength reduction builds the stage's shared addresses as a multiple of i
+    minus a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``) cannot
+    bound; a counter modulo STAGES it can. A power of two keeps the mask and shift of i (the counters are then dead
+    and dropped: the loop compiles as before)."""
+    stage = (stage + 1) % STAGES
+    return stage, phase ^ (stage == 0).to(gl.int32)
 
 
 @gluon.jit
@@ -185,18 +208,24 @@ def _first_row(idx_ptr, it, n_full, n_total, BM: gl.constexpr, ONE_PASS: gl.cons
 
 
 @gluon.jit
-def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31)."""
+def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr = False):
+    """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31). With
+    ``DQ_BULK``, ``dq_head0`` is ``(descriptor, the group's first batch * Hq + head)`` and so is the result."""
     if GROUP == 1:
         return dq_head0
-    return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
+    elif DQ_BULK:
+        dq_desc, bh0 = dq_head0
+        return dq_desc, bh0 + i // n_total
+    else:
+        return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr):
+              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr,
+              DQ_BULK: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
@@ -206,8 +235,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first.
 
     With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
-    the two handshake barriers) and adds half of dQ's columns into the float32 rows at ``dq_head0`` (the group's
-    first head; :func:`_drain_step`)."""
+    the two handshake barriers, the float32 staging tiles of ``DQ_BULK``) and adds half of dQ's columns into the
+    float32 rows at ``dq_head0`` (the group's first head; with ``DQ_BULK`` the descriptor and that head's index;
+    :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, turn = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -217,6 +247,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
 
+    COUNTED: gl.constexpr = STAGES & (STAGES - 1) != 0  # the ring's stage and phase counted (_count_slot)
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
@@ -252,13 +283,20 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
         dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, n_full, n_total, BM, ONE_PASS, ORDERED),
-                                dq_head0, seq_q, sm_scale, dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
+                                dq_head0, seq_q, sm_scale, dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED,
+                                DQ_BULK)
+        stage = 0
+        phase = 0
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
-            stage = i % STAGES
-            prev = (i - 1) % STAGES
+            if COUNTED:
+                prev = stage
+                stage, phase = _count_slot(stage, phase, STAGES)
+            else:
+                stage = i % STAGES
+                prev = (i - 1) % STAGES
             it = i % n_total
-            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
             st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             wait_turn(turn, WG, turn_phase, PINGPONG)
@@ -290,9 +328,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
             # resources").
             dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, n_full, n_total, BM, ONE_PASS, ORDERED),
-                                    _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM), seq_q, sm_scale,
-                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED)
-        last = (total - 1) % STAGES
+                                    _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM, DQ_BULK), seq_q, sm_scale,
+                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED, DQ_BULK)
+        last = stage if COUNTED else (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
             dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
@@ -305,6 +343,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         mbarrier.arrive(empty.index(last))
         if ONE_PASS:
             mbarrier.wait(dq_bufs[2].index(1), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
+        if DQ_BULK:
+            tma.store_wait(0)  # the last reduce has read the staging tile before the CTA's shared memory goes
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
@@ -322,13 +362,17 @@ def attention_dkdv_gluon(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
-    ORDERED: gl.constexpr = False,
+    ORDERED: gl.constexpr = False, DQ_BULK: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
-    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise). With ``ORDERED`` in the order
-    of DQ_RANKS (int32, INDICES' shape: each entry's rank among the key blocks that add into its query block),
-    counted by DQ_SEM (int32 ``[B, Hq, cdiv(Sq, BM), 2]``, a semaphore per warpgroup; zeroed by the launcher)."""
+    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise); with ``DQ_BULK`` as well, DQ is
+    that buffer's ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, HEAD_DIM]``) with ``[1, BM, HEAD_DIM_PAD / 2]``
+    boxes (the TMA bulk reduce-adds). With ``ORDERED`` in the order of DQ_RANKS (int32, INDICES' shape: each entry's
+    rank among the key blocks that add into its query block), counted by DQ_SEM (int32 ``[B, Hq, cdiv(Sq, BM), 2]``,
+    a semaphore per warpgroup; zeroed by the launcher)."""
+    gl.static_assert(ONE_PASS or not DQ_BULK, "DQ_BULK is the one-pass variant's way to add dQ")
+    gl.static_assert(not (ORDERED and DQ_BULK), "ORDERED adds with atomics: its turn passes once the adds are done")
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -355,10 +399,18 @@ def attention_dkdv_gluon(
     if ONE_PASS:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup
-        # 64-bit: B * Hq * Sq * D passes 2^31
-        dq_head0 = DQ + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * seq_q * HEAD_DIM
+        if DQ_BULK:
+            stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
+            # each warpgroup's half of the block's dQ, read by its TMA reduce
+            dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)
+            dq_head0 = (DQ, b * NUM_HEADS + hk * GROUP)  # the group's first head in the descriptor's [B * Hq] rows
+        else:
+            dq_stage = ds_smem  # a stand-in: only DQ_BULK stages dQ
+            # 64-bit: B * Hq * Sq * D passes 2^31
+            dq_head0 = DQ + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * seq_q * HEAD_DIM
     else:
         ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
+        dq_stage = k_smem
         dq_head0 = DQ
     order = (0, 0, 0, 0, 0)  # stand-ins: only ORDERED reads them
     if ORDERED:
@@ -390,15 +442,15 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
-    dq_bufs = (ds_smem, k_smem, ds_bars, order)
+    dq_bufs = (ds_smem, k_smem, ds_bars, order, dq_stage)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, ORDERED)),
+                         ONE_PASS, HEAD_DIM, ORDERED, DQ_BULK)),
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, ORDERED)),
+                         ONE_PASS, HEAD_DIM, ORDERED, DQ_BULK)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                          MASK_MODE, ORDERED)),
