@@ -1,7 +1,7 @@
 """The one-pass backwards against the default two-pass one, config by config: the atomic one-pass
-(``deterministic=False``), the same adding dQ by TMA bulk reduce-adds ("one-pass-bulk": on Hopper the Gluon kernel at
-``config.GLUON_ONE_PASS_BULK``'s tile through ``KernelConfig.gluon_one_pass``; elsewhere the tl kernel, as the
-atomic one) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the atomic kernel, its dQ adds
+(``deterministic=False``: on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``), the
+same adding dQ by register atomics ("one-pass-atomic": the Gluon kernel at the dK/dV tile; elsewhere both are the
+tl kernel) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the atomic kernel, its dQ adds
 ordered by key block, bitwise repeatable), each checked against the float32 reference, their gradients
 against the two passes', each one-pass dQ's run-to-run differences, and the backward's time and peak memory of
 each, in interleaved rounds. The one-pass kernels run at every length here (``use_config(one_pass_max_keys=...)``);
@@ -37,16 +37,16 @@ from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
 from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
-from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_config
+from mmsparse.attention.config import kernel_config
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
-# name: (deterministic, KernelConfig.deterministic_backward, the Gluon one pass's Tile.dq_adds); the first side
-# given is the baseline the others are compared to
-SIDES = {"two-pass": (True, "two_pass", "atomic"), "one-pass": (False, "two_pass", "atomic"),
-         "one-pass-bulk": (False, "two_pass", "bulk"), "ordered-one-pass": (True, "ordered_one_pass", "atomic")}
-ONE_PASS_SIDES = ("one-pass", "one-pass-bulk", "ordered-one-pass")
+# name: (deterministic, KernelConfig.deterministic_backward, whether the Gluon one pass adds dQ by register atomics
+# at the dK/dV tile instead of the config's gluon_one_pass); the first side given is the baseline of the others
+SIDES = {"two-pass": (True, "two_pass", False), "one-pass": (False, "two_pass", False),
+         "one-pass-atomic": (False, "two_pass", True), "ordered-one-pass": (True, "ordered_one_pass", False)}
+ONE_PASS_SIDES = ("one-pass", "one-pass-atomic", "ordered-one-pass")
 
 
 def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
@@ -65,11 +65,10 @@ def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
 @contextlib.contextmanager
 def side_setting(side: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """The backward setting of ``side``: the backward reads it when it runs, so it covers forward and backward.
-    The bulk side also runs the device's config with the bulk one-pass tile (none at a head dim without Gluon
-    kernels: the default config)."""
-    bulk = GLUON_ONE_PASS_BULK.get(head_dim_pad(cfg.head_dim)) if SIDES[side][2] == "bulk" else None
-    tiles = None if bulk is None else dataclasses.replace(kernel_config(cfg.head_dim, dtype, device),
-                                                          gluon_one_pass=bulk)
+    The atomic side also runs the device's config without its Gluon one-pass tile."""
+    tiles = None
+    if SIDES[side][2]:
+        tiles = dataclasses.replace(kernel_config(cfg.head_dim, dtype, device), gluon_one_pass=None)
     with mmsparse.use_config(tiles, deterministic_backward=SIDES[side][1]):
         yield
 
@@ -172,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--rounds", type=int, default=5 if cuda else 1, help="interleaved timing rounds (median)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=("bf16", "fp16", "fp32"))
-    # off Hopper the bulk side runs the atomic side's tl kernel: not a default there
-    default_sides = SIDES if cuda else [s for s in SIDES if s != "one-pass-bulk"]
+    # off Hopper the atomic side runs the one-pass side's tl kernel: not a default there
+    default_sides = SIDES if cuda else [s for s in SIDES if s != "one-pass-atomic"]
     ap.add_argument("--sides", default=",".join(default_sides),
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")

@@ -116,11 +116,12 @@ class KernelConfig:
         (no Gluon kernel has it)."""
         return self.bwd_dkdv.gluon and not dropout
 
-    def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
+    def one_pass_kernel_tile(self, dropout: bool = False, ordered: bool = False) -> Tile:
         """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``, else the
-        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`."""
+        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`. The ordered one-pass adds with atomics
+        (its turn passes once its adds are done), at the Gluon dK/dV tile."""
         if self.one_pass_runs_gluon(dropout):
-            return self.gluon_one_pass if self.gluon_one_pass is not None else self.bwd_dkdv
+            return self.gluon_one_pass if self.gluon_one_pass is not None and not ordered else self.bwd_dkdv
         return self.one_pass_tile()
 
     def one_pass(self, seq_k: int) -> bool:
@@ -247,10 +248,11 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and d_pad in _GLUON_FWD and gluon:
-        # The one-pass backward runs the Gluon dK/dV kernel at bwd_dkdv (plan.plan_attention); with dropout it is
-        # the tl kernel, which keeps the tl dK/dV tile, whose registers it was written for.
+        # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
+        # (plan.plan_attention); with dropout it is the tl kernel, which keeps the tl dK/dV tile, whose registers
+        # it was written for.
         cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
-                      fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
+                      gluon_one_pass=GLUON_ONE_PASS_BULK[d_pad], fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
                       bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
                       bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
@@ -313,7 +315,9 @@ _GLUON_DKDV = {
 # KernelConfig.gluon_one_pass. Shared memory per CTA: at D=128 K, V and 4 stages of Q and dO take 192 KB, the dS^T
 # tiles 16 KB and the rows 4 KB, so the two 64 x 64 float32 staging tiles (32 KB) fit only with 3 stages
 # (~211 KB of 227); 2 x 32-column pieces (16 KB) would still pass 227 KB at 4 stages. At D=64 all of it takes
-# ~132 KB. Untimed against the atomics (tools/one_pass.py --dq-adds atomic,bulk): not the default.
+# ~132 KB. H200, bf16, backward against the two passes in one run (tools/one_pass.py, h200/one_pass.md): bulk
+# 0.81-0.97x at D=128 over 13k-43k keys, 1.03x at D=64, against the register atomics' 0.73-0.79x and 0.97x;
+# seed 1.11x against 0.99x: the Gluon one pass's tile (the ordered one-pass keeps bwd_dkdv's: it adds by atomics).
 GLUON_ONE_PASS_BULK = {
     64: replace(_GLUON_DKDV[64], dq_adds="bulk"),
     128: replace(_GLUON_DKDV[128], gluon_stages=3, dq_adds="bulk"),

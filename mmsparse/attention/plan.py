@@ -117,8 +117,8 @@ def plan_attention(
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
     if config.runs_one_pass(seq_k, deterministic):
-        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
-                                one_pass=True, ordered=deterministic)
+        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, ordered=deterministic),
+                                config.one_pass_runs_gluon(dropout), True, one_pass=True, ordered=deterministic)
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
     return AttentionPlan(

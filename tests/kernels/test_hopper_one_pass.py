@@ -13,7 +13,6 @@ tests/kernels/test_one_pass.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -52,11 +51,12 @@ DQ_ADDS = ["atomic", "bulk"]  # Tile.dq_adds of the Gluon one pass
 
 
 def dq_adds_config(dq_adds: str, head_dim: int, dtype: torch.dtype):
-    """The calls' config: the default (register atomics) or the GPU's config with the bulk one-pass tile."""
-    if dq_adds == "atomic":
-        return contextlib.nullcontext()
+    """The calls' config: the GPU's, with the one pass adding dQ by TMA bulk reduce-adds at the bulk tile (the
+    default) or by register atomics at the dK/dV tile."""
     cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
-    return use_config(dataclasses.replace(cfg, gluon_one_pass=GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)]))
+    tile = GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)] if dq_adds == "bulk" else None
+    assert dq_adds == "atomic" or cfg.gluon_one_pass == tile  # bulk is the default
+    return use_config(dataclasses.replace(cfg, gluon_one_pass=tile))
 
 
 @pytest.fixture

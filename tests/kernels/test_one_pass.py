@@ -263,9 +263,10 @@ def test_plan_of_the_one_pass_backward(device):
 
 
 def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
-    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is its ONE_PASS variant at the Gluon tile,
-    planned below one_pass_max_keys keys (use_config moves it); from there deterministic=False keeps the two Gluon
-    passes. With dropout (no Gluon kernel has it) it is the tl kernel at the tl dK/dV tile."""
+    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is its ONE_PASS variant at the Gluon one-pass
+    tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from there
+    deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel at the
+    tl dK/dV tile."""
     for head_dim in (64, 128):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
         assert cfg.bwd_dkdv.gluon
@@ -277,10 +278,12 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
             return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
                                   deterministic=False)
 
+        one_pass_tile = cfg.gluon_one_pass
+        assert one_pass_tile.gluon and one_pass_tile.dq_adds == "bulk"
         short = plan(cfg, limit - 1)
-        assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == cfg.bwd_dkdv
+        assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == one_pass_tile
         assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
-        assert short.list_tiles(forward=False) == [(cfg.bwd_dkdv.block_m, cfg.bwd_dkdv.block_n, True)]
+        assert short.list_tiles(forward=False) == [(one_pass_tile.block_m, one_pass_tile.block_n, True)]
         dropout = plan(cfg, limit - 1, dropout=True)
         assert dropout.dq is None and not dropout.dkdv.gluon and dropout.dkdv.tile == tl_tile
         assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
@@ -290,7 +293,7 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
         assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == short.list_tiles(forward=False)
         assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
         forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
-        assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == cfg.bwd_dkdv
+        assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == one_pass_tile
         with use_config(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
             forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
         assert forced.dq is None and forced.dkdv.gluon
@@ -301,17 +304,18 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_one_pass_tile_with_bulk_dq_adds(head_dim):
-    """KernelConfig.gluon_one_pass (the bulk dQ adds' tile, GLUON_ONE_PASS_BULK) is the tile the Gluon one pass runs
-    at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs; the default
-    config has none (register atomics at the dK/dV tile)."""
+    """KernelConfig.gluon_one_pass (the bulk dQ adds' tile, GLUON_ONE_PASS_BULK, the default) is the tile the Gluon
+    one pass runs at and builds its lists for; the two-pass dK/dV pass, the ordered one pass (atomic adds) and the tl
+    one pass (dropout) keep theirs; without it the one pass adds by register atomics at the dK/dV tile."""
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
-    cfg = cuda_kernel_config(head_dim, torch.bfloat16)
-    assert cfg.gluon_one_pass is None and cfg.one_pass_kernel_tile().dq_adds == "atomic"
+    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
+    cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
+    assert cfg.one_pass_kernel_tile() == cfg.bwd_dkdv and cfg.one_pass_kernel_tile().dq_adds == "atomic"
     bulk = GLUON_ONE_PASS_BULK[head_dim]
+    assert with_bulk.gluon_one_pass == bulk and with_bulk.one_pass_kernel_tile(ordered=True) == cfg.bwd_dkdv
     assert bulk.dq_adds == "bulk" and bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
     assert bulk.gluon_stages == (3 if head_dim == 128 else cfg.bwd_dkdv.gluon_stages)  # 32 KB of staging at D=128
-    with_bulk = dataclasses.replace(cfg, gluon_one_pass=bulk)
     assert with_bulk.one_pass_kernel_tile() == bulk
     assert with_bulk.one_pass_kernel_tile(dropout=True) == cfg.one_pass_tile()
 

@@ -114,7 +114,7 @@ def test_ordered_one_pass_matches_reference(name, device, accumulators):
         out.backward(grad_out)
     mask = reference_mask(topo, lens, seq, seq_q, causal, extra.get("q_start"), window=extra.get("window"))
     check_outputs(q, k, v, out, grad_out, mask)
-    tile = kernel_config(head_dim, dtype, device).one_pass_kernel_tile()
+    tile = kernel_config(head_dim, dtype, device).one_pass_kernel_tile(ordered=True)
     (sem,), ((lists, n_cols),) = accumulators.semaphores, accumulators.lists
     want = _listed_counts(lists, n_cols, batch, heads)
     per_tile = sem.numel() // want.numel()  # the Gluon kernel (Hopper): one per warpgroup's column half
@@ -219,7 +219,7 @@ def test_plan_and_prepared_lists(device):
     assert atomic.dkdv.one_pass and not atomic.dkdv.ordered and atomic.kernels()["dq"] == "one-pass"
     long = plan_attention(cfg, 2, 4, 2, 60, cfg.one_pass_max_keys, device, None, False)
     assert long.dq is not None and not long.dkdv.one_pass  # the same threshold as the atomic one-pass
-    tile = cfg.one_pass_kernel_tile()
+    tile = cfg.one_pass_kernel_tile(ordered=True)
     assert list_tiles(cfg, 60, 60)[1:] == plan.list_tiles(forward=False) == [(tile.block_m, tile.block_n, True)]
     info = build_mask_info(HUB, (20, 25, 15), 60, 60, True, device)
     prepare(info, cfg)  # ahead of a call (CUDA-graph capture): the ordered one's add ranks too

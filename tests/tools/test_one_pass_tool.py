@@ -41,13 +41,13 @@ def test_one_pass_tool_sides(tmp_path):
 
 
 def test_one_pass_tool_times_both_ways_of_adding_dq(tmp_path):
-    """The bulk side (TMA reduce-adds on Hopper) is timed in the same rounds as the atomic one; off Hopper both run
-    the tl one pass, and the record says which tile each ran."""
+    """The atomic side (register atomics on Hopper) is timed in the same rounds as the default one (TMA bulk
+    reduce-adds there); off Hopper both run the tl one pass, and the record says which tile each ran."""
     out = tmp_path / "one_pass.json"
-    argv = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--sides", "two-pass,one-pass,one-pass-bulk",
+    argv = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--sides", "two-pass,one-pass,one-pass-atomic",
             "--out", str(out)]
     assert one_pass.main(argv) == 0
     row = json.loads(out.read_text())["rows"][0]
-    for side in ("one-pass", "one-pass-bulk"):
+    for side in ("one-pass", "one-pass-atomic"):
         assert row[f"{side}_check"] == "ok" and row[f"{side}_out_equal"] and row[f"{side}_dq_rel_diff"] < 1e-5
         assert math.isfinite(row[f"{side}_bwd_ms"]) and row[f"{side}_tile"] == "16x32 tl"
