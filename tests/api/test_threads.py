@@ -18,7 +18,8 @@ from mmsparse.mask.cache import CACHE
 from tests.helpers import check_outputs, make_qkv
 
 # (topology, lengths A, lengths B, seq_q or None for all positions, causal, heads, kv_heads, dtype). Each thread
-# alternates two sets of lengths, so that its calls both hit and miss the caches.
+# calls with two sets of lengths, then its module with the first; with the shared module (each of its query counts
+# asked for by two threads) the calls both hit and miss the caches.
 CASES = [
     ([[1]], (40,), (33,), None, True, 2, 2, torch.float32),
     ([[1, 1], [0, 1]], (20, 28), (31, 17), None, False, 2, 1, torch.float16),
@@ -31,7 +32,7 @@ CASES = [
     ([[1, 1, 0, 0, 1], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [1, 0, 0, 1, 0], [1, 1, 1, 1, 1]], (9, 9, 9, 9, 9),
      (20, 1, 1, 1, 22), None, False, 2, 2, torch.float16),
 ]
-CALLS = 3  # functional calls per thread; then as many through the thread's module and the shared one
+CALLS = 2  # functional calls per thread (lengths A, then B); then one through the thread's module and the shared one
 SHARED_TOPOLOGY, SHARED_LENS = [[1, 1, 0], [0, 1, 1], [1, 0, 1]], (10, 20, 18)
 
 
@@ -66,13 +67,13 @@ def _worker(index: int, device: torch.device, shared: TritonMBSAttnKernel, barri
         _check(q, k, v, out, topology, lens, causal)
     lens = lens_a if not isinstance(lens_a, list) else lens_a[0]
     module = TritonMBSAttnKernel(topology, lens, causal_mask=causal)
-    for call in range(CALLS - 1):
-        q, k, v = make_qkv(1, heads, kv_heads, seq_q or sum(lens), sum(lens), 16, dtype, device, generator)
-        _check(q, k, v, module(q, k, v), topology, lens, causal)
-        # the shared module: one per-length cache for all threads, each asking for its own query count
-        seq_q_shared = sum(SHARED_LENS) - index * (call + 1)
-        q, k, v = make_qkv(1, 2, 2, seq_q_shared, sum(SHARED_LENS), 16, torch.float32, device, generator)
-        _check(q, k, v, shared(q, k, v), SHARED_TOPOLOGY, SHARED_LENS, False)
+    q, k, v = make_qkv(1, heads, kv_heads, seq_q or sum(lens), sum(lens), 16, dtype, device, generator)
+    _check(q, k, v, module(q, k, v), topology, lens, causal)
+    # the shared module: one per-length cache for all threads; two threads at once ask for each query count, so
+    # that one thread's miss races another's on the same entry
+    seq_q_shared = sum(SHARED_LENS) - index // 2
+    q, k, v = make_qkv(1, 2, 2, seq_q_shared, sum(SHARED_LENS), 16, torch.float32, device, generator)
+    _check(q, k, v, shared(q, k, v), SHARED_TOPOLOGY, SHARED_LENS, False)
 
 
 def test_eight_threads_forward_and_backward(device, contended):

@@ -51,7 +51,10 @@ def test_random_topologies(seed, device):
     check_against_reference(q, k, v, c["topology"], c["seg_lens"], causal=c["causal"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+# fp16 on the GPU only: on a CPU every dtype gets the same tiles, so fp16 would rerun bf16's kernels and block
+# lists at a 16-bit dtype (fp16 runs end to end in the random topologies and the empty-row test).
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.gpu), torch.bfloat16],
+                         ids=lambda d: str(d)[6:])
 def test_seed_example(dtype, device):
     """The seed's own case: cyclic topology, segments (50, 375, 500); one head, as the CI-sized demo runs it (GQA
     is covered by the random topologies)."""
