@@ -114,6 +114,14 @@ def reference_grads(q, k, v, mask, grad_out, softmax_scale=None, dtype=torch.flo
     return out, qd.grad, kd.grad, vd.grad
 
 
+def forward_backward(q, k, v, grad_out, **kw):
+    """(out, dq, dk, dv) of one ``mbs_attention(q, k, v, **kw)`` call over fresh leaves of q, k, v."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = mbs_attention(q, k, v, **kw)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
 def check_outputs(q, k, v, out, grad_out, mask, softmax_scale=None, **kw):
     """Compare out and q/k/v .grad (after out.backward(grad_out)) with float64 and plain-torch references."""
     exact = reference_grads(q, k, v, mask, grad_out, softmax_scale, torch.float64, **kw)

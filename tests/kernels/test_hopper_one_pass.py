@@ -24,7 +24,7 @@ from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_
 from mmsparse.attention.plan import plan_attention
 from mmsparse.mask.blocks import cdiv
 from mmsparse.mask.info import MaskInfo
-from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
+from tests.helpers import CYCLIC, HUB, check_outputs, forward_backward, make_qkv
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]  # the segment-code mask
 
@@ -291,13 +291,6 @@ def test_gluon_ordered_one_pass_past_the_threshold(ordered_launches):
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=True))
 
 
-def _grads(q, k, v, grad_out, **kw):
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = mbs_attention(*leaves, **kw)
-    out.backward(grad_out)
-    return [t.grad for t in leaves]
-
-
 @pytest.mark.hopper
 @pytest.mark.gpu
 def test_gluon_ordered_one_pass_is_bitwise_repeatable(ordered_launches):
@@ -311,9 +304,9 @@ def test_gluon_ordered_one_pass_is_bitwise_repeatable(ordered_launches):
     kw = dict(topology=HUB, seg_lens=lens)
     with use_config(one_pass_max_keys=1 << 62):
         with use_config(deterministic_backward=ORDERED):
-            ordered = [_grads(q, k, v, grad_out, **kw) for _ in range(3)]
-        atomic = [_grads(q, k, v, grad_out, deterministic=False, **kw) for _ in range(2)]
-        two = _grads(q, k, v, grad_out, **kw)
+            ordered = [forward_backward(q, k, v, grad_out, **kw) for _ in range(3)]
+        atomic = [forward_backward(q, k, v, grad_out, deterministic=False, **kw) for _ in range(2)]
+        two = forward_backward(q, k, v, grad_out, **kw)
     assert ordered_launches["ordered"] == [True] * 3 + [False] * 3  # ordered, atomic, the two-pass dK/dV
     for run in ordered[1:]:
         for name, a, b in zip(("dq", "dk", "dv"), ordered[0], run):

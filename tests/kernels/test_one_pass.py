@@ -34,7 +34,7 @@ from mmsparse.attention.kernel_args import list_tiles
 from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import new_dropout_seed
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, replace_attention
-from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, make_qkv
+from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, forward_backward, make_qkv
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]
 
@@ -106,14 +106,6 @@ def test_one_pass_pack_matches_reference(device):
     check_outputs(q, k, v, out, grad_out, reference_packed_mask(topo, lens, causal=True))
 
 
-def _forward_backward(q, k, v, grad_out, **kw):
-    """(out, dq, dk, dv) of one call of fresh leaves over q, k, v."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = mbs_attention(q, k, v, **kw)
-    out.backward(grad_out)
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def test_one_pass_dropout_uses_the_forwards_mask(device):
     """Dropout with the same seed: both backwards see the forward's keep mask (float64 reference with that mask),
     and their outputs are the same tensor."""
@@ -124,7 +116,7 @@ def test_one_pass_dropout_uses_the_forwards_mask(device):
     results = {}
     for deterministic in (True, False):
         torch.manual_seed(1234)
-        results[deterministic] = _forward_backward(q, k, v, grad_out, topology=CYCLIC, seg_lens=lens, causal=True,
+        results[deterministic] = forward_backward(q, k, v, grad_out, topology=CYCLIC, seg_lens=lens, causal=True,
                                                    dropout_p=p, deterministic=deterministic)
         torch.manual_seed(1234)
         keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 60, 60, p)
@@ -224,7 +216,7 @@ def test_module_argument_reaches_the_backward(launches, device):
 def test_default_backward_is_bitwise_repeatable(device):
     q, k, v = make_qkv(2, 4, 2, 50, 50, 24, torch.bfloat16, device, torch.Generator().manual_seed(9))
     grad_out = torch.randn(2, 4, 50, 24, generator=torch.Generator().manual_seed(10)).to(device, torch.bfloat16)
-    runs = [_forward_backward(q, k, v, grad_out, topology=PAIR_TYPES, seg_lens=(14, 20, 16), causal=True)
+    runs = [forward_backward(q, k, v, grad_out, topology=PAIR_TYPES, seg_lens=(14, 20, 16), causal=True)
             for _ in range(2)]
     for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), name
@@ -237,8 +229,8 @@ def test_one_pass_agrees_with_two_passes(dtype, device):
     q, k, v = make_qkv(2, 4, 2, 70, 70, 40, dtype, device, torch.Generator().manual_seed(11))
     grad_out = torch.randn(2, 4, 70, 40, generator=torch.Generator().manual_seed(12)).to(device, dtype)
     kw = dict(topology=HUB, seg_lens=(15, 33, 22), causal=True)
-    two = _forward_backward(q, k, v, grad_out, deterministic=True, **kw)
-    one = _forward_backward(q, k, v, grad_out, deterministic=False, **kw)
+    two = forward_backward(q, k, v, grad_out, deterministic=True, **kw)
+    one = forward_backward(q, k, v, grad_out, deterministic=False, **kw)
     assert torch.equal(two[0], one[0])  # the forward is the same
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}[dtype]  # one unit in the stored dtype's last place
     for name, a, b in zip(("dq", "dk", "dv"), two[1:], one[1:]):

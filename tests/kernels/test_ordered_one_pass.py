@@ -28,7 +28,7 @@ from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.mask.blocks import cdiv
 from mmsparse.mask.info import MaskInfo
-from tests.helpers import CYCLIC, HUB, RING, check_outputs, make_qkv
+from tests.helpers import CYCLIC, HUB, RING, check_outputs, forward_backward, make_qkv
 
 ORDERED = "ordered_one_pass"
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]
@@ -154,13 +154,6 @@ def test_ordered_one_pass_pack(device):
     check_outputs(q, k, v, out, grad_out, reference_packed_mask(topo, lens, causal=True))
 
 
-def _grads(q, k, v, grad_out, **kw):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = mbs_attention(q, k, v, **kw)
-    out.backward(grad_out)
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def test_ordered_one_pass_is_bitwise_repeatable_and_close_to_two_passes(device):
     """Two calls give the same bits in all of out, dq, dk, dv; against the two passes dQ differs by the order of
     float32 adds only (dK, dV: the same kernel's numbers)."""
@@ -168,10 +161,10 @@ def test_ordered_one_pass_is_bitwise_repeatable_and_close_to_two_passes(device):
     grad_out = torch.randn(2, 4, 70, 40, generator=torch.Generator().manual_seed(22)).to(device, torch.bfloat16)
     kw = dict(topology=PAIR_TYPES, seg_lens=(15, 33, 22), causal=True)
     with use_config(deterministic_backward=ORDERED):
-        runs = [_grads(q, k, v, grad_out, **kw) for _ in range(2)]
+        runs = [forward_backward(q, k, v, grad_out, **kw) for _ in range(2)]
     for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), name
-    two = _grads(q, k, v, grad_out, **kw)
+    two = forward_backward(q, k, v, grad_out, **kw)
     for name, a, b in zip(("dq", "dk", "dv"), two[1:], runs[0][1:]):
         a, b = a.double(), b.double()
         tol = 1e-5 * a.abs().max().item() + 2.0**-7 * torch.maximum(a.abs(), b.abs())
@@ -185,10 +178,10 @@ def test_ordered_one_pass_with_dropout_is_the_tl_kernel_and_agrees(device):
     grad_out = torch.randn(2, 4, 60, 32, generator=torch.Generator().manual_seed(26)).to(device)
     kw = dict(topology=CYCLIC, seg_lens=(9, 30, 21), causal=True, dropout_p=0.3)
     torch.manual_seed(1234)
-    two = _grads(q, k, v, grad_out, **kw)
+    two = forward_backward(q, k, v, grad_out, **kw)
     with use_config(deterministic_backward=ORDERED):
         torch.manual_seed(1234)
-        ordered = _grads(q, k, v, grad_out, **kw)
+        ordered = forward_backward(q, k, v, grad_out, **kw)
     assert torch.equal(two[0], ordered[0])
     for name, a, b in zip(("dq", "dk", "dv"), two[1:], ordered[1:]):
         a, b = a.double(), b.double()
