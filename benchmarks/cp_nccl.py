@@ -135,7 +135,8 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
 
     element = p.q.element_size()
-    kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, 4))
+    dkv_element = torch.empty((), dtype=cp.kv_grad_dtype(p.q.dtype)).element_size()
+    kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, dkv_element))
     fetches = 1 if keep_fetched_kv else 2
     plan = [rank_bytes(cp.plan.summary(1), r, kv_token, dkv_token, fetches) for r in range(cp.world_size)]
     measured = cp_dist.gather_lists([sent, received], device)
@@ -158,8 +159,11 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
         out, lse = local_forward(cp, x, scale)
         local_backward(cp, x, out, lse, scale)
 
-    dkv_l = torch.zeros((case.batch, 2 * case.heads_kv, *k.shape[2:]), dtype=torch.float32, device=device)
-    dkv_g = torch.zeros((case.batch, 2 * case.heads_kv, *k_g.shape[2:]), dtype=torch.float32, device=device)
+    # The backward's dK/dV as the attention has them: own keys' (float32; none in one piece) and gathered keys'
+    dkv_l = None if cp.one_piece() else torch.zeros((case.batch, 2 * case.heads_kv, *k.shape[2:]),
+                                                   dtype=torch.float32, device=device)
+    dkv_g = torch.zeros((case.batch, 2 * case.heads_kv, *k_g.shape[2:]), dtype=cp.kv_grad_dtype(k.dtype),
+                        device=device)
 
     def exchange() -> None:
         cp.fetch_kv(k, v)
@@ -171,6 +175,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     row["hidden_ms"] = row["compute_ms"] + row["exchange_ms"] - row["step_ms"]
     row["hidden_fraction"] = row["hidden_ms"] / row["exchange_ms"] if row["exchange_ms"] > 0 else None
     row["_summary"] = cp.plan.summary(kv_token)  # for the model, once the one-GPU time is known
+    row["_dkv_ratio"] = dkv_element / element
     return row
 
 
@@ -213,9 +218,9 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
     for row, result in zip(rows, done):
         row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"])
         row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES)
-    summary = rows[0].pop("_summary")
+    summary, dkv_ratio = rows[0].pop("_summary"), rows[0].pop("_dkv_ratio")
     rows[0]["model_speedup"], rows[0]["model_speedup_overlap"] = predicted_speedup(
-        summary, one_gpu["one_gpu_step_ms"] / 1e3, links["send_recv_gbs"] * 1e9)
+        summary, one_gpu["one_gpu_step_ms"] / 1e3, links["send_recv_gbs"] * 1e9, dkv_ratio)
     if device.type == "cuda":
         peak = cp_dist.reduce_value(torch.cuda.max_memory_allocated(device), device, dist.ReduceOp.MAX)
         for row in rows:

@@ -32,8 +32,8 @@ def local_forward(problem: RankProblem, x: RankInputs, scale: float) -> tuple[to
 
 
 def local_backward(problem: RankProblem, x: RankInputs, out: torch.Tensor, lse: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank's backward, without the exchange: float32 (dq, dK/dV of its own keys, dK/dV of the gathered
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The rank's backward, without the exchange: (dq, dK/dV of its own keys or None, dK/dV of the gathered
     keys), see :func:`mmsparse.distributed.local.backward_pieces`."""
     pieces = problem.pieces(x.q.device)
     return backward_pieces(x.dout, x.q, x.k, x.v, out, lse, pieces, [None] * len(pieces), scale, 0.0,

@@ -146,17 +146,20 @@ class ContextParallel(RankProblem):
         """
         return _start_gather_kv(self, k, v)()
 
-    def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
+    def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None) -> torch.Tensor:
         """The backward's return of dK/dV alone, for timing it: each fetched chunk's gradient goes to its owner,
-        which sums the contributions to its chunks in rank order.
+        which sums the contributions to its chunks in float32, in rank order.
 
         Args:
-            dkv_gathered: float32 ``[B, 2 Hkv, S_gathered, D]`` (K's heads, then V's) of the fetched keys;
-            dkv_local: float32 ``[B, 2 Hkv, S_local, D]`` of this rank's own keys. Every rank must call it.
+            dkv_gathered: ``[B, 2 Hkv, S_gathered, D]`` (K's heads, then V's) of the fetched keys, in
+                ``kv_grad_dtype(dtype)`` as the attention's backward has it: the inputs' dtype where the rank's
+                attention is one piece (then sent as it is), else float32;
+            dkv_local: float32 ``[B, 2 Hkv, S_local, D]`` of this rank's own keys, or None (no piece reads
+                them). Every rank must call it, with the same dtype.
         Returns:
-            The summed dK/dV of this rank's keys, ``[B, 2 Hkv, S_local, D]``.
+            The summed dK/dV of this rank's keys, float32 ``[B, 2 Hkv, S_local, D]``.
         """
-        return _return_kv_grads(self, dkv_gathered, dkv_local)
+        return _return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
 
 
 def _process_group(group: Any) -> Any:
@@ -219,74 +222,121 @@ def _ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, tuple
     return ranges
 
 
+def _runs(spans: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(source start, destination start, length) copies with each run of spans that are adjacent on both sides
+    merged into one: a rank's chunks usually sit next to each other, so a copy moves many chunks at once."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst, n in spans:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        elif n:
+            runs.append((src, dst, n))
+    return runs
+
+
+def _copy_tokens(dst: torch.Tensor, srcs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int, int]]) -> None:
+    """``dst[:, heads, d:d + n] = src[:, :, s:s + n]`` for each (s, d, n) of the merged ``spans``, the ``srcs``
+    stacked along the head dim of ``dst`` (K's heads, then V's)."""
+    for s, d, n in _runs(spans):
+        h = 0
+        for src in srcs:
+            dst[:, h : h + src.shape[1], d : d + n] = src[:, :, s : s + n]
+            h += src.shape[1]
+
+
 def _start_gather_kv(cp: ContextParallel, k: torch.Tensor,
                      v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """Start fetching K and V of the chunks this rank needs: each owner sends each rank just the chunks that
     rank's queries see (the plan's ``needed_kv``), point to point. Returns ``finish()``: it waits for the exchange
     (this rank's sends included) and gives the gathered K and V in sequence order."""
     plan, rank = cp.plan, cp.rank
-    kv = torch.cat([k, v], dim=1)  # [B, 2 Hkv, L, D]
+    batch, hkv, _, dim = k.shape
     mine = _ranges(plan, plan.local_chunks[rank])
     sends = {}
     for peer in range(cp.world_size):
-        wanted = [mine[c] for c in plan.needed_kv[peer] if plan.owner[c] == rank]
+        wanted = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
         if peer != rank and wanted:
-            sends[peer] = torch.cat([kv[:, :, a:b] for a, b in wanted], dim=2)
+            # K and V packed into one message, [B, 2 Hkv, n, D], straight from the rank's own tensors
+            sends[peer] = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in wanted), dim))
+            _copy_tokens(sends[peer], (k, v), _spans(plan, wanted, mine))
     recv_shapes = {}
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] == peer)
-        recv_shapes[peer] = (kv.shape[0], kv.shape[1], n, kv.shape[3])
-    received, requests = _post_exchange(cp, sends, recv_shapes, kv)
+        recv_shapes[peer] = (batch, 2 * hkv, n, dim)
+    received, requests = _post_exchange(cp, sends, recv_shapes, k)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        needed = plan.needed_kv[rank]
+        into = _ranges(plan, needed)
+        gathered = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in needed), dim))
+        _copy_tokens(gathered, (k, v), [(mine[c][0], into[c][0], plan.chunk_tokens(c))
+                                        for c in needed if plan.owner[c] == rank])
         for request in requests:
             request.wait()
-        offsets = dict.fromkeys(range(cp.world_size), 0)
-        parts = []
-        for c in plan.needed_kv[rank]:
-            owner, n = plan.owner[c], plan.chunk_tokens(c)
-            if owner == rank:
-                parts.append(kv[:, :, mine[c][0] : mine[c][1]])
-            else:
-                parts.append(received[owner][:, :, offsets[owner] : offsets[owner] + n])
-                offsets[owner] += n
-        gathered = torch.cat(parts, dim=2) if parts else kv[:, :, :0]
-        return gathered[:, : k.shape[1]], gathered[:, k.shape[1] :]
+        for peer, buffer in received.items():
+            from_peer = [c for c in needed if plan.owner[c] == peer]
+            _copy_tokens(gathered, (buffer,), _spans(plan, from_peer, into, source_first=False))
+        return gathered[:, :hkv], gathered[:, hkv:]
 
     return finish
 
 
-def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor) -> torch.Tensor:
-    """Send each gathered chunk's dK/dV to its owner; every owner sums its chunks' contributions in rank order
-    (its own at its rank's place): deterministic, no atomics. dkv_*: float32 ``[B, 2 Hkv, ., D]``."""
+def _spans(plan: ContextParallelPlan, chunks: Sequence[int], where: dict[int, tuple[int, int]],
+           source_first: bool = True) -> list[tuple[int, int, int]]:
+    """(source start, destination start, length) of ``chunks`` between ``where`` (their places in a rank's
+    tokens or gathered keys) and a message that holds them end to end: from ``where`` into the message, or
+    (``source_first`` False) from the message into ``where``."""
+    spans, offset = [], 0
+    for c in chunks:
+        n = plan.chunk_tokens(c)
+        spans.append((where[c][0], offset, n) if source_first else (offset, where[c][0], n))
+        offset += n
+    return spans
+
+
+def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
+                     wire: torch.dtype = torch.float32) -> torch.Tensor:
+    """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
+    contributions in float32 in rank order (its own at its rank's place): deterministic, no atomics. dkv_*:
+    ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype; ``dkv_local``
+    None: no piece read the rank's own keys."""
     plan, rank = cp.plan, cp.rank
+    if dkv_gathered.dtype != wire:
+        if wire != torch.float32 and dkv_gathered.numel():
+            raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
+                             f"{wire} (cp.kv_grad_dtype): pass it in that dtype")
+        dkv_gathered = dkv_gathered.to(wire)  # float32 from the inputs' dtype: exact
     gathered = _ranges(plan, plan.needed_kv[rank])
+    batch, heads, _, dim = dkv_gathered.shape
     sends = {}
     for peer in range(cp.world_size):
         chunks = [c for c in plan.needed_kv[rank] if plan.owner[c] == peer]
         if peer != rank and chunks:
-            sends[peer] = torch.cat([dkv_gathered[:, :, slice(*gathered[c])] for c in chunks], dim=2)
+            sends[peer] = dkv_gathered.new_empty((batch, heads, sum(plan.chunk_tokens(c) for c in chunks), dim))
+            _copy_tokens(sends[peer], (dkv_gathered,), _spans(plan, chunks, gathered))
     mine = _ranges(plan, plan.local_chunks[rank])
     recv_shapes = {}
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
-        recv_shapes[peer] = (*dkv_local.shape[:2], n, dkv_local.shape[3])
-    received = _exchange(cp, sends, recv_shapes, dkv_local)
-    total = torch.zeros_like(dkv_local)
+        recv_shapes[peer] = (batch, heads, n, dim)
+    received = _exchange(cp, sends, recv_shapes, dkv_gathered)
+    total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
     for peer in range(cp.world_size):  # rank order
         if peer == rank:
-            total += dkv_local
-            for c, (a, b) in mine.items():
-                if c in gathered:
-                    total[:, :, a:b] += dkv_gathered[:, :, slice(*gathered[c])]
+            if dkv_local is not None:
+                total += dkv_local
+            own = [c for c in plan.local_chunks[rank] if c in gathered]
+            _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
         elif peer in received:
-            offset = 0
-            for c in plan.needed_kv[peer]:
-                if plan.owner[c] == rank:
-                    a, b = mine[c]
-                    total[:, :, a:b] += received[peer][:, :, offset : offset + b - a]
-                    offset += b - a
+            served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
+            _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
     return total
+
+
+def _add_tokens(dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
+    """``dst[:, :, d:d + n] += src[:, :, s:s + n]`` for each (s, d, n) of the merged ``spans``."""
+    for s, d, n in _runs(spans):
+        dst[:, :, d : d + n] += src[:, :, s : s + n]
 
 
 class _Attention(torch.autograd.Function):
@@ -305,6 +355,7 @@ class _Attention(torch.autograd.Function):
         out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather)
         ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
+        ctx.by_position = seed is not None
         return out
 
     @staticmethod
@@ -315,7 +366,7 @@ class _Attention(torch.autograd.Function):
         finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
                                            ctx.dropout_p, finish)
-        dkv = _return_kv_grads(cp, dkv_g, dkv_l)
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position))
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

@@ -94,6 +94,18 @@ class RankProblem:
         spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
 
+    def one_piece(self, by_position: bool = False) -> bool:
+        """Whether every rank's attention is a single piece, its queries over all its gathered keys (token bits,
+        no causal flag, no window, no dropout cut): each query row and each key is then one piece's alone, so the
+        piece's gradients, already in the inputs' dtype, are exact. Every rank answers alike (the rule reads only
+        what the ranks share), so the dK/dV return can travel in the inputs' dtype instead of float32."""
+        return self.topology.uses_bits and not self.causal and self.window is None and not by_position
+
+    def kv_grad_dtype(self, dtype: torch.dtype, by_position: bool = False) -> torch.dtype:
+        """The dtype of the dK/dV contributions that go back to the chunks' owners: the inputs' where
+        :meth:`one_piece` (exact), else float32 (sums over several pieces)."""
+        return dtype if self.one_piece(by_position) else torch.float32
+
     def pieces(self, device: torch.device, by_position: bool = False) -> list[Piece]:
         """This rank's pieces (see :mod:`.pieces`), built once per device and stream; ``by_position``: cut into
         runs of consecutive positions, as dropout needs."""
@@ -240,6 +252,10 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
         gather: gives the gathered K and V; called once, after the pieces over the rank's own keys are launched
             (in a real run it waits for the exchange, which those pieces overlap).
     """
+    if _whole(pieces, q.shape[2]):  # one piece over every row: its result is the rank's, nothing to merge
+        k_g, v_g = gather()
+        (piece,), (seed,) = pieces, seeds
+        return piece_forward(q, k_g[:, :, piece.k_rows], v_g[:, :, piece.k_rows], piece, scale, dropout_p, seed)
     # The merge keeps the pieces' order, so the result does not depend on which finished first.
     done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
             for p, s in zip(pieces, seeds) if p.local_keys}
@@ -256,11 +272,24 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: float32 (dq
-    ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]``, dK/dV of the gathered keys
-    ``[B, 2 Hkv, S_gathered, D]``). ``gather`` is called once, after the pieces over the rank's own keys."""
+                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
+    ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
+    dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
+    one piece over every row (:meth:`RankProblem.one_piece`), that piece's own gradients in the inputs' dtype.
+    ``gather`` is called once, after the pieces over the rank's own keys."""
     hkv = k.shape[1]
+    if _whole(pieces, q.shape[2]):
+        k_g, v_g = gather()
+        (piece,), (seed,) = pieces, seeds
+        keys = piece.k_rows
+        dq, dk_p, dv_p = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale,
+                                        dropout_p, seed)
+        if (keys.start, keys.stop) == (0, k_g.shape[2]):
+            return dq, None, torch.cat([dk_p, dv_p], dim=1)
+        dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
+        dkv_g[:, :hkv, keys], dkv_g[:, hkv:, keys] = dk_p, dv_p
+        return dq, None, dkv_g
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
     gathered = None  # (k_g, v_g, their dK/dV) once gathered
@@ -285,6 +314,12 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         target[:, hkv:, keys] += dv_p
     gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
     return dq, dkv_l, gathered[2]
+
+
+def _whole(pieces: list[Piece], local_len: int) -> bool:
+    """Whether ``pieces`` is one piece over the gathered keys that holds every local query row."""
+    return (len(pieces) == 1 and not pieces[0].local_keys
+            and (pieces[0].q_rows.start, pieces[0].q_rows.stop) == (0, local_len))
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:

@@ -35,7 +35,8 @@ def _run_ranks(cfg: cp_local.LocalConfig, world: int, full: list[torch.Tensor]) 
         index, gathered = problem.token_index, problem.gathered_positions()
         out[:, :, index], dq[:, :, index] = o, dq_l
         for target, part in ((dk, slice(0, hkv)), (dv, slice(hkv, 2 * hkv))):
-            target.index_add_(2, index, dkv_l[:, part])
+            if dkv_l is not None:  # None: one piece over the gathered keys, own keys among them
+                target.index_add_(2, index, dkv_l[:, part])
             target.index_add_(2, gathered, dkv_g[:, part])
     return out, dq, dk, dv
 

@@ -25,6 +25,10 @@ def test_the_exchange_counts_what_the_busiest_rank_fetches_and_serves():
     summary = {"recv_bytes": [10, 1], "sent_bytes": [4, 2]}
     # rank 0, inbound: K/V twice (2 * 10) and the fp32 dK/dV of what it serves (2 * 4)
     assert exchange_bytes(summary) == 2 * 10 + 2 * 4
+    # the return in the inputs' dtype (one piece a rank): rank 0's outbound, K/V served twice (2 * 4) and the
+    # dK/dV of what it fetched (10), is then below its inbound (2 * 10 + 4)
+    assert exchange_bytes(summary, dkv_ratio=1) == 2 * 10 + 4
+    assert exchange_bytes({"recv_bytes": [1], "sent_bytes": [10]}, dkv_ratio=1) == 2 * 10 + 1
 
 
 def test_compute_follows_the_flops_of_a_live_pair():

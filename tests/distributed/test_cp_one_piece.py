@@ -1,0 +1,66 @@
+"""A rank whose attention is one piece (token bits, no causal flag, no window, no dropout): its gradients come
+straight from that piece in the inputs' dtype, with no float32 sums, and its dK/dV go back to the owners in that
+dtype. Every rank in one process (``RankProblem``); test_context_parallel.py runs a half-precision case of it
+over gloo with the exchange."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse import reference_mask
+from mmsparse.distributed import RankProblem
+from mmsparse.distributed.local import backward_pieces, forward_pieces
+from tests.helpers import CYCLIC, HUB, check_outputs
+
+ONE_PIECE = [
+    # topology, seg_lens, heads, kv heads
+    (CYCLIC, (9, 30, 21), 2, 1),
+    ([[1, 1], [0, 0]], (37, 20), 2, 2),  # the second segment attends nothing
+    (HUB, [(12, 0, 41), (20, 20, 13)], 2, 1),  # per-sample lengths
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ONE_PIECE, ids=lambda c: f"k{len(c[0])}-{c[1]}-H{c[2]}x{c[3]}")
+def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world):
+    topology, lens, heads, kv_heads = case
+    batch = len(lens) if isinstance(lens, list) else 1
+    seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
+    gen = torch.Generator().manual_seed(world)
+    q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).half() for h in (heads, kv_heads, kv_heads, heads))
+    out = torch.full_like(q, float("nan"))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
+    for rank in range(world):
+        problem = RankProblem(topology, lens, rank, world, tile=16)
+        assert problem.one_piece() and not problem.one_piece(by_position=True)
+        assert problem.kv_grad_dtype(torch.float16) == torch.float16
+        index, gathered = problem.token_index, problem.gathered_positions()
+        pieces = problem.pieces(q.device)
+        assert len(pieces) == 1 and not pieces[0].local_keys
+        x = [t[:, :, index] for t in (q, k, v, do)]
+
+        def gather(gathered=gathered):
+            return k[:, :, gathered], v[:, :, gathered]
+
+        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather)
+        dq_l, dkv_l, dkv_g = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather)
+        assert dkv_l is None and dq_l.dtype == dkv_g.dtype == torch.float16
+        out[:, :, index], dq[:, :, index] = o_l, dq_l.float()
+        # the owners' sum, in float32 (any order here: the test's tolerance is the reference's)
+        dk[:, :, gathered] += dkv_g[:, :kv_heads]
+        dv[:, :, gathered] += dkv_g[:, kv_heads:]
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    for t, g in zip((qd, kd, vd), (dq, dk, dv)):
+        t.grad = g.half()
+    check_outputs(qd, kd, vd, out, do, reference_mask(topology, lens, seq))
+
+
+@pytest.mark.parametrize("causal, window, topology", [
+    (True, None, CYCLIC), (False, 9, CYCLIC), (False, None, [[2, 0], [1, 1]]),  # causal; window; pair types
+])
+def test_other_ranks_sum_their_pieces_in_float32(causal, window, topology):
+    """Several pieces share query rows or keys there: their gradients are float32 sums, and so is the return."""
+    problem = RankProblem(topology, (30, 34) if len(topology) == 2 else (9, 30, 21), 0, 2, causal=causal, tile=16,
+                          window=window)
+    assert not problem.one_piece() and problem.kv_grad_dtype(torch.float16) == torch.float32
