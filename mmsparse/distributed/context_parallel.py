@@ -137,7 +137,8 @@ class ContextParallel(RankProblem):
 
     def fetch_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The exchange of the attention alone, for timing it: the K and V of every chunk this rank's queries see,
-        fetched from their owners point to point (this rank serving its own to the others), in sequence order.
+        fetched from their owners point to point (this rank serving its own to the others), in the order of
+        ``gathered_chunks()`` (``gathered_positions()`` gives their positions).
 
         Args:
             k, v: ``[B, Hkv, S_local, D]``, this rank's tokens. Every rank of the group must call it.
@@ -244,11 +245,11 @@ def _copy_tokens(dst: torch.Tensor, srcs: Sequence[torch.Tensor], spans: Sequenc
             h += src.shape[1]
 
 
-def _start_gather_kv(cp: ContextParallel, k: torch.Tensor,
-                     v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+def _start_gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor,
+                     by_position: bool = False) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """Start fetching K and V of the chunks this rank needs: each owner sends each rank just the chunks that
     rank's queries see (the plan's ``needed_kv``), point to point. Returns ``finish()``: it waits for the exchange
-    (this rank's sends included) and gives the gathered K and V in sequence order."""
+    (this rank's sends included) and gives the gathered K and V in ``cp.gathered_chunks(by_position)``' order."""
     plan, rank = cp.plan, cp.rank
     batch, hkv, _, dim = k.shape
     mine = _ranges(plan, plan.local_chunks[rank])
@@ -266,7 +267,7 @@ def _start_gather_kv(cp: ContextParallel, k: torch.Tensor,
     received, requests = _post_exchange(cp, sends, recv_shapes, k)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        needed = plan.needed_kv[rank]
+        needed = cp.gathered_chunks(by_position)
         into = _ranges(plan, needed)
         gathered = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in needed), dim))
         _copy_tokens(gathered, (k, v), [(mine[c][0], into[c][0], plan.chunk_tokens(c))
@@ -295,18 +296,18 @@ def _spans(plan: ContextParallelPlan, chunks: Sequence[int], where: dict[int, tu
 
 
 def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
-                     wire: torch.dtype = torch.float32) -> torch.Tensor:
+                     wire: torch.dtype = torch.float32, by_position: bool = False) -> torch.Tensor:
     """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
     contributions in float32 in rank order (its own at its rank's place): deterministic, no atomics. dkv_*:
     ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype; ``dkv_local``
-    None: no piece read the rank's own keys."""
+    None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout pieces'."""
     plan, rank = cp.plan, cp.rank
     if dkv_gathered.dtype != wire:
         if wire != torch.float32 and dkv_gathered.numel():
             raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
                              f"{wire} (cp.kv_grad_dtype): pass it in that dtype")
         dkv_gathered = dkv_gathered.to(wire)  # float32 from the inputs' dtype: exact
-    gathered = _ranges(plan, plan.needed_kv[rank])
+    gathered = _ranges(plan, cp.gathered_chunks(by_position))
     batch, heads, _, dim = dkv_gathered.shape
     sends = {}
     for peer in range(cp.world_size):
@@ -345,7 +346,7 @@ class _Attention(torch.autograd.Function):
                 seed: torch.Tensor | None):
         pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
-        finish, fetched = _start_gather_kv(cp, k, v), []
+        finish, fetched = _start_gather_kv(cp, k, v, seed is not None), []
 
         def gather() -> tuple[torch.Tensor, torch.Tensor]:
             fetched.extend(finish())
@@ -363,10 +364,11 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *fetched = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
-        finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v)
+        finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v, ctx.by_position)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
                                            ctx.dropout_p, finish)
-        dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position))
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
+                               ctx.by_position)
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

@@ -21,7 +21,7 @@ from ..runtime.launch import stream_key
 from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position
 from .plan import ContextParallelPlan, plan_context_parallel
 
-Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys, in sequence order
+Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
 
 
 class RankProblem:
@@ -88,9 +88,21 @@ class RankProblem:
         """Live (query, key) pairs of this rank's queries, per head, summed over the samples."""
         return self.plan.live_pairs[self.rank]
 
-    def gathered_positions(self) -> torch.Tensor:
-        """int64 positions of the keys this rank gathers (its own among them), in sequence order."""
-        chunks = self.plan.needed_kv[self.rank]
+    def gathered_chunks(self, by_position: bool = False) -> tuple[int, ...]:
+        """The chunks whose K/V this rank gathers (its own among them), in the order it holds them: sequence order,
+        except where the rank is one piece (:meth:`one_piece`): its own chunks first, then each other rank's in
+        rank order. That piece's mask does not depend on the keys' order, and the exchange then copies, sends and
+        sums each rank's chunks as one run instead of one chunk at a time."""
+        needed = self.plan.needed_kv[self.rank]
+        if not self.one_piece(by_position):
+            return needed
+        owners = [self.rank, *(r for r in range(self.world_size) if r != self.rank)]
+        return tuple(c for r in owners for c in needed if self.plan.owner[c] == r)
+
+    def gathered_positions(self, by_position: bool = False) -> torch.Tensor:
+        """int64 positions of the keys this rank gathers (its own among them), in :meth:`gathered_chunks`' order
+        (the pieces' order for ``by_position``)."""
+        chunks = self.gathered_chunks(by_position)
         spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
 
@@ -133,9 +145,8 @@ class RankProblem:
         gathered = self.gathered_positions().to(device)
         local = self._index.to(device)
         pieces: list[Piece] = []
-        if not self.causal and gathered.numel():
-            pieces.append(make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
-                                     row_bits[:, local], col_bits[:, gathered], num_segments))
+        if not self.causal:
+            pieces.extend(self._whole_piece(device, gathered))
         else:
             chunk, start = self.plan.chunk, 0
             for c in self.plan.local_chunks[self.rank]:
@@ -152,12 +163,22 @@ class RankProblem:
         self._pieces[_where(device)] = (pieces, gathered)
         return pieces
 
+    def _whole_piece(self, device: torch.device, gathered: torch.Tensor) -> list[Piece]:
+        """The one piece of a token-bits mask without the causal flag: every local query over every gathered key
+        (``gathered``: their positions, in the order held); none without gathered keys."""
+        if not gathered.numel():
+            return []
+        row_bits, col_bits = self._token_bits(device)
+        return [make_piece(slice(0, self.local_len), slice(0, gathered.numel()), False, False,
+                           row_bits[:, self._index.to(device)], col_bits[:, gathered], self.topology.num_segments)]
+
     def _pieces_by_position(self, device: torch.device) -> list[Piece]:
-        """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device."""
+        """The pieces cut into runs of consecutive positions (for dropout: see :mod:`.pieces`), once per device.
+        The keys are in sequence order here (:meth:`gathered_chunks`), where runs are longest."""
         cached = self._dropout_pieces.get(_where(device))
         if cached is None:
-            pieces = self._local_pieces(device)
-            gathered, local = self._pieces[_where(device)][1], self._index.to(device)
+            gathered, local = self.gathered_positions(by_position=True).to(device), self._index.to(device)
+            pieces = self._whole_piece(device, gathered) if self.one_piece() else self._local_pieces(device)
             cached = self._dropout_pieces[_where(device)] = [
                 part for p in pieces
                 for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]

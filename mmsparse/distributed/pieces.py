@@ -1,14 +1,14 @@
 """One rank's attention as pieces that the block-sparse kernels run as they are, and their log-sum-exp merge.
 
-A rank's queries are chunks of the sequence; the keys it holds after the exchange are the needed chunks, in
-sequence order. The topology part of the mask comes from per-token bits (or segment codes), whatever the tokens'
-positions. The causal part needs positions, and the kernels compare local indices (key j <= first query + i), so
-with ``causal`` each query chunk runs as two pieces whose positions the kernels get right: the key chunks before
-it (all visible: no causal test) and its own chunk (queries and keys at the same positions). A topology with
-CAUSAL pairs runs every query chunk that way, plus (without the global flag) the key chunks after it: before its
-queries a CAUSAL pair is FULL, after them NONE, so those pieces take the pair table with CAUSAL replaced.
-Pieces merge by their log-sum-exp; each piece's backward then runs against the merged output and log-sum-exp,
-which gives exactly its share of the gradients (the ring-attention identity).
+A rank's queries are chunks of the sequence; the keys it holds after the exchange are the needed chunks, in sequence
+order (a rank that is one piece holds its own first: that piece needs no order). The topology part of the mask comes
+from per-token bits (or segment codes), whatever the tokens' positions. The causal part needs positions, and the kernels
+compare local indices (key j <= first query + i), so with ``causal`` each query chunk runs as two pieces whose positions
+the kernels get right: the key chunks before it (all visible: no causal test) and its own chunk (queries and keys at the
+same positions). A topology with CAUSAL pairs runs every query chunk that way, plus (without the global flag) the key
+chunks after it: before its queries a CAUSAL pair is FULL, after them NONE, so those pieces take the pair table with
+CAUSAL replaced. Pieces merge by their log-sum-exp; each piece's backward then runs against the merged output and
+log-sum-exp, which gives exactly its share of the gradients (the ring-attention identity).
 
 With a sliding window every piece is one query chunk against one key chunk (:mod:`.local`), and its ``q_start``
 is the first query's position less the first key's: the kernels then test the causal order, CAUSAL pairs and the

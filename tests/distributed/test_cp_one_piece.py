@@ -38,6 +38,9 @@ def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world):
         index, gathered = problem.token_index, problem.gathered_positions()
         pieces = problem.pieces(q.device)
         assert len(pieces) == 1 and not pieces[0].local_keys
+        # held own chunks first, then each other rank's: the exchange moves and sums each rank's as one run
+        owners = [problem.plan.owner[c] for c in problem.gathered_chunks()]
+        assert owners == sorted(owners, key=lambda r: (r != rank, r))
         x = [t[:, :, index] for t in (q, k, v, do)]
 
         def gather(gathered=gathered):
