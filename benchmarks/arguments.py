@@ -1,8 +1,10 @@
-"""Argument types shared by the benchmark command lines."""
+"""Argument types and checks shared by the benchmark command lines and the developer tools."""
 
 from __future__ import annotations
 
 import argparse
+
+from .configs import ALL_CONFIGS
 
 
 def at_least_one(text: str) -> int:
@@ -11,3 +13,13 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
     return value
+
+
+def config_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The names of a comma-separated ``--configs`` value, empty ones skipped, each a config of
+    benchmarks/configs.py; any other name is ``parser``'s usage error (exit status 2)."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in ALL_CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; see benchmarks/configs.py")
+    return names

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import mmsparse  # before triton: without CUDA it turns on Triton's interpreter
+from benchmarks.arguments import config_names
 from benchmarks.baselines import mmsparse_fn
 from benchmarks.configs import ALL_CONFIGS
 from benchmarks.env import git_commit, versions
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     ap.add_argument("--out", type=Path, help="folder for fwd_turns.{json,md}")
     args = ap.parse_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CONFIGS]
-    if unknown:
-        ap.error(f"unknown configs {unknown}; see benchmarks/configs.py")
+    names = config_names(ap, args.configs)
     if not (torch.cuda.is_available() and hopper_gluon_available(0)):
         print("tools.fwd_turns times the Gluon forward: it needs a Hopper GPU (H100, H200)", file=sys.stderr)
         return 2

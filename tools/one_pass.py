@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import mmsparse  # before triton: without CUDA it turns on Triton's interpreter
+from benchmarks.arguments import config_names
 from benchmarks.baselines import call_topology
 from benchmarks.cases import Case
 from benchmarks.check import check
@@ -177,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CONFIGS]
-    if unknown:
-        ap.error(f"unknown configs {unknown}; see benchmarks/configs.py")
+    names = config_names(ap, args.configs)
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side not in SIDES for side in sides):
         ap.error(f"--sides takes two or more of {', '.join(SIDES)}; got {args.sides!r}")

@@ -90,10 +90,19 @@ def run_dkdv(
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
     TMA bulk reduce-adds through a descriptor of ``dq_sum``). With ``dq_order`` as well, ``(ranks, semaphores)``,
-    the ordered one-pass (atomic adds): each warpgroup adds into a dQ tile in the order of the key blocks' ``ranks``
-    (:func:`mmsparse.mask.add_order.add_ranks` of the by-key lists), counted by ``semaphores`` (zeroed int32,
-    ``B * Hq * cdiv(Sq, block_m) * 2``)."""
+    the ordered one-pass (atomic adds only: a tile with bulk adds is a ValueError): each warpgroup adds into a dQ
+    tile in the order of the key blocks' ``ranks`` (:func:`mmsparse.mask.add_order.add_ranks` of the by-key
+    lists), counted by ``semaphores`` (zeroed int32, ``B * Hq * cdiv(Sq, block_m) * 2``)."""
     _check_rows(tile.block_n, BLOCK_N)
+    if dq_order is not None:
+        if dq_sum is None:
+            raise ValueError("the ordered one-pass (dq_order) adds into dq_sum: pass both")
+        if DQ_ADDS[tile.dq_adds]:
+            # the kernel's static_assert says the same, later and less plainly
+            raise ValueError(f"the ordered one-pass cannot use bulk dQ adds (tile.dq_adds={tile.dq_adds!r}): a "
+                             "warpgroup's turn on a dQ tile passes once its atomic adds are done; use a tile with "
+                             "dq_adds='atomic', as KernelConfig.one_pass_kernel_tile(ordered=True) gives where "
+                             "bwd_dkdv adds by atomics")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     mask_tensors, mask_scalars = mask
@@ -104,13 +113,11 @@ def run_dkdv(
     one_pass, dq_arg = {}, delta
     if dq_sum is not None:
         one_pass, dq_arg = dict(ONE_PASS=True, HEAD_DIM=head_dim), dq_sum
-        if DQ_ADDS[tile.dq_adds] and dq_order is None:
+        if DQ_ADDS[tile.dq_adds]:
             # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
             one_pass["DQ_BULK"] = True
             dq_arg = head_rows_descriptor(dq_sum, q_rows, pad // 2)
     if dq_order is not None:
-        if dq_sum is None:
-            raise ValueError("the ordered one-pass (dq_order) adds into dq_sum: pass both")
         one_pass["ORDERED"] = True
     ranks, semaphores = dq_order if dq_order is not None else (delta, delta)  # stand-ins, unread without ORDERED
     _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](

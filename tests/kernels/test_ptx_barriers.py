@@ -30,11 +30,14 @@ def kernel(body: str) -> str:
 """
 
 
-# Two barriers at +1024 and +1032, a value passed to the partitions at +1040 (next to them, not on them).
-INIT = """
+# Thread 0's predicate %p1, under which barriers are initialised, used and invalidated.
+THREAD0 = """
 	mov.u32 	%r1, %tid.x;
 	setp.eq.b32 	%p1, %r1, 0;
-	mov.b32 	%r2, global_smem;
+"""
+
+# Two barriers at +1024 and +1032, a value passed to the partitions at +1040 (next to them, not on them).
+INIT = THREAD0 + """	mov.b32 	%r2, global_smem;
 	add.s32 	%r3, %r2, 1024;
 	@%p1 mbarrier.init.shared::cta.b64 [%r3], 1;
 	add.s32 	%r4, %r2, 1032;
@@ -99,19 +102,18 @@ def test_an_unbounded_shared_address_is_reported_not_passed():
     assert not report.problems and len(report.unresolved) == 1 and not report.ok
 
 
-# A ring of 4 barriers at +2048, indexed by the signed remainder it % 4 as LLVM spells it
+def ring(slots: int, loop: str) -> str:
+    """A ring of ``slots`` barriers at +2048, 8 bytes each (slot i's address in %r(20 + i)): thread 0 initialises
+    them (arrival count 1) before ``loop`` and invalidates them after it."""
+    init = "".join(f"\tadd.s32 \t%r{20 + i}, %r2, {2048 + 8 * i};\n"
+                   f"\t@%p1 mbarrier.init.shared::cta.b64 [%r{20 + i}], 1;\n" for i in range(slots))
+    inval = "".join(f"\t@%p1 mbarrier.inval.shared::cta.b64 [%r{20 + i}];\n" for i in range(slots))
+    return THREAD0 + "\tmov.b32 \t%r2, global_smem;\n" + init + loop + inval
+
+
+# A ring of 4 barriers, indexed by the signed remainder it % 4 as LLVM spells it
 # (it - ((it + ((it >> 31) >>> 30)) & -4)), with the loop counter it widened to [0, inf).
-RING = """
-	mov.b32 	%r2, global_smem;
-	add.s32 	%r20, %r2, 2048;
-	@%p1 mbarrier.init.shared::cta.b64 [%r20], 1;
-	add.s32 	%r21, %r2, 2056;
-	@%p1 mbarrier.init.shared::cta.b64 [%r21], 1;
-	add.s32 	%r22, %r2, 2064;
-	@%p1 mbarrier.init.shared::cta.b64 [%r22], 1;
-	add.s32 	%r23, %r2, 2072;
-	@%p1 mbarrier.init.shared::cta.b64 [%r23], 1;
-	mov.b32 	%r30, 0;
+RING = ring(4, """	mov.b32 	%r30, 0;
 $L__BB0_1:
 	shr.s32 	%r31, %r30, 31;
 	shr.u32 	%r32, %r31, 30;
@@ -125,35 +127,22 @@ $L__BB0_1:
 	add.s32 	%r30, %r30, 1;
 	setp.lt.s32 	%p2, %r30, 100;
 	@%p2 bra 	$L__BB0_1;
-	@%p1 mbarrier.inval.shared::cta.b64 [%r20];
-	@%p1 mbarrier.inval.shared::cta.b64 [%r21];
-	@%p1 mbarrier.inval.shared::cta.b64 [%r22];
-	@%p1 mbarrier.inval.shared::cta.b64 [%r23];
-"""
+""")
 
 
 def test_a_ring_indexed_by_a_remainder_resolves_to_its_slots():
-    setup = "\tmov.u32 \t%r1, %tid.x;\n\tsetp.eq.b32 \t%p1, %r1, 0;\n"
-    clean = check_barrier_lifetimes(kernel(setup + RING.replace("{STORE}", "st.shared.b32 [global_smem+2080], 0;")))
+    clean = check_barrier_lifetimes(kernel(RING.replace("{STORE}", "st.shared.b32 [global_smem+2080], 0;")))
     assert clean.ok and len(clean.barriers) == 4, clean.summary()
     # A store at the ring's index plus 16 bytes lands in the ring (at 2024 + 16 .. 2072 + 16 for it % 4 in -3..3).
     store = "add.s32 %r38, %r37, 16;\n\tst.shared.b32 [%r38], 0;"
-    reused = check_barrier_lifetimes(kernel(setup + RING.replace("{STORE}", store)))
+    reused = check_barrier_lifetimes(kernel(RING.replace("{STORE}", store)))
     assert {p.split("barrier ")[1].split(" ")[0] for p in reused.problems} == {
         "global_smem+2048", "global_smem+2056", "global_smem+2064", "global_smem+2072"}, reused.summary()
 
 
-# Three rows of 256 bytes at +512 and a ring of 3 barriers at +2048, the stage counted modulo 3 as LLVM spells
-# (s + 1) % 3 for a loop-carried s in [0, 2]: x = y + 1; s = x == 3 ? 0 : x; y = s on the back edge.
-COUNTED = """
-	mov.b32 	%r2, global_smem;
-	add.s32 	%r20, %r2, 2048;
-	@%p1 mbarrier.init.shared::cta.b64 [%r20], 1;
-	add.s32 	%r21, %r2, 2056;
-	@%p1 mbarrier.init.shared::cta.b64 [%r21], 1;
-	add.s32 	%r22, %r2, 2064;
-	@%p1 mbarrier.init.shared::cta.b64 [%r22], 1;
-	mov.b32 	%r40, {FIRST};
+# Three rows of 256 bytes at +512 and a ring of 3 barriers, the stage counted modulo 3 as LLVM spells (s + 1) % 3
+# for a loop-carried s in [0, 2]: x = y + 1; s = x == 3 ? 0 : x; y = s on the back edge.
+COUNTED = ring(3, """	mov.b32 	%r40, {FIRST};
 	mov.b32 	%r30, 0;
 $L__BB0_1:
 	add.s32 	%r41, %r40, 1;
@@ -169,28 +158,24 @@ $L__BB0_1:
 	add.s32 	%r30, %r30, 1;
 	setp.lt.s32 	%p2, %r30, 100;
 	@%p2 bra 	$L__BB0_1;
-	@%p1 mbarrier.inval.shared::cta.b64 [%r20];
-	@%p1 mbarrier.inval.shared::cta.b64 [%r21];
-	@%p1 mbarrier.inval.shared::cta.b64 [%r22];
-"""
+""")
 
 
 def test_a_ring_indexed_by_a_counter_modulo_its_size_resolves_to_its_slots():
-    setup = "\tmov.u32 \t%r1, %tid.x;\n\tsetp.eq.b32 \t%p1, %r1, 0;\n"
-    clean = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", "0").replace("{ROW}", "512")))
+    clean = check_barrier_lifetimes(kernel(COUNTED.replace("{FIRST}", "0").replace("{ROW}", "512")))
     assert clean.ok and len(clean.barriers) == 3 and clean.checked == 1, clean.summary()
     # Rows at +1800: the three stages' rows (1800, 2056, 2312) span the barriers.
-    reused = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", "0").replace("{ROW}", "1800")))
+    reused = check_barrier_lifetimes(kernel(COUNTED.replace("{FIRST}", "0").replace("{ROW}", "1800")))
     assert {p.split("barrier ")[1].split(" ")[0] for p in reused.problems} == {
         "global_smem+2048", "global_smem+2056", "global_smem+2064"}, reused.summary()
     # Its first value copied from a register known to lie below the modulus (a phase bit, as ptxas may share them).
     phase = COUNTED.replace("\tmov.b32 \t%r40, {FIRST};", "\tand.b32 \t%r39, %r1, 1;\n\tmov.b32 \t%r40, %r39;")
     assert phase != COUNTED
-    shared = check_barrier_lifetimes(kernel(setup + phase.replace("{ROW}", "512")))
+    shared = check_barrier_lifetimes(kernel(phase.replace("{ROW}", "512")))
     assert shared.ok and shared.checked == 1, shared.summary()
     # A counter that may start past its modulus (or from an unknown value) is not bounded by it.
     for first in ("5", "%r1"):
-        wild = check_barrier_lifetimes(kernel(setup + COUNTED.replace("{FIRST}", first).replace("{ROW}", "512")))
+        wild = check_barrier_lifetimes(kernel(COUNTED.replace("{FIRST}", first).replace("{ROW}", "512")))
         assert not wild.ok and wild.unresolved, wild.summary()
 
 

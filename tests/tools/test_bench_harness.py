@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -63,6 +64,16 @@ def test_rounds_below_one_are_refused(rounds, capsys):
         parse_args(["--rounds", rounds])
     assert "--rounds: must be at least 1" in capsys.readouterr().err
     assert parse_args(["--rounds", "2"]).rounds == 2
+
+
+@pytest.mark.parametrize("tool", ["fwd_turns", "one_pass"])
+def test_unknown_configs_are_a_usage_error(tool, capsys):
+    """The tools' --configs (benchmarks.arguments.config_names): empty names skipped, the unknown ones listed."""
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(f"tools.{tool}").main(["--configs", "tiny_ab,nope,,tiny"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"tools.{tool}: error: unknown configs ['nope', 'tiny']; see benchmarks/configs.py\n"), err
 
 
 @pytest.mark.parametrize(
