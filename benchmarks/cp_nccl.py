@@ -159,10 +159,11 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
         out, lse = local_forward(cp, x, scale)
         local_backward(cp, x, out, lse, scale)
 
-    # The backward's dK/dV as the attention has them, own keys' and gathered keys': in the inputs' dtype where the
-    # own keys are a piece of their own, else float32 sums
-    dkv_l, dkv_g = (torch.zeros((case.batch, 2 * case.heads_kv, n, case.head_dim), dtype=cp.kv_grad_dtype(k.dtype),
-                                device=device) for n in (k.shape[2], k_g.shape[2]))
+    # The backward's dK/dV as the attention has them: own keys' (float32; none in one piece) and gathered keys'
+    dkv_l = None if cp.one_piece() else torch.zeros((case.batch, 2 * case.heads_kv, *k.shape[2:]),
+                                                   dtype=torch.float32, device=device)
+    dkv_g = torch.zeros((case.batch, 2 * case.heads_kv, *k_g.shape[2:]), dtype=cp.kv_grad_dtype(k.dtype),
+                        device=device)
 
     def exchange() -> None:
         cp.fetch_kv(k, v)

@@ -138,8 +138,7 @@ class ContextParallel(RankProblem):
     def fetch_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The exchange of the attention alone, for timing it: the K and V of every chunk this rank's queries see,
         fetched from their owners point to point (this rank serving its own to the others), in the order of
-        ``gathered_chunks()`` (``gathered_positions()`` gives their positions; without the rank's own chunks where
-        its own keys are a piece of their own, ``owner_pieces()``).
+        ``gathered_chunks()`` (``gathered_positions()`` gives their positions).
 
         Args:
             k, v: ``[B, Hkv, S_local, D]``, this rank's tokens. Every rank of the group must call it.
@@ -185,11 +184,19 @@ def _group_of_ranks(ranks: list[int]) -> Any:
                        "the default group: give it that group again with cp.group = group")
 
 
+def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
+              like: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Point-to-point: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from each
+    (group ranks; empty tensors are not sent)."""
+    received, requests = _post_exchange(cp, sends, recv_shapes, like)
+    for request in requests:
+        request.wait()
+    return received
+
+
 def _post_exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                    like: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[Any]]:
-    """Point-to-point, started: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from
-    each (group ranks; empty tensors are not sent). Returns (the receive buffers, the requests to wait for before
-    reading them)."""
+    """:func:`_exchange` started: (the receive buffers, the requests to wait for before reading them)."""
     ops, received = [], {}
     for peer in range(cp.world_size):
         if peer == cp.rank:
@@ -294,13 +301,6 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
     contributions in float32 in rank order (its own at its rank's place): deterministic, no atomics. dkv_*:
     ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype; ``dkv_local``
     None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout pieces'."""
-    return _start_return_kv_grads(cp, dkv_gathered, wire, by_position)(dkv_local)
-
-
-def _start_return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, wire: torch.dtype,
-                           by_position: bool) -> Callable[[torch.Tensor | None], torch.Tensor]:
-    """:func:`_return_kv_grads` started: the sends and receives are posted; ``finish(dkv_local)`` waits for them
-    and gives the sum."""
     plan, rank = cp.plan, cp.rank
     if dkv_gathered.dtype != wire:
         if wire != torch.float32 and dkv_gathered.numel():
@@ -315,29 +315,23 @@ def _start_return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, wire
         if peer != rank and chunks:
             sends[peer] = dkv_gathered.new_empty((batch, heads, sum(plan.chunk_tokens(c) for c in chunks), dim))
             _copy_tokens(sends[peer], (dkv_gathered,), _spans(plan, chunks, gathered))
+    mine = _ranges(plan, plan.local_chunks[rank])
     recv_shapes = {}
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
         recv_shapes[peer] = (batch, heads, n, dim)
-    received, requests = _post_exchange(cp, sends, recv_shapes, dkv_gathered)
-
-    def finish(dkv_local: torch.Tensor | None) -> torch.Tensor:
-        for request in requests:
-            request.wait()
-        mine = _ranges(plan, plan.local_chunks[rank])
-        total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
-        for peer in range(cp.world_size):  # rank order
-            if peer == rank:
-                if dkv_local is not None:
-                    total += dkv_local
-                own = [c for c in plan.local_chunks[rank] if c in gathered]
-                _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
-            elif peer in received:
-                served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
-                _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
-        return total
-
-    return finish
+    received = _exchange(cp, sends, recv_shapes, dkv_gathered)
+    total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
+    for peer in range(cp.world_size):  # rank order
+        if peer == rank:
+            if dkv_local is not None:
+                total += dkv_local
+            own = [c for c in plan.local_chunks[rank] if c in gathered]
+            _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
+        elif peer in received:
+            served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
+            _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
+    return total
 
 
 def _add_tokens(dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
@@ -371,17 +365,10 @@ class _Attention(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v, ctx.by_position)
-        wire, returns = cp.kv_grad_dtype(k.dtype, ctx.by_position), []
-
-        def start_return(dkv_g: torch.Tensor) -> None:
-            returns.append(_start_return_kv_grads(cp, dkv_g, wire, ctx.by_position))
-
-        # With the K/V kept, the pieces over fetched keys run first and their dK/dV go back while the pieces over
-        # the rank's own keys run; else the own ones run first, while the K/V is fetched again.
-        dq, dkv_l, _ = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                       ctx.dropout_p, finish, fetched_first=bool(fetched),
-                                       on_fetched_done=start_return)
-        dkv = returns[0](dkv_l)
+        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
+                                           ctx.dropout_p, finish)
+        dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
+                               ctx.by_position)
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

@@ -89,36 +89,34 @@ class RankProblem:
         return self.plan.live_pairs[self.rank]
 
     def gathered_chunks(self, by_position: bool = False) -> tuple[int, ...]:
-        """The chunks whose K/V this rank gathers, in the order it holds them: every chunk its queries see (its own
-        among them) in sequence order, except where its own keys are a piece of their own
-        (:meth:`owner_pieces`): then the other ranks' chunks only, each rank's together, in rank order. That
-        piece's mask does not depend on the keys' order, and the exchange then copies, sends and sums each rank's
-        chunks as one run instead of one chunk at a time."""
+        """The chunks whose K/V this rank gathers (its own among them), in the order it holds them: sequence order,
+        except where the rank is one piece (:meth:`one_piece`): its own chunks first, then each other rank's in
+        rank order. That piece's mask does not depend on the keys' order, and the exchange then copies, sends and
+        sums each rank's chunks as one run instead of one chunk at a time."""
         needed = self.plan.needed_kv[self.rank]
-        if not self.owner_pieces(by_position):
+        if not self.one_piece(by_position):
             return needed
-        others = [r for r in range(self.world_size) if r != self.rank]
-        return tuple(c for r in others for c in needed if self.plan.owner[c] == r)
+        owners = [self.rank, *(r for r in range(self.world_size) if r != self.rank)]
+        return tuple(c for r in owners for c in needed if self.plan.owner[c] == r)
 
     def gathered_positions(self, by_position: bool = False) -> torch.Tensor:
-        """int64 positions of the keys this rank gathers, in :meth:`gathered_chunks`' order (the pieces' order
-        for ``by_position``)."""
+        """int64 positions of the keys this rank gathers (its own among them), in :meth:`gathered_chunks`' order
+        (the pieces' order for ``by_position``)."""
         chunks = self.gathered_chunks(by_position)
         spans = [torch.arange(c * self.plan.chunk, c * self.plan.chunk + self.plan.chunk_tokens(c)) for c in chunks]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
 
-    def owner_pieces(self, by_position: bool = False) -> bool:
-        """Whether the rank's attention needs no positions (token bits, no causal flag, no window, no dropout
-        cut): it then runs as two pieces, its queries over its own keys (during the fetch) and over the fetched
-        ones. Each key is one piece's alone, so the pieces' dK/dV, in the inputs' dtype, are exact. Every rank
-        answers alike (the rule reads only what the ranks share), so the dK/dV return can travel in the inputs'
-        dtype instead of float32."""
+    def one_piece(self, by_position: bool = False) -> bool:
+        """Whether every rank's attention is a single piece, its queries over all its gathered keys (token bits,
+        no causal flag, no window, no dropout cut): each query row and each key is then one piece's alone, so the
+        piece's gradients, already in the inputs' dtype, are exact. Every rank answers alike (the rule reads only
+        what the ranks share), so the dK/dV return can travel in the inputs' dtype instead of float32."""
         return self.topology.uses_bits and not self.causal and self.window is None and not by_position
 
     def kv_grad_dtype(self, dtype: torch.dtype, by_position: bool = False) -> torch.dtype:
         """The dtype of the dK/dV contributions that go back to the chunks' owners: the inputs' where
-        :meth:`owner_pieces` (exact), else float32 (sums over several pieces)."""
-        return dtype if self.owner_pieces(by_position) else torch.float32
+        :meth:`one_piece` (exact), else float32 (sums over several pieces)."""
+        return dtype if self.one_piece(by_position) else torch.float32
 
     def pieces(self, device: torch.device, by_position: bool = False) -> list[Piece]:
         """This rank's pieces (see :mod:`.pieces`), built once per device and stream; ``by_position``: cut into
@@ -148,7 +146,7 @@ class RankProblem:
         local = self._index.to(device)
         pieces: list[Piece] = []
         if not self.causal:
-            pieces.extend(self._own_and_fetched(device, gathered))
+            pieces.extend(self._whole_piece(device, gathered))
         else:
             chunk, start = self.plan.chunk, 0
             for c in self.plan.local_chunks[self.rank]:
@@ -163,20 +161,6 @@ class RankProblem:
                                          num_segments))
                 start += n
         self._pieces[_where(device)] = (pieces, gathered)
-        return pieces
-
-    def _own_and_fetched(self, device: torch.device, gathered: torch.Tensor) -> list[Piece]:
-        """A token-bits mask without the causal flag as two pieces: every local query over the rank's own keys
-        (from its own K/V, so it runs while the fetch is in flight) and over the fetched keys (``gathered``: their
-        positions, in the order held), each where there are such keys."""
-        if not self.local_len:
-            return []
-        row_bits, col_bits = self._token_bits(device)
-        local = self._index.to(device)
-        rows, q_bits, k = slice(0, self.local_len), row_bits[:, local], self.topology.num_segments
-        pieces = [make_piece(rows, rows, True, False, q_bits, col_bits[:, local], k)]
-        if gathered.numel():
-            pieces.append(make_piece(rows, slice(0, gathered.numel()), False, False, q_bits, col_bits[:, gathered], k))
         return pieces
 
     def _whole_piece(self, device: torch.device, gathered: torch.Tensor) -> list[Piece]:
@@ -194,7 +178,7 @@ class RankProblem:
         cached = self._dropout_pieces.get(_where(device))
         if cached is None:
             gathered, local = self.gathered_positions(by_position=True).to(device), self._index.to(device)
-            pieces = self._whole_piece(device, gathered) if self.owner_pieces() else self._local_pieces(device)
+            pieces = self._whole_piece(device, gathered) if self.one_piece() else self._local_pieces(device)
             cached = self._dropout_pieces[_where(device)] = [
                 part for p in pieces
                 for part in split_by_position(p, local[p.q_rows], (local if p.local_keys else gathered)[p.k_rows])]
@@ -289,60 +273,55 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
         gather: gives the gathered K and V; called once, after the pieces over the rank's own keys are launched
             (in a real run it waits for the exchange, which those pieces overlap).
     """
+    if _whole(pieces, q.shape[2]):  # one piece over every row: its result is the rank's, nothing to merge
+        k_g, v_g = gather()
+        (piece,), (seed,) = pieces, seeds
+        return piece_forward(q, k_g[:, :, piece.k_rows], v_g[:, :, piece.k_rows], piece, scale, dropout_p, seed)
     # The merge keeps the pieces' order, so the result does not depend on which finished first.
     done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
             for p, s in zip(pieces, seeds) if p.local_keys}
     k_g, v_g = gather()
-    groups = _by_rows(list(zip(pieces, seeds)))
-
-    def parts(rows: slice, group: list[tuple[Piece, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [done.pop(id(p)) if p.local_keys else
-                piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
-                for p, s in group]
-
-    if len(groups) == 1 and _covers(groups[0][0], q.shape[2]):  # every row in one group: its merge is the result
-        merged = parts(*groups[0])
-        return merge([o for o, _ in merged], [s for _, s in merged])
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
-    for rows, group in groups:
-        merged = parts(rows, group)
-        out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in merged], [s for _, s in merged])
+    for rows, group in _by_rows(list(zip(pieces, seeds))):
+        parts = [done.pop(id(p)) if p.local_keys else
+                 piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
+                 for p, s in group]
+        out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
     return out, lse
 
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather, fetched_first: bool = False,
-                    on_fetched_done: Callable[[torch.Tensor], None] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
-    dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``). Each is float32, summed over the pieces in their
-    order, except where one piece alone covers the whole tensor: then it is that piece's result, in the inputs'
-    dtype (exact).
-
-    Args:
-        gather: called once, when the first piece over gathered keys needs them (or at the end).
-        fetched_first: run the pieces over gathered keys before those over the rank's own keys (when the gathered
-            K/V is already there, so that the own pieces overlap what ``on_fetched_done`` starts); else own first,
-            overlapping the fetch.
-        on_fetched_done: called with the gathered keys' dK/dV once no piece will add to it (the return can start).
-    """
+    dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
+    one piece over every row (:meth:`RankProblem.one_piece`), that piece's own gradients in the inputs' dtype.
+    ``gather`` is called once, after the pieces over the rank's own keys."""
     hkv = k.shape[1]
-    fetched = [p for p in pieces if not p.local_keys]
-    dq = _PieceSum(q.shape, [p.q_rows for p in pieces], q.device)
-    dkv_l = _PieceSum((k.shape[0], 2 * hkv, *k.shape[2:]), [p.k_rows for p in pieces if p.local_keys], q.device)
-    gathered = None  # (k_g, v_g, their dK/dV sum) once gathered
-
-    def wait() -> tuple[torch.Tensor, torch.Tensor, _PieceSum]:
+    if _whole(pieces, q.shape[2]):
         k_g, v_g = gather()
-        return k_g, v_g, _PieceSum((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), [p.k_rows for p in fetched],
-                                   q.device)
+        (piece,), (seed,) = pieces, seeds
+        keys = piece.k_rows
+        dq, dk_p, dv_p = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale,
+                                        dropout_p, seed)
+        if (keys.start, keys.stop) == (0, k_g.shape[2]):
+            return dq, None, torch.cat([dk_p, dv_p], dim=1)
+        dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
+        dkv_g[:, :hkv, keys], dkv_g[:, hkv:, keys] = dk_p, dv_p
+        return dq, None, dkv_g
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+    gathered = None  # (k_g, v_g, their dK/dV) once gathered
 
-    left = len(fetched)
-    # A fixed order (a stable sort), so that the float32 sums are repeatable.
-    for piece, seed in sorted(zip(pieces, seeds), key=lambda ps: ps[0].local_keys == fetched_first):
+    def wait() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_g, v_g = gather()
+        return k_g, v_g, torch.zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]), dtype=torch.float32,
+                                     device=q.device)
+
+    # Own keys first, as in the forward (a stable sort: a fixed order).
+    for piece, seed in sorted(zip(pieces, seeds), key=lambda ps: not ps[0].local_keys):
         if piece.local_keys:
             kk, vv, target = k, v, dkv_l
         else:
@@ -351,49 +330,17 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         rows, keys = piece.q_rows, piece.k_rows
         dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
                                           out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed)
-        dq.add(rows, dq_p)
-        target.add(keys, dk_p, dv_p)
-        if not piece.local_keys:
-            left -= 1
-            if not left and on_fetched_done is not None:
-                on_fetched_done(gathered[2].result())
+        dq[:, :, rows] += dq_p
+        target[:, :hkv, keys] += dk_p
+        target[:, hkv:, keys] += dv_p
     gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
-    if not fetched and on_fetched_done is not None:
-        on_fetched_done(gathered[2].result())
-    return dq.result(), dkv_l.result() if dkv_l.parts else None, gathered[2].result()
+    return dq, dkv_l, gathered[2]
 
 
-class _PieceSum:
-    """The pieces' gradients over one tensor ``[B, H, n, D]``, each piece's over a range of dim 2 (``parts``, in
-    the order they come): where one piece covers it all, that piece's result as it is; else a float32 sum in
-    that order (the first part assigned where it covers it all, rather than added to zeros)."""
-
-    def __init__(self, shape: tuple[int, ...], parts: list[slice], device: torch.device) -> None:
-        self.shape, self.parts, self.device = shape, parts, device
-        self.total: torch.Tensor | None = None
-
-    def add(self, index: slice, *tensors: torch.Tensor) -> None:
-        """Add the piece's ``tensors`` (stacked along dim 1: dK's heads, then dV's) at ``index`` of dim 2."""
-        whole = _covers(index, self.shape[2])
-        if self.total is None and whole:
-            part = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
-            self.total = part if len(self.parts) == 1 else part.float()
-            return
-        if self.total is None:
-            self.total = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-        head = 0
-        for t in tensors:
-            self.total[:, head : head + t.shape[1], index] += t
-            head += t.shape[1]
-
-    def result(self) -> torch.Tensor:
-        if self.total is None:  # no piece: zeros
-            self.total = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-        return self.total
-
-
-def _covers(index: slice, n: int) -> bool:
-    return (index.start, index.stop) == (0, n)
+def _whole(pieces: list[Piece], local_len: int) -> bool:
+    """Whether ``pieces`` is one piece over the gathered keys that holds every local query row."""
+    return (len(pieces) == 1 and not pieces[0].local_keys
+            and (pieces[0].q_rows.start, pieces[0].q_rows.stop) == (0, local_len))
 
 
 def _by_rows(pieces: list[tuple[Piece, Any]]) -> list[tuple[slice, list[tuple[Piece, Any]]]]:

@@ -24,7 +24,7 @@ CASES = [
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),
     (HUB, (12, 0, 41), True, 1, 4, 2, torch.float32),
     (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float16),
-    # the second segment attends nothing; half precision: the dK/dV return travels in it (owner pieces)
+    # the second segment attends nothing; half precision: the dK/dV return travels in it (one piece a rank)
     ([[1, 1], [0, 0]], (37, 20), False, 1, 2, 1, torch.float16),
     # pair types: text causal over itself, the image full within itself and over the text before it
     ([[2, 0, 0], [1, 1, 0], [1, 2, 2]], (20, 25, 18), False, 1, 2, 1, torch.float32),

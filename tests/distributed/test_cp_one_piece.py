@@ -1,8 +1,7 @@
-"""A rank whose attention needs no positions (token bits, no causal flag, no window, no dropout) runs as two
-pieces, its queries over its own keys and over the fetched keys (each other rank's chunks together): each key's
-gradients come straight from its one piece, in the inputs' dtype, and go back to the owners in that dtype. Every
-rank in one process (``RankProblem``); test_context_parallel.py runs a half-precision case of it over gloo with
-the exchange."""
+"""A rank whose attention is one piece (token bits, no causal flag, no window, no dropout): its gradients come
+straight from that piece in the inputs' dtype, with no float32 sums, and its dK/dV go back to the owners in that
+dtype. Every rank in one process (``RankProblem``); test_context_parallel.py runs a half-precision case of it
+over gloo with the exchange."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ ONE_PIECE = [
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ONE_PIECE, ids=lambda c: f"k{len(c[0])}-{c[1]}-H{c[2]}x{c[3]}")
-def test_own_and_fetched_pieces_give_exact_key_gradients_in_the_inputs_dtype(case, world):
+def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world):
     topology, lens, heads, kv_heads = case
     batch = len(lens) if isinstance(lens, list) else 1
     seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
@@ -34,31 +33,24 @@ def test_own_and_fetched_pieces_give_exact_key_gradients_in_the_inputs_dtype(cas
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
     for rank in range(world):
         problem = RankProblem(topology, lens, rank, world, tile=16)
-        assert problem.owner_pieces() and not problem.owner_pieces(by_position=True)
+        assert problem.one_piece() and not problem.one_piece(by_position=True)
         assert problem.kv_grad_dtype(torch.float16) == torch.float16
         index, gathered = problem.token_index, problem.gathered_positions()
         pieces = problem.pieces(q.device)
-        assert [p.local_keys for p in pieces] == [True, False]
-        # the other ranks' chunks only, each rank's together: the exchange moves and sums each rank's as one run
+        assert len(pieces) == 1 and not pieces[0].local_keys
+        # held own chunks first, then each other rank's: the exchange moves and sums each rank's as one run
         owners = [problem.plan.owner[c] for c in problem.gathered_chunks()]
-        assert rank not in owners and owners == sorted(owners)
+        assert owners == sorted(owners, key=lambda r: (r != rank, r))
         x = [t[:, :, index] for t in (q, k, v, do)]
 
         def gather(gathered=gathered):
             return k[:, :, gathered], v[:, :, gathered]
 
-        o_l, lse_l = forward_pieces(*x[:3], pieces, [None] * 2, 16**-0.5, 0.0, gather)
-        own_first, fetched_first = (
-            backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None] * 2, 16**-0.5, 0.0, gather, fetched_first=f)
-            for f in (False, True))
-        # the order the backward runs them in changes no bit (dQ sums two terms: commutative)
-        assert all(torch.equal(a, b) for a, b in zip(own_first, fetched_first))
-        dq_l, dkv_l, dkv_g = own_first
-        assert dq_l.dtype == torch.float32 and dkv_l.dtype == dkv_g.dtype == torch.float16
-        out[:, :, index], dq[:, :, index] = o_l, dq_l
+        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather)
+        dq_l, dkv_l, dkv_g = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather)
+        assert dkv_l is None and dq_l.dtype == dkv_g.dtype == torch.float16
+        out[:, :, index], dq[:, :, index] = o_l, dq_l.float()
         # the owners' sum, in float32 (any order here: the test's tolerance is the reference's)
-        dk[:, :, index] += dkv_l[:, :kv_heads]
-        dv[:, :, index] += dkv_l[:, kv_heads:]
         dk[:, :, gathered] += dkv_g[:, :kv_heads]
         dv[:, :, gathered] += dkv_g[:, kv_heads:]
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
@@ -74,4 +66,4 @@ def test_other_ranks_sum_their_pieces_in_float32(causal, window, topology):
     """Several pieces share query rows or keys there: their gradients are float32 sums, and so is the return."""
     problem = RankProblem(topology, (30, 34) if len(topology) == 2 else (9, 30, 21), 0, 2, causal=causal, tile=16,
                           window=window)
-    assert not problem.owner_pieces() and problem.kv_grad_dtype(torch.float16) == torch.float32
+    assert not problem.one_piece() and problem.kv_grad_dtype(torch.float16) == torch.float32
