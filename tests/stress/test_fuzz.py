@@ -24,10 +24,11 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")  # draw_case reads only the
 def test_random_cases_pass(device):
     if device.type != "cpu":
         pytest.skip("the GPU runs python -m tests.stress.fuzz --minutes N")
-    # 15 cases of seed 7 draw every feature the CPU's draws have (q_start first at case 14, the dense mask at 13);
-    # the GPU-only ones (k > 600, packs of > 100 samples, D=64/128) are left out.
-    result = fuzz.fuzz(seed=7, device=device, minutes=None, cases=15)
-    assert result["cases"] == 15
+    # 6 cases of seed 1785 draw every feature the CPU's draws have (of the seeds below 3000 whose first cases do,
+    # the least reference work: 8.5k pairs, 10 s; seed 7 needs 15 cases, 104k pairs, 24 s); the GPU-only ones
+    # (k > 600, packs of > 100 samples, D=64/128) are left out.
+    result = fuzz.fuzz(seed=1785, device=device, minutes=None, cases=6)
+    assert result["cases"] == 6
     assert result["failures"] == [], result["failures"]
     gpu_only = {"k > 600", "packed, > 100 samples", "D=64", "D=128"}
     for tag in set(fuzz.FEATURES) - gpu_only:
