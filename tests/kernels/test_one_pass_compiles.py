@@ -37,7 +37,8 @@ def ptx_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("one-pass-ptx")
     # this checkout's mmsparse in the child too, not an installed one
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    # a cache of its own: a warm user cache would hand back PTX compiled earlier instead of compiling it here
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path, TRITON_CACHE_DIR=str(out / "cache"))
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
     return out, proc
