@@ -91,6 +91,13 @@ class KernelConfig:
         if self.deterministic_backward not in DETERMINISTIC_BACKWARDS:
             raise ValueError(f"deterministic_backward must be one of {', '.join(map(repr, DETERMINISTIC_BACKWARDS))}; "
                              f"got {self.deterministic_backward!r}")
+        if (self.deterministic_backward == "ordered_one_pass" and self.bwd_dkdv.gluon_stages
+                and self.bwd_dkdv.dq_adds != "atomic"):
+            # said here, when the config is made, rather than by the launcher in the middle of a backward
+            raise ValueError(f"deterministic_backward='ordered_one_pass' runs the Gluon dK/dV tile, whose dQ adds "
+                             f"must be atomic (a turn on a dQ tile passes once its adds are done); bwd_dkdv has "
+                             f"dq_adds={self.bwd_dkdv.dq_adds!r}: give it dq_adds='atomic' and the bulk adds to "
+                             f"gluon_one_pass")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys

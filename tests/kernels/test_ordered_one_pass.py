@@ -100,4 +100,9 @@ def test_bad_settings_are_value_errors():
                      deterministic_backward="ordered")
     with pytest.raises(ValueError, match="got 'one_pass'"), use_config(deterministic_backward="one_pass"):
         pass
+    bulk = Tile(64, 128, gluon_stages=3, dq_adds="bulk")  # the ordered one-pass runs the Gluon dK/dV tile
+    with pytest.raises(ValueError, match="bwd_dkdv has dq_adds='bulk': give it dq_adds='atomic'"):
+        KernelConfig(fwd=Tile(16, 16), bwd_dkdv=bulk, bwd_dq=Tile(16, 16), decode=Tile(16, 16),
+                     deterministic_backward="ordered_one_pass")
+    KernelConfig(fwd=Tile(16, 16), bwd_dkdv=bulk, bwd_dq=Tile(16, 16), decode=Tile(16, 16))  # two passes: fine
     assert KernelConfig.deterministic_backward == "two_pass"  # the default until timed faster on a GPU
