@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .attention.autograd import MBSAttentionFunction
-from .attention.config import default_deterministic
+from .attention.config import current_settings
 from .attention.limits import check_problem_size
 from .attention.plan import plan_attention
 from .mask.cache import CACHE
@@ -300,17 +300,19 @@ def attention_with_info(
     dropout_p: float, deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API).
-    ``deterministic``: the backward (None: :func:`mmsparse.attention.config.default_deterministic`, read now)."""
+    ``deterministic``: the backward (None: ``use_config``'s). This thread's ``use_config`` settings are read here,
+    once, and the backward runs with them."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     scale = check_softmax_scale(softmax_scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     deterministic = check_deterministic(deterministic)
-    deterministic = default_deterministic() if deterministic is None else deterministic
+    settings = current_settings()
+    deterministic = settings.deterministic if deterministic is None else deterministic
     if q.numel() == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
-    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic)
+    return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic, settings)
 
 
 def mbs_attention(

@@ -6,24 +6,28 @@ from __future__ import annotations
 import torch
 
 from ..mask.info import MaskInfo
+from .config import Settings
 from .library import attention_backward, attention_forward
 
 
 class MBSAttentionFunction(torch.autograd.Function):
     """Multimodal block-sparse (MBS) attention: ``apply(q, k, v, info, softmax_scale, dropout_p, seed,
-    deterministic)`` -> out; ``deterministic`` (a bool) picks the backward: two passes, or one with dQ by atomics."""
+    deterministic, settings)`` -> out; ``deterministic`` (a bool) picks the backward: two passes, or one with dQ
+    by atomics; ``settings``: ``use_config``'s as the call read them (the backward runs with the same, on whichever
+    thread and whenever it runs)."""
 
     @staticmethod
     def forward(ctx, q, k, v, info: MaskInfo, softmax_scale: float, dropout_p: float, seed,  # type: ignore[override]
-                deterministic: bool):
-        out, lse = attention_forward(q, k, v, info, softmax_scale, dropout_p, seed)
+                deterministic: bool, settings: Settings):
+        out, lse = attention_forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
         ctx.save_for_backward(q, k, v, out, lse, seed)
-        ctx.info, ctx.softmax_scale, ctx.dropout_p, ctx.deterministic = info, softmax_scale, dropout_p, deterministic
+        ctx.info, ctx.softmax_scale, ctx.dropout_p = info, softmax_scale, dropout_p
+        ctx.deterministic, ctx.settings = deterministic, settings
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse, seed = ctx.saved_tensors
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, ctx.info, ctx.softmax_scale, ctx.dropout_p, seed,
-                                        ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+                                        ctx.deterministic, ctx.settings)
+        return dq, dk, dv, None, None, None, None, None, None

@@ -18,7 +18,7 @@ from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
-from .config import cuda_index, head_dim_pad, kernel_config
+from .config import KernelConfig, cuda_index, head_dim_pad, kernel_config
 from .forward import _LOG2E, dot_mode
 from .kernel_args import kernel_args
 from .plan import plan_attention
@@ -38,6 +38,7 @@ def mbs_attn_bwd(
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
     deterministic: bool = True,
+    config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward passes. On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side
     stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots.
@@ -56,6 +57,7 @@ def mbs_attn_bwd(
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
+        config: the forward's tiles and thresholds (None: :func:`kernel_config` of this thread's settings now).
 
     Returns:
         ``(dq, dk, dv)``, contiguous, in the inputs' dtypes; dk, dv are summed over each GQA group.
@@ -64,7 +66,7 @@ def mbs_attn_bwd(
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
-    cfg = kernel_config(head_dim, q.dtype, q.device)
+    cfg = kernel_config(head_dim, q.dtype, q.device) if config is None else config
     qk_scale = softmax_scale * _LOG2E
     seed = seed if seed is not None else lse
     has_window = info.window is not None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -194,26 +195,67 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
     )
 
 
-_override: KernelConfig | None = None
-_fields: dict[str, int | str] = {}  # thresholds and settings use_config sets on every config
-_deterministic = True  # the backward of calls that do not pass deterministic= (use_config sets it)
+@dataclass(frozen=True)
+class Settings:
+    """What ``use_config`` sets for one thread's calls: tiles (None: the device's table), thresholds and the
+    default backward. Interned (:func:`intern_settings`): one object and one ``id`` per value, so that a call
+    carries its settings to the backward (and across the custom-op boundary, as the int ``id``) however the
+    thread's settings change meanwhile, and so that a compiled graph guards on one object per value."""
+
+    config: KernelConfig | None = None
+    thresholds: tuple[tuple[str, int | str], ...] = ()
+    deterministic: bool = True
+    id: int = field(default=0, compare=False)
+
+
+DEFAULT_SETTINGS = Settings()
+_interned: list[Settings] = [DEFAULT_SETTINGS]
+_interned_ids: dict[Settings, Settings] = {DEFAULT_SETTINGS: DEFAULT_SETTINGS}
+_intern_lock = threading.Lock()
+_thread = threading.local()  # .settings: the thread's Settings (use_config), DEFAULT_SETTINGS where unset
+
+
+def intern_settings(settings: Settings) -> Settings:
+    """The one interned object equal to ``settings`` (with its ``id``). Kept for the process: the values a
+    program uses are few."""
+    with _intern_lock:
+        known = _interned_ids.get(settings)
+        if known is None:
+            known = replace(settings, id=len(_interned))
+            _interned.append(known)
+            _interned_ids[known] = known
+        return known
+
+
+def settings_by_id(settings_id: int) -> Settings:
+    """The interned settings of an ``id`` (a custom op gets the int)."""
+    return _interned[settings_id]
+
+
+def current_settings() -> Settings:
+    """This thread's settings now: the innermost ``use_config`` block's, else the defaults. A call reads them once,
+    when its forward runs, and carries them to its backward."""
+    return getattr(_thread, "settings", DEFAULT_SETTINGS)
 
 
 def default_deterministic() -> bool:
     """Whether a call that passes no ``deterministic`` argument gets the deterministic two-pass backward: True,
-    unless set otherwise by an enclosing ``use_config(deterministic=...)``."""
-    return _deterministic
+    unless set otherwise by an enclosing ``use_config(deterministic=...)`` of this thread."""
+    return current_settings().deterministic
 
 
-def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The tiles and thresholds for one call. ``use_config`` overrides them (tests, tuning)."""
-    if _override is not None:
-        cfg = _override
+def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                  settings: Settings | None = None) -> KernelConfig:
+    """The tiles and thresholds for one call under ``settings`` (None: this thread's now, :func:`current_settings`).
+    ``use_config`` overrides them (tests, tuning)."""
+    settings = current_settings() if settings is None else settings
+    if settings.config is not None:
+        cfg = settings.config
     elif device.type != "cuda":
         cfg = _INTERPRETER
     else:
         cfg = _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
-    return _with_thresholds(cfg, tuple(sorted(_fields.items()))) if _fields else cfg
+    return _with_thresholds(cfg, settings.thresholds) if settings.thresholds else cfg
 
 
 @functools.lru_cache(maxsize=64)
@@ -341,10 +383,15 @@ def use_config(config: KernelConfig | None = None, deterministic: bool | None = 
     ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``), and/or with another default backward:
     ``use_config(deterministic=False)`` allows the one-pass backward (dQ by atomic adds, not bitwise repeatable;
     run below ``one_pass_max_keys`` keys) to every call that does not pass ``deterministic`` itself (an argument
-    given to the call wins). The choice is read when the forward runs. ``use_config(deterministic_backward=
-    "ordered_one_pass")`` runs deterministic calls below ``one_pass_max_keys`` keys with the ordered one-pass
-    backward (bitwise repeatable too) instead of the two passes."""
-    global _override, _fields, _deterministic
+    given to the call wins). ``use_config(deterministic_backward="ordered_one_pass")`` runs deterministic calls
+    below ``one_pass_max_keys`` keys with the ordered one-pass backward (bitwise repeatable too) instead of the two
+    passes.
+
+    The settings are this thread's: other threads keep theirs, and blocks nest. A call reads them once, when its
+    forward runs; its backward runs with them wherever and whenever it runs (outside the block, on autograd's
+    thread)."""
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"use_config(config) takes a mmsparse.KernelConfig (or None); got {type(config).__name__}")
     unknown = set(thresholds) - set(SETTINGS)
     if unknown:
         raise TypeError(f"use_config sets deterministic, {', '.join(SETTINGS)}; got {sorted(unknown)}")
@@ -353,11 +400,21 @@ def use_config(config: KernelConfig | None = None, deterministic: bool | None = 
     if deterministic is not None and deterministic is not True and deterministic is not False:
         raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
                         f"{type(deterministic).__name__} {deterministic!r}")
-    previous = _override, _fields, _deterministic
-    _override = config if config is not None else _override
-    _fields = {**_fields, **thresholds}
-    _deterministic = _deterministic if deterministic is None else deterministic
-    try:
+    previous = current_settings()
+    fields = {**dict(previous.thresholds), **thresholds}
+    with applied_settings(Settings(config if config is not None else previous.config, tuple(sorted(fields.items())),
+                                   previous.deterministic if deterministic is None else deterministic)):
         yield
+
+
+@contextlib.contextmanager
+def applied_settings(settings: Settings) -> Iterator[Settings]:
+    """This thread's settings inside the block (interned), the previous ones after it: a backward that must run
+    as its forward's settings said, on whichever thread it runs."""
+    previous = current_settings()
+    _thread.settings = settings = intern_settings(settings)
+    try:
+        yield settings
     finally:
-        _override, _fields, _deterministic = previous
+        _thread.settings = previous
+

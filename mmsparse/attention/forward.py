@@ -14,7 +14,7 @@ from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
-from .config import head_dim_pad, kernel_config
+from .config import KernelConfig, head_dim_pad, kernel_config
 from .kernel_args import kernel_args
 from .plan import ForwardPass, plan_attention
 
@@ -45,6 +45,7 @@ def mbs_attn_fwd(
     softmax_scale: float,
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -54,11 +55,12 @@ def mbs_attn_fwd(
         softmax_scale: multiplies q.k.
         dropout_p, seed: dropout probability and the int64 ``[3]`` seed (key, query and key position offsets)
             on q's device.
+        config: the call's tiles and thresholds (None: :func:`kernel_config` of this thread's settings now).
 
     Returns:
         ``(out [B, Hq, Sq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
     """
-    cfg = kernel_config(q.shape[-1], q.dtype, q.device)
+    cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
     # id(cfg): the launch holds cfg, so the id stays its own while the launch is kept
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p, seed is None,
            id(cfg))

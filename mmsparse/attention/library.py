@@ -12,31 +12,35 @@ import torch
 
 from ..mask.info import MaskInfo, mask_from_tuple
 from .backward import mbs_attn_bwd
-from .config import kernel_config
+from .config import Settings, current_settings, kernel_config, settings_by_id
 from .forward import kernel_layout, mbs_attn_fwd
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
-    seed: torch.Tensor | None,
+    seed: torch.Tensor | None, settings: Settings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels cannot read)."""
-    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), info, softmax_scale, dropout_p, seed)
+    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
+    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), info, softmax_scale, dropout_p, seed,
+                        config)
 
 
 def _backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool,
+    settings: Settings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward's inputs, as :func:`_forward` laid them out."""
+    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
     grad_out = kernel_layout(grad_out.contiguous())
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
+    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, config)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
-    seed: torch.Tensor | None,
+    seed: torch.Tensor | None, settings: Settings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units)``.
 
@@ -44,43 +48,52 @@ def attention_forward(
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``.
         info: the mask; softmax_scale: multiplies q.k; dropout_p, seed: dropout and its int64 ``[3]`` seed
             (``new_dropout_seed``).
+        settings: ``use_config``'s, as read when the call began (None: this thread's now); the backward must
+            get the same.
     """
+    settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
-        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q))
-        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window)
-    return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
+        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
+        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
+                       settings.id)
+    return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
 
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
+    settings: Settings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
-    ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable)."""
+    ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable). ``settings``: the
+    forward's (None: this thread's now)."""
+    settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q))
+        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p, window, deterministic)
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
+                       dropout_p, window, deterministic, settings.id)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
 
 
-def _short_samples(q: torch.Tensor) -> int:
+def _short_samples(q: torch.Tensor, settings: Settings) -> int:
     """The config's longest mean sample length that takes the short-samples tile."""
-    return kernel_config(q.shape[-1], q.dtype, q.device).short_samples
+    return kernel_config(q.shape[-1], q.dtype, q.device, settings).short_samples
 
 
 @torch.library.custom_op("mmsparse::fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
-    window: int = 0,
+    window: int = 0, settings_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q))
-    return _forward(q, k, v, info, softmax_scale, dropout_p, seed)
+    settings = settings_by_id(settings_id)
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
+    return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window=0):
+def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window=0,
+      settings_id=0):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -90,12 +103,14 @@ def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
     seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0, deterministic: bool = True,
+    settings_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic)
+    settings = settings_by_id(settings_id)
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
 
 
 @_bwd_op.register_fake
 def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
-      window=0, deterministic=True):
+      window=0, deterministic=True, settings_id=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..attention.config import applied_settings, current_settings
 from ..functional import new_dropout_seed
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .pieces import piece_seeds
@@ -357,6 +358,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         ctx.by_position = seed is not None
+        ctx.settings = current_settings()  # the pieces' backward runs as their forward did (use_config)
         return out
 
     @staticmethod
@@ -365,8 +367,9 @@ class _Attention(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v, ctx.by_position)
-        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                           ctx.dropout_p, finish)
+        with applied_settings(ctx.settings):
+            dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
+                                               ctx.dropout_p, finish)
         dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
                                ctx.by_position)
         hkv = k.shape[1]
