@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 from types import ModuleType
 
@@ -168,15 +169,20 @@ def _gluon() -> ModuleType:
     return gluon_launch
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_side_streams = threading.local()  # .by_device: {device index: this thread's side stream}
 
 
 def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(current stream, this device's side stream for the dQ pass). The plan forks only on the GPU and over
-    SHORT_KEYS keys or more: below, a call is bound by host work, and switching streams adds ~75 us to it (H100
-    host, the seed: 0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
+    """(current stream, this thread's side stream of the device for the dQ pass). One per thread: a stream shared
+    by threads would let one thread's dQ pass join another's CUDA-graph capture, or wait on its unrelated work.
+    The plan forks only on the GPU and over SHORT_KEYS keys or more: below, a call is bound by host work, and
+    switching streams adds ~75 us to it (H100 host, the seed: 0.48 ms with the side stream, 0.41 without;
+    docs/performance.md)."""
     index = cuda_index(device)
-    side = _SIDE_STREAMS.get(index)
+    streams = getattr(_side_streams, "by_device", None)
+    if streams is None:
+        streams = _side_streams.by_device = {}
+    side = streams.get(index)
     if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        side = streams[index] = torch.cuda.Stream(device=index)
     return torch.cuda.current_stream(index), side

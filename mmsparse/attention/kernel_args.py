@@ -22,6 +22,7 @@ import torch
 from ..mask.block_lists import kernel_window
 from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
 from .config import KernelConfig
+from .plan import plan_attention
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
@@ -94,31 +95,26 @@ def kernel_args(info: MaskInfo) -> KernelArgs:
     return args  # type: ignore[return-value]
 
 
+_CPU = torch.device("cpu")  # plans' lists do not depend on the device; its SM count only splits the forward's grid
+
+
 def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None,
-               deterministic: bool = True) -> list[TileKey]:
-    """The (block_m, block_n, by_key) lists the forward, dK/dV and dQ kernels of a config read for seq_q queries
-    over seq_k keys (in packs of samples of ``sample_len`` tokens on average, if given); where the backward runs in
-    one pass (``deterministic`` False, or ``config.deterministic_backward`` ordered; below
-    ``config.one_pass_max_keys`` keys), the forward's and the one-pass backward's."""
-    fwd = config.forward_tile(seq_q, seq_k, sample_len)
-    if config.runs_one_pass(seq_k, deterministic):  # as plan_attention chooses (no dropout)
-        one_pass = config.one_pass_kernel_tile()
-        return [(fwd.block_m, fwd.block_n, False), (one_pass.block_m, one_pass.block_n, True)]
-    dq = config.dq_tile(seq_k)
-    return [
-        (fwd.block_m, fwd.block_n, False),
-        (config.bwd_dkdv.block_m, config.bwd_dkdv.block_n, True),
-        (dq.block_m, dq.block_n, False),
-    ]
+               deterministic: bool = True, dropout: bool = False,
+               device: torch.device = _CPU) -> list[TileKey]:
+    """The (block_m, block_n, by_key) lists the kernels of a config read for seq_q queries over seq_k keys (in
+    packs of samples of ``sample_len`` tokens on average, if given), with or without dropout: those of the call's
+    plan (:func:`mmsparse.attention.plan.plan_attention`), whose lists do not depend on the batch or the heads."""
+    plan = plan_attention(config, 1, 1, 1, seq_q, seq_k, device, sample_len, dropout, deterministic=deterministic)
+    return plan.list_tiles()
 
 
-def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True) -> MaskInfo:
+def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True, dropout: bool = False) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; where the backward runs in one
     pass the one-pass backward's instead of the last two, and the ordered one's add ranks), e.g. before timing or
     CUDA-graph capture."""
-    tiles = list_tiles(config, info.seq_q, info.seq_k, info.sample_len, deterministic)
-    info.prepare(tiles, config.compact_bytes)
-    if deterministic and config.runs_one_pass(info.seq_k, deterministic):  # the ordered one-pass: its add ranks
-        tile = config.one_pass_kernel_tile()
-        info.dq_add_ranks(tile.block_m, tile.block_n)
+    plan = plan_attention(config, 1, 1, 1, info.seq_q, info.seq_k, info.device, info.sample_len, dropout,
+                          deterministic=deterministic)
+    info.prepare(plan.list_tiles(), config.compact_bytes)
+    if plan.dq is None and plan.dkdv.ordered:  # the ordered one-pass: its add ranks
+        info.dq_add_ranks(plan.dkdv.tile.block_m, plan.dkdv.tile.block_n)
     return info

@@ -45,11 +45,14 @@ class CachedMask:
         allocator hand their memory to the building stream while the other one still reads them. So the first
         time another stream asks, it waits for the building stream's work so far, the token-level tensors are
         recorded as used on it, and it gets a mask over those tensors whose block lists (built lazily) are its own
-        and are only ever written and read on it. During CUDA-graph capture: the mask itself (torch.cuda.graph
-        synchronises before capturing, and lists built in a capture would fill only at replay).
+        and are only ever written and read on it. During CUDA-graph capture: a copy that shares what is built so
+        far (torch.cuda.graph synchronises before capturing) and keeps the lists it builds in the capture to
+        itself, since those are written only when the graph replays (:meth:`MaskInfo.sharing_built`).
         """
         if self.stream is None:
             return self.info
+        if torch.cuda.is_current_stream_capturing():
+            return self.info.sharing_built()
         current = stream_key(self.info.device)
         if current == self.stream:
             return self.info
@@ -57,8 +60,6 @@ class CachedMask:
         return copy if copy is not None else self._copy_for(current)
 
     def _copy_for(self, current: tuple[int, int, int]) -> Any:
-        if torch.cuda.is_current_stream_capturing():
-            return self.info
         with self.lock:
             copy = self.copies.get(current)
             if copy is None:
