@@ -172,10 +172,8 @@ def build_mask_info(
         causal = check_flag("causal", causal)
     window = check_window(window, seq_k)
     topo_key, key = _topology_key(topology), None
-    # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call. A mask
-    # built during CUDA-graph capture is written only when the graph replays: not for the eager calls either.
-    if (not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling()
-            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+    # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
+    if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
         key = ("mask", topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed, window)
         hit = CACHE.mask(key)
         if hit is not None:
