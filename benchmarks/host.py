@@ -1,0 +1,268 @@
+"""The user's step, not the kernels alone: host time per call, the kernels' GPU time, and forward + backward wall
+time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same shapes, in one run.
+
+- ``seed`` (B 8, H 16, D 64, segments (50, 375, 500), cyclic): ``host_us_fwd`` and ``host_us_fwd_bwd``, the median
+  host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
+  ``check_lengths=False``), ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
+  ``fwd_bwd_ms`` (do_bench: what a loop of calls takes), ``cudnn_dense_fwd_bwd_ms`` (SDPA's cuDNN backend, no
+  mask), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
+- ``small_2k`` (B 4, H 16, D 128, segments (256, 1024, 768), hub): ``fwd_bwd_ms``, ``cudnn_dense_fwd_bwd_ms``;
+- ``block`` (two ``MultimodalSelfAttention`` layers at the seed's lengths, E 1024, H 16, B 8, bf16): forward +
+  backward ``eager_ms``, ``compile_ms`` (``torch.compile``), ``reduce_overhead_ms``
+  (``torch.compile(mode="reduce-overhead")``).
+
+    python -m benchmarks.host                  # GPU: benchmarks/results/<gpu>/host.{json,md}
+    python -m benchmarks.host --device cpu --out DIR   # CPU smoke run (the interpreter; tiny shapes, no cuDNN,
+                                                       # graphs or compile rows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
+from mmsparse import mbs_attention
+from mmsparse.nn import MultimodalSelfAttention
+
+from .env import environment, results_dir
+from .report import fmt, write_record
+
+TOPIC = "host"
+CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
+HUB = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    head_dim: int
+    seg_lens: tuple[int, ...]
+    topology: list[list[int]]
+
+    @property
+    def seq(self) -> int:
+        return sum(self.seg_lens)
+
+
+GPU_SHAPES = {"seed": Shape(8, 16, 64, (50, 375, 500), CYCLIC), "small_2k": Shape(4, 16, 128, (256, 1024, 768), HUB)}
+CPU_SHAPES = {"seed": Shape(1, 2, 16, (5, 12, 15), CYCLIC), "small_2k": Shape(1, 2, 16, (8, 16, 12), HUB)}
+BLOCK_GPU = dict(embed_dim=1024, heads=16, batch=8)
+BLOCK_CPU = dict(embed_dim=32, heads=2, batch=1)
+
+
+def _inputs(shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def make() -> torch.Tensor:
+        return torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, device=device, dtype=dtype)
+
+    q, k, v = (make().requires_grad_() for _ in range(3))
+    return q, k, v, make()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us(step: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """Median host time of one ``step()`` in microseconds, the GPU queue kept short (a sync every 10 calls, outside
+    the timed region) so that no call waits for the device."""
+    step()
+    _sync(device)
+    times = []
+    for i in range(calls):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if i % 10 == 9:
+            _sync(device)
+    _sync(device)
+    return statistics.median(times) * 1e6
+
+
+def wall_ms(step: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """Median time of ``step()`` in ms: do_bench on a GPU, a wall-clock median on the CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(step, warmup=50, rep=300, return_mode="median"))
+    step()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def gpu_kernel_ms(step: Callable[[], Any], steps: int = 10) -> float:
+    """The GPU time of the kernels one ``step()`` launches, from the profiler (the sum of their durations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages())
+    return total_us / steps / 1e3
+
+
+def graph_ms(step: Callable[[], Any]) -> float:
+    """Replay time of a CUDA graph of ``step()`` (captured after warm-up on a side stream)."""
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return float(do_bench(graph.replay, warmup=50, rep=300, return_mode="median"))
+
+
+def _fwd_bwd(q, k, v, grad, **kwargs) -> Callable[[], None]:
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        mbs_attention(q, k, v, **kwargs).backward(grad)
+
+    return step
+
+
+def _dense_cudnn(q, k, v, grad) -> Callable[[], None]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v).backward(grad)
+
+    return step
+
+
+def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float | None]:
+    q, k, v, grad = _inputs(shape, device, dtype)
+    kw = dict(topology=shape.topology, seg_lens=shape.seg_lens)
+    fwd_bwd = _fwd_bwd(q, k, v, grad, **kw)
+    row: dict[str, float | None] = {
+        "host_us_fwd": host_us(lambda: mbs_attention(q.detach(), k.detach(), v.detach(), **kw), device, calls),
+        "host_us_fwd_bwd": host_us(fwd_bwd, device, calls),
+    }
+    lens = [torch.tensor(shape.seg_lens, device=device) for _ in range(calls + 1)]
+    fresh = iter(lens * 2)  # a new device tensor every call: the mask is built in the call
+
+    def new_lengths() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        mbs_attention(q, k, v, shape.topology, next(fresh), check_lengths=False).backward(grad)
+
+    row["host_us_fwd_bwd_new_lengths"] = host_us(new_lengths, device, calls)
+    row["fwd_bwd_ms"] = wall_ms(fwd_bwd, device, calls)
+    cuda = device.type == "cuda"
+    row["gpu_kernel_ms"] = gpu_kernel_ms(fwd_bwd) if cuda else None
+    row["cudnn_dense_fwd_bwd_ms"] = wall_ms(_dense_cudnn(q, k, v, grad), device, calls) if cuda else None
+    row["graph_fwd_bwd_ms"] = graph_ms(fwd_bwd) if cuda else None
+    return row
+
+
+def small_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float | None]:
+    q, k, v, grad = _inputs(shape, device, dtype)
+    cuda = device.type == "cuda"
+    return {
+        "fwd_bwd_ms": wall_ms(_fwd_bwd(q, k, v, grad, topology=shape.topology, seg_lens=shape.seg_lens), device,
+                              calls),
+        "cudnn_dense_fwd_bwd_ms": wall_ms(_dense_cudnn(q, k, v, grad), device, calls) if cuda else None,
+    }
+
+
+def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, calls: int, embed_dim: int,
+              heads: int, batch: int) -> dict[str, float | None]:
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(MultimodalSelfAttention(embed_dim, heads, CYCLIC, seg_lens, device=device,
+                                                           dtype=dtype) for _ in range(2)))
+    x = torch.randn(batch, sum(seg_lens), embed_dim, device=device, dtype=dtype, requires_grad=True)
+
+    def stepper(model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            x.grad = None
+            for p in layers.parameters():
+                p.grad = None
+            model(x).sum().backward()
+
+        return step
+
+    row: dict[str, float | None] = {"eager_ms": wall_ms(stepper(layers), device, calls)}
+    if device.type == "cuda":
+        torch._dynamo.reset()
+        row["compile_ms"] = wall_ms(stepper(torch.compile(layers)), device, calls)
+        torch._dynamo.reset()
+        row["reduce_overhead_ms"] = wall_ms(stepper(torch.compile(layers, mode="reduce-overhead")), device, calls)
+    else:
+        row["compile_ms"] = row["reduce_overhead_ms"] = None
+    return row
+
+
+def markdown(record: dict[str, Any]) -> str:
+    seed, small, block = record["seed"], record["small_2k"], record["block"]
+    lines = [
+        f"Host time and the user's step (`python -m benchmarks.host`). {record['gpu']}; torch {record['torch']}, "
+        f"triton {record['triton']}; commit {record['commit']}. Host times are medians of one call without a "
+        "sync; the other times are do_bench medians, side by side in one run.",
+        "",
+        "| row | measure | value |",
+        "|---|---|---:|",
+    ]
+    for name, row in (("seed", seed), ("small_2k", small), ("block", block)):
+        lines += [f"| {name} | {key} | {fmt(value)} |" for key, value in row.items()]
+    if seed.get("cudnn_dense_fwd_bwd_ms"):
+        lines += ["", f"Seed forward + backward / dense cuDNN: {seed['fwd_bwd_ms'] / seed['cudnn_dense_fwd_bwd_ms']:.2f}; "
+                  f"small_2k: {small['fwd_bwd_ms'] / small['cudnn_dense_fwd_bwd_ms']:.2f}; block compiled / eager: "
+                  f"{block['compile_ms'] / block['eager_ms']:.2f}, reduce-overhead / eager: "
+                  f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
+    p.add_argument("--calls", type=int, default=None, help="timed calls per host measure (GPU 200, CPU 3)")
+    p.add_argument("--out", type=Path, default=None, help="folder of host.json and host.md (default "
+                                                          "benchmarks/results/<gpu>/; a temporary folder on the CPU)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    calls = args.calls or (200 if cuda else 3)
+    shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    dtype = torch.bfloat16 if cuda else torch.float32
+    record = {
+        **environment(device),
+        "seed": seed_row(shapes["seed"], device, dtype, calls),
+        "small_2k": small_row(shapes["small_2k"], device, dtype, calls),
+        "block": block_row(shapes["seed"].seg_lens, device, dtype, calls, **(BLOCK_GPU if cuda else BLOCK_CPU)),
+    }
+    out = args.out or (results_dir(record["gpu"]) if cuda else Path(tempfile.mkdtemp(prefix="mmsparse-host-")))
+    path = write_record(out, TOPIC, record, markdown(record))
+    print(markdown(record))
+    print(f"-> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
