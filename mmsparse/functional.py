@@ -14,6 +14,7 @@ from .attention.limits import check_problem_size
 from .attention.plan import plan_attention
 from .mask.cache import CACHE
 from .mask.info import MaskInfo
+from .mask.keys import value_key
 from .mask.lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask.topology import Topology
 from .runtime.launch import interpreter_active
@@ -173,8 +174,11 @@ def build_mask_info(
     window = check_window(window, seq_k)
     topo_key, key = _topology_key(topology), None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
+    lens_key = None
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = ("mask", topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed, window)
+        lens_key = value_key(seg_lens)
+    if lens_key is not None:
+        key = ("mask", topo_key, lens_key, seq_q, seq_k, causal, str(device), packed, window)
         hit = CACHE.mask(key)
         if hit is not None:
             return hit
@@ -229,13 +233,15 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
 
 
 def _topology_key(topology: Any) -> Any:
-    """A cache key for a topology that costs less than validating it: nested lists/tuples of ints are keyed by
-    value (their repr), so the steady state of a call with host lengths builds nothing."""
+    """A cache key for a topology that costs less than validating it: nested lists/tuples are keyed by their whole
+    value (:func:`mmsparse.mask.keys.value_key`), so the steady state of a call with host lengths builds nothing."""
     if isinstance(topology, Topology):
         return topology
     if isinstance(topology, (list, tuple)):
-        return ("value", repr(topology))
-    return Topology(topology)  # tensors, arrays: validated and hashed by value
+        key = value_key(topology)
+        if key is not None:
+            return ("value", key)
+    return Topology(topology)  # tensors, arrays, rows without a key: validated and hashed by value
 
 
 def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool, device: torch.device,
