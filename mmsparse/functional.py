@@ -114,6 +114,17 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
+def check_dropout(value: Any, name: str = "dropout") -> float:
+    """A dropout probability as a float in [0, 1): a TypeError for anything but a real number (a bool or a string
+    included), a ValueError outside the range."""
+    numpy_float = type(value).__module__ == "numpy" and "float" in type(value).__name__
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or numpy_float):
+        raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__} {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1); got {value!r}")
+    return float(value)
+
+
 def check_softmax_scale(value: Any) -> float | None:
     """A softmax scale as a float: None (meaning 1/sqrt(head dim)) or a finite positive number."""
     if value is None:
@@ -172,9 +183,8 @@ def build_mask_info(
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
     window = check_window(window, seq_k)
-    topo_key, key = _topology_key(topology), None
+    topo_key, key, lens_key = _topology_key(topology), None, None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
-    lens_key = None
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
         lens_key = value_key(seg_lens)
     if lens_key is not None:
@@ -182,27 +192,35 @@ def build_mask_info(
         hit = CACHE.mask(key)
         if hit is not None:
             return hit
-    topo = _as_topology(topology, topo_key)
+    info = make_mask_info(_as_topology(topology, topo_key), seg_lens, seq_q, seq_k, causal, device, check_lengths,
+                          q_start, packed, window)
+    return info if key is None else CACHE.store_mask(key, info)
+
+
+def make_mask_info(
+    topology: Topology, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
+    check_lengths: bool = True,
+    q_start: torch.Tensor | Sequence[int] | None = None,
+    packed: bool = False,
+    window: int | None = None,
+) -> MaskInfo:
+    """A new :class:`MaskInfo` for a validated topology and lengths (checked here), kept by no cache: the
+    arguments are :func:`build_mask_info`'s, with ``causal`` a bool and ``window`` checked already."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"make_mask_info takes a Topology; got {type(topology).__name__} (build_mask_info takes "
+                        "any matrix)")
     if packed:
-        lens = packed_lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, packed=True, window=window)
-        return _cache(key, info)
-    lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
+        lens = packed_lens_tensor(seg_lens, topology.num_segments, seq_k, device, check_lengths)
+        return MaskInfo.from_segments(topology, lens, seq_q, seq_k, causal, packed=True, window=window)
+    lens = lens_tensor(seg_lens, topology.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
         if lens.shape[0] not in (1, q_start.shape[0]):
             raise ValueError(f"q_start has {count(q_start.shape[0], 'entry', 'entries')} but seg_lens has "
                              f"{count(lens.shape[0], 'row')}")
-    if topo.uses_bits:
-        info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start, window)
-    else:
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start, window=window)
-    return _cache(key, info)
-
-
-def _cache(key: tuple | None, info: MaskInfo) -> MaskInfo:
-    """Keep ``info`` under ``key`` (None: a mask that is not cached) and return it."""
-    return info if key is None else CACHE.store_mask(key, info)
+    if topology.uses_bits:
+        return MaskInfo.from_topology(topology, lens, seq_q, seq_k, causal, q_start, window)
+    return MaskInfo.from_segments(topology, lens, seq_q, seq_k, causal, q_start, window=window)
 
 
 def clear_caches() -> None:
