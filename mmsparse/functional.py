@@ -332,7 +332,9 @@ def attention_with_info(
     deterministic = check_deterministic(deterministic)
     deterministic = default_deterministic() if deterministic is None else deterministic
     if q.numel() == 0 or k.shape[2] == 0:
-        return q.new_zeros(q.shape) + 0 * q.sum()
+        # Nothing to attend (Sq <= Sk, so the output is empty): zeros tied to q, k and v alike, whose gradients
+        # are then zeros of their shapes rather than absent (autograd.grad refuses an input not in the graph).
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
     return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic)
 
