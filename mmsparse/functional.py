@@ -14,6 +14,7 @@ from .attention.limits import check_problem_size
 from .attention.plan import plan_attention
 from .mask.cache import CACHE
 from .mask.info import MaskInfo
+from .mask.keys import value_key
 from .mask.lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
 from .mask.topology import Topology
 from .runtime.launch import interpreter_active
@@ -113,6 +114,17 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
+def check_dropout(value: Any, name: str = "dropout") -> float:
+    """A dropout probability as a float in [0, 1): a TypeError for anything but a real number (a bool or a string
+    included), a ValueError outside the range."""
+    numpy_float = type(value).__module__ == "numpy" and "float" in type(value).__name__
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or numpy_float):
+        raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__} {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1); got {value!r}")
+    return float(value)
+
+
 def check_softmax_scale(value: Any) -> float | None:
     """A softmax scale as a float: None (meaning 1/sqrt(head dim)) or a finite positive number."""
     if value is None:
@@ -171,34 +183,44 @@ def build_mask_info(
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
     window = check_window(window, seq_k)
-    topo_key, key = _topology_key(topology), None
+    topo_key, key, lens_key = _topology_key(topology), None, None
     # Traced calls build the mask in the graph: a cached mask would carry the tensors of an earlier call.
     if not isinstance(seg_lens, torch.Tensor) and q_start is None and not torch.compiler.is_compiling():
-        key = ("mask", topo_key, repr(seg_lens), seq_q, seq_k, causal, str(device), packed, window)
+        lens_key = value_key(seg_lens)
+    if lens_key is not None:
+        key = ("mask", topo_key, lens_key, seq_q, seq_k, causal, str(device), packed, window)
         hit = CACHE.mask(key)
         if hit is not None:
             return hit
-    topo = _as_topology(topology, topo_key)
+    info = make_mask_info(_as_topology(topology, topo_key), seg_lens, seq_q, seq_k, causal, device, check_lengths,
+                          q_start, packed, window)
+    return info if key is None else CACHE.store_mask(key, info)
+
+
+def make_mask_info(
+    topology: Topology, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, device: torch.device,
+    check_lengths: bool = True,
+    q_start: torch.Tensor | Sequence[int] | None = None,
+    packed: bool = False,
+    window: int | None = None,
+) -> MaskInfo:
+    """A new :class:`MaskInfo` for a validated topology and lengths (checked here), kept by no cache: the
+    arguments are :func:`build_mask_info`'s, with ``causal`` a bool and ``window`` checked already."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"make_mask_info takes a Topology; got {type(topology).__name__} (build_mask_info takes "
+                        "any matrix)")
     if packed:
-        lens = packed_lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, packed=True, window=window)
-        return _cache(key, info)
-    lens = lens_tensor(seg_lens, topo.num_segments, seq_k, device, check_lengths)
+        lens = packed_lens_tensor(seg_lens, topology.num_segments, seq_k, device, check_lengths)
+        return MaskInfo.from_segments(topology, lens, seq_q, seq_k, causal, packed=True, window=window)
+    lens = lens_tensor(seg_lens, topology.num_segments, seq_k, device, check_lengths)
     if q_start is not None:
         q_start = q_start_tensor(q_start, seq_q, seq_k, device, check_lengths)
         if lens.shape[0] not in (1, q_start.shape[0]):
             raise ValueError(f"q_start has {count(q_start.shape[0], 'entry', 'entries')} but seg_lens has "
                              f"{count(lens.shape[0], 'row')}")
-    if topo.uses_bits:
-        info = MaskInfo.from_topology(topo, lens, seq_q, seq_k, causal, q_start, window)
-    else:
-        info = MaskInfo.from_segments(topo, lens, seq_q, seq_k, causal, q_start, window=window)
-    return _cache(key, info)
-
-
-def _cache(key: tuple | None, info: MaskInfo) -> MaskInfo:
-    """Keep ``info`` under ``key`` (None: a mask that is not cached) and return it."""
-    return info if key is None else CACHE.store_mask(key, info)
+    if topology.uses_bits:
+        return MaskInfo.from_topology(topology, lens, seq_q, seq_k, causal, q_start, window)
+    return MaskInfo.from_segments(topology, lens, seq_q, seq_k, causal, q_start, window=window)
 
 
 def clear_caches() -> None:
@@ -229,13 +251,15 @@ def _as_topology(topology: Any, key: Any = None) -> Topology:
 
 
 def _topology_key(topology: Any) -> Any:
-    """A cache key for a topology that costs less than validating it: nested lists/tuples of ints are keyed by
-    value (their repr), so the steady state of a call with host lengths builds nothing."""
+    """A cache key for a topology that costs less than validating it: nested lists/tuples are keyed by their whole
+    value (:func:`mmsparse.mask.keys.value_key`), so the steady state of a call with host lengths builds nothing."""
     if isinstance(topology, Topology):
         return topology
     if isinstance(topology, (list, tuple)):
-        return ("value", repr(topology))
-    return Topology(topology)  # tensors, arrays: validated and hashed by value
+        key = value_key(topology)
+        if key is not None:
+            return ("value", key)
+    return Topology(topology)  # tensors, arrays, rows without a key: validated and hashed by value
 
 
 def _dense_info(attn_mask: Any, batch: int, seq_q: int, seq_k: int, causal: bool, device: torch.device,
@@ -310,7 +334,9 @@ def attention_with_info(
     settings = current_settings()
     deterministic = settings.deterministic if deterministic is None else deterministic
     if q.numel() == 0 or k.shape[2] == 0:
-        return q.new_zeros(q.shape) + 0 * q.sum()
+        # Nothing to attend (Sq <= Sk, so the output is empty): zeros tied to q, k and v alike, whose gradients
+        # are then zeros of their shapes rather than absent (autograd.grad refuses an input not in the graph).
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
     seed = new_dropout_seed(q.device) if dropout_p > 0 else None
     return MBSAttentionFunction.apply(q, k, v, info, scale, dropout_p, seed, deterministic, settings)
 

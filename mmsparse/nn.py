@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .functional import FLOAT64_HINT, SUPPORTED_DTYPES, check_deterministic, check_flag, check_window, mbs_attention
+from .functional import (
+    FLOAT64_HINT,
+    SUPPORTED_DTYPES,
+    check_deterministic,
+    check_dropout,
+    check_flag,
+    check_window,
+    mbs_attention,
+)
 from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
 from .mask.topology import Topology
 
@@ -32,11 +40,6 @@ def _check_positive_int(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return value
 
-
-def _check_dropout(dropout: Any) -> float:
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1); got {dropout!r}")
-    return float(dropout)
 
 
 def _check_head_dim(embed_dim: int, num_heads: int) -> int:
@@ -66,7 +69,7 @@ class _MBSAttentionCore(nn.Module):
         self.topology = Topology(topology)
         self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
         self.causal = check_flag("causal", causal)
-        self.dropout = _check_dropout(dropout)
+        self.dropout = check_dropout(dropout)
         self.window = check_window(window)
         self.deterministic = check_deterministic(deterministic)
 

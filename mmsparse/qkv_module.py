@@ -16,11 +16,13 @@ from .functional import (
     attention_with_info,
     build_mask_info,
     check_deterministic,
+    check_dropout,
     check_flag,
     check_qkv,
     check_softmax_scale,
     check_window,
     layout_hint,
+    make_mask_info,
     topology_mask,
 )
 from .mask.cache import MaskCache
@@ -49,10 +51,15 @@ class TritonMBSAttnKernel(nn.Module):
             repeatable), False (one pass, dQ by atomic adds) or None (default: ``use_config``'s, True unless set).
 
     ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.
-    Masks and block lists are built on the inputs' device on first use and cached.
+    Masks and block lists are built on the inputs' device on first use and kept by the module (not in the
+    package's cache: they go with the module). Every argument is an attribute that may be set later, checked as
+    the constructor checks it; setting one the mask depends on (topology, seg_lens, causal_mask, window) drops the
+    kept masks.
     """
 
-    deterministic: bool | None = None  # also the value of modules pickled before the argument existed
+    # Modules pickled before an argument existed have no value for it: these stand in.
+    _deterministic: bool | None = None
+    _window: int | None = None
 
     def __init__(
         self,
@@ -66,17 +73,91 @@ class TritonMBSAttnKernel(nn.Module):
         deterministic: bool | None = None,
     ) -> None:
         super().__init__()
-        self.topology = Topology(topology, names)
-        self.seg_lens = validate_seg_lens(seg_lens, self.topology.num_segments)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        self.causal_mask = check_flag("causal_mask", causal_mask)
-        self.dropout = float(dropout)
-        self.softmax_scale = check_softmax_scale(softmax_scale)
-        self.window = check_window(window)
-        self.deterministic = check_deterministic(deterministic)
-        self._infos = MaskCache()  # this module's masks, per (Sq, Sk, device): they go with the module
+        self._infos = MaskCache()  # this module's masks, per settings, (Sq, Sk) and device: they go with the module
         self._dense_mask: torch.Tensor | None = None
+        self.topology = Topology(topology, names)
+        self.seg_lens = seg_lens
+        self.causal_mask = causal_mask
+        self.dropout = dropout
+        self.softmax_scale = softmax_scale
+        self.window = window
+        self.deterministic = deterministic
+
+    # Each setting is checked when set, as the constructor checks it; setting one the masks depend on drops them.
+
+    @property
+    def topology(self) -> Topology:
+        """The pair types (a :class:`~mmsparse.Topology`; set it from anything the constructor takes). A topology
+        of another segment count needs new ``seg_lens`` (set them after it)."""
+        return self._topology
+
+    @topology.setter
+    def topology(self, value: Any) -> None:
+        self._topology = Topology(value)
+        self._drop_masks()
+
+    @property
+    def seg_lens(self) -> tuple[int, ...]:
+        """The k segment lengths (S = their sum)."""
+        return self._seg_lens
+
+    @seg_lens.setter
+    def seg_lens(self, value: SegLensArg) -> None:
+        self._seg_lens = validate_seg_lens(value, self.topology.num_segments)
+        self._drop_masks()
+
+    @property
+    def causal_mask(self) -> bool:
+        """Whether a key must also be at or before the query's position."""
+        return self._causal_mask
+
+    @causal_mask.setter
+    def causal_mask(self, value: bool) -> None:
+        self._causal_mask = check_flag("causal_mask", value)
+        self._drop_masks()
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window, or None."""
+        return self._window
+
+    @window.setter
+    def window(self, value: int | None) -> None:
+        self._window = check_window(value)
+        self._drop_masks()
+
+    @property
+    def dropout(self) -> float:
+        """The attention dropout probability in training mode (read at each call)."""
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value: float) -> None:
+        self._dropout = check_dropout(value)
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The softmax scale, None for ``1/sqrt(D)`` (read at each call)."""
+        return self._softmax_scale
+
+    @softmax_scale.setter
+    def softmax_scale(self, value: float | None) -> None:
+        self._softmax_scale = check_softmax_scale(value)
+
+    @property
+    def deterministic(self) -> bool | None:
+        """The backward: True, False or None for ``use_config``'s (read at each call)."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool | None) -> None:
+        self._deterministic = check_deterministic(value)
+
+    def _drop_masks(self) -> None:
+        # A fresh cache rather than a clear: a call under way in another thread keeps the masks it has, and a mask
+        # it stores afterwards is keyed by the settings it was built for, so it is never taken for the new ones.
+        self._infos = MaskCache()
+        self._dense_mask = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickle, deepcopy and torch.save carry the configuration only: the masks are caches of device tensors
@@ -84,6 +165,13 @@ class TritonMBSAttnKernel(nn.Module):
         state = super().__getstate__()
         state["_infos"], state["_dense_mask"] = MaskCache(), None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Modules pickled when the settings were plain attributes hold them under their public names.
+        for name in _SETTINGS:
+            if name in state:
+                state["_" + name] = state.pop(name)
+        super().__setstate__(state)
 
     @property
     def seq_len(self) -> int:
@@ -110,11 +198,14 @@ class TritonMBSAttnKernel(nn.Module):
         if torch.compiler.is_compiling():  # traced: built in the graph; a kept mask would hold another call's tensors
             return build_mask_info(self.topology, self.seg_lens, seq_q, seq_k, self.causal_mask, device,
                                    window=self.window)
-        key = (seq_q, seq_k, str(device))
-        info = self._infos.mask(key)
-        if info is None:
-            info = self._infos.store_mask(key, build_mask_info(self.topology, self.seg_lens, seq_q, seq_k,
-                                                               self.causal_mask, device, window=self.window))
+        # One read of the settings: the key names what the mask is built from.
+        topology, seg_lens, causal, window = self._topology, self._seg_lens, self._causal_mask, self._window
+        key = (topology, seg_lens, causal, window, seq_q, seq_k, str(device))
+        infos = self._infos
+        info = infos.mask(key)
+        if info is None:  # built for this module alone: the package's cache never holds it
+            info = infos.store_mask(key, make_mask_info(topology, seg_lens, seq_q, seq_k, causal, device,
+                                                        window=window))
         return info
 
     def forward(
@@ -143,3 +234,6 @@ class TritonMBSAttnKernel(nn.Module):
                 f"causal_mask={self.causal_mask}, dropout={self.dropout}"
                 + ("" if self.window is None else f", window={self.window}")
                 + ("" if self.deterministic is None else f", deterministic={self.deterministic}"))
+
+
+_SETTINGS = ("topology", "seg_lens", "causal_mask", "dropout", "softmax_scale", "window", "deterministic")

@@ -1,13 +1,19 @@
 """The one cache of what calls build and reuse: masks, validated topologies and first-query positions.
 
 One policy for all of them: least recently used goes first once the entries' device bytes pass ``max_bytes`` or
-their number passes ``max_entries``. A mask's size is measured when it is stored and again when the next entry is
-stored (by then its kernels have run and built their block lists). Thread-safe: stores, evictions and per-stream
-copies take a lock; a hit takes none. Stream-safe: a mask read on a CUDA stream other than the one that built it
-comes as that stream's own copy (:class:`CachedMask`).
+their number passes ``max_entries``. A mask grows after it is stored (its kernels build block lists as they run,
+and each CUDA stream that reads it builds its own copy's), so every store measures every entry again, copies
+included, and evicts by those sizes: the bound holds at each store, and between two stores it is passed by at
+most the lists that the cached masks build meanwhile. A mask measures itself again only when it has grown, so a
+store costs little more than a look at each entry.
+
+Thread-safe: one lock guards the entries, taken by hits (which move the entry to the newest end) as by stores,
+evictions and per-stream copies; it is held for dictionary operations only (and on a store the sizes), never
+while a mask is built. Stream-safe: a mask read on a CUDA stream other than the one that built it comes as that
+stream's own copy (:class:`CachedMask`).
 
 The package keeps one instance for the functional API (:data:`CACHE`); a ``TritonMBSAttnKernel`` keeps its own
-masks in another, which goes with the module.
+masks in another, which goes with the module (its masks are never in :data:`CACHE`).
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ class CachedMask:
 
     @property
     def nbytes(self) -> int:
-        return self.info.nbytes + sum(copy.nbytes for copy in self.copies.values())
+        """The mask's bytes and its copies' (a copy shares the token-level tensors, counted again in it)."""
+        return self.info.nbytes + sum(copy.nbytes for copy in list(self.copies.values()))
 
 
 class MaskCache:
@@ -93,8 +100,9 @@ class MaskCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the entries, as last measured."""
-        return sum(size for _, size in list(self._entries.values()))
+        """Device bytes the entries hold now (measured again)."""
+        with self._lock:
+            return sum(_nbytes(value) for value, _ in self._entries.values())
 
     def mask(self, key: Any) -> Any | None:
         """The mask stored under ``key`` for the current stream, or None."""
@@ -108,8 +116,9 @@ class MaskCache:
 
     def masks(self, copies: bool = False) -> list[Any]:
         """The stored masks as built, oldest first, and with ``copies`` the other streams' copies after each."""
-        cached = [value for value, _ in list(self._entries.values()) if isinstance(value, CachedMask)]
-        return [m for c in cached for m in (c.info, *(c.copies.values() if copies else ()))]
+        with self._lock:
+            cached = [value for value, _ in self._entries.values() if isinstance(value, CachedMask)]
+            return [m for c in cached for m in (c.info, *(list(c.copies.values()) if copies else ()))]
 
     def value(self, key: Any) -> Any | None:
         """Anything else stored under ``key`` (a topology, a small tensor), or None."""
@@ -138,26 +147,26 @@ class MaskCache:
     # internals ---------------------------------------------------------------------------------------------------
 
     def _hit(self, key: Any) -> Any | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        try:
+        with self._lock:  # uncontended but for stores: a store iterates the entries this reorders
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
             self._entries.move_to_end(key)
-        except KeyError:  # another thread evicted it since the get: the value is still good to use
-            pass
         return entry[0]
 
     def _store(self, key: Any, value: Any) -> None:
+        size = _nbytes(value)
         with self._lock:
-            if self._entries:  # the newest entry has run since it was stored: its lists count now
-                newest = next(reversed(self._entries))
-                self._entries[newest] = (self._entries[newest][0], _nbytes(self._entries[newest][0]))
-            self._entries[key] = (value, _nbytes(value))
+            self._entries[key] = (value, size)
             self._entries.move_to_end(key)
-            total = sum(size for _, size in self._entries.values())
+            # Every entry as it is now: the masks stored earlier have built lists (and copies) since.
+            sizes = [(k, v, _nbytes(v)) for k, (v, _) in self._entries.items()]
+            for k, v, now in sizes:  # sizes replaced in place: the order and the keys stay
+                self._entries[k] = (v, now)
+            total = sum(now for _, _, now in sizes)
             while len(self._entries) > 1 and (len(self._entries) > self.max_entries or total > self.max_bytes):
-                _, (_, size) = self._entries.popitem(last=False)
-                total -= size
+                _, (_, evicted) = self._entries.popitem(last=False)
+                total -= evicted
 
 
 def _nbytes(value: Any) -> int:

@@ -63,6 +63,10 @@ class MaskInfo:
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[TileKey, BlockLists] = {}
         self._add_ranks: dict[tuple[int, int], torch.Tensor] = {}
+        # What it holds grows as kernels build lists, possibly in another thread than one measuring it: each growth
+        # bumps the version (after the entry is in), and a size measured at an older version is measured again.
+        self._version = 0
+        self._measured = (-1, 0)  # (version, bytes)
         # The kernels' view of this mask (an mmsparse.attention.kernel_args.KernelArgs), made on first use and kept as
         # long as the mask; opaque here.
         self.kernel_args: object | None = None
@@ -127,13 +131,34 @@ class MaskInfo:
         """A :class:`DenseMask` (see there)."""
         return DenseMask.from_dense(mask, causal, window)
 
+    def _held(self) -> list[torch.Tensor]:
+        """The device tensors a kind keeps besides its token-level ones and the shared tables (the list
+        builders' summaries)."""
+        return []
+
+    def _grew(self) -> None:
+        """Called once a new entry is in one of the tables: the next :attr:`nbytes` measures again."""
+        self._version += 1
+
     @property
     def nbytes(self) -> int:
-        """Device bytes the mask holds now: its token-level tensors, block lists and tile classes."""
-        held = [*self.tensors(), *(t for pair in self._classes.values() for t in pair)]
-        held += [t for lists in self._lists.values() for t in (lists.counts, lists.indices)]
+        """Device bytes the mask holds now: its token-level tensors, block lists, tile classes, add ranks and the
+        list builders' summaries (each storage once). Measured again only after the mask has grown.
+
+        Another thread may add lists while this runs: each table is read through one ``list(...)`` call, a copy
+        made in one step (no Python code runs during it, so no other thread does), never by iterating the live
+        table."""
+        version = self._version
+        if self._measured[0] == version:
+            return self._measured[1]
+        held = [*self.tensors(), *self._held()]
+        held += [t for pair in list(self._classes.values()) for t in pair]
+        held += [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices)]
         held += list(self._add_ranks.values())
-        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in held}.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        size = sum(storages.values())
+        self._measured = (version, size)
+        return size
 
     def classes(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(live, full) bool ``[Bm, NQ, NK]`` at this tile."""
@@ -144,8 +169,10 @@ class MaskInfo:
         if key not in self._classes and finer:  # a coarser tile is a union of finer ones: pool, don't recompute
             fine_m, fine_n = finer[0]
             self._classes[key] = pool_classes(*self._classes[finer[0]], block_m // fine_m, block_n // fine_n)
+            self._grew()
         if key not in self._classes:
             self._classes[key] = self._classify(block_m, block_n)
+            self._grew()
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False,
@@ -159,11 +186,13 @@ class MaskInfo:
             built = self._build_lists(block_m, block_n, by_key, compact_bytes)
             if built is not None:
                 self._lists[key] = built
+                self._grew()
         if key not in self._lists:
             live, full = self.classes(block_m, block_n)
             if by_key:
                 live, full = live.transpose(1, 2), full.transpose(1, 2)
             self._lists[key] = lists_from_classes(live, full)
+            self._grew()
         return self._lists[key]
 
     def built_lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
@@ -184,6 +213,7 @@ class MaskInfo:
         if ranks is None:
             lists = self.built_lists(block_m, block_n, by_key=True)
             ranks = self._add_ranks[key] = add_ranks(lists, -(-self.seq_q // block_m))
+            self._grew()
         return ranks
 
     def prepare(self, tiles: list[TileKey], compact_bytes: int = COMPACT_BYTES) -> MaskInfo:
@@ -230,6 +260,9 @@ class BitMask(MaskInfo):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.q_bits, self.k_bits, self.q_start
+
+    def _held(self) -> list[torch.Tensor]:
+        return list(self._summaries.values())
 
     def same_tensors(self) -> BitMask:
         return BitMask(self.q_bits, self.k_bits, self.num_segments, self.causal, self.q_start, self.window)
@@ -278,6 +311,13 @@ class CodeMask(MaskInfo):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.q_codes, self.k_codes, self.table, self.q_start
+
+    def _held(self) -> list[torch.Tensor]:
+        runs = self._runs
+        if runs is None:
+            return []
+        return [t for side in runs for t in (side.codes, side.run, side.starts, side.run_codes,
+                                              *list(side._summaries.values()))]
 
     def same_tensors(self) -> CodeMask:
         return CodeMask(self.q_codes, self.k_codes, self.table, self.num_segments, self.causal, self.q_start,

@@ -88,15 +88,16 @@ class Topology:
         self._readers: dict[int, set[int]] = {}  # id of a kept table -> the CUDA streams it is recorded on
 
     def __getstate__(self) -> dict[str, Any]:
-        # The per-device tables are caches; the hash of a large topology hashes bytes, which differs per process.
+        # The per-device tables are caches; the hash of a large topology hashes bytes, which differs per process;
+        # the readers are keyed by the ids of this object's tables, which a copy's new tables could reuse.
         state = self.__dict__.copy()
-        for cache in ("_tables", "_pair_tables", "_hash"):
+        for cache in ("_tables", "_pair_tables", "_hash", "_readers"):
             state.pop(cache, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._tables, self._pair_tables, self._hash = {}, {}, None
+        self._tables, self._pair_tables, self._hash, self._readers = {}, {}, None, {}
 
     @property
     def num_segments(self) -> int:
@@ -116,8 +117,8 @@ class Topology:
             table = torch.zeros((k + 1, k + 1), dtype=torch.int8, device=self.types.device)
             table[:k, :k] = self.types
             table = table.to(device)
-            if not torch.compiler.is_compiling():
-                self._pair_tables[device] = table
+            if not torch.compiler.is_compiling():  # the first one kept wins: one table per device, one readers set
+                table = self._pair_tables.setdefault(device, table)
         if not torch.compiler.is_compiling():
             self._read_here(table)
         return table
@@ -152,8 +153,9 @@ class Topology:
         if torch.compiler.is_compiling():  # traced: constants in the graph, never cached tensors
             return _bit_table(self._row_bits, device), _bit_table(self._col_bits, device)
         tables = self._tables.get(device)
-        if tables is None:
-            tables = self._tables[device] = (_bit_table(self._row_bits, device), _bit_table(self._col_bits, device))
+        if tables is None:  # the first one kept wins: one pair per device, one readers set
+            tables = self._tables.setdefault(device, (_bit_table(self._row_bits, device),
+                                                      _bit_table(self._col_bits, device)))
         self._read_here(*tables)
         return tables
 

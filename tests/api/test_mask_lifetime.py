@@ -127,3 +127,19 @@ def test_clear_caches_forgets_masks_and_plans(device):
     assert not len(CACHE) and not plan_attention.cache_info().currsize
     assert functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device) is not info
     torch.testing.assert_close(mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30)), before, rtol=0, atol=0)
+
+
+def test_a_modules_masks_live_in_the_module_only(device):
+    """A TritonMBSAttnKernel keeps its masks itself: the package's cache holds none of them, and they go with the
+    module."""
+    mmsparse.clear_caches()
+    module = TritonMBSAttnKernel(TOPOLOGY, (4, 8, 4), causal_mask=True)
+    q, k, v = (torch.randn(1, 2, 16, 16, device=device, requires_grad=True) for _ in range(3))
+    module(q, k, v).sum().backward()
+    (info,) = module._infos.masks()
+    assert info.kernel_args is not None  # it ran the kernels
+    assert not any(mask is info for mask in CACHE.masks(copies=True)), "the package's cache holds the module's mask"
+    ref = weakref.ref(info)
+    del info, module
+    gc.collect()
+    assert ref() is None, "the module's mask outlives the module"
