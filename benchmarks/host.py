@@ -231,7 +231,8 @@ def markdown(record: dict[str, Any]) -> str:
     for name, row in (("seed", seed), ("small_2k", small), ("block", block)):
         lines += [f"| {name} | {key} | {fmt(value)} |" for key, value in row.items()]
     if seed.get("cudnn_dense_fwd_bwd_ms"):
-        lines += ["", f"Seed forward + backward / dense cuDNN: {seed['fwd_bwd_ms'] / seed['cudnn_dense_fwd_bwd_ms']:.2f}; "
+        seed_ratio = seed["fwd_bwd_ms"] / seed["cudnn_dense_fwd_bwd_ms"]
+        lines += ["", f"Seed forward + backward / dense cuDNN: {seed_ratio:.2f}; "
                   f"small_2k: {small['fwd_bwd_ms'] / small['cudnn_dense_fwd_bwd_ms']:.2f}; block compiled / eager: "
                   f"{block['compile_ms'] / block['eager_ms']:.2f}, reduce-overhead / eager: "
                   f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}."]
