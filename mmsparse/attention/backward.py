@@ -11,13 +11,14 @@ import math
 import threading
 import warnings
 from types import ModuleType
+from typing import Callable
 
 import torch
 
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
-from ..runtime.launch import FastKernel
+from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from .config import KernelConfig, cuda_index, head_dim_pad, kernel_config
 from .forward import _LOG2E, dot_mode
@@ -63,81 +64,122 @@ def mbs_attn_bwd(
     Returns:
         ``(dq, dk, dv)``, contiguous, in the inputs' dtypes; dk, dv are summed over each GQA group.
     """
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    d_pad = head_dim_pad(head_dim)
-    cfg = kernel_config(head_dim, q.dtype, q.device) if config is None else config
-    qk_scale = softmax_scale * _LOG2E
-    seed = seed if seed is not None else lse
-    has_window = info.window is not None
-    flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-                 HAS_WINDOW=has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma)
-    if cfg.use_tma:
+    cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
+    # id(cfg): the launch holds cfg, so the id stays its own while the launch is kept
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, softmax_scale, dropout_p,
+           seed is None, deterministic, id(cfg))
+    launches = kernel_args(info).backward_plans
+    launch = launches.get(key)
+    if launch is None:
+        if len(launches) >= _MAX_PLANS:
+            launches.clear()
+        launch = launches[key] = _BackwardLaunch(q, k, info, cfg, softmax_scale, dropout_p, deterministic)
+    if cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), the launch is not
         ensure_tma_allocator(q.device)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    return launch(do, q, k, v, out, lse, seed)
 
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-    n_rows = batch * num_heads * seq_q
-    _DELTA[(cdiv(n_rows, 64),)](out, do, delta, n_rows, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
 
-    plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device, info.sample_len,
-                          dropout_p > 0.0, deterministic=deterministic)
-    info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before the fork
-    args = kernel_args(info)
-    dkdv_mask = args.tile(*plan.dkdv.lists)
-    main, side = _streams(q.device) if plan.side_stream else (None, None)
-    one_pass = plan.dq is None
-    ordered = one_pass and plan.dkdv.ordered
-    if one_pass:
+class _BackwardLaunch:
+    """Everything about one planned backward except the tensors, worked out once per (mask, shapes, strides,
+    dtype, scale, dropout, determinism, tiles), as the forward's launch is: the plan, the block lists (built when
+    this is made, on the current stream), the mask arguments, grids and constexprs. After their first launch the
+    kernels are called straight through their launchers (``bound``); the strides and every other integer argument
+    come from the key, so each launch specialises alike."""
+
+    def __init__(self, q, k, info: MaskInfo, cfg: KernelConfig, softmax_scale: float, dropout_p: float,
+                 deterministic: bool) -> None:
+        batch, num_heads, seq_q, head_dim = q.shape
+        num_kv_heads, seq_k = k.shape[1], k.shape[2]
+        d_pad = head_dim_pad(head_dim)
+        # not the mask itself: it holds this launch (kernel_args), and a reference back would make a cycle
+        self.mode, self.causal, self.has_window = info.mode, info.causal, info.window is not None
+        self.device, self.dtype = q.device, q.dtype
+        self.cfg, self.softmax_scale, self.dropout_p = cfg, softmax_scale, dropout_p
+        self.qk_scale = softmax_scale * _LOG2E
+        self.q_shape, self.kv_shape = q.shape, (batch, num_kv_heads, seq_k, head_dim)
+        self.n_rows = batch * num_heads * seq_q
+        self.delta_grid = (cdiv(self.n_rows, 64),)
+        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
+        plan = self.plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device,
+                                          info.sample_len, dropout_p > 0.0, deterministic=deterministic)
+        info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before any fork
+        args = kernel_args(info)
+        self.dkdv_mask = args.tile(*plan.dkdv.lists)
+        self.dq_mask = args.tile(*plan.dq.lists) if plan.dq is not None else None
+        self.one_pass = plan.dq is None
+        self.ordered = self.one_pass and plan.dkdv.ordered
         tile = plan.dkdv.tile
         # Per (batch, q head, query block) one semaphore; two in the Gluon kernel, one per warpgroup's columns.
-        semaphores = batch * num_heads * cdiv(seq_q, tile.block_m) * (2 if plan.dkdv.gluon else 1) if ordered else 0
-        dq_sum, dq_sem = _dq_accumulator(out.shape, q.device, semaphores)
-        if ordered:
-            dq_ranks = info.dq_add_ranks(tile.block_m, tile.block_n)  # on the current stream, before the launch
-        else:
-            _alert_not_deterministic()
-    else:
-        dq = torch.empty(out.shape, dtype=q.dtype, device=q.device)
-        dq_mask = args.tile(*plan.dq.lists)
-        if side is not None:
-            side.wait_stream(main)  # delta, the block lists and the inputs are ready
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            tile = plan.dq.tile
-            if plan.dq.gluon:
-                _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, info.mode, info.causal, qk_scale,
-                                softmax_scale, tile, has_window)
-            else:
-                mask_tensors, mask_scalars = dq_mask
-                _DQ[(cdiv(seq_q, tile.block_m), batch * num_heads)](
-                    q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars, qk_scale,
-                    softmax_scale, dropout_p, NUM_HEADS=num_heads, GROUP=group, BM=tile.block_m, BN=tile.block_n,
-                    **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                )
+        self.semaphores = (batch * num_heads * cdiv(seq_q, tile.block_m) * (2 if plan.dkdv.gluon else 1)
+                           if self.ordered else 0)
+        # the ordered one-pass's add ranks, built now on the current stream, before any launch
+        self.dq_ranks = info.dq_add_ranks(tile.block_m, tile.block_n) if self.ordered else None
+        self.strides = (*q.stride()[:3], *k.stride()[:3])  # v's strides follow (the key has them)
+        flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
+                     HAS_WINDOW=info.window is not None, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
+                     USE_TMA=cfg.use_tma)
+        group = num_heads // num_kv_heads
+        if plan.dq is not None and not plan.dq.gluon:
+            dq_tile = plan.dq.tile
+            self.dq_grid = (cdiv(seq_q, dq_tile.block_m), batch * num_heads)
+            self.dq_constexprs = dict(NUM_HEADS=num_heads, GROUP=group, BM=dq_tile.block_m, BN=dq_tile.block_n,
+                                      **flags, num_warps=dq_tile.num_warps, num_stages=dq_tile.num_stages)
+        self.dkdv_grid = (cdiv(seq_k, tile.block_n), batch * num_kv_heads)
+        self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
+                                    BN=tile.block_n, **flags, ONE_PASS=self.one_pass, ORDERED=self.ordered,
+                                    num_warps=tile.num_warps, num_stages=tile.num_stages)
+        self.bound: dict[str, Callable[..., None]] = {}  # the relaunches, after each kernel's first launch
 
-    dk = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=k.dtype, device=k.device)
-    dv = torch.empty((batch, num_kv_heads, seq_k, head_dim), dtype=v.dtype, device=v.device)
-    tile = plan.dkdv.tile
-    if plan.dkdv.gluon:
-        _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, info.mode, info.causal, qk_scale,
-                          softmax_scale, tile, has_window, dq_sum if one_pass else None,
-                          (dq_ranks, dq_sem) if ordered else None)
-    else:
-        mask_tensors, mask_scalars = dkdv_mask
-        _DKDV[(cdiv(seq_k, tile.block_n), batch * num_kv_heads)](
-            # DQ, DQ_RANKS, DQ_SEM: dk stands in, unread without ONE_PASS (and ORDERED)
-            q, k, v, do, lse, delta, dk, dv, dq_sum if one_pass else dk, dq_ranks if ordered else dk,
-            dq_sem if ordered else dk, *mask_tensors, seed, *strides, *mask_scalars, qk_scale, softmax_scale,
-            dropout_p, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
-            BN=tile.block_n, **flags, ONE_PASS=one_pass, ORDERED=ordered, num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
-        )
-    if side is not None:
-        main.wait_stream(side)
-    if one_pass:
-        dq = dq_sum if q.dtype == torch.float32 else dq_sum.to(q.dtype)
-    return dq, dk, dv
+    def __call__(self, do, q, k, v, out, lse, seed):
+        plan, device = self.plan, self.device
+        seed = seed if seed is not None else lse  # never read without dropout
+        strides = (*self.strides, *v.stride()[:3])
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
+        launch_bound(_DELTA, self.delta_grid, (out, do, delta, self.n_rows), self.delta_constexprs, self.bound,
+                     "delta")
+        main, side = _streams(device) if plan.side_stream else (None, None)
+        if self.one_pass:
+            dq_sum, dq_sem = _dq_accumulator(self.q_shape, device, self.semaphores)
+            if not self.ordered:
+                _alert_not_deterministic()
+        else:
+            dq = torch.empty(self.q_shape, dtype=self.dtype, device=device)
+            if side is not None:
+                side.wait_stream(main)  # delta, the block lists and the inputs are ready
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if plan.dq.gluon:
+                    _gluon().run_dq(q, k, v, do, lse, delta, dq, self.dq_mask, self.mode, self.causal, self.qk_scale,
+                                    self.softmax_scale, plan.dq.tile, self.has_window, bound=self.bound)
+                else:
+                    mask_tensors, mask_scalars = self.dq_mask
+                    launch_bound(_DQ, self.dq_grid,
+                                 (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
+                                  self.qk_scale, self.softmax_scale, self.dropout_p),
+                                 self.dq_constexprs, self.bound, "dq")
+        dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
+        dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
+        if plan.dkdv.gluon:
+            _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
+                              self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
+                              dq_sum if self.one_pass else None,
+                              (self.dq_ranks, dq_sem) if self.ordered else None, bound=self.bound)
+        else:
+            mask_tensors, mask_scalars = self.dkdv_mask
+            stand_in = dk  # DQ, DQ_RANKS, DQ_SEM: unread without ONE_PASS (and ORDERED)
+            launch_bound(_DKDV, self.dkdv_grid,
+                         (q, k, v, do, lse, delta, dk, dv, dq_sum if self.one_pass else stand_in,
+                          self.dq_ranks if self.ordered else stand_in, dq_sem if self.ordered else stand_in,
+                          *mask_tensors, seed, *strides, *mask_scalars, self.qk_scale, self.softmax_scale,
+                          self.dropout_p),
+                         self.dkdv_constexprs, self.bound, "dkdv")
+        if side is not None:
+            main.wait_stream(side)
+        if self.one_pass:
+            dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
+        return dq, dk, dv
+
+
+_MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale, determinism) backward launches kept
 
 
 def _dq_accumulator(shape: torch.Size, device: torch.device, semaphores: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,6 +116,7 @@ class _ForwardLaunch:
         self.combine_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS)
         self._fwd: Callable[..., None] | None = None  # the bound launches, after the first call
         self._combine: Callable[..., None] | None = None
+        self.bound: dict[str, Callable[..., None]] = {}  # the Gluon forward's relaunch (gluon_launch.run_forward)
 
     def __call__(self, q, k, v, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -144,7 +145,7 @@ def _hopper_forward(q, k, v, launch: _ForwardLaunch, qk_scale_log2: float):
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
     return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, qk_scale_log2, launch.tile,
-                                    launch.has_window)
+                                    launch.has_window, bound=launch.bound)
 
 
 _COMBINE_ROWS = 16

@@ -4,6 +4,8 @@ decides whether it is used."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..kernels.constants import TURNS_MBARRIER, TURNS_NAMED_RELEASE
@@ -12,7 +14,7 @@ from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
 from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
-from ..runtime.launch import FastKernel
+from ..runtime.launch import FastKernel, launch_bound
 from .config import Tile, head_dim_pad
 from .host_tma import box_descriptor, head_rows_descriptor
 from .kernel_args import LaunchArgs
@@ -32,11 +34,12 @@ _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluo
 
 def run_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
-    qk_scale_log2: float, tile: Tile, has_window: bool = False,
+    qk_scale_log2: float, tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
-    that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``."""
+    that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
+    ``bound``: as :func:`run_dq`'s."""
     _check_rows(tile.block_m, BLOCK_M)
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = mask
@@ -44,12 +47,14 @@ def run_forward(
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = WG_ROWS.value, tile.block_n
-    _FWD[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-        PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS,
+    launch_bound(
+        _FWD, (cdiv(seq_q, BLOCK_M), batch * num_heads),
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2),
+        dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
+             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS),
+        bound, "forward",
     )
     return out, lse
 
@@ -57,24 +62,27 @@ def run_forward(
 def run_dq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float, softmax_scale: float,
-    tile: Tile, has_window: bool = False,
+    tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
 ) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
     without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask
     arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
-    caller's stream when this runs on a side stream."""
+    caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for launches that specialise
+    alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
     _check_rows(tile.block_m, BLOCK_M)
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = mask
     pad = head_dim_pad(head_dim)
     q_rows, kv_rows = WG_ROWS.value, tile.block_n
-    _DQ[(cdiv(seq_q, BLOCK_M), batch * num_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
-        qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad,
-        BN=tile.block_n, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS,
+    launch_bound(
+        _DQ, (cdiv(seq_q, BLOCK_M), batch * num_heads),
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
+         qk_scale_log2, softmax_scale),
+        dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
+             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS),
+        bound, "dq",
     )
 
 
@@ -82,7 +90,7 @@ def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
-    dq_order: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dq_order: tuple[torch.Tensor, torch.Tensor] | None = None, bound: dict[str, Callable[..., None]] | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
@@ -92,7 +100,8 @@ def run_dkdv(
     TMA bulk reduce-adds through a descriptor of ``dq_sum``). With ``dq_order`` as well, ``(ranks, semaphores)``,
     the ordered one-pass (atomic adds only: a tile with bulk adds is a ValueError): each warpgroup adds into a dQ
     tile in the order of the key blocks' ``ranks`` (:func:`mmsparse.mask.add_order.add_ranks` of the by-key
-    lists), counted by ``semaphores`` (zeroed int32, ``B * Hq * cdiv(Sq, block_m) * 2``)."""
+    lists), counted by ``semaphores`` (zeroed int32, ``B * Hq * cdiv(Sq, block_m) * 2``). ``bound``: as
+    :func:`run_dq`'s."""
     _check_rows(tile.block_n, BLOCK_N)
     if dq_order is not None:
         if dq_sum is None:
@@ -120,13 +129,15 @@ def run_dkdv(
     if dq_order is not None:
         one_pass["ORDERED"] = True
     ranks, semaphores = dq_order if dq_order is not None else (delta, delta)  # stand-ins, unread without ORDERED
-    _DKDV[(cdiv(seq_k, BLOCK_N), batch * num_kv_heads)](
-        box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-        box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-        delta, dq_arg, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-        BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-        PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass,
+    launch_bound(
+        _DKDV, (cdiv(seq_k, BLOCK_N), batch * num_kv_heads),
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
+         delta, dq_arg, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),
+        bound, "dkdv",
     )
 
 

@@ -157,6 +157,23 @@ class FastKernel:
         return tuple(bound.arguments[name] for name in self._params[len(args):])
 
 
+def launch_bound(kernel: FastKernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any],
+                 bound: dict[str, Callable[..., None]] | None, name: str) -> None:
+    """Launch ``kernel``; with ``bound``, through the relaunch kept there under ``name`` (made by the first launch:
+    :meth:`FastKernel.bind`). The caller keeps one ``bound`` per set of launches that specialise alike (same
+    dtypes, alignment, integers and constexprs), e.g. per key of shapes and strides."""
+    if bound is None:
+        kernel[grid](*args, **kwargs)
+        return
+    relaunch = bound.get(name)
+    if relaunch is not None:
+        relaunch(*args)
+        return
+    relaunch = kernel.bind(grid, args, kwargs)
+    if relaunch is not None:
+        bound[name] = relaunch
+
+
 def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple) -> None:
     """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream."""
     global fast_launches

@@ -1,6 +1,6 @@
 """``use_config`` settings belong to the thread that set them and are read once, when a call's forward runs: the
 backward runs with the forward's settings wherever and whenever it runs (outside the block, on another thread).
-The plans the backward makes are recorded by wrapping ``plan_attention`` where the backward calls it."""
+The backward's config and plan are recorded where it launches."""
 
 from __future__ import annotations
 
@@ -21,17 +21,16 @@ ODD_TILES = KernelConfig(fwd=Tile(16, 16), bwd_dkdv=Tile(16, 16), bwd_dq=Tile(16
 
 @pytest.fixture
 def backward_plans(monkeypatch):
-    """(thread name, config, AttentionPlan) of every backward planned while the test runs (on a GPU autograd runs
-    the backward on a thread of its own)."""
+    """(thread name, config, AttentionPlan) of every backward run while the test runs (on a GPU autograd runs the
+    backward on a thread of its own)."""
     plans = []
-    original = backward_module.plan_attention
+    original = backward_module._BackwardLaunch.__call__
 
-    def recording(config, *args, **kwargs):
-        plan = original(config, *args, **kwargs)
-        plans.append((threading.current_thread().name, config, plan))
-        return plan
+    def recording(self, *args, **kwargs):
+        plans.append((threading.current_thread().name, self.cfg, self.plan))
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(backward_module, "plan_attention", recording)
+    monkeypatch.setattr(backward_module._BackwardLaunch, "__call__", recording)
     return plans
 
 

@@ -176,6 +176,20 @@ class _Launches:
 
         return run
 
+    def bind(self, grid, args, kwargs):
+        """As FastKernel.bind, each launch and relaunch recorded."""
+        one_pass = kwargs.get("ONE_PASS", False)
+        self.log.append((self.name, one_pass))
+        relaunch = self.kernel.bind(grid, args, kwargs)
+        if relaunch is None:
+            return None
+
+        def recorded(*new_args):
+            self.log.append((self.name, one_pass))
+            relaunch(*new_args)
+
+        return recorded
+
 
 @pytest.fixture
 def launches(monkeypatch):

@@ -1,0 +1,71 @@
+"""Host work per call, counted rather than timed (counts cannot flake): a repeated call plans nothing, builds no
+block list, and on a GPU launches every kernel straight through its bound launcher, never through Triton's
+binding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse import clear_caches, mbs_attention
+from mmsparse.attention import backward, forward
+from mmsparse.mask.info import MaskInfo
+from mmsparse.runtime import launch
+from tests.helpers import make_qkv
+
+HUB, LENS = [[1, 1, 1], [1, 1, 0], [1, 0, 1]], (7, 20, 13)
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """How often the forward and backward planned, and how often a mask was asked to build lists."""
+    seen = {"plans": 0, "prepares": 0}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            seen[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(forward, "plan_attention", counting("plans", forward.plan_attention))
+    monkeypatch.setattr(backward, "plan_attention", counting("plans", backward.plan_attention))
+    monkeypatch.setattr(MaskInfo, "prepare", counting("prepares", MaskInfo.prepare))
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_repeated_call_plans_and_builds_nothing(device, counts, deterministic):
+    clear_caches()  # a cold mask: the first call plans and builds
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 16, torch.float32, device, torch.Generator().manual_seed(0))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    mbs_attention(q, k, v, HUB, LENS, deterministic=deterministic).backward(grad)
+    assert counts == {"plans": 2, "prepares": 2}  # the forward's and the backward's, once each
+    for _ in range(3):
+        mbs_attention(q, k, v, HUB, LENS, deterministic=deterministic).backward(grad)
+    assert counts == {"plans": 2, "prepares": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seg_lens", [(50, 375, 500), (700, 1500, 600)])  # below and past SHORT_KEYS
+def test_a_repeated_call_launches_through_bound_launchers(monkeypatch, seg_lens):
+    dev = torch.device("cuda")
+    seq = sum(seg_lens)
+    q, k, v = make_qkv(2, 4, 4, seq, seq, 64, torch.bfloat16, dev)
+    grad = torch.randn_like(q)
+    for _ in range(2):
+        mbs_attention(q, k, v, HUB, seg_lens).backward(grad)
+    through_triton = []
+    original = launch.FastKernel.launch
+
+    def counting(self, grid, args, kwargs):
+        through_triton.append(self.fn.__name__)
+        return original(self, grid, args, kwargs)
+
+    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    before = launch.fast_launches
+    for _ in range(3):
+        mbs_attention(q, k, v, HUB, seg_lens).backward(grad)
+    torch.cuda.synchronize()
+    assert through_triton == [], through_triton
+    assert launch.fast_launches - before >= 3 * 4  # forward, delta, dQ, dK/dV
