@@ -211,20 +211,24 @@ def _gluon() -> ModuleType:
     return gluon_launch
 
 
-_side_streams = threading.local()  # .by_device: {device index: this thread's side stream}
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, caller's stream id) -> side stream
+_SIDE_STREAMS_LOCK = threading.Lock()
 
 
 def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(current stream, this thread's side stream of the device for the dQ pass). One per thread: a stream shared
-    by threads would let one thread's dQ pass join another's CUDA-graph capture, or wait on its unrelated work.
-    The plan forks only on the GPU and over SHORT_KEYS keys or more: below, a call is bound by host work, and
-    switching streams adds ~75 us to it (H100 host, the seed: 0.48 ms with the side stream, 0.41 without;
-    docs/performance.md)."""
+    """(current stream, its side stream for the dQ pass). One side stream per caller's stream, not per device or
+    thread: a CUDA-graph capture's side stream stays in the capture until it ends, and autograd runs every
+    backward of a device on one thread of its own, so a side stream shared with another caller's stream would
+    take that caller's dQ pass into the capture (or fail it). The plan forks only on the GPU and over SHORT_KEYS
+    keys or more: below, a call is bound by host work, and switching streams adds ~75 us to it (H100 host, the
+    seed: 0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
     index = cuda_index(device)
-    streams = getattr(_side_streams, "by_device", None)
-    if streams is None:
-        streams = _side_streams.by_device = {}
-    side = streams.get(index)
+    main = torch.cuda.current_stream(index)
+    key = (index, main.stream_id)
+    side = _SIDE_STREAMS.get(key)
     if side is None:
-        side = streams[index] = torch.cuda.Stream(device=index)
-    return torch.cuda.current_stream(index), side
+        with _SIDE_STREAMS_LOCK:
+            side = _SIDE_STREAMS.get(key)
+            if side is None:
+                side = _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
+    return main, side

@@ -1,6 +1,6 @@
 """CUDA-graph capture beside eager calls (GPU): work captured in a graph runs only when the graph replays, so
 nothing built during a capture may reach an eager call (the block lists of a cached mask), and a capture in one
-thread must not take in another thread's kernels (the backward's side stream). Lengths past SHORT_KEYS so that
+thread must not take in another caller's kernels (the backward's side stream). Lengths past SHORT_KEYS so that
 the dQ pass runs on the side stream."""
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def test_eager_backward_before_replay_of_a_capture_that_built_its_lists():
 
 
 def test_a_capture_in_one_thread_beside_eager_backwards_in_another():
-    """Thread A captures forward + backward again and again while thread B runs eager forward + backward: each
-    thread's dQ pass runs on its own side stream, so B's never joins A's capture (nor fails it), and both match."""
+    """Thread A captures forward + backward again and again while thread B runs eager forward + backward on a
+    stream of its own. Autograd runs both backwards on its one thread of the device; the dQ pass of each caller's
+    stream has its own side stream, so B's never joins A's capture (nor fails it), and both match."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1)
     qa, ka, va = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, dev, gen)
