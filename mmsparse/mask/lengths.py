@@ -28,9 +28,9 @@ def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_len
     """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple.
 
     ``name`` is how messages call them: ``seg_lens[3]`` names row 3 of per-sample or packed lengths. Under
-    torch.compile an entry may be symbolic (an int argument that changed between calls, which Dynamo shows as an
-    int): it is compared, which becomes a guard on its range, and returned as it is, never read (``int(n)`` would
-    specialise the graph to its value and recompile for every new length).
+    torch.compile an entry may be symbolic (an int argument that changed between calls, which Dynamo passes as an
+    int): the checks compare it, which guards its range, not its value, and it is returned as it is, so that one
+    graph serves every length.
     """
     if isinstance(seg_lens, torch.Tensor):
         if seg_lens.dim() != 1:
