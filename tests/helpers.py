@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mmsparse import mbs_attention, reference_attention, reference_mask
+from mmsparse.nn import MultimodalSelfAttention
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: README.md, examples/, mmsparse/
 
@@ -139,6 +141,24 @@ def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_s
                           window=window)
     check_outputs(q, k, v, out, grad_out, mask, softmax_scale)
     return out, mask
+
+
+def layer_reference(layer: MultimodalSelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The layer's math in float64 with plain torch ops and the dense reference attention: (out, x and the
+    parameters as float64 leaves, for their gradients after ``out.backward``)."""
+    p = {n: t.detach().double().requires_grad_() for n, t in layer.named_parameters()}
+    xd = x.detach().double().requires_grad_()
+    b, s, _ = x.shape
+    d = layer.head_dim
+
+    def heads(t, n):
+        return t.view(b, s, n, d).transpose(1, 2)
+
+    q = heads(F.linear(xd, p["q_proj.weight"], p["q_proj.bias"]), layer.num_heads)
+    k = heads(F.linear(xd, p["k_proj.weight"], p["k_proj.bias"]), layer.num_kv_heads)
+    v = heads(F.linear(xd, p["v_proj.weight"], p["v_proj.bias"]), layer.num_kv_heads)
+    o = reference_attention(q, k, v, mask).transpose(1, 2).reshape(b, s, -1)
+    return F.linear(o, p["out_proj.weight"], p["out_proj.bias"]), xd, p
 
 
 def run_example(name: str, argv: list[str]) -> Any:

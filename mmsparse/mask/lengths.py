@@ -27,7 +27,10 @@ def tracing_or_capturing(t: torch.Tensor) -> bool:
 def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_lens") -> tuple[int, ...]:
     """Check one sample's segment lengths (host ints) against the topology size; return them as a tuple.
 
-    ``name`` is how messages call them: ``seg_lens[3]`` names row 3 of per-sample or packed lengths.
+    ``name`` is how messages call them: ``seg_lens[3]`` names row 3 of per-sample or packed lengths. Under
+    torch.compile an entry may be symbolic (an int argument that changed between calls, which Dynamo passes as an
+    int): the checks compare it, which guards its range, not its value, and it is returned as it is, so that one
+    graph serves every length.
     """
     if isinstance(seg_lens, torch.Tensor):
         if seg_lens.dim() != 1:
@@ -44,12 +47,29 @@ def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_len
             f"topology has {num_segments} segments but {name} has {len(lens)} entries ({lens}); give one length "
             "per segment, 0 for a segment absent from the sample"
         )
+    checked = []
     for i, n in enumerate(lens):
-        if isinstance(n, bool) or not hasattr(n, "__index__"):
+        # isinstance first: Dynamo cannot call hasattr on a symbolic int
+        if isinstance(n, bool) or not (isinstance(n, (int, torch.SymInt)) or hasattr(n, "__index__")):
             raise TypeError(f"{name}[{i}] must be an int; got {type(n).__name__} {n!r}")
-        if int(n) < 0:
-            raise ValueError(f"{name}[{i}] = {n} is negative; segment lengths must be >= 0")
-    return tuple(int(n) for n in lens)
+        n = n if isinstance(n, (int, torch.SymInt)) else int(n)  # numpy ints and other __index__ types
+        if n < 0:
+            # Dynamo cannot format a symbolic int into a string: traced messages leave the values out
+            shown = "" if torch.compiler.is_compiling() else f" = {n}"
+            raise ValueError(f"{name}[{i}]{shown} is negative; segment lengths must be >= 0")
+        checked.append(n)
+    return tuple(checked)
+
+
+def traced_row(seg_lens: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """A 1-D length tensor that cannot be read back now (traced, or captured in a CUDA graph) as a ``[1, k]`` row:
+    its shape and dtype checked, its values not (as a ``[B, k]`` tensor's are not then)."""
+    if seg_lens.dim() != 1 or seg_lens.shape[0] != num_segments:
+        raise ValueError(f"seg_lens must be {num_segments} lengths (one per segment) or per-sample [batch, "
+                         f"{num_segments}]; got shape {tuple(seg_lens.shape)}")
+    if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
+        raise TypeError(f"seg_lens must be an integer tensor; got {seg_lens.dtype}")
+    return seg_lens[None]
 
 
 def is_per_sample(seg_lens: SegLensArg) -> bool:
@@ -65,6 +85,8 @@ def check_rows(rows: Sequence[Sequence[int]], num_segments: int, seq_len: int) -
     for b, row in enumerate(rows):
         r = validate_seg_lens(row, num_segments, f"seg_lens[{b}]")
         if sum(r) > seq_len:
+            if torch.compiler.is_compiling():  # no values: see validate_seg_lens
+                raise ValueError(f"seg_lens[{b}] sums to more than the sequence length")
             raise ValueError(f"seg_lens[{b}] = {r} sums to {sum(r)}, more than the sequence length {seq_len}")
         checked.append(r)
     return checked
@@ -88,12 +110,14 @@ def lens_tensor(
             check_rows(seg_lens.tolist(), k, seq_len)
         return seg_lens.to(device)  # any integer dtype: the token bits read int32/int64 as they are, cast the rest
     if not is_per_sample(seg_lens):
+        if isinstance(seg_lens, torch.Tensor) and tracing_or_capturing(seg_lens):
+            return traced_row(seg_lens, k).to(device)
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_len:
-            raise ValueError(
-                f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_len} positions; the segments must cover "
-                "the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
-            )
+            fix = "the segments must cover the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"
+            if torch.compiler.is_compiling():  # no values: see validate_seg_lens
+                raise ValueError(f"sum(seg_lens) differs from the positions of k/v; {fix}")
+            raise ValueError(f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_len} positions; {fix}")
         return torch.tensor([lens], dtype=torch.int32, device=device)
     return torch.tensor(check_rows(seg_lens, k, seq_len), dtype=torch.int32, device=device)
 
@@ -124,6 +148,8 @@ def packed_lens_tensor(
             raise ValueError(f"packed seg_lens must be [samples, {k}] (one row of {k} lengths per sample)")
         rows = [validate_seg_lens(r, k, f"seg_lens[{n}]") for n, r in enumerate(seg_lens)]  # name the sample
         if sum(map(sum, rows)) != total:
+            if torch.compiler.is_compiling():  # no values: see validate_seg_lens
+                raise ValueError("packed lengths do not sum to the q/k/v positions")
             raise ValueError(f"packed lengths sum to {sum(map(sum, rows))} but q/k/v have {total} positions")
         lens = torch.tensor(rows, dtype=torch.int32)
     if lens.shape[0] > MAX_DOCS:

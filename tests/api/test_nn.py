@@ -6,12 +6,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mmsparse import reference_attention, reference_mask
+from mmsparse import reference_mask
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, clip_seg_lens, replace_attention
-from tests.helpers import RING, assert_close, run_example
+from tests.helpers import RING, assert_close, layer_reference, run_example
 
 ALL = [[1, 1, 1], [1, 1, 1], [1, 1, 1]]
 SEG = (7, 20, 13)  # S = 40: ragged against the interpreter's 16/32 tiles
@@ -26,23 +25,6 @@ def assert_model_close(name: str, actual: torch.Tensor, expected: torch.Tensor, 
     rel = ((a - e).norm() / max(e.norm().item(), scale)).item()
     max_abs = (a - e).abs().max().item()
     assert rel <= tol and max_abs <= tol * scale, f"{name}: rel L2 {rel:.3e}, max abs {max_abs:.3e} (tol {tol:.0e})"
-
-
-def _layer_reference(layer: MultimodalSelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The layer's math in float64 with plain torch ops and the dense reference attention."""
-    p = {n: t.detach().double().requires_grad_() for n, t in layer.named_parameters()}
-    xd = x.detach().double().requires_grad_()
-    b, s, _ = x.shape
-    d = layer.head_dim
-
-    def heads(t, n):
-        return t.view(b, s, n, d).transpose(1, 2)
-
-    q = heads(F.linear(xd, p["q_proj.weight"], p["q_proj.bias"]), layer.num_heads)
-    k = heads(F.linear(xd, p["k_proj.weight"], p["k_proj.bias"]), layer.num_kv_heads)
-    v = heads(F.linear(xd, p["v_proj.weight"], p["v_proj.bias"]), layer.num_kv_heads)
-    o = reference_attention(q, k, v, mask).transpose(1, 2).reshape(b, s, -1)
-    return F.linear(o, p["out_proj.weight"], p["out_proj.bias"]), xd, p
 
 
 CASES = {
@@ -64,7 +46,7 @@ def test_layer_matches_dense_reference(case, device):
     out.backward(grad)
 
     mask = reference_mask(RING, SEG if lens is None else lens, sum(SEG), causal=case["causal"])
-    ref, xd, p = _layer_reference(layer, x, mask)
+    ref, xd, p = layer_reference(layer, x, mask)
     ref.backward(grad.double())
     assert_close("out", out, ref, torch.float32)
     assert_close("dx", x.grad, xd.grad, torch.float32)
