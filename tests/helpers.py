@@ -143,11 +143,12 @@ def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_s
     return out, mask
 
 
-def layer_reference(layer: MultimodalSelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The layer's math in float64 with plain torch ops and the dense reference attention: (out, x and the
-    parameters as float64 leaves, for their gradients after ``out.backward``)."""
-    p = {n: t.detach().double().requires_grad_() for n, t in layer.named_parameters()}
-    xd = x.detach().double().requires_grad_()
+def layer_reference(layer: MultimodalSelfAttention, x: torch.Tensor, mask: torch.Tensor,
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The layer's math in ``dtype`` (float64 by default) with plain torch ops and the dense reference attention:
+    (out, x and the parameters as leaves of that dtype, for their gradients after ``out.backward``)."""
+    p = {n: t.detach().to(dtype).requires_grad_() for n, t in layer.named_parameters()}
+    xd = x.detach().to(dtype).requires_grad_()
     b, s, _ = x.shape
     d = layer.head_dim
 
@@ -157,7 +158,7 @@ def layer_reference(layer: MultimodalSelfAttention, x: torch.Tensor, mask: torch
     q = heads(F.linear(xd, p["q_proj.weight"], p["q_proj.bias"]), layer.num_heads)
     k = heads(F.linear(xd, p["k_proj.weight"], p["k_proj.bias"]), layer.num_kv_heads)
     v = heads(F.linear(xd, p["v_proj.weight"], p["v_proj.bias"]), layer.num_kv_heads)
-    o = reference_attention(q, k, v, mask).transpose(1, 2).reshape(b, s, -1)
+    o = reference_attention(q, k, v, mask, dtype=dtype).transpose(1, 2).reshape(b, s, -1)
     return F.linear(o, p["out_proj.weight"], p["out_proj.bias"]), xd, p
 
 

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from mmsparse import CAUSAL, FULL, NONE, TritonMBSAttnKernel, mbs_attention, mbs_attention_varlen, reference_mask
 from mmsparse.nn import MultimodalSelfAttention
-from tests.helpers import RING, assert_close, check_outputs, layer_reference, make_qkv
+from tests.helpers import RING, assert_calibrated, check_outputs, layer_reference, make_qkv
 
 TYPES = [[CAUSAL, NONE, NONE], [FULL, FULL, NONE], [FULL, FULL, CAUSAL]]  # pair types: segment codes
 MAX_GRAPHS = 2  # constants, then symbols
@@ -144,7 +144,9 @@ def test_kernel_module_with_new_lengths_every_call(device):
 @pytest.mark.parametrize("form", ["shared", "per-sample"])
 def test_layer_with_new_lengths_every_call(form, device):
     """MultimodalSelfAttention's ``forward(x, seg_lens=...)``: a tuple, or per-sample rows, new every call; the
-    output and the gradients of x and of every weight against the layer's float64 math."""
+    output and the gradients of x and of every weight against the layer's float64 math, calibrated by the same
+    math in plain float32 torch (the key bias's gradient is zero in exact arithmetic: its size is float32's
+    rounding, which a bound relative to the reference alone cannot judge)."""
     counter = _counter()
     torch.manual_seed(0)
     layer = MultimodalSelfAttention(32, 2, RING, NEW_TOTAL[0], num_kv_heads=1, causal=True).to(device)
@@ -157,12 +159,15 @@ def test_layer_with_new_lengths_every_call(form, device):
         out = compiled(x, seg_lens=lens)
         grad = torch.randn(out.shape, generator=gen).to(device)
         out.backward(grad)
-        ref, xd, p = layer_reference(layer, x, reference_mask(RING, lens, seq, causal=True))
+        mask = reference_mask(RING, lens, seq, causal=True)
+        ref, xd, p = layer_reference(layer, x, mask)
         ref.backward(grad.double())
-        assert_close("out", out, ref, torch.float32)
-        assert_close("dx", x.grad, xd.grad, torch.float32)
+        plain, xf, pf = layer_reference(layer, x, mask, torch.float32)
+        plain.backward(grad)
+        assert_calibrated("out", out, ref, plain, torch.float32)
+        assert_calibrated("dx", x.grad, xd.grad, xf.grad, torch.float32)
         for name, param in layer.named_parameters():
-            assert_close(f"d{name}", param.grad, p[name].grad, torch.float32)
+            assert_calibrated(f"d{name}", param.grad, p[name].grad, pf[name].grad, torch.float32)
     assert counter.frame_count <= MAX_GRAPHS
 
 
