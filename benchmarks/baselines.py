@@ -53,9 +53,9 @@ SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this s
 
 BIG_TOPOLOGY = 16  # segments: above this, mmsparse is given an mmsparse.Topology built once (see mmsparse_fn)
 FLASH_BLOCK = 128  # FLASH's sparse block size is fixed: its BlockMask must be built with it
-FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the wheels script targets it)
+FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the one its install steps target)
 FLASH_ARCH = (9, 0)  # the FlashAttention-4 kernels this benchmark compares with are Hopper's
-FLASH_SETUP_HINT = "wheels: ../shared/tools/flex-flash-wheels.sh"
+FLASH_SETUP_HINT = "to install it: benchmarks/README.md, 'Installing the FLASH backend'"
 
 def _build_state(case: Case, timing: Timing, build: Callable[[], Any]) -> tuple[Any, float | None, float]:
     """Build once (keeping the result), report the memory it holds, then time fresh builds."""

@@ -3,7 +3,8 @@
 Implementations (``--impls``), see :mod:`benchmarks.baselines`: ``mmsparse``, ``flex`` (FlexAttention with the
 same topology as a ``mask_mod``), ``sdpa_mask`` (SDPA with a dense bool mask), ``dense_flash`` (FlashAttention-2,
 no mask).
-``flex_flash``: ``flex`` on FLASH (FA-4; torch >= 2.11, sm_90; install: ``../shared/tools/flex-flash-wheels.sh``).
+``flex_flash``: ``flex`` on FLASH (FA-4; torch >= 2.11, sm_90; to install it: benchmarks/README.md, "Installing the
+FLASH backend").
 
 Method:
   - bf16 inputs ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, S, D]`` with requires_grad; one ``dout``.
