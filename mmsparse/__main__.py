@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -178,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--topology and --seg-lens go together (the k lengths of the k segments)")
     if args.window is not None and args.topology is None:
         parser.error("--window goes with --topology and --seg-lens (it draws that mask under the window)")
+    if args.packed and args.topology is None:
+        parser.error("--packed goes with --topology and --seg-lens (it draws the rows of --seg-lens as samples "
+                     "packed end to end)")
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:  # before drawing, not after
+        parser.error("--png needs matplotlib: pip install matplotlib (or mmsparse[examples]), or leave out --png")
     if args.width < 1:
         parser.error(f"--width must be at least 1; got {args.width}")
     try:  # only the user's arguments: errors of the run itself keep their traceback
