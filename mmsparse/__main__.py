@@ -28,6 +28,7 @@ from .picture import TileMap, parse_tile, tile_map
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 SEED_LENS = (50, 375, 500)
+README_TILE = (64, 32)  # the tile of the seed's picture in README.md (the bf16 forward tile at D=64 on a GPU)
 # Largest relative L2 error against float64 accepted per dtype: the test suite's bounds for the same comparison.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -131,6 +132,10 @@ def run_seed_example(args: argparse.Namespace, tile: tuple[int, int] | None) -> 
     if tile is None:
         fwd = kernel_config(head_dim, dtype, device).fwd
         tile = (fwd.block_m, fwd.block_n)
+        if tile != README_TILE:  # a reader compares this picture with the README's
+            print(f"tiles: {tile[0]}x{tile[1]}, this device's forward tile for D={head_dim} {str(dtype)[6:]}; "
+                  f"README.md shows the seed at {README_TILE[0]}x{README_TILE[1]} (a GPU's): "
+                  f"--tile {README_TILE[0]}x{README_TILE[1]} draws that")
     live, full = (t[0].cpu() for t in attn._info(seq, seq, device).classes(*tile))
     density = count_allowed_pairs(CYCLIC, SEED_LENS, causal=args.causal) / seq**2
     print()

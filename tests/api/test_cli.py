@@ -25,6 +25,9 @@ def test_seed_example_passes_and_states_its_tolerance(capsys):
     out = capsys.readouterr().out
     assert f"tolerance {TOL:.0e} for {str(DTYPE)[6:]}" in out and f"ok: every error within {TOL:.0e}" in out
     assert "block mask at " in out and "density 0.270 of token pairs" in out
+    tile = out.split("block mask at ", 1)[1].split(" ", 1)[0]
+    if tile != "64x32":  # the README's picture is at 64x32: a demo at another tile says so, and how to draw that
+        assert f"tiles: {tile}, this device's forward tile" in out and "--tile 64x32 draws that" in out
 
 
 def test_seed_example_fails_on_a_wrong_kernel(monkeypatch, capsys):
