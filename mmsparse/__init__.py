@@ -71,4 +71,4 @@ __all__ = [
     "tile_picture",
     "use_config",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

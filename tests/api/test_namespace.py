@@ -31,3 +31,10 @@ def test_all_is_the_public_api():
 def test_version_matches_pyproject():
     found = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
     assert found is not None and mmsparse.__version__ == found[1]
+
+
+def test_the_newest_changelog_release_is_the_version():
+    """CHANGELOG.md: an "Unreleased" section on top, then the release ``__version__`` names, with its date."""
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert headings[0] == "Unreleased"
+    assert re.fullmatch(rf"{re.escape(mmsparse.__version__)} - \d{{4}}-\d{{2}}-\d{{2}}", headings[1]), headings[:2]
