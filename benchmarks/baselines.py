@@ -45,14 +45,17 @@ from .timing import Timing
 
 IMPLS = ("mmsparse", "mmsparse_nondet", "flex", "flex_flash", "sdpa_mask", "dense_flash")
 DEFAULT_IMPLS = tuple(n for n in IMPLS if n != "mmsparse_nondet")  # the opt-in backward only when asked for
+# Left out of a CPU run's default list, with why: they cannot be timed there (named in --impls they still run, and
+# flex then checks its forward's mask).
+NOT_ON_CPU = {"flex": "FlexAttention has no backward on a CPU", "flex_flash": "its FLASH backend needs a Hopper GPU"}
 SDPA_MASK_BYTES_PER_PAIR = 5  # bool mask + the bf16 bias SDPA makes from it on each call (+ alignment copies)
 SDPA_MASK_MEM_FRACTION = 0.6  # skip sdpa_mask when that estimate exceeds this share of free memory
 
 BIG_TOPOLOGY = 16  # segments: above this, mmsparse is given an mmsparse.Topology built once (see mmsparse_fn)
 FLASH_BLOCK = 128  # FLASH's sparse block size is fixed: its BlockMask must be built with it
-FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the wheels script targets it)
+FLASH_MIN_TORCH = (2, 11)  # the oldest torch this benchmark runs FLASH on (the one its install steps target)
 FLASH_ARCH = (9, 0)  # the FlashAttention-4 kernels this benchmark compares with are Hopper's
-FLASH_SETUP_HINT = "wheels: ../shared/tools/flex-flash-wheels.sh"
+FLASH_SETUP_HINT = "to install it: benchmarks/README.md, 'Installing the FLASH backend'"
 
 def _build_state(case: Case, timing: Timing, build: Callable[[], Any]) -> tuple[Any, float | None, float]:
     """Build once (keeping the result), report the memory it holds, then time fresh builds."""

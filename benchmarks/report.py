@@ -54,13 +54,19 @@ def write_record(folder: Path, topic: str, data: Any, table: str) -> Path:
 # Console
 
 
+def _has_rates(rows: list[dict[str, Any]]) -> bool:
+    """Whether the rows ran where TFLOP/s mean something: a GPU (a CPU run leaves them None, see ``finish_row``)."""
+    return any(not str(r.get("gpu") or "").startswith("cpu") for r in rows)
+
+
 def progress_line(index: int, total: int, row: dict[str, Any]) -> str:
     head = f"[{index}/{total}] {row['config']:<18} {row['impl']:<11}"
     if row.get("skipped"):
         return f"{head} skipped: {row['skipped']}"
+    rates = _has_rates([row])
     parts = [
-        f"fwd {fmt(row['fwd_ms']):>8} ms {fmt(row['fwd_tflops'], 1):>6} TF/s",
-        f"bwd {fmt(row['bwd_ms']):>8} ms {fmt(row['bwd_tflops'], 1):>6} TF/s",
+        f"fwd {fmt(row['fwd_ms']):>8} ms" + (f" {fmt(row['fwd_tflops'], 1):>6} TF/s" if rates else ""),
+        f"bwd {fmt(row['bwd_ms']):>8} ms" + (f" {fmt(row['bwd_tflops'], 1):>6} TF/s" if rates else ""),
         f"peak {fmt(row['peak_mib'], 0):>6} MiB",
         f"build {fmt(row['build_ms'])} ms",
         f"check {row.get('check') or '-'}",
@@ -114,6 +120,7 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
     by = {(r["config"], r["impl"]): r for r in rows}
     configs = list(dict.fromkeys(r["config"] for r in rows))
     flash = any(r["impl"] == "flex_flash" for r in rows)
+    rates = _has_rates(rows)
     first = rows[0] if rows else {}
     flash_cols = "---:|---:|" if flash else ""  # two more right-aligned columns
     flash_head = ("flex_flash fwd ms | fwd speedup vs flex_flash | ",
@@ -121,9 +128,11 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
     lines = [
         f"Run: {first.get('gpu')}, torch {first.get('torch')}, triton {first.get('triton')}, commit "
         f"{first.get('commit')}, {datetime.date.today().isoformat()}. bf16; {timing_method}; bwd = (fwd+bwd) - fwd; "
-        "TF/s count live pairs only (4·B·Hq·D·live fwd, 2.5x bwd), also for dense_flash, which computes every pair "
-        "(or the causal half on configs with causal pairs): a speed reference only, checked against the mask it "
-        "computes, not the config's.",
+        + ("TF/s count live pairs only (4·B·Hq·D·live fwd, 2.5x bwd), also for dense_flash, which computes every "
+           "pair (or the causal half on configs with causal pairs): a speed reference only, checked against the mask "
+           "it computes, not the config's." if rates else
+           "no TF/s on a CPU (Triton's interpreter); dense_flash is checked against the mask it computes, not the "
+           "config's."),
         "",
         f"| config | S | density | window | mmsparse fwd ms | flex fwd ms | fwd speedup | {flash_head[0]}mmsparse bwd "
         f"ms | flex bwd ms | bwd speedup | {flash_head[1]}build ms mmsparse / flex{flash_head[2]} |",
@@ -144,9 +153,10 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
         )
     lines += [
         "",
-        "| config | impl | fwd ms | bwd ms | fwd TF/s | bwd TF/s | peak MiB | build ms | fwd vs flex | bwd vs flex "
+        "| config | impl | fwd ms | bwd ms | " + ("fwd TF/s | bwd TF/s | " if rates else "")
+        + "peak MiB | build ms | fwd vs flex | bwd vs flex "
         + ("| fwd vs flex_flash | bwd vs flex_flash " if flash else "") + "| check |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + flash_cols + "---|",
+        "|---|---|---:|---:|" + ("---:|---:|" if rates else "") + "---:|---:|---:|---:|" + flash_cols + "---|",
     ]
     for r in rows:
         f, ff = by.get((r["config"], "flex"), {}), by.get((r["config"], "flex_flash"), {})
@@ -154,7 +164,8 @@ def markdown(rows: list[dict[str, Any]], timing_method: str) -> str:
                     if flash else "")
         lines.append(
             f"| {r['config']} | {r['impl']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('bwd_ms'))} | "
-            f"{fmt(r.get('fwd_tflops'), 0)} | {fmt(r.get('bwd_tflops'), 0)} | {fmt(r.get('peak_mib'), 0)} | "
+            + (f"{fmt(r.get('fwd_tflops'), 0)} | {fmt(r.get('bwd_tflops'), 0)} | " if rates else "")
+            + f"{fmt(r.get('peak_mib'), 0)} | "
             f"{fmt(r.get('build_ms'), 2)} | {_ratio(f.get('fwd_ms'), r.get('fwd_ms'))} | "
             f"{_ratio(f.get('bwd_ms'), r.get('bwd_ms'))} | {vs_flash}{_status(r)} |"
         )

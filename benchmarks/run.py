@@ -3,7 +3,8 @@
 Implementations (``--impls``), see :mod:`benchmarks.baselines`: ``mmsparse``, ``flex`` (FlexAttention with the
 same topology as a ``mask_mod``), ``sdpa_mask`` (SDPA with a dense bool mask), ``dense_flash`` (FlashAttention-2,
 no mask).
-``flex_flash``: ``flex`` on FLASH (FA-4; torch >= 2.11, sm_90; install: ``../shared/tools/flex-flash-wheels.sh``).
+``flex_flash``: ``flex`` on FLASH (FA-4; torch >= 2.11, sm_90; to install it: benchmarks/README.md, "Installing the
+FLASH backend").
 
 Method:
   - bf16 inputs ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, S, D]`` with requires_grad; one ``dout``.
@@ -25,7 +26,8 @@ Usage::
     python -m benchmarks --configs mm13k_hub,mm43k_cyclic --impls mmsparse,flex
     python -m benchmarks --configs masks,mm13k_hub_causal --impls mmsparse,flex,dense_flash   # a group + a config
     python -m benchmarks --isolate                # one subprocess per (config, impl)
-    python -m benchmarks --device cpu --tiny      # CPU smoke test of the whole flow (times mean nothing)
+    python -m benchmarks --device cpu --tiny      # CPU smoke test of the whole flow (times mean nothing; no Flex,
+                                                  # which has no CPU backward, and no TF/s)
 
 Writes ``latest.json``, ``latest.md`` and, when matplotlib imports, ``latest.png`` under ``--out`` (default
 ``benchmarks/results/<gpu>/``, e.g. ``h100``): the current run only.
@@ -46,7 +48,7 @@ import torch
 import mmsparse  # before triton: on a machine without CUDA it turns on Triton's interpreter
 
 from .arguments import at_least_one
-from .baselines import DEFAULT_IMPLS, IMPLS
+from .baselines import DEFAULT_IMPLS, IMPLS, NOT_ON_CPU
 from .configs import ALL_CONFIGS, GPU_CONFIGS, GROUPS, QUICK, TINY, BenchConfig, expand_names
 from .env import environment, results_dir
 from .errors import DeviceLost
@@ -64,8 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=None,
                    help=f"comma-separated config or group names; groups: {', '.join(GROUPS)}; configs: "
                         f"{', '.join(ALL_CONFIGS)}")
-    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                   help=f"comma-separated, from: {', '.join(IMPLS)} (default: all but mmsparse_nondet)")
+    p.add_argument("--impls", default=None,
+                   help=f"comma-separated, from: {', '.join(IMPLS)} (default: all but mmsparse_nondet; on a CPU also "
+                        f"without {', '.join(NOT_ON_CPU)}, which cannot be timed there)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
@@ -92,12 +95,23 @@ def select(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str]]:
     else:
         names = list(TINY if args.tiny else QUICK if args.quick else GPU_CONFIGS)
     unknown = [n for n in names if n not in ALL_CONFIGS]
-    impls = [n.strip() for n in args.impls.split(",") if n.strip()]
+    if args.impls is None:
+        impls = [n for n in DEFAULT_IMPLS if n not in left_out_on_cpu(args)]
+    else:
+        impls = [n.strip() for n in args.impls.split(",") if n.strip()]
     unknown += [n for n in impls if n not in IMPLS]
     if unknown:
         raise SystemExit(f"unknown config/impl: {', '.join(unknown)}; groups: {', '.join(GROUPS)}; configs: "
                          f"{', '.join(ALL_CONFIGS)}; impls: {', '.join(IMPLS)}")
     return [ALL_CONFIGS[n] for n in names], impls
+
+
+def left_out_on_cpu(args: argparse.Namespace) -> list[str]:
+    """The default implementations a CPU run leaves out (:data:`benchmarks.baselines.NOT_ON_CPU`); none when
+    ``--impls`` names the implementations or the device is not a CPU."""
+    if args.impls is not None or torch.device(args.device).type != "cpu":
+        return []
+    return [n for n in DEFAULT_IMPLS if n in NOT_ON_CPU]
 
 
 def _run_here(args: argparse.Namespace, configs: list[BenchConfig], impls: list[str], device: torch.device,
@@ -149,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
     log(f"mmsparse benchmark: {env}; {timing.method}; out {out_dir}")
     log(f"configs {', '.join(c.name for c in configs)}; impls {', '.join(impls)}")
+    left_out = left_out_on_cpu(args)
+    if left_out:
+        log(f"not run on a CPU: {'; '.join(f'{n} ({NOT_ON_CPU[n]})' for n in left_out)}; name them in --impls to "
+            "run them anyway; no TF/s either (the interpreter's rate says nothing of the kernels)")
 
     def save(rows: list[dict[str, Any]]) -> None:  # after every row: a crash keeps what was measured
         write_json(rows, out_dir / f"{TOPIC}.json")

@@ -108,7 +108,7 @@ def time_round(case: Case, impl: Impl, timing: Timing, row: dict[str, Any]) -> N
 
 def finish_row(case: Case, impl: Impl, row: dict[str, Any]) -> None:
     """Times from the rounds (the best of each stage: every implementation gets the same rounds, interleaved, so a
-    slow spell of the machine does not land on one of them), TFLOP/s and peak memory."""
+    slow spell of the machine does not land on one of them), peak memory and, on a GPU, TFLOP/s."""
     for key in ("fwd_ms", "fwdbwd_ms"):
         rounds = row.get(f"{key}_rounds")
         row[key] = min(rounds) if rounds else None
@@ -119,6 +119,8 @@ def finish_row(case: Case, impl: Impl, row: dict[str, Any]) -> None:
     except Exception as e:
         add_error(row, "peak", e, case.device)
     cfg = case.cfg
+    if case.device.type != "cuda":
+        return  # no TFLOP/s: a CPU run goes through Triton's interpreter, whose rate says nothing of the kernels
     fwd_flops = 4.0 * cfg.batch * cfg.heads_q * cfg.head_dim * cfg.live_pairs
     for key, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
         ms = row.get(f"{key}_ms")

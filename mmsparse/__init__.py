@@ -6,11 +6,6 @@ something imported triton first (transformers' model classes do), ``import mmspa
 says how to fix it (import mmsparse first, or start Python with TRITON_INTERPRET=1).
 """
 
-import os
-import sys
-
-import torch
-
 _TRUE = ("1", "true", "on", "yes", "y")  # what Triton reads as true
 
 
@@ -23,6 +18,11 @@ def _use_interpreter_without_cuda() -> None:
     interpreted kernel cannot call a compiled ``tl.sum``. So once triton has been imported without the variable,
     no later setting gives kernels that run on the CPU: say so at import, with the fix, not at the first call.
     """
+    import os  # here, not at the top: the package namespace holds its public API, not these modules
+    import sys
+
+    import torch
+
     if torch.cuda.is_available():
         return
     env = os.environ.get("TRITON_INTERPRET")
@@ -71,4 +71,4 @@ __all__ = [
     "tile_picture",
     "use_config",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from .picture import TileMap, parse_tile, tile_map
 
 CYCLIC = [[0, 1, 0], [0, 0, 1], [1, 0, 0]]
 SEED_LENS = (50, 375, 500)
+README_TILE = (64, 32)  # the tile of the seed's picture in README.md (the bf16 forward tile at D=64 on a GPU)
 # Largest relative L2 error against float64 accepted per dtype: the test suite's bounds for the same comparison.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -130,6 +132,10 @@ def run_seed_example(args: argparse.Namespace, tile: tuple[int, int] | None) -> 
     if tile is None:
         fwd = kernel_config(head_dim, dtype, device).fwd
         tile = (fwd.block_m, fwd.block_n)
+        if tile != README_TILE:  # a reader compares this picture with the README's
+            print(f"tiles: {tile[0]}x{tile[1]}, this device's forward tile for D={head_dim} {str(dtype)[6:]}; "
+                  f"README.md shows the seed at {README_TILE[0]}x{README_TILE[1]} (a GPU's): "
+                  f"--tile {README_TILE[0]}x{README_TILE[1]} draws that")
     live, full = (t[0].cpu() for t in attn._info(seq, seq, device).classes(*tile))
     density = count_allowed_pairs(CYCLIC, SEED_LENS, causal=args.causal) / seq**2
     print()
@@ -178,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--topology and --seg-lens go together (the k lengths of the k segments)")
     if args.window is not None and args.topology is None:
         parser.error("--window goes with --topology and --seg-lens (it draws that mask under the window)")
+    if args.packed and args.topology is None:
+        parser.error("--packed goes with --topology and --seg-lens (it draws the rows of --seg-lens as samples "
+                     "packed end to end)")
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:  # before drawing, not after
+        parser.error("--png needs matplotlib: pip install matplotlib (or mmsparse[examples]), or leave out --png")
     if args.width < 1:
         parser.error(f"--width must be at least 1; got {args.width}")
     try:  # only the user's arguments: errors of the run itself keep their traceback

@@ -6,5 +6,7 @@
   interpreter included;
 - ``gluon/``: the Hopper (sm_90) attention passes in Gluon, warp-specialised with TMA and wgmma.
 
-The launchers that choose tiles and call these kernels live in :mod:`mmsparse.ops`.
+The plan that chooses kernel and tile per pass is :mod:`mmsparse.attention.plan` (which kernels may run where:
+:mod:`mmsparse.attention.dispatch`); the launchers are :mod:`mmsparse.attention.forward`, ``backward`` and
+``gluon_launch``.
 """

@@ -25,6 +25,9 @@ def test_seed_example_passes_and_states_its_tolerance(capsys):
     out = capsys.readouterr().out
     assert f"tolerance {TOL:.0e} for {str(DTYPE)[6:]}" in out and f"ok: every error within {TOL:.0e}" in out
     assert "block mask at " in out and "density 0.270 of token pairs" in out
+    tile = out.split("block mask at ", 1)[1].split(" ", 1)[0]
+    if tile != "64x32":  # the README's picture is at 64x32: a demo at another tile says so, and how to draw that
+        assert f"tiles: {tile}, this device's forward tile" in out and "--tile 64x32 draws that" in out
 
 
 def test_seed_example_fails_on_a_wrong_kernel(monkeypatch, capsys):
@@ -85,8 +88,9 @@ def test_draws_a_user_topology_without_running(monkeypatch, capsys):
     (["--topology", "[[1,1],[0,1]]", "--seg-lens", "4,5;6,7"], "add --packed"),
     (["--topology", "[[1,1],[0,1]]", "--seg-lens", "4,5;6", "--packed"], "seg_lens[1]"),
     (["--topology", "[[1,3],[0,1]]", "--seg-lens", "4,5"], "2 (causal)"),
+    (["--packed"], "--packed goes with --topology"),
 ], ids=["topology-alone", "lens-alone", "bad-list", "bad-lens", "lens-count", "tile-0", "tile-word", "empty",
-        "seed-bad-tile", "rows-unpacked", "packed-row-count", "bad-pair-type"])
+        "seed-bad-tile", "rows-unpacked", "packed-row-count", "bad-pair-type", "packed-alone"])
 def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -211,3 +215,17 @@ def test_draws_a_window(capsys):
     assert rows[-1] == "." * 11 + "++##+"  # the last query tile reaches 200 positions back, no further
     with pytest.raises(SystemExit):
         cli.main(["--window", "5"])
+
+
+def test_png_without_matplotlib_fails_before_drawing(monkeypatch, tmp_path, capsys):
+    """--png checks for matplotlib first: a usage error naming the fix, and no picture printed before it."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(
+        name, *a))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--topology", str(RING), "--seg-lens", "9,21,14", "--png", str(tmp_path / "c.png")])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert "--png needs matplotlib: pip install matplotlib" in captured.err and captured.out == ""

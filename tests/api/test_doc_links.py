@@ -27,8 +27,6 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
 EXTENSIONS = (".py", ".md", ".json", ".png", ".toml", ".txt", ".sh", ".cfg", ".yml", ".yaml")
 # Records the docs name as not committed yet (the tools' outputs); remove an entry once its record is committed.
 NOT_YET: set[str] = set()
-# Files the docs name beside the checkout, not in it (the FLASH wheels script of the GPU machines' shared folder).
-OUTSIDE = {"../shared/tools/flex-flash-wheels.sh"}
 
 _PART = r"(?:[A-Za-z0-9_.*-]|\{[A-Za-z0-9_.,*-]+\}|<[a-z_]+>)+"
 PATH = re.compile(rf"(?<![\w./:<>{{}}-]){_PART}(?:/{_PART})+/?")
@@ -102,7 +100,7 @@ def missing_paths(doc: Path) -> list[str]:
     missing = []
     for token, anchored in named_paths(doc.read_text()):
         for path in expand(token):
-            if Path(path).name in NOT_YET or path in OUTSIDE:
+            if Path(path).name in NOT_YET:
                 continue
             if not exists(path, doc, anchored):
                 missing.append(path)

@@ -118,15 +118,15 @@ def test_kv_cache_queries_are_the_last_positions(device):
     with torch.no_grad():
         full = mm(ids, mm_topology=RING, mm_seg_lens=SEG).logits
         pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
-        cache = copy.deepcopy(pre.past_key_values)
-        step = mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=RING, mm_seg_lens=SEG).logits
-        grown = mm(ids[:, prompt:], past_key_values=cache, mm_topology=RING, mm_seg_lens=(5, 20, 12),
+        cache = copy.deepcopy(pre.cache)
+        step = mm(ids[:, prompt:], cache=pre.cache, mm_topology=RING, mm_seg_lens=SEG).logits
+        grown = mm(ids[:, prompt:], cache=cache, mm_topology=RING, mm_seg_lens=(5, 20, 12),
                    mm_extend_last_segment=True).logits
     assert_logits_close("cached step", step, full[:, prompt:])
     assert_logits_close("cached step, last segment extended", grown, full[:, prompt:])
     with torch.no_grad(), pytest.raises(ValueError, match="mm_extend_last_segment"):
         pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
-        mm(ids[:, prompt:], past_key_values=pre.past_key_values, mm_topology=RING, mm_seg_lens=(5, 20, 12))
+        mm(ids[:, prompt:], cache=pre.cache, mm_topology=RING, mm_seg_lens=(5, 20, 12))
 
 
 def test_without_a_topology_the_models_own_mask(device):
@@ -155,7 +155,7 @@ def test_clear_errors(device):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=[(5, 10, 5), (5, 10, 4)])
     static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
     with pytest.raises(NotImplementedError, match="last key positions"):
-        mm(ids, past_key_values=static, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
+        mm(ids, cache=static, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
 
 
 def test_packed_batch_matches_sdpa_with_the_block_diagonal_mask(device):

@@ -81,3 +81,11 @@ def test_readme_picture_is_what_tile_picture_draws():
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
 def test_every_python_block_is_found(path):
     assert len(python_blocks(path)) == path.read_text().count("```python\n")
+
+
+def test_readme_says_what_the_main_command_exits_with_and_the_keyword_names():
+    """The exit status as ``python -m mmsparse --help`` states it, and, where the README likens mbs_attention to
+    SDPA, that its keywords are softmax_scale and causal, not SDPA's scale and is_causal."""
+    text = README.read_text()
+    assert "exits 1 if an error exceeds its tolerance" in text and "passes its tolerance" not in text
+    assert "`softmax_scale=` (not `scale=`)" in text and "`causal=True` (not `is_causal=`)" in text

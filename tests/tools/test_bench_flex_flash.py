@@ -51,7 +51,7 @@ def test_flex_flash_is_skipped_with_its_reason_on_cpu():
     with pytest.raises(Skip) as skip:
         setup_flex_flash(case, timing)
     reason = str(skip.value)
-    assert "needs a CUDA device, not cpu" in reason and "flex-flash-wheels.sh" in reason
+    assert "needs a CUDA device, not cpu" in reason and "benchmarks/README.md, 'Installing the FLASH backend'" in reason
     assert case.q.grad is None
 
 
@@ -181,3 +181,13 @@ def test_the_report_compares_with_flex_flash():
     assert "| c | mmsparse | 1.000 | 2.000 | - | - | - | - | 3.00x | 1.50x | 1.50x | 2.00x | ok |" in table
     assert "| c | 41.7 | no | 12 | ok |" in table
     assert "flex_flash" not in markdown(rows[:2], "t")  # runs without it keep the old tables
+
+
+def test_the_skip_reason_points_at_install_steps_in_the_repository():
+    """The hint names a section of benchmarks/README.md, and that section pins the packages FLASH needs."""
+    from tests.helpers import REPO
+
+    assert "benchmarks/README.md, 'Installing the FLASH backend'" in baselines.FLASH_SETUP_HINT
+    text = (REPO / "benchmarks" / "README.md").read_text()
+    steps = text.split("### Installing the FLASH backend\n", 1)[1].split("\n### ", 1)[0]
+    assert "pip install --no-deps flash-attn-4==" in steps and "nvidia-cutlass-dsl==" in steps

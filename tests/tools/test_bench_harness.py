@@ -35,7 +35,7 @@ def test_rows_keep_the_best_round():
     assert len(row["fwd_ms_rounds"]) == len(row["fwdbwd_ms_rounds"]) == 3
     assert row["fwd_ms"] == min(row["fwd_ms_rounds"]) and row["fwdbwd_ms"] == min(row["fwdbwd_ms_rounds"])
     assert row["bwd_ms"] == pytest.approx(row["fwdbwd_ms"] - row["fwd_ms"])
-    assert row["fwd_tflops"] > 0 and row["error"] is None
+    assert row["fwd_tflops"] is None and row["error"] is None  # no TF/s through the CPU interpreter
     assert case.q.grad is None  # each round leaves no gradients behind
     assert "best of 3 interleaved rounds" in timing.method
 

@@ -13,7 +13,7 @@ thus held for two steps: at least 2 stages. The numerics are those of the ``tl``
 query indices and bits the producer stores per stage) rather than a where() on P^T: p = 0 all the same where the
 scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
-``ops.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
+``mmsparse.attention.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
 
 ``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
 shared tile of its own; once both are staged (a handshake of two barriers per step), warpgroup w computes columns

@@ -8,7 +8,7 @@ warpgroup (the ``tl`` dQ kernel alternates between them).
 
 The numerics are the ``tl`` dQ kernel's (``tl.backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
 mask in partial blocks only, dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
-with the ``tl`` kernel. Called only where ``ops.dispatch.hopper_gluon_available`` allows.
+with the ``tl`` kernel. Called only where ``mmsparse.attention.dispatch.hopper_gluon_available`` allows.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, ``p = exp2((s - m) * scale)``, the
 exact token mask applied only in partial blocks, lse = +inf for a row that sees nothing. This module imports
 Triton's Gluon API, which is experimental: it is only launched where
-``ops.dispatch.hopper_gluon_available`` says so; an error in it raises.
+``mmsparse.attention.dispatch.hopper_gluon_available`` says so; an error in it raises.
 """
 
 from __future__ import annotations

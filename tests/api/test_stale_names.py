@@ -1,0 +1,27 @@
+"""No source file or document names the package the launchers moved out of (``mmsparse.ops``, ``ops.dispatch``):
+the dispatch is ``mmsparse/attention/dispatch.py``, the launchers ``mmsparse/attention/``. The records under
+``benchmarks/results/`` keep what their run saw and are left out."""
+
+from __future__ import annotations
+
+import re
+
+from tests.api.test_doc_links import repo_files
+from tests.helpers import REPO
+
+STALE = re.compile(r"mmsparse\.ops\b|\bops\.dispatch\b|mmsparse/ops/")
+HISTORY = ("tests/api/test_stale_names.py",)  # this file names them to look for them
+
+
+def test_nothing_names_the_removed_ops_package():
+    named = [f for f in repo_files()
+             if f.endswith((".py", ".md")) and not f.startswith("benchmarks/results/") and f not in HISTORY
+             and STALE.search((REPO / f).read_text(errors="replace"))]
+    assert named == [], f"these files name the removed mmsparse.ops: {named}"
+
+
+def test_the_one_pass_docs_say_the_bulk_adds_are_built():
+    """The Gluon one pass adds dQ by TMA bulk reduce-adds by default (config.GLUON_ONE_PASS_BULK)."""
+    usage = (REPO / "docs" / "usage.md").read_text()
+    assert "is not built yet" not in usage and 'Tile.dq_adds="bulk"' in usage
+    assert "gluon_one_pass" in (REPO / "docs" / "tuning.md").read_text()
