@@ -155,3 +155,22 @@ def test_use_config_refuses_a_config_of_another_type():
     with pytest.raises(TypeError, match="KernelConfig"):
         with use_config(Tile(16, 16)):
             pass
+
+
+def test_compiled_calls_run_their_forwards_settings(device, backward_plans):
+    """Under torch.compile (through the custom ops) the settings are read while tracing and carried to both ops
+    as an id; the graph is guarded on them, so a call inside another block does not reuse the default's graph."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, TOPOLOGY, LENS), backend="aot_eager",
+                             fullgraph=True)
+    generator = torch.Generator().manual_seed(20)
+    seq = sum(LENS)
+    for odd in (False, True, False):
+        q, k, v = make_qkv(1, 2, 1, seq, seq, 16, torch.float32, device, generator)
+        if odd:
+            with use_config(ODD_TILES):
+                out = compiled(q, k, v)
+        else:
+            out = compiled(q, k, v)
+        _finish(q, k, v, out, generator)  # the backward outside the block
+    assert [config.bwd_dkdv == ODD_TILES.bwd_dkdv for _, config, _ in backward_plans] == [False, True, False]
