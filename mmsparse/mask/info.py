@@ -366,16 +366,6 @@ class DenseMask(MaskInfo):
         super().__init__(dense.shape[1], dense.shape[2], causal, dense, q_start, window=window)
         self.dense = dense
 
-    def sharing_built(self) -> MaskInfo:
-        """A mask over the same token-level tensors that shares what is built so far (block lists, tile classes)
-        and keeps what it builds later to itself: a CUDA-graph capture's. Work captured in a graph runs only when
-        the graph replays, so lists built during a capture must not be reachable from the eager calls."""
-        copy = self.same_tensors()
-        copy._classes.update(self._classes)
-        copy._lists.update(self._lists)
-        copy._add_ranks.update(self._add_ranks)
-        return copy
-
     @classmethod
     def from_dense(cls, mask: torch.Tensor, causal: bool, window: int | None = None) -> DenseMask:
         """mask: bool ``[Bm, Sq, Sk]`` over the query rows, on the target device."""
