@@ -10,9 +10,9 @@ import torch
 
 from mmsparse import CAUSAL
 from mmsparse.attention.backward import mbs_attn_bwd
-from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, kernel_config, use_config
 from mmsparse.attention.forward import mbs_attn_fwd
-from mmsparse.attention.kernel_args import kernel_args
+from mmsparse.attention.kernel_args import kernel_args, list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
 from mmsparse.functional import build_mask_info
 from mmsparse.mask import info as mask_info
@@ -138,3 +138,19 @@ def test_an_unknown_turn_scheme_or_dq_add_mode_is_refused_when_the_tile_is_made(
         replace(Tile(128, 128), turns="handoff")
     with pytest.raises(ValueError, match=r"Tile.dq_adds must be one of \['atomic', 'bulk'\]; got 'tma'"):
         Tile(64, 128, dq_adds="tma")
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_prepared_lists_are_the_plans(dropout, deterministic):
+    """kernel_args.list_tiles / prepare (ahead of timing or CUDA-graph capture) name exactly the lists the call's
+    plan reads, dropout's tiles too: on Hopper the one-pass backward with dropout runs the tl kernel at
+    bwd_one_pass, not the Gluon one at gluon_one_pass."""
+    cfg = cuda_kernel_config(128, torch.bfloat16)
+    cpu = torch.device("cpu")
+    plan = plan_attention(cfg, 2, 4, 2, 300, 300, cpu, None, dropout, deterministic=deterministic)
+    assert list_tiles(cfg, 300, 300, None, deterministic, dropout) == plan.list_tiles()
+    info = build_mask_info(HUB, (100, 120, 80), 300, 300, False, cpu)
+    prepare(info, cfg, deterministic, dropout)
+    for block_m, block_n, by_key in plan.list_tiles():
+        info.built_lists(block_m, block_n, by_key)  # raises where a planned list was not built
