@@ -51,8 +51,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"batch sizes differ: q has {bq}, k/v have {bk}")
     if d != dk:
         raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
-    if not (16 <= d <= 256 and d % 8 == 0):
-        raise ValueError(f"head dim {d} is not supported: use a multiple of 8 between 16 and 256")
+    if not head_dim_supported(d):
+        raise ValueError(f"head dim {d} is not supported: use {SUPPORTED_HEAD_DIMS}")
     # k/v in [B, S, H, D] by mistake: more entries in dim 1 than in dim 2, rarely so in [B, H, S, D]
     hint = f" (if q/k/v are [B, S, H, D]: {_LAYOUT_HINT})" if hk > sk else ""
     if hq == 0 or hk == 0:
@@ -65,6 +65,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q has {sq} positions but k/v only {sk}: queries are the last q_len of the kv positions{hint}"
         )
     check_problem_size(bq, hq, sq, sk)
+
+
+SUPPORTED_HEAD_DIMS = "a multiple of 8 between 16 and 256"
+
+
+def head_dim_supported(head_dim: int) -> bool:
+    """Whether the kernels take this head dim (:data:`SUPPORTED_HEAD_DIMS`)."""
+    return 16 <= head_dim <= 256 and head_dim % 8 == 0
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -326,8 +334,7 @@ def attention_with_info(
     """Run the kernels on checked inputs with prepared metadata (used by the module and the functional API).
     ``deterministic``: the backward (None: ``use_config``'s). This thread's ``use_config`` settings are read here,
     once, and the backward runs with them."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    dropout_p = check_dropout(dropout_p, "dropout_p")
     scale = check_softmax_scale(softmax_scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     deterministic = check_deterministic(deterministic)

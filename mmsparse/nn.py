@@ -20,10 +20,12 @@ from torch import nn
 from .functional import (
     FLOAT64_HINT,
     SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
     check_deterministic,
     check_dropout,
     check_flag,
     check_window,
+    head_dim_supported,
     mbs_attention,
 )
 from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
@@ -46,10 +48,9 @@ def _check_head_dim(embed_dim: int, num_heads: int) -> int:
     if embed_dim % num_heads != 0:
         raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
     head_dim = embed_dim // num_heads
-    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+    if not head_dim_supported(head_dim):
         raise ValueError(
-            f"head dim embed_dim / num_heads = {head_dim} is not supported by the kernels: "
-            "use a multiple of 8 between 16 and 256"
+            f"head dim embed_dim / num_heads = {head_dim} is not supported by the kernels: use {SUPPORTED_HEAD_DIMS}"
         )
     return head_dim
 

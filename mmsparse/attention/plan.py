@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..mask.blocks import cdiv
+from ..mask.info import TileKey
 from .config import KernelConfig, Tile, cuda_index
-
-TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.config import applied_settings, current_settings
-from ..functional import new_dropout_seed
+from ..functional import check_dropout, new_dropout_seed
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .pieces import piece_seeds
 from .plan import ContextParallelPlan
@@ -118,8 +118,7 @@ class ContextParallel(RankProblem):
         Returns:
             ``[B, Hq, S_local, D]``.
         """
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+        dropout_p = check_dropout(dropout_p, "dropout_p")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4 or t.shape[2] != self.local_len:
                 raise ValueError(f"{name} must be [B, H, S_local={self.local_len}, D] (this rank's tokens); got "
