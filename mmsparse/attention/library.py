@@ -1,7 +1,9 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.fwd`` / ``.bwd`` (registered here, with fake implementations) make the kernels opaque to
-torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Eager calls run the same
+``torch.ops.mmsparse.fwd_v2`` / ``.bwd_v2`` (registered here, with fake implementations) make the kernels opaque to
+torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Their names carry the version of
+their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled graphs does not key on a custom op's
+schema, so a graph cached by an older mmsparse would call a changed op with its old arguments. Eager calls run the same
 implementations directly: a call through the op dispatcher costs 25-35 us, which a small host-bound call feels.
 :class:`mmsparse.attention.autograd.MBSAttentionFunction` is the one autograd definition over both.
 """
@@ -75,12 +77,15 @@ def attention_backward(
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
 
 
+OP_VERSION = 2  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+
+
 def _short_samples(q: torch.Tensor, settings: Settings) -> int:
     """The config's longest mean sample length that takes the short-samples tile."""
     return kernel_config(q.shape[-1], q.dtype, q.device, settings).short_samples
 
 
-@torch.library.custom_op("mmsparse::fwd", mutates_args=())
+@torch.library.custom_op(f"mmsparse::fwd_v{OP_VERSION}", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
@@ -98,7 +103,7 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("mmsparse::bwd", mutates_args=())
+@torch.library.custom_op(f"mmsparse::bwd_v{OP_VERSION}", mutates_args=())
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,

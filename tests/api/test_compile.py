@@ -128,3 +128,20 @@ def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkey
     assert seen == [False, True]
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ops_signatures_match_their_version():
+    """Inductor's cache of compiled graphs does not key on a custom op's schema: a changed signature under an old
+    name would be called with a cached graph's old arguments. Changing the arguments below means bumping
+    mmsparse.attention.library.OP_VERSION, and these lists with it."""
+    from mmsparse.attention.library import OP_VERSION
+
+    assert OP_VERSION == 2
+    names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
+             for op in ("fwd", "bwd")}
+    assert names == {
+        "fwd": ["q", "k", "v", "mask", "mode", "causal", "num_segments", "short_samples", "seed", "softmax_scale",
+                "dropout_p", "window", "settings_id"],
+        "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "mode", "causal", "num_segments", "short_samples",
+                "seed", "softmax_scale", "dropout_p", "window", "deterministic", "settings_id"],
+    }
