@@ -16,7 +16,6 @@ def test_a_cpu_run_writes_the_record(tmp_path):
     assert set(seed) == {"host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_new_lengths", "gpu_kernel_ms",
                          "fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms", "graph_fwd_bwd_ms"}
     assert all(seed[k] > 0 for k in ("host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_new_lengths", "fwd_bwd_ms"))
-    assert seed["host_us_fwd"] < seed["host_us_fwd_bwd"]
     assert set(record["small_2k"]) == {"fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms"}
     assert set(record["block"]) == {"eager_ms", "compile_ms", "reduce_overhead_ms"} and record["block"]["eager_ms"] > 0
     assert "| seed | host_us_fwd |" in (tmp_path / "host.md").read_text()
