@@ -103,7 +103,8 @@ def mmsparse_build(cfg: BenchConfig, device: torch.device, tiles: Any) -> Callab
     pack what ``mbs_attention_varlen`` does, ``packed_lens_tensor`` + ``MaskInfo.from_segments(packed=True)``, + the
     block lists."""
     from mmsparse.attention.kernel_args import prepare
-    from mmsparse.functional import build_mask_info, check_window
+    from mmsparse.checks import check_window
+    from mmsparse.mask.build import build_mask_info
 
     if cfg.packed:
         from mmsparse.mask.info import MaskInfo

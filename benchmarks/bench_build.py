@@ -24,8 +24,8 @@ import torch
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
 from mmsparse.attention.config import kernel_config
 from mmsparse.attention.kernel_args import list_tiles, prepare
-from mmsparse.functional import build_mask_info
 from mmsparse.mask.blocks import classify_blocks_from_bits, lists_from_classes
+from mmsparse.mask.build import build_mask_info
 
 from .configs import CYCLIC, HUB
 from .env import environment, results_dir

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmsparse.functional import attention_with_info, build_mask_info
+from mmsparse.functional import attention_with_info
+from mmsparse.mask.build import build_mask_info
 
 from .cp_dist import all_gather_single, reduce_scatter_single
 

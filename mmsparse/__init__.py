@@ -44,11 +44,12 @@ def _use_interpreter_without_cuda() -> None:
 _use_interpreter_without_cuda()
 
 from .attention.config import KernelConfig, Tile, use_config  # noqa: E402
-from .functional import clear_caches, interpreter_active, mbs_attention, mbs_attention_varlen  # noqa: E402
+from .functional import clear_caches, mbs_attention, mbs_attention_varlen  # noqa: E402
 from .mask.topology import CAUSAL, FULL, NONE, Topology, generate_interlaced_mask  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
 from .qkv_module import TritonMBSAttnKernel  # noqa: E402
 from .reference import reference_attention, reference_mask, reference_packed_mask  # noqa: E402
+from .runtime.launch import interpreter_active  # noqa: E402
 
 __all__ = [
     "CAUSAL",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .functional import (
+from .checks import (
     FLOAT64_HINT,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -26,8 +26,8 @@ from .functional import (
     check_flag,
     check_window,
     head_dim_supported,
-    mbs_attention,
 )
+from .functional import mbs_attention
 from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
 from .mask.topology import Topology
 

@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import torch
 
-from .functional import check_flag, check_window
+from .checks import check_flag, check_window
 from .mask.blocks import cdiv
 from .mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
 from .mask.lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens

@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from .attention.config import kernel_config
-from .functional import (
-    attention_with_info,
-    build_mask_info,
+from .checks import (
     check_deterministic,
     check_dropout,
     check_flag,
@@ -22,9 +20,9 @@ from .functional import (
     check_softmax_scale,
     check_window,
     layout_hint,
-    make_mask_info,
-    topology_mask,
 )
+from .functional import attention_with_info
+from .mask.build import build_mask_info, make_mask_info, topology_mask
 from .mask.cache import MaskCache
 from .mask.info import MaskInfo
 from .mask.lengths import SegLensArg, validate_seg_lens

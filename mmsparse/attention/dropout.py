@@ -1,5 +1,5 @@
-"""Materialise the kernels' dropout keep mask, for tests and debugging (it is S x S per head: never on the
-attention path, which regenerates it tile by tile)."""
+"""A call's dropout seed, and the kernels' dropout keep mask materialised for tests and debugging (it is S x S per
+head: never on the attention path, which regenerates it tile by tile)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import torch
 import triton
 
 from ..kernels.tl.dropout import dropout_keep_mask_kernel
+
+
+def new_dropout_seed(device: torch.device) -> torch.Tensor:
+    """The kernels' int64 ``[3]`` dropout seed: a key over the full 64 bits (Philox's), from torch's default
+    generator of the device (torch.manual_seed reproduces it; two calls share a dropout mask with odds 2^-64, not
+    2^-30), then the query and key position offsets, 0 for a call over the whole sequence."""
+    return torch.cat([torch.randint(-(2**63), 2**63 - 1, (1,), device=device, dtype=torch.int64),
+                      torch.zeros(2, device=device, dtype=torch.int64)])
 
 
 def dropout_keep_mask(

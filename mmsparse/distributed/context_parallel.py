@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..attention.config import applied_settings, current_settings
-from ..functional import check_dropout, new_dropout_seed
+from ..attention.dropout import new_dropout_seed
+from ..checks import check_dropout
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .pieces import piece_seeds
 from .plan import ContextParallelPlan

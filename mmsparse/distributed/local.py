@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..functional import check_window
+from ..checks import check_window
 from ..mask.info import BitMask, CodeMask
 from ..mask.segments import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens

@@ -113,10 +113,10 @@ def test_mixed_devices():
 
 
 def test_cpu_tensors_without_interpreter(monkeypatch):
-    import mmsparse.functional as F
+    from mmsparse import checks
 
     # The interpreter is fixed when triton is imported (on for the session): faking it off is the only way here.
-    monkeypatch.setattr(F, "interpreter_active", lambda: False)
+    monkeypatch.setattr(checks, "interpreter_active", lambda: False)
     q, k, v = qkv(torch.device("cpu"))
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         mbs_attention(q, k, v, CYCLIC, (5, 5, 10))

@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels: device code of both dialects, the mask rule, the constants they read", ["mmsparse.kernels"]),
     ("runtime: launches with little host work, stream keys, scratch for device-side descriptors",
      ["mmsparse.runtime"]),
+    ("checks: the arguments' types and ranges, the sizes one launch takes", ["mmsparse.checks"]),
     ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segments"]),
     ("mask: topology and the torch block classification", [
         "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
@@ -25,8 +26,9 @@ LAYERS: list[tuple[str, list[str]]] = [
         "mmsparse.mask.token_bits", "mmsparse.mask.block_lists", "mmsparse.mask.segment_lists",
     ]),
     ("mask: the mask of a call and its block lists per tile", ["mmsparse.mask.info", "mmsparse.mask"]),
-    ("attention: limits, tiles, Gluon availability, TMA descriptors, the dropout mask for tests", [
-        "mmsparse.attention.limits", "mmsparse.attention.dispatch", "mmsparse.attention.config",
+    ("mask: a call's mask built from its arguments, cached by value", ["mmsparse.mask.build"]),
+    ("attention: tiles, Gluon availability, TMA descriptors, the dropout seed and the mask for tests", [
+        "mmsparse.attention.dispatch", "mmsparse.attention.config",
         "mmsparse.attention.host_tma", "mmsparse.attention.dropout",
     ]),
     ("attention: the plan", ["mmsparse.attention.plan"]),
@@ -82,6 +84,6 @@ def test_the_layer_check_seesimported(tmp_path):
     known = set(modules)
     assert "mmsparse.mask.info" in imported("mmsparse.attention.forward", modules["mmsparse.attention.forward"], known)
     from_package = tmp_path / "from_package.py"  # no module of the package imports a sibling module this way now
-    from_package.write_text("from . import limits\n")
-    assert "mmsparse.attention.limits" in imported("mmsparse.attention.forward", from_package, known)
+    from_package.write_text("from . import dispatch\n")
+    assert "mmsparse.attention.dispatch" in imported("mmsparse.attention.forward", from_package, known)
     assert "mmsparse.functional" in imported("mmsparse", modules["mmsparse"], known)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmsparse import mbs_attention
-from mmsparse.attention.limits import MAX_BATCH_HEADS
+from mmsparse.runtime.limits import MAX_BATCH_HEADS
 from tests.helpers import CYCLIC
 
 

@@ -19,6 +19,7 @@ from einops import rearrange
 
 import mmsparse
 from mmsparse import TritonMBSAttnKernel, functional, mbs_attention
+from mmsparse.mask import build
 from mmsparse.mask.cache import CACHE
 from mmsparse.mask.info import MaskInfo
 from mmsparse.nn import MultimodalSelfAttention
@@ -60,7 +61,7 @@ def test_a_mask_that_ran_forward_and_backward_is_freed_by_refcount(device):
     lens = torch.tensor([[4, 12, 8], [6, 10, 0]], dtype=torch.int32, device=device)
     with _no_cycle_collector():
         before = _live_masks()  # other tests' cached masks
-        info = functional.build_mask_info(TOPOLOGY, lens, 24, 24, True, device, check_lengths=False)
+        info = build.build_mask_info(TOPOLOGY, lens, 24, 24, True, device, check_lengths=False)
         mbs_attention(q, k, v, TOPOLOGY, lens, causal=True).sum().backward()  # builds its own mask, as the step
         out = functional.attention_with_info(q, k, v, info, None, 0.0)
         out.sum().backward()
@@ -121,12 +122,12 @@ def test_clear_caches_forgets_masks_and_plans(device):
 
     q = torch.randn(1, 2, 50, 16, device=device)
     before = mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30))
-    info = functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device)
+    info = build.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device)
     assert CACHE.masks() and len(CACHE) > len(CACHE.masks())  # the topology and first-query positions too
     assert plan_attention.cache_info().currsize
     mmsparse.clear_caches()
     assert not len(CACHE) and not plan_attention.cache_info().currsize
-    assert functional.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device) is not info
+    assert build.build_mask_info([[1, 0], [1, 1]], (20, 30), 50, 50, False, q.device) is not info
     torch.testing.assert_close(mmsparse.mbs_attention(q, q, q, [[1, 0], [1, 1]], (20, 30)), before, rtol=0, atol=0)
 
 

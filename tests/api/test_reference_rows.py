@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmsparse import reference_attention, reference_mask
-from mmsparse.attention.dropout import dropout_keep_mask
-from mmsparse.functional import new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.reference import reference_group_rows
 from tests.helpers import HUB
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.cache import CACHE
 from tests.helpers import check_outputs, make_qkv
 

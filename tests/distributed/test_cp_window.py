@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention.dropout import new_dropout_seed
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
 from mmsparse.distributed.pieces import piece_seeds
 from mmsparse.distributed.plan import chunk_pairs, plan_context_parallel
-from mmsparse.functional import new_dropout_seed
 from tests.helpers import CYCLIC, HUB, check_outputs
 
 CASES = [

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from mmsparse import mbs_attention, reference_mask
-from mmsparse.attention.dropout import dropout_keep_mask
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.plan import gqa_pack_rows
-from mmsparse.functional import new_dropout_seed
 from tests.helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
-from mmsparse.attention.dropout import dropout_keep_mask
-from mmsparse.functional import new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from tests.helpers import CYCLIC, check_outputs, make_qkv
 
 LENS = (9, 30, 21)

@@ -8,7 +8,7 @@ import torch
 
 from mmsparse import clear_caches, mbs_attention
 from mmsparse.attention.kernel_args import kernel_args
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from mmsparse.runtime import launch
 from tests.helpers import HUB, check_against_reference, make_qkv
 

@@ -390,7 +390,7 @@ def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
 def _mask_info(mask: str, causal: bool, seq: int, window: bool):
     import torch
 
-    from mmsparse.functional import build_mask_info
+    from mmsparse.mask.build import build_mask_info
     from mmsparse.mask.info import MaskInfo
 
     lens = [[150, 150, seq - 300]]

@@ -14,8 +14,7 @@ import torch
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config
 from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_config
-from mmsparse.attention.dropout import dropout_keep_mask
-from mmsparse.functional import new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 

@@ -16,8 +16,7 @@ from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config, dispatch, forward, plan
 from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_config
 from mmsparse.attention.dispatch import hopper_gluon_available
-from mmsparse.attention.dropout import dropout_keep_mask
-from mmsparse.functional import new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
 

@@ -14,7 +14,7 @@ import torch
 from mmsparse import mbs_attention, mbs_attention_varlen, reference_packed_mask
 from mmsparse.attention import config
 from mmsparse.attention.config import head_dim_pad, kernel_config, use_config
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from tests.helpers import CYCLIC, HUB, check_against_reference, check_outputs, make_qkv
 
 # (topology, seg_lens (or per-sample), causal, window, batch, heads, kv_heads, seq_q or None, head_dim, dtype)

@@ -66,7 +66,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.config import _GLUON_DKDV, _GLUON_DQ, _GLUON_FWD
     from mmsparse.attention.kernel_args import kernel_args
-    from mmsparse.functional import build_mask_info
+    from mmsparse.mask.build import build_mask_info
 
     launched = {}
 
@@ -154,7 +154,7 @@ def test_ordered_one_pass_refuses_bulk_dq_adds(monkeypatch):
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
     from mmsparse.attention.kernel_args import kernel_args
-    from mmsparse.functional import build_mask_info
+    from mmsparse.mask.build import build_mask_info
 
     launched = []
 

@@ -16,8 +16,7 @@ import torch
 
 from mmsparse import mbs_attention
 from mmsparse.attention import config, dispatch
-from mmsparse.attention.dropout import dropout_keep_rows
-from mmsparse.functional import new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_rows, new_dropout_seed
 from mmsparse.mask.topology import Topology, segment_ids
 from mmsparse.reference import reference_group_rows
 from tests.helpers import CYCLIC, HUB

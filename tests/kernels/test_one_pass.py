@@ -31,10 +31,9 @@ from mmsparse.attention.config import (
     default_deterministic,
     kernel_config,
 )
-from mmsparse.attention.dropout import dropout_keep_mask
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.kernel_args import list_tiles
 from mmsparse.attention.plan import plan_attention
-from mmsparse.functional import new_dropout_seed
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, replace_attention
 from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, forward_backward, make_qkv
 from tests.kernels.ordered_semaphores import check_semaphore_counts, record_semaphores

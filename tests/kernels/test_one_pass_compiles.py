@@ -111,8 +111,8 @@ def _main(out: Path) -> None:
     import torch
 
     from mmsparse.attention import backward, config
-    from mmsparse.functional import build_mask_info
     from mmsparse.kernels.constants import DOT_NATIVE
+    from mmsparse.mask.build import build_mask_info
     from mmsparse.mask.info import MaskInfo
 
     current = {}

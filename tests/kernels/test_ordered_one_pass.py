@@ -15,7 +15,7 @@ from mmsparse import CAUSAL, FULL, NONE, mbs_attention, use_config
 from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, kernel_config
 from mmsparse.attention.kernel_args import list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from tests.helpers import CYCLIC, HUB, forward_backward, make_qkv
 
 ORDERED = "ordered_one_pass"

@@ -14,8 +14,8 @@ from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, ke
 from mmsparse.attention.forward import mbs_attn_fwd
 from mmsparse.attention.kernel_args import kernel_args, list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
-from mmsparse.functional import build_mask_info
 from mmsparse.mask import info as mask_info
+from mmsparse.mask.build import build_mask_info
 from tests.helpers import HUB, make_qkv
 
 PAIR_TYPES = [[CAUSAL, 1, 0], [0, CAUSAL, 1], [1, 0, 1]]

@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsparse import CAUSAL, TritonMBSAttnKernel, clear_caches, functional, mbs_attention, reference_mask
-from mmsparse.functional import attention_with_info, build_mask_info
+from mmsparse import CAUSAL, TritonMBSAttnKernel, clear_caches, mbs_attention, reference_mask
+from mmsparse.functional import attention_with_info
+from mmsparse.mask import build
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.cache import MaskCache
 from tests.helpers import check_outputs, make_qkv
 
@@ -25,7 +27,7 @@ SLEEP_CYCLES = 1 << 28  # ~0.15-0.2 s at GPU clocks: far longer than queueing B'
 def slow_builds(monkeypatch):
     """While ``slow_builds["on"]``, a mask build queues a long kernel right after its lengths reach the GPU."""
     state = {"on": False}
-    lens_tensor = functional.lens_tensor
+    lens_tensor = build.lens_tensor
 
     def slow_lens_tensor(*args, **kwargs):
         lens = lens_tensor(*args, **kwargs)
@@ -33,7 +35,7 @@ def slow_builds(monkeypatch):
             torch.cuda._sleep(SLEEP_CYCLES)
         return lens
 
-    monkeypatch.setattr(functional, "lens_tensor", slow_lens_tensor)
+    monkeypatch.setattr(build, "lens_tensor", slow_lens_tensor)
     yield state
     torch.cuda.synchronize()
 

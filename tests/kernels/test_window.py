@@ -18,10 +18,10 @@ from mmsparse import (
     reference_mask,
     reference_packed_mask,
 )
-from mmsparse.attention.dropout import dropout_keep_mask
-from mmsparse.functional import build_mask_info, new_dropout_seed
+from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.mask.block_lists import build_block_lists
 from mmsparse.mask.blocks import lists_from_classes
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.info import MaskInfo
 from mmsparse.mask.segment_lists import CodeRuns, build_segment_lists
 from mmsparse.nn import MultimodalSelfAttention

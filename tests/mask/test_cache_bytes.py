@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.cache import MaskCache
 
 TOPOLOGY = [[1, 1], [0, 1]]

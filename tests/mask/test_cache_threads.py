@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.cache import CACHE, MaskCache
 
 ENTRIES = 64

@@ -5,7 +5,7 @@ import pickle
 
 import torch
 
-from mmsparse.functional import build_mask_info
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.cache import MaskCache
 
 

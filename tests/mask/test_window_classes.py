@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmsparse import Topology, reference_mask
-from mmsparse.functional import check_window
+from mmsparse.checks import check_window
 from mmsparse.mask.blocks import cdiv
 from mmsparse.mask.code_blocks import count_pairs_from_codes
 from mmsparse.mask.info import MaskInfo

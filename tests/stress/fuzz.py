@@ -69,9 +69,8 @@ import mmsparse
 from benchmarks.env import REPO_DIR, environment, results_dir
 from benchmarks.report import write_record
 from mmsparse.attention.config import cuda_kernel_config
-from mmsparse.attention.dropout import dropout_keep_rows
+from mmsparse.attention.dropout import dropout_keep_rows, new_dropout_seed
 from mmsparse.attention.plan import plan_attention
-from mmsparse.functional import new_dropout_seed
 from mmsparse.mask.topology import MAX_SEGMENTS
 from mmsparse.reference import reference_group_rows, reference_mask, reference_packed_mask
 from tests.poison import poisoned_empty
