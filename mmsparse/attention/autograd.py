@@ -1,5 +1,5 @@
 """The one autograd definition, for eager and compiled calls alike: saves what the backward needs and calls the op
-boundary (:mod:`mmsparse.attention.library`); no launch logic here."""
+boundary (:mod:`mmsparse.attention.custom_ops`); no launch logic here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ..mask.info import MaskInfo
 from .config import Settings
-from .library import attention_backward, attention_forward
+from .custom_ops import attention_backward, attention_forward
 
 
 class MBSAttentionFunction(torch.autograd.Function):

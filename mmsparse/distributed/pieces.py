@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.custom_ops import attention_backward, attention_forward
 from ..attention.forward import combine_partials
-from ..attention.library import attention_backward, attention_forward
 from ..mask.info import BitMask, CodeMask
 
 

@@ -104,16 +104,16 @@ def test_traced_tensor_topology_checks_its_values_when_run(device):
 def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkeypatch):
     """deterministic=False reaches the backward launcher through the traced graph (under aot_eager, through the
     custom op), and the compiled gradients are the eager one-pass gradients up to float32 accumulation order."""
-    from mmsparse.attention import library
+    from mmsparse.attention import custom_ops
 
     seen = []
-    real = library.mbs_attn_bwd
+    real = custom_ops.mbs_attn_bwd
 
     def recording(*args, **kwargs):
         seen.append(args[10] if len(args) > 10 else kwargs.get("deterministic", True))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(library, "mbs_attn_bwd", recording)
+    monkeypatch.setattr(custom_ops, "mbs_attn_bwd", recording)
     torch._dynamo.reset()
     matrix, seg = _fresh(TYPES, 12), SEG + (0,) * 12
     q, k, v = _qkv(device)
@@ -133,8 +133,8 @@ def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkey
 def test_the_ops_signatures_match_their_version():
     """Inductor's cache of compiled graphs does not key on a custom op's schema: a changed signature under an old
     name would be called with a cached graph's old arguments. Changing the arguments below means bumping
-    mmsparse.attention.library.OP_VERSION, and these lists with it."""
-    from mmsparse.attention.library import OP_VERSION
+    mmsparse.attention.custom_ops.OP_VERSION, and these lists with it."""
+    from mmsparse.attention.custom_ops import OP_VERSION
 
     assert OP_VERSION == 2
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]

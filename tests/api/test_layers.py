@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "mmsparse.attention.forward", "mmsparse.attention.backward", "mmsparse.attention.gluon_launch",
     ]),
     ("attention: op boundary, custom ops and autograd", [
-        "mmsparse.attention.library", "mmsparse.attention.autograd", "mmsparse.attention",
+        "mmsparse.attention.custom_ops", "mmsparse.attention.autograd", "mmsparse.attention",
     ]),
     ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
     ("modules, integrations, tools", [
