@@ -1,0 +1,102 @@
+"""The host work of one call, counted rather than timed (a count cannot flake): a repeated call with host lengths
+launches exactly the attention kernels and allocates exactly its outputs and one scratch tensor a pass, and
+builds nothing; a call with new device lengths launches the mask builders once each.
+
+Counted through the interpreter, where every launch goes through :class:`~mmsparse.runtime.launch.FastKernel`'s
+``launch`` (on a GPU the bound relaunches skip it), and with a torch dispatch mode that sees every torch op the
+call runs on the host side, outside the launches (the interpreter's own copies of the arguments are not the
+call's work).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from mmsparse import mbs_attention
+from mmsparse.runtime import launch
+from mmsparse.runtime.launch import interpreter_active
+
+pytestmark = pytest.mark.skipif(not interpreter_active(), reason="counts the interpreter's launches (CPU)")
+
+TOPOLOGY = [[1, 0, 0], [1, 1, 0], [1, 1, 2]]
+LENGTHS = (24, 40, 32)
+# The tl passes of one forward + backward. Through the interpreter the forward's key list is split over several
+# programs (plan.num_splits: 8 programs are its bar), so the combine runs too.
+ATTENTION_KERNELS = {"attention_fwd_tl": 1, "attention_combine_tl": 1, "attention_delta_tl": 1,
+                     "attention_dq_tl": 1, "attention_dkdv_tl": 1}
+# out, lse and the split forward's partial out and lse; delta, dq, dk, dv. autograd's two detaches of the saved
+# outputs are its own.
+STEADY_OPS = {"aten.empty.memory_format": 8, "aten.detach.default": 2}
+
+
+class _TorchOps(TorchDispatchMode):
+    """Counts the torch ops dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Kernel name -> launches, counted at FastKernel.launch; the launch itself runs with no dispatch mode on."""
+    counted: collections.Counter[str] = collections.Counter()
+    real = launch.FastKernel.launch
+
+    def counting(self, grid, args, kwargs):
+        counted[self.fn.fn.__name__] += 1
+        with _disable_current_modes():
+            return real(self, grid, args, kwargs)
+
+    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    return counted
+
+
+@pytest.fixture(autouse=True)
+def plain_empty(monkeypatch):
+    """torch.empty without the test session's NaN poison (tests/poison.py), whose fills are not the call's work."""
+    monkeypatch.setattr(torch, "empty", getattr(torch.empty, "__wrapped__", torch.empty))
+
+
+def _step(q, k, v, grad_out, seg_lens, launches) -> collections.Counter[str]:
+    launches.clear()
+    with _TorchOps() as mode:
+        out = mbs_attention(q, k, v, TOPOLOGY, seg_lens)
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    return mode.ops
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 96, 32, generator=g).requires_grad_() for _ in range(3))
+    return q, k, v, torch.randn(1, 2, 96, 32, generator=g)
+
+
+def test_a_repeated_call_launches_the_passes_and_allocates_their_outputs_only(launches):
+    q, k, v, grad_out = _inputs(0)
+    first = _step(q, k, v, grad_out, LENGTHS, launches)
+    assert set(launches) > set(ATTENTION_KERNELS), "the first call builds the mask's lists"
+    assert first["aten.empty.memory_format"] > STEADY_OPS["aten.empty.memory_format"]
+    for _ in range(2):
+        ops = _step(q, k, v, grad_out, LENGTHS, launches)
+        assert dict(launches) == ATTENTION_KERNELS
+        assert dict(ops) == STEADY_OPS
+
+
+def test_new_device_lengths_build_the_mask_once_a_call(launches):
+    q, k, v, grad_out = _inputs(1)
+    for lengths in ((24, 40, 32), (30, 30, 36), (10, 50, 36)):
+        _step(q, k, v, grad_out, torch.tensor(lengths), launches)
+        builders = {name: n for name, n in launches.items() if name not in ATTENTION_KERNELS}
+        assert {name: n for name, n in launches.items() if name in ATTENTION_KERNELS} == ATTENTION_KERNELS
+        # per call: the segment codes' runs, the run summaries and the block lists of the two list shapes the passes
+        # read (the forward's and dQ's share one; dK/dV's is by key)
+        assert builders == {"code_runs_kernel": 1, "run_summary_kernel": 2, "segment_lists_kernel": 2}, builders
