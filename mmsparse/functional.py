@@ -103,8 +103,6 @@ def mbs_attention(
             instead of 7; dQ's last bits vary from run to run), run below ``one_pass_max_keys`` keys (2048), where
             it was measured faster; longer calls keep the two passes. None (default):
             ``mmsparse.use_config(deterministic=...)``'s setting, True unless changed; an argument given here wins.
-            ``use_config(deterministic_backward="ordered_one_pass")`` makes True run the one pass there too, with
-            the adds into each dQ tile in a fixed order (bitwise repeatable).
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype.

@@ -1,15 +1,13 @@
-"""The one-pass backwards against the default two-pass one, config by config: the atomic one-pass
-(``deterministic=False``: on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``), the
-same adding dQ by register atomics ("one-pass-atomic": the Gluon kernel at the dK/dV tile; elsewhere both are the
-tl kernel) and the ordered one-pass (``deterministic_backward="ordered_one_pass"``: the atomic kernel, its dQ adds
-ordered by key block, bitwise repeatable), each checked against the float32 reference, their gradients
-against the two passes', each one-pass dQ's run-to-run differences, and the backward's time and peak memory of
-each, in interleaved rounds. The one-pass kernels run at every length here (``use_config(one_pass_max_keys=...)``);
-a call alone runs them only below that many keys.
+"""The one-pass backwards against the default two-pass one, config by config: the one-pass (``deterministic=False``:
+on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``) and the same adding dQ by
+register atomics ("one-pass-atomic": the Gluon kernel at the dK/dV tile; elsewhere both are the tl kernel), each
+checked against the float32 reference, their gradients against the two passes', each one-pass dQ's run-to-run
+differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at
+every length here (``use_config(one_pass_max_keys=...)``); a call alone runs them only below that many keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
-    python -m tools.one_pass --sides two-pass,ordered-one-pass     # leave a side out
+    python -m tools.one_pass --sides two-pass,one-pass     # leave a side out
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -43,16 +41,15 @@ from mmsparse.attention.config import kernel_config
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
-# name: (deterministic, KernelConfig.deterministic_backward, whether the Gluon one pass adds dQ by register atomics
-# at the dK/dV tile instead of the config's gluon_one_pass); the first side given is the baseline of the others
-SIDES = {"two-pass": (True, "two_pass", False), "one-pass": (False, "two_pass", False),
-         "one-pass-atomic": (False, "two_pass", True), "ordered-one-pass": (True, "ordered_one_pass", False)}
-ONE_PASS_SIDES = ("one-pass", "one-pass-atomic", "ordered-one-pass")
+# name: (deterministic, whether the Gluon one pass adds dQ by register atomics at the dK/dV tile instead of the
+# config's gluon_one_pass); the first side given is the baseline of the others
+SIDES = {"two-pass": (True, False), "one-pass": (False, False), "one-pass-atomic": (False, True)}
+ONE_PASS_SIDES = ("one-pass", "one-pass-atomic")
 
 
 def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
     """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with the ``deterministic`` of ``side``
-    (``SIDES``); its ``deterministic_backward`` is set around whatever runs the backward (:func:`side_setting`)."""
+    (``SIDES``); its tiles are set around whatever runs the backward (:func:`side_setting`)."""
     deterministic = SIDES[side][0]
     topology = call_topology(cfg)
     if cfg.packed:
@@ -65,12 +62,12 @@ def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
 
 @contextlib.contextmanager
 def side_setting(side: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """The backward setting of ``side``: the backward reads it when it runs, so it covers forward and backward.
-    The atomic side also runs the device's config without its Gluon one-pass tile."""
+    """The tiles of ``side``: the call reads them when its forward runs, so the block covers forward and backward.
+    The atomic side runs the device's config without its Gluon one-pass tile."""
     tiles = None
-    if SIDES[side][2]:
+    if SIDES[side][1]:
         tiles = dataclasses.replace(kernel_config(cfg.head_dim, dtype, device), gluon_one_pass=None)
-    with mmsparse.use_config(tiles, deterministic_backward=SIDES[side][1]):
+    with mmsparse.use_config(tiles):
         yield
 
 
@@ -113,7 +110,7 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
                 row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype)
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
-        if again is not None:  # run to run: the atomic adds' order (none for the ordered adds)
+        if again is not None:  # run to run: the atomic adds' order
             row[f"{side}_dq_bits_changed"] = int((results[side][1] != again[1]).sum())
         del again
     base = results[sides[0]]
@@ -199,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(record, indent=1))
         args.out.with_suffix(".md").write_text(f"{record['versions']}, commit {record['commit']}, {args.dtype}; "
                                                f"{record['timing']}\n\n{table(rows, sides)}")
-    # a failed check, an output that differs, or an ordered dQ that changed from run to run
+    # a failed check or an output that differs
     bad = [r["config"] for r in rows if any(r[f"{s}_check"] == "FAIL" for s in sides)
-           or not all(r[f"{s}_out_equal"] for s in sides[1:]) or r.get("ordered-one-pass_dq_bits_changed", 0)]
+           or not all(r[f"{s}_out_equal"] for s in sides[1:])]
     if bad:
         print(f"failed checks: {bad}", file=sys.stderr)
     return 1 if bad else 0

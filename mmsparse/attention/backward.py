@@ -1,13 +1,10 @@
 """The backward passes' launcher: delta = rowsum(dO * O), then dQ and dK/dV, each as its Gluon kernel on Hopper
 where the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``,
-the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics (the
-ordered one-pass, for deterministic calls where the config asks for it: in the order of the key blocks on each dQ
-tile, counted by an int32 semaphore per tile)."""
+the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import warnings
 from types import ModuleType
@@ -53,9 +50,7 @@ def mbs_attn_bwd(
 
     With ``deterministic`` False there is no dQ pass (nor side stream): the dK/dV kernel (the Gluon one where the
     plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics,
-    cast to q's dtype at the end. The ordered one-pass backward (``deterministic`` with
-    ``KernelConfig.deterministic_backward == "ordered_one_pass"``) runs the same kernel with the adds into each dQ
-    tile ordered by key block (:mod:`mmsparse.mask.add_order`): the semaphores sit in the accumulator's allocation.
+    cast to q's dtype at the end.
 
     Args:
         do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
@@ -107,13 +102,7 @@ class _BackwardLaunch:
         self.dkdv_mask = args.tile(*plan.dkdv.lists)
         self.dq_mask = args.tile(*plan.dq.lists) if plan.dq is not None else None
         self.one_pass = plan.dq is None
-        self.ordered = self.one_pass and plan.dkdv.ordered
         tile = plan.dkdv.tile
-        # Per (batch, q head, query block) one semaphore; two in the Gluon kernel, one per warpgroup's columns.
-        self.semaphores = (batch * num_heads * cdiv(seq_q, tile.block_m) * (2 if plan.dkdv.gluon else 1)
-                           if self.ordered else 0)
-        # the ordered one-pass's add ranks, built now on the current stream, before any launch
-        self.dq_ranks = info.dq_add_ranks(tile.block_m, tile.block_n) if self.ordered else None
         self.strides = (*q.stride()[:3], *k.stride()[:3])  # v's strides follow (the key has them)
         flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
                      HAS_WINDOW=info.window is not None, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
@@ -126,7 +115,7 @@ class _BackwardLaunch:
                                       **flags, num_warps=dq_tile.num_warps, num_stages=dq_tile.num_stages)
         self.dkdv_grid = (cdiv(seq_k, tile.block_n), batch * num_kv_heads)
         self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
-                                    BN=tile.block_n, **flags, ONE_PASS=self.one_pass, ORDERED=self.ordered,
+                                    BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
         self.bound: dict[str, Callable[..., None]] = {}  # the relaunches, after each kernel's first launch
 
@@ -139,9 +128,8 @@ class _BackwardLaunch:
                      "delta")
         main, side = _streams(device) if plan.side_stream else (None, None)
         if self.one_pass:
-            dq_sum, dq_sem = _dq_accumulator(self.q_shape, device, self.semaphores)
-            if not self.ordered:
-                _alert_not_deterministic()
+            dq_sum = _dq_accumulator(self.q_shape, device)
+            _alert_not_deterministic()
         else:
             dq = torch.empty(self.q_shape, dtype=self.dtype, device=device)
             if side is not None:
@@ -161,16 +149,13 @@ class _BackwardLaunch:
         if plan.dkdv.gluon:
             _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
                               self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
-                              dq_sum if self.one_pass else None,
-                              (self.dq_ranks, dq_sem) if self.ordered else None, bound=self.bound)
+                              dq_sum if self.one_pass else None, bound=self.bound)
         else:
             mask_tensors, mask_scalars = self.dkdv_mask
-            stand_in = dk  # DQ, DQ_RANKS, DQ_SEM: unread without ONE_PASS (and ORDERED)
+            dq_arg = dq_sum if self.one_pass else dk  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, self.dkdv_grid,
-                         (q, k, v, do, lse, delta, dk, dv, dq_sum if self.one_pass else stand_in,
-                          self.dq_ranks if self.ordered else stand_in, dq_sem if self.ordered else stand_in,
-                          *mask_tensors, seed, *strides, *mask_scalars, self.qk_scale, self.softmax_scale,
-                          self.dropout_p),
+                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,
+                          self.qk_scale, self.softmax_scale, self.dropout_p),
                          self.dkdv_constexprs, self.bound, "dkdv")
         if side is not None:
             main.wait_stream(side)
@@ -182,12 +167,9 @@ class _BackwardLaunch:
 _MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale, determinism) backward launches kept
 
 
-def _dq_accumulator(shape: torch.Size, device: torch.device, semaphores: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-pass backward's zeroed float32 dQ accumulator (rows no tile reaches stay 0) and ``semaphores``
-    zeroed int32 words after it: one allocation and one fill, which count in the backward's peak memory."""
-    numel = math.prod(shape)
-    buffer = torch.zeros(numel + semaphores, dtype=torch.float32, device=device)
-    return buffer[:numel].view(shape), buffer[numel:].view(torch.int32)
+def _dq_accumulator(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """The one-pass backward's zeroed float32 dQ accumulator (rows no tile reaches stay 0)."""
+    return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
 def _alert_not_deterministic() -> None:

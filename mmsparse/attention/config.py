@@ -19,7 +19,6 @@ from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
 DQ_ADD_MODES = ("atomic", "bulk")  # Tile.dq_adds
-DETERMINISTIC_BACKWARDS = ("two_pass", "ordered_one_pass")  # KernelConfig.deterministic_backward's values
 
 
 @dataclass(frozen=True)
@@ -82,23 +81,6 @@ class KernelConfig:
     # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
     # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
     one_pass_max_keys: int = 2048
-    # The backward of deterministic calls (both bitwise repeatable): "two_pass" (a dK/dV pass and a dQ pass, 7
-    # matmuls per tile pair) or "ordered_one_pass" (the one-pass kernel, 5 matmuls, whose dK/dV programs add into
-    # each dQ tile in the order of their key blocks, a semaphore per tile; :mod:`mmsparse.mask.add_order`), run
-    # below one_pass_max_keys keys as the atomic one-pass is. Two passes until the ordered one is timed faster.
-    deterministic_backward: str = "two_pass"
-
-    def __post_init__(self) -> None:
-        if self.deterministic_backward not in DETERMINISTIC_BACKWARDS:
-            raise ValueError(f"deterministic_backward must be one of {', '.join(map(repr, DETERMINISTIC_BACKWARDS))}; "
-                             f"got {self.deterministic_backward!r}")
-        if (self.deterministic_backward == "ordered_one_pass" and self.bwd_dkdv.gluon_stages
-                and self.bwd_dkdv.dq_adds != "atomic"):
-            # said here, when the config is made, rather than by the launcher in the middle of a backward
-            raise ValueError(f"deterministic_backward='ordered_one_pass' runs the Gluon dK/dV tile, whose dQ adds "
-                             f"must be atomic (a turn on a dQ tile passes once its adds are done); bwd_dkdv has "
-                             f"dq_adds={self.bwd_dkdv.dq_adds!r}: give it dq_adds='atomic' and the bulk adds to "
-                             f"gluon_one_pass")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -124,12 +106,11 @@ class KernelConfig:
         (no Gluon kernel has it)."""
         return self.bwd_dkdv.gluon and not dropout
 
-    def one_pass_kernel_tile(self, dropout: bool = False, ordered: bool = False) -> Tile:
+    def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
         """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``, else the
-        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`. The ordered one-pass adds with atomics
-        (its turn passes once its adds are done), at the Gluon dK/dV tile."""
+        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`."""
         if self.one_pass_runs_gluon(dropout):
-            return self.gluon_one_pass if self.gluon_one_pass is not None and not ordered else self.bwd_dkdv
+            return self.gluon_one_pass if self.gluon_one_pass is not None else self.bwd_dkdv
         return self.one_pass_tile()
 
     def one_pass(self, seq_k: int) -> bool:
@@ -137,10 +118,9 @@ class KernelConfig:
         return seq_k < self.one_pass_max_keys
 
     def runs_one_pass(self, seq_k: int, deterministic: bool) -> bool:
-        """The backward over ``seq_k`` keys runs in one pass: the atomic one (``deterministic`` False) or the
-        ordered one (``deterministic_backward``), below ``one_pass_max_keys`` keys."""
-        allowed = not deterministic or self.deterministic_backward == "ordered_one_pass"
-        return allowed and self.one_pass(seq_k)
+        """The backward over ``seq_k`` keys runs in one pass (dQ by atomics): only where ``deterministic`` is False,
+        below ``one_pass_max_keys`` keys."""
+        return not deterministic and self.one_pass(seq_k)
 
     def few_keys(self, seq_k: int) -> bool:
         """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
@@ -203,7 +183,7 @@ class Settings:
     thread's settings change meanwhile, and so that a compiled graph guards on one object per value."""
 
     config: KernelConfig | None = None
-    thresholds: tuple[tuple[str, int | str], ...] = ()
+    thresholds: tuple[tuple[str, int], ...] = ()
     deterministic: bool = True
     id: int = field(default=0, compare=False)
 
@@ -259,7 +239,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 
 
 @functools.lru_cache(maxsize=64)
-def _with_thresholds(cfg: KernelConfig, thresholds: tuple[tuple[str, int | str], ...]) -> KernelConfig:
+def _with_thresholds(cfg: KernelConfig, thresholds: tuple[tuple[str, int], ...]) -> KernelConfig:
     """``cfg`` with other thresholds, one object per combination (launches are kept per config)."""
     return replace(cfg, **dict(thresholds))
 
@@ -372,31 +352,35 @@ GLUON_ONE_PASS_BULK = {
     128: replace(_GLUON_DKDV[128], gluon_stages=3, dq_adds="bulk"),
 }
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
-SETTINGS = (*THRESHOLDS, "deterministic_backward")  # every field use_config sets on each call's config
+# Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.
+REMOVED_SETTINGS = {
+    "deterministic_backward": "use_config(deterministic_backward=...) was removed along with the ordered one-pass "
+                              "backward it selected (0.32-0.47x the speed of the two passes on an H200): "
+                              "deterministic=True, the default, runs the bitwise-repeatable two-pass backward",
+}
 
 
 @contextlib.contextmanager
 def use_config(config: KernelConfig | None = None, deterministic: bool | None = None,
-               **thresholds: int | str) -> Iterator[None]:
+               **thresholds: int) -> Iterator[None]:
     """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
     ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``), and/or with another default backward:
     ``use_config(deterministic=False)`` allows the one-pass backward (dQ by atomic adds, not bitwise repeatable;
     run below ``one_pass_max_keys`` keys) to every call that does not pass ``deterministic`` itself (an argument
-    given to the call wins). ``use_config(deterministic_backward="ordered_one_pass")`` runs deterministic calls
-    below ``one_pass_max_keys`` keys with the ordered one-pass backward (bitwise repeatable too) instead of the two
-    passes.
+    given to the call wins).
 
     The settings are this thread's: other threads keep theirs, and blocks nest. A call reads them once, when its
     forward runs; its backward runs with them wherever and whenever it runs (outside the block, on autograd's
     thread)."""
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"use_config(config) takes a mmsparse.KernelConfig (or None); got {type(config).__name__}")
-    unknown = set(thresholds) - set(SETTINGS)
+    removed = sorted(set(thresholds) & set(REMOVED_SETTINGS))
+    if removed:
+        raise TypeError(REMOVED_SETTINGS[removed[0]])
+    unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:
-        raise TypeError(f"use_config sets deterministic, {', '.join(SETTINGS)}; got {sorted(unknown)}")
-    if "deterministic_backward" in thresholds:
-        replace(config or _INTERPRETER, deterministic_backward=thresholds["deterministic_backward"])  # validates
+        raise TypeError(f"use_config sets deterministic, {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
     if deterministic is not None and deterministic is not True and deterministic is not False:
         raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
                         f"{type(deterministic).__name__} {deterministic!r}")

@@ -90,28 +90,15 @@ def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
-    dq_order: tuple[torch.Tensor, torch.Tensor] | None = None, bound: dict[str, Callable[..., None]] | None = None,
+    bound: dict[str, Callable[..., None]] | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
     least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
-    TMA bulk reduce-adds through a descriptor of ``dq_sum``). With ``dq_order`` as well, ``(ranks, semaphores)``,
-    the ordered one-pass (atomic adds only: a tile with bulk adds is a ValueError): each warpgroup adds into a dQ
-    tile in the order of the key blocks' ``ranks`` (:func:`mmsparse.mask.add_order.add_ranks` of the by-key
-    lists), counted by ``semaphores`` (zeroed int32, ``B * Hq * cdiv(Sq, block_m) * 2``). ``bound``: as
-    :func:`run_dq`'s."""
+    TMA bulk reduce-adds through a descriptor of ``dq_sum``). ``bound``: as :func:`run_dq`'s."""
     _check_rows(tile.block_n, BLOCK_N)
-    if dq_order is not None:
-        if dq_sum is None:
-            raise ValueError("the ordered one-pass (dq_order) adds into dq_sum: pass both")
-        if DQ_ADDS[tile.dq_adds]:
-            # the kernel's static_assert says the same, later and less plainly
-            raise ValueError(f"the ordered one-pass cannot use bulk dQ adds (tile.dq_adds={tile.dq_adds!r}): a "
-                             "warpgroup's turn on a dQ tile passes once its atomic adds are done; use a tile with "
-                             "dq_adds='atomic', as KernelConfig.one_pass_kernel_tile(ordered=True) gives where "
-                             "bwd_dkdv adds by atomics")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     mask_tensors, mask_scalars = mask
@@ -126,14 +113,11 @@ def run_dkdv(
             # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
             one_pass["DQ_BULK"] = True
             dq_arg = head_rows_descriptor(dq_sum, q_rows, pad // 2)
-    if dq_order is not None:
-        one_pass["ORDERED"] = True
-    ranks, semaphores = dq_order if dq_order is not None else (delta, delta)  # stand-ins, unread without ORDERED
     launch_bound(
         _DKDV, (cdiv(seq_k, BLOCK_N), batch * num_kv_heads),
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-         delta, dq_arg, ranks, semaphores, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+         delta, dq_arg, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
         dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
              BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
              PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),

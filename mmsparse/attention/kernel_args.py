@@ -111,11 +111,7 @@ def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | N
 
 def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True, dropout: bool = False) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; where the backward runs in one
-    pass the one-pass backward's instead of the last two, and the ordered one's add ranks), e.g. before timing or
-    CUDA-graph capture."""
+    pass the one-pass backward's instead of the last two), e.g. before timing or CUDA-graph capture."""
     plan = plan_attention(config, 1, 1, 1, info.seq_q, info.seq_k, info.device, info.sample_len, dropout,
                           deterministic=deterministic)
-    info.prepare(plan.list_tiles(), config.compact_bytes)
-    if plan.dq is None and plan.dkdv.ordered:  # the ordered one-pass: its add ranks
-        info.dq_add_ranks(plan.dkdv.tile.block_m, plan.dkdv.tile.block_n)
-    return info
+    return info.prepare(plan.list_tiles(), config.compact_bytes)

@@ -39,15 +39,12 @@ class ForwardPass:
 @dataclass(frozen=True)
 class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
-    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass;
-    ``ordered``: those adds come in the order of the key blocks on each dQ tile (a semaphore per tile), so that dQ
-    is bitwise repeatable."""
+    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass."""
 
     tile: Tile
     gluon: bool
     by_key: bool
     one_pass: bool = False
-    ordered: bool = False
 
     @property
     def lists(self) -> TileKey:
@@ -69,11 +66,9 @@ class AttentionPlan:
 
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
-        one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel), the ordered one
-        ``"ordered-one-pass"``."""
+        one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel)."""
         fwd = "gluon" if self.forward.gluon else "tl-split" if self.forward.n_splits > 1 else "tl"
-        one_pass = "ordered-one-pass" if self.dkdv.ordered else "one-pass"
-        dq = one_pass if self.dq is None else "gluon" if self.dq.gluon else "tl"
+        dq = "one-pass" if self.dq is None else "gluon" if self.dq.gluon else "tl"
         return {"forward": fwd, "dq": dq, "dkdv": "gluon" if self.dkdv.gluon else "tl"}
 
 
@@ -96,9 +91,7 @@ def plan_attention(
             pass and no side stream): the Gluon dK/dV kernel at ``config.bwd_dkdv`` where that pass is Gluon and
             there is no dropout, else the tl one at ``config.one_pass_tile()``; planned below
             ``config.one_pass_max_keys`` keys, from where both one-pass kernels were slower than the two-pass
-            backward on every config measured. True: the two passes, or, where ``config.deterministic_backward``
-            is ``"ordered_one_pass"``, the same one-pass kernel with its dQ adds ordered by key block (bitwise
-            repeatable), under the same threshold.
+            backward on every config measured. True: the two passes (bitwise repeatable).
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -116,8 +109,8 @@ def plan_attention(
     forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
                           row_blocks, bh_programs, n_splits)
     if config.runs_one_pass(seq_k, deterministic):
-        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, ordered=deterministic),
-                                config.one_pass_runs_gluon(dropout), True, one_pass=True, ordered=deterministic)
+        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
+                                one_pass=True)
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
     return AttentionPlan(

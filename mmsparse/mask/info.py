@@ -17,7 +17,6 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from ..runtime.launch import stream_key
-from .add_order import add_ranks
 from .block_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
 from .cache import CACHE
@@ -62,7 +61,6 @@ class MaskInfo:
             self.q_start = q_start.to(device=self.device, dtype=torch.int32).reshape(-1)
         self._classes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lists: dict[TileKey, BlockLists] = {}
-        self._add_ranks: dict[tuple[int, int], torch.Tensor] = {}
         # What it holds grows as kernels build lists, possibly in another thread than one measuring it: each growth
         # bumps the version (after the entry is in), and a size measured at an older version is measured again.
         self._version = 0
@@ -123,7 +121,6 @@ class MaskInfo:
         copy = self.same_tensors()
         copy._classes.update(self._classes)
         copy._lists.update(self._lists)
-        copy._add_ranks.update(self._add_ranks)
         return copy
 
     @classmethod
@@ -142,8 +139,8 @@ class MaskInfo:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the mask holds now: its token-level tensors, block lists, tile classes, add ranks and the
-        list builders' summaries (each storage once). Measured again only after the mask has grown.
+        """Device bytes the mask holds now: its token-level tensors, block lists, tile classes and the list builders'
+        summaries (each storage once). Measured again only after the mask has grown.
 
         Another thread may add lists while this runs: each table is read through one ``list(...)`` call, a copy
         made in one step (no Python code runs during it, so no other thread does), never by iterating the live
@@ -154,7 +151,6 @@ class MaskInfo:
         held = [*self.tensors(), *self._held()]
         held += [t for pair in list(self._classes.values()) for t in pair]
         held += [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices)]
-        held += list(self._add_ranks.values())
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         size = sum(storages.values())
         self._measured = (version, size)
@@ -203,18 +199,6 @@ class MaskInfo:
             raise RuntimeError(f"the block lists at tile {block_m}x{block_n}{' by key' if by_key else ''} were not "
                                "built before the launch: plan the call and prepare its lists first")
         return lists
-
-    def dq_add_ranks(self, block_m: int, block_n: int) -> torch.Tensor:
-        """The ordered one-pass backward's add ranks (:func:`mmsparse.mask.add_order.add_ranks`) of the by-key lists
-        at this tile, which must have been built: int32, the shape of their indices. Built once, on the current
-        stream, and kept with the lists."""
-        key = (block_m, block_n)
-        ranks = self._add_ranks.get(key)
-        if ranks is None:
-            lists = self.built_lists(block_m, block_n, by_key=True)
-            ranks = self._add_ranks[key] = add_ranks(lists, -(-self.seq_q // block_m))
-            self._grew()
-        return ranks
 
     def prepare(self, tiles: list[TileKey], compact_bytes: int = COMPACT_BYTES) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture

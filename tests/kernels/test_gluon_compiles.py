@@ -12,12 +12,11 @@ too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
 off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
-float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all; with ``ORDERED`` each
-warpgroup's adds into a dQ tile wait for their turn on a semaphore). ptxas's report of each dK/dV variant must not
-say that it serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the
-interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and
-ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles
-them all (or those whose name contains SUBSTRING) and prints one line a kernel.
+float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of each
+dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
+TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each
+variant's PTX and ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR
+[SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING) and prints one line a kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class Variant:
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     group: int = 2  # query heads per KV head
     one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS), dQ added by atomics
-    ordered: bool = False  # one_pass only: the adds into each dQ tile in key-block order (ORDERED)
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
     dq_adds: str = "atomic"  # one pass only: Tile.dq_adds ("bulk": config.GLUON_ONE_PASS_BULK's tile)
@@ -53,8 +51,7 @@ class Variant:
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        kind = (("dkdv1p-ordered" if self.ordered else "dkdv1p") + ("" if self.dq_adds == "atomic" else
-                 f"-{self.dq_adds}")) if self.one_pass else self.kind
+        kind = ("dkdv1p" + ("" if self.dq_adds == "atomic" else f"-{self.dq_adds}")) if self.one_pass else self.kind
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -103,11 +100,6 @@ VARIANTS = [
     Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
     Variant("dkdv", 64, "codes", causal=True, one_pass=True),
     Variant("dkdv", 64, "bits", window=True, group=1, one_pass=True),
-    # The ordered one-pass (dQ adds in key-block order, a semaphore per tile and warpgroup): each head dim, GQA and
-    # none, each mask mode once.
-    Variant("dkdv", 128, "bits", causal=True, one_pass=True, ordered=True),
-    Variant("dkdv", 128, "dense", group=1, one_pass=True, ordered=True),
-    Variant("dkdv", 64, "codes", window=True, one_pass=True, ordered=True),
     # The one pass with TMA bulk reduce-adds of dQ: each head dim, GQA and not, each list mask mode.
     Variant("dkdv", 128, "bits", causal=True, one_pass=True, dq_adds="bulk"),
     Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True, dq_adds="bulk"),
@@ -205,34 +197,6 @@ def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, variant):
     ptx = path.read_text()
     assert re.search(RELAXED_ADD, ptx), f"{variant.name}: no relaxed float32 atomic add in the PTX"
     assert not re.search(ORDERED_ATOMIC, ptx), variant.name
-
-
-_POLL = re.compile(r"mms_poll:\n(.*?)@mms_not_yet bra mms_poll;", re.S)
-_PASS = re.compile(r"\n\s*(bar\.sync\s+\d+(?:, \d+)?|barrier\.sync\s+\d+(?:, \d+)?);(?:(?!bar\.sync|barrier\.sync).)*?"
-                   r"@mms_first fence\.acq_rel\.gpu;\s*@mms_first red\.relaxed\.gpu\.global\.add\.s32 \[%rd\d+\], 1;",
-                   re.S)
-
-
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv"], ids=lambda v: v.name)
-def test_ordered_one_pass_waits_and_passes_its_turns(ptx_dir, variant):
-    """The ordered one-pass (ORDERED) waits for its turn on each dQ tile with a per-thread acquire poll that holds
-    no barrier (a barrier inside the poll would need threads that may be waiting elsewhere), and passes it with one
-    thread's fence.acq_rel.gpu and relaxed add after a barrier of its own warpgroup's 128 threads (not a CTA-wide
-    one, which the other warpgroup and the producer never reach there): once per consumer warpgroup in the first
-    step and once in the loop. The other variants hold none of it."""
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptx"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
-    ptx = path.read_text()
-    polls, passes = _POLL.findall(ptx), _PASS.findall(ptx)
-    if not variant.ordered:
-        assert not polls and not passes and "ld.acquire" not in ptx, variant.name
-        return
-    assert len(polls) == 4 and len(passes) == 4, f"{variant.name}: {len(polls)} polls, {passes}"
-    for body in polls:
-        code = [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith(".loc")]
-        assert [line.split()[0] for line in code] == ["ld.acquire.gpu.global.b32", "setp.ne.s32"], code
-    assert all(re.fullmatch(r"bar\.sync\s+\d+, 128", barrier) for barrier in passes), passes
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "bulk"],
@@ -451,12 +415,8 @@ def _main(out: Path, only: str = "") -> None:
                                 variant.window)
         else:
             dq_sum = torch.zeros(q.shape) if variant.one_pass else None
-            dq_order = None
-            if variant.ordered:
-                semaphores = torch.zeros(batch * heads * -(-seq // tile.block_m) * 2, dtype=torch.int32)
-                dq_order = (info.dq_add_ranks(tile.block_m, tile.block_n), semaphores)
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
-                                  1.0, 1.0, tile, variant.window, dq_sum, dq_order)
+                                  1.0, 1.0, tile, variant.window, dq_sum)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
                 # defaulted flags a variant leaves off: ping-pong, and the one pass's (off in a two-pass launch)
-                one_pass = ("ONE_PASS", "HEAD_DIM", "ORDERED", "DQ_BULK")
+                one_pass = ("ONE_PASS", "HEAD_DIM", "DQ_BULK")
                 optional = ("PINGPONG", *one_pass) if self.name == "dkdv" else ("PINGPONG",)
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
@@ -144,42 +144,3 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
         gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
                               *mask, 1.0, 1.0, replace(bulk_t, dq_adds="tma"), False, dq_sum)
 
-
-def test_ordered_one_pass_refuses_bulk_dq_adds(monkeypatch):
-    """The ordered one-pass adds dQ by atomics (a warpgroup's turn on a dQ tile passes once its adds are done): the
-    launcher refuses a tile with bulk adds before any launch, rather than run it with atomics in their place; the
-    same tile with atomic adds is launched as the ordered one-pass."""
-    from dataclasses import replace
-
-    from mmsparse.attention import gluon_launch
-    from mmsparse.attention.config import GLUON_ONE_PASS_BULK
-    from mmsparse.attention.kernel_args import kernel_args
-    from mmsparse.mask.build import build_mask_info
-
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs)
-
-    monkeypatch.setattr(gluon_launch, "_DKDV", Recorder())  # no sm_90 here
-    batch, heads, seq, head_dim = 1, 2, 150, 64
-    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
-    k = torch.randn(batch, 1, seq, head_dim, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    info = build_mask_info([[1, 1], [0, 1]], (50, 100), seq, seq, False, torch.device("cpu"))
-    bulk = GLUON_ONE_PASS_BULK[64]
-    mask = kernel_args(info.prepare([(bulk.block_m, bulk.block_n, True)])).tile(bulk.block_m, bulk.block_n, True)
-    rows = torch.zeros(batch, heads, seq)
-    semaphores = torch.zeros(batch * heads * -(-seq // bulk.block_m) * 2, dtype=torch.int32)
-    dq_order = (info.dq_add_ranks(bulk.block_m, bulk.block_n), semaphores)
-
-    def run(tile):
-        gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), mask,
-                              info.mode, info.causal, 1.0, 1.0, tile, False, torch.zeros(q.shape), dq_order)
-
-    with pytest.raises(ValueError, match="ordered one-pass cannot use bulk dQ adds.*dq_adds='atomic'"):
-        run(bulk)
-    assert launched == []
-    run(replace(bulk, dq_adds="atomic"))
-    assert len(launched) == 1 and launched[0]["ORDERED"] and "DQ_BULK" not in launched[0]

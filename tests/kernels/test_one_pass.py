@@ -1,8 +1,6 @@
 """The one-pass backward (``deterministic=False``): the dK/dV kernel adds dQ by atomics. Output and all three
-gradients against the float64 reference over the cases the two-pass backward covers, for this one-pass and for the
-ordered one (``deterministic_backward="ordered_one_pass"``, whose semaphores are checked too; its own checks are in
-test_ordered_one_pass.py); the default stays the two-pass backward; the two backwards agree within float32
-accumulation; bad values are TypeErrors."""
+gradients against the float64 reference over the cases the two-pass backward covers; the default stays the two-pass
+backward; the two backwards agree within float32 accumulation; bad values are TypeErrors."""
 
 from __future__ import annotations
 
@@ -36,7 +34,6 @@ from mmsparse.attention.kernel_args import list_tiles
 from mmsparse.attention.plan import plan_attention
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, replace_attention
 from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, forward_backward, make_qkv
-from tests.kernels.ordered_semaphores import check_semaphore_counts, record_semaphores
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]
 
@@ -57,20 +54,6 @@ CASES = {
 }
 
 
-# The one-pass backwards these cases run: (the call's arguments, use_config's, an offset to the inputs' seeds so
-# that each backward gets inputs of its own). "atomic": deterministic=False, dQ by atomics in any order; "ordered":
-# deterministic calls with the ordered one-pass, dQ added in key-block order.
-BACKWARDS = {
-    "atomic": ({"deterministic": False}, {}, 0),
-    "ordered": ({}, {"deterministic_backward": "ordered_one_pass"}, 100),
-}
-# The cases the ordered one-pass runs too, fewer for CPU time: GQA and MQA, windows, pair types, per-sample lengths,
-# fewer queries, q_start.
-ORDERED_CASES = ["gqa-causal-D24", "mqa-D40-fp16", "window-bf16", "pair-types-window", "per-sample-lens",
-                 "fewer-queries", "q-start"]
-CASE_BACKWARDS = [(name, "atomic") for name in CASES] + [(name, "ordered") for name in ORDERED_CASES]
-
-
 def _case_id(name: str) -> str:
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, extra = CASES[name]
     seq = sum(lens) if isinstance(lens[0], int) else max(map(sum, lens))
@@ -79,61 +62,48 @@ def _case_id(name: str) -> str:
             f"{'-causal' if causal else ''}{extras}")
 
 
-@pytest.mark.parametrize(("name", "backward"), CASE_BACKWARDS, ids=lambda x: _case_id(x) if x in CASES else x)
-def test_one_pass_matches_reference(name, backward, device, monkeypatch):
-    """Fresh inputs, the mask built inside the call; out, dq, dk, dv against float64; with the ordered one-pass every
-    semaphore ends at the number of key blocks whose lists hold its tile."""
+@pytest.mark.parametrize("name", list(CASES), ids=_case_id)
+def test_one_pass_matches_reference(name, device):
+    """Fresh inputs, the mask built inside the call; out, dq, dk, dv against float64."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, extra = CASES[name]
     seq = sum(lens) if isinstance(lens[0], int) else max(map(sum, lens))
     seq_q = seq if seq_q is None else seq_q
-    call, config, seed = BACKWARDS[backward]
-    gen = torch.Generator().manual_seed(len(name) + seed)
+    gen = torch.Generator().manual_seed(len(name))
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, device, gen)
-    semaphores = record_semaphores(monkeypatch) if backward == "ordered" else None
-    with use_config(**config):
-        out = mbs_attention(q, k, v, topo, lens, causal=causal, **extra, **call)
-        grad_out = torch.randn(out.shape, generator=gen).to(device, dtype)
-        out.backward(grad_out)
+    out = mbs_attention(q, k, v, topo, lens, causal=causal, **extra, deterministic=False)
+    grad_out = torch.randn(out.shape, generator=gen).to(device, dtype)
+    out.backward(grad_out)
     mask = reference_mask(topo, lens, seq, seq_q, causal, extra.get("q_start"), window=extra.get("window"))
     check_outputs(q, k, v, out, grad_out, mask)
-    if semaphores is not None:
-        tile = kernel_config(head_dim, dtype, device).one_pass_kernel_tile(ordered=True)
-        check_semaphore_counts(semaphores, mask, batch, heads, tile, window="window" in extra)
 
 
-@pytest.mark.parametrize("backward", list(BACKWARDS))
 @pytest.mark.parametrize("kind", ["bits", "dense"])
-def test_one_pass_dense_and_bit_masks_match_reference(kind, backward, device):
+def test_one_pass_dense_and_bit_masks_match_reference(kind, device):
     """The same random per-sample mask as a user's bool mask ([B, S, S]) and, for the bit kind, a 0/1 topology."""
-    call, config, seed = BACKWARDS[backward]
-    gen = torch.Generator().manual_seed(3 + seed)
+    gen = torch.Generator().manual_seed(3)
     q, k, v = make_qkv(2, 2, 1, 45, 45, 24, torch.float32, device, gen)
-    with use_config(**config):
-        if kind == "dense":
-            mask = torch.rand(2, 45, 45, generator=gen) < 0.4
-            out = mbs_attention(q, k, v, attn_mask=mask.to(device), **call)
-        else:
-            mask = reference_mask(CYCLIC, (8, 20, 17), 45)
-            out = mbs_attention(q, k, v, CYCLIC, (8, 20, 17), **call)
-        grad_out = torch.randn(out.shape, generator=gen).to(device)
-        out.backward(grad_out)
+    if kind == "dense":
+        mask = torch.rand(2, 45, 45, generator=gen) < 0.4
+        out = mbs_attention(q, k, v, attn_mask=mask.to(device), deterministic=False)
+    else:
+        mask = reference_mask(CYCLIC, (8, 20, 17), 45)
+        out = mbs_attention(q, k, v, CYCLIC, (8, 20, 17), deterministic=False)
+    grad_out = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, mask)
 
 
-@pytest.mark.parametrize("backward", list(BACKWARDS))
-def test_one_pass_pack_matches_reference(backward, device):
+def test_one_pass_pack_matches_reference(device):
     """A pack of samples (mbs_attention_varlen: packed varlen lists, per-sample key blocks): samples never see each
     other, zero-length segments."""
-    call, config, seed = BACKWARDS[backward]
-    rng = random.Random(7 + seed)
+    rng = random.Random(7)
     topo = [[CAUSAL, NONE, NONE], [FULL, FULL, NONE], [FULL, FULL, CAUSAL]]
     lens = [[rng.randint(1, 9), rng.choice((0, 4, 9)), rng.choice((0, 3))] for _ in range(8)]
     total = sum(map(sum, lens))
-    q, k, v = make_qkv(1, 4, 2, total, total, 16, torch.float16, device, torch.Generator().manual_seed(8 + seed))
-    with use_config(**config):
-        out = mbs_attention_varlen(q, k, v, topo, lens, causal=True, **call)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
+    q, k, v = make_qkv(1, 4, 2, total, total, 16, torch.float16, device, torch.Generator().manual_seed(8))
+    out = mbs_attention_varlen(q, k, v, topo, lens, causal=True, deterministic=False)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, reference_packed_mask(topo, lens, causal=True))
 
 
@@ -342,15 +312,15 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_one_pass_tile_with_bulk_dq_adds(head_dim):
     """KernelConfig.gluon_one_pass (the bulk dQ adds' tile, GLUON_ONE_PASS_BULK, the default) is the tile the Gluon
-    one pass runs at and builds its lists for; the two-pass dK/dV pass, the ordered one pass (atomic adds) and the tl
-    one pass (dropout) keep theirs; without it the one pass adds by register atomics at the dK/dV tile."""
+    one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs;
+    without it the one pass adds by register atomics at the dK/dV tile."""
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
     with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
     cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
     assert cfg.one_pass_kernel_tile() == cfg.bwd_dkdv and cfg.one_pass_kernel_tile().dq_adds == "atomic"
     bulk = GLUON_ONE_PASS_BULK[head_dim]
-    assert with_bulk.gluon_one_pass == bulk and with_bulk.one_pass_kernel_tile(ordered=True) == cfg.bwd_dkdv
+    assert with_bulk.gluon_one_pass == bulk
     assert bulk.dq_adds == "bulk" and bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
     assert bulk.gluon_stages == (3 if head_dim == 128 else cfg.bwd_dkdv.gluon_stages)  # 32 KB of staging at D=128
     assert with_bulk.one_pass_kernel_tile() == bulk

@@ -4,8 +4,7 @@ atomics and its matmuls on wgmma (the Gluon one-pass kernel: tests/kernels/test_
 The interpreter runs the kernel's Python, not Triton's compiler: a construct the compiler rejects (a layout it
 cannot convert, an atomic it cannot lower) would first show on a GPU. The variants compile in one child process
 without TRITON_INTERPRET, at the CUDA tiles of the one-pass backward, over the three mask modes, TMA and pointer
-loads, a padded head dim, a window and dropout; and the ordered one-pass (``ORDERED``), whose adds into each dQ
-tile wait for their turn (an acquire poll) and pass it on (a barrier, then one release add). Run as a script,
+loads, a padded head dim, a window and dropout. Run as a script,
 ``python tests/kernels/test_one_pass_compiles.py DIR`` writes each variant's PTX there.
 """
 
@@ -19,14 +18,12 @@ from pathlib import Path
 
 import pytest
 
-# name: (head_dim, mask, causal, use_tma, window, dropout, ordered)
+# name: (head_dim, mask, causal, use_tma, window, dropout)
 VARIANTS = {
-    "D128-bits-causal-tma": (128, "bits", True, True, False, False, False),
-    "D64-codes-pointers": (64, "codes", False, False, False, False, False),
-    "D128-dense-window-tma": (128, "dense", False, True, True, False, False),
-    "D96-codes-dropout-tma": (96, "codes", True, True, False, True, False),
-    "ordered-D128-bits-causal-tma": (128, "bits", True, True, False, False, True),
-    "ordered-D64-codes-dropout-pointers": (64, "codes", False, False, False, True, True),
+    "D128-bits-causal-tma": (128, "bits", True, True, False, False),
+    "D64-codes-pointers": (64, "codes", False, False, False, False),
+    "D128-dense-window-tma": (128, "dense", False, True, True, False),
+    "D96-codes-dropout-tma": (96, "codes", True, True, False, True),
 }
 COMPILE_TIMEOUT_S = 900
 REPO = Path(__file__).resolve().parents[2]
@@ -61,26 +58,8 @@ def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, name):
     adds = re.findall(r"\b(?:red|atom)\.global\.gpu\.relaxed\.add(?:\.v\d)?\.f32\b", ptx)
     assert adds, f"{name}: no relaxed float32 atomic add in the PTX"
     ordering = re.findall(r"\b(?:red|atom)\.global\.[a-z.]*(?:acq_rel|release|acquire)[a-z0-9.]*", ptx)
-    # the ordered variant's only ordering atomics are its semaphores' releases (32-bit integer adds)
-    assert all(re.fullmatch(r"(?:red|atom)\.global\.gpu\.release\.add\.[us]32", op) for op in ordering), ordering
-    assert bool(ordering) == VARIANTS[name][-1], name
+    assert not ordering, f"{name}: {ordering}"
     assert "wgmma" in ptx, name  # the Hopper matmuls, not a fallback
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_ordered_one_pass_waits_and_passes_its_turns(ptx_dir, name):
-    """ORDERED: in each of the full and partial loops, one thread polls the tile's semaphore with an acquire load in
-    a loop of its own (broadcast through shared memory), and after the adds a CTA barrier precedes one thread's
-    release add; the other variants have neither."""
-    out, proc = ptx_dir
-    path = out / f"{name}.ptx"
-    assert path.exists(), f"{name} did not compile:\n{proc.stderr[-3000:]}"
-    ptx = path.read_text()
-    polls = re.findall(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", ptx)
-    releases = re.findall(r"bar\.sync\s+0;(?:(?!bar\.sync|\bred\.|\batom\.).)*?"
-                          r"@%p\d+ (?:red|atom)\.global\.gpu\.release\.add\.[us]32", ptx, re.S)
-    want = 2 if VARIANTS[name][-1] else 0
-    assert len(polls) == want and len(releases) == want, f"{name}: {len(polls)} polls, {len(releases)} releases"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,7 +102,7 @@ def _main(out: Path) -> None:
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                assert kwargs["ONE_PASS"] and kwargs["ORDERED"] == current["name"].startswith("ordered"), current
+                assert kwargs["ONE_PASS"], current
                 _compile(current["name"], out, self.kernel, args, kwargs)
 
             return launch
@@ -141,7 +120,7 @@ def _main(out: Path) -> None:
     backward._DKDV, backward._DELTA = Compile(backward._DKDV), Skip()
     backward.dot_mode = lambda q: DOT_NATIVE  # the GPU's mode for bf16 (the CPU upcasts)
     seq = 384
-    for name, (head_dim, mask, causal, use_tma, window, dropout, ordered) in VARIANTS.items():
+    for name, (head_dim, mask, causal, use_tma, window, dropout) in VARIANTS.items():
         current["name"] = name
         w = 100 if window else None
         if mask == "dense":
@@ -156,12 +135,11 @@ def _main(out: Path) -> None:
         lse = torch.zeros(1, 4, seq)
         # the tl kernel's tile (on Hopper the one-pass runs it with dropout; the Gluon one is compiled in
         # test_gluon_compiles.py)
-        cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16, gluon=False), use_tma=use_tma,
-                      deterministic_backward="ordered_one_pass" if ordered else "two_pass")
+        cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16, gluon=False), use_tma=use_tma)
         seed = torch.zeros(3, dtype=torch.int64) if dropout else None
         with config.use_config(cfg):
             backward.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, 0.1 if dropout else 0.0, seed,
-                                  deterministic=ordered)
+                                  deterministic=False)
 
 
 if __name__ == "__main__":

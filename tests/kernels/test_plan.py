@@ -128,6 +128,22 @@ def test_thresholds_live_in_the_config(device):
             pass
 
 
+@pytest.mark.parametrize("value", ["ordered_one_pass", "two_pass"])
+def test_the_removed_deterministic_backward_setting_says_what_to_use(value, device):
+    """``use_config(deterministic_backward=...)`` chose the ordered one-pass backward, now gone: a TypeError that
+    says so and names ``deterministic=True`` (the two passes, bitwise repeatable), whatever the value; nothing
+    of the block runs and the thread's settings stay as they were. The config has no such field either."""
+    before = kernel_config(32, torch.float32, device)
+    ran = False
+    with pytest.raises(TypeError, match=r"deterministic_backward=.*removed.*deterministic=True.*two-pass"):
+        with use_config(deterministic_backward=value, short_keys=0):
+            ran = True
+    assert not ran and kernel_config(32, torch.float32, device) is before
+    with pytest.raises(TypeError, match="deterministic_backward"):
+        replace(before, deterministic_backward=value)
+    assert not hasattr(KernelConfig, "deterministic_backward")
+
+
 def test_an_unknown_turn_scheme_or_dq_add_mode_is_refused_when_the_tile_is_made():
     """A tile names how the Gluon forward's warpgroups take turns and how the one pass adds dQ; a name the kernels
     do not know is a ValueError at ``Tile(...)`` (or ``replace``), listing the known ones, not at a launch."""

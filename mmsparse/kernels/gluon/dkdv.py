@@ -20,12 +20,9 @@ shared tile of its own; once both are staged (a handshake of two barriers per st
 [w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
 transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
 buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
-rather than from registers. No dQ pass runs. ``ORDERED`` (the ordered one-pass backward) adds each dQ tile's
-column halves in the order of the key blocks, a semaphore per tile and warpgroup (:mod:`.dq_order`). With
-``DQ_BULK`` each warpgroup adds its half as one TMA bulk reduce-add from a float32 staging tile of its own (64 x
-D/2: 32 KB for both at D=128, which fits beside 3 stages, not 4), asynchronously: it waits for the tile to be read
-only at the start of the next step's dQ work. ``ORDERED`` adds with the atomics (a turn is passed on only once its
-adds are done, which a bulk reduce would first have to wait for).
+rather than from registers. No dQ pass runs. With ``DQ_BULK`` each warpgroup adds its half as one TMA bulk
+reduce-add from a float32 staging tile of its own (64 x D/2: 32 KB for both at D=128, which fits beside 3 stages,
+not 4), asynchronously: it waits for the tile to be read only at the start of the next step's dQ work.
 """
 from __future__ import annotations
 
@@ -40,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id, visit_slot
+from ..lists import block_id
 from ..rules import allowed_pairs
 from .common import (
     WORKER_REGS,
@@ -57,9 +54,6 @@ from .common import (
     wait_turn,
 )
 from .dq_adds import add_dq, bulk_add_dq, issue_dq, stage_ds
-from .dq_order import pass_turn as pass_add_turn
-from .dq_order import turn_semaphore
-from .dq_order import wait_turn as wait_add_turn
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -69,11 +63,10 @@ BLOCK_N = 2 * WG_KEYS.value
 @gluon.jit
 def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr, ORDERED: gl.constexpr = False):
+              MASK_MODE: gl.constexpr):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
-    token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64). ``ORDERED``: in the
-    ordered one-pass's visiting order (``lists.visit_slot``)."""
+    token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done, _ = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
@@ -89,7 +82,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
         for it in range(n_total):
             i = g * n_total + it
             stage = i % STAGES
-            m_blk = block_id(idx_ptr, visit_slot(it, n_full, n_total, ORDERED))
+            m_blk = block_id(idx_ptr, it)
             offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
             # Rows past the end get lse = +inf, hence p = 0.
             lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
@@ -149,18 +142,17 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 @gluon.jit
 def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
                 ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                ORDERED: gl.constexpr = False, DQ_BULK: gl.constexpr = False):
+                DQ_BULK: gl.constexpr = False):
     """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
     staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
     done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
     dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
     die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
-    next step's dK reads dS^T_i from the tile too (no registers held across the step). ``ORDERED``: the add waits
-    for this warpgroup's turn on the tile and passes it on (:mod:`.dq_order`). With ``DQ_BULK``, ``dq_head`` is
+    next step's dK reads dS^T_i from the tile too (no registers held across the step). With ``DQ_BULK``, ``dq_head`` is
     ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`) from
     this warpgroup's staging tile."""
     if ONE_PASS:
-        ds_smem, k_smem, ds_bars, order, dq_stage = dq_bufs
+        ds_smem, k_smem, ds_bars, dq_stage = dq_bufs
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
         mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
         # with DQ_BULK also: the previous step's reduce (a whole step of matmuls ago) has read the staging tile
@@ -172,16 +164,11 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
         dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
-        if ORDERED:
-            sem, rank = turn_semaphore(order, i, row0, WG, BM)
-            wait_add_turn(sem, rank)
         if DQ_BULK:
             dq_desc, bh = dq_head
             bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
         else:
             add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
-        if ORDERED:
-            pass_add_turn(sem)
     else:
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
     return dv, pt_op
@@ -200,10 +187,10 @@ def _count_slot(stage, phase, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _first_row(idx_ptr, it, n_full, n_total, BM: gl.constexpr, ONE_PASS: gl.constexpr, ORDERED: gl.constexpr):
+def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
     """The first query row of step ``it``'s list entry (only ONE_PASS reads it: the block's dQ rows)."""
     if ONE_PASS:
-        return block_id(idx_ptr, visit_slot(it, n_full, n_total, ORDERED)) * BM
+        return block_id(idx_ptr, it) * BM
     return it
 
 
@@ -224,8 +211,7 @@ def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.cons
 def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr,
-              DQ_BULK: gl.constexpr):
+              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
@@ -282,9 +268,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
-        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, n_full, n_total, BM, ONE_PASS, ORDERED),
-                                dq_head0, seq_q, sm_scale, dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED,
-                                DQ_BULK)
+        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
+                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
         stage = 0
         phase = 0
         for i in range(1, total):
@@ -327,9 +312,9 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
             # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
             # resources").
-            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, n_full, n_total, BM, ONE_PASS, ORDERED),
+            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM, DQ_BULK), seq_q, sm_scale,
-                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, ORDERED, DQ_BULK)
+                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
         last = stage if COUNTED else (total - 1) % STAGES
         wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
@@ -355,24 +340,20 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, DQ_RANKS, DQ_SEM, Q_BITS, K_BITS, MASK, COUNTS,
-    INDICES,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
-    ORDERED: gl.constexpr = False, DQ_BULK: gl.constexpr = False,
+    DQ_BULK: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
     DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise); with ``DQ_BULK`` as well, DQ is
     that buffer's ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, HEAD_DIM]``) with ``[1, BM, HEAD_DIM_PAD / 2]``
-    boxes (the TMA bulk reduce-adds). With ``ORDERED`` in the order of DQ_RANKS (int32, INDICES' shape: each entry's
-    rank among the key blocks that add into its query block), counted by DQ_SEM (int32 ``[B, Hq, cdiv(Sq, BM), 2]``,
-    a semaphore per warpgroup; zeroed by the launcher)."""
+    boxes (the TMA bulk reduce-adds)."""
     gl.static_assert(ONE_PASS or not DQ_BULK, "DQ_BULK is the one-pass variant's way to add dQ")
-    gl.static_assert(not (ORDERED and DQ_BULK), "ORDERED adds with atomics: its turn passes once the adds are done")
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -412,14 +393,6 @@ def attention_dkdv_gluon(
         ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
         dq_stage = k_smem
         dq_head0 = DQ
-    order = (0, 0, 0, 0, 0)  # stand-ins: only ORDERED reads them
-    if ORDERED:
-        n_qb = gl.cdiv(seq_q, BM)
-        # the entries' ranks sit at the list's own offset (DQ_RANKS has INDICES' shape)
-        b64 = b.to(gl.int64)
-        rank_ptr = DQ_RANKS + b64 * stride_idx_b + gl.load(COUNTS + b64 * stride_cnt_b + pid_n * 3 + 2)
-        sem_ptr0 = DQ_SEM + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * n_qb * 2
-        order = (rank_ptr, sem_ptr0, n_full, n_total, n_qb)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -442,18 +415,17 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done, turn)
-    dq_bufs = (ds_smem, k_smem, ds_bars, order, dq_stage)
+    dq_bufs = (ds_smem, k_smem, ds_bars, dq_stage)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, ORDERED, DQ_BULK)),
+                         ONE_PASS, HEAD_DIM, DQ_BULK)),
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, ORDERED, DQ_BULK)),
+                         ONE_PASS, HEAD_DIM, DQ_BULK)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
-                         n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
-                         MASK_MODE, ORDERED)),
+                         n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)),
         ],
         WORKER_WARPS,
         WORKER_REGS,

@@ -5,10 +5,7 @@ result is bitwise reproducible. For GQA a dK/dV program walks all query heads of
 
 The one-pass variant (``ONE_PASS``, ``deterministic=False``) has the dK/dV kernel also add each tile pair's
 dQ contribution dS K into a float32 ``[B, Hq, Sq, D]`` accumulator with atomic adds: 5 matmuls per tile pair
-instead of 7 and no dQ pass, but the order of the adds, hence dQ's last bits, changes from run to run. With
-``ORDERED`` as well (the ordered one-pass backward) a program adds into each dQ tile only once the key blocks
-ranked before it there have (:mod:`mmsparse.mask.add_order`): an int32 semaphore per (batch, q head, query block)
-counts the adds made, so every float32 sum is formed in one order and dQ is bitwise repeatable."""
+instead of 7 and no dQ pass, but the order of the adds, hence dQ's last bits, changes from run to run."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS
-from ..lists import block_id, visit_slot
+from ..lists import block_id
 from .common import (
     dot,
     dropout_keep,
@@ -42,39 +39,18 @@ def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 
 
 @triton.jit
-def wait_turn(sem, rank):
-    """Spin until the semaphore at ``sem`` counts ``rank`` adds: those of the key blocks ranked before this one.
-    The acquire orders this program's adds after theirs; the value reaches every thread through the scalar
-    atomic's broadcast (one thread polls)."""
-    while tl.atomic_add(sem, 0, sem="acquire", scope="gpu") != rank:
-        pass
-
-
-@triton.jit
-def pass_turn(sem):
-    """Count this program's add at ``sem`` once every thread's atomics are issued (the barrier), released to the
-    next key block's acquire."""
-    tl.debug_barrier()
-    tl.atomic_add(sem, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, dq_ptr, stride_qm, idx_ptr, start,
     stop, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, sm_scale, seed,
-    bh, dropout_p, rank_ptr, sem_ptr, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr, ORDERED: tl.constexpr,
+    bh, dropout_p, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM].
     ``ONE_PASS``: also add each query block's dQ contribution into the float32 rows at ``dq_ptr`` (this head's
-    ``[Sq, HEAD_DIM]``, from a 64-bit base); ``ORDERED``: after the adds of the key blocks ranked before this one
-    (``rank_ptr[slot]``), counted by this head's semaphores at ``sem_ptr`` (one per query block), visiting the
-    blocks in descending order (``lists.visit_slot``; start..stop is all of the full or of the partial blocks).
-    """
+    ``[Sq, HEAD_DIM]``, from a 64-bit base)."""
     for it in range(start, stop):
-        slot = visit_slot(it, start, stop, ORDERED)
-        m_blk = block_id(idx_ptr, slot)
+        m_blk = block_id(idx_ptr, it)
         offs_m = m_blk * BM + offs_m0
         b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
@@ -104,30 +80,24 @@ def _dkdv_tiles(
             # 64-bit row base, 32-bit offsets in the tile (as load_block); relaxed: the adds need only be atomic,
             # the kernel's end orders them before the launcher reads the sum
             p_dq = dq_ptr + (m_blk * BM).to(tl.int64) * HEAD_DIM + offs_m0[:, None] * HEAD_DIM + offs_d[None, :]
-            if ORDERED:
-                wait_turn(sem_ptr + m_blk, tl.load(rank_ptr + slot))
             tl.atomic_add(p_dq, b_dq * sm_scale, mask=(offs_m < seq_q)[:, None] & (offs_d < HEAD_DIM)[None, :],
                           sem="relaxed")
-            if ORDERED:
-                pass_turn(sem_ptr + m_blk)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_tl(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_RANKS, DQ_SEM, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr = False, ORDERED: tl.constexpr = False,
+    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr = False,
 ):
     """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group); with ``ONE_PASS`` also dQ's
-    contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, zeroed by the launcher (unused otherwise). With
-    ``ORDERED`` in the order of DQ_RANKS (int32, the shape of INDICES: each entry's rank among the key blocks that
-    add into its query block) counted by DQ_SEM (int32 ``[B, Hq, cdiv(Sq, BM)]``, zeroed by the launcher)."""
+    contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, zeroed by the launcher (unused otherwise)."""
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_n = tl.program_id(0)
@@ -148,9 +118,6 @@ def attention_dkdv_tl(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_qstart_b, HAS_DROPOUT)
 
-    rank_ptr = DQ_RANKS
-    if ORDERED:  # the entries' add ranks sit at the list's own offset (DQ_RANKS has INDICES' shape)
-        rank_ptr = DQ_RANKS + b64 * stride_idx_b + tl.load(COUNTS + b64 * stride_cnt_b + pid_n * 3 + 2)
     dk = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
     dv = tl.zeros([BN, HEAD_DIM_PAD], tl.float32)
     for g in range(GROUP):
@@ -161,18 +128,17 @@ def attention_dkdv_tl(
                             HEAD_DIM_PAD, USE_TMA)
         do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
         dq_ptr = DQ + row0 * HEAD_DIM  # 64-bit base: B * Hq * Sq * D passes 2^31, as do's does
-        sem_ptr = DQ_SEM + bh.to(tl.int64) * tl.cdiv(seq_q, BM)  # this head's semaphores, one per query block
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
             idx_ptr, 0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
-            qk_scale, sm_scale, seed, bh, dropout_p, rank_ptr, sem_ptr, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL,
-            HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS, ORDERED,
+            qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+            HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
             idx_ptr, n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
-            window, qk_scale, sm_scale, seed, bh, dropout_p, rank_ptr, sem_ptr, BM, HEAD_DIM, True, MASK_MODE,
-            IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS, ORDERED,
+            window, qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+            HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
     out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
     dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
