@@ -105,8 +105,12 @@ class _Skip:
 def _mask(case: Case):
     import torch
 
-    from mmsparse.functional import build_mask_info
     from mmsparse.mask.info import MaskInfo
+
+    try:
+        from mmsparse.mask.build import build_mask_info
+    except ImportError:  # a tree from before the mask's builder had a module of its own
+        from mmsparse.functional import build_mask_info
 
     window = 100 if case.window else None
     seq_q = case.seq_q or SEQ
