@@ -27,12 +27,13 @@ class Tile:
     block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
-    warp_specialize: bool = False
     # > 0 runs the Gluon Hopper kernel of the pass (kernels/gluon/forward.py, dkdv.py, dq.py) at this
     # tile with that many stages where it applies; num_warps and num_stages stay the tl kernel's, which runs the
     # tile elsewhere (dropout, split key lists).
     gluon_stages: int = 0
-    pingpong: bool = False  # Gluon kernels: the two consumer warpgroups take turns to issue their matmuls
+    # The Gluon forward's two consumer warpgroups take turns to issue their matmuls; a backward tile may not ask
+    # for it (KernelConfig refuses it): the dQ and dK/dV kernels have no turns.
+    pingpong: bool = False
     # How the Gluon forward's warpgroups take turns with pingpong (gluon_launch.TURNS): "mbarrier" (a turn
     # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
     # for the turns and the releases: no mbarrier arrive in the consumer loop).
@@ -81,6 +82,15 @@ class KernelConfig:
     # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
     # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
     one_pass_max_keys: int = 2048
+
+    def __post_init__(self) -> None:
+        backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
+                    "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass}
+        for name, tile in backward.items():
+            if tile is not None and tile.pingpong:
+                # said when the config is made rather than ignored: no backward kernel has ping-pong turns
+                raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
+                                 f"turns; give the backward tiles pingpong=False")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys

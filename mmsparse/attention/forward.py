@@ -107,7 +107,7 @@ class _ForwardLaunch:
         self.constexprs = dict(
             NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
             BM=plan.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal, HAS_WINDOW=self.has_window,
-            HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma, WARP_SPEC=tile.warp_specialize,
+            HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma,
             PACK_GQA=plan.pack_rows > 0, num_warps=plan.num_warps, num_stages=tile.num_stages,
         )
         n_rows = batch * num_heads * seq_q

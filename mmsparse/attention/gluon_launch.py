@@ -65,11 +65,12 @@ def run_dq(
     tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
 ) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
-    without dropout, at ``tile`` (block_m 128; block_n, gluon_stages and pingpong are read), over the mask
+    without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read; no ping-pong), over the mask
     arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
     caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for launches that specialise
     alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
     _check_rows(tile.block_m, BLOCK_M)
+    _check_no_pingpong(tile, "dQ")
     batch, num_heads, seq_q, head_dim = q.shape
     mask_tensors, mask_scalars = mask
     pad = head_dim_pad(head_dim)
@@ -80,8 +81,8 @@ def run_dq(
          box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
          qk_scale_log2, softmax_scale),
         dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
-             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS),
+             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, num_warps=4,
+             maxnreg=_LAUNCH_REGS),
         bound, "dq",
     )
 
@@ -93,12 +94,13 @@ def run_dkdv(
     bound: dict[str, Callable[..., None]] | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
-    the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m, gluon_stages (at
-    least 2) and pingpong are read), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
+    the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
+    least 2) are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
     TMA bulk reduce-adds through a descriptor of ``dq_sum``). ``bound``: as :func:`run_dq`'s."""
     _check_rows(tile.block_n, BLOCK_N)
+    _check_no_pingpong(tile, "dK/dV")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     mask_tensors, mask_scalars = mask
@@ -120,7 +122,7 @@ def run_dkdv(
          delta, dq_arg, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
         dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
              BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             PINGPONG=tile.pingpong, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),
+             num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),
         bound, "dkdv",
     )
 
@@ -129,3 +131,10 @@ def _check_rows(planned: int, kernel: int) -> None:
     """The kernel's fixed block size is the planned tile's, whose block lists the mask arguments hold."""
     if planned != kernel:
         raise ValueError(f"the Gluon kernel's blocks have {kernel} rows, the planned tile {planned}")
+
+
+def _check_no_pingpong(tile: Tile, name: str) -> None:
+    """Only the forward takes ping-pong turns: a backward tile that asks for them is refused rather than run
+    without (``KernelConfig`` refuses it when it is made; this covers tiles passed here directly)."""
+    if tile.pingpong:
+        raise ValueError(f"Tile.pingpong is the Gluon forward's: the {name} pass takes no ping-pong turns; got {tile}")

@@ -6,12 +6,12 @@ is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every ba
 invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
 allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
 crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
-a variant uses are initialised (the ping-pong turns only with PINGPONG). The forward's consumer loops are counted
+a variant uses are initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The forward's consumer loops are counted
 too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
 
 The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
-of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, ping-pong on and
-off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
+of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
+ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
 float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of each
 dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
 TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each
@@ -40,7 +40,7 @@ class Variant:
     head_dim: int
     mask: str  # "bits", "codes", "dense"
     causal: bool = False
-    pingpong: bool | None = None  # None: as the config's tile
+    pingpong: bool | None = None  # the forward's; None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     group: int = 2  # query heads per KV head
     one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS), dQ added by atomics
@@ -58,8 +58,8 @@ class Variant:
             "-window" if self.window else "") + ("" if self.group == 2 else f"-group{self.group}")
 
 
-# Each pass at each head dim, each mask mode at D=128 and one or two at D=64, causal on and off, and the ping-pong
-# setting the config does not use where the kernel has it. The D=64 forward and the dQ pass at either head dim
+# Each pass at each head dim, each mask mode at D=128 and one or two at D=64, causal on and off, and the forward's
+# ping-pong setting the config does not use. The D=64 forward and the dQ pass at either head dim
 # reused barrier bytes before their barriers were invalidated.
 VARIANTS = [
     Variant("fwd", 128, "bits", causal=True),
@@ -80,13 +80,11 @@ VARIANTS = [
     Variant("dq", 128, "bits", causal=True),
     Variant("dq", 128, "codes"),
     Variant("dq", 128, "dense", causal=True),
-    Variant("dq", 128, "bits", pingpong=True),
     Variant("dq", 64, "bits"),
     Variant("dq", 64, "dense", causal=True),
     Variant("dkdv", 128, "codes"),
     Variant("dkdv", 128, "bits", causal=True),
     Variant("dkdv", 128, "dense"),
-    Variant("dkdv", 128, "bits", pingpong=True),
     Variant("dkdv", 64, "bits", causal=True),
     # A sliding window: each pass, each mask mode once.
     Variant("fwd", 128, "bits", causal=True, window=True),
@@ -139,16 +137,16 @@ def _tile(variant: Variant):
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
     stage; dK/dV K and V once, done, ready and release per stage, and with the one pass the dS handshake's two;
-    with ping-pong the two turns. The forward's named turns and releases (``turns="named_release"``) are hardware
+    the forward with ping-pong the two turns. Its named turns and releases (``turns="named_release"``) are hardware
     barriers, not mbarriers."""
     tile = _tile(variant)
-    forward = variant.kind in ("fwd", "fwd_short")
-    if forward and tile.pingpong and tile.turns == "named_release":
-        return 1 + 2 * tile.gluon_stages
-    turns = 2 if tile.pingpong else 0
     if variant.kind == "dkdv":
-        return 2 + 2 * tile.gluon_stages + turns + (2 if variant.one_pass else 0)  # one pass: the dS handshake
-    return 1 + 3 * tile.gluon_stages + turns
+        return 2 + 2 * tile.gluon_stages + (2 if variant.one_pass else 0)  # one pass: the dS handshake
+    if variant.kind == "dq":
+        return 1 + 3 * tile.gluon_stages
+    if tile.pingpong and tile.turns == "named_release":
+        return 1 + 2 * tile.gluon_stages
+    return 1 + 3 * tile.gluon_stages + (2 if tile.pingpong else 0)
 
 
 @pytest.fixture(scope="module")

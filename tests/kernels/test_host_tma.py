@@ -140,6 +140,13 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     assert bulk["ONE_PASS"] and bulk["DQ_BULK"] and bulk["STAGES"] == bulk_t.gluon_stages == 3
     assert bulk["DQ"].base is dq_sum and tuple(bulk["DQ"].shape) == (batch * heads, seq, head_dim)
     assert bulk["DQ"].block_shape == [1, 64, 64] and bulk["DQ"].layout.element_bitwidth == 32
+    for run, tile in ((gluon_launch.run_dq, dq_t), (gluon_launch.run_dkdv, dkdv_t)):  # only the forward has turns
+        launched.clear()
+        outputs = torch.empty_like(q) if run is gluon_launch.run_dq else (torch.empty_like(k), torch.empty_like(v))
+        lists = args.tile(tile.block_m, tile.block_n, run is gluon_launch.run_dkdv)
+        with pytest.raises(ValueError, match="Tile.pingpong is the Gluon forward's"):
+            run(q, k, v, q.clone(), rows, rows, outputs, lists, *mask, 1.0, 1.0, replace(tile, pingpong=True))
+        assert not launched
     with pytest.raises(ValueError, match="dq_adds"):
         gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
                               *mask, 1.0, 1.0, replace(bulk_t, dq_adds="tma"), False, dq_sum)

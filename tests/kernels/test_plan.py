@@ -144,6 +144,18 @@ def test_the_removed_deterministic_backward_setting_says_what_to_use(value, devi
     assert not hasattr(KernelConfig, "deterministic_backward")
 
 
+@pytest.mark.parametrize("field", ["bwd_dkdv", "bwd_dq", "bwd_dq_short", "bwd_one_pass", "gluon_one_pass"])
+def test_a_backward_tile_with_pingpong_is_refused_when_the_config_is_made(field):
+    """Only the Gluon forward takes ping-pong turns: a backward tile asking for them is a ValueError naming the
+    field, not a setting silently ignored; forward tiles keep it (the D=128 forward's table tile has it)."""
+    base = cuda_kernel_config(128, torch.bfloat16)
+    assert base.fwd.pingpong and base.fwd_short_samples.pingpong
+    tile = getattr(base, field) or base.bwd_dq
+    with pytest.raises(ValueError, match=rf"KernelConfig.{field} has pingpong=True.*only the Gluon forward"):
+        replace(base, **{field: replace(tile, pingpong=True)})
+    replace(base, decode=replace(base.decode, pingpong=True), fwd_short=replace(base.fwd, pingpong=False))
+
+
 def test_an_unknown_turn_scheme_or_dq_add_mode_is_refused_when_the_tile_is_made():
     """A tile names how the Gluon forward's warpgroups take turns and how the one pass adds dQ; a name the kernels
     do not know is a ValueError at ``Tile(...)`` (or ``replace``), listing the known ones, not at a launch."""

@@ -1,5 +1,5 @@
 """What the three Gluon passes share: the program's block list and mask bundle, the token mask of a partial tile,
-the producer's K/V ring, and the ping-pong turns of the two consumer warpgroups.
+and the producer's K/V ring.
 
 The mask bundle is a tuple that every pass unpacks by these names, never reads by position::
 
@@ -170,34 +170,3 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
         tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
-
-
-@gluon.jit
-def init_turns(turn):
-    """The ping-pong turn barriers (``turn`` is ``[2, 1]``), warpgroup 0 first. Only a PINGPONG variant initialises
-    them: an unused barrier would still have to be invalidated before its bytes hold anything else."""
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0))
-
-
-@gluon.jit
-def invalidate_turns(turn):
-    """Invalidate the turn barriers (:func:`init_turns`) once the partitions have joined."""
-    invalidate_ring(turn, 2)
-
-
-@gluon.jit
-def wait_turn(turn, WG: gl.constexpr, phase, PINGPONG: gl.constexpr):
-    """With PINGPONG, wait until warpgroup WG may issue its matmuls."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), phase)
-
-
-@gluon.jit
-def pass_turn(turn, WG: gl.constexpr, phase, PINGPONG: gl.constexpr):
-    """With PINGPONG, hand the turn to the other warpgroup once WG's matmuls are issued: the next phase."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG))
-        phase ^= 1
-    return phase

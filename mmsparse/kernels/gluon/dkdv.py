@@ -43,15 +43,11 @@ from .common import (
     WORKER_REGS,
     WORKER_WARPS,
     box,
-    init_turns,
     invalidate_ring,
-    invalidate_turns,
-    pass_turn,
     program_lists,
     thread_barrier,
     tma_load,
     tma_store,
-    wait_turn,
 )
 from .dq_adds import add_dq, bulk_add_dq, issue_dq, stage_ds
 
@@ -68,7 +64,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
-    kv_bar, ready, empty, done, _ = barriers
+    kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
@@ -211,21 +207,17 @@ def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.cons
 def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              PINGPONG: gl.constexpr, ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr):
+              ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
-
-    With ``PINGPONG`` the warpgroups take turns to issue each step's first group of matmuls (S^T_i, dP^T_i,
-    dK_{i-1}; the last dK alone), so that one's exponentials run while the other's matmuls do. Both take the same
-    GROUP * n_total + 1 turns (none when the list is empty); warpgroup 0 has the first.
 
     With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
     the two handshake barriers, the float32 staging tiles of ``DQ_BULK``) and adds half of dQ's columns into the
     float32 rows at ``dq_head0`` (the group's first head; with ``DQ_BULK`` the descriptor and that head's index;
     :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
-    kv_bar, ready, empty, done, turn = barriers
+    kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -250,15 +242,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     mbarrier.wait(kv_bar, 0)
     if total > 0:
         # Step 0: no dK of a previous step to issue.
-        turn_phase = 0
         mbarrier.wait(ready.index(0), 0)
         st0, partial = _scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
                                     st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-        wait_turn(turn, WG, turn_phase, PINGPONG)
         do_s = do_smem.index(0)
         st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         st = warpgroup_mma_wait(1, deps=(st,))
         pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(0).load(cols), 0)))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -284,7 +273,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
             st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-            wait_turn(turn, WG, turn_phase, PINGPONG)
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
             dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -292,7 +280,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
                 dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
             else:
                 dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
-            turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
             pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(stage).load(cols), 0)))
@@ -316,14 +303,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
                                     _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM, DQ_BULK), seq_q, sm_scale,
                                     dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
         last = stage if COUNTED else (total - 1) % STAGES
-        wait_turn(turn, WG, turn_phase, PINGPONG)
         if ONE_PASS:
             dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
-            pass_turn(turn, WG, turn_phase, PINGPONG)
             dk, dv, pt_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op))
         else:
             dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
-            pass_turn(turn, WG, turn_phase, PINGPONG)
             dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
         if ONE_PASS:
@@ -345,8 +329,7 @@ def attention_dkdv_gluon(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    PINGPONG: gl.constexpr = False, ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0,
-    DQ_BULK: gl.constexpr = False,
+    ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0, DQ_BULK: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
@@ -398,13 +381,10 @@ def attention_dkdv_gluon(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     # ONE_PASS: both warpgroups' dS^T are staged (0), both have read them for dQ (1)
     ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
-    if PINGPONG:
-        init_turns(turn)
     if ONE_PASS:
         for j in gl.static_range(2):
             mbarrier.init(ds_bars.index(j), count=2)  # one arrival per consumer warpgroup
@@ -414,16 +394,16 @@ def attention_dkdv_gluon(
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
-    barriers = (kv_bar, ready, empty, done, turn)
+    barriers = (kv_bar, ready, empty, done)
     dq_bufs = (ds_smem, k_smem, ds_bars, dq_stage)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, DQ_BULK)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS,
+                         HEAD_DIM, DQ_BULK)),
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG,
-                         ONE_PASS, HEAD_DIM, DQ_BULK)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS,
+                         HEAD_DIM, DQ_BULK)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)),
         ],
@@ -435,7 +415,5 @@ def attention_dkdv_gluon(
     mbarrier.invalidate(done)
     invalidate_ring(ready, STAGES)
     invalidate_ring(empty, STAGES)
-    if PINGPONG:
-        invalidate_turns(turn)
     if ONE_PASS:
         invalidate_ring(ds_bars, 2)

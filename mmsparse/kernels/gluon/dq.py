@@ -31,16 +31,12 @@ from .common import (
     WORKER_WARPS,
     box,
     init_kv_ring,
-    init_turns,
     invalidate_kv_ring,
-    invalidate_turns,
     masked_scores,
-    pass_turn,
     program_lists,
     stream_kv_ring,
     tma_load,
     tma_store,
-    wait_turn,
 )
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -51,7 +47,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
               BN: gl.constexpr, STAGES: gl.constexpr):
     """One warp: Q and dO of both warpgroups once, then the K/V ring."""
     q_smem, do_smem, k_smem, v_smem = buffers
-    qdo_bar, k_ready, v_ready, kv_empty, _ = barriers
+    qdo_bar, k_ready, v_ready, kv_empty = barriers
     mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma_load(q_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(q_smem.index(half)))
@@ -73,11 +69,10 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale,
               BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr):
-    """One warpgroup, 64 query rows: dQ over the listed key blocks. With PINGPONG the two warpgroups take turns
-    to issue each step's matmuls (n_total + 1 turns each), so one forms dS while the other's matmuls run."""
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """One warpgroup, 64 query rows: dQ over the listed key blocks."""
     q_smem, do_smem, k_smem, v_smem = buffers
-    qdo_bar, k_ready, v_ready, kv_empty, turn = barriers
+    qdo_bar, k_ready, v_ready, kv_empty = barriers
     lse_ptr, delta_ptr = row_ptrs
     idx_ptr, n_full, n_total, row0 = blocks
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
@@ -101,14 +96,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(qdo_bar, 0)
     if n_total > 0:
-        turn_phase = 0
         # Block 0: its dS alone.
-        wait_turn(turn, WG, turn_phase, PINGPONG)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(0), 0)
         dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, block_id(idx_ptr, 0), mask_args,
                           qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
@@ -116,13 +108,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
-            wait_turn(turn, WG, turn_phase, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
             dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
-            turn_phase = pass_turn(turn, WG, turn_phase, PINGPONG)
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, block_id(idx_ptr, it), mask_args,
@@ -131,9 +121,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         last = (n_total - 1) % STAGES
-        wait_turn(turn, WG, turn_phase, PINGPONG)
         dq = warpgroup_mma(ds_prev, k_smem.index(last), dq, is_async=True)
-        pass_turn(turn, WG, turn_phase, PINGPONG)
         dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
         mbarrier.arrive(kv_empty.index(last))
 
@@ -150,7 +138,6 @@ def attention_dq_gluon(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    PINGPONG: gl.constexpr,
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` dQ kernel's (no dropout), save that
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
@@ -181,21 +168,18 @@ def attention_dq_gluon(
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(qdo_bar, count=1)
     init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    if PINGPONG:
-        init_turns(turn)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, do_smem, k_smem, v_smem)
-    barriers = (qdo_bar, k_ready, v_ready, kv_empty, turn)
+    barriers = (qdo_bar, k_ready, v_ready, kv_empty)
     row_ptrs = (LSE + bh_rows, DELTA + bh_rows)
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
             (_consumer, (1, buffers, barriers, dq_desc, b, h, row_ptrs, blocks, mask_args, qk_scale, sm_scale, BN,
-                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG)),
+                         HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_total, row0, b, h, h // GROUP,
                          BN, STAGES)),
         ],
@@ -205,5 +189,3 @@ def attention_dq_gluon(
     # Every partition has returned: no barrier is waited on or signalled again.
     mbarrier.invalidate(qdo_bar)
     invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-    if PINGPONG:
-        invalidate_turns(turn)

@@ -41,20 +41,16 @@ from .common import (
     WORKER_WARPS,
     box,
     init_kv_ring,
-    init_turns,
     invalidate_kv_ring,
     invalidate_ring,
-    invalidate_turns,
     masked_scores,
     named_barrier,
     named_barrier_asm,
     named_barrier_at,
-    pass_turn,
     program_lists,
     stream_kv_ring,
     tma_load,
     tma_store,
-    wait_turn,
 )
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -114,6 +110,15 @@ def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, 
 
 
 @gluon.jit
+def _init_turns(turn):
+    """The turn mbarriers of ``TURNS_MBARRIER`` (``turn`` is ``[2, 1]``), warpgroup 0 first. Only that variant
+    initialises them: an unused barrier would still have to be invalidated before its bytes hold anything else."""
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))
+
+
+@gluon.jit
 def _take_turn(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.constexpr):
     """With PINGPONG, wait until warpgroup WG may issue the matmuls of its turn e (0 .. n_total): warpgroup 0 after
     warpgroup 1's turn e - 1, warpgroup 1 after warpgroup 0's turn e."""
@@ -124,7 +129,7 @@ def _take_turn(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.cons
             else:
                 named_barrier(_SYNC_TURN_1)
         else:
-            wait_turn(turn, WG, e & 1, PINGPONG)
+            mbarrier.wait(turn.index(WG), e & 1)
 
 
 @gluon.jit
@@ -138,7 +143,7 @@ def _hand_off(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.const
                 # Warpgroup 0 takes no turn after its last: an arrive nobody syncs with would stay counted.
                 named_barrier(_ARRIVE_TURN_0)
         else:
-            pass_turn(turn, WG, e & 1, PINGPONG)
+            mbarrier.arrive(turn.index(1 - WG))  # the other warpgroup's turn
 
 
 @gluon.jit
@@ -294,7 +299,7 @@ def attention_fwd_gluon(
     else:
         init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:
-            init_turns(turn)
+            _init_turns(turn)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, k_smem, v_smem)
@@ -320,4 +325,4 @@ def attention_fwd_gluon(
     else:
         invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
         if PINGPONG and TURNS == _TURNS_MBARRIER:
-            invalidate_turns(turn)
+            invalidate_ring(turn, 2)

@@ -30,10 +30,10 @@ def _fwd_tiles(
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold key blocks idx[start:stop] into the running (acc, l, m). MASKED applies the exact token mask."""
-    for it in tl.range(start, stop, warp_specialize=WARP_SPEC):
+    for it in range(start, stop):
         n_blk = block_id(idx_ptr, it)
         offs_kv = n_blk * BN + offs_n
         b_k = load_block(k_src, n_blk * BN, offs_kv, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
@@ -68,8 +68,7 @@ def attention_fwd_tl(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, dropout_p, n_splits, split_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    PACK_GQA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, PACK_GQA: tl.constexpr,
 ):
     """One program per (query block, split, batch*head). With n_splits > 1, split s takes list entries
     [s * split_len, (s + 1) * split_len) and writes an fp32 partial (out, lse) at row block s * B * H + batch*head
@@ -132,13 +131,13 @@ def attention_fwd_tl(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, lo,
         tl.minimum(hi, n_full), q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
         qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT,
-        DOT_MODE, USE_TMA, WARP_SPEC,
+        DOT_MODE, USE_TMA,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, b_q, offs_m, offs_n, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr,
         tl.maximum(lo, n_full), hi, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
         window, qk_scale, seed, bh_rows, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
-        HAS_DROPOUT, DOT_MODE, USE_TMA, False,
+        HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
 
     # Rows that attend nothing: l = 0, output 0, and lse = +inf so that the backward's exp2(s - lse) is 0
