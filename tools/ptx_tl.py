@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 PYTHONPATH=TREE python tools/ptx_tl.py OUT [SUBSTRING]
 
-Each case runs mmsparse's own launchers (``attention.forward.mbs_attn_fwd``, ``attention.backward.mbs_attn_bwd``)
+Each case runs mmsparse's own launchers (``attention.call.mbs_attn_fwd`` and ``mbs_attn_bwd``)
 on CPU tensors with every kernel handle replaced: a tl kernel (forward, split combine, delta, dQ, dK/dV and its
 one-pass variant) is compiled as its launch would compile it and written to ``OUT/<case>-<kernel>.ptx``; a Gluon
 launch is skipped (tests/kernels/test_gluon_compiles.py compiles those). The tiles are the config tables' for an
@@ -129,7 +129,13 @@ def _run(case: Case) -> None:
 
     import torch
 
-    from mmsparse.attention import backward, config, forward
+    from mmsparse.attention import config
+
+    try:
+        from mmsparse.attention.call import mbs_attn_bwd, mbs_attn_fwd
+    except ImportError:  # a tree from before calls were planned once
+        from mmsparse.attention.backward import mbs_attn_bwd
+        from mmsparse.attention.forward import mbs_attn_fwd
 
     dtype = getattr(torch, case.dtype)
     cfg = replace(config.cuda_kernel_config(case.head_dim, dtype, gluon=case.gluon), use_tma=case.use_tma)
@@ -142,10 +148,10 @@ def _run(case: Case) -> None:
     seed = torch.zeros(3, dtype=torch.int64) if case.dropout else None
     p = 0.1 if case.dropout else 0.0
     with config.use_config(cfg):
-        forward.mbs_attn_fwd(q, k, v, info, 0.1, p, seed, cfg)
+        mbs_attn_fwd(q, k, v, info, 0.1, p, seed, cfg)
         lse = torch.zeros(1, heads, seq_q)
-        backward.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, p, seed, deterministic=case.deterministic,
-                              config=cfg)
+        mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, p, seed, deterministic=case.deterministic,
+                     config=cfg)
 
 
 def main(out: Path, only: str = "") -> None:

@@ -1,6 +1,7 @@
-"""The backward passes' launcher: delta = rowsum(dO * O), then dQ and dK/dV, each as its Gluon kernel on Hopper
-where the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``,
-the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics."""
+"""The backward passes' launcher, one per call, made at its first backward: delta = rowsum(dO * O), then dQ and
+dK/dV, each as its Gluon kernel on Hopper where the tile has one and as its tl kernel elsewhere, with the same
+numerics; or, with ``deterministic=False``, the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ
+into a float32 accumulator by atomics."""
 
 from __future__ import annotations
 
@@ -17,72 +18,35 @@ from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
-from .config import KernelConfig, cuda_index, head_dim_pad, kernel_config
+from .config import KernelConfig, cuda_index, head_dim_pad
 from .forward import _LOG2E, dot_mode
 from .kernel_args import kernel_args
-from .plan import plan_attention
+from .plan import AttentionPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
 
-def mbs_attn_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    info: MaskInfo,
-    softmax_scale: float,
-    dropout_p: float = 0.0,
-    seed: torch.Tensor | None = None,
-    deterministic: bool = True,
-    config: KernelConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward passes. On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side
-    stream, concurrently with dK/dV: both need only delta, and their programs fill each other's idle SM slots.
-    Every block list either pass reads is built first, on the current stream, before the side stream waits for
-    it: the two passes' lists share summaries (and, for self-attention, code runs), so a list built lazily on
-    the side stream would be read by the dK/dV builder before it was written, and its memory would come from the
-    side stream's pool while the mask that keeps it is used on the current one. The current stream waits for the
-    side stream before returning, so callers, CUDA graphs and the caching allocator (whose blocks stay with the
-    current stream) see one ordered stream.
+class BackwardLaunch:
+    """Everything about one planned backward except the tensors, worked out once per call, at its first backward
+    (:class:`mmsparse.attention.call.CallLaunch` keeps it): the block lists of the call's plan (built when this is
+    made, on the current stream), the mask arguments, grids and constexprs. After their first launch the kernels
+    are called straight through their launchers (``bound``); the strides and every other integer argument come
+    from the call's key, so each launch specialises alike.
 
-    With ``deterministic`` False there is no dQ pass (nor side stream): the dK/dV kernel (the Gluon one where the
-    plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]`` accumulator by atomics,
-    cast to q's dtype at the end.
+    On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side stream, concurrently with dK/dV: both need
+    only delta, and their programs fill each other's idle SM slots. Every block list either pass reads is built
+    first, on the current stream, before the side stream waits for it: the two passes' lists share summaries (and,
+    for self-attention, code runs), so a list built lazily on the side stream would be read by the dK/dV builder
+    before it was written, and its memory would come from the side stream's pool while the mask that keeps it is
+    used on the current one. The current stream waits for the side stream before returning, so callers, CUDA
+    graphs and the caching allocator (whose blocks stay with the current stream) see one ordered stream.
 
-    Args:
-        do: ``[B, Hq, Sq, D]`` contiguous; q, k, v as in the forward; out, lse: the forward's outputs.
-        config: the forward's tiles and thresholds (None: :func:`kernel_config` of this thread's settings now).
+    Where the plan has no dQ pass (``deterministic=False``; nor a side stream then): the dK/dV kernel (the Gluon
+    one where the plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]``
+    accumulator by atomics, cast to q's dtype at the end."""
 
-    Returns:
-        ``(dq, dk, dv)``, contiguous, in the inputs' dtypes; dk, dv are summed over each GQA group.
-    """
-    cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
-    # id(cfg): the launch holds cfg, so the id stays its own while the launch is kept
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, softmax_scale, dropout_p,
-           seed is None, deterministic, id(cfg))
-    launches = kernel_args(info).backward_plans
-    launch = launches.get(key)
-    if launch is None:
-        if len(launches) >= _MAX_PLANS:
-            launches.clear()
-        launch = launches[key] = _BackwardLaunch(q, k, info, cfg, softmax_scale, dropout_p, deterministic)
-    if cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), the launch is not
-        ensure_tma_allocator(q.device)
-    return launch(do, q, k, v, out, lse, seed)
-
-
-class _BackwardLaunch:
-    """Everything about one planned backward except the tensors, worked out once per (mask, shapes, strides,
-    dtype, scale, dropout, determinism, tiles), as the forward's launch is: the plan, the block lists (built when
-    this is made, on the current stream), the mask arguments, grids and constexprs. After their first launch the
-    kernels are called straight through their launchers (``bound``); the strides and every other integer argument
-    come from the key, so each launch specialises alike."""
-
-    def __init__(self, q, k, info: MaskInfo, cfg: KernelConfig, softmax_scale: float, dropout_p: float,
-                 deterministic: bool) -> None:
+    def __init__(self, q, k, info: MaskInfo, cfg: KernelConfig, plan: AttentionPlan, softmax_scale: float,
+                 dropout_p: float) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
         num_kv_heads, seq_k = k.shape[1], k.shape[2]
         d_pad = head_dim_pad(head_dim)
@@ -95,8 +59,7 @@ class _BackwardLaunch:
         self.n_rows = batch * num_heads * seq_q
         self.delta_grid = (cdiv(self.n_rows, 64),)
         self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
-        plan = self.plan = plan_attention(cfg, batch, num_heads, num_kv_heads, seq_q, seq_k, q.device,
-                                          info.sample_len, dropout_p > 0.0, deterministic=deterministic)
+        self.plan = plan
         info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before any fork
         args = kernel_args(info)
         self.dkdv_mask = args.tile(*plan.dkdv.lists)
@@ -119,7 +82,11 @@ class _BackwardLaunch:
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
         self.bound: dict[str, Callable[..., None]] = {}  # the relaunches, after each kernel's first launch
 
-    def __call__(self, do, q, k, v, out, lse, seed):
+    def __call__(self, do, q, k, v, out, lse, seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
+        q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous) and dropout seed."""
+        if self.cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
+            ensure_tma_allocator(self.device)
         plan, device = self.plan, self.device
         seed = seed if seed is not None else lse  # never read without dropout
         strides = (*self.strides, *v.stride()[:3])
@@ -162,9 +129,6 @@ class _BackwardLaunch:
         if self.one_pass:
             dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
         return dq, dk, dv
-
-
-_MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale, determinism) backward launches kept
 
 
 def _dq_accumulator(shape: torch.Size, device: torch.device) -> torch.Tensor:

@@ -13,38 +13,39 @@ from __future__ import annotations
 import torch
 
 from ..mask.info import MaskInfo, mask_from_tuple
-from .backward import mbs_attn_bwd
+from .call import CallLaunch, call_launch
 from .config import Settings, current_settings, kernel_config, settings_by_id
-from .forward import kernel_layout, mbs_attn_fwd
+from .forward import kernel_layout
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
-    seed: torch.Tensor | None, settings: Settings,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels cannot read)."""
+    seed: torch.Tensor | None, settings: Settings, deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, CallLaunch]:
+    """(out, lse, the call's launches) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels
+    cannot read). The config is read here, from ``settings``, once for the forward and its backward."""
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
-    return mbs_attn_fwd(kernel_layout(q), kernel_layout(k), kernel_layout(v), info, softmax_scale, dropout_p, seed,
-                        config)
+    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, config)
+    out, lse = launch.forward(q, k, v, seed)
+    return out, lse, launch
 
 
 def _backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool,
-    settings: Settings,
+    info: MaskInfo, seed: torch.Tensor | None, launch: CallLaunch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward's inputs, as :func:`_forward` laid them out."""
-    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
-    grad_out = kernel_layout(grad_out.contiguous())
+    """(dq, dk, dv) of the forward's inputs, with the forward's launches (``launch``): nothing is planned again."""
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    return mbs_attn_bwd(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, config)
+    return launch.backward(info, q, k)(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
-    seed: torch.Tensor | None, settings: Settings | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units)``.
+    seed: torch.Tensor | None, settings: Settings | None = None, deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, CallLaunch | None]:
+    """The forward: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units, launch)``: ``launch`` is the call's
+    plan and launches, for :func:`attention_backward` (None when traced: the op plans inside).
 
     Args:
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``.
@@ -52,29 +53,41 @@ def attention_forward(
             (``new_dropout_seed``).
         settings: ``use_config``'s, as read when the call began (None: this thread's now); the backward must
             get the same.
+        deterministic: the backward the call plans (False: the one-pass backward, dQ by atomic adds).
     """
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
-        return _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
-                       settings.id)
-    return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
+        out, lse = _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
+                           settings.id)
+        return out, lse, None
+    return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
-    settings: Settings | None = None,
+    settings: Settings | None = None, launch: CallLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
     ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable). ``settings``: the
-    forward's (None: this thread's now)."""
+    forward's (None: this thread's now). ``launch``: the forward's (None: found again from the arguments)."""
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
                        dropout_p, window, deterministic, settings.id)
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
+    if launch is None:
+        launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
+    return _backward(grad_out, q, k, v, out, lse, info, seed, launch)
+
+
+def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
+               dropout_p: float, seed: torch.Tensor | None, deterministic: bool, settings: Settings) -> CallLaunch:
+    """The launches a forward with these arguments made (or makes now): a backward run without its forward's."""
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
+    return call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, config)
 
 
 OP_VERSION = 2  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
@@ -93,7 +106,8 @@ def _fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     settings = settings_by_id(settings_id)
     info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
-    return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
+    out, lse, _ = _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
+    return out, lse
 
 
 @_fwd_op.register_fake
@@ -112,7 +126,8 @@ def _bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     settings = settings_by_id(settings_id)
     info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
+    launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
+    return _backward(grad_out, q, k, v, out, lse, info, seed, launch)
 
 
 @_bwd_op.register_fake

@@ -1,5 +1,5 @@
 """The forward pass's launcher: the plan's kernel (the Gluon one on Hopper where it applies, else tl), with the
-launch worked out once per mask and shapes."""
+launch worked out once per call (:mod:`mmsparse.attention.call` keeps it)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
-from .config import KernelConfig, head_dim_pad, kernel_config
+from .config import KernelConfig, head_dim_pad
 from .kernel_args import kernel_args
-from .plan import ForwardPass, plan_attention
+from .plan import ForwardPass
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
 
@@ -37,58 +37,14 @@ def dot_mode(q: torch.Tensor) -> int:
     return DOT_TF32X3 if q.dtype == torch.float32 else DOT_NATIVE
 
 
-def mbs_attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    info: MaskInfo,
-    softmax_scale: float,
-    dropout_p: float = 0.0,
-    seed: torch.Tensor | None = None,
-    config: KernelConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel.
-
-    Args:
-        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``; last dim contiguous.
-        info: the mask (bits or dense) and its block lists.
-        softmax_scale: multiplies q.k.
-        dropout_p, seed: dropout probability and the int64 ``[3]`` seed (key, query and key position offsets)
-            on q's device.
-        config: the call's tiles and thresholds (None: :func:`kernel_config` of this thread's settings now).
-
-    Returns:
-        ``(out [B, Hq, Sq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
-    """
-    cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
-    # id(cfg): the launch holds cfg, so the id stays its own while the launch is kept
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p, seed is None,
-           id(cfg))
-    launches = kernel_args(info).forward_plans
-    launch = launches.get(key)
-    if launch is None:
-        batch, num_heads, seq_q, _ = q.shape
-        plan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device, info.sample_len,
-                              dropout_p > 0.0)
-        info.prepare(plan.list_tiles(backward=False), cfg.compact_bytes)  # on the current stream, before any launch
-        if len(launches) >= _MAX_PLANS:
-            launches.clear()
-        launch = launches[key] = _ForwardLaunch(q, k, v, info, cfg, plan.forward, softmax_scale, dropout_p)
-    if cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), the launch is not
-        ensure_tma_allocator(q.device)
-    if launch.gluon:
-        return _hopper_forward(q, k, v, launch, softmax_scale * _LOG2E)
-    return launch(q, k, v, seed)
-
-
-class _ForwardLaunch:
+class ForwardLaunch:
     """Everything about one planned forward launch except q, k, v, the outputs and the seed, worked out once per
-    (mask, shapes, strides, dtype, scale, dropout, tiles): a repeated small call is bound by host work. After its
+    call (:class:`mmsparse.attention.call.CallLaunch`): a repeated small call is bound by host work. After its
     first launch it calls the compiled kernel straight through its launcher (:meth:`FastKernel.bind`); the strides
     and every other integer argument come from its key, so each launch specialises alike. Its mask arguments are
     read from lists built before it was made."""
 
-    def __init__(self, q, k, v, info: MaskInfo, cfg, plan: ForwardPass, softmax_scale: float,
+    def __init__(self, q, k, v, info: MaskInfo, cfg: KernelConfig, plan: ForwardPass, softmax_scale: float,
                  dropout_p: float) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
         tile = plan.tile
@@ -100,7 +56,8 @@ class _ForwardLaunch:
         self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
         n_splits = self.n_splits = plan.n_splits
         key_blocks = cdiv(info.seq_k, tile.block_n)
-        self.scalars = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars, softmax_scale * _LOG2E,
+        self.qk_scale_log2 = softmax_scale * _LOG2E
+        self.scalars = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars, self.qk_scale_log2,
                         dropout_p, n_splits, cdiv(key_blocks, n_splits))
         d_pad = head_dim_pad(head_dim)
         self.grid = (plan.row_blocks * n_splits, plan.bh_programs)
@@ -119,6 +76,11 @@ class _ForwardLaunch:
         self.bound: dict[str, Callable[..., None]] = {}  # the Gluon forward's relaunch (gluon_launch.run_forward)
 
     def __call__(self, q, k, v, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the call's q, k, v (laid out by :func:`kernel_layout`) and dropout seed."""
+        if self.cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), not per launch
+            ensure_tma_allocator(self.device)
+        if self.gluon:
+            return _hopper_forward(q, k, v, self)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         o_dst, lse_dst = out, lse
@@ -140,11 +102,11 @@ class _ForwardLaunch:
         return out, lse
 
 
-def _hopper_forward(q, k, v, launch: _ForwardLaunch, qk_scale_log2: float):
+def _hopper_forward(q, k, v, launch: ForwardLaunch):
     """The Gluon Hopper forward (the plan chose it: the tile has one, no dropout, no split key lists)."""
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
-    return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, qk_scale_log2, launch.tile,
+    return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, launch.qk_scale_log2, launch.tile,
                                     launch.has_window, bound=launch.bound)
 
 
@@ -163,5 +125,4 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype)
                                              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
                                              BR=_COMBINE_ROWS)
     return out, lse
-_MAX_PLANS = 16  # per mask: distinct (shape, stride, dtype, scale) launches kept
 _LOG2E = math.log2(math.e)

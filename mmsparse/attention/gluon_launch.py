@@ -36,7 +36,7 @@ def run_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of ``forward.mbs_attn_fwd`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
+    """The forward of ``forward.ForwardLaunch`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
     that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
     ``bound``: as :func:`run_dq`'s."""

@@ -29,7 +29,7 @@ LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
 
 class KernelArgs:
     """The kernels' view of one mask: its arguments per tile, kept (a small call is bound by host work), and the
-    forward and backward launchers' plans (:mod:`mmsparse.attention.forward` and ``.backward`` own them).
+    launches of its calls (:mod:`mmsparse.attention.call` owns them).
 
     The mask holds this object (``info.kernel_args``) and this object holds the mask only weakly: a strong
     reference back would make a cycle, which reference counting never frees. Every mask that had run a kernel
@@ -37,12 +37,11 @@ class KernelArgs:
     lists on the device until the cyclic garbage collector's next full collection, which in a training loop comes
     every few hundred or thousand steps (the soak's saw-tooth in allocated memory)."""
 
-    __slots__ = ("_info", "forward_plans", "backward_plans", "_tiles")
+    __slots__ = ("_info", "calls", "_tiles")
 
     def __init__(self, info: MaskInfo) -> None:
         self._info = weakref.ref(info)
-        self.forward_plans: dict[tuple, object] = {}
-        self.backward_plans: dict[tuple, object] = {}
+        self.calls: dict[tuple, object] = {}
         self._tiles: dict[TileKey, LaunchArgs] = {}
 
     @property

@@ -103,7 +103,8 @@ def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piec
                   dropout_p: float = 0.0, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing. With dropout, ``seed`` is the
     piece's (:func:`piece_seeds`)."""
-    return attention_forward(q, k, v, piece.info, scale, dropout_p, seed)
+    out, lse, _ = attention_forward(q, k, v, piece.info, scale, dropout_p, seed)
+    return out, lse
 
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

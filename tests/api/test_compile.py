@@ -103,17 +103,18 @@ def test_traced_tensor_topology_checks_its_values_when_run(device):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkeypatch):
     """deterministic=False reaches the backward launcher through the traced graph (under aot_eager, through the
-    custom op), and the compiled gradients are the eager one-pass gradients up to float32 accumulation order."""
-    from mmsparse.attention import custom_ops
+    custom op): its plan has no dQ pass (the one pass); the compiled gradients are the eager one-pass gradients up to
+    float32 accumulation order."""
+    from mmsparse.attention import backward
 
-    seen = []
-    real = custom_ops.mbs_attn_bwd
+    seen = []  # per backward launch: deterministic, as the launcher's plan says (a dQ pass: the two passes)
+    real = backward.BackwardLaunch.__call__
 
-    def recording(*args, **kwargs):
-        seen.append(args[10] if len(args) > 10 else kwargs.get("deterministic", True))
-        return real(*args, **kwargs)
+    def recording(self, *args, **kwargs):
+        seen.append(self.plan.dq is not None)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(custom_ops, "mbs_attn_bwd", recording)
+    monkeypatch.setattr(backward.BackwardLaunch, "__call__", recording)
     torch._dynamo.reset()
     matrix, seg = _fresh(TYPES, 12), SEG + (0,) * 12
     q, k, v = _qkv(device)

@@ -24,13 +24,13 @@ def backward_plans(monkeypatch):
     """(thread name, config, AttentionPlan) of every backward run while the test runs (on a GPU autograd runs the
     backward on a thread of its own)."""
     plans = []
-    original = backward_module._BackwardLaunch.__call__
+    original = backward_module.BackwardLaunch.__call__
 
     def recording(self, *args, **kwargs):
         plans.append((threading.current_thread().name, self.cfg, self.plan))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(backward_module._BackwardLaunch, "__call__", recording)
+    monkeypatch.setattr(backward_module.BackwardLaunch, "__call__", recording)
     return plans
 
 

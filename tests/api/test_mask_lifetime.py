@@ -1,6 +1,6 @@
 """Masks go when nothing uses them: freed by reference counting alone, not left for the cyclic garbage collector.
 
-A mask that has run a kernel holds its kernel arguments (``info.kernel_args``: per-tile arguments, forward plans).
+A mask that has run a kernel holds its kernel arguments (``info.kernel_args``: per-tile arguments, call launches).
 When those held the mask back, every mask formed a cycle, and a training loop with new lengths every step kept
 each evicted cached mask and each mask built from a length tensor, with its token bits and block lists on the
 device, until the collector's next full collection: on an H100 the soak (tests/stress/soak.py) grew by ~100 KB a
@@ -65,7 +65,7 @@ def test_a_mask_that_ran_forward_and_backward_is_freed_by_refcount(device):
         mbs_attention(q, k, v, TOPOLOGY, lens, causal=True).sum().backward()  # builds its own mask, as the step
         out = functional.attention_with_info(q, k, v, info, None, 0.0)
         out.sum().backward()
-        assert info.kernel_args is not None and info.kernel_args.forward_plans  # it ran the kernels
+        assert info.kernel_args is not None and info.kernel_args.calls  # it ran the kernels
         ref = weakref.ref(info)
         del info, out
         assert ref() is None, "the mask outlives its last user: a reference cycle keeps it"

@@ -43,7 +43,7 @@ def test_plans_follow_layout_heads_and_scale(device):
         if transposed:
             q, k, v = _transposed(q), _transposed(k), _transposed(v)
         check_against_reference(q, k, v, HUB, LENS, softmax_scale=scale)
-    assert len(kernel_args(build_mask_info(HUB, LENS, S, S, False, q.device)).forward_plans) == 4
+    assert len(kernel_args(build_mask_info(HUB, LENS, S, S, False, q.device)).calls) == 4
 
 
 def test_decode_plans_split_and_combine(device):
@@ -53,7 +53,8 @@ def test_decode_plans_split_and_combine(device):
     for _ in range(3):
         q, k, v = make_qkv(1, 2, 1, seq_q, S, 16, torch.float32, device, generator)
         check_against_reference(q, k, v, HUB, LENS, causal=True)
-    (plan,) = kernel_args(build_mask_info(HUB, LENS, seq_q, S, True, q.device)).forward_plans.values()
+    (call,) = kernel_args(build_mask_info(HUB, LENS, seq_q, S, True, q.device)).calls.values()
+    plan = call.forward
     if device.type == "cpu":
         assert plan.n_splits > 1
 

@@ -1,19 +1,19 @@
 """The Gluon Hopper kernels compile for sm_90 on any machine, and their PTX keeps every mbarrier's bytes to itself.
 
-Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release
-renamed, or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant
-is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every barrier a variant initialises is
-invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
-allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
-crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
-a variant uses are initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The forward's consumer loops are counted
-too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
+Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release renamed,
+or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant is then read
+for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every barrier a variant initialises is invalidated, and no
+plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's allocator hand its
+bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then crashed (misaligned
+address, illegal memory access) or hung. The variant count is also checked: only the barriers a variant uses are
+initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The forward's consumer loops are
+counted too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
 
-The variants are the tiles the config launches (``ops.config``: D=64 and D=128, the forward's 128x64 tile for packs
-of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
-ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be relaxed
-float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of each
-dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
+The variants are the tiles the config launches (``attention.config``: D=64 and D=128, the forward's 128x64 tile for
+packs of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
+ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must
+be relaxed float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of
+each dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
 TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each
 variant's PTX and ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR
 [SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING) and prints one line a kernel.

@@ -89,7 +89,7 @@ def _main(out: Path) -> None:
 
     import torch
 
-    from mmsparse.attention import backward, config
+    from mmsparse.attention import call, config
     from mmsparse.kernels.constants import DOT_NATIVE
     from mmsparse.mask.build import build_mask_info
     from mmsparse.mask.info import MaskInfo
@@ -117,6 +117,8 @@ def _main(out: Path) -> None:
         def bind(self, grid, args, kwargs):
             return None
 
+    from mmsparse.attention import backward
+
     backward._DKDV, backward._DELTA = Compile(backward._DKDV), Skip()
     backward.dot_mode = lambda q: DOT_NATIVE  # the GPU's mode for bf16 (the CPU upcasts)
     seq = 384
@@ -138,7 +140,7 @@ def _main(out: Path) -> None:
         cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16, gluon=False), use_tma=use_tma)
         seed = torch.zeros(3, dtype=torch.int64) if dropout else None
         with config.use_config(cfg):
-            backward.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, 0.1 if dropout else 0.0, seed,
+            call.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, 0.1 if dropout else 0.0, seed,
                                   deterministic=False)
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from mmsparse import CAUSAL
-from mmsparse.attention.backward import mbs_attn_bwd
+from mmsparse.attention.call import mbs_attn_bwd, mbs_attn_fwd
 from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, kernel_config, use_config
-from mmsparse.attention.forward import mbs_attn_fwd
 from mmsparse.attention.kernel_args import kernel_args, list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
 from mmsparse.mask import info as mask_info

@@ -11,7 +11,7 @@ sync), causal. Every ``--every`` steps it records:
 - compiled variants of every Triton kernel of mmsparse (``compiled_variants``: Triton's own cache) and the entries
   of every ``FastKernel`` launch cache,
 - the size of every module-level dict and ``functools`` cache of the mmsparse modules loaded, of the cached masks'
-  own state (forward plans, block lists, per-stream copies) and of the model's ``TritonMBSAttnKernel`` caches.
+  own state (call launches, block lists, per-stream copies) and of the model's ``TritonMBSAttnKernel`` caches.
 
 After ``--warmup`` steps everything should be flat. The verdict compares the first and the last quarter of the
 records after warm-up: memory (the medians' ratio; the least-squares slope in bytes per step is reported) must not
@@ -181,8 +181,8 @@ def cache_sizes(model: nn.Module) -> dict[str, int]:
     masks = CACHE.masks(copies=True)
     sizes["mmsparse.mask.cache.CACHE (per-stream copies)"] = len(masks) - len(CACHE.masks())
     sizes["mmsparse.mask.cache.CACHE (block lists)"] = sum(len(info._lists) for info in masks)
-    sizes["mmsparse.mask.cache.CACHE (forward plans)"] = sum(
-        len(getattr(info.kernel_args, "forward_plans", ())) for info in masks)
+    sizes["mmsparse.mask.cache.CACHE (call launches)"] = sum(
+        len(getattr(info.kernel_args, "calls", ())) for info in masks)
     sizes["model: TritonMBSAttnKernel._infos"] = sum(
         len(m._infos) for m in model.modules() if isinstance(m, TritonMBSAttnKernel))
     return sizes

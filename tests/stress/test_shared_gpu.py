@@ -16,7 +16,9 @@ pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stre
 
 def test_mixed_children_run_to_the_end_and_are_recorded(capsys, tmp_path):
     # Training and inference children through the interpreter, both warmed up first; the run lands in the record.
-    assert shared_gpu.main(["--procs", "2", "--seconds", "1", "--device", "cpu", "--mode", "mixed",
+    # An interpreted call with a new mask takes seconds, and tens of them on a loaded 2-core machine: the stall
+    # time (25 s by default, for GPU calls of milliseconds) would read a slow child as a hung one.
+    assert shared_gpu.main(["--procs", "2", "--seconds", "1", "--device", "cpu", "--mode", "mixed", "--stall", "600",
                             "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "process 0 (train): ok" in out and "process 1 (infer): ok" in out and "all ran to the end" in out
