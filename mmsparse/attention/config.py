@@ -18,7 +18,6 @@ from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
-DQ_ADD_MODES = ("atomic", "bulk")  # Tile.dq_adds
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,10 @@ class Tile:
     # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
     # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
-    # How the Gluon one-pass backward adds dQ (gluon_launch.DQ_ADDS; read only there): "atomic" (relaxed float32
-    # atomics from registers) or "bulk" (a float32 staging tile per warpgroup and a TMA bulk reduce-add; at D=128
-    # its 32 KB fit beside 3 stages, not 4: GLUON_ONE_PASS_BULK).
-    dq_adds: str = "atomic"
 
     def __post_init__(self) -> None:
         if self.turns not in TURN_SCHEMES:
             raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
-        if self.dq_adds not in DQ_ADD_MODES:
-            raise ValueError(f"Tile.dq_adds must be one of {list(DQ_ADD_MODES)}; got {self.dq_adds!r}")
 
     @property
     def gluon(self) -> bool:
@@ -65,10 +58,11 @@ class KernelConfig:
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
     # The tl one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not
-    # bwd_dkdv's; where bwd_dkdv is a Gluon tile the one-pass runs there (the Gluon kernel), save with dropout.
+    # bwd_dkdv's; where the Gluon one-pass runs (gluon_one_pass), the tl one runs only with dropout.
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
-    # The Gluon one-pass backward's tile (its stages and Tile.dq_adds), if not bwd_dkdv's; block_n 128.
+    # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
+    # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there.
     gluon_one_pass: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
@@ -91,6 +85,9 @@ class KernelConfig:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
                 raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
                                  f"turns; give the backward tiles pingpong=False")
+        if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
+            raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
+                             f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -112,15 +109,15 @@ class KernelConfig:
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
     def one_pass_runs_gluon(self, dropout: bool = False) -> bool:
-        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, and no dropout
-        (no Gluon kernel has it)."""
-        return self.bwd_dkdv.gluon and not dropout
+        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, the config has a
+        Gluon one-pass tile (``gluon_one_pass``), and no dropout (no Gluon kernel has it)."""
+        return self.bwd_dkdv.gluon and self.gluon_one_pass is not None and not dropout
 
     def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
-        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``, else the
-        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`."""
-        if self.one_pass_runs_gluon(dropout):
-            return self.gluon_one_pass if self.gluon_one_pass is not None else self.bwd_dkdv
+        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``; elsewhere
+        the tl kernel's :meth:`one_pass_tile`."""
+        if self.gluon_one_pass is not None and self.one_pass_runs_gluon(dropout):
+            return self.gluon_one_pass
         return self.one_pass_tile()
 
     def one_pass(self, seq_k: int) -> bool:
@@ -350,7 +347,7 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds (Tile.dq_adds="bulk"), for
+# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for
 # KernelConfig.gluon_one_pass. Shared memory per CTA: at D=128 K, V and 4 stages of Q and dO take 192 KB, the dS^T
 # tiles 16 KB and the rows 4 KB, so the two 64 x 64 float32 staging tiles (32 KB) fit only with 3 stages
 # (~211 KB of 227); 2 x 32-column pieces (16 KB) would still pass 227 KB at 4 stages. At D=64 all of it takes
@@ -358,8 +355,8 @@ _GLUON_DKDV = {
 # 0.81-0.97x at D=128 over 13k-43k keys, 1.03x at D=64, against the register atomics' 0.73-0.79x and 0.97x;
 # seed 1.11x against 0.99x: the Gluon one pass's tile (the ordered one-pass keeps bwd_dkdv's: it adds by atomics).
 GLUON_ONE_PASS_BULK = {
-    64: replace(_GLUON_DKDV[64], dq_adds="bulk"),
-    128: replace(_GLUON_DKDV[128], gluon_stages=3, dq_adds="bulk"),
+    64: _GLUON_DKDV[64],
+    128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
 # Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.
