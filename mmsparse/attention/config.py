@@ -71,10 +71,8 @@ class KernelConfig:
     short_keys: int = 2048
     short_samples: int = 4096
     compact_bytes: int = COMPACT_BYTES
-    # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there. H200,
-    # bf16 (benchmarks/results/h200/one_pass.md): the tl one-pass (dQ by per-element atomics) is 1.14x the
-    # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
-    # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
+    # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there, where the
+    # two passes were faster (docs/performance.md, "The tile tables' reasons").
     one_pass_max_keys: int = 2048
 
     def __post_init__(self) -> None:
@@ -151,9 +149,7 @@ _INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile
 
 def _cuda_config(head_dim_pad: int) -> KernelConfig:
     if head_dim_pad <= 64:
-        # H100, D=64: 64-row forward tiles beat 128 rows by 2-13% (seed 90 vs 104 us, mm13k 1352 vs 1382 us).
-        # Below SHORT_KEYS keys 32-key tiles skip more of the seed's ragged partial blocks: its forward kernel
-        # 79 vs 91 us (64x16 100, 128x32 117, 32x32 153 us), while 64x64 stays best at 13k.
+        # 64-row forward tiles beat 128 rows; below SHORT_KEYS 32-key tiles skip more ragged partial blocks.
         return KernelConfig(
             fwd=Tile(64, 64, num_warps=4, num_stages=2),
             fwd_short=Tile(64, 32, num_warps=4, num_stages=2),
@@ -162,12 +158,8 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
     if head_dim_pad <= 128:
-        # Measured on an H200 (docs/performance.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
-        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile. Decode (H100, 8 x 32
-        # heads over 8k-32k caches): 16x64 with 2 warps and 3 stages is the best of 16x{32,64,128} with 2/4
-        # warps (q_len 1 over 32k: 0.47 ms, vs 0.64 with 4 warps and 0.86 with the 128x64 forward tile).
-        # Since dP is issued before the exponentials, 2 dK/dV stages beat 3 on the H100 (mm13k backward -2.4% /
-        # -3.5%); for dQ, 3 stages stay best.
+        # The fastest measured of each pass: one warpgroup at 128x64 in the forward, 16x64 with 2 warps decoding,
+        # 2 dK/dV stages (dP issued before the exponentials) and 3 dQ stages.
         return KernelConfig(
             fwd=Tile(128, 64, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=2),
@@ -303,57 +295,35 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     return cfg
 
 
-# H100, the six mm13k/mm43k configs, one process (docs/performance.md): the Gluon forward with 128-key
-# tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
-# stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
-# the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
-# are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
-# needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory. Those ping-pong timings
-# had turn mbarriers (turns="mbarrier"); named turns and releases (turns="named_release") run the D=128 forward
-# 1.006-1.046x faster on an H200, bit-equal (benchmarks/results/h200/fwd_turns.md: mm13k_cyclic, mm13k_hub,
-# mm43k_cyclic, transfusion_16k). D=64 with ping-pong (same record, mm13k_hub_d64): 3 stages 1.014x (mbarrier) and
-# 1.020x (named_release) the 2 stages without, within the run's spread, 2 stages with named releases 0.80x; the
-# table keeps D=64 as it was.
+# The Gluon forward (the reasons and timings of each table: docs/performance.md, "The tile tables' reasons"): 128-key
+# tiles; ping-pong with named turns and releases at D=128, the fastest there; D=64 gained nothing from ping-pong.
+# num_warps and num_stages are the tl kernel's, which runs the tile with dropout or split key lists.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
 }
-# Packs of short samples (64k tokens, hub, causal per sample; H100, forward alone, Gluon 128x128 / 128x64 time):
-# 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
-# A row block meets a few partial tiles, and 64-key tiles waste less of them; pack_64k_x512 at 128x64: 3 stages
-# 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
-# not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES). Its lists
-# are a few blocks long, and the turn mbarriers beat named turns and releases there (pack_64k_x512 on an H200,
-# h200/fwd_turns.md: named_release 0.983x).
+# Packs of short samples: a row block meets a few partial tiles, which 64-key tiles waste less of; their short lists
+# keep the turn mbarriers, which beat named turns and releases there.
 _GLUON_FWD_SHORT_SAMPLES = {
     128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="mbarrier"),
 }
-# The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
-# process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;
-# 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3. D=64 (with the host-side descriptors):
-# 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so D=64 keeps the tl pass below
-# SHORT_KEYS; 4 stages 0.95-1.06x, 5 stages as 3. The tl dQ kernel runs this tile with dropout.
+# The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers), the
+# fastest stage count per head dim; D=64 keeps the tl pass below SHORT_KEYS, where the Gluon one was slower. The tl
+# dQ kernel runs this tile with dropout.
 _GLUON_DQ = {
     64: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3),
     128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4),
 }
 _GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ tile
 # The Gluon dK/dV pass (kernels/gluon/dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
-# A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
-# step waited for its loads. H100, the pass alone (docs/performance.md): 4 stages (196 KB of shared
-# memory at D=128) 1.12-1.36x over 2 at D=128 (3 stages spill 48 B and gain less), 1.02-1.03x over 3 at D=64.
-# The ping-pong option gave nothing (0.96-1.04x). The tl kernel runs the tile with dropout.
+# A stage is held for two steps (its Q feeds the next step's dK), so 4 stages, the fastest, give the producer slack.
+# The tl kernel runs the tile with dropout.
 _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for
-# KernelConfig.gluon_one_pass. Shared memory per CTA: at D=128 K, V and 4 stages of Q and dO take 192 KB, the dS^T
-# tiles 16 KB and the rows 4 KB, so the two 64 x 64 float32 staging tiles (32 KB) fit only with 3 stages
-# (~211 KB of 227); 2 x 32-column pieces (16 KB) would still pass 227 KB at 4 stages. At D=64 all of it takes
-# ~132 KB. H200, bf16, backward against the two passes in one run (tools/one_pass.py, h200/one_pass.md): bulk
-# 0.81-0.97x at D=128 over 13k-43k keys, 1.03x at D=64, against the register atomics' 0.73-0.79x and 0.97x;
-# seed 1.11x against 0.99x: the Gluon one pass's tile (the ordered one-pass keeps bwd_dkdv's: it adds by atomics).
+# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for KernelConfig.gluon_one_pass: at D=128 its
+# two 32 KB float32 staging tiles fit in shared memory beside 3 stages of Q and dO, not 4.
 GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
