@@ -43,6 +43,7 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
+    load_resident_halves,
     program_lists,
     thread_barrier,
     tma_load,
@@ -66,10 +67,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma_load(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
-        tma_load(v_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(v_smem.index(half)))
+    load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for g in range(GROUP):
         h = hk * GROUP + g
