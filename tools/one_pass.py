@@ -1,25 +1,22 @@
-"""The one-pass backwards against the default two-pass one, config by config: the one-pass (``deterministic=False``:
-on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``) and the same adding dQ by
-register atomics ("one-pass-atomic": the Gluon kernel at the dK/dV tile; elsewhere both are the tl kernel), each
-checked against the float32 reference, their gradients against the two passes', each one-pass dQ's run-to-run
-differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at
-every length here (``use_config(one_pass_max_keys=...)``); a call alone runs them only below that many keys.
+"""The one-pass backward against the default two-pass one, config by config: the one pass (``deterministic=False``:
+on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding
+it by atomics), both checked against the float32 reference, the one pass's gradients against the two passes', its
+dQ's run-to-run differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass
+kernel runs at every length here (``use_config(one_pass_max_keys=...)``); a call alone runs it only below that many
+keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
-    python -m tools.one_pass --sides two-pass,one-pass     # leave a side out
+    python -m tools.one_pass --sides one-pass,two-pass     # the one pass as the baseline
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import statistics
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +38,14 @@ from mmsparse.attention.config import kernel_config
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
-# name: (deterministic, whether the Gluon one pass adds dQ by register atomics at the dK/dV tile instead of the
-# config's gluon_one_pass); the first side given is the baseline of the others
-SIDES = {"two-pass": (True, False), "one-pass": (False, False), "one-pass-atomic": (False, True)}
-ONE_PASS_SIDES = ("one-pass", "one-pass-atomic")
+# name: the deterministic argument; the first side given is the baseline of the others
+SIDES = {"two-pass": True, "one-pass": False}
 
 
 def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
     """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with the ``deterministic`` of ``side``
-    (``SIDES``); its tiles are set around whatever runs the backward (:func:`side_setting`)."""
-    deterministic = SIDES[side][0]
+    (``SIDES``)."""
+    deterministic = SIDES[side]
     topology = call_topology(cfg)
     if cfg.packed:
         rows = [list(r) for r in cfg.seg_lens]
@@ -60,21 +55,10 @@ def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
                                                   deterministic=deterministic)
 
 
-@contextlib.contextmanager
-def side_setting(side: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """The tiles of ``side``: the call reads them when its forward runs, so the block covers forward and backward.
-    The atomic side runs the device's config without its Gluon one-pass tile."""
-    tiles = None
-    if SIDES[side][1]:
-        tiles = dataclasses.replace(kernel_config(cfg.head_dim, dtype, device), gluon_one_pass=None)
-    with mmsparse.use_config(tiles):
-        yield
-
-
 def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> str:
     """The tile the one pass runs at under the current config, as the record shows it."""
     x = kernel_config(cfg.head_dim, dtype, device).one_pass_kernel_tile()
-    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages} {x.dq_adds}" if x.gluon else " tl")
+    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages} bulk" if x.gluon else " tl")
 
 
 def grads(case: Case, fn: TensorFn) -> tuple[torch.Tensor, ...]:
@@ -95,19 +79,18 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, timing: Timing,
                    sides: tuple[str, ...] = tuple(SIDES)) -> dict[str, Any]:
-    """One config's row: correctness of each side, the one-pass sides' differences from the two passes (the first
-    side) and their dQ's run-to-run differences, and the backward's time and memory of each."""
+    """One config's row: correctness of each side, the other side's differences from the first, the one pass's dQ
+    run-to-run differences, and the backward's time and memory of each."""
     case = Case.make(cfg, device, dtype)
     fns = {side: attention_fn(cfg, side) for side in sides}
     row: dict[str, Any] = {"config": cfg.name}
     results = {}
     for side, fn in fns.items():
-        with side_setting(side, cfg, device, dtype):
-            res = check(case, Impl(fn), grads=True)
-            results[side] = grads(case, fn)
-            again = grads(case, fn) if side in ONE_PASS_SIDES else None
-            if side in ONE_PASS_SIDES:
-                row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype)
+        res = check(case, Impl(fn), grads=True)
+        results[side] = grads(case, fn)
+        again = grads(case, fn) if side == "one-pass" else None
+        if side == "one-pass":
+            row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype)
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
         if again is not None:  # run to run: the atomic adds' order
@@ -123,13 +106,11 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     for r in range(timing.rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # who goes first alternates
         for side in order:
-            with side_setting(side, cfg, device, dtype):
-                times[side].append(time_passes(fns[side], case.q, case.k, case.v, case.dout, timing))
+            times[side].append(time_passes(fns[side], case.q, case.k, case.v, case.dout, timing))
     for side in fns:
         row[f"{side}_fwd_ms"] = statistics.median(t["fwd_ms"] for t in times[side])
         row[f"{side}_bwd_ms"] = statistics.median(t["fwdbwd_ms"] - t["fwd_ms"] for t in times[side])
-        with side_setting(side, cfg, device, dtype):
-            row[f"{side}_peak_mib"] = peak_mib(case, fns[side])
+        row[f"{side}_peak_mib"] = peak_mib(case, fns[side])
     for side in sides[1:]:  # > 1: the side's backward is faster than the first side's
         row[f"{side}_bwd_speedup"] = row[f"{sides[0]}_bwd_ms"] / max(row[f"{side}_bwd_ms"], 1e-9)
     del case
@@ -169,16 +150,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--rounds", type=int, default=5 if cuda else 1, help="interleaved timing rounds (median)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=("bf16", "fp16", "fp32"))
-    # off Hopper the atomic side runs the one-pass side's tl kernel: not a default there
-    default_sides = SIDES if cuda else [s for s in SIDES if s != "one-pass-atomic"]
-    ap.add_argument("--sides", default=",".join(default_sides),
+    ap.add_argument("--sides", default=",".join(SIDES),
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side not in SIDES for side in sides):
-        ap.error(f"--sides takes two or more of {', '.join(SIDES)}; got {args.sides!r}")
+        ap.error(f"--sides takes both of {', '.join(SIDES)}, the baseline first; got {args.sides!r}")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timing = Timing(device, warmup=25 if cuda else 0, rep=100 if cuda else 0, cpu_warmup=1, cpu_reps=1,

@@ -129,10 +129,8 @@ def compare(before: str, after: str) -> str:
     # the k-th parameter used before is the k-th used after, and the used ones keep their relative order
     kept_order = len(pa.used) == len(pb.used) and _ranks(pa.used) == _ranks(pb.used)
     if pa.code == pb.code and kept_order and [pa.types[i] for i in pa.used] == [pb.types[i] for i in pb.used]:
-        gone = sorted(set(pa.types) - set(pa.used))
-        unused_after = sorted(set(pb.types) - set(pb.used))
-        return (f"same code, parameters {len(pa.types)} -> {len(pb.types)} (unused before: {gone}; unused after: "
-                f"{unused_after})")
+        return (f"same code, parameters {len(pa.types)} -> {len(pb.types)} (the {len(pa.used)} it reads keep their "
+                f"order and types)")
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"differs at code line {first + 1}: {a[first].strip() if first < len(a) else '<end>'!r} -> " \
            f"{b[first].strip() if first < len(b) else '<end>'!r}"

@@ -18,7 +18,6 @@ from ..mask.block_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
-DQ_ADD_MODES = ("atomic", "bulk")  # Tile.dq_adds
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,10 @@ class Tile:
     # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
     # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
-    # How the Gluon one-pass backward adds dQ (gluon_launch.DQ_ADDS; read only there): "atomic" (relaxed float32
-    # atomics from registers) or "bulk" (a float32 staging tile per warpgroup and a TMA bulk reduce-add; at D=128
-    # its 32 KB fit beside 3 stages, not 4: GLUON_ONE_PASS_BULK).
-    dq_adds: str = "atomic"
 
     def __post_init__(self) -> None:
         if self.turns not in TURN_SCHEMES:
             raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
-        if self.dq_adds not in DQ_ADD_MODES:
-            raise ValueError(f"Tile.dq_adds must be one of {list(DQ_ADD_MODES)}; got {self.dq_adds!r}")
 
     @property
     def gluon(self) -> bool:
@@ -65,10 +58,11 @@ class KernelConfig:
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
     # The tl one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not
-    # bwd_dkdv's; where bwd_dkdv is a Gluon tile the one-pass runs there (the Gluon kernel), save with dropout.
+    # bwd_dkdv's; where the Gluon one-pass runs (gluon_one_pass), the tl one runs only with dropout.
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
-    # The Gluon one-pass backward's tile (its stages and Tile.dq_adds), if not bwd_dkdv's; block_n 128.
+    # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
+    # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there.
     gluon_one_pass: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
@@ -77,10 +71,8 @@ class KernelConfig:
     short_keys: int = 2048
     short_samples: int = 4096
     compact_bytes: int = COMPACT_BYTES
-    # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there. H200,
-    # bf16 (benchmarks/results/h200/one_pass.md): the tl one-pass (dQ by per-element atomics) is 1.14x the
-    # two-pass at 925 keys, and 0.25-0.70x from 13k keys, where the atomics on each dQ tile queue up. The Gluon
-    # one-pass (Hopper), forced from 13k keys, is 0.74-0.98x the two passes: the same threshold holds for it.
+    # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there, where the
+    # two passes were faster (docs/performance.md, "The tile tables' reasons").
     one_pass_max_keys: int = 2048
 
     def __post_init__(self) -> None:
@@ -91,6 +83,9 @@ class KernelConfig:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
                 raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
                                  f"turns; give the backward tiles pingpong=False")
+        if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
+            raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
+                             f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -112,15 +107,15 @@ class KernelConfig:
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
     def one_pass_runs_gluon(self, dropout: bool = False) -> bool:
-        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, and no dropout
-        (no Gluon kernel has it)."""
-        return self.bwd_dkdv.gluon and not dropout
+        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, the config has a
+        Gluon one-pass tile (``gluon_one_pass``), and no dropout (no Gluon kernel has it)."""
+        return self.bwd_dkdv.gluon and self.gluon_one_pass is not None and not dropout
 
     def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
-        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``, else the
-        Gluon dK/dV tile; elsewhere the tl kernel's :meth:`one_pass_tile`."""
-        if self.one_pass_runs_gluon(dropout):
-            return self.gluon_one_pass if self.gluon_one_pass is not None else self.bwd_dkdv
+        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``; elsewhere
+        the tl kernel's :meth:`one_pass_tile`."""
+        if self.gluon_one_pass is not None and self.one_pass_runs_gluon(dropout):
+            return self.gluon_one_pass
         return self.one_pass_tile()
 
     def one_pass(self, seq_k: int) -> bool:
@@ -154,9 +149,7 @@ _INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile
 
 def _cuda_config(head_dim_pad: int) -> KernelConfig:
     if head_dim_pad <= 64:
-        # H100, D=64: 64-row forward tiles beat 128 rows by 2-13% (seed 90 vs 104 us, mm13k 1352 vs 1382 us).
-        # Below SHORT_KEYS keys 32-key tiles skip more of the seed's ragged partial blocks: its forward kernel
-        # 79 vs 91 us (64x16 100, 128x32 117, 32x32 153 us), while 64x64 stays best at 13k.
+        # 64-row forward tiles beat 128 rows; below SHORT_KEYS 32-key tiles skip more ragged partial blocks.
         return KernelConfig(
             fwd=Tile(64, 64, num_warps=4, num_stages=2),
             fwd_short=Tile(64, 32, num_warps=4, num_stages=2),
@@ -165,12 +158,8 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
     if head_dim_pad <= 128:
-        # Measured on an H200 (docs/performance.md): 128x64 with one warpgroup beats 8 warps or 128-wide tiles
-        # in the forward; 64x64 with 4 warps and 3 stages is the best dK/dV and dQ tile. Decode (H100, 8 x 32
-        # heads over 8k-32k caches): 16x64 with 2 warps and 3 stages is the best of 16x{32,64,128} with 2/4
-        # warps (q_len 1 over 32k: 0.47 ms, vs 0.64 with 4 warps and 0.86 with the 128x64 forward tile).
-        # Since dP is issued before the exponentials, 2 dK/dV stages beat 3 on the H100 (mm13k backward -2.4% /
-        # -3.5%); for dQ, 3 stages stay best.
+        # The fastest measured of each pass: one warpgroup at 128x64 in the forward, 16x64 with 2 warps decoding,
+        # 2 dK/dV stages (dP issued before the exponentials) and 3 dQ stages.
         return KernelConfig(
             fwd=Tile(128, 64, num_warps=4, num_stages=2),
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=2),
@@ -306,60 +295,38 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     return cfg
 
 
-# H100, the six mm13k/mm43k configs, one process (docs/performance.md): the Gluon forward with 128-key
-# tiles beats 64-key tiles by 9-27%. D=128: 3 stages and ping-pong best (1.11-1.23x the tl forward); D=64: 2
-# stages without ping-pong (1.27x). Over the seed's 925 keys it is slower (0.133 vs 0.096 ms): below SHORT_KEYS
-# the tl forward runs at its own tile (lengths between 925 and 13k were not measured). num_warps and num_stages
-# are the tl kernel's, which runs this tile where the Gluon one does not apply (dropout, split key lists): 128x128
-# needs 8 warps there, and 3 stages with a dense mask would need ~290 KB of shared memory. Those ping-pong timings
-# had turn mbarriers (turns="mbarrier"); named turns and releases (turns="named_release") run the D=128 forward
-# 1.006-1.046x faster on an H200, bit-equal (benchmarks/results/h200/fwd_turns.md: mm13k_cyclic, mm13k_hub,
-# mm43k_cyclic, transfusion_16k). D=64 with ping-pong (same record, mm13k_hub_d64): 3 stages 1.014x (mbarrier) and
-# 1.020x (named_release) the 2 stages without, within the run's spread, 2 stages with named releases 0.80x; the
-# table keeps D=64 as it was.
+# The Gluon forward (the reasons and timings of each table: docs/performance.md, "The tile tables' reasons"): 128-key
+# tiles; ping-pong with named turns and releases at D=128, the fastest there; D=64 gained nothing from ping-pong.
+# num_warps and num_stages are the tl kernel's, which runs the tile with dropout or split key lists.
 _GLUON_FWD = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     128: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3, pingpong=True, turns="named_release"),
 }
-# Packs of short samples (64k tokens, hub, causal per sample; H100, forward alone, Gluon 128x128 / 128x64 time):
-# 512 samples (~128 tokens each) 1.50x, 256 1.64x, 128 1.63x, 64 (~1k tokens) 1.45x, 32 1.25x, 16 (~4k) 1.08x.
-# A row block meets a few partial tiles, and 64-key tiles waste less of them; pack_64k_x512 at 128x64: 3 stages
-# 0.889 ms, 2 stages 1.142, no ping-pong 0.909, the tl kernel at 64x64 1.011. One 13k-token sample (mm13k_hub,
-# not causal) loses at 128x64 (1.750 vs 1.561 ms), hence the sample-length rule (config.SHORT_SAMPLES). Its lists
-# are a few blocks long, and the turn mbarriers beat named turns and releases there (pack_64k_x512 on an H200,
-# h200/fwd_turns.md: named_release 0.983x).
+# Packs of short samples: a row block meets a few partial tiles, which 64-key tiles waste less of; their short lists
+# keep the turn mbarriers, which beat named turns and releases there.
 _GLUON_FWD_SHORT_SAMPLES = {
     128: Tile(128, 64, num_warps=4, num_stages=2, gluon_stages=3, pingpong=True, turns="mbarrier"),
 }
-# The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers). H100, one
-# process (docs/performance.md), whole backward vs the tl dQ: D=128, 3 stages 1.04-1.09x, 2 stages 0.97-1.02x;
-# 4 stages (192 KB of shared memory) the pass alone 1.02-1.03x over 3. D=64 (with the host-side descriptors):
-# 3 stages 1.03-1.13x over 13k-43k keys but 0.97x over the seed's 925, so D=64 keeps the tl pass below
-# SHORT_KEYS; 4 stages 0.95-1.06x, 5 stages as 3. The tl dQ kernel runs this tile with dropout.
+# The Gluon dQ pass (kernels/gluon/dq.py): 128 query rows, 64-key tiles (128-key tiles spill registers), the
+# fastest stage count per head dim; D=64 keeps the tl pass below SHORT_KEYS, where the Gluon one was slower. The tl
+# dQ kernel runs this tile with dropout.
 _GLUON_DQ = {
     64: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=3),
     128: Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=4),
 }
 _GLUON_DQ_LONG_ONLY = {64}  # head dims whose short key lists keep the tl dQ tile
 # The Gluon dK/dV pass (kernels/gluon/dkdv.py): 128 keys per CTA, software-pipelined warpgroups, 64-row query tiles.
-# A stage is held for two steps (its Q feeds the next step's dK), so 2 stages leave the producer no slack: each
-# step waited for its loads. H100, the pass alone (docs/performance.md): 4 stages (196 KB of shared
-# memory at D=128) 1.12-1.36x over 2 at D=128 (3 stages spill 48 B and gain less), 1.02-1.03x over 3 at D=64.
-# The ping-pong option gave nothing (0.96-1.04x). The tl kernel runs the tile with dropout.
+# A stage is held for two steps (its Q feeds the next step's dK), so 4 stages, the fastest, give the producer slack.
+# The tl kernel runs the tile with dropout.
 _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds (Tile.dq_adds="bulk"), for
-# KernelConfig.gluon_one_pass. Shared memory per CTA: at D=128 K, V and 4 stages of Q and dO take 192 KB, the dS^T
-# tiles 16 KB and the rows 4 KB, so the two 64 x 64 float32 staging tiles (32 KB) fit only with 3 stages
-# (~211 KB of 227); 2 x 32-column pieces (16 KB) would still pass 227 KB at 4 stages. At D=64 all of it takes
-# ~132 KB. H200, bf16, backward against the two passes in one run (tools/one_pass.py, h200/one_pass.md): bulk
-# 0.81-0.97x at D=128 over 13k-43k keys, 1.03x at D=64, against the register atomics' 0.73-0.79x and 0.97x;
-# seed 1.11x against 0.99x: the Gluon one pass's tile (the ordered one-pass keeps bwd_dkdv's: it adds by atomics).
+# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for KernelConfig.gluon_one_pass: at D=128 its
+# two 32 KB float32 staging tiles fit in shared memory beside 3 stages of Q and dO, not 4.
 GLUON_ONE_PASS_BULK = {
-    64: replace(_GLUON_DKDV[64], dq_adds="bulk"),
-    128: replace(_GLUON_DKDV[128], gluon_stages=3, dq_adds="bulk"),
+    64: _GLUON_DKDV[64],
+    128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
 # Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.

@@ -26,9 +26,6 @@ _LAUNCH_REGS = 168
 # Tile.turns: how the forward's ping-pong warpgroups take turns (kernels.constants.TURNS_*).
 TURNS = {"mbarrier": TURNS_MBARRIER, "named_release": TURNS_NAMED_RELEASE}
 
-# Tile.dq_adds: how the one-pass dK/dV kernel adds dQ; True: TMA bulk reduce-adds (the kernel's DQ_BULK).
-DQ_ADDS = {"atomic": False, "bulk": True}
-
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 
 
@@ -97,8 +94,8 @@ def run_dkdv(
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
     least 2) are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
-    into it by atomics, as the tl one-pass kernel adds it (``tile.dq_adds``: relaxed atomics from registers, or
-    TMA bulk reduce-adds through a descriptor of ``dq_sum``). ``bound``: as :func:`run_dq`'s."""
+    into it, by TMA bulk reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3
+    stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s."""
     _check_rows(tile.block_n, BLOCK_N)
     _check_no_pingpong(tile, "dK/dV")
     batch, num_heads, seq_q, head_dim = q.shape
@@ -110,11 +107,8 @@ def run_dkdv(
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
     one_pass, dq_arg = {}, delta
     if dq_sum is not None:
-        one_pass, dq_arg = dict(ONE_PASS=True, HEAD_DIM=head_dim), dq_sum
-        if DQ_ADDS[tile.dq_adds]:
-            # each consumer warpgroup reduces half of a block's columns; the atomic variant keeps its compile key
-            one_pass["DQ_BULK"] = True
-            dq_arg = head_rows_descriptor(dq_sum, q_rows, pad // 2)
+        # each consumer warpgroup reduces half of a block's columns
+        one_pass, dq_arg = dict(ONE_PASS=True), head_rows_descriptor(dq_sum, q_rows, pad // 2)
     launch_bound(
         _DKDV, (cdiv(seq_k, BLOCK_N), batch * num_kv_heads),
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),

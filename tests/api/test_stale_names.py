@@ -21,7 +21,22 @@ def test_nothing_names_the_removed_ops_package():
 
 
 def test_the_one_pass_docs_say_the_bulk_adds_are_built():
-    """The Gluon one pass adds dQ by TMA bulk reduce-adds by default (config.GLUON_ONE_PASS_BULK)."""
+    """The Gluon one pass adds dQ by TMA bulk reduce-adds (config.GLUON_ONE_PASS_BULK), its only way."""
     usage = (REPO / "docs" / "usage.md").read_text()
-    assert "is not built yet" not in usage and 'Tile.dq_adds="bulk"' in usage
+    assert "is not built yet" not in usage and "GLUON_ONE_PASS_BULK" in usage and "dq_adds" not in usage
     assert "gluon_one_pass" in (REPO / "docs" / "tuning.md").read_text()
+
+
+# The ordered one-pass backward's names; the files below name them on purpose: the changelog and the performance
+# record (what was tried), the usage notes, the message and the test of the removed setting, and this file.
+ORDERED = re.compile(r"\bORDERED\b|add_order|dq_order|dq_add_ranks|visit_slot|ordered_one_pass|ordered-one-pass|"
+                     r"deterministic_backward=")
+ORDERED_HISTORY = ("CHANGELOG.md", "docs/performance.md", "docs/usage.md", "mmsparse/attention/config.py",
+                   "tests/kernels/test_plan.py", "tests/api/test_stale_names.py")
+
+
+def test_nothing_names_the_removed_ordered_one_pass():
+    named = [f for f in repo_files()
+             if f.endswith((".py", ".md")) and not f.startswith("benchmarks/results/") and f not in ORDERED_HISTORY
+             and ORDERED.search((REPO / f).read_text(errors="replace"))]
+    assert named == [], f"these files name the removed ordered one-pass backward: {named}"

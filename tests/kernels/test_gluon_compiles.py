@@ -1,22 +1,23 @@
 """The Gluon Hopper kernels compile for sm_90 on any machine, and their PTX keeps every mbarrier's bytes to itself.
 
-Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release renamed,
-or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant is then read
-for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every barrier a variant initialises is invalidated, and no
-plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's allocator hand its
-bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then crashed (misaligned
-address, illegal memory access) or hung. The variant count is also checked: only the barriers a variant uses are
-initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The forward's consumer loops are
-counted too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each turn scheme.
+Gluon has no CPU interpreter, but Triton's compiler and ptxas ship with the wheel: an API that a Triton release
+renamed, or a type error in a kernel, shows here on CPU instead of first on a Hopper GPU. The PTX of each variant
+is then read for barrier lifetimes (``tests/kernels/ptx_barriers.py``): every barrier a variant initialises is
+invalidated, and no plain shared load or store touches its bytes in between. A barrier left live and unused let Triton's
+allocator hand its bytes to the values passed into the warp-specialised partitions: processes sharing a GPU then
+crashed (misaligned address, illegal memory access) or hung. The variant count is also checked: only the barriers
+a variant uses are initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The
+forward's consumer loops are counted too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each
+turn scheme.
 
-The variants are the tiles the config launches (``attention.config``: D=64 and D=128, the forward's 128x64 tile for
-packs of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
-ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must
-be relaxed float32 atomics; with ``Tile.dq_adds="bulk"`` TMA bulk reduce-adds and no atomic at all). ptxas's report of
-each dK/dV variant must not say that it serialized the wgmmas (C7512). All compile in one child process without
-TRITON_INTERPRET (the interpreter replaces the ``triton.jit`` helpers that the Gluon kernels call), which writes each
-variant's PTX and ptxas report to a folder. Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR
-[SUBSTRING]`` compiles them all (or those whose name contains SUBSTRING) and prints one line a kernel.
+The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs
+of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
+ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds
+must be TMA bulk reduce-adds, with no atomic at all). ptxas's report of each dK/dV variant must not say that it
+serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
+the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
+Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose
+name contains SUBSTRING) and prints one line a kernel.
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ class Variant:
     pingpong: bool | None = None  # the forward's; None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     group: int = 2  # query heads per KV head
-    one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS), dQ added by atomics
+    one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS) at config.GLUON_ONE_PASS_BULK's tile
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
-    dq_adds: str = "atomic"  # one pass only: Tile.dq_adds ("bulk": config.GLUON_ONE_PASS_BULK's tile)
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        kind = ("dkdv1p" + ("" if self.dq_adds == "atomic" else f"-{self.dq_adds}")) if self.one_pass else self.kind
+        # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
+        kind = "dkdv1p-bulk" if self.one_pass else self.kind
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -92,22 +93,14 @@ VARIANTS = [
     Variant("dq", 128, "codes", window=True),
     Variant("dkdv", 128, "bits", causal=True, window=True),
     Variant("dkdv", 64, "dense", window=True),
-    # The one-pass dK/dV kernel (dQ by atomics): each head dim, the bit and code masks, causal, a window, a GQA
-    # group and none.
+    # The one-pass dK/dV kernel (dQ by TMA bulk reduce-adds): each head dim, GQA and not, each mask mode, causal and
+    # a window.
     Variant("dkdv", 128, "bits", causal=True, one_pass=True),
     Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
+    Variant("dkdv", 128, "dense", group=4, one_pass=True),
     Variant("dkdv", 64, "codes", causal=True, one_pass=True),
-    Variant("dkdv", 64, "bits", window=True, group=1, one_pass=True),
-    # The one pass with TMA bulk reduce-adds of dQ: each head dim, GQA and not, each list mask mode.
-    Variant("dkdv", 128, "bits", causal=True, one_pass=True, dq_adds="bulk"),
-    Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True, dq_adds="bulk"),
-    Variant("dkdv", 128, "dense", group=4, one_pass=True, dq_adds="bulk"),
-    Variant("dkdv", 64, "codes", causal=True, one_pass=True, dq_adds="bulk"),
-    Variant("dkdv", 64, "bits", group=1, one_pass=True, dq_adds="bulk"),
+    Variant("dkdv", 64, "bits", group=1, one_pass=True),
 ]
-# A relaxed float32 atomic add whose result is unused: red (3.9) or atom (3.6), maybe vectorised
-RELAXED_ADD = r"\b(?:red|atom)\.global\.gpu\.relaxed\.add(?:\.v\d)?\.f32\b"
-ORDERED_ATOMIC = r"\b(?:red|atom)\.global\.[a-z.]*(?:acq_rel|release|acquire)"
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
 COMPILE_TIMEOUT_S = 900
@@ -127,7 +120,7 @@ def _tile(variant: Variant):
     )
 
     table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
-             "dkdv": GLUON_ONE_PASS_BULK if variant.dq_adds == "bulk" else _GLUON_DKDV}
+             "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV}
     tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
@@ -185,24 +178,10 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert report.checked > 0  # the shared accesses were read, not skipped
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "atomic"],
-                         ids=lambda v: v.name)
-def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, variant):
-    """The one-pass dK/dV kernel adds dQ with relaxed float32 atomics (no fences around each add)."""
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptx"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
-    ptx = path.read_text()
-    assert re.search(RELAXED_ADD, ptx), f"{variant.name}: no relaxed float32 atomic add in the PTX"
-    assert not re.search(ORDERED_ATOMIC, ptx), variant.name
-
-
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass and v.dq_adds == "bulk"],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass], ids=lambda v: v.name)
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
-    """With ``Tile.dq_adds="bulk"`` the one-pass kernel adds dQ only by TMA bulk reduce-adds through the
-    ``[B * Hq, Sq, D]`` dQ descriptor (rows past Sq are dropped per head), waits for them before it reuses the
-    staging tile, and has no global atomic left."""
+    """The one-pass kernel adds dQ only by TMA bulk reduce-adds through the ``[B * Hq, Sq, D]`` dQ descriptor (rows
+    past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic."""
     out, proc = ptx_dir
     path = out / f"{variant.name}.ptx"
     assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"

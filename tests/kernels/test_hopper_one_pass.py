@@ -1,7 +1,6 @@
 """The Gluon one-pass backward on Hopper (``deterministic=False``: mmsparse/kernels/gluon/dkdv.py with ``ONE_PASS``,
-dQ added by atomics from mmsparse/kernels/gluon/dq_adds.py, from registers or, with ``Tile.dq_adds="bulk"``, by TMA
-bulk reduce-adds from shared memory): the plan runs it, and output and all three gradients match the float64
-reference, with either way of adding dQ.
+dQ added by TMA bulk reduce-adds from shared memory, mmsparse/kernels/gluon/dq_adds.py): the plan runs it, and output
+and all three gradients match the float64 reference.
 
 Fresh random inputs, NaN-poisoned outputs (tests/conftest.py); lengths that are not multiples of the tiles (64 query
 rows, 128 keys), several query blocks per key block, several heads and GQA groups, D 64/96/128, bits, segment codes
@@ -9,8 +8,6 @@ and dense masks, causal, a window. The kernel needs an sm_90 GPU; its plan is ch
 tests/kernels/test_one_pass.py."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -41,37 +38,25 @@ def _case_id(name: str) -> str:
             f"{'-causal' if causal else ''}{f'-window{window}' if window else ''}")
 
 
-DQ_ADDS = ["atomic", "bulk"]  # Tile.dq_adds of the Gluon one pass
-
-
-def dq_adds_config(dq_adds: str, head_dim: int, dtype: torch.dtype):
-    """The calls' config: the GPU's, with the one pass adding dQ by TMA bulk reduce-adds at the bulk tile (the
-    default) or by register atomics at the dK/dV tile."""
-    cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
-    tile = GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)] if dq_adds == "bulk" else None
-    assert dq_adds == "atomic" or cfg.gluon_one_pass == tile  # bulk is the default
-    return use_config(dataclasses.replace(cfg, gluon_one_pass=tile))
-
-
 @pytest.fixture
 def one_pass_calls(monkeypatch):
-    """Records each Gluon dK/dV launch as (one_pass, gluon dQ pass ran) and the one pass's Tile.dq_adds in
-    ``calls.dq_adds``; the tl kernels give the same gradients within tolerance, so only a spy on the Gluon
-    launchers tells which kernel ran."""
+    """Records each Gluon dK/dV launch as (one_pass, gluon dQ pass ran) and the one pass's tile in ``calls.tiles``;
+    the tl kernels give the same gradients within tolerance, so only a spy on the Gluon launchers tells which kernel
+    ran."""
     from mmsparse.attention import gluon_launch
 
     class Calls(list):
-        dq_adds: list[str]
+        tiles: list
 
     calls = Calls()
-    calls.dq_adds = []
+    calls.tiles = []
     real_dkdv, real_dq = gluon_launch.run_dkdv, gluon_launch.run_dq
 
     def dkdv(*args, **kwargs):
         dq_sum = args[14] if len(args) > 14 else kwargs.get("dq_sum")
         calls.append(("dkdv", dq_sum is not None))
         if dq_sum is not None:
-            calls.dq_adds.append((args[12] if len(args) > 12 else kwargs["tile"]).dq_adds)
+            calls.tiles.append(args[12] if len(args) > 12 else kwargs["tile"])
         return real_dkdv(*args, **kwargs)
 
     def dq(*args, **kwargs):
@@ -83,6 +68,14 @@ def one_pass_calls(monkeypatch):
     return calls
 
 
+def _bulk_tile(head_dim: int):
+    """The Gluon one pass's tile: the device's config has the table's (at D=128 one stage fewer than the dK/dV pass,
+    for the staging tiles)."""
+    tile = GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)]
+    assert kernel_config(head_dim, torch.bfloat16, torch.device("cuda")).gluon_one_pass == tile
+    return tile
+
+
 def _planned_one_pass(q, k, dropout=False):
     dev = q.device
     cfg = kernel_config(q.shape[-1], q.dtype, dev)
@@ -92,72 +85,65 @@ def _planned_one_pass(q, k, dropout=False):
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_adds", DQ_ADDS)
 @pytest.mark.parametrize("name", list(CASES), ids=_case_id)
-def test_gluon_one_pass_matches_float64(name, dq_adds, one_pass_calls):
+def test_gluon_one_pass_matches_float64(name, one_pass_calls):
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
     dev = torch.device("cuda")
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, dev)
-    with dq_adds_config(dq_adds, head_dim, dtype):
-        plan = _planned_one_pass(q, k)
-        assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
-        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]  # no dQ pass
+    plan = _planned_one_pass(q, k)
+    assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
+    out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]  # no dQ pass
     mask = reference_mask(topo, lens, seq, seq_q, causal, window=window)
     check_outputs(q, k, v, out, grad_out, mask)
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_adds", DQ_ADDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_one_pass_dense_mask(head_dim, dq_adds, one_pass_calls):
+def test_gluon_one_pass_dense_mask(head_dim, one_pass_calls):
     """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN."""
     dev = torch.device("cuda")
     q, k, v = make_qkv(1, 4, 2, 1100, 1100, head_dim, torch.bfloat16, dev)
     mask = torch.rand(1100, 1100, device=dev) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    with dq_adds_config(dq_adds, head_dim, torch.bfloat16):
-        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]
+    out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]
     check_outputs(q, k, v, out, grad_out, mask.cpu())
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_adds", DQ_ADDS)
-def test_gluon_one_pass_past_the_threshold_when_forced(dq_adds, one_pass_calls):
+def test_gluon_one_pass_past_the_threshold_when_forced(one_pass_calls):
     """use_config(one_pass_max_keys=...) reaches the Gluon kernel (as tools/one_pass.py forces it): over 2048 keys
     and more query blocks per key block than the ring has stages (and than the bulk adds' one staging tile per
     warpgroup: each step waits for the previous step's reduce)."""
     dev = torch.device("cuda")
     lens = (700, 1500, 1001)
     q, k, v = make_qkv(1, 2, 1, sum(lens), sum(lens), 128, torch.bfloat16, dev)
-    with dq_adds_config(dq_adds, 128, torch.bfloat16), use_config(one_pass_max_keys=1 << 62):
+    with use_config(one_pass_max_keys=1 << 62):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.dq_adds == [dq_adds]
+    assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(128)]
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=True))
     one_pass_calls.clear()
-    with dq_adds_config(dq_adds, 128, torch.bfloat16):
-        out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
-        out.backward(grad_out)
+    out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
+    out.backward(grad_out)
     assert sorted(one_pass_calls) == [("dkdv", False), ("dq", False)]
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_adds", DQ_ADDS)
-def test_gluon_one_pass_agrees_with_the_two_pass_backward(dq_adds, one_pass_calls):
+def test_gluon_one_pass_agrees_with_the_two_pass_backward(one_pass_calls):
     """The same numbers up to the order of float32 adds: both round dS to bf16 the same way, so dQ differs by its
     accumulation order only, and dK, dV (the same schedule; the one pass reads dS^T from shared memory rather than
     registers) by at most that."""
@@ -168,11 +154,10 @@ def test_gluon_one_pass_agrees_with_the_two_pass_backward(dq_adds, one_pass_call
     grads = {}
     for deterministic in (True, False):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with dq_adds_config(dq_adds, 128, torch.bfloat16):
-            out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
-            out.backward(grad_out)
+        out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
+        out.backward(grad_out)
         grads[deterministic] = [t.grad for t in leaves]
-    assert one_pass_calls.dq_adds == [dq_adds]
+    assert one_pass_calls.tiles == [_bulk_tile(128)]
     for name, two, one in zip(("dq", "dk", "dv"), grads[True], grads[False]):
         a, b = two.double(), one.double()
         # float32 sums of ~1000 terms: 1e-5 relative to the largest gradient, plus a bf16 ulp of rounding apart

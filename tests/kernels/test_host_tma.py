@@ -77,9 +77,8 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
-                # defaulted flags a variant leaves off: ping-pong, and the one pass's (off in a two-pass launch)
-                one_pass = ("ONE_PASS", "HEAD_DIM", "DQ_BULK")
-                optional = ("PINGPONG", *one_pass) if self.name == "dkdv" else ("PINGPONG",)
+                # defaulted flags a variant leaves off: the one pass's (off in a two-pass launch), the forward's turns
+                optional = {"dkdv": ("ONE_PASS",), "fwd": ("TURNS",)}.get(self.name, ())
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
@@ -118,26 +117,21 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     assert (dkdv["STAGES"], dq["STAGES"], fwd["STAGES"]) == (4, 4, _GLUON_FWD[128].gluon_stages)
     assert dkdv["HEAD_DIM_PAD"] == dq["HEAD_DIM_PAD"] == fwd["HEAD_DIM_PAD"] == 128
     assert dkdv["GROUP"] == dq["GROUP"] == fwd["GROUP"] == 2
-    assert "ONE_PASS" not in dkdv and "DQ_BULK" not in dkdv  # the two-pass variant keeps its compile key
+    assert "ONE_PASS" not in dkdv  # the two-pass variant keeps its compile key
 
-    # The one pass: dQ's float32 sum as a pointer (register atomics) or as a [B * Hq, Sq, D] descriptor whose box is
-    # one warpgroup's half of a block's dQ (TMA bulk reduce-adds).
+    # The one pass: dQ's float32 sum as a [B * Hq, Sq, D] descriptor whose box is one warpgroup's half of a block's
+    # dQ (TMA bulk reduce-adds).
     from dataclasses import replace
 
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
     dq_sum = torch.zeros(batch, heads, seq, head_dim)
     one_mask = args.tile(dkdv_t.block_m, dkdv_t.block_n, True)
-    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
-                          *mask, 1.0, 1.0, dkdv_t, False, dq_sum)
-    atomic = launched["dkdv"]
-    assert atomic["DQ"] is dq_sum and atomic["ONE_PASS"] and atomic["HEAD_DIM"] == head_dim
-    assert "DQ_BULK" not in atomic
     bulk_t = GLUON_ONE_PASS_BULK[128]
     gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
                           *mask, 1.0, 1.0, bulk_t, False, dq_sum)
     bulk = launched["dkdv"]
-    assert bulk["ONE_PASS"] and bulk["DQ_BULK"] and bulk["STAGES"] == bulk_t.gluon_stages == 3
+    assert bulk["ONE_PASS"] and bulk["STAGES"] == bulk_t.gluon_stages == 3
     assert bulk["DQ"].base is dq_sum and tuple(bulk["DQ"].shape) == (batch * heads, seq, head_dim)
     assert bulk["DQ"].block_shape == [1, 64, 64] and bulk["DQ"].layout.element_bitwidth == 32
     for run, tile in ((gluon_launch.run_dq, dq_t), (gluon_launch.run_dkdv, dkdv_t)):  # only the forward has turns
@@ -147,7 +141,4 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
         with pytest.raises(ValueError, match="Tile.pingpong is the Gluon forward's"):
             run(q, k, v, q.clone(), rows, rows, outputs, lists, *mask, 1.0, 1.0, replace(tile, pingpong=True))
         assert not launched
-    with pytest.raises(ValueError, match="dq_adds"):
-        gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
-                              *mask, 1.0, 1.0, replace(bulk_t, dq_adds="tma"), False, dq_sum)
 

@@ -286,7 +286,7 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
                                   deterministic=False)
 
         one_pass_tile = cfg.gluon_one_pass
-        assert one_pass_tile.gluon and one_pass_tile.dq_adds == "bulk"
+        assert one_pass_tile.gluon
         short = plan(cfg, limit - 1)
         assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == one_pass_tile
         assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
@@ -310,18 +310,24 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_one_pass_tile_with_bulk_dq_adds(head_dim):
-    """KernelConfig.gluon_one_pass (the bulk dQ adds' tile, GLUON_ONE_PASS_BULK, the default) is the tile the Gluon
-    one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs;
-    without it the one pass adds by register atomics at the dK/dV tile."""
+def test_gluon_one_pass_tile(head_dim):
+    """KernelConfig.gluon_one_pass (GLUON_ONE_PASS_BULK, the default: dQ by TMA bulk reduce-adds) is the tile the
+    Gluon one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep
+    theirs; without it the one pass is the tl kernel (the Gluon one adds dQ no other way), and a gluon_one_pass
+    that is not a Gluon tile is refused."""
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
     with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
     cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
-    assert cfg.one_pass_kernel_tile() == cfg.bwd_dkdv and cfg.one_pass_kernel_tile().dq_adds == "atomic"
+    assert cfg.one_pass_kernel_tile() == cfg.one_pass_tile() and not cfg.one_pass_kernel_tile().gluon
+    assert not cfg.one_pass_runs_gluon() and with_bulk.one_pass_runs_gluon()
+    tl_one = plan_attention(cfg, 1, 4, 2, 1000, 1000, torch.device("cpu"), None, False, sms=132, deterministic=False)
+    assert tl_one.dq is None and not tl_one.dkdv.gluon and tl_one.dkdv.tile == cfg.one_pass_tile()
+    with pytest.raises(ValueError, match="gluon_one_pass is the Gluon one-pass kernel's tile"):
+        dataclasses.replace(with_bulk, gluon_one_pass=cfg.one_pass_tile())
     bulk = GLUON_ONE_PASS_BULK[head_dim]
     assert with_bulk.gluon_one_pass == bulk
-    assert bulk.dq_adds == "bulk" and bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
+    assert bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
     assert bulk.gluon_stages == (3 if head_dim == 128 else cfg.bwd_dkdv.gluon_stages)  # 32 KB of staging at D=128
     assert with_bulk.one_pass_kernel_tile() == bulk
     assert with_bulk.one_pass_kernel_tile(dropout=True) == cfg.one_pass_tile()

@@ -1,5 +1,6 @@
 """What the three Gluon passes share: the program's block list and mask bundle, the token mask of a partial tile,
-and the producer's K/V ring.
+the producer's K/V ring, and the start-up and tear-down they have in common (the ring's shared tiles and barriers,
+the resident tiles' loads).
 
 The mask bundle is a tuple that every pass unpacks by these names, never reads by position::
 
@@ -131,13 +132,51 @@ def masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN: gl.constexpr, MASK_MO
 
 
 @gluon.jit
-def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
-    """The ring's barriers: K and V of a stage landed (the producer's TMA), and the stage released by both
-    consumer warpgroups."""
+def allocate_kv_ring(dtype: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+    """The K/V ring's shared tiles of the forward and the dQ pass: ``(k_smem, v_smem)``, ``[STAGES, BN,
+    HEAD_DIM_PAD]`` each."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], layout)
+    return k_smem, v_smem
+
+
+@gluon.jit
+def allocate_barriers(STAGES: gl.constexpr):
+    """The barriers of the forward and the dQ pass: ``(resident, k_ready, v_ready, kv_empty)``, the resident tiles'
+    (Q, and dO in the dQ pass) and the K/V ring's (:func:`init_barriers`)."""
+    layout: gl.constexpr = mbarrier.MBarrierLayout()
+    resident = gl.allocate_shared_memory(gl.int64, [1], layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    return resident, k_ready, v_ready, kv_empty
+
+
+@gluon.jit
+def init_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+    """Initialise :func:`allocate_barriers`' barriers: the resident tiles landed (the producer's TMA, one arrival),
+    and the ring's (:func:`init_kv_ring`). The caller fences the inits before any TMA copy can signal them."""
+    mbarrier.init(resident, count=1)
+    init_kv_ring(k_ready, v_ready, kv_empty, STAGES, RELEASES)
+
+
+@gluon.jit
+def invalidate_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+    """Invalidate :func:`init_barriers`' barriers once the partitions have joined."""
+    mbarrier.invalidate(resident)
+    invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES, RELEASES)
+
+
+@gluon.jit
+def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+    """The ring's barriers: K and V of a stage landed (the producer's TMA), and, with RELEASES, the stage released
+    by both consumer warpgroups (the forward's named releases need no barrier there)."""
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        if RELEASES:
+            mbarrier.init(kv_empty.index(i), count=2)
 
 
 @gluon.jit
@@ -149,11 +188,23 @@ def invalidate_ring(bars, COUNT: gl.constexpr):
 
 
 @gluon.jit
-def invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+def invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
     """Invalidate the ring's barriers (:func:`init_kv_ring`) once the partitions have joined."""
     invalidate_ring(k_ready, STAGES)
     invalidate_ring(v_ready, STAGES)
-    invalidate_ring(kv_empty, STAGES)
+    if RELEASES:
+        invalidate_ring(kv_empty, STAGES)
+
+
+@gluon.jit
+def load_resident_halves(a_desc, a_smem, b_desc, b_smem, bar, b, h, row0, ROWS: gl.constexpr):
+    """The producer's start in the dQ and dK/dV passes: the two tiles that stay resident (Q and dO; K and V), rows
+    row0 .. row0 + 2 ROWS - 1 of head h of batch b, each in two ``ROWS``-row halves (one per consumer warpgroup),
+    all four signalled on ``bar``."""
+    mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma_load(a_desc, [b, h, row0 + half * ROWS, 0], bar, box(a_smem.index(half)))
+        tma_load(b_desc, [b, h, row0 + half * ROWS, 0], bar, box(b_smem.index(half)))
 
 
 @gluon.jit

@@ -18,11 +18,10 @@ consumers hold no descriptors across their loop). No dropout: that stays with th
 ``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
 shared tile of its own; once both are staged (a handshake of two barriers per step), warpgroup w computes columns
 [w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
-transposed, B column slices of the K tiles) and adds them with relaxed float32 atomics into a ``[B, Hq, Sq, D]``
-buffer (:mod:`.dq_adds`), as the ``tl`` one-pass kernel does; dK of the next step then reads dS^T_i from the tile
-rather than from registers. No dQ pass runs. With ``DQ_BULK`` each warpgroup adds its half as one TMA bulk
+transposed, B column slices of the K tiles) and adds them into a float32 ``[B, Hq, Sq, D]`` buffer as one TMA bulk
 reduce-add from a float32 staging tile of its own (64 x D/2: 32 KB for both at D=128, which fits beside 3 stages,
-not 4), asynchronously: it waits for the tile to be read only at the start of the next step's dQ work.
+not 4; :mod:`.dq_adds`), asynchronously: it waits for the tile to be read only at the start of the next step's dQ
+work. dK of the next step then reads dS^T_i from the tile rather than from registers. No dQ pass runs.
 """
 from __future__ import annotations
 
@@ -44,12 +43,13 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
+    load_resident_halves,
     program_lists,
     thread_barrier,
     tma_load,
     tma_store,
 )
-from .dq_adds import add_dq, bulk_add_dq, issue_dq, stage_ds
+from .dq_adds import bulk_add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -67,10 +67,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma_load(k_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(k_smem.index(half)))
-        tma_load(v_desc, [b, hk, col0 + half * WG_KEYS, 0], kv_bar, box(v_smem.index(half)))
+    load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -136,23 +133,21 @@ def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero
 
 
 @gluon.jit
-def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
-                ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                DQ_BULK: gl.constexpr = False):
+def _drain_step(dv, pt_op, dst, i, row0, dq_head, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
+                ONE_PASS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
     """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
     staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
     done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
-    dQ's columns (rows row0.. of the head at ``dq_head``) is computed, waited for and added, so that its registers
-    die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back edge. The
-    next step's dK reads dS^T_i from the tile too (no registers held across the step). With ``DQ_BULK``, ``dq_head`` is
-    ``(descriptor, batch * Hq + head)`` and the half is added by a TMA bulk reduce-add (:func:`bulk_add_dq`) from
-    this warpgroup's staging tile."""
+    dQ's columns (rows row0.. of the head ``dq_head``: ``(descriptor, batch * Hq + head)``) is computed, waited for
+    and added by a TMA bulk reduce-add (:func:`bulk_add_dq`) from this warpgroup's staging tile, so that its
+    registers die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back
+    edge. The next step's dK reads dS^T_i from the tile too (no registers held across the step)."""
     if ONE_PASS:
         ds_smem, k_smem, ds_bars, dq_stage = dq_bufs
         # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
         mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
-        # with DQ_BULK also: the previous step's reduce (a whole step of matmuls ago) has read the staging tile
-        stage_ds(dst, ds_smem.index(WG), DQ_BULK)
+        # and the previous step's reduce (a whole step of matmuls ago) has read the staging tile
+        stage_ds(dst, ds_smem.index(WG))
         mbarrier.arrive(ds_bars.index(0))
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
@@ -160,11 +155,8 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, seq_q, sm_scale, dq_bufs, WG: 
         dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
-        if DQ_BULK:
-            dq_desc, bh = dq_head
-            bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
-        else:
-            add_dq(dq, row0, dq_head, seq_q, sm_scale, BM, WG * N, N, HEAD_DIM)
+        dq_desc, bh = dq_head
+        bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
     else:
         dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
     return dv, pt_op
@@ -191,31 +183,27 @@ def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_head(dq_head0, i, n_total, seq_q, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr = False):
-    """The dQ rows of step i's head: the group's head i // n_total (64-bit: B * Hq * Sq * D passes 2^31). With
-    ``DQ_BULK``, ``dq_head0`` is ``(descriptor, the group's first batch * Hq + head)`` and so is the result."""
-    if GROUP == 1:
-        return dq_head0
-    elif DQ_BULK:
+def _dq_head(dq_head0, i, n_total, GROUP: gl.constexpr, ONE_PASS: gl.constexpr):
+    """The dQ rows of step i's head, the group's head i // n_total: ``dq_head0`` is ``(descriptor, the group's first
+    batch * Hq + head)`` and so is the result (only ONE_PASS reads it)."""
+    if ONE_PASS and GROUP > 1:
         dq_desc, bh0 = dq_head0
         return dq_desc, bh0 + i // n_total
-    else:
-        return dq_head0 + (i // n_total).to(gl.int64) * seq_q * HEAD_DIM
+    return dq_head0
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
               qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
               STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              ONE_PASS: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_BULK: gl.constexpr):
+              ONE_PASS: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
     exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
 
     With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
-    the two handshake barriers, the float32 staging tiles of ``DQ_BULK``) and adds half of dQ's columns into the
-    float32 rows at ``dq_head0`` (the group's first head; with ``DQ_BULK`` the descriptor and that head's index;
-    :func:`_drain_step`)."""
+    the two handshake barriers, the float32 staging tiles) and adds half of dQ's columns into the float32 dQ at
+    ``dq_head0`` (the descriptor and the group's first head's index; :func:`_drain_step`)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -257,8 +245,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if not ONE_PASS:
             dst_op = gl.convert_layout(dst, op_layout)
-        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, seq_q, sm_scale,
-                                dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
+        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, sm_scale, dq_bufs,
+                                WG, BM, ONE_PASS, HEAD_DIM_PAD)
         stage = 0
         phase = 0
         for i in range(1, total):
@@ -300,8 +288,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
             # resources").
             dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
-                                    _dq_head(dq_head0, i, n_total, seq_q, GROUP, HEAD_DIM, DQ_BULK), seq_q, sm_scale,
-                                    dq_bufs, WG, BM, ONE_PASS, HEAD_DIM, HEAD_DIM_PAD, DQ_BULK)
+                                    _dq_head(dq_head0, i, n_total, GROUP, ONE_PASS), sm_scale, dq_bufs, WG, BM,
+                                    ONE_PASS, HEAD_DIM_PAD)
         last = stage if COUNTED else (total - 1) % STAGES
         if ONE_PASS:
             dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
@@ -312,7 +300,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         mbarrier.arrive(empty.index(last))
         if ONE_PASS:
             mbarrier.wait(dq_bufs[2].index(1), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
-        if DQ_BULK:
             tma.store_wait(0)  # the last reduce has read the staging tile before the CTA's shared memory goes
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
@@ -329,14 +316,12 @@ def attention_dkdv_gluon(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    ONE_PASS: gl.constexpr = False, HEAD_DIM: gl.constexpr = 0, DQ_BULK: gl.constexpr = False,
+    ONE_PASS: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
-    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added into
-    DQ: float32 ``[B, Hq, Sq, HEAD_DIM]``, zeroed by the launcher (unread otherwise); with ``DQ_BULK`` as well, DQ is
-    that buffer's ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, HEAD_DIM]``) with ``[1, BM, HEAD_DIM_PAD / 2]``
-    boxes (the TMA bulk reduce-adds)."""
-    gl.static_assert(ONE_PASS or not DQ_BULK, "DQ_BULK is the one-pass variant's way to add dQ")
+    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added by
+    TMA bulk reduce-adds through DQ, the ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, D]``, ``[1, BM,
+    HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the launcher (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -363,15 +348,10 @@ def attention_dkdv_gluon(
     if ONE_PASS:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup
-        if DQ_BULK:
-            stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
-            # each warpgroup's half of the block's dQ, read by its TMA reduce
-            dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)
-            dq_head0 = (DQ, b * NUM_HEADS + hk * GROUP)  # the group's first head in the descriptor's [B * Hq] rows
-        else:
-            dq_stage = ds_smem  # a stand-in: only DQ_BULK stages dQ
-            # 64-bit: B * Hq * Sq * D passes 2^31
-            dq_head0 = DQ + (b.to(gl.int64) * NUM_HEADS + hk * GROUP) * seq_q * HEAD_DIM
+        stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
+        # each warpgroup's half of the block's dQ, read by its TMA reduce
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)
+        dq_head0 = (DQ, b * NUM_HEADS + hk * GROUP)  # the group's first head in the descriptor's [B * Hq] rows
     else:
         ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
         dq_stage = k_smem
@@ -399,11 +379,9 @@ def attention_dkdv_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS,
-                         HEAD_DIM, DQ_BULK)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS)),
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS,
-                         HEAD_DIM, DQ_BULK)),
+                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)),
         ],

@@ -29,13 +29,15 @@ from .common import (
     WG_ROWS,
     WORKER_REGS,
     WORKER_WARPS,
+    allocate_barriers,
+    allocate_kv_ring,
     box,
-    init_kv_ring,
-    invalidate_kv_ring,
+    init_barriers,
+    invalidate_barriers,
+    load_resident_halves,
     masked_scores,
     program_lists,
     stream_kv_ring,
-    tma_load,
     tma_store,
 )
 
@@ -48,10 +50,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
     """One warp: Q and dO of both warpgroups once, then the K/V ring."""
     q_smem, do_smem, k_smem, v_smem = buffers
     qdo_bar, k_ready, v_ready, kv_empty = barriers
-    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma_load(q_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(q_smem.index(half)))
-        tma_load(do_desc, [b, h, row0 + half * WG_ROWS, 0], qdo_bar, box(do_smem.index(half)))
+    load_resident_halves(q_desc, q_smem, do_desc, do_smem, qdo_bar, b, h, row0, WG_ROWS)
     stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN, STAGES)
 
 
@@ -150,7 +149,6 @@ def attention_dq_gluon(
     bh_rows = pid_bh.to(gl.int64) * seq_q
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
@@ -159,15 +157,9 @@ def attention_dq_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(qdo_bar, count=1)
-    init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
+    k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
+    qdo_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES)
+    init_barriers(qdo_bar, k_ready, v_ready, kv_empty, STAGES)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, do_smem, k_smem, v_smem)
@@ -187,5 +179,4 @@ def attention_dq_gluon(
         WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
-    mbarrier.invalidate(qdo_bar)
-    invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
+    invalidate_barriers(qdo_bar, k_ready, v_ready, kv_empty, STAGES)

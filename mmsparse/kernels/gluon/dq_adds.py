@@ -3,15 +3,15 @@ to one query block, added into the float32 dQ accumulator.
 
 Each consumer warpgroup stages its dS^T (its 64 keys x BM queries, in registers as the A operand of dK += dS^T Q)
 in a shared tile of its own; once both are staged, warpgroup w computes columns [w D/2, (w + 1) D/2) of dQ over all
-128 keys (A: the staged tiles seen transposed, B: column slices of the K tiles already in shared memory) and adds
-them with relaxed float32 atomics, as the ``tl`` one-pass kernel adds its dQ (``tl.backward._dkdv_tiles``): dS
-rounded to the input dtype, the product times the softmax scale. Split by columns, each dQ element is added once
-per key block (not once per warpgroup), and a warpgroup holds half of dQ's accumulator.
+128 keys (A: the staged tiles seen transposed, B: column slices of the K tiles already in shared memory), with the
+numerics of the ``tl`` one-pass kernel's dQ (``tl.backward._dkdv_tiles``): dS rounded to the input dtype, the
+product times the softmax scale. Split by columns, each dQ element is added once per key block (not once per
+warpgroup), and a warpgroup holds half of dQ's accumulator.
 
-With ``DQ_BULK`` a warpgroup instead stores its half (times the scale) in a float32 staging tile of its own and
-issues one TMA bulk reduce-add of it (``cp.reduce.async.bulk.tensor``, FlashAttention-3's dQ writer) through a
-descriptor of the float32 dQ: the adds run in the TMA unit while the warpgroup goes on with the next step, and the
-warpgroup waits for the tile to be read only before it stages the next step's dQ there.
+A warpgroup stores its half (times the scale) in a float32 staging tile of its own and issues one TMA bulk
+reduce-add of it (``cp.reduce.async.bulk.tensor``, FlashAttention-3's dQ writer) through a descriptor of the float32
+dQ: the adds run in the TMA unit while the warpgroup goes on with the next step, and the warpgroup waits for the tile
+to be read only before it stages the next step's dQ there.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from .common import thread_barrier, tma_atomic_add
 
 
 @gluon.jit
-def stage_ds(dst, ds_w, DQ_BULK: gl.constexpr = False):
+def stage_ds(dst, ds_w):
     """Store dS^T (``[keys, BM]``, the input dtype) in the warpgroup's tile ``ds_w``, visible to its wgmmas. No
-    wgmma may still read ``ds_w``. With ``DQ_BULK`` also wait until the warpgroup's last bulk reduce-add has read
-    its dQ staging tile: the barrier that follows orders that wait (by the issuing thread) before every thread's
-    next store into the tile, so the wait needs no barrier of its own."""
+    wgmma may still read ``ds_w``. Also wait until the warpgroup's last bulk reduce-add has read its dQ staging
+    tile: the barrier that follows orders that wait (by the issuing thread) before every thread's next store into
+    the tile, so the wait needs no barrier of its own."""
     ds_w.store(dst)
     fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
-    if DQ_BULK:
-        tma.store_wait(0)
+    tma.store_wait(0)
     thread_barrier()  # every thread's part of the tile, before the warpgroup's wgmma reads all of it
 
 
@@ -45,32 +44,6 @@ def issue_dq(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.conste
     dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(COL0, N, dim=1), zero, use_acc=False,
                        is_async=True)
     return warpgroup_mma(ds_smem.index(1).permute((1, 0)), k_smem.index(1).slice(COL0, N, dim=1), dq, is_async=True)
-
-
-@gluon.jit
-def add_dq(dq, row0, dq_head, seq_q, sm_scale, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr,
-           HEAD_DIM: gl.constexpr):
-    """Add ``dq * sm_scale`` (``[BM, N]``) into rows row0 .. row0 + BM - 1, columns COL0 .. COL0 + N - 1 of one
-    head's float32 ``[Sq, HEAD_DIM]`` at ``dq_head`` (a 64-bit base): relaxed atomics, masked to rows < seq_q and
-    columns < HEAD_DIM. Relaxed: the adds need only be atomic; the kernel's end orders them before the sum is read.
-    A block inside the sequence adds without the row mask (ptxas turns each predicated add into a branch)."""
-    rows: gl.constexpr = gl.SliceLayout(1, dq.type.layout)
-    cols: gl.constexpr = gl.SliceLayout(0, dq.type.layout)
-    offs_m = gl.arange(0, BM, layout=rows)
-    offs_d = COL0 + gl.arange(0, N, layout=cols)
-    # a 64-bit block base (Sq * D may pass 2^31), 32-bit offsets in the tile
-    ptrs = (dq_head + row0.to(gl.int64) * HEAD_DIM) + (gl.expand_dims(offs_m * HEAD_DIM, 1) +
-                                                      gl.expand_dims(offs_d, 0))
-    val = dq * sm_scale
-    in_cols = gl.expand_dims(offs_m < BM, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)  # [BM, N]
-    if row0 + BM <= seq_q:
-        if COL0 + N <= HEAD_DIM:
-            gl.atomic_add(ptrs, val, sem="relaxed")
-        else:
-            gl.atomic_add(ptrs, val, mask=in_cols, sem="relaxed")
-    else:
-        in_rows = gl.expand_dims(row0 + offs_m < seq_q, 1) & in_cols
-        gl.atomic_add(ptrs, val, mask=in_rows, sem="relaxed")
 
 
 @gluon.jit

@@ -39,9 +39,11 @@ from .common import (
     WG_ROWS,
     WORKER_REGS,
     WORKER_WARPS,
+    allocate_barriers,
+    allocate_kv_ring,
     box,
-    init_kv_ring,
-    invalidate_kv_ring,
+    init_barriers,
+    invalidate_barriers,
     invalidate_ring,
     masked_scores,
     named_barrier,
@@ -272,9 +274,9 @@ def attention_fwd_gluon(
     h = pid_bh % NUM_HEADS
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
     named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
+    turn_mbarriers: gl.constexpr = PINGPONG and TURNS == _TURNS_MBARRIER
     gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
@@ -283,23 +285,13 @@ def attention_fwd_gluon(
     row0 = pid_m * (2 * WG_ROWS)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM_PAD], kv_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    mbarrier.init(q_bar, count=1)
-    if named_release:  # no kv_empty, and the turns are hardware barriers
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-    else:
-        init_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-        if PINGPONG and TURNS == _TURNS_MBARRIER:
-            _init_turns(turn)
+    k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
+    q_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # named releases: no kv_empty, and the turns are hardware barriers
+    init_barriers(q_bar, k_ready, v_ready, kv_empty, STAGES, not named_release)
+    if turn_mbarriers:
+        _init_turns(turn)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
     buffers = (q_smem, k_smem, v_smem)
@@ -318,11 +310,6 @@ def attention_fwd_gluon(
         WORKER_REGS,
     )
     # Every partition has returned: no barrier is waited on or signalled again.
-    mbarrier.invalidate(q_bar)
-    if named_release:
-        invalidate_ring(k_ready, STAGES)
-        invalidate_ring(v_ready, STAGES)
-    else:
-        invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES)
-        if PINGPONG and TURNS == _TURNS_MBARRIER:
-            invalidate_ring(turn, 2)
+    invalidate_barriers(q_bar, k_ready, v_ready, kv_empty, STAGES, not named_release)
+    if turn_mbarriers:
+        invalidate_ring(turn, 2)
