@@ -85,6 +85,27 @@ def _dkdv_tiles(
     return dk, dv
 
 
+@triton.jit
+def _kv_sources(K, V, b64, hk64, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, seq_k,
+                BN: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_TMA: tl.constexpr):
+    """The K and V sources of one (sample, KV head), both passes': 64-bit bases (one sample's H * S * D passes 2^31
+    at sizes users run)."""
+    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    return k_src, v_src
+
+
+@triton.jit
+def _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_TMA: tl.constexpr):
+    """The Q and dO sources of one (sample, query head), both passes': q at its strides from a 64-bit base, dO
+    contiguous from its first row ``row0`` (64-bit)."""
+    q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
+                        HEAD_DIM_PAD, USE_TMA)
+    do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    return q_src, do_src
+
+
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
@@ -108,9 +129,8 @@ def attention_dkdv_tl(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m0 = tl.arange(0, BM)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    hk64 = hk.to(tl.int64)  # one sample's H * S * D passes 2^31 at sizes users run
-    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    k_src, v_src = _kv_sources(K, V, b64, hk.to(tl.int64), stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                               stride_vn, seq_k, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_k = load_block(k_src, pid_n * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
     b_v = load_block(v_src, pid_n * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, True, USE_TMA)
 
@@ -124,9 +144,8 @@ def attention_dkdv_tl(
         h = hk * GROUP + g
         bh = b * NUM_HEADS + h
         row0 = bh.to(tl.int64) * seq_q
-        q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
-                            HEAD_DIM_PAD, USE_TMA)
-        do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        q_src, do_src = _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM, HEAD_DIM,
+                                      HEAD_DIM_PAD, USE_TMA)
         dq_ptr = DQ + row0 * HEAD_DIM  # 64-bit base: B * Hq * Sq * D passes 2^31, as do's does
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
@@ -198,9 +217,8 @@ def attention_dq_tl(
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row0 = pid_bh.to(tl.int64) * seq_q
-    q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
-                        HEAD_DIM_PAD, USE_TMA)  # 64-bit: as in the dK/dV pass
-    do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    q_src, do_src = _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM, HEAD_DIM,
+                                  HEAD_DIM_PAD, USE_TMA)
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     b_do = load_block(do_src, pid_m * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
@@ -209,9 +227,8 @@ def attention_dq_tl(
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, q_start = program_setup(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
         stride_qbits_b, stride_kbits_b, stride_mask_b, stride_qstart_b, HAS_DROPOUT)
-    hk64 = (h // GROUP).to(tl.int64)
-    k_src = make_source(K + b64 * stride_kb + hk64 * stride_kh, seq_k, stride_kn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    v_src = make_source(V + b64 * stride_vb + hk64 * stride_vh, seq_k, stride_vn, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    k_src, v_src = _kv_sources(K, V, b64, (h // GROUP).to(tl.int64), stride_kb, stride_kh, stride_kn, stride_vb,
+                               stride_vh, stride_vn, seq_k, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
 
     dq = tl.zeros([BM, HEAD_DIM_PAD], tl.float32)
     dq = _dq_tiles(
