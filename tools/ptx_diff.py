@@ -121,7 +121,8 @@ def _ranks(values: list[int]) -> list[int]:
 
 def compare(before: str, after: str) -> str:
     """``same``; ``same code, ...`` (parameters no code used are gone, the others keep their order and types);
-    or ``differs at code line N``."""
+    or ``differs (...)`` with the first code line that differs (past the parameter declarations, and with the
+    parameters renamed by use, where their number changed)."""
     a, b = code_lines(before), code_lines(after)
     if a == b:
         return "same"
@@ -131,9 +132,13 @@ def compare(before: str, after: str) -> str:
     if pa.code == pb.code and kept_order and [pa.types[i] for i in pa.used] == [pb.types[i] for i in pb.used]:
         return (f"same code, parameters {len(pa.types)} -> {len(pb.types)} (the {len(pa.used)} it reads keep their "
                 f"order and types)")
+    if len(pa.types) != len(pb.types):  # past the declarations, with the parameters renamed by use
+        a, b, where = pa.code, pb.code, f"parameters {len(pa.types)} -> {len(pb.types)}, and "
+    else:
+        where = ""
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"differs at code line {first + 1}: {a[first].strip() if first < len(a) else '<end>'!r} -> " \
-           f"{b[first].strip() if first < len(b) else '<end>'!r}"
+    return (f"differs ({where}code line {first + 1}: {a[first].strip() if first < len(a) else '<end>'!r} -> "
+            f"{b[first].strip() if first < len(b) else '<end>'!r})")
 
 
 def diff_folders(before: Path, after: Path) -> list[tuple[str, str]]:

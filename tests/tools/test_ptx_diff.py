@@ -47,7 +47,7 @@ def test_source_locations_are_not_differences():
 
 def test_a_changed_instruction_differs():
     verdict = ptx_diff.compare(PTX, PTX.replace("add.s32 \t%r2, %r1, 1", "add.s32 \t%r2, %r1, 2"))
-    assert verdict.startswith("differs at code line"), verdict
+    assert verdict == "differs (code line 9: 'add.s32 \\t%r2, %r1, 1;' -> 'add.s32 \\t%r2, %r1, 2;')", verdict
     # parameters in another order are not the same kernel
     swapped = PTX.replace("[k_param_0]", "[k_param_X]").replace("[k_param_2]", "[k_param_0]")
     swapped = swapped.replace("[k_param_X]", "[k_param_2]").replace(".u64 k_param_0", ".u32 k_param_0")
@@ -60,7 +60,7 @@ def test_unused_parameters_gone_is_the_same_code():
     assert verdict == "same code, parameters 3 -> 2 (the 2 it reads keep their order and types)", verdict
     # a used parameter gone is a difference
     used_gone = fewer.replace("\tld.param.u64 \t%rd1, [k_param_0];   // the first\n", "")
-    assert ptx_diff.compare(PTX, used_gone).startswith("differs")
+    assert ptx_diff.compare(PTX, used_gone).startswith("differs (parameters 3 -> 2, and code line")
 
 
 def _copy_of_tree(dest: Path) -> Path:
@@ -84,4 +84,4 @@ def test_compiled_tree_against_a_copy_and_a_changed_kernel(tmp_path, capsys):
     assert ptx_diff.main(["diff", str(tmp_path / "here"), str(tmp_path / "same")]) == 0
     assert capsys.readouterr().out == f"tl/{only}: same\n"
     assert ptx_diff.main(["diff", str(tmp_path / "here"), str(tmp_path / "changed")]) == 1
-    assert capsys.readouterr().out.startswith(f"tl/{only}: differs at code line")
+    assert capsys.readouterr().out.startswith(f"tl/{only}: differs (code line")
