@@ -24,7 +24,7 @@ from .checks import check_flag, check_window
 from .mask.blocks import cdiv
 from .mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
 from .mask.lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
-from .mask.segments import MAX_DOCS, token_codes
+from .mask.segment_codes import MAX_DOCS, token_codes
 from .mask.topology import Topology
 
 TileArg = Union[int, tuple[int, int]]

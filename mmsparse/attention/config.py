@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..mask.block_lists import COMPACT_BYTES
+from ..mask.bit_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from ..mask.block_lists import kernel_window
+from ..mask.bit_lists import kernel_window
 from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
 from .config import KernelConfig
 from .plan import plan_attention

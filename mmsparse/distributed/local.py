@@ -15,7 +15,7 @@ import torch
 
 from ..checks import check_window
 from ..mask.info import BitMask, CodeMask
-from ..mask.segments import token_codes
+from ..mask.segment_codes import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from ..runtime.launch import stream_key
 from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position

@@ -54,8 +54,8 @@ def make_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_b
 
 def make_code_piece(q_rows: slice, k_rows: slice, local_keys: bool, causal: bool, q_codes: torch.Tensor,
                     k_codes: torch.Tensor, table: torch.Tensor, num_segments: int) -> Piece:
-    """A piece of a segment-code mask (:mod:`mmsparse.mask.segments`): codes ``[Bm, S_piece]`` and the pair table its
-    keys' side of the queries needs."""
+    """A piece of a segment-code mask (:mod:`mmsparse.mask.segment_codes`): codes ``[Bm, S_piece]`` and the pair
+    table its keys' side of the queries needs."""
     info = CodeMask(q_codes.contiguous(), k_codes.contiguous(), table, num_segments, causal)
     return Piece(q_rows, k_rows, local_keys, causal, info)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 # Pair types of a topology: no key, every key, the keys at or before the query's position.
 NONE, FULL, CAUSAL = 0, 1, 2
 # A segment code's low bits hold the segment (k <= 4095, plus the padding segment k); the bits above, the sample of
-# a pack (mmsparse.mask.segments).
+# a pack (mmsparse.mask.segment_codes).
 SEG_BITS = 12
 
 # How a kernel reads the exact token mask of a partial tile (its ``MASK_MODE``).
 MASK_BITS = 0  # 0/1 topology of <= 32 segments: per-token row bits & column bits
 MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
-MASK_SEGMENTS = 2  # any topology, packed samples: per-token segment codes and the pair table (mmsparse.mask.segments)
+# any topology, packed samples: per-token segment codes and the pair table (mmsparse.mask.segment_codes)
+MASK_SEGMENTS = 2
 
 # How the two consumer warpgroups of the Gluon forward take turns with ping-pong (its ``TURNS``; config.Tile.turns).
 TURNS_MBARRIER = 0  # a turn mbarrier per warpgroup; each stage released apart through the ring's kv_empty
@@ -24,7 +25,7 @@ DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
 DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
 DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
 
-# What one launch of a block-list builder does (``PHASE``; mmsparse.mask.block_lists.write_lists): LISTS_DENSE
+# What one launch of a block-list builder does (``PHASE``; mmsparse.mask.bit_lists.write_lists): LISTS_DENSE
 # counts and writes each row's list at r * C; LISTS_COUNT only counts (full, partial); LISTS_WRITE writes each
 # row's list at the start the host put in the counts.
 LISTS_DENSE = 0

@@ -29,7 +29,7 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
     window over the past; keys after the query are left to the rest of the rule).
 
     - bits: some segment is seen by the row and holds the column (bits past the ends are 0);
-    - codes (:mod:`mmsparse.mask.segments`): same doc, and the pair table says FULL, or CAUSAL with the key at or
+    - codes (:mod:`mmsparse.mask.segment_codes`): same doc, and the pair table says FULL, or CAUSAL with the key at or
       before the query;
     - dense: the mask's element.
     """

@@ -1,7 +1,7 @@
 """Tile classes (empty / full / partial) of a segment-code mask, in plain torch from the codes' runs.
 
-The rule is :mod:`mmsparse.mask.segments`'. Each side's tokens are cut into *pieces*: maximal stretches with one code
-inside one block (a run of equal codes, split at block edges). Every (query, key) pair of a tile lies in exactly
+The rule is :mod:`mmsparse.mask.segment_codes`'. Each side's tokens are cut into *pieces*: maximal stretches with one
+code inside one block (a run of equal codes, split at block edges). Every (query, key) pair of a tile lies in exactly
 one (query piece, key piece) pair, and that piece pair's type decides all of its pairs at once:
 
 - another doc, NONE, or padding: none allowed;
@@ -13,7 +13,7 @@ one (query piece, key piece) pair, and that piece pair's type decides all of its
 
 Only pieces of the same sample and doc are paired, so a pack's cross-sample tiles cost nothing. The cost is O(S)
 for the pieces plus the piece pairs: per tile, the product of the runs its two blocks meet. No S x S tensor.
-This is the torch counterpart of the Triton builder (:mod:`mmsparse.mask.segment_lists`) and its test oracle; it
+This is the torch counterpart of the Triton builder (:mod:`mmsparse.mask.code_lists`) and its test oracle; it
 also counts the allowed pairs (a picture's density) the same way, from the runs alone.
 """
 
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import cdiv
-from .segments import SEG_BITS
+from .segment_codes import SEG_BITS
 from .topology import CAUSAL, NONE
 
 _DOC_SPAN = 1 << (31 - SEG_BITS)  # docs per sample, padding's included: (sample, doc) -> one int64 key

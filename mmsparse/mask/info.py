@@ -2,7 +2,7 @@
 
 - :class:`BitMask`: per-token row and column bit vectors (0/1 topologies of at most 32 segments);
 - :class:`CodeMask`: per-token segment codes and the pair table (any topology, packed samples:
-  :mod:`mmsparse.mask.segments`);
+  :mod:`mmsparse.mask.segment_codes`);
 - :class:`DenseMask`: the user's bool mask, on the arbitrary-mask path.
 
 The token-level part is O(S) (the dense mask aside). Their common base, :class:`MaskInfo`, builds block lists
@@ -17,12 +17,12 @@ import torch
 
 from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from ..runtime.launch import stream_key
-from .block_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
+from .bit_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
 from .cache import CACHE
 from .code_blocks import classify_blocks_from_codes
-from .segment_lists import CodeRuns, build_segment_lists
-from .segments import decode, query_codes, token_codes
+from .code_lists import CodeRuns, build_segment_lists
+from .segment_codes import decode, query_codes, token_codes
 from .token_bits import launch_token_bits
 from .topology import Topology, allowed_by_type
 
@@ -176,7 +176,7 @@ class MaskInfo:
         """Per query block its key blocks, or (by_key) per key block its query blocks. Topology masks: built by
         Triton kernels straight from the token-level tensors; dense masks, or CPU tensors without Triton's
         interpreter: reduced from :meth:`classes` in torch. ``compact_bytes``: above it a bit mask's lists take
-        the compact layout (:func:`mmsparse.mask.block_lists.build_block_lists`)."""
+        the compact layout (:func:`mmsparse.mask.bit_lists.build_block_lists`)."""
         key = (block_m, block_n, by_key)
         if key not in self._lists and kernels_run_on(self.device):
             built = self._build_lists(block_m, block_n, by_key, compact_bytes)
@@ -267,7 +267,7 @@ class BitMask(MaskInfo):
 
 
 class CodeMask(MaskInfo):
-    """Query and key segment codes (:mod:`mmsparse.mask.segments`: document and segment of each token) and the
+    """Query and key segment codes (:mod:`mmsparse.mask.segment_codes`: document and segment of each token) and the
     k x k pair table of NONE/FULL/CAUSAL: any topology, and packs of samples that see only themselves."""
 
     mode = MASK_SEGMENTS
@@ -327,7 +327,7 @@ class CodeMask(MaskInfo):
                                    compact_bytes=compact_bytes, window=self.window)
 
     def code_mask(self) -> torch.Tensor:
-        """The dense bool ``[Bm, Sq, Sk]`` by the rule of :mod:`mmsparse.mask.segments` in torch (O(S^2): tests and
+        """The dense bool ``[Bm, Sq, Sk]`` by the rule of :mod:`mmsparse.mask.segment_codes` in torch (O(S^2): tests and
         small sizes)."""
         q_doc, q_seg = decode(self.q_codes)
         k_doc, k_seg = decode(self.k_codes)

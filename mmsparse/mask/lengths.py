@@ -12,7 +12,7 @@ from typing import Union
 
 import torch
 
-from .segments import MAX_DOCS
+from .segment_codes import MAX_DOCS
 
 SegLens = Union[Sequence[int], torch.Tensor]  # one sample's k lengths
 SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # shared k lengths, or per sample [B, k]

@@ -9,7 +9,7 @@ import triton
 
 from ..kernels.tl.token_bits import token_bits_kernel
 from ..runtime.launch import FastKernel
-from .block_lists import kernels_run_on
+from .bit_lists import kernels_run_on
 from .blocks import cdiv
 from .topology import Topology, token_bits_torch
 

@@ -11,7 +11,7 @@ length S:
   - ``col_bits[j]``: ``1 << seg(j)``, the one-hot bit of key token j's segment.
 A pair is allowed when ``row_bits[i] & col_bits[j] != 0``. Padding tokens get 0 in both, so a padded query
 sees nothing and a padded key is seen by nobody. Every other mask (causal pairs, more segments, packed
-samples) goes by segment codes and the pair table: see :mod:`mmsparse.mask.segments`.
+samples) goes by segment codes and the pair table: see :mod:`mmsparse.mask.segment_codes`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Topology:
 
     def pair_table(self, device: torch.device) -> torch.Tensor:
         """int8 ``[k + 1, k + 1]`` pair types on ``device``, with a last row and column of NONE for padding, kept
-        per device (see :mod:`mmsparse.mask.segments`)."""
+        per device (see :mod:`mmsparse.mask.segment_codes`)."""
         table = None if torch.compiler.is_compiling() else self._pair_tables.get(device)
         if table is None:
             k = self.num_segments

@@ -18,12 +18,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime: launches with little host work, stream keys, scratch for device-side descriptors",
      ["mmsparse.runtime"]),
     ("checks: the arguments' types and ranges, the sizes one launch takes", ["mmsparse.checks"]),
-    ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segments"]),
+    ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segment_codes"]),
     ("mask: topology and the torch block classification", [
         "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
     ]),
     ("mask: the builders' launchers", [
-        "mmsparse.mask.token_bits", "mmsparse.mask.block_lists", "mmsparse.mask.segment_lists",
+        "mmsparse.mask.token_bits", "mmsparse.mask.bit_lists", "mmsparse.mask.code_lists",
     ]),
     ("mask: the mask of a call and its block lists per tile", ["mmsparse.mask.info", "mmsparse.mask"]),
     ("mask: a call's mask built from its arguments, cached by value", ["mmsparse.mask.build"]),

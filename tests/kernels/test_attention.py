@@ -203,12 +203,12 @@ def test_packed_block_lists(topology, device):
     """Lists packed end to end (CSR, what large masks get) give bit for bit the fixed-slot lists' results, and
     match the reference: forward and the three gradients, per-sample lengths, GQA, causal."""
     from mmsparse import clear_caches, use_config
-    from mmsparse.mask import block_lists
+    from mmsparse.mask import bit_lists
     from mmsparse.mask.cache import CACHE
 
     lens = [(5, 30, 9), (17, 0, 20), (1, 2, 3)]
     results = []
-    for compact_bytes in (block_lists.COMPACT_BYTES, 0):
+    for compact_bytes in (bit_lists.COMPACT_BYTES, 0):
         clear_caches()  # masks built afresh, with this layout
         with use_config(compact_bytes=compact_bytes):
             gen = torch.Generator().manual_seed(5)

@@ -12,7 +12,7 @@ from mmsparse.attention import backward
 from mmsparse.attention.config import SHORT_KEYS, kernel_config
 from mmsparse.attention.plan import plan_attention
 from mmsparse.kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
-from mmsparse.kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
+from mmsparse.kernels.tl.bit_lists import block_lists_kernel, block_summary_kernel
 from mmsparse.kernels.tl.forward import attention_combine_tl, attention_fwd_tl
 from mmsparse.kernels.tl.token_bits import token_bits_kernel
 from mmsparse.runtime.launch import compiled_variants

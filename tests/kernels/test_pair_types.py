@@ -10,7 +10,7 @@ import torch
 
 import mmsparse
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, mbs_attention_varlen
-from mmsparse.mask import block_lists
+from mmsparse.mask import bit_lists
 from mmsparse.mask.blocks import classify_blocks_from_mask, lists_from_classes
 from mmsparse.mask.info import MaskInfo
 from mmsparse.mask.topology import Topology, generate_interlaced_mask
@@ -35,7 +35,7 @@ def transfusion(rng: random.Random, images: int, image_len: int, text_max: int) 
 
 
 def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_n: int,
-                       compact_bytes: int = block_lists.COMPACT_BYTES) -> None:
+                       compact_bytes: int = bit_lists.COMPACT_BYTES) -> None:
     """The lists the kernels read equal those of the dense mask's tile classes, row by row."""
     for by_key in (False, True):
         live, full = classify_blocks_from_mask(dense, block_m, block_n, False, info.q_start)
@@ -54,7 +54,7 @@ def assert_lists_exact(info: MaskInfo, dense: torch.Tensor, block_m: int, block_
 def test_block_lists_match_dense_classes(seed):
     """Random 0/1/2 topologies, ragged and zero lengths, per-sample rows, q_start, causal, packs: exact lists,
     fixed-slot for even seeds and packed (CSR) for odd ones."""
-    compact_bytes = 0 if seed % 2 else block_lists.COMPACT_BYTES
+    compact_bytes = 0 if seed % 2 else bit_lists.COMPACT_BYTES
     rng = random.Random(seed)
     k = rng.randint(1, 7)
     topo = Topology(random_types(rng, k))

@@ -19,11 +19,11 @@ from mmsparse import (
     reference_packed_mask,
 )
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
-from mmsparse.mask.block_lists import build_block_lists
+from mmsparse.mask.bit_lists import build_block_lists
 from mmsparse.mask.blocks import lists_from_classes
 from mmsparse.mask.build import build_mask_info
+from mmsparse.mask.code_lists import CodeRuns, build_segment_lists
 from mmsparse.mask.info import MaskInfo
-from mmsparse.mask.segment_lists import CodeRuns, build_segment_lists
 from mmsparse.nn import MultimodalSelfAttention
 from tests.helpers import HUB, RING, check_against_reference, check_outputs, make_qkv
 

@@ -12,7 +12,7 @@ from mmsparse import CAUSAL, FULL, NONE
 from mmsparse.mask import code_blocks
 from mmsparse.mask.blocks import classify_blocks_from_mask
 from mmsparse.mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
-from mmsparse.mask.segments import query_codes, token_codes
+from mmsparse.mask.segment_codes import query_codes, token_codes
 from mmsparse.mask.topology import Topology
 from mmsparse.reference import reference_mask, reference_packed_mask
 

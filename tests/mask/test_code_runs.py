@@ -1,12 +1,12 @@
-"""The runs of segment codes and their block summaries (mmsparse.mask.segment_lists) against plain torch."""
+"""The runs of segment codes and their block summaries (mmsparse.mask.code_lists) against plain torch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mmsparse.mask.segment_lists import block_summary, code_runs
-from mmsparse.mask.segments import SEG_BITS
+from mmsparse.mask.code_lists import block_summary, code_runs
+from mmsparse.mask.segment_codes import SEG_BITS
 
 
 def _reference_runs(row: torch.Tensor) -> tuple[list[int], list[int], list[int]]:

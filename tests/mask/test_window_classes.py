@@ -13,7 +13,7 @@ from mmsparse.checks import check_window
 from mmsparse.mask.blocks import cdiv
 from mmsparse.mask.code_blocks import count_pairs_from_codes
 from mmsparse.mask.info import MaskInfo
-from mmsparse.mask.segments import token_codes
+from mmsparse.mask.segment_codes import token_codes
 
 
 def brute_force_classes(mask: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:

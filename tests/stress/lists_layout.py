@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 import mmsparse
-from mmsparse.mask.block_lists import COMPACT_BYTES
+from mmsparse.mask.bit_lists import COMPACT_BYTES
 
 
 @contextlib.contextmanager

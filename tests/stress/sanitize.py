@@ -398,7 +398,7 @@ def _sync(device: Any) -> None:
 def _run_lists(case: SanCase, device: Any) -> None:
     import torch
 
-    from mmsparse.mask.block_lists import build_block_lists
+    from mmsparse.mask.bit_lists import build_block_lists
     from mmsparse.mask.info import BitMask, MaskInfo
     from mmsparse.mask.token_bits import launch_token_bits
     from mmsparse.mask.topology import Topology

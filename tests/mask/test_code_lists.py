@@ -1,4 +1,4 @@
-"""The Triton block lists of segment-code masks (mmsparse.mask.segment_lists) against the torch tile classes
+"""The Triton block lists of segment-code masks (mmsparse.mask.code_lists) against the torch tile classes
 (mmsparse.mask.code_blocks): random pair-type topologies, many segments, packs, causal, q_start offsets, ragged ends."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmsparse import CAUSAL, FULL, NONE
-from mmsparse.mask import block_lists
+from mmsparse.mask import bit_lists
 from mmsparse.mask.blocks import lists_from_classes
 from mmsparse.mask.code_blocks import classify_blocks_from_codes
 from mmsparse.mask.info import MaskInfo
@@ -37,7 +37,7 @@ def _info(seed: int, device: torch.device) -> MaskInfo:
 @pytest.mark.parametrize("seed", range(12))  # every (k, pack / batch / q_start) pairing
 def test_kernel_lists_match_torch_classes(seed, device):
     """Fixed-slot lists for even seeds, packed (CSR) lists for odd ones; by query and by key."""
-    compact_bytes = 0 if seed % 2 else block_lists.COMPACT_BYTES
+    compact_bytes = 0 if seed % 2 else bit_lists.COMPACT_BYTES
     info = _info(seed, device)
     for block_m, block_n in ((16, 16), (32, 16)):
         live, full = classify_blocks_from_codes(info.q_codes, info.k_codes, info.table, block_m, block_n,

@@ -1,4 +1,4 @@
-"""tl kernels of the block lists from per-token bits (see mmsparse.mask.block_lists)."""
+"""tl kernels of the block lists from per-token bits (see mmsparse.mask.bit_lists)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
-from ..kernels.tl.block_lists import block_lists_kernel, block_summary_kernel
+from ..kernels.tl.bit_lists import block_lists_kernel, block_summary_kernel
 from ..runtime.launch import FastKernel, interpreter_active
 from .blocks import BlockLists, cdiv, index_dtype
 

@@ -1,4 +1,4 @@
-"""Triton block lists (mmsparse.mask.block_lists) against the torch reference, row by row, fixed or packed."""
+"""Triton block lists (mmsparse.mask.bit_lists) against the torch reference, row by row, fixed or packed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from mmsparse import Topology
 from mmsparse.mask import info as mask_info
-from mmsparse.mask.block_lists import build_block_lists
+from mmsparse.mask.bit_lists import build_block_lists
 from mmsparse.mask.blocks import BlockLists, classify_blocks_from_bits, index_dtype, lists_from_classes
 from mmsparse.mask.info import MaskInfo
 

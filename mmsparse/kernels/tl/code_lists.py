@@ -1,4 +1,4 @@
-"""tl kernel of the block lists from segment-code runs (see mmsparse.mask.segment_lists)."""
+"""tl kernel of the block lists from segment-code runs (see mmsparse.mask.code_lists)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CAUSAL, SEG_BITS
-from .block_lists import PHASE_COUNT, PHASE_WRITE, count_chunk, list_rows, store_chunk, store_counts
+from .bit_lists import PHASE_COUNT, PHASE_WRITE, count_chunk, list_rows, store_chunk, store_counts
 
 _SEG_BITS = tl.constexpr(SEG_BITS)
 _SEG_MASK = tl.constexpr((1 << SEG_BITS) - 1)
@@ -128,7 +128,7 @@ def segment_lists_kernel(
     HAS_WINDOW: tl.constexpr, BY_KEY: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Program (g, b) handles the row blocks r = g*BR .. g*BR+BR-1 (key blocks when BY_KEY) of sample b: full
-    column blocks in ascending order, then the partial ones, as PHASE says (as ``block_lists.block_lists_kernel``)."""
+    column blocks in ascending order, then the partial ones, as PHASE says (as ``bit_lists.block_lists_kernel``)."""
     i_g, i_b = tl.program_id(0), tl.program_id(1)
     b64 = i_b.to(tl.int64)
     q_sum, k_sum = Q_SUM + b64 * stride_qs, K_SUM + b64 * stride_ks

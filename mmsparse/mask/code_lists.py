@@ -1,5 +1,5 @@
-"""Block lists of a segment-code mask (:mod:`mmsparse.mask.segments`): exact, on the device, no host synchronisation
-but the packed lists' one (``block_lists.write_lists``).
+"""Block lists of a segment-code mask (:mod:`mmsparse.mask.segment_codes`): exact, on the device, no host
+synchronisation but the packed lists' one (``bit_lists.write_lists``).
 
 Each side (queries, keys) is cut into *runs*: maximal stretches of tokens with one code. A tile's rows meet a
 few runs and its columns a few more; every (query, key) pair of the tile lies in exactly one (row run, column
@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.tl.segment_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
+from ..kernels.tl.code_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
 from ..runtime.launch import FastKernel
-from .block_lists import COMPACT_BYTES, kernel_window, no_launch, write_lists
+from .bit_lists import COMPACT_BYTES, kernel_window, no_launch, write_lists
 from .blocks import BlockLists, cdiv
 
 # Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
@@ -105,7 +105,7 @@ def build_segment_lists(
         by_key: per key block its query blocks instead of per query block its key blocks.
         fit: program sizes no larger than the lengths need (default: under the interpreter).
         compact: packed (CSR) lists or fixed slots; default by size, above ``compact_bytes``
-            (``block_lists.write_lists``).
+            (``bit_lists.write_lists``).
         window: also require key position > query position - window (None: no window).
 
     Returns:
