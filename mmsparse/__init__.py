@@ -43,7 +43,8 @@ def _use_interpreter_without_cuda() -> None:
 
 _use_interpreter_without_cuda()
 
-from .attention.config import KernelConfig, Tile, use_config  # noqa: E402
+from . import tuning  # noqa: E402
+from .attention.config import use_config  # noqa: E402
 from .functional import clear_caches, mbs_attention, mbs_attention_varlen  # noqa: E402
 from .mask.topology import CAUSAL, FULL, NONE, Topology, generate_interlaced_mask  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
@@ -54,9 +55,7 @@ from .runtime.launch import interpreter_active  # noqa: E402
 __all__ = [
     "CAUSAL",
     "FULL",
-    "KernelConfig",
     "NONE",
-    "Tile",
     "TileMap",
     "Topology",
     "TritonMBSAttnKernel",
@@ -70,6 +69,16 @@ __all__ = [
     "reference_packed_mask",
     "tile_map",
     "tile_picture",
+    "tuning",
     "use_config",
 ]
 __version__ = "0.2.0"
+
+_MOVED_TO_TUNING = ("Tile", "KernelConfig")
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_TUNING:
+        raise AttributeError(f"mmsparse.{name} is mmsparse.tuning.{name} (tiles and thresholds are set with "
+                             f"mmsparse.tuning.use_tuning)")
+    raise AttributeError(f"module 'mmsparse' has no attribute {name!r}")

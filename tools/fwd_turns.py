@@ -60,12 +60,12 @@ def time_config(name: str, rounds: int) -> dict[str, Any]:
     with torch.no_grad():
         outs = {}
         for label, kc in variants.items():
-            with mmsparse.use_config(kc):
+            with mmsparse.tuning.use_tuning(kc):
                 outs[label] = fn(q, k, v)
         first = next(iter(variants))
         for r in range(rounds):  # the order alternates, so that slow spells land on every setting
             for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-                with mmsparse.use_config(variants[label]):
+                with mmsparse.tuning.use_tuning(variants[label]):
                     times[label].append(do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median"))
     return {"config": name, "reference": first, "settings": {
         label: {"fwd_ms": statistics.median(times[label]),

@@ -2,7 +2,7 @@
 on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding
 it by atomics), both checked against the float32 reference, the one pass's gradients against the two passes', its
 dQ's run-to-run differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass
-kernel runs at every length here (``use_config(one_pass_max_keys=...)``); a call alone runs it only below that many
+kernel runs at every length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs it only below that many
 keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     rounds=args.rounds)
     rows = []
     # The kernel at every length: deterministic=False alone runs it only below one_pass_max_keys keys.
-    with mmsparse.use_config(one_pass_max_keys=1 << 62):
+    with mmsparse.tuning.use_tuning(one_pass_max_keys=1 << 62):
         for name in names:
             rows.append(compare_config(ALL_CONFIGS[name], device, dtype, timing, sides))
             print(f"{name}: bwd " + ", ".join(f"{s} {rows[-1][f'{s}_bwd_ms']:.3f} ms" for s in sides), flush=True)

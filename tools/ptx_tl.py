@@ -147,7 +147,8 @@ def _run(case: Case) -> None:
     v = torch.randn(k.shape, generator=gen).to(dtype)
     seed = torch.zeros(3, dtype=torch.int64) if case.dropout else None
     p = 0.1 if case.dropout else 0.0
-    with config.use_config(cfg):
+    use_tuning = getattr(config, "use_tuning", None) or config.use_config  # a tree from before use_tuning
+    with use_tuning(cfg):
         mbs_attn_fwd(q, k, v, info, 0.1, p, seed, cfg)
         lse = torch.zeros(1, heads, seq_q)
         mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, p, seed, deterministic=case.deterministic,

@@ -18,7 +18,7 @@ import torch
 from benchmarks.configs import CONFIGS
 from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
-from mmsparse.attention.config import Tile, kernel_config, use_config
+from mmsparse.attention.config import Tile, kernel_config, use_config, use_tuning
 from mmsparse.mask.topology import count_allowed_pairs
 
 
@@ -107,7 +107,7 @@ def main() -> None:
         for i, cfg in enumerate(variants):
             deterministic = not one_pass or i < 2  # the first two: the two-pass backward, with and without TMA
             try:
-                with use_config(cfg, deterministic=deterministic):
+                with use_tuning(cfg), use_config(deterministic=deterministic):
                     f, bw = ours(q, k, v, topo, lens, causal)
                 kernel = "gluon" if cfg.one_pass_runs_gluon() else "tl"
                 bwd_tiles = (f"dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}" if deterministic

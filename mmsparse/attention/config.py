@@ -176,10 +176,10 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 
 @dataclass(frozen=True)
 class Settings:
-    """What ``use_config`` sets for one thread's calls: tiles (None: the device's table), thresholds and the
-    default backward. Interned (:func:`intern_settings`): one object and one ``id`` per value, so that a call
-    carries its settings to the backward (and across the custom-op boundary, as the int ``id``) however the
-    thread's settings change meanwhile, and so that a compiled graph guards on one object per value."""
+    """What ``use_config`` and ``use_tuning`` set for one thread's calls: tiles (None: the device's table),
+    thresholds and the default backward. Interned (:func:`intern_settings`): one object and one ``id`` per value, so
+    that a call carries its settings to the backward (and across the custom-op boundary, as the int ``id``) however
+    the thread's settings change meanwhile, and so that a compiled graph guards on one object per value."""
 
     config: KernelConfig | None = None
     thresholds: tuple[tuple[str, int], ...] = ()
@@ -226,7 +226,7 @@ def default_deterministic() -> bool:
 def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                   settings: Settings | None = None) -> KernelConfig:
     """The tiles and thresholds for one call under ``settings`` (None: this thread's now, :func:`current_settings`).
-    ``use_config`` overrides them (tests, tuning)."""
+    ``mmsparse.tuning.use_tuning`` overrides them."""
     settings = current_settings() if settings is None else settings
     if settings.config is not None:
         cfg = settings.config
@@ -328,7 +328,7 @@ GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
-THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_config's
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_tuning's
 # Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.
 REMOVED_SETTINGS = {
     "deterministic_backward": "use_config(deterministic_backward=...) was removed along with the ordered one-pass "
@@ -338,33 +338,50 @@ REMOVED_SETTINGS = {
 
 
 @contextlib.contextmanager
-def use_config(config: KernelConfig | None = None, deterministic: bool | None = None,
-               **thresholds: int) -> Iterator[None]:
-    """Run the enclosed calls with fixed tiles, ``with use_config(KernelConfig(Tile(16, 16), ...)):``, and/or with
-    other thresholds on every call's config, ``with use_config(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``), and/or with another default backward:
-    ``use_config(deterministic=False)`` allows the one-pass backward (dQ by atomic adds, not bitwise repeatable;
-    run below ``one_pass_max_keys`` keys) to every call that does not pass ``deterministic`` itself (an argument
-    given to the call wins).
+def use_config(*args: object, deterministic: bool | None = None, **kwargs: object) -> Iterator[None]:
+    """``with use_config(deterministic=False):`` allows the one-pass backward (dQ by atomic adds, not bitwise
+    repeatable; run below ``one_pass_max_keys`` keys) to every enclosed call that does not pass ``deterministic``
+    itself (an argument given to the call wins); ``deterministic=True`` restores the bitwise-repeatable two passes.
+    Tiles and thresholds are :func:`mmsparse.tuning.use_tuning`'s.
 
-    The settings are this thread's: other threads keep theirs, and blocks nest. A call reads them once, when its
-    forward runs; its backward runs with them wherever and whenever it runs (outside the block, on autograd's
+    The setting is this thread's: other threads keep theirs, and blocks nest. A call reads it once, when its
+    forward runs; its backward runs with it wherever and whenever it runs (outside the block, on autograd's
     thread)."""
+    if args or kwargs:
+        given = [type(a).__name__ for a in args] + sorted(kwargs)
+        removed = sorted(set(kwargs) & set(REMOVED_SETTINGS))
+        raise TypeError(REMOVED_SETTINGS[removed[0]] if removed else
+                        f"use_config takes deterministic only; got {given}. Tiles and thresholds are set with "
+                        f"mmsparse.tuning.use_tuning(config, **thresholds) (thresholds: {', '.join(THRESHOLDS)})")
+    if deterministic is not None and deterministic is not True and deterministic is not False:
+        raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
+                        f"{type(deterministic).__name__} {deterministic!r}")
+    previous = current_settings()
+    with applied_settings(Settings(previous.config, previous.thresholds,
+                                   previous.deterministic if deterministic is None else deterministic)):
+        yield
+
+
+@contextlib.contextmanager
+def use_tuning(config: KernelConfig | None = None, **thresholds: int) -> Iterator[None]:
+    """Run the enclosed calls with fixed tiles, ``with use_tuning(KernelConfig(Tile(16, 16), ...)):``, and/or with
+    other thresholds on every call's config, ``with use_tuning(short_keys=0):`` (``decode_max_q``, ``short_keys``,
+    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``). This thread's, as :func:`use_config`'s setting
+    is, and read by a call when its forward runs."""
     if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"use_config(config) takes a mmsparse.KernelConfig (or None); got {type(config).__name__}")
+        raise TypeError(f"use_tuning(config) takes a mmsparse.tuning.KernelConfig (or None); got "
+                        f"{type(config).__name__}")
     removed = sorted(set(thresholds) & set(REMOVED_SETTINGS))
     if removed:
         raise TypeError(REMOVED_SETTINGS[removed[0]])
     unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:
-        raise TypeError(f"use_config sets deterministic, {', '.join(THRESHOLDS)}; got {sorted(unknown)}")
-    if deterministic is not None and deterministic is not True and deterministic is not False:
-        raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
-                        f"{type(deterministic).__name__} {deterministic!r}")
+        raise TypeError(f"use_tuning sets a config and the thresholds {', '.join(THRESHOLDS)}; got {sorted(unknown)}"
+                        + (" (deterministic is mmsparse.use_config's)" if "deterministic" in unknown else ""))
     previous = current_settings()
     fields = {**dict(previous.thresholds), **thresholds}
     with applied_settings(Settings(config if config is not None else previous.config, tuple(sorted(fields.items())),
-                                   previous.deterministic if deterministic is None else deterministic)):
+                                   previous.deterministic)):
         yield
 
 

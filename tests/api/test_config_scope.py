@@ -9,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from mmsparse import KernelConfig, Tile, mbs_attention, reference_mask, use_config
+from mmsparse import mbs_attention, reference_mask, use_config
 from mmsparse.attention import backward as backward_module
 from mmsparse.attention.config import default_deterministic, kernel_config
+from mmsparse.tuning import KernelConfig, Tile, use_tuning
 from tests.helpers import check_outputs, make_qkv
 
 TOPOLOGY, LENS = [[1, 1, 0], [0, 1, 1], [1, 0, 1]], (9, 20, 11)
@@ -49,7 +50,7 @@ def _finish(q, k, v, out, generator):
 
 def test_backward_runs_with_the_forwards_tiles(device, backward_plans):
     generator = torch.Generator().manual_seed(1)
-    with use_config(ODD_TILES):
+    with use_tuning(ODD_TILES):
         q, k, v, out = _call(device, generator)
     _finish(q, k, v, out, generator)  # outside the block
     (_, config, plan), = backward_plans
@@ -60,7 +61,7 @@ def test_backward_runs_with_the_forwards_threshold(device, backward_plans):
     """The block asks for the two passes over more than 16 keys; outside it the default threshold (2048) would
     give this call the one-pass backward."""
     generator = torch.Generator().manual_seed(2)
-    with use_config(one_pass_max_keys=16):
+    with use_tuning(one_pass_max_keys=16):
         q, k, v, out = _call(device, generator, deterministic=False)
     _finish(q, k, v, out, generator)
     (_, _, plan), = backward_plans
@@ -95,7 +96,7 @@ def test_blocks_of_two_threads_exiting_out_of_order_leave_no_setting_behind():
     def thread_b():
         try:
             a_in.wait(10)
-            with use_config(one_pass_max_keys=16):
+            with use_tuning(one_pass_max_keys=16):
                 seen["b inside"] = (default_deterministic(), _one_pass_max_keys())
                 b_in.set()
                 a_out.wait(10)
@@ -132,7 +133,7 @@ def test_threads_each_run_their_own_settings(device, backward_plans):
             generator = torch.Generator().manual_seed(10 + index)
             barrier.wait(10)
             if index % 2:
-                with use_config(ODD_TILES):
+                with use_tuning(ODD_TILES):
                     q, k, v, out = _call(device, generator)
             else:
                 q, k, v, out = _call(device, generator)
@@ -153,7 +154,7 @@ def test_threads_each_run_their_own_settings(device, backward_plans):
 
 def test_use_config_refuses_a_config_of_another_type():
     with pytest.raises(TypeError, match="KernelConfig"):
-        with use_config(Tile(16, 16)):
+        with use_tuning(Tile(16, 16)):
             pass
 
 
@@ -168,7 +169,7 @@ def test_compiled_calls_run_their_forwards_settings(device, backward_plans):
     for odd in (False, True, False):
         q, k, v = make_qkv(1, 2, 1, seq, seq, 16, torch.float32, device, generator)
         if odd:
-            with use_config(ODD_TILES):
+            with use_tuning(ODD_TILES):
                 out = compiled(q, k, v)
         else:
             out = compiled(q, k, v)

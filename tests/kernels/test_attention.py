@@ -183,13 +183,13 @@ def test_pointer_loads_match_tensor_descriptors(device):
     """The pre-Hopper path (plain pointer loads) gives bit-for-bit the results of the TMA descriptor path."""
     from dataclasses import replace
 
-    from mmsparse.attention.config import kernel_config, use_config
+    from mmsparse.attention.config import kernel_config, use_tuning
 
     results = []
     for use_tma in (True, False):
         gen = torch.Generator().manual_seed(11)
         q, k, v = make_qkv(2, 2, 1, 37, 53, 40, torch.float16, device, gen)
-        with use_config(replace(kernel_config(40, torch.float16, device), use_tma=use_tma)):
+        with use_tuning(replace(kernel_config(40, torch.float16, device), use_tma=use_tma)):
             out = mbs_attention(q, k, v, CYCLIC, (3, 31, 19), causal=True)
             out.backward(torch.randn(out.shape, generator=gen).to(device, out.dtype))
         results.append((out, q.grad, k.grad, v.grad))
@@ -202,15 +202,16 @@ def test_pointer_loads_match_tensor_descriptors(device):
 def test_packed_block_lists(topology, device):
     """Lists packed end to end (CSR, what large masks get) give bit for bit the fixed-slot lists' results, and
     match the reference: forward and the three gradients, per-sample lengths, GQA, causal."""
-    from mmsparse import clear_caches, use_config
+    from mmsparse import clear_caches
     from mmsparse.mask import bit_lists
     from mmsparse.mask.cache import CACHE
+    from mmsparse.tuning import use_tuning
 
     lens = [(5, 30, 9), (17, 0, 20), (1, 2, 3)]
     results = []
     for compact_bytes in (bit_lists.COMPACT_BYTES, 0):
         clear_caches()  # masks built afresh, with this layout
-        with use_config(compact_bytes=compact_bytes):
+        with use_tuning(compact_bytes=compact_bytes):
             gen = torch.Generator().manual_seed(5)
             q, k, v = make_qkv(3, 4, 2, 44, 44, 32, torch.float32, device, gen)
             torch.manual_seed(6)  # the same output gradient

@@ -13,7 +13,7 @@ import torch
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config
-from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_config
+from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_tuning
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
 
@@ -53,7 +53,7 @@ def test_against_float64(case, gluon_calls):
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype = case
     seq_k = max(sum(r) for r in lens) if isinstance(lens, list) else sum(lens)
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q or seq_k, seq_k, head_dim, dtype, torch.device("cuda"))
-    with use_config(_with_gluon_backward(head_dim, dtype)):
+    with use_tuning(_with_gluon_backward(head_dim, dtype)):
         check_against_reference(q, k, v, topo, lens, causal=causal)
     assert sorted(gluon_calls) == ["dkdv", "dq"]
 
@@ -117,7 +117,7 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
     tile = getattr(base, gluon)
     cfg = replace(base, **{gluon: Tile(tile.block_m, tile.block_n, gluon_stages=2)})
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
-    with use_config(cfg):
+    with use_tuning(cfg):
         for _ in range(2):
             out = mbs_attention(q, k, v, CYCLIC, (9, 30, 21))
             with pytest.raises(RuntimeError, match="simulated kernel failure"):
@@ -143,7 +143,7 @@ def test_short_key_lists_take_the_short_dq_tile(monkeypatch, device):
     for seq, want, other in ((60, short, long), (70, long, short)):
         lists.clear()
         q, k, v = make_qkv(1, 2, 2, seq, seq, 32, torch.float32, device)
-        with use_config(cfg):
+        with use_tuning(cfg):
             check_against_reference(q, k, v, CYCLIC, (9, 30, seq - 39))
         assert (want.block_m, want.block_n, False) in lists
         assert (other.block_m, other.block_n, False) not in lists

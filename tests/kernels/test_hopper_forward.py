@@ -14,7 +14,7 @@ import triton
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config, dispatch, forward, plan
-from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_config
+from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_tuning
 from mmsparse.attention.dispatch import hopper_gluon_available
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
@@ -41,7 +41,7 @@ def hopper_calls(monkeypatch):
 def gluon_at_every_length(monkeypatch):
     """The Gluon forward at every key length. By default short key ranges take the tl tile (see
     test_few_keys_take_the_tl_tile); SHORT_KEYS is the only switch for that, and these cases are short."""
-    with use_config(short_keys=0):
+    with use_tuning(short_keys=0):
         yield
 
 
@@ -128,14 +128,14 @@ def test_every_turn_scheme_gives_the_same_bits(head_dim, hopper_calls, gluon_at_
     outs = {}
     for turns, stages in [("mbarrier", 2), *TURN_SCHEMES]:
         tile = replace(base.fwd, gluon_stages=stages, pingpong=(turns, stages) != ("mbarrier", 2), turns=turns)
-        with use_config(replace(base, fwd=tile, fwd_short_samples=None)), torch.no_grad():
+        with use_tuning(replace(base, fwd=tile, fwd_short_samples=None)), torch.no_grad():
             outs[turns, stages, tile.pingpong] = mbs_attention(q, k, v, HUB, lens, causal=True)
     assert len(hopper_calls) == len(outs)
     plain = outs["mbarrier", 2, False]
     for scheme, out in outs.items():
         assert torch.equal(out, plain), f"{scheme}: {(out.float() - plain.float()).abs().max()}"
     tile = replace(base.fwd, gluon_stages=3, pingpong=True, turns="named_release")
-    with use_config(replace(base, fwd=tile, fwd_short_samples=None)):
+    with use_tuning(replace(base, fwd=tile, fwd_short_samples=None)):
         check_against_reference(q, k, v, HUB, lens, causal=True)
 
 
@@ -156,7 +156,7 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
     base = kernel_config(32, torch.float32, device)
     gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
-    with use_config(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
+    with use_tuning(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
         for _ in range(2):
             with pytest.raises(RuntimeError, match="simulated kernel failure"):
                 mbs_attention(q, k, v, HUB, (9, 30, 21))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsparse import CAUSAL, FULL, NONE, mbs_attention, reference_mask, use_config
+from mmsparse import CAUSAL, FULL, NONE, mbs_attention, reference_mask
 from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_config
 from mmsparse.attention.plan import plan_attention
+from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]  # the segment-code mask
@@ -123,13 +124,13 @@ def test_gluon_one_pass_dense_mask(head_dim, one_pass_calls):
 @pytest.mark.hopper
 @pytest.mark.gpu
 def test_gluon_one_pass_past_the_threshold_when_forced(one_pass_calls):
-    """use_config(one_pass_max_keys=...) reaches the Gluon kernel (as tools/one_pass.py forces it): over 2048 keys
+    """use_tuning(one_pass_max_keys=...) reaches the Gluon kernel (as tools/one_pass.py forces it): over 2048 keys
     and more query blocks per key block than the ring has stages (and than the bulk adds' one staging tile per
     warpgroup: each step waits for the previous step's reduce)."""
     dev = torch.device("cuda")
     lens = (700, 1500, 1001)
     q, k, v = make_qkv(1, 2, 1, sum(lens), sum(lens), 128, torch.bfloat16, dev)
-    with use_config(one_pass_max_keys=1 << 62):
+    with use_tuning(one_pass_max_keys=1 << 62):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)

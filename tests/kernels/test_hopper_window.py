@@ -13,7 +13,7 @@ import torch
 
 from mmsparse import mbs_attention, mbs_attention_varlen, reference_packed_mask
 from mmsparse.attention import config
-from mmsparse.attention.config import head_dim_pad, kernel_config, use_config
+from mmsparse.attention.config import head_dim_pad, kernel_config, use_tuning
 from mmsparse.mask.build import build_mask_info
 from tests.helpers import CYCLIC, HUB, check_against_reference, check_outputs, make_qkv
 
@@ -55,7 +55,7 @@ def _gluon_everywhere(head_dim: int, dtype: torch.dtype):
     """The shipped Gluon tiles at every key length (short key ranges and D=64's dQ take tl tiles by default)."""
     cfg, pad = kernel_config(head_dim, dtype, torch.device("cuda")), head_dim_pad(head_dim)
     cfg = replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad])
-    return use_config(cfg, short_keys=0)
+    return use_tuning(cfg, short_keys=0)
 
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon

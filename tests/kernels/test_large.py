@@ -256,7 +256,7 @@ def test_one_pass_past_2_31(layout):
     q = _randn(4, seq, 32, 128, gen=gen).transpose(1, 2) if layout == "BSHD" else _randn(4, 32, seq, 128, gen=gen)
     do = _randn(4, 32, seq, 128, gen=gen)
     k, v = (_randn(4, 8, seq, 128, gen=gen) for _ in "kv")
-    with config.use_config(one_pass_max_keys=1 << 62):  # the one-pass kernel at this length (not by default)
+    with config.use_tuning(one_pass_max_keys=1 << 62):  # the one-pass kernel at this length (not by default)
         out, grads = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True, deterministic=False)
     _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(HUB, seg, seq, seq, True), gen)
     del out

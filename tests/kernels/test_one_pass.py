@@ -33,6 +33,7 @@ from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.kernel_args import list_tiles
 from mmsparse.attention.plan import plan_attention
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, replace_attention
+from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, forward_backward, make_qkv
 
 PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]
@@ -198,11 +199,11 @@ def test_default_is_the_two_pass_backward_and_argument_wins(launches, device):
 def test_from_one_pass_max_keys_keys_the_call_keeps_two_passes(launches, device):
     """deterministic=False allows the one pass; at one_pass_max_keys keys or more (40 here) the plan keeps the two
     passes, measured faster there."""
-    with use_config(one_pass_max_keys=40):
+    with use_tuning(one_pass_max_keys=40):
         _backward_once(device, deterministic=False)
         assert launches == [("dq", False), ("dkdv", False)]
         launches.clear()
-    with use_config(one_pass_max_keys=41):
+    with use_tuning(one_pass_max_keys=41):
         _backward_once(device, deterministic=False)
         assert launches == [("dkdv", True)]
 
@@ -301,7 +302,7 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
         assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
         forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
         assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == one_pass_tile
-        with use_config(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
+        with use_tuning(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
             forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
         assert forced.dq is None and forced.dkdv.gluon
     own = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
@@ -348,10 +349,10 @@ def test_one_pass_at_its_own_tile_matches_reference(device):
     cfg = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
                        bwd_one_pass=Tile(32, 16))
     q, k, v = make_qkv(1, 2, 2, 50, 50, 16, torch.float32, device)
-    with use_config(cfg):
+    with use_tuning(cfg):
         out = mbs_attention(q, k, v, PAIR_TYPES, (11, 22, 17), deterministic=False)
     grad_out = torch.randn_like(out)
-    with use_config(cfg):
+    with use_tuning(cfg):
         out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, reference_mask(PAIR_TYPES, (11, 22, 17), 50))
 

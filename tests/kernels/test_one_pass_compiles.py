@@ -139,7 +139,7 @@ def _main(out: Path) -> None:
         # test_gluon_compiles.py)
         cfg = replace(config.cuda_kernel_config(head_dim, torch.bfloat16, gluon=False), use_tma=use_tma)
         seed = torch.zeros(3, dtype=torch.int64) if dropout else None
-        with config.use_config(cfg):
+        with config.use_tuning(cfg):
             call.mbs_attn_bwd(q.clone(), q, k, v, q.clone(), lse, info, 0.1, 0.1 if dropout else 0.0, seed,
                                   deterministic=False)
 

@@ -10,7 +10,7 @@ import torch
 
 from mmsparse import CAUSAL
 from mmsparse.attention.call import mbs_attn_bwd, mbs_attn_fwd
-from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, kernel_config, use_config
+from mmsparse.attention.config import KernelConfig, Tile, cuda_kernel_config, kernel_config, use_config, use_tuning
 from mmsparse.attention.kernel_args import kernel_args, list_tiles, prepare
 from mmsparse.attention.plan import plan_attention
 from mmsparse.mask import info as mask_info
@@ -99,7 +99,7 @@ def test_a_call_prepares_then_launches(list_builds, device):
     """Through the public path the forward prepares its own lists, the backward the two passes' lists, all before
     their launches (a new config: no cached plan or mask)."""
     seq = 64
-    with use_config(KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))):
+    with use_tuning(KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))):
         info = _mask("codes", device, seq)
         q, k, v = make_qkv(1, 2, 1, seq, seq, 16, torch.float32, device)
         out, lse = mbs_attn_fwd(q, k, v, info, 0.25)
@@ -113,17 +113,17 @@ def test_thresholds_live_in_the_config(device):
     nested with fixed tiles, and a name it does not know is a TypeError."""
     base = kernel_config(32, torch.float32, device)
     assert (base.decode_max_q, base.short_keys, base.short_samples) == (16, 2048, 4096)
-    with use_config(short_keys=0, decode_max_q=4):
+    with use_tuning(short_keys=0, decode_max_q=4):
         cfg = kernel_config(32, torch.float32, device)
         assert (cfg.short_keys, cfg.decode_max_q) == (0, 4) and cfg is kernel_config(32, torch.float32, device)
         assert not cfg.few_keys(1)
         assert plan_attention(cfg, 1, 8, 2, 5, 100, device).forward.tile == cfg.fwd  # 5 queries: not decoding now
         tiles = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))
-        with use_config(tiles):
+        with use_tuning(tiles):
             assert kernel_config(32, torch.float32, device).short_keys == 0
     assert kernel_config(32, torch.float32, device) == base
     with pytest.raises(TypeError, match="short_keys"):
-        with use_config(short_key=0):
+        with use_tuning(short_key=0):
             pass
 
 

@@ -17,7 +17,7 @@ import torch
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import backward
-from mmsparse.attention.config import SHORT_KEYS, KernelConfig, Tile, use_config
+from mmsparse.attention.config import SHORT_KEYS, KernelConfig, Tile, use_tuning
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
 from tests.helpers import check_outputs, make_qkv
@@ -89,7 +89,7 @@ def test_segment_codes_default_kernels(slow_side_stream):
 @pytest.mark.gpu
 def test_bit_mask_tl_kernels_same_tiles(slow_side_stream):
     """A 0/1 topology (bit masks) with the tl kernels at D=128, whose two backward passes share one tile."""
-    with use_config(TL_D128):
+    with use_tuning(TL_D128):
         _run_fresh(CYCLIC, [300, 2460, 1240], [320, 2400, 1280], 1)
     assert slow_side_stream or not hasattr(backward, "_streams")
 
@@ -106,7 +106,7 @@ def test_context_parallel_pieces_tl_kernels(slow_side_stream, chunk):
     out = torch.empty_like(q)
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     hkv = k.shape[1]
-    with use_config(TL_D128):
+    with use_tuning(TL_D128):
         for rank in range(world):
             problem = RankProblem(CODES, lens, rank, world, chunk=chunk)
             pieces = problem.pieces(q.device)

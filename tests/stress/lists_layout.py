@@ -16,7 +16,7 @@ def lists_layout(packed: bool) -> Iterator[None]:
     forgotten on both sides: a later case must not reuse them."""
     mmsparse.clear_caches()
     try:
-        with mmsparse.use_config(compact_bytes=0 if packed else COMPACT_BYTES):
+        with mmsparse.tuning.use_tuning(compact_bytes=0 if packed else COMPACT_BYTES):
             yield
     finally:
         mmsparse.clear_caches()

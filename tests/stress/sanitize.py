@@ -361,7 +361,7 @@ def _run_attention(case: SanCase, path: str, device: Any) -> Any:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     topo = None if case.dense else _topology(case.topology)
     topo_arg = mmsparse.Topology(torch.tensor(topo)) if topo is not None and len(topo) > 64 else topo
-    context = (config.use_config(_tl_config(case.head_dim, dtype, device, case.use_tma)) if path == "tl"
+    context = (config.use_tuning(_tl_config(case.head_dim, dtype, device, case.use_tma)) if path == "tl"
                else contextlib.nullcontext())
     with context:
         # A pack runs as one sample of all its tokens ([1, H, total, D]), its mean sample length picking the tile.
@@ -438,7 +438,7 @@ def run_child(group: str, only: tuple[str, ...] | None, device_name: str = "cuda
     spec = GROUPS[group]
     device = torch.device(device_name)
     if spec.path == "gluon":  # the Gluon kernels at every key length (the cases are short)
-        with config.use_config(short_keys=0):
+        with config.use_tuning(short_keys=0):
             return _run_cases(group, only, spec, device)
     return _run_cases(group, only, spec, device)
 

@@ -35,7 +35,8 @@ import torch
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
 from benchmarks.env import environment, results_dir
-from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask, use_config
+from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
+from mmsparse.tuning import use_tuning
 from tests.helpers import check_outputs, make_qkv
 
 TOPIC = "threads"
@@ -121,7 +122,7 @@ class Worker:
             heads = kv_heads * rng.choice((1, 2))
         seq = sum(lens)
         q, k, v = make_qkv(1, heads, kv_heads, seq, seq, sizes.head_dim, dtype, self.device, self.generator)
-        with use_config(**settings):  # the forward inside the block, the backward after it
+        with use_tuning(**settings):  # the forward inside the block, the backward after it
             if entry == "function":
                 out = mbs_attention(q, k, v, topology, lens, causal=causal, window=window)
             elif entry == "module":
