@@ -152,7 +152,7 @@ def test_threads_each_run_their_own_settings(device, backward_plans):
     assert odd == [False, False, True, True], [config.bwd_dkdv for _, config, _ in backward_plans]
 
 
-def test_use_config_refuses_a_config_of_another_type():
+def test_use_tuning_refuses_a_config_of_another_type():
     with pytest.raises(TypeError, match="KernelConfig"):
         with use_tuning(Tile(16, 16)):
             pass

@@ -4,10 +4,10 @@ against the float64 reference.
 Every call of a thread draws a topology (bits, pair types, causal), new segment lengths, a sequence length (on a GPU
 from below to past SHORT_KEYS, where the backward forks its side stream, and past the one-pass threshold), heads
 (GQA), a dtype, an entry point (the functional API, the thread's own ``TritonMBSAttnKernel``, or a module all threads
-share) and its own ``use_config`` settings (the defaults, the one-pass backward, the two passes forced, no short
-tiles). The forward runs inside the settings' block and the backward after it, as a training loop with a scoped
-setting does. On a GPU every thread runs on its own CUDA stream. A call is *wrong* when its output or a gradient
-fails the calibrated float64 check, an *error* when it raises.
+share) and its own ``use_config``/``use_tuning`` settings (the defaults, the one-pass backward, the two passes
+forced, no short tiles). The forward runs inside the settings' blocks and the backward after them, as a training
+loop with a scoped setting does. On a GPU every thread runs on its own CUDA stream. A call is *wrong* when its
+output or a gradient fails the calibrated float64 check, an *error* when it raises.
 
     python -m tests.stress.threads --threads 8 --seconds 300      # GPU: writes benchmarks/results/<gpu>/threads.*
     python -m tests.stress.threads --threads 2 --calls 2 --device cpu --out DIR   # CPU: the interpreter, tiny sizes
@@ -35,7 +35,7 @@ import torch
 
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
 from benchmarks.env import environment, results_dir
-from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask
+from mmsparse import TritonMBSAttnKernel, mbs_attention, reference_mask, use_config
 from mmsparse.tuning import use_tuning
 from tests.helpers import check_outputs, make_qkv
 
@@ -122,7 +122,9 @@ class Worker:
             heads = kv_heads * rng.choice((1, 2))
         seq = sum(lens)
         q, k, v = make_qkv(1, heads, kv_heads, seq, seq, sizes.head_dim, dtype, self.device, self.generator)
-        with use_tuning(**settings):  # the forward inside the block, the backward after it
+        tuning = {name: value for name, value in settings.items() if name != "deterministic"}
+        # the forward inside the blocks, the backward after them
+        with use_config(deterministic=settings.get("deterministic")), use_tuning(**tuning):
             if entry == "function":
                 out = mbs_attention(q, k, v, topology, lens, causal=causal, window=window)
             elif entry == "module":
@@ -172,8 +174,8 @@ def merge_record(old: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str,
 def markdown(record: dict[str, Any]) -> str:
     lines = [
         "Threads calling mmsparse at once (`python -m tests.stress.threads`): forward + backward with new lengths, "
-        "topologies, entry points and `use_config` settings every call, each thread on its own CUDA stream, every "
-        "call checked against the float64 reference.",
+        "topologies, entry points and `use_config`/`use_tuning` settings every call, each thread on its own CUDA "
+        "stream, every call checked against the float64 reference.",
         "",
         "| setting | threads | s | calls | wrong | errors | GPU | torch | triton | commit | date |",
         "|---|---:|---:|---:|---:|---:|---|---|---|---|---|",
