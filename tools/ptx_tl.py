@@ -57,7 +57,7 @@ SEQ = 384
 KERNELS = ("fwd", "combine", "delta", "dq", "dkdv")  # the names' last part
 
 
-def _compile(name: str, out: Path, jit_fn, args: tuple, kwargs: dict) -> None:
+def compile_ptx(name: str, out: Path, jit_fn, args: tuple, kwargs: dict) -> None:
     """What ``jit_fn[grid](*args, **kwargs)`` would compile, built for sm_90 instead of launched."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -88,7 +88,7 @@ class _Compile:
     def bind(self, grid, args, kwargs):
         name = f"{self.current['case']}-{self.kernel}"
         if self.only in name and not (self.out / f"{name}.ptx").exists():
-            _compile(name, self.out, self.fn, args, kwargs)
+            compile_ptx(name, self.out, self.fn, args, kwargs)
         return None  # no relaunch: every launch comes back here
 
 

@@ -68,20 +68,9 @@ def test_one_pass_adds_dq_with_relaxed_float_atomics(ptx_dir, name):
 
 def _compile(name: str, out: Path, kernel, args, kwargs) -> None:
     """What ``kernel[grid](*args, **kwargs)`` would compile, built for sm_90 instead of launched."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from tools.ptx_tl import compile_ptx  # this checkout's tools: the child runs with the repository on its path
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
-    (out / f"{name}.ptx").write_text(compiled.asm["ptx"])
-    print(name, "compiled", flush=True)
+    compile_ptx(name, out, kernel, args, kwargs)
 
 
 def _main(out: Path) -> None:
