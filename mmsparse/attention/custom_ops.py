@@ -25,18 +25,21 @@ def _forward(
     """(out, lse, the call's launches) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels
     cannot read). The config is read here, from ``settings``, once for the forward and its backward."""
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
-    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, config)
+    launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
     out, lse = launch.forward(q, k, v, seed)
     return out, lse, launch
 
 
 def _backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, seed: torch.Tensor | None, launch: CallLaunch,
+    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool,
+    settings: Settings, launch: CallLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward's inputs, with the forward's launches (``launch``): nothing is planned again."""
+    """(dq, dk, dv) of the forward's inputs, with the forward's launches (``launch``): nothing is planned again.
+    Without them (the custom op, a backward called alone) the launches are found again from the arguments."""
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    if launch is None:
+        launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
     return launch.backward(info, q, k)(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed)
 
 
@@ -77,15 +80,14 @@ def attention_backward(
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
                        dropout_p, window, deterministic, settings.id)
-    if launch is None:
-        launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
-    return _backward(grad_out, q, k, v, out, lse, info, seed, launch)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings,
+                     launch)
 
 
 def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
                dropout_p: float, seed: torch.Tensor | None, deterministic: bool, settings: Settings) -> CallLaunch:
-    """The launches a forward with these arguments made (or makes now): a backward run without its forward's."""
-    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    """The launches a forward with these arguments (q, k, v laid out by :func:`kernel_layout`) made, or makes
+    now."""
     config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
     return call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, config)
 
@@ -126,8 +128,7 @@ def _bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     settings = settings_by_id(settings_id)
     info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
-    launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
-    return _backward(grad_out, q, k, v, out, lse, info, seed, launch)
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
 
 
 @_bwd_op.register_fake
