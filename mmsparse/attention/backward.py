@@ -19,7 +19,7 @@ from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from .config import KernelConfig, cuda_index, head_dim_pad
-from .forward import _LOG2E, dot_mode
+from .forward import _LOG2E, aligned_copy, dot_mode
 from .kernel_args import kernel_args
 from .plan import AttentionPlan
 
@@ -30,8 +30,10 @@ class BackwardLaunch:
     """Everything about one planned backward except the tensors, worked out once per call, at its first backward
     (:class:`mmsparse.attention.call.CallLaunch` keeps it): the block lists of the call's plan (built when this is
     made, on the current stream), the mask arguments, grids and constexprs. After their first launch the kernels
-    are called straight through their launchers (``bound``); the strides and every other integer argument come
-    from the call's key, so each launch specialises alike.
+    are called straight through their launchers, kept per layout of the saved q, k and v (``_bound``): a backward's
+    strides are read from the tensors it is given, not from the forward's key, since saved-tensor hooks
+    (activation offloading) can hand them back in another layout than the forward saw. Every other integer
+    argument comes from the call's key, so each launch of one layout specialises alike.
 
     On a GPU the dQ pass (over SHORT_KEYS keys or more) runs on a side stream, concurrently with dK/dV: both need
     only delta, and their programs fill each other's idle SM slots. Every block list either pass reads is built
@@ -66,7 +68,6 @@ class BackwardLaunch:
         self.dq_mask = args.tile(*plan.dq.lists) if plan.dq is not None else None
         self.one_pass = plan.dq is None
         tile = plan.dkdv.tile
-        self.strides = (*q.stride()[:3], *k.stride()[:3])  # v's strides follow (the key has them)
         flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
                      HAS_WINDOW=info.window is not None, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
                      USE_TMA=cfg.use_tma)
@@ -80,7 +81,8 @@ class BackwardLaunch:
         self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
-        self.bound: dict[str, Callable[..., None]] = {}  # the relaunches, after each kernel's first launch
+        # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
+        self._bound: dict[tuple[int, ...], dict[str, Callable[..., None]]] = {}
 
     def __call__(self, do, q, k, v, out, lse, seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
@@ -88,10 +90,16 @@ class BackwardLaunch:
         if self.cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
         plan, device = self.plan, self.device
+        out, lse = saved_layout(out), saved_layout(lse)
         seed = seed if seed is not None else lse  # never read without dropout
-        strides = (*self.strides, *v.stride()[:3])
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+        bound = self._bound.get(strides)
+        if bound is None:
+            if len(self._bound) >= _MAX_LAYOUTS:
+                self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
+            bound = self._bound[strides] = {}
         delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
-        launch_bound(_DELTA, self.delta_grid, (out, do, delta, self.n_rows), self.delta_constexprs, self.bound,
+        launch_bound(_DELTA, self.delta_grid, (out, do, delta, self.n_rows), self.delta_constexprs, bound,
                      "delta")
         main, side = _streams(device) if plan.side_stream else (None, None)
         if self.one_pass:
@@ -104,31 +112,42 @@ class BackwardLaunch:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if plan.dq.gluon:
                     _gluon().run_dq(q, k, v, do, lse, delta, dq, self.dq_mask, self.mode, self.causal, self.qk_scale,
-                                    self.softmax_scale, plan.dq.tile, self.has_window, bound=self.bound)
+                                    self.softmax_scale, plan.dq.tile, self.has_window, bound=bound)
                 else:
                     mask_tensors, mask_scalars = self.dq_mask
                     launch_bound(_DQ, self.dq_grid,
                                  (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
                                   self.qk_scale, self.softmax_scale, self.dropout_p),
-                                 self.dq_constexprs, self.bound, "dq")
+                                 self.dq_constexprs, bound, "dq")
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
         if plan.dkdv.gluon:
             _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
                               self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
-                              dq_sum if self.one_pass else None, bound=self.bound)
+                              dq_sum if self.one_pass else None, bound=bound)
         else:
             mask_tensors, mask_scalars = self.dkdv_mask
             dq_arg = dq_sum if self.one_pass else dk  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, self.dkdv_grid,
                          (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,
                           self.qk_scale, self.softmax_scale, self.dropout_p),
-                         self.dkdv_constexprs, self.bound, "dkdv")
+                         self.dkdv_constexprs, bound, "dkdv")
         if side is not None:
             main.wait_stream(side)
         if self.one_pass:
             dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
         return dq, dk, dv
+
+
+_MAX_LAYOUTS = 8  # layouts of one call's saved q, k, v whose relaunches are kept (plain and offloaded: 2)
+
+
+def saved_layout(t: torch.Tensor) -> torch.Tensor:
+    """A saved output (out, lse) as the kernels read it: contiguous on a 16-byte aligned base. The forward made
+    it so, but a saved-tensor hook may hand back another layout or a view into a buffer of its own."""
+    if t.is_contiguous() and not t.data_ptr() & 15:
+        return t
+    return aligned_copy(t)
 
 
 def _dq_accumulator(shape: torch.Size, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,11 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     s = t.stride()
     if s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15:
         return t
+    return aligned_copy(t)
+
+
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in a new contiguous tensor (torch's allocations are 16-byte aligned)."""
     return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
 
 
