@@ -16,8 +16,6 @@ from .forward import ForwardLaunch
 from .kernel_args import kernel_args
 from .plan import AttentionPlan, plan_attention
 
-_MAX_CALLS = 16  # per mask: distinct (shapes, strides, dtype, scale, dropout, determinism, tiles) calls kept
-
 
 class CallLaunch:
     """The plan and launches of one kind of call over one mask. It does not hold the mask (the mask holds it):
@@ -47,18 +45,17 @@ class CallLaunch:
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
-                dropout_p: float, has_seed: bool, deterministic: bool, config: KernelConfig) -> CallLaunch:
+                dropout_p: float, seed: torch.Tensor | None, deterministic: bool, config: KernelConfig) -> CallLaunch:
     """The :class:`CallLaunch` of these arguments (q, k, v laid out by ``forward.kernel_layout``), made on first
     use and kept on the mask."""
-    # id(config): the launch holds the config, so the id stays its own while the launch is kept
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p, has_seed,
-           deterministic, id(config))
+    # id(config): the launch holds the config, so the id stays its own while the launch is kept. The seed's
+    # alignment: a launch specialises on it (pieces of a context-parallel call take rows of one seed tensor).
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, softmax_scale, dropout_p,
+           None if seed is None else seed.data_ptr() & 15, deterministic, id(config))
     calls = kernel_args(info).calls
     launch = calls.get(key)
     if launch is None:
-        if len(calls) >= _MAX_CALLS:
-            calls.clear()
-        launch = calls[key] = CallLaunch(q, k, v, info, config, softmax_scale, dropout_p, deterministic)
+        launch = calls.store(key, CallLaunch(q, k, v, info, config, softmax_scale, dropout_p, deterministic))
     return launch
 
 
@@ -76,7 +73,7 @@ def mbs_attn_fwd(
         deterministic: the backward the call plans (a later :func:`mbs_attn_bwd` with the same arguments reads it).
     """
     cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
-    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, cfg)
+    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, cfg)
     return launch.forward(q, k, v, seed)
 
 
@@ -88,5 +85,5 @@ def mbs_attn_bwd(
     """The backward alone, for tools and tests: ``(dq, dk, dv)`` of a forward with the same arguments (``do``:
     ``[B, Hq, Sq, D]`` contiguous); ``deterministic`` False allows the one-pass backward (dQ by atomic adds)."""
     cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
-    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, cfg)
+    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, cfg)
     return launch.backward(info, q, k)(do, q, k, v, out, lse, seed)

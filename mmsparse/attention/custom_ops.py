@@ -89,7 +89,7 @@ def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo
     """The launches a forward with these arguments (q, k, v laid out by :func:`kernel_layout`) made, or makes
     now."""
     config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
-    return call_launch(q, k, v, info, softmax_scale, dropout_p, seed is not None, deterministic, config)
+    return call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
 
 
 OP_VERSION = 2  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)

@@ -21,10 +21,14 @@ import torch
 
 from ..mask.bit_lists import kernel_window
 from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
+from ..runtime.recent import RecentlyUsed
 from .config import KernelConfig
 from .plan import plan_attention
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
+# Per mask: the distinct calls (shapes, strides, dtype, scale, dropout, determinism, tiles) whose launches are kept.
+# A launch holds host objects only (the lists are the mask's): room for dynamic batching's batch sizes costs little.
+MAX_CALLS = 64
 
 
 class KernelArgs:
@@ -41,7 +45,7 @@ class KernelArgs:
 
     def __init__(self, info: MaskInfo) -> None:
         self._info = weakref.ref(info)
-        self.calls: dict[tuple, object] = {}
+        self.calls: RecentlyUsed = RecentlyUsed(MAX_CALLS)
         self._tiles: dict[TileKey, LaunchArgs] = {}
 
     @property

@@ -9,6 +9,9 @@ import torch
 
 from mmsparse import clear_caches, mbs_attention
 from mmsparse.attention import call
+from mmsparse.attention.config import kernel_config
+from mmsparse.attention.kernel_args import MAX_CALLS, kernel_args
+from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.info import MaskInfo
 from mmsparse.runtime import launch
 from tests.helpers import make_qkv
@@ -69,3 +72,34 @@ def test_a_repeated_call_launches_through_bound_launchers(monkeypatch, seg_lens)
     torch.cuda.synchronize()
     assert through_triton == [], through_triton
     assert launch.fast_launches - before >= 3 * 4  # forward, delta, dQ, dK/dV
+
+
+def test_dynamic_batching_keeps_the_launches_of_every_batch_size(device, counts):
+    """17 batch sizes over one mask, round after round: once each is planned, no round plans again (a cache
+    that is cleared when full plans every call of every round)."""
+    clear_caches()
+    info = build_mask_info(HUB, LENS, sum(LENS), sum(LENS), False, device)
+    config = kernel_config(16, torch.float32, device)
+    for _ in range(3):
+        for batch in range(1, 18):
+            q = torch.empty(batch, 2, sum(LENS), 16, device=device)
+            call.call_launch(q, q[:, :1], q[:, :1], info, 0.25, 0.0, None, True, config)
+    assert counts["plans"] == 17
+
+
+def test_the_least_recently_used_launch_goes_first(device):
+    clear_caches()
+    info = build_mask_info(HUB, LENS, sum(LENS), sum(LENS), False, device)
+    config = kernel_config(16, torch.float32, device)
+    calls = kernel_args(info).calls
+
+    def launch(batch):
+        q = torch.empty(batch, 1, sum(LENS), 16, device=device)
+        return call.call_launch(q, q, q, info, 0.25, 0.0, None, True, config)
+
+    first, second = launch(1), launch(2)
+    for batch in range(3, MAX_CALLS + 1):
+        launch(batch)
+    assert launch(1) is first  # a hit: batch 1 is now the most recently used
+    launch(MAX_CALLS + 1)  # full: batch 2, the least recently used, goes
+    assert len(calls) == MAX_CALLS and launch(1) is first and launch(2) is not second
