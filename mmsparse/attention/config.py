@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -177,38 +178,56 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 @dataclass(frozen=True)
 class Settings:
     """What ``use_config`` and ``use_tuning`` set for one thread's calls: tiles (None: the device's table),
-    thresholds and the default backward. Interned (:func:`intern_settings`): one object and one ``id`` per value, so
-    that a call carries its settings to the backward (and across the custom-op boundary, as the int ``id``) however
-    the thread's settings change meanwhile, and so that a compiled graph guards on one object per value."""
+    thresholds and the default backward. Interned (:func:`intern_settings`): one object per value, so that a
+    compiled graph guards on one object per value; a call carries the object to its backward however the
+    thread's settings change meanwhile. Across a graph boundary (the custom ops, ``torch.export``) it travels as
+    ``text``, its whole value as JSON (:func:`settings_from_text`), never as a handle valid in one process only."""
 
     config: KernelConfig | None = None
     thresholds: tuple[tuple[str, int], ...] = ()
     deterministic: bool = True
-    id: int = field(default=0, compare=False)
+    text: str = field(default="", compare=False)
 
 
-DEFAULT_SETTINGS = Settings()
-_interned: list[Settings] = [DEFAULT_SETTINGS]
-_interned_ids: dict[Settings, Settings] = {DEFAULT_SETTINGS: DEFAULT_SETTINGS}
+def _settings_json(settings: Settings) -> str:
+    config = None if settings.config is None else asdict(settings.config)  # nested tiles as dicts too
+    value = {"config": config, "thresholds": [list(pair) for pair in settings.thresholds],
+             "deterministic": settings.deterministic}
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+DEFAULT_SETTINGS = Settings(text=_settings_json(Settings()))
+_interned: dict[Settings, Settings] = {DEFAULT_SETTINGS: DEFAULT_SETTINGS}
 _intern_lock = threading.Lock()
 _thread = threading.local()  # .settings: the thread's Settings (use_config), DEFAULT_SETTINGS where unset
 
 
 def intern_settings(settings: Settings) -> Settings:
-    """The one interned object equal to ``settings`` (with its ``id``). Kept for the process: the values a
+    """The one interned object equal to ``settings``, with its ``text``. Kept for the process: the values a
     program uses are few."""
     with _intern_lock:
-        known = _interned_ids.get(settings)
+        known = _interned.get(settings)
         if known is None:
-            known = replace(settings, id=len(_interned))
-            _interned.append(known)
-            _interned_ids[known] = known
+            known = _interned[settings] = replace(settings, text=_settings_json(settings))
         return known
 
 
-def settings_by_id(settings_id: int) -> Settings:
-    """The interned settings of an ``id`` (a custom op gets the int)."""
-    return _interned[settings_id]
+@functools.lru_cache(maxsize=256)
+def settings_from_text(text: str) -> Settings:
+    """The interned settings whose :attr:`Settings.text` is ``text`` (a custom op, or a graph exported by another
+    process, gets the text)."""
+    try:
+        value = json.loads(text)
+        config = value["config"]
+        if config is not None:
+            config = KernelConfig(**{name: Tile(**field_value) if isinstance(field_value, dict) else field_value
+                                     for name, field_value in config.items()})
+        thresholds = tuple((str(name), int(number)) for name, number in value["thresholds"])
+        settings = Settings(config, thresholds, bool(value["deterministic"]))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"not the text of mmsparse settings (a graph exported by another version of mmsparse?): "
+                         f"{text[:200]!r} ({err})") from err
+    return intern_settings(settings)
 
 
 def current_settings() -> Settings:

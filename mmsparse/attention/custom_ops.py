@@ -1,6 +1,6 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.fwd_v2`` / ``.bwd_v2`` (registered here, with fake implementations) make the kernels opaque to
+``torch.ops.mmsparse.fwd_v3`` / ``.bwd_v3`` (registered here, with fake implementations) make the kernels opaque to
 torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Their names carry the version of
 their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled graphs does not key on a custom op's
 schema, so a graph cached by an older mmsparse would call a changed op with its old arguments. Eager calls run the same
@@ -14,7 +14,7 @@ import torch
 
 from ..mask.info import MaskInfo, mask_from_tuple
 from .call import CallLaunch, call_launch
-from .config import Settings, current_settings, kernel_config, settings_by_id
+from .config import Settings, current_settings, kernel_config, settings_from_text
 from .forward import kernel_layout
 
 
@@ -62,7 +62,7 @@ def attention_forward(
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         out, lse = _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
-                           settings.id)
+                           settings.text)
         return out, lse, None
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
@@ -79,7 +79,7 @@ def attention_backward(
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p, window, deterministic, settings.id)
+                       dropout_p, window, deterministic, settings.text)
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings,
                      launch)
 
@@ -92,7 +92,7 @@ def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo
     return call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
 
 
-OP_VERSION = 2  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+OP_VERSION = 3  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
 
 
 def _short_samples(q: torch.Tensor, settings: Settings) -> int:
@@ -104,17 +104,16 @@ def _short_samples(q: torch.Tensor, settings: Settings) -> int:
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
     num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
-    window: int = 0, settings_id: int = 0,
+    window: int, settings: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    settings = settings_by_id(settings_id)
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
-    out, lse, _ = _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings)
+    values = settings_from_text(settings)
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, values))
+    out, lse, _ = _forward(q, k, v, info, softmax_scale, dropout_p, seed, values)
     return out, lse
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window=0,
-      settings_id=0):
+def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window, settings):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -123,15 +122,15 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int = 0, deterministic: bool = True,
-    settings_id: int = 0,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int, deterministic: bool,
+    settings: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    settings = settings_by_id(settings_id)
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, settings))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings)
+    values = settings_from_text(settings)
+    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, values))
+    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, values)
 
 
 @_bwd_op.register_fake
 def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
-      window=0, deterministic=True, settings_id=0):
+      window, deterministic, settings):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

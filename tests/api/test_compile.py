@@ -137,12 +137,12 @@ def test_the_ops_signatures_match_their_version():
     mmsparse.attention.custom_ops.OP_VERSION, and these lists with it."""
     from mmsparse.attention.custom_ops import OP_VERSION
 
-    assert OP_VERSION == 2
+    assert OP_VERSION == 3
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
              for op in ("fwd", "bwd")}
     assert names == {
         "fwd": ["q", "k", "v", "mask", "mode", "causal", "num_segments", "short_samples", "seed", "softmax_scale",
-                "dropout_p", "window", "settings_id"],
+                "dropout_p", "window", "settings"],
         "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "mode", "causal", "num_segments", "short_samples",
-                "seed", "softmax_scale", "dropout_p", "window", "deterministic", "settings_id"],
+                "seed", "softmax_scale", "dropout_p", "window", "deterministic", "settings"],
     }
