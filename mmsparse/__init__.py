@@ -49,6 +49,7 @@ from .functional import clear_caches, mbs_attention, mbs_attention_varlen  # noq
 from .mask.topology import CAUSAL, FULL, NONE, Topology, generate_interlaced_mask  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
 from .qkv_module import TritonMBSAttnKernel  # noqa: E402
+from .recompute import checkpoint, settings_context_fn  # noqa: E402
 from .reference import reference_attention, reference_mask, reference_packed_mask  # noqa: E402
 from .runtime.launch import interpreter_active  # noqa: E402
 
@@ -59,6 +60,7 @@ __all__ = [
     "TileMap",
     "Topology",
     "TritonMBSAttnKernel",
+    "checkpoint",
     "clear_caches",
     "generate_interlaced_mask",
     "interpreter_active",
@@ -67,6 +69,7 @@ __all__ = [
     "reference_attention",
     "reference_mask",
     "reference_packed_mask",
+    "settings_context_fn",
     "tile_map",
     "tile_picture",
     "tuning",

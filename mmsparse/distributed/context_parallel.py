@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention.config import applied_settings, current_settings
+from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
 from ..checks import check_dropout
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
-from .pieces import piece_seeds
+from .pieces import PiecesCall, piece_seeds
 from .plan import ContextParallelPlan
 
 
@@ -353,12 +353,14 @@ class _Attention(torch.autograd.Function):
             fetched.extend(finish())
             return fetched[0], fetched[1]
 
+        # The settings are read once, here, and the pieces' launches kept, for the backward (ctx.call).
+        call = PiecesCall(current_settings())
         # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
-        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather)
+        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call)
         ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         ctx.by_position = seed is not None
-        ctx.settings = current_settings()  # the pieces' backward runs as their forward did (use_config)
+        ctx.call = call
         return out
 
     @staticmethod
@@ -367,9 +369,8 @@ class _Attention(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v, ctx.by_position)
-        with applied_settings(ctx.settings):
-            dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                               ctx.dropout_p, finish)
+        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
+                                           ctx.dropout_p, finish, ctx.call)
         dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
                                ctx.by_position)
         hkv = k.shape[1]

@@ -18,7 +18,16 @@ from ..mask.info import BitMask, CodeMask
 from ..mask.segment_codes import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from ..runtime.launch import stream_key
-from .pieces import Piece, make_code_piece, make_piece, merge, piece_backward, piece_forward, split_by_position
+from .pieces import (
+    Piece,
+    PiecesCall,
+    make_code_piece,
+    make_piece,
+    merge,
+    piece_backward,
+    piece_forward,
+    split_by_position,
+)
 from .plan import ContextParallelPlan, plan_context_parallel
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
@@ -264,7 +273,8 @@ def check_causal(causal: Any) -> None:
 
 
 def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece], seeds: list[Any],
-                   scale: float, dropout_p: float, gather: Gather) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, dropout_p: float, gather: Gather,
+                   call: PiecesCall | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank's forward: (out ``[B, Hq, S_local, D]``, lse float32 ``[B, Hq, S_local]``, log2 units).
 
     Args:
@@ -272,20 +282,24 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
         pieces, seeds: the rank's pieces and their dropout seeds (None each without dropout).
         gather: gives the gathered K and V; called once, after the pieces over the rank's own keys are launched
             (in a real run it waits for the exchange, which those pieces overlap).
+        call: the settings the pieces run with and, filled here, their launches, for :func:`backward_pieces`
+            (None: this thread's settings now, and the launches are not kept).
     """
+    call = PiecesCall() if call is None else call
     if _whole(pieces, q.shape[2]):  # one piece over every row: its result is the rank's, nothing to merge
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
-        return piece_forward(q, k_g[:, :, piece.k_rows], v_g[:, :, piece.k_rows], piece, scale, dropout_p, seed)
+        return piece_forward(q, k_g[:, :, piece.k_rows], v_g[:, :, piece.k_rows], piece, scale, dropout_p, seed, call)
     # The merge keeps the pieces' order, so the result does not depend on which finished first.
-    done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s)
+    done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s,
+                                 call)
             for p, s in zip(pieces, seeds) if p.local_keys}
     k_g, v_g = gather()
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
     for rows, group in _by_rows(list(zip(pieces, seeds))):
         parts = [done.pop(id(p)) if p.local_keys else
-                 piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s)
+                 piece_forward(q[:, :, rows], k_g[:, :, p.k_rows], v_g[:, :, p.k_rows], p, scale, dropout_p, s, call)
                  for p, s in group]
         out[:, :, rows], lse[:, :, rows] = merge([o for o, _ in parts], [s for _, s in parts])
     return out, lse
@@ -293,19 +307,22 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                    gather: Gather, call: PiecesCall | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
     dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
     one piece over every row (:meth:`RankProblem.one_piece`), that piece's own gradients in the inputs' dtype.
-    ``gather`` is called once, after the pieces over the rank's own keys."""
+    ``gather`` is called once, after the pieces over the rank's own keys. ``call``: the forward's (None: this
+    thread's settings now, and the pieces plan again)."""
+    call = PiecesCall() if call is None else call
     hkv = k.shape[1]
     if _whole(pieces, q.shape[2]):
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
         keys = piece.k_rows
         dq, dk_p, dv_p = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale,
-                                        dropout_p, seed)
+                                        dropout_p, seed, call)
         if (keys.start, keys.stop) == (0, k_g.shape[2]):
             return dq, None, torch.cat([dk_p, dv_p], dim=1)
         dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
@@ -329,7 +346,7 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             kk, vv, target = gathered
         rows, keys = piece.q_rows, piece.k_rows
         dq_p, dk_p, dv_p = piece_backward(grad_out[:, :, rows], q[:, :, rows], kk[:, :, keys], vv[:, :, keys],
-                                          out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed)
+                                          out[:, :, rows], lse[:, :, rows], piece, scale, dropout_p, seed, call)
         dq[:, :, rows] += dq_p
         target[:, :hkv, keys] += dk_p
         target[:, hkv:, keys] += dv_p

@@ -21,10 +21,12 @@ positions of its first query and first key, and the kernels draw the bits a sing
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.call import CallLaunch
+from ..attention.config import Settings, current_settings
 from ..attention.custom_ops import attention_backward, attention_forward
 from ..attention.forward import combine_partials
 from ..mask.info import BitMask, CodeMask
@@ -99,26 +101,38 @@ def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(a, b, int(pos[a])) for a, b in zip(starts, ends)]
 
 
+@dataclass
+class PiecesCall:
+    """What one call's pieces carry from its forward to its backward, by value: the settings the forward read (so
+    the backward runs with them on whichever thread and whenever it runs) and each piece's launches, which the
+    backward reuses instead of planning again."""
+
+    settings: Settings = field(default_factory=current_settings)
+    launches: dict[int, CallLaunch | None] = field(default_factory=dict)  # by id of the piece
+
+
 def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece, scale: float,
-                  dropout_p: float = 0.0, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_p: float, seed: torch.Tensor | None, call: PiecesCall) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one piece; lse in log2 units, +inf on rows that see nothing. With dropout, ``seed`` is the
-    piece's (:func:`piece_seeds`)."""
-    out, lse, _ = attention_forward(q, k, v, piece.info, scale, dropout_p, seed)
+    piece's (:func:`piece_seeds`). Its launches go into ``call``."""
+    out, lse, call.launches[id(piece)] = attention_forward(q, k, v, piece.info, scale, dropout_p, seed, call.settings)
     return out, lse
 
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float = 0.0,
-                   seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one piece, against the merged out and lse of its query rows."""
-    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed)
+                   lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float, seed: torch.Tensor | None,
+                   call: PiecesCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one piece, against the merged out and lse of its query rows, with the forward's settings
+    and launches (``call``)."""
+    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed,
+                              settings=call.settings, launch=call.launches.get(id(piece)))
 
 
 def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:
-    """Each piece's int64 ``[3]`` dropout seed: the call's Philox key and the piece's first query and key
-    positions (pieces from :func:`split_by_position`)."""
+    """Each piece's int64 ``[3]`` dropout seed, a tensor of its own: the call's Philox key and the piece's first
+    query and key positions (pieces from :func:`split_by_position`)."""
     offsets = torch.tensor([p.positions for p in pieces], dtype=torch.int64, device=seed.device)
-    return list(torch.cat([seed[:1].expand(len(pieces), 1), offsets], dim=1).unbind(0))
+    return [row.clone() for row in torch.cat([seed[:1].expand(len(pieces), 1), offsets], dim=1).unbind(0)]
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("functional API and the reference", ["mmsparse.functional", "mmsparse.reference"]),
     ("modules, integrations, tools", [
         "mmsparse.qkv_module", "mmsparse.nn", "mmsparse.picture", "mmsparse.integrations", "mmsparse.distributed",
-        "mmsparse.__main__", "mmsparse.tuning", "mmsparse",
+        "mmsparse.__main__", "mmsparse.tuning", "mmsparse.recompute", "mmsparse",
     ]),
 ]
 
