@@ -18,6 +18,7 @@ from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
+from ..runtime.streams import own_stream
 from .config import KernelConfig, cuda_index, head_dim_pad
 from .forward import _LOG2E, aligned_copy, dot_mode
 from .kernel_args import kernel_args
@@ -184,7 +185,9 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
     """(current stream, its side stream for the dQ pass). One side stream per caller's stream, not per device or
     thread: a CUDA-graph capture's side stream stays in the capture until it ends, and autograd runs every
     backward of a device on one thread of its own, so a side stream shared with another caller's stream would
-    take that caller's dQ pass into the capture (or fail it). The plan forks only on the GPU and over SHORT_KEYS
+    take that caller's dQ pass into the capture (or fail it). For the same reason a side stream is one no one else
+    holds (:func:`mmsparse.runtime.streams.own_stream`), never one of torch's pool, which hands its 32 streams out
+    again to whoever asks next. The plan forks only on the GPU and over SHORT_KEYS
     keys or more: below, a call is bound by host work, and switching streams adds ~75 us to it (H100 host, the
     seed: 0.48 ms with the side stream, 0.41 without; docs/performance.md)."""
     index = cuda_index(device)
@@ -195,5 +198,5 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
         with _SIDE_STREAMS_LOCK:
             side = _SIDE_STREAMS.get(key)
             if side is None:
-                side = _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
+                side = _SIDE_STREAMS[key] = own_stream(index)
     return main, side

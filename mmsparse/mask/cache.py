@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.capture import keep_while_captured
 from ..runtime.launch import stream_key, stream_of
 
 MAX_BYTES = 1 << 30  # masks of 128k tokens hold a few MiB each: a bound for long-running processes, not a tuning knob
@@ -53,12 +54,15 @@ class CachedMask:
         recorded as used on it, and it gets a mask over those tensors whose block lists (built lazily) are its own
         and are only ever written and read on it. During CUDA-graph capture: a copy that shares what is built so
         far (torch.cuda.graph synchronises before capturing) and keeps the lists it builds in the capture to
-        itself, since those are written only when the graph replays (:meth:`MaskInfo.sharing_built`).
+        itself, since those are written only when the graph replays (:meth:`MaskInfo.sharing_built`); the graph
+        keeps that copy, and so the tensors it reads, alive (:func:`keep_while_captured`), whatever the cache drops.
         """
         if self.stream is None:
             return self.info
         if torch.cuda.is_current_stream_capturing():
-            return self.info.sharing_built()
+            captured = self.info.sharing_built()
+            keep_while_captured(captured.device, captured)
+            return captured
         current = stream_key(self.info.device)
         if current == self.stream:
             return self.info

@@ -397,13 +397,12 @@ def _default_q_start(q_start: int, device: torch.device) -> torch.Tensor:
     """int32 ``[1]`` holding ``q_start`` on ``device``, shared by the masks that need it (the kernels only read it):
     a mask built for new lengths skips one allocation and fill. One per CUDA stream: another stream could read it
     before the fill, and its memory could go back to the filling stream's pool while the other still reads it."""
-    if torch.compiler.is_compiling():  # traced: a graph op, and no guard on the cache's entries
+    # Traced: a graph op, and no guard on the cache's entries. Captured: filled when the graph replays (not for
+    # eager masks), and in the graph's own memory (the cache may drop its entry before a replay).
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), q_start, dtype=torch.int32, device=device)
     key = ("q_start", device, q_start, stream_key(device))
     t = CACHE.value(key)
     if t is None:
-        t = torch.full((1,), q_start, dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return t  # filled only when the graph replays: not for eager masks
-        CACHE.store_value(key, t)
+        t = CACHE.store_value(key, torch.full((1,), q_start, dtype=torch.int32, device=device))
     return t

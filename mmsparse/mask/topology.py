@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..kernels.constants import CAUSAL, FULL, NONE
+from ..runtime.capture import keep_while_captured
 from .lengths import SegLens, validate_seg_lens
 
 __all__ = [  # validate_seg_lens and SegLens live in mmsparse.mask.lengths; importing them from here still works
@@ -128,7 +129,10 @@ class Topology:
         was kept (a copy from pageable memory completes before ``to`` returns), so any stream may read it; but its
         memory belongs to the pool of the stream that made it. Recorded on every other stream that reads it, it
         does not go back to that pool, when this Topology is dropped, while those streams may still read it."""
-        if tables[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if tables[0].device.type != "cuda":
+            return
+        if torch.cuda.is_current_stream_capturing():  # read at every replay: kept as long as the graph
+            keep_while_captured(tables[0].device, *tables)
             return
         stream = torch.cuda.current_stream(tables[0].device)
         for table in tables:

@@ -1,0 +1,77 @@
+"""The few CUDA driver calls that torch has no Python API for, through ctypes on the driver library that torch
+has already loaded: streams of our own (torch's come from a shared pool) and the lifetime of what a CUDA graph
+reads (user objects)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from typing import Any
+
+CU_STREAM_NON_BLOCKING = 0x1  # does not synchronise with the legacy default stream, as torch's streams
+CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 0x1  # the only flag cuUserObjectCreate takes
+CU_GRAPH_USER_OBJECT_MOVE = 0x1  # the graph takes over the caller's reference
+CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+CUDA_ERROR_INVALID_CONTEXT = 201
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # CUhostFn: void (*)(void *user_data)
+
+
+class CudaDriverError(RuntimeError):
+    """A driver call returned an error code."""
+
+
+@functools.cache
+def driver() -> Any | None:
+    """The CUDA driver library with the signatures used here, or None where it cannot be loaded."""
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    p, c_int, c_uint, c_uint64 = ctypes.POINTER, ctypes.c_int, ctypes.c_uint, ctypes.c_uint64
+    signatures = {
+        "cuInit": [c_uint],
+        "cuDeviceGet": [p(c_int), c_int],
+        "cuCtxGetCurrent": [p(ctypes.c_void_p)],
+        "cuCtxGetDevice": [p(c_int)],
+        "cuCtxSetCurrent": [ctypes.c_void_p],
+        "cuDevicePrimaryCtxRetain": [p(ctypes.c_void_p), c_int],
+        "cuStreamCreate": [p(ctypes.c_void_p), c_uint],
+        # (stream, status, capture id, graph, dependencies, dependency count): the form every driver since CUDA
+        # 11.3 exports under this name
+        "cuStreamGetCaptureInfo_v2": [ctypes.c_void_p, p(c_int), p(c_uint64), p(ctypes.c_void_p),
+                                      p(ctypes.c_void_p), p(ctypes.c_size_t)],
+        "cuUserObjectCreate": [p(ctypes.c_void_p), ctypes.c_void_p, HOST_FN, c_uint, c_uint],
+        "cuGraphRetainUserObject": [ctypes.c_void_p, ctypes.c_void_p, c_uint, c_uint],
+    }
+    try:
+        for fn_name, argtypes in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes, fn.restype = argtypes, c_int
+    except AttributeError:  # a driver older than these calls
+        return None
+    return lib
+
+
+def call(name: str, *args: Any) -> None:
+    """Call driver function ``name``; raise :class:`CudaDriverError` on an error code."""
+    lib = driver()
+    if lib is None:
+        raise CudaDriverError("the CUDA driver library (libcuda) could not be loaded")
+    result = getattr(lib, name)(*args)
+    if result != 0:
+        raise CudaDriverError(f"{name} failed with CUDA driver error {result}")
+
+
+def bind_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread (torch's, which it has retained), unless it is:
+    driver calls that create objects act on the current context, and a thread need not have one yet."""
+    current, on = ctypes.c_void_p(), ctypes.c_int(-1)
+    call("cuCtxGetCurrent", ctypes.byref(current))
+    if current.value and driver().cuCtxGetDevice(ctypes.byref(on)) == 0 and on.value == device_index:
+        return
+    device, primary = ctypes.c_int(), ctypes.c_void_p()
+    call("cuDeviceGet", ctypes.byref(device), device_index)
+    call("cuDevicePrimaryCtxRetain", ctypes.byref(primary), device)
+    call("cuCtxSetCurrent", primary)

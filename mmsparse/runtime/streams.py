@@ -1,0 +1,35 @@
+"""CUDA streams of mmsparse's own, for the backward's concurrent dQ pass.
+
+``torch.cuda.Stream()`` hands out streams round-robin from a pool of 32 per device and priority, shared with every
+other user of the process: once a program has drawn more than that (per-request streams, FSDP, other libraries),
+a new one is a stream someone else already uses. A side stream that is another caller's stream would take that
+caller's work into a CUDA-graph capture (or fail the capture) and serialise with it. So the side streams are
+created through the driver, each a stream no one else holds; torch sees them as external streams.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import torch
+
+from .cuda_driver import CU_STREAM_NON_BLOCKING, CudaDriverError, bind_context, call, driver
+
+
+def own_stream(device_index: int) -> torch.cuda.Stream:
+    """A new CUDA stream on the device that no pool hands out, kept for the process (never destroyed: a captured
+    graph or a kernel in flight may still use it). Where the driver library cannot be used, a stream from torch's
+    pool, with a warning."""
+    if driver() is None:
+        warnings.warn("mmsparse: the CUDA driver library could not be loaded; the backward's side stream comes from "
+                      "torch's shared stream pool and may be another caller's", RuntimeWarning, stacklevel=2)
+        return torch.cuda.Stream(device=device_index)
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device_index):
+        try:
+            bind_context(device_index)
+            call("cuStreamCreate", ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+        except CudaDriverError as err:
+            raise RuntimeError(f"mmsparse could not create a CUDA stream on device {device_index}: {err}") from err
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device_index))
