@@ -14,7 +14,7 @@ import torch
 
 from ..mask.info import MaskInfo, mask_from_tuple
 from .call import CallLaunch, call_launch
-from .config import Settings, current_settings, kernel_config, settings_from_text
+from .config import Settings, current_settings, intern_settings, kernel_config, settings_from_text
 from .forward import kernel_layout
 
 
@@ -62,7 +62,7 @@ def attention_forward(
     if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         out, lse = _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
-                           settings.text)
+                           _text(settings))
         return out, lse, None
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
@@ -79,7 +79,7 @@ def attention_backward(
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
         return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p, window, deterministic, settings.text)
+                       dropout_p, window, deterministic, _text(settings))
     return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings,
                      launch)
 
@@ -93,6 +93,11 @@ def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo
 
 
 OP_VERSION = 3  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+
+
+def _text(settings: Settings) -> str:
+    """The settings' value as the ops take it (a Settings made without ``use_config`` is interned first)."""
+    return settings.text or intern_settings(settings).text
 
 
 def _short_samples(q: torch.Tensor, settings: Settings) -> int:
