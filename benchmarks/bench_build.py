@@ -8,7 +8,8 @@ device sync before and after each call, median over the calls. It also checks th
     python -m benchmarks.bench_build                 # GPU: B=8 S=16k per-sample lengths, S=43k shared
     python -m benchmarks.bench_build --device cpu    # smoke test through the Triton interpreter (small shapes)
 
-Writes ``build.json`` and ``build.md`` under ``--out`` (default ``benchmarks/results/<gpu>/``).
+Writes ``build.json`` and ``build.md`` under ``--out`` (default ``benchmarks/results/<gpu>/``; a temporary folder on
+the CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mmsparse.mask.blocks import classify_blocks_from_bits, lists_from_classes
 from mmsparse.mask.build import build_mask_info
 
 from .configs import CYCLIC, HUB
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .flex_mask import flex_mask_mod, segment_ids
 from .report import write_record
 from .timing import host_ms
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>; a "
+                                                           "temporary folder on the CPU)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cases = GPU_CASES if device.type == "cuda" else CPU_CASES
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         flex = "-" if r["flex_build_ms"] is None else f"{r['flex_build_ms']:.2f}"
         lines.append(f"| {r['case']} | {r['batch']} | {r['seq_len']} | {r['causal']} | {r['build_ms']:.3f} | {flex} "
                      f"| {r['no_host_sync']} | {r['lists_exact']} |")
-    path = write_record(args.out or results_dir(env["gpu"]), TOPIC, rows, "\n".join(lines) + "\n")
+    path = write_record(args.out or record_dir(env["gpu"], TOPIC), TOPIC, rows, "\n".join(lines) + "\n")
     print(f"wrote {path} and its .md", flush=True)
 
 if __name__ == "__main__":

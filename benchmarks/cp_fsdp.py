@@ -52,7 +52,7 @@ from mmsparse.distributed import ContextParallel
 from . import cp_dist
 from .configs import HUB
 from .cp_fsdp_model import ModelShape, MultimodalLM, labels_of, loss_sum, segment_ids, synthetic_batches
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .report import log, write_record
 
 TOPIC = "cp_fsdp"
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                "repeatable_weights": same_weights, "single_s_per_step": single_s, "cp_dp_s_per_step": cp_dp_s}
         table = markdown(row)
         print(table, end="", flush=True)
-        out = args.out or results_dir(env["gpu"])
+        out = args.out or record_dir(env["gpu"], TOPIC)
         out.mkdir(parents=True, exist_ok=True)
         write_record(out, TOPIC, [row], table)
         log(f"wrote {out / (TOPIC + '.json')} and its .md" + ("" if ok else "; the CP x DP runs DIFFER"))

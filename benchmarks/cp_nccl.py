@@ -54,7 +54,7 @@ from .cp_cases import ALL_CASES, CASES, DROPOUT_CASE, TINY_DROPOUT_CASE, CPCase
 from .cp_rank import RankInputs, local_backward, local_forward
 from .cp_record import IMPLS
 from .cp_traffic import predicted_speedup, rank_bytes
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .report import log
 
 NAMES = ("out", "dq", "dk", "dv")
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             log(cp_record.dropout_line(dropout[0]))
     ok = all(r.get("correct", True) for r in rows) and all(d["ok"] for d in dropout)
     if rank == 0:
-        out = args.out or results_dir(env["gpu"])
+        out = args.out or record_dir(env["gpu"], "cp_nccl")
         record = cp_record.merge(out, {"rows": rows, "links": [links], "dropout": dropout}, env["commit"])
         table = cp_record.write(out, record)
         print(table, end="", flush=True)

@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,12 @@ def gpu_slug(gpu: str) -> str:
 def results_dir(gpu: str) -> Path:
     """``benchmarks/results/<gpu-slug>``: every record of one GPU, current only."""
     return RESULTS_DIR / gpu_slug(gpu)
+
+
+def record_dir(gpu: str, topic: str, smoke: bool = False) -> Path:
+    """Where a run writes its record when not given ``--out``: :func:`results_dir` of a GPU; for a run on a CPU (the
+    interpreter's times say nothing of the kernels) or a smoke run (``smoke``: e.g. ``--tiny`` shapes), a new
+    temporary folder, so that only GPU records land in the repository."""
+    if smoke or gpu_slug(gpu) == "cpu":
+        return Path(tempfile.mkdtemp(prefix=f"mmsparse-{topic}-"))
+    return results_dir(gpu)

@@ -27,7 +27,7 @@ import torch
 
 import mmsparse  # noqa: F401  (before transformers' model classes: on a CPU it turns Triton's interpreter on)
 
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .report import fmt, log, write_record
 
 IMAGE, BOI, EOI = 3, 4, 5  # token ids (inside the vocabulary)
@@ -165,7 +165,8 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, str], note: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_vlm", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="record folder (default benchmarks/results/<gpu>)")
+    parser.add_argument("--out", type=Path, default=None, help="record folder (default benchmarks/results/<gpu>; a "
+                        "temporary folder on a CPU or with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short rows: a smoke run (CPU)")
     parser.add_argument("--impls", default=None, help=f"comma-separated backends (default {','.join(IMPLS)})")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per backend (default 2; tiny 0)")
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["loss_vs_sdpa"] = r["loss"] - sdpa["loss"]
         rows.extend(case_rows)
         del batch
-    folder = args.out if args.out is not None else results_dir(env["gpu"])
+    folder = args.out if args.out is not None else record_dir(env["gpu"], "hf_vlm", smoke=tiny)
     record = {"env": env, "note": note, "rows": rows}
     path = write_record(folder, "hf_vlm", record, markdown(rows, env, note))
     log(f"wrote {path} and {path.with_suffix('.md')}")

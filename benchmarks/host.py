@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, befo
 from mmsparse import mbs_attention
 from mmsparse.nn import MultimodalSelfAttention
 
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .report import fmt, write_record
 
 TOPIC = "host"
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "small_2k": small_row(shapes["small_2k"], device, dtype, calls),
         "block": block_row(shapes["seed"].seg_lens, device, dtype, calls, **(BLOCK_GPU if cuda else BLOCK_CPU)),
     }
-    out = args.out or (results_dir(record["gpu"]) if cuda else Path(tempfile.mkdtemp(prefix="mmsparse-host-")))
+    out = args.out or record_dir(record["gpu"], TOPIC)
     path = write_record(out, TOPIC, record, markdown(record))
     print(markdown(record))
     print(f"-> {path}")

@@ -30,7 +30,7 @@ Usage::
                                                   # which has no CPU backward, and no TF/s)
 
 Writes ``latest.json``, ``latest.md`` and, when matplotlib imports, ``latest.png`` under ``--out`` (default
-``benchmarks/results/<gpu>/``, e.g. ``h100``): the current run only.
+``benchmarks/results/<gpu>/``, e.g. ``h100``; a new temporary folder on a CPU or with ``--tiny``): the current run only.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ import mmsparse  # before triton: on a machine without CUDA it turns on Triton's
 from .arguments import at_least_one
 from .baselines import DEFAULT_IMPLS, IMPLS, NOT_ON_CPU
 from .configs import ALL_CONFIGS, GPU_CONFIGS, GROUPS, QUICK, TINY, BenchConfig, expand_names
-from .env import environment, results_dir
+from .env import environment, record_dir
 from .errors import DeviceLost
 from .report import log, write_final, write_json
 from .runner import Runner, base_row, run_isolated
@@ -69,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", default=None,
                    help=f"comma-separated, from: {', '.join(IMPLS)} (default: all but mmsparse_nondet; on a CPU also "
                         f"without {', '.join(NOT_ON_CPU)}, which cannot be timed there)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<gpu>)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default benchmarks/results/<gpu>; a temporary folder on a CPU or with --tiny)")
     p.add_argument("--device", default="cuda", help="default cuda")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
     p.add_argument("--rep", type=int, default=None, help="do_bench measuring time in ms (default 200, quick 50)")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device)
     out_dir = args.out
     if out_dir is None:
-        out_dir = Path(tempfile.mkdtemp(prefix="mmsparse-bench-tiny-")) if args.tiny else results_dir(env["gpu"])
+        out_dir = record_dir(env["gpu"], TOPIC, smoke=args.tiny)
     timing = Timing(device, args.warmup or (10 if args.quick else 25), args.rep or (50 if args.quick else 200),
                     cpu_warmup=args.cpu_warmup, cpu_reps=args.cpu_reps,
                     rounds=args.rounds or (1 if args.quick or args.tiny else 3))

@@ -77,11 +77,15 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_MOVED_TO_TUNING = ("Tile", "KernelConfig")
+_MOVED_TO_TUNING = ("Tile", "KernelConfig")  # importable from here, with a DeprecationWarning, until the next release
 
 
 def __getattr__(name: str) -> object:
     if name in _MOVED_TO_TUNING:
-        raise AttributeError(f"mmsparse.{name} is mmsparse.tuning.{name} (tiles and thresholds are set with "
-                             f"mmsparse.tuning.use_tuning)")
+        import warnings  # here, not at the top: the package namespace holds its public API
+
+        warnings.warn(f"mmsparse.{name} moved to mmsparse.tuning.{name} (tiles and thresholds are set with "
+                      f"mmsparse.tuning.use_tuning); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(tuning, name)
     raise AttributeError(f"module 'mmsparse' has no attribute {name!r}")

@@ -159,7 +159,7 @@ def layout_hint(k: torch.Tensor, seg_lens: Any) -> str | None:
         lens = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
         rows = lens if len(lens) and isinstance(lens[0], (list, tuple)) else [lens]
         needed = max(sum(int(n) for n in row) for row in rows)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, NotImplementedError, RuntimeError):  # e.g. strings, or a tensor without values
         return None
     if needed > k.shape[2] and needed <= k.shape[1]:
         return f"k/v have {k.shape[1]} in dim 1 and {k.shape[2]} in dim 2: {_LAYOUT_HINT}"

@@ -83,8 +83,9 @@ def mbs_attention(
             the query's position). Any number of segments (up to 4095); nested lists/tuples, a tensor or a
             :class:`~mmsparse.Topology` (build one once for hundreds of segments). Give either a topology with
             seg_lens, or attn_mask.
-        seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor), each row
-            summing to at most S; the rest of a row is padding (never attended; its queries output 0).
+        seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor, on the CPU
+            or q's device), each row summing to at most S; the rest of a row is padding (never attended; its
+            queries output 0). A generator is read once; anything else (one int, a string) is a TypeError.
         causal: also require key position <= query position.
         dropout_p: attention dropout probability (pass 0.0 in eval mode).
         softmax_scale: default ``1/sqrt(D)``.

@@ -23,7 +23,7 @@ import torch
 from .checks import check_flag, check_window
 from .mask.blocks import cdiv
 from .mask.code_blocks import classify_blocks_from_codes, count_pairs_from_codes
-from .mask.lengths import SegLensArg, check_rows, is_per_sample, validate_seg_lens
+from .mask.lengths import SegLensArg, check_rows, is_per_sample, seg_lens_argument, validate_seg_lens
 from .mask.segment_codes import MAX_DOCS, token_codes
 from .mask.topology import Topology
 
@@ -194,6 +194,7 @@ def tile_map(
 
 def _lens_rows(seg_lens: SegLensArg, num_segments: int, packed: bool) -> torch.Tensor:
     """int64 ``[1, k]`` (one sample) or, packed, ``[N, k]`` lengths, checked."""
+    seg_lens = seg_lens_argument(seg_lens)
     rows = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
     if not packed:
         if is_per_sample(rows):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from dataclasses import replace
 
 import torch
@@ -57,14 +58,21 @@ def profile_kernels(q, k, v, topo, lens, causal) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-def main() -> None:
+SWEEPS = ("fwd", "dkdv", "dq", "one_pass", "none")
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.tune_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub")
-    ap.add_argument("--sweep", default="fwd", help="fwd, dkdv, dq, one_pass or none")
+    ap.add_argument("--sweep", default="fwd", choices=SWEEPS, help="the pass whose tiles are swept (default fwd)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m tools.tune_tiles needs a CUDA GPU (it times the kernels' tiles); there is none here",
+              file=sys.stderr)
+        return 2
     for name in args.configs.split(","):
         c = CONFIGS[name]
         b, h, hk, d, lens, causal = c.batch, c.heads_q, c.heads_kv, c.head_dim, c.seg_lens, c.causal
@@ -116,7 +124,8 @@ def main() -> None:
                       f"fwd {f:7.3f} ms {tf(f):6.0f}  bwd {bw:7.3f} ms {tf(bw, 2.5):6.0f}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {cfg}: failed {e!r}"[:300], flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -19,6 +20,8 @@ from ..mask.bit_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
+# The KernelConfig fields that switch a path, which use_tuning sets on every call's config.
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,12 @@ class Tile:
     turns: str = "mbarrier"
 
     def __post_init__(self) -> None:
+        _check_block("block_m", self.block_m)
+        _check_block("block_n", self.block_n)
+        _check_warps(self.num_warps)
+        _check_num_stages(self.num_stages)
+        _check_gluon_stages(self.gluon_stages)
+        _check_bool("Tile.pingpong", self.pingpong)
         if self.turns not in TURN_SCHEMES:
             raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
 
@@ -77,6 +86,13 @@ class KernelConfig:
     one_pass_max_keys: int = 2048
 
     def __post_init__(self) -> None:
+        for name in _TILE_FIELDS:
+            _check_tile(name, getattr(self, name), optional=name in _OPTIONAL_TILES)
+        _check_bool("KernelConfig.use_tma", self.use_tma)
+        for name in THRESHOLDS:
+            check_threshold(f"KernelConfig.{name}", name, getattr(self, name))
+        for name, rows in _GLUON_ROWS.items():
+            _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
                     "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass}
         for name, tile in backward.items():
@@ -135,6 +151,109 @@ class KernelConfig:
 
 def _by_length(tile: Tile, short: Tile | None, seq_k: int, config: KernelConfig) -> Tile:
     return short if short is not None and config.few_keys(seq_k) else tile
+
+
+# The checks of Tile and KernelConfig fields (and of use_tuning's thresholds), one function per rule: a value the
+# kernels cannot run is refused when the tile, config or block is made, with what it must be, not at a launch.
+
+MIN_BLOCK = 16  # tl.dot multiplies tiles of at least 16 x 16
+MAX_BLOCK = 256  # twice the tables' largest: larger tiles outgrow registers and shared memory at most head dims
+MAX_WARPS = 16  # more than any tile here uses (on AMD's 64-wide wavefronts, 16 is a block's most threads)
+# The Gluon kernels' fixed block (kernels/gluon: common.BLOCK_M query rows in the forward and dQ, dkdv.BLOCK_N keys
+# in dK/dV; two consumer warpgroups of one 64-row wgmma each), here so that a config is checked without Gluon.
+GLUON_BLOCK = 128
+_TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
+                "bwd_one_pass", "gluon_one_pass")
+_OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
+# The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
+# (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
+_GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "block_m", "decode": "block_m",
+               "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n"}
+_THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
+                    "compact_bytes": "bytes", "one_pass_max_keys": "keys"}
+
+
+def _check_int(label: str, value: object) -> int:
+    """An int (a bool is refused: ``True`` is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{label} must be an int; got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_bool(label: str, value: object) -> bool:
+    if value is not True and value is not False:
+        raise TypeError(f"{label} must be True or False; got {type(value).__name__} {value!r}")
+    return value
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _nearest_powers(n: int, low: int, high: int) -> str:
+    """The powers of two in ``low..high`` next to ``n``, as a fix: ``"32 or 64"``."""
+    if n <= low or n >= high:
+        return str(low if n <= low else high)
+    below = 1 << (n.bit_length() - 1)
+    return f"{below} or {below * 2}"
+
+
+def _check_block(name: str, value: object) -> None:
+    """A tile's rows or keys: tl.arange spans a power of two and tl.dot needs 16 or more; the interpreter crashed
+    the process on a negative size."""
+    _check_int(f"Tile.{name}", value)
+    if not (_power_of_two(value) and MIN_BLOCK <= value <= MAX_BLOCK):
+        raise ValueError(f"Tile.{name} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK} (tl.dot multiplies "
+                         f"tiles of {MIN_BLOCK} or more, tl.arange spans a power of two); got {value}: use "
+                         f"{_nearest_powers(value, MIN_BLOCK, MAX_BLOCK)}")
+
+
+def _check_warps(value: object) -> None:
+    """Triton takes a power of two warps per program."""
+    _check_int("Tile.num_warps", value)
+    if not (_power_of_two(value) and value <= MAX_WARPS):
+        raise ValueError(f"Tile.num_warps must be a power of two from 1 to {MAX_WARPS} (Triton's rule, and no tile "
+                         f"here uses more); got {value}: use {_nearest_powers(value, 1, MAX_WARPS)}")
+
+
+def _check_num_stages(value: object) -> None:
+    _check_int("Tile.num_stages", value)
+    if value < 1:
+        raise ValueError(f"Tile.num_stages must be at least 1 (the tl kernel's software pipeline depth); got {value}")
+
+
+def _check_gluon_stages(value: object) -> None:
+    """Every Gluon kernel holds a stage while the next one loads (their static_assert STAGES >= 2)."""
+    _check_int("Tile.gluon_stages", value)
+    if value < 0 or value == 1:
+        raise ValueError(f"Tile.gluon_stages must be 0 (no Gluon kernel) or at least 2 (the Gluon kernels hold one "
+                         f"stage while the next loads); got {value}")
+
+
+def _check_tile(name: str, value: object, optional: bool) -> None:
+    if not isinstance(value, Tile) and not (optional and value is None):
+        raise TypeError(f"KernelConfig.{name} must be a mmsparse.tuning.Tile{' or None' if optional else ''}; got "
+                        f"{type(value).__name__} {value!r}")
+
+
+def _check_gluon_rows(name: str, tile: Tile | None, dim: str) -> None:
+    """A Gluon tile's fixed dimension is the kernel's block: its launch refuses any other (only on a Hopper GPU)."""
+    if tile is None or not tile.gluon or getattr(tile, dim) == GLUON_BLOCK:
+        return
+    what = "query rows" if dim == "block_m" else "keys"
+    raise ValueError(f"KernelConfig.{name} is a Gluon tile (gluon_stages={tile.gluon_stages}), and the Gluon kernel "
+                     f"of that pass takes {GLUON_BLOCK} {what} per block; got {dim}={getattr(tile, dim)}. Give it "
+                     f"{dim}={GLUON_BLOCK}, or gluon_stages=0 for the tl kernel at this tile")
+
+
+def check_threshold(label: str, name: str, value: object) -> int:
+    """A threshold that switches a path (``THRESHOLDS``): an int >= 0, where 0 turns the path off (no decoding
+    tile, no short tiles, always packed lists, never one pass). ``label``: how the message names it."""
+    unit = _THRESHOLD_UNITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        error = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
+        raise error(f"{label} must be an int >= 0, a number of {unit}; got {type(value).__name__} {value!r}")
+    return value
 
 
 # The thresholds' defaults, for the docs and the tools; a config carries its own (use_config changes them).
@@ -347,7 +466,6 @@ GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
-THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")  # use_tuning's
 # Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.
 REMOVED_SETTINGS = {
     "deterministic_backward": "use_config(deterministic_backward=...) was removed along with the ordered one-pass "
@@ -356,51 +474,72 @@ REMOVED_SETTINGS = {
 }
 
 
-@contextlib.contextmanager
-def use_config(*args: object, deterministic: bool | None = None, **kwargs: object) -> Iterator[None]:
+def use_config(*args: object, deterministic: bool | None = None,
+               **kwargs: object) -> contextlib.AbstractContextManager[None]:
     """``with use_config(deterministic=False):`` allows the one-pass backward (dQ by atomic adds, not bitwise
     repeatable; run below ``one_pass_max_keys`` keys) to every enclosed call that does not pass ``deterministic``
     itself (an argument given to the call wins); ``deterministic=True`` restores the bitwise-repeatable two passes.
-    Tiles and thresholds are :func:`mmsparse.tuning.use_tuning`'s.
+    Tiles and thresholds are :func:`mmsparse.tuning.use_tuning`'s: the older spellings ``use_config(config)``,
+    ``use_config(config=...)`` and ``use_config(short_keys=0)`` still set them, with a DeprecationWarning, until
+    the next release.
 
     The setting is this thread's: other threads keep theirs, and blocks nest. A call reads it once, when its
     forward runs; its backward runs with it wherever and whenever it runs (outside the block, on autograd's
-    thread)."""
-    if args or kwargs:
-        given = [type(a).__name__ for a in args] + sorted(kwargs)
-        removed = sorted(set(kwargs) & set(REMOVED_SETTINGS))
-        raise TypeError(REMOVED_SETTINGS[removed[0]] if removed else
-                        f"use_config takes deterministic only; got {given}. Tiles and thresholds are set with "
-                        f"mmsparse.tuning.use_tuning(config, **thresholds) (thresholds: {', '.join(THRESHOLDS)})")
+    thread). Arguments are checked when it is called."""
+    removed = sorted(set(kwargs) & set(REMOVED_SETTINGS))
+    if removed:
+        raise TypeError(REMOVED_SETTINGS[removed[0]])
     if deterministic is not None and deterministic is not True and deterministic is not False:
         raise TypeError(f"use_config(deterministic=...) must be True, False or None (keep the current default); got "
                         f"{type(deterministic).__name__} {deterministic!r}")
-    previous = current_settings()
-    with applied_settings(Settings(previous.config, previous.thresholds,
-                                   previous.deterministic if deterministic is None else deterministic)):
-        yield
+    config, thresholds = None, {}
+    if args or kwargs:
+        if len(args) + ("config" in kwargs) > 1:
+            raise TypeError(f"use_config takes one config; got {len(args)} positional arguments"
+                            + (" and config=" if "config" in kwargs else ""))
+        config = args[0] if args else kwargs.pop("config", None)
+        config, thresholds = _tuning_arguments("use_config", config, kwargs)
+        warnings.warn("use_config(config, **thresholds) is deprecated and goes in the next release: tiles and "
+                      "thresholds are set with mmsparse.tuning.use_tuning(config, **thresholds), deterministic with "
+                      "use_config(deterministic=...)", DeprecationWarning, stacklevel=2)
+    return _settings_block(config, thresholds, deterministic)
 
 
-@contextlib.contextmanager
-def use_tuning(config: KernelConfig | None = None, **thresholds: int) -> Iterator[None]:
+def use_tuning(config: KernelConfig | None = None, **thresholds: int) -> contextlib.AbstractContextManager[None]:
     """Run the enclosed calls with fixed tiles, ``with use_tuning(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_tuning(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``). This thread's, as :func:`use_config`'s setting
-    is, and read by a call when its forward runs."""
+    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``: ints >= 0). This thread's, as :func:`use_config`'s
+    setting is, and read by a call when its forward runs. Arguments are checked when it is called: a value that
+    cannot run is a TypeError or ValueError naming it, before any block."""
+    config, thresholds = _tuning_arguments("use_tuning", config, thresholds)
+    return _settings_block(config, thresholds)
+
+
+def _tuning_arguments(caller: str, config: object, thresholds: dict[str, object]
+                      ) -> tuple[KernelConfig | None, dict[str, int]]:
+    """``use_tuning``'s arguments, checked: a config (or None) and thresholds by name (:func:`check_threshold`)."""
     if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"use_tuning(config) takes a mmsparse.tuning.KernelConfig (or None); got "
+        raise TypeError(f"{caller}(config) takes a mmsparse.tuning.KernelConfig (or None); got "
                         f"{type(config).__name__}")
     removed = sorted(set(thresholds) & set(REMOVED_SETTINGS))
     if removed:
         raise TypeError(REMOVED_SETTINGS[removed[0]])
     unknown = set(thresholds) - set(THRESHOLDS)
     if unknown:
-        raise TypeError(f"use_tuning sets a config and the thresholds {', '.join(THRESHOLDS)}; got {sorted(unknown)}"
+        raise TypeError(f"{caller} sets a config and the thresholds {', '.join(THRESHOLDS)}; got {sorted(unknown)}"
                         + (" (deterministic is mmsparse.use_config's)" if "deterministic" in unknown else ""))
+    return config, {name: check_threshold(f"{caller}({name}=...)", name, value) for name, value in thresholds.items()}
+
+
+@contextlib.contextmanager
+def _settings_block(config: KernelConfig | None, thresholds: dict[str, int],
+                    deterministic: bool | None = None) -> Iterator[None]:
+    """The block of checked settings: the thread's settings when it is entered (blocks nest), with ``config``,
+    ``thresholds`` and ``deterministic`` where given."""
     previous = current_settings()
     fields = {**dict(previous.thresholds), **thresholds}
     with applied_settings(Settings(config if config is not None else previous.config, tuple(sorted(fields.items())),
-                                   previous.deterministic)):
+                                   previous.deterministic if deterministic is None else deterministic)):
         yield
 
 

@@ -12,7 +12,7 @@ from ..checks import check_flag, check_window, count, layout_hint
 from .cache import CACHE
 from .info import MaskInfo
 from .keys import value_key
-from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor
+from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor, seg_lens_argument
 from .topology import Topology
 
 
@@ -27,7 +27,9 @@ def build_mask_info(
     value; a length tensor is used as is (built on its device every call, no cache). ``check_lengths=False``
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported).
     ``packed``: seg_lens are ``[N, k]`` samples laid end to end in one sequence. ``window``: a sliding window
-    (:func:`check_window`)."""
+    (:func:`check_window`). Every entry point's lengths come through here (:func:`seg_lens_argument` refuses what
+    cannot be lengths)."""
+    seg_lens = seg_lens_argument(seg_lens, device=device)
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
     window = check_window(window, seq_k)
@@ -156,6 +158,7 @@ def topology_mask(
     """The mask of a topology and lengths for checked q ``[B, Hq, Sq, D]`` and k ``[B, Hkv, S, D]`` (cached as
     :func:`build_mask_info` caches). A length error says so when k looks like ``[B, S, H, D]``; a mask with one row
     per sample must have as many rows as q has samples."""
+    seg_lens = seg_lens_argument(seg_lens, device=q.device)  # here too: a generator is read once, for the hint too
     try:
         info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start,
                                window=window)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .lengths import is_array
+
 _INT = int  # the exact type; bool, a subclass, is tagged apart
 _INTS = frozenset((int,))
 _ROWS = frozenset((list, tuple))
@@ -57,7 +59,7 @@ def _freeze(value: Any) -> Hashable | None:
         if value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool:
             return int(value)
         return ("tensor", str(value.dtype), str(value.device), tuple(value.shape), _nested(value.tolist()))
-    if _is_array(value):
+    if is_array(value):
         if value.ndim == 0 and value.dtype.kind in "iu":
             return int(value)
         return ("array", value.dtype.str, tuple(value.shape), _nested(value.tolist()))
@@ -67,13 +69,6 @@ def _freeze(value: Any) -> Hashable | None:
         except (TypeError, ValueError):
             return None
     return None
-
-
-def _is_array(value: Any) -> bool:
-    """A numpy array (or alike: dtype with a kind, shape, ndim and tolist), not imported here."""
-    dtype = getattr(value, "dtype", None)
-    return (hasattr(dtype, "kind") and hasattr(dtype, "str") and hasattr(value, "ndim")
-            and hasattr(value, "tolist"))
 
 
 def _nested(values: Any) -> Any:

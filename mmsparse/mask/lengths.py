@@ -7,8 +7,9 @@ places each sample's first query (decoding over caches of different lengths).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Union
+import operator
+from collections.abc import Iterable, Mapping, Sequence, Set
+from typing import Any, Union
 
 import torch
 
@@ -16,6 +17,69 @@ from .segment_codes import MAX_DOCS
 
 SegLens = Union[Sequence[int], torch.Tensor]  # one sample's k lengths
 SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # shared k lengths, or per sample [B, k]
+
+
+def is_array(value: Any) -> bool:
+    """A numpy array (or alike: dtype with a kind, shape, ndim and tolist), not imported here."""
+    dtype = getattr(value, "dtype", None)
+    return (hasattr(dtype, "kind") and hasattr(dtype, "str") and hasattr(value, "ndim")
+            and hasattr(value, "tolist"))
+
+
+# What a seg_lens argument may be, for messages.
+SEG_LENS_FORMS = ("k segment lengths (a list or tuple of k ints, one per segment), per-sample [B, k] rows, or an "
+                  "integer tensor of either shape")
+
+
+def seg_lens_argument(seg_lens: Any, name: str = "seg_lens", device: torch.device | None = None) -> Any:
+    """The lengths argument of an entry point, refused with a TypeError/ValueError that says what it must be
+    (:data:`SEG_LENS_FORMS`) when it cannot be lengths, else in a form this module's checks read: lists and tuples as
+    they are; a generator or other iterator read once, into a tuple; a numpy array, or rows given as 1-D tensors or
+    arrays, as lists of ints; a tensor as it is, if on the CPU or on ``device`` (q's) (a meta tensor has no values
+    to read). None passes (the callers say it is required). ``name``: how messages call it."""
+    # isinstance before getattr and hasattr, which Dynamo cannot call on a symbolic int
+    kind = type(seg_lens)
+    if kind is list or kind is tuple:  # the common case first: a call's host lengths
+        first = seg_lens[0] if seg_lens else None
+        if first is None or isinstance(first, (int, torch.SymInt, list, tuple)):
+            return seg_lens
+        if (isinstance(first, torch.Tensor) and first.dim() == 1) or (is_array(first) and first.ndim == 1):
+            return [r.tolist() if isinstance(r, torch.Tensor) or is_array(r) else r for r in seg_lens]
+        return seg_lens
+    if seg_lens is None:
+        return None
+    if isinstance(seg_lens, (int, float, torch.SymInt)):  # before is_array's getattr
+        raise _not_lengths(seg_lens, name)
+    if isinstance(seg_lens, torch.Tensor):
+        allowed = ("cpu", device.type) if device is not None else ("cpu", "cuda")
+        if seg_lens.device.type not in allowed:
+            where = f"on the CPU or on q's device ({device})" if device is not None else "on the CPU or a GPU"
+            raise ValueError(f"{name} is a tensor on the {seg_lens.device} device; lengths must be {where}, where "
+                             "their values can be read")
+        return seg_lens
+    array = is_array(seg_lens)
+    if array and seg_lens.ndim > 0:
+        return seg_lens.tolist()
+    if array or isinstance(seg_lens, (str, bytes, bytearray, Mapping, Set)) or not isinstance(seg_lens, Iterable):
+        raise _not_lengths(seg_lens, name)
+    return seg_lens if isinstance(seg_lens, Sequence) else tuple(seg_lens)
+
+
+def _not_lengths(seg_lens: Any, name: str) -> TypeError:
+    """The error of a value that is no lengths, with the forms they take and, for one int, the list it meant."""
+    got = type(seg_lens).__name__
+    if torch.compiler.is_compiling():  # Dynamo cannot format a symbolic int into a string
+        return TypeError(f"{name} must be {SEG_LENS_FORMS}; got {got}")
+    hint = ""
+    if isinstance(seg_lens, (Mapping, Set)):
+        hint = " (an unordered collection: list the lengths in segment order)"
+    elif not isinstance(seg_lens, bool):
+        try:
+            n = operator.index(seg_lens)
+            hint = f" (one segment of {n} tokens is [{n}])"
+        except TypeError:
+            pass
+    return TypeError(f"{name} must be {SEG_LENS_FORMS}; got {got} {seg_lens!r}{hint}")
 
 
 def tracing_or_capturing(t: torch.Tensor) -> bool:
@@ -32,6 +96,7 @@ def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_len
     int): the checks compare it, which guards its range, not its value, and it is returned as it is, so that one
     graph serves every length.
     """
+    seg_lens = seg_lens_argument(seg_lens, name)
     if isinstance(seg_lens, torch.Tensor):
         if seg_lens.dim() != 1:
             raise ValueError(f"{name} must be 1-D here (one length per segment); got shape {tuple(seg_lens.shape)}")
@@ -101,6 +166,9 @@ def lens_tensor(
     k = num_segments
     if seg_lens is None:
         raise ValueError(f"seg_lens is required with a topology: {k} lengths, or per-sample [batch, {k}]")
+    if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() not in (1, 2):
+        raise ValueError(f"a seg_lens tensor must be {k} lengths or per-sample [batch, {k}]; got shape "
+                         f"{tuple(seg_lens.shape)}")
     if isinstance(seg_lens, torch.Tensor) and seg_lens.dim() == 2:
         if seg_lens.is_floating_point() or seg_lens.dtype == torch.bool:
             raise TypeError(f"per-sample seg_lens must be an integer tensor; got {seg_lens.dtype}")

@@ -196,3 +196,80 @@ def test_layer_input_dtype_against_its_weights(dtype, device):
         block(x, x, x)
     with pytest.raises(TypeError, match="float64.*reference_attention"):
         layer.double()(x.double())
+
+
+FORMS = r"seg_lens must be k segment lengths \(a list or tuple of k ints, one per segment\), per-sample \[B, k\] rows"
+NOT_LENGTHS = {
+    "int": (20, TypeError, FORMS + r".*; got int 20 \(one segment of 20 tokens is \[20\]\)"),
+    "numpy-int": (np.int64(20), TypeError, FORMS + r".*; got int64 .*\(one segment of 20 tokens is \[20\]\)"),
+    "numpy-0d": (np.array(20), TypeError, FORMS + r".*; got ndarray"),
+    "float": (20.0, TypeError, FORMS + r".*; got float 20\.0"),
+    "string": ("5 5 10", TypeError, FORMS + r".*; got str '5 5 10'"),
+    "bytes": (bytes([5, 5, 10]), TypeError, FORMS + r".*; got bytes"),
+    "set": ({5, 10}, TypeError, r"got set .*unordered collection: list the lengths in segment order"),
+    "dict": ({0: 5, 1: 5, 2: 10}, TypeError, r"got dict .*unordered collection"),
+    "meta": (torch.tensor([5, 5, 10], device="meta"), ValueError,
+             r"seg_lens is a tensor on the meta device; lengths must be on the CPU or on q's device"),
+    "meta-per-sample": (torch.tensor([[5, 5, 10]], device="meta"), ValueError, r"on the meta device"),
+    "tensor-3d": (torch.tensor([[[5, 5, 10]]]), ValueError, r"a seg_lens tensor must be 3 lengths or per-sample "
+                                                            r"\[batch, 3\]; got shape \(1, 1, 3\)"),
+}
+
+
+@pytest.mark.parametrize("seg_lens, exc, match", NOT_LENGTHS.values(), ids=NOT_LENGTHS)
+def test_seg_lens_that_are_not_lengths_say_what_they_must_be(seg_lens, exc, match, device):
+    """At the API boundary, not inside the length checks (``object of type 'int' has no len()``, or torch's
+    error on reading a meta tensor)."""
+    with pytest.raises(exc, match=match):
+        mbs_attention(*qkv(device), CYCLIC, seg_lens)
+
+
+def test_one_int_for_one_segment_says_to_give_a_list(device):
+    q = torch.randn(1, 1, 48, 16, device=device)
+    with pytest.raises(TypeError, match=r"got int 48 \(one segment of 48 tokens is \[48\]\)"):
+        mbs_attention(q, q, q, [[1]], 48)
+
+
+def test_every_entry_refuses_what_is_not_lengths(device):
+    """The functional API, varlen, the modules (at construction and per call), the pictures and the Hugging Face
+    route share the check."""
+    from types import SimpleNamespace
+
+    from mmsparse import tile_map
+    from mmsparse.integrations.hf.topology_route import _segments
+
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match=FORMS + r".*got int 20"):
+        mbs_attention_varlen(q, k, v, CYCLIC, 20)
+    with pytest.raises(TypeError, match=FORMS + r".*got int 20"):
+        TritonMBSAttnKernel(CYCLIC, 20)
+    with pytest.raises(TypeError, match=FORMS + r".*got str"):
+        TritonMBSAttnKernel(CYCLIC, (5, 5, 10))(q, k, v, seg_lens="5, 5, 10")
+    with pytest.raises(TypeError, match=FORMS + r".*got int 20"):
+        MultimodalSelfAttention(32, 2, CYCLIC, 20)
+    layer = MultimodalSelfAttention(32, 2, CYCLIC, (5, 5, 10), device=device)
+    with pytest.raises(ValueError, match="on the meta device"):
+        layer(torch.randn(1, 20, 32, device=device), seg_lens=torch.tensor([5, 5, 10], device="meta"))
+    with pytest.raises(TypeError, match=FORMS + r".*got int 20"):
+        MultiheadMBSAttention(torch.nn.MultiheadAttention(32, 2, batch_first=True), CYCLIC, 20)
+    with pytest.raises(TypeError, match=FORMS + r".*got int 20"):
+        tile_map(CYCLIC, 20, 16)
+    with pytest.raises(TypeError, match=r"mm_seg_lens must be k segment lengths.*got int 20"):
+        _segments(SimpleNamespace(), {"mm_topology": CYCLIC, "mm_seg_lens": 20}, 20)
+
+
+def test_lengths_from_an_iterator_or_array_are_read_once(device):
+    """A generator or other iterator is read once, into a tuple; numpy arrays and rows of tensors or arrays are
+    read as lists: each gives what the tuple gives."""
+    q, k, v = qkv(device, b=2)
+    rows = [(5, 5, 10), (4, 6, 8)]
+    with torch.no_grad():
+        expected = mbs_attention(q, k, v, CYCLIC, rows)
+        for given in ((r for r in rows), iter(rows), np.array(rows), [torch.tensor(r) for r in rows],
+                      [np.array(r) for r in rows]):
+            torch.testing.assert_close(mbs_attention(q, k, v, CYCLIC, given), expected, rtol=0, atol=0)
+        shared = mbs_attention(q, k, v, CYCLIC, (5, 5, 10))
+        for given in ((n for n in (5, 5, 10)), map(int, "5 5 10".split()), np.array([5, 5, 10])):
+            torch.testing.assert_close(mbs_attention(q, k, v, CYCLIC, given), shared, rtol=0, atol=0)
+        packed = mbs_attention_varlen(*qkv(device, sq=38, sk=38), CYCLIC, iter(rows))
+    assert packed.shape == (1, 2, 38, 16)

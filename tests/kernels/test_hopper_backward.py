@@ -114,8 +114,9 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
     monkeypatch.setattr(gluon_launch, f"run_{failing}", broken)  # no other way to fail
     base = kernel_config(32, torch.float32, device)
     gluon = {"dkdv": "bwd_dkdv", "dq": "bwd_dq"}[failing]
-    tile = getattr(base, gluon)
-    cfg = replace(base, **{gluon: Tile(tile.block_m, tile.block_n, gluon_stages=2)})
+    # the Gluon kernel's fixed block: 128 keys in dK/dV, 128 query rows in dQ (KernelConfig refuses other tiles)
+    fixed = {"bwd_dkdv": "block_n", "bwd_dq": "block_m"}[gluon]
+    cfg = replace(base, **{gluon: replace(getattr(base, gluon), gluon_stages=2, **{fixed: config.GLUON_BLOCK})})
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_tuning(cfg):
         for _ in range(2):

@@ -154,7 +154,7 @@ def test_a_failing_gluon_forward_raises(monkeypatch, device):
     monkeypatch.setattr(gluon_launch, "run_forward", broken)
     monkeypatch.setattr(plan, "num_splits", lambda *args: 1)
     base = kernel_config(32, torch.float32, device)
-    gluon_tile = Tile(base.fwd.block_m, base.fwd.block_n, gluon_stages=2)
+    gluon_tile = Tile(config.GLUON_BLOCK, base.fwd.block_n, gluon_stages=2)  # the Gluon forward's 128 rows
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_tuning(KernelConfig(fwd=gluon_tile, bwd_dkdv=base.bwd_dkdv, bwd_dq=base.bwd_dq, decode=base.decode)):
         for _ in range(2):

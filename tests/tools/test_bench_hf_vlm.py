@@ -22,3 +22,19 @@ def test_tiny_run_writes_the_record(tmp_path):
         assert r["step_ms"] > 0 and abs(r["loss_vs_sdpa"]) < 1e-3, r
     table = (tmp_path / "hf_vlm.md").read_text()
     assert "| mmsparse |" in table and "| sdpa |" in table
+
+
+def test_a_cpu_run_without_out_writes_no_record_into_the_repository(tmp_path, monkeypatch):
+    """A smoke run's record (no CUDA) goes to a temporary folder, not benchmarks/results/cpu/."""
+    import torch
+
+    from benchmarks import env, hf_vlm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(env, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert hf_vlm.main(["--tiny", "--impls", "mmsparse"]) == 0
+    assert not (tmp_path / "results").exists(), sorted((tmp_path / "results").rglob("*"))
+    (record,) = (tmp_path / "tmp").glob("*/hf_vlm.json")
+    assert [r["impl"] for r in json.loads(record.read_text())["rows"]] == ["mmsparse"] * len(hf_vlm.TINY_CASES)

@@ -19,7 +19,7 @@ from einops import rearrange
 from torch import nn
 
 from ...functional import mbs_attention, mbs_attention_varlen
-from ...mask.lengths import clip_seg_lens, is_per_sample, valid_lens_from_padding
+from ...mask.lengths import clip_seg_lens, is_per_sample, seg_lens_argument, valid_lens_from_padding
 from .model_mask import MaskSpec
 
 
@@ -44,6 +44,7 @@ def _segments(module: nn.Module, kwargs: dict, kv_len: int) -> tuple[Any, Any]:
             "attn_implementation='mmsparse' needs a topology and segment lengths: pass mm_topology=... and "
             "mm_seg_lens=... to the model's forward, or set config.mm_topology and config.mm_seg_lens"
         )
+    seg_lens = seg_lens_argument(seg_lens, "mm_seg_lens")
     if is_per_sample(seg_lens):
         return topology, seg_lens
     lens = [int(n) for n in seg_lens]
@@ -79,6 +80,7 @@ def _packed_samples(kwargs: dict, batch: int, q_len: int, kv_len: int) -> list[i
 
 def _packed_rows(seg_lens: Any, samples: list[int]) -> list[list[int]]:
     """``mm_seg_lens`` of a packed batch, checked against the sample lengths transformers passes."""
+    seg_lens = seg_lens_argument(seg_lens, "mm_seg_lens")
     rows = seg_lens.tolist() if isinstance(seg_lens, torch.Tensor) else seg_lens
     if not is_per_sample(rows) or len(rows) != len(samples):
         raise ValueError(
