@@ -1,0 +1,32 @@
+"""tools.d256_probe: the settings it compares, the mask it times, and a one-line refusal where there is no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse.attention.config import GLUON_D256, HOPPER
+from tools import d256_probe
+
+
+def test_settings_put_tl_first_then_the_candidate():
+    plain = d256_probe.settings(HOPPER, sweep=False)
+    assert list(plain) == ["tl", "gluon"]
+    assert not (plain["tl"].fwd.gluon or plain["tl"].bwd_dq.gluon or plain["tl"].bwd_dkdv.gluon)
+    assert plain["gluon"].fwd == GLUON_D256["fwd"] and plain["gluon"].bwd_dq == GLUON_D256["dq"]
+    swept = d256_probe.settings(HOPPER, sweep=True)
+    assert list(swept)[:2] == ["tl", "gluon"] and len(swept) == 2 + len(d256_probe.SWEEP_FWD) + len(d256_probe.SWEEP_DQ)
+    assert all(cfg.bwd_dkdv == plain["gluon"].bwd_dkdv for cfg in swept.values())  # dK/dV stays tl
+
+
+def test_mask_is_gemma3_like_at_16k():
+    cfg = d256_probe.GEMMA3_16K
+    assert (cfg.seq_k, cfg.heads_q, cfg.heads_kv, cfg.head_dim) == (16384, 16, 4, 256)
+    assert cfg.seg_lens[1::2] == (256,) * 16 and 0 < cfg.density < 0.6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
+def test_without_a_gpu_it_says_so_in_one_line(capsys):
+    assert d256_probe.main([]) == 2
+    out = capsys.readouterr()
+    assert out.out.count("\n") == 1 and "needs a CUDA GPU" in out.out and not out.err
