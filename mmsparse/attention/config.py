@@ -304,8 +304,7 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
     half = dtype in (torch.float16, torch.bfloat16)
     if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
         # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay
-        # tl (gluon_one_pass None), so does every pass with dropout, at these tiles (8 warps: the tl kernels
-        # compile at 128 rows there without spilling more than at their own tiles).
+        # tl (gluon_one_pass None), and so does every pass with dropout, at these tiles.
         cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"])
     if half and d_pad in _GLUON_FWD and gluon:
         # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
@@ -364,12 +363,15 @@ GLUON_ONE_PASS_BULK = {
 # compile for sm_90 without spilling in their loops (tests/kernels/test_gluon_compiles.py) but await a GPU check
 # (tests/kernels/test_hopper_d256.py, tools/d256_probe.py). cuda_kernel_config(..., gluon_d256=True) runs them;
 # GLUON_D256_ENABLED = True makes them a Hopper's default. With 128 query rows a CTA, 64 per consumer warpgroup:
-# - forward: a 64 x 256 fp32 O accumulator (128 registers a thread) beside 64 x 32 scores; 64-key tiles spill at 240
-#   registers a thread in the masked variants; 4 stages of 32 keys (192 KB of shared memory with Q);
+# - forward: a 64 x 256 fp32 O accumulator (128 of a thread's 240 registers) beside 64 x 32 scores, 4 stages of 32
+#   keys (192 KB of shared memory with Q). 64-key tiles reload a few spilled registers in the masked variants'
+#   loops. No ping-pong: at D=256 the exponentials are a small share beside the matmuls (FlashAttention-3 drops its
+#   warpgroup turns past D=128 for 16-bit inputs);
 # - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
-# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists. dK/dV stays
-# tl: two 64 x 256 fp32 accumulators a warpgroup take all 256 registers a thread alone.
+# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists (at 8 warps
+# they compile at 128 rows without more spills than at their own D=256 tiles). dK/dV stays tl: two 64 x 256 fp32
+# accumulators a warpgroup would take 256 registers a thread alone.
 GLUON_D256_HEAD_DIM = 256
 GLUON_D256 = {
     "fwd": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4, pingpong=False),

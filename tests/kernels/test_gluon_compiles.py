@@ -228,10 +228,11 @@ D256_MAX_SPILL_STORES = 64
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.head_dim == 256], ids=lambda v: v.name)
-def test_d256_variants_fit_without_spilling_in_their_loops(ptx_dir, variant):
-    """At D=256 the forward and the dQ pass hold a 64 x 256 fp32 accumulator (128 registers a thread of their 240):
-    ptxas did not serialize their wgmmas (C7512), spilled at most a few words (outside the loop where measured),
-    and the shared memory it allots is within a Hopper CTA's and matches config.gluon_tile_problem's count."""
+def test_d256_variants_spill_at_most_a_few_words(ptx_dir, variant):
+    """At D=256 the forward and the dQ pass hold a 64 x 256 fp32 accumulator (128 of a thread's 240 registers):
+    ptxas did not serialize their wgmmas (C7512) nor ignore setmaxnreg (C7508), spilled at most a few words (where
+    measured: none in the forward; in the dQ pass outside the loop, and one reload in its masked path with segment
+    codes), and the shared memory it allots is within a Hopper CTA's and matches config.gluon_tile_problem's count."""
     from mmsparse.attention.config import _GLUON_SHARED_SLACK, gluon_tile_problem
 
     out, proc = ptx_dir

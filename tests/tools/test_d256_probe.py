@@ -25,6 +25,32 @@ def test_mask_is_gemma3_like_at_16k():
     assert cfg.seg_lens[1::2] == (256,) * 16 and 0 < cfg.density < 0.6
 
 
+def test_run_compares_and_times_every_setting(device):
+    """The record's plumbing on a tiny transfusion mask (through the interpreter on a CPU): errors against the first
+    setting and the float32 reference, one time a round and pass, ratios to the first setting."""
+    from dataclasses import replace
+
+    from benchmarks.configs import BenchConfig, transfusion_layout
+    from mmsparse.attention.config import kernel_config
+
+    cfg = BenchConfig("tiny", 1, 2, 1, 16, *transfusion_layout(2, 8, (3, 8)))
+    base = kernel_config(cfg.head_dim, torch.bfloat16, device)
+    variants = {"a": base, "b": replace(base, fwd=replace(base.fwd, block_n=base.fwd.block_n * 2))}
+    ticks = iter(range(1, 100))
+
+    def bench(fn, **kwargs):
+        fn()
+        return float(next(ticks))
+
+    record = d256_probe.run(1, variants, cfg, device, bench)
+    assert list(record["rows"]) == ["a", "b"] and record["reference"] == "a"
+    for row in record["rows"].values():
+        assert max(row["vs_float32"].values()) < 2e-2 and max(row["vs_tl"].values()) < 2e-2
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and set(row["kernels"]) == {"forward", "dq", "dkdv"}
+    assert record["rows"]["a"]["fwd_speedup"] == 1.0
+    assert "| a |" in d256_probe.markdown(record)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
 def test_without_a_gpu_it_says_so_in_one_line(capsys):
     assert d256_probe.main([]) == 2
