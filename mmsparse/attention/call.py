@@ -25,10 +25,11 @@ class CallLaunch:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, cfg: KernelConfig,
                  softmax_scale: float, dropout_p: float, deterministic: bool) -> None:
-        batch, num_heads, seq_q, _ = q.shape
+        batch, num_heads, seq_q, head_dim = q.shape
         self.cfg = cfg
         self.plan: AttentionPlan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device,
                                                   info.sample_len, dropout_p > 0.0, deterministic=deterministic)
+        self.plan.check_head_dim(head_dim, q.element_size())
         info.prepare(self.plan.list_tiles(backward=False), cfg.compact_bytes)  # on the current stream, first
         self.forward = ForwardLaunch(q, k, v, info, cfg, self.plan.forward, softmax_scale, dropout_p)
         self._backward: BackwardLaunch | None = None

@@ -394,25 +394,37 @@ def cuda_index(device: torch.device) -> int:
 @functools.cache
 def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> KernelConfig:
     half = dtype in (torch.float16, torch.bfloat16)
-    gluon = half and head_dim_pad in _GLUON_FWD and hopper_gluon_available(device_index)
+    gluon_dims = set(_GLUON_FWD) | ({GLUON_D256_HEAD_DIM} if GLUON_D256_ENABLED else set())
+    gluon = half and head_dim_pad in gluon_dims and hopper_gluon_available(device_index)
     return cuda_kernel_config(head_dim_pad, dtype, torch.cuda.get_device_capability(device_index), gluon)
 
 
 HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
 
 
-@functools.cache
 def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = HOPPER,
-                       gluon: bool = True) -> KernelConfig:
+                       gluon: bool = True, gluon_d256: bool | None = None) -> KernelConfig:
     """The tiles and thresholds of a CUDA GPU of compute ``capability`` (an H100 or H200 by default), with the
     Gluon kernels where ``gluon`` (they run on sm_90 with Triton's Gluon API), without asking a device: for tools
     that model that GPU on a machine without it. A call on a GPU gets :func:`kernel_config` (its device's, and
-    ``use_config``'s overrides)."""
-    d_pad = head_dim_pad(head_dim)
+    ``use_config``'s overrides). ``gluon_d256``: with ``gluon``, head dims 129-256 in half precision run the Gluon
+    forward and dQ pass at :data:`GLUON_D256`'s tiles (dK/dV stays tl); None: as :data:`GLUON_D256_ENABLED`
+    says. One object per combination of arguments."""
+    enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
+    return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled)
+
+
+@functools.cache
+def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, int], gluon: bool,
+                        gluon_d256: bool) -> KernelConfig:
     cfg = _cuda_config(d_pad)
     if capability[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
     half = dtype in (torch.float16, torch.bfloat16)
+    if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
+        # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay
+        # tl (gluon_one_pass None), and so does every pass with dropout, at these tiles.
+        cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"])
     if half and d_pad in _GLUON_FWD and gluon:
         # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
         # (plan.plan_attention); with dropout it is the tl kernel, which keeps the tl dK/dV tile, whose registers
@@ -466,6 +478,51 @@ GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
+# The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), not yet in the tables above: they
+# compile for sm_90 without spilling in their loops (tests/kernels/test_gluon_compiles.py) but await a GPU check
+# (tests/kernels/test_hopper_d256.py, tools/d256_probe.py). cuda_kernel_config(..., gluon_d256=True) runs them;
+# GLUON_D256_ENABLED = True makes them a Hopper's default. With 128 query rows a CTA, 64 per consumer warpgroup:
+# - forward: a 64 x 256 fp32 O accumulator (128 of a thread's 240 registers) beside 64 x 32 scores, 4 stages of 32
+#   keys (192 KB of shared memory with Q). 64-key tiles reload a few spilled registers in the masked variants'
+#   loops. No ping-pong: at D=256 the exponentials are a small share beside the matmuls (FlashAttention-3 drops its
+#   warpgroup turns past D=128 for 16-bit inputs);
+# - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
+#   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
+# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists (at 8 warps
+# they compile at 128 rows without more spills than at their own D=256 tiles). dK/dV stays tl: two 64 x 256 fp32
+# accumulators a warpgroup would take 256 registers a thread alone.
+GLUON_D256_HEAD_DIM = 256
+GLUON_D256 = {
+    "fwd": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4, pingpong=False),
+    "dq": Tile(128, 32, num_warps=8, num_stages=1, gluon_stages=3),
+}
+GLUON_D256_ENABLED = False  # a source switch, read by cuda_kernel_config: flip it here, not at run time
+# What one CTA of an H100 or H200 may take, and what the Gluon forward and dQ pass hold beside their tiles (their
+# barriers and alignment: under 400 bytes measured).
+HOPPER_SHARED_BYTES = 227 * 1024
+_GLUON_SHARED_SLACK = 1024
+GLUON_DKDV_MAX_HEAD_DIM = 128  # the Gluon dK/dV kernel's (GLUON_D256's note says why)
+
+
+def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2) -> str | None:
+    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq" or "dkdv") cannot run ``tile`` at head dim ``d_pad``
+    (padded: :func:`head_dim_pad`) with inputs of ``itemsize`` bytes, or None where it can: the dK/dV kernel past
+    GLUON_DKDV_MAX_HEAD_DIM, the forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their
+    K/V stages past a Hopper CTA's shared memory."""
+    if kind == "dkdv":
+        if d_pad > GLUON_DKDV_MAX_HEAD_DIM:
+            return (f"the Gluon dK/dV kernel runs head dims up to {GLUON_DKDV_MAX_HEAD_DIM}: at {d_pad} its two "
+                    f"64 x {d_pad} float32 accumulators a warpgroup take more than its 240 registers a thread")
+        return None
+    row_bytes = itemsize * d_pad
+    resident = (1 if kind == "fwd" else 2) * tile.block_m * row_bytes  # Q; Q and dO
+    need = resident + tile.gluon_stages * 2 * tile.block_n * row_bytes + _GLUON_SHARED_SLACK
+    if need > HOPPER_SHARED_BYTES:
+        return (f"the Gluon {kind} kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "
+                f"has {HOPPER_SHARED_BYTES}: fewer stages or narrower key tiles")
+    return None
+
+
 # Keywords use_config once took, and what to pass instead: said by name rather than as an unknown keyword.
 REMOVED_SETTINGS = {
     "deterministic_backward": "use_config(deterministic_backward=...) was removed along with the ordered one-pass "

@@ -15,7 +15,7 @@ import torch
 
 from ..mask.blocks import cdiv
 from ..mask.info import TileKey
-from .config import KernelConfig, Tile, cuda_index
+from .config import KernelConfig, Tile, cuda_index, gluon_tile_problem, head_dim_pad
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,18 @@ class AttentionPlan:
         passes = [self.dkdv] + ([self.dq] if self.dq is not None else [])
         keys = ([self.forward.lists] if forward else []) + ([p.lists for p in passes] if backward else [])
         return list(dict.fromkeys(keys))
+
+    def check_head_dim(self, head_dim: int, itemsize: int) -> None:
+        """Raise ValueError where a pass this plan runs as its Gluon kernel cannot run at ``head_dim`` with inputs
+        of ``itemsize`` bytes (:func:`mmsparse.attention.config.gluon_tile_problem`): a config made for another
+        head dim (``use_tuning``) is refused with the reason before anything compiles."""
+        passes = (("fwd", self.forward), ("dq", self.dq), ("dkdv", self.dkdv))
+        for kind, step in passes:
+            problem = step is not None and step.gluon and gluon_tile_problem(kind, step.tile, head_dim_pad(head_dim),
+                                                                             itemsize)
+            if problem:
+                raise ValueError(f"mmsparse: {problem}; give this head dim its own tiles (mmsparse.tuning."
+                                 f"default_config) or a tl tile (gluon_stages=0)")
 
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the

@@ -11,7 +11,8 @@ forward's consumer loops are counted too (``tests/kernels/ptx_loops.py``): the m
 turn scheme.
 
 The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs
-of short samples) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
+of short samples, and the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
+thread) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
 ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds
 must be TMA bulk reduce-adds, with no atomic at all). ptxas's report of each dK/dV variant must not say that it
 serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
@@ -100,6 +101,13 @@ VARIANTS = [
     Variant("dkdv", 128, "dense", group=4, one_pass=True),
     Variant("dkdv", 64, "codes", causal=True, one_pass=True),
     Variant("dkdv", 64, "bits", group=1, one_pass=True),
+    # D=256 (config.GLUON_D256, not yet the default): the forward and the dQ pass, each mask mode, causal, a window.
+    Variant("fwd", 256, "bits", causal=True),
+    Variant("fwd", 256, "codes", window=True),
+    Variant("fwd", 256, "dense", causal=True, group=4),
+    Variant("dq", 256, "bits", causal=True),
+    Variant("dq", 256, "codes", window=True),
+    Variant("dq", 256, "dense", causal=True, group=4),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -116,12 +124,17 @@ def _tile(variant: Variant):
         _GLUON_DQ,
         _GLUON_FWD,
         _GLUON_FWD_SHORT_SAMPLES,
+        GLUON_D256,
+        GLUON_D256_HEAD_DIM,
         GLUON_ONE_PASS_BULK,
     )
 
-    table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
-             "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV}
-    tile = table[variant.kind][variant.head_dim]
+    if variant.head_dim == GLUON_D256_HEAD_DIM:
+        tile = GLUON_D256[variant.kind]  # the candidate tiles, not yet in the tables
+    else:
+        table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
+                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV}
+        tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
     return tile if variant.turns is None else replace(tile, turns=variant.turns)
@@ -207,6 +220,36 @@ def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
     assert "C7512" not in report, f"{variant.name}:\n{report}"
     shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
     assert shared <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} bytes of shared memory"
+
+
+# Spill stores of a D=256 variant, at most: with its resident Q / dO descriptors hoisted out of the loop
+# (gluon.common.resident_tile) the forward at 64-key tiles and the dQ pass spilled 140-320 bytes, inside the loop.
+D256_MAX_SPILL_STORES = 64
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.head_dim == 256], ids=lambda v: v.name)
+def test_d256_variants_spill_at_most_a_few_words(ptx_dir, variant):
+    """At D=256 the forward and the dQ pass hold a 64 x 256 fp32 accumulator (128 of a thread's 240 registers):
+    ptxas did not serialize their wgmmas (C7512) nor ignore setmaxnreg (C7508), spilled at most a few words (where
+    measured: none in the forward; in the dQ pass outside the loop, and one reload in its masked path with segment
+    codes), and the shared memory it allots is within a Hopper CTA's and matches config.gluon_tile_problem's count."""
+    from mmsparse.attention.config import _GLUON_SHARED_SLACK, gluon_tile_problem
+
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptxas.txt"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    report = path.read_text()
+    assert "Function properties" in report, f"{variant.name}: no ptxas report:\n{report}"
+    stores = [int(a) for a, _ in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
+    assert stores and max(stores) <= D256_MAX_SPILL_STORES, f"{variant.name}:\n{report}"
+    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+    shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
+    tile = _tile(variant)
+    assert shared <= HOPPER_SHARED_BYTES and gluon_tile_problem(variant.kind, tile, 256) is None, variant.name
+    row_bytes = 2 * 256
+    counted = (1 if variant.kind == "fwd" else 2) * tile.block_m * row_bytes + \
+        tile.gluon_stages * 2 * tile.block_n * row_bytes
+    assert counted <= shared <= counted + _GLUON_SHARED_SLACK, f"{variant.name}: {shared} bytes, {counted} counted"
 
 
 FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]

@@ -64,6 +64,9 @@ BLOCK_M = 2 * WG_ROWS.value  # query rows per CTA in the forward and dQ passes
 # partition i's; a one-warp partition uses bar.warp.sync instead), so the ids from 2 + len(WORKER_WARPS) are free.
 FIRST_FREE_BARRIER_ID = 2 + len(WORKER_WARPS.value)
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
+# Up to this head dim a resident A operand's wgmma descriptors may be hoisted out of the consumers' loops; past it
+# they are recomputed in each iteration (:func:`resident_tile`).
+HOISTED_DESCRIPTORS_MAX_D = gl.constexpr(128)
 
 
 def named_barrier_asm(op: str, barrier_id: int | None, threads: int) -> gl.constexpr:
@@ -96,6 +99,20 @@ def named_barrier_at(ASM: gl.constexpr, barrier_id):
 def box(smem):
     """A ``[rows, D_pad]`` shared tile seen as the ``[1, 1, rows, D_pad]`` box of a host ``box_descriptor``."""
     return smem.reshape([1, 1, smem.shape[0], smem.shape[1]])
+
+
+@gluon.jit
+def resident_tile(smem, WG: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
+    """Warpgroup WG's tile of a resident ``[2, rows, D_pad]`` allocation (Q, dO), as the A operand of a wgmma inside
+    a loop. Past HOISTED_DESCRIPTORS_MAX_D its index goes through a zero that LLVM cannot see through, so the tile's
+    shared-memory descriptors are remade in each iteration (a few integer adds) instead of hoisted out of the loop:
+    at D=256 they are 16 64-bit values per operand, 32 registers held across the loop, and ptxas spilled them and
+    their neighbours inside the loop rather than recompute them."""
+    index = WG
+    if HEAD_DIM_PAD > HOISTED_DESCRIPTORS_MAX_D:
+        # side-effecting asm: neither hoisted nor folded, so nothing derived from it is loop-invariant to LLVM
+        index = WG + gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    return smem.index(index)
 
 
 @gluon.jit

@@ -37,6 +37,7 @@ from .common import (
     load_resident_halves,
     masked_scores,
     program_lists,
+    resident_tile,
     stream_kv_ring,
     tma_store,
 )
@@ -108,9 +109,11 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             stage = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
-            dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(resident_tile(do_smem, WG, HEAD_DIM_PAD), v_smem.index(stage).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))

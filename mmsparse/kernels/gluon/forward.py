@@ -50,6 +50,7 @@ from .common import (
     named_barrier_asm,
     named_barrier_at,
     program_lists,
+    resident_tile,
     stream_kv_ring,
     tma_load,
     tma_store,
@@ -220,7 +221,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             prev = (it - 1) % STAGES
             _take_turn(turn, WG, it, PINGPONG, TURNS)
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             _hand_off(turn, WG, it, PINGPONG, TURNS)
