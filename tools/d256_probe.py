@@ -1,9 +1,9 @@
-"""The Gluon forward and dQ pass at D=256 (``config.GLUON_D256``, not yet a Hopper's default) against the tl kernels
+"""The Gluon forward and dQ pass at D=256 (``config.GLUON_D256``) against the tl kernels
 that run there by default, on one Hopper GPU: a Gemma-3-like mask of 16k tokens (17 texts causal over everything
 before them, 16 images of 256 tokens, each whole and seeing everything before it: ``benchmarks.configs.
 transfusion_layout``), B 1, Hq 16, Hkv 4, D 256, bf16.
 
-    python -m tools.d256_probe                        # tl against the candidate, 3 interleaved rounds (< 2 min)
+    python -m tools.d256_probe              # tl against the Gluon tiles, 3 interleaved rounds (< 2 min)
     python -m tools.d256_probe --sweep                # also other Gluon tiles of the forward and the dQ pass
     python -m tools.d256_probe --rounds 5 --out benchmarks/results/h200
 
@@ -38,15 +38,15 @@ from mmsparse.attention.plan import plan_attention
 # 16 images of 256 tokens among 17 texts drawn from 256-1280 tokens, scaled to 16384 tokens in all
 GEMMA3_16K = BenchConfig("gemma3_16k_d256", 1, 16, 4, 256, *transfusion_layout(16, 256, (256, 1280), seed=0,
                                                                                 total=16384))
-# --sweep: forward tiles (with the candidate's dQ tile) and dQ tiles (with the candidate's forward tile); each
-# compiled for sm_90 beside the candidate (tests/kernels/test_gluon_compiles.py: the 64-key forward reloads a few
+# --sweep: forward tiles (with the table's dQ tile) and dQ tiles (with the table's forward tile); each
+# compiled for sm_90 beside the table's (tests/kernels/test_gluon_compiles.py: the 64-key forward reloads a few
 # spilled registers in its loop's masked path).
 SWEEP_FWD = {
     "fwd 32x4 pingpong named": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4, pingpong=True,
                                     turns="named_release"),
     "fwd 32x4 pingpong mbarrier": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4, pingpong=True),
     "fwd 32x3": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=3),
-    "fwd 64x2": Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=2),
+    "fwd 32x4": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4),
     "fwd 64x2 pingpong named": Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=2, pingpong=True,
                                     turns="named_release"),
 }
@@ -57,8 +57,8 @@ MAX_ERROR = 5e-2
 
 
 def settings(capability: tuple[int, int], sweep: bool) -> dict[str, KernelConfig]:
-    """Label -> config: "tl" (every pass tl, today's default at D=256) first, the reference of the ratios; then
-    "gluon" (the candidate: Gluon forward and dQ, tl dK/dV); with ``sweep``, the candidate with other tiles."""
+    """Label -> config: "tl" (every pass tl: ``gluon_d256=False``) first, the reference of the ratios; then "gluon"
+    (the table's: Gluon forward and dQ, tl dK/dV); with ``sweep``, the table's with other tiles."""
     tl = cuda_kernel_config(256, torch.bfloat16, capability, gluon=False)
     gluon = cuda_kernel_config(256, torch.bfloat16, capability, gluon=True, gluon_d256=True)
     out = {"tl": tl, "gluon": gluon}

@@ -478,25 +478,23 @@ GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
-# The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), not yet in the tables above: they
-# compile for sm_90 without spilling in their loops (tests/kernels/test_gluon_compiles.py) but await a GPU check
-# (tests/kernels/test_hopper_d256.py, tools/d256_probe.py). cuda_kernel_config(..., gluon_d256=True) runs them;
-# GLUON_D256_ENABLED = True makes them a Hopper's default. With 128 query rows a CTA, 64 per consumer warpgroup:
-# - forward: a 64 x 256 fp32 O accumulator (128 of a thread's 240 registers) beside 64 x 32 scores, 4 stages of 32
-#   keys (192 KB of shared memory with Q). 64-key tiles reload a few spilled registers in the masked variants'
-#   loops. No ping-pong: at D=256 the exponentials are a small share beside the matmuls (FlashAttention-3 drops its
-#   warpgroup turns past D=128 for 16-bit inputs);
+# The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
+# consumer warpgroup (registers and shared memory: tests/kernels/test_gluon_compiles.py; timings on an H200:
+# docs/tuning.md):
+# - forward: a 64 x 256 fp32 O accumulator (128 of a thread's 240 registers) beside 64 x 64 scores, 2 stages of 64
+#   keys (192 KB of shared memory with Q): 1.44x the tl forward on a Gemma-3-like 16k mask, where 4 stages of 32
+#   keys (no spill at all) gave 1.28x and ping-pong turns less (FlashAttention-3 drops them past D=128 too); its
+#   masked variants reload a few spilled registers in the loop;
 # - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
-# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists (at 8 warps
-# they compile at 128 rows without more spills than at their own D=256 tiles). dK/dV stays tl: two 64 x 256 fp32
-# accumulators a warpgroup would take 256 registers a thread alone.
+# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists. dK/dV stays
+# tl: two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone.
 GLUON_D256_HEAD_DIM = 256
 GLUON_D256 = {
-    "fwd": Tile(128, 32, num_warps=8, num_stages=2, gluon_stages=4, pingpong=False),
+    "fwd": Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     "dq": Tile(128, 32, num_warps=8, num_stages=1, gluon_stages=3),
 }
-GLUON_D256_ENABLED = False  # a source switch, read by cuda_kernel_config: flip it here, not at run time
+GLUON_D256_ENABLED = True  # a source switch, read by cuda_kernel_config (tools compare against False)
 # What one CTA of an H100 or H200 may take, and what the Gluon forward and dQ pass hold beside their tiles (their
 # barriers and alignment: under 400 bytes measured).
 HOPPER_SHARED_BYTES = 227 * 1024

@@ -24,11 +24,13 @@ SEQ = sum(LENS)
 
 
 def _step(q, k, v, lens, grad_out):
+    """(out, dq, dk, dv) of one call, detached: a kept autograd graph would keep the leaves' gradient
+    accumulators on the stream they were made on, which a later capture on another stream cannot use."""
     for t in (q, k, v):
         t.grad = None
     out = mbs_attention(q, k, v, HUB, lens, check_lengths=False)
     out.backward(grad_out)
-    return [out, q.grad, k.grad, v.grad]
+    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def _overwrite_freed_memory():

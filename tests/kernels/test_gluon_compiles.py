@@ -101,7 +101,7 @@ VARIANTS = [
     Variant("dkdv", 128, "dense", group=4, one_pass=True),
     Variant("dkdv", 64, "codes", causal=True, one_pass=True),
     Variant("dkdv", 64, "bits", group=1, one_pass=True),
-    # D=256 (config.GLUON_D256, not yet the default): the forward and the dQ pass, each mask mode, causal, a window.
+    # D=256 (config.GLUON_D256): the forward and the dQ pass, each mask mode, causal, a window.
     Variant("fwd", 256, "bits", causal=True),
     Variant("fwd", 256, "codes", window=True),
     Variant("fwd", 256, "dense", causal=True, group=4),
@@ -130,7 +130,7 @@ def _tile(variant: Variant):
     )
 
     if variant.head_dim == GLUON_D256_HEAD_DIM:
-        tile = GLUON_D256[variant.kind]  # the candidate tiles, not yet in the tables
+        tile = GLUON_D256[variant.kind]
     else:
         table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
                  "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV}

@@ -1,4 +1,4 @@
-"""The Gluon forward and dQ pass at head dims 129-256 (``config.GLUON_D256``, not yet a Hopper's default), beside
+"""The Gluon forward and dQ pass at head dims 129-256 (``config.GLUON_D256``), beside
 the tl dK/dV pass: output and all three gradients against the float64 reference, and which kernel ran each pass.
 
 The kernels need an sm_90 GPU (``hopper``); the config's choices and the refusal of tiles a head dim cannot run are
@@ -142,7 +142,7 @@ def test_default_thresholds_over_4k_keys(gluon_calls):
 def test_candidate_config_runs_gluon_forward_and_dq_only():
     """Where the candidate applies (half precision, head dims 129-256), which kernel and tile each pass gets: the
     Gluon forward over SHORT_KEYS keys or more (the tl tile below), the Gluon dQ pass at every length, the tl dK/dV
-    pass and tl one-pass backwards; the default table keeps every pass tl at D=256; float32 never runs Gluon."""
+    pass and tl one-pass backwards; the default table is it; float32 never runs Gluon."""
     cuda = torch.device("cuda")  # planned, not run: no device is asked for
     tl_only = cuda_kernel_config(256, torch.bfloat16, HOPPER, gluon=True, gluon_d256=False)
     assert not (tl_only.fwd.gluon or tl_only.bwd_dq.gluon or tl_only.bwd_dkdv.gluon)

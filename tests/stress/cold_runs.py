@@ -9,8 +9,8 @@ row of the first KV head against the float32 reference (:func:`tests.stress.fuzz
 neither the kernels' bits nor their block lists).
 
 The configs cover segment codes (pair types, more than 32 segments, a pack), bit masks, a dense mask, GQA,
-causal, per-sample lengths, two head dims, and both dialects (``MMSPARSE_GLUON=0`` runs the tl kernels where the
-Gluon ones would). Runs cycle through them. ``--parallel P`` keeps P processes on the GPU at once.
+causal, per-sample lengths, three head dims (64, 128, 256), and both dialects (``MMSPARSE_GLUON=0`` runs the tl
+kernels where the Gluon ones would). Runs cycle through them. ``--parallel P`` keeps P processes on the GPU at once.
 
 The record, ``DIR/cold_runs.json`` and ``.md`` (default ``benchmarks/results/<gpu>/``), adds each invocation's
 runs to those already there at the same commit and GPU, since a few hundred processes do not fit one command of
@@ -81,6 +81,7 @@ GPU_CONFIGS = [
     ColdConfig("transfusion_tl_d64", TRANSFUSION, ((900, 4096, 700, 4096),), (64, 8, 8, 1), gluon=False),
     ColdConfig("pack24_causal", HUB, _pack(24, 2), (128, 8, 2, 1), causal=True, packed=True),
     ColdConfig("dense_mask", TRANSFUSION, ((700, 3000, 500, 3000),), (128, 8, 4, 1), dtype="fp16", dense=True),
+    ColdConfig("transfusion_d256", TRANSFUSION, ((1500, 4096, 900, 4096),), (256, 16, 4, 1)),  # Gemma's head dim
 ]
 CPU_CONFIGS = [  # through the interpreter: a check of the tool, not a measurement
     ColdConfig("codes5_tiny", CODES5, ((9, 20, 5, 17, 11),), (16, 2, 1, 1)),
