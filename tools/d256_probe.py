@@ -1,9 +1,9 @@
-"""The Gluon forward and dQ pass at D=256 (``config.GLUON_D256``) against the tl kernels
-that run there by default, on one Hopper GPU: a Gemma-3-like mask of 16k tokens (17 texts causal over everything
-before them, 16 images of 256 tokens, each whole and seeing everything before it: ``benchmarks.configs.
-transfusion_layout``), B 1, Hq 16, Hkv 4, D 256, bf16.
+"""The Gluon forward and dQ pass at D=256 (``config.GLUON_D256``), and with them the Gluon dK/dV pass of those head
+dims (``GLUON_D256["dkdv"]``, off by default), against the tl kernels, on one Hopper GPU: a Gemma-3-like mask of
+16k tokens (17 texts causal over everything before them, 16 images of 256 tokens, each whole and seeing everything
+before it: ``benchmarks.configs.transfusion_layout``), B 1, Hq 16, Hkv 4, D 256, bf16.
 
-    python -m tools.d256_probe              # tl against the Gluon tiles, 3 interleaved rounds (< 2 min)
+    python -m tools.d256_probe              # tl, gluon (fwd + dq), gluon dkdv (fwd + dq + dkdv), 3 rounds (< 3 min)
     python -m tools.d256_probe --sweep                # also other Gluon tiles of the forward and the dQ pass
     python -m tools.d256_probe --rounds 5 --out benchmarks/results/h200
 
@@ -58,15 +58,17 @@ MAX_ERROR = 5e-2
 
 def settings(capability: tuple[int, int], sweep: bool) -> dict[str, KernelConfig]:
     """Label -> config: "tl" (every pass tl: ``gluon_d256=False``) first, the reference of the ratios; then "gluon"
-    (the table's: Gluon forward and dQ, tl dK/dV); with ``sweep``, the table's with other tiles."""
+    (Gluon forward and dQ, tl dK/dV) and "gluon dkdv" (the Gluon dK/dV pass as well: ``gluon_d256_dkdv=True``);
+    with ``sweep``, "gluon" with other forward and dQ tiles."""
     tl = cuda_kernel_config(256, torch.bfloat16, capability, gluon=False)
-    gluon = cuda_kernel_config(256, torch.bfloat16, capability, gluon=True, gluon_d256=True)
-    out = {"tl": tl, "gluon": gluon}
+    gluon = cuda_kernel_config(256, torch.bfloat16, capability, gluon=True, gluon_d256=True, gluon_d256_dkdv=False)
+    dkdv = cuda_kernel_config(256, torch.bfloat16, capability, gluon=True, gluon_d256=True, gluon_d256_dkdv=True)
+    out = {"tl": tl, "gluon": gluon, "gluon dkdv": dkdv}
     if sweep:
         out.update({label: replace(gluon, fwd=tile) for label, tile in SWEEP_FWD.items()})
         out.update({label: replace(gluon, bwd_dq=tile) for label, tile in SWEEP_DQ.items()})
     for label, cfg in out.items():
-        for kind, tile in (("fwd", cfg.fwd), ("dq", cfg.bwd_dq)):
+        for kind, tile in (("fwd", cfg.fwd), ("dq", cfg.bwd_dq), ("dkdv", cfg.bwd_dkdv)):
             assert not tile.gluon or gluon_tile_problem(kind, tile, 256) is None, (label, kind, tile)
     return out
 
@@ -147,6 +149,7 @@ def run(rounds: int, variants: dict[str, KernelConfig], cfg: BenchConfig = GEMMA
             "bwd_speedup": statistics.median(a / b for a, b in zip(bwd_first, bwd_label)),
             "vs_tl": agree[label], "vs_float32": errors[label],
             "fwd_tile": str(variants[label].fwd), "dq_tile": str(variants[label].bwd_dq),
+            "dkdv_tile": str(variants[label].bwd_dkdv),
         }
     return {"config": cfg.describe(), "live_pairs": cfg.live_pairs, "rounds": rounds, "reference": first,
             "rows": rows, "versions": versions(device), "commit": git_commit()}
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     record = run(args.rounds, settings(torch.cuda.get_device_capability(0), args.sweep))
     for label, row in record["rows"].items():
-        print(f"{label}: fwd {row['fwd_tile']}, dq {row['dq_tile']}")
+        print(f"{label}: fwd {row['fwd_tile']}, dq {row['dq_tile']}, dkdv {row['dkdv_tile']}")
     off = [f"{label} {check} {name} {err:.2g}" for label, row in record["rows"].items()
            for check in ("vs_tl", "vs_float32") for name, err in row[check].items() if not err <= MAX_ERROR]
     print(f"errors over {MAX_ERROR}: {', '.join(off)}" if off else f"every error is within {MAX_ERROR}")

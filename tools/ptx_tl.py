@@ -167,6 +167,8 @@ def main(out: Path, only: str = "") -> None:
     backward._DQ = _Compile(backward._DQ, "dq", out, current, only)
     backward._DKDV = _Compile(backward._DKDV, "dkdv", out, current, only)
     gluon_launch._FWD = gluon_launch._DQ = gluon_launch._DKDV = _Skip()
+    if hasattr(gluon_launch, "_DKDV_D256"):  # a tree with the D=256 dK/dV kernel
+        gluon_launch._DKDV_D256 = _Skip()
 
     def gpu_dot_mode(q):  # the GPU's modes (the CPU upcasts bf16)
         return DOT_TF32X3 if q.dtype.itemsize == 4 else DOT_NATIVE

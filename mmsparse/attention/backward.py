@@ -19,7 +19,7 @@ from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import own_stream
-from .config import KernelConfig, cuda_index, head_dim_pad
+from .config import GLUON_DKDV_MAX_HEAD_DIM, KernelConfig, cuda_index, head_dim_pad
 from .forward import _LOG2E, aligned_copy, dot_mode
 from .kernel_args import kernel_args
 from .plan import AttentionPlan
@@ -68,6 +68,8 @@ class BackwardLaunch:
         self.dkdv_mask = args.tile(*plan.dkdv.lists)
         self.dq_mask = args.tile(*plan.dq.lists) if plan.dq is not None else None
         self.one_pass = plan.dq is None
+        # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
+        self.dkdv_d256 = d_pad > GLUON_DKDV_MAX_HEAD_DIM
         tile = plan.dkdv.tile
         flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
                      HAS_WINDOW=info.window is not None, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
@@ -122,7 +124,10 @@ class BackwardLaunch:
                                  self.dq_constexprs, bound, "dq")
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
-        if plan.dkdv.gluon:
+        if plan.dkdv.gluon and self.dkdv_d256:
+            _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
+                                   self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window, bound=bound)
+        elif plan.dkdv.gluon:
             _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
                               self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
                               dq_sum if self.one_pass else None, bound=bound)

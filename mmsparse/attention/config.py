@@ -162,6 +162,10 @@ MAX_WARPS = 16  # more than any tile here uses (on AMD's 64-wide wavefronts, 16 
 # The Gluon kernels' fixed block (kernels/gluon: common.BLOCK_M query rows in the forward and dQ, dkdv.BLOCK_N keys
 # in dK/dV; two consumer warpgroups of one 64-row wgmma each), here so that a config is checked without Gluon.
 GLUON_BLOCK = 128
+# The keys of the dK/dV kernel at head dims 129-256 (kernels/gluon/dkdv_d256.BLOCK_N: its warpgroups split the head
+# dim of one 64-key block). KernelConfig takes either block in bwd_dkdv; the plan checks it against the head dim
+# (gluon_tile_problem).
+GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
                 "bwd_one_pass", "gluon_one_pass")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
@@ -169,6 +173,8 @@ _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
 _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "block_m", "decode": "block_m",
                "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n"}
+# The blocks each of those tiles may have (GLUON_BLOCK where not listed).
+_GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
                     "compact_bytes": "bytes", "one_pass_max_keys": "keys"}
 
@@ -238,12 +244,18 @@ def _check_tile(name: str, value: object, optional: bool) -> None:
 
 def _check_gluon_rows(name: str, tile: Tile | None, dim: str) -> None:
     """A Gluon tile's fixed dimension is the kernel's block: its launch refuses any other (only on a Hopper GPU)."""
-    if tile is None or not tile.gluon or getattr(tile, dim) == GLUON_BLOCK:
+    blocks = _GLUON_BLOCKS.get(name, (GLUON_BLOCK,))
+    if tile is None or not tile.gluon or getattr(tile, dim) in blocks:
         return
     what = "query rows" if dim == "block_m" else "keys"
+    if len(blocks) == 1:
+        takes, give = f"{GLUON_BLOCK} {what} per block", f"{dim}={GLUON_BLOCK}"
+    else:  # bwd_dkdv: the D <= 128 kernel's block, or the D=256 kernel's
+        takes = f"{GLUON_BLOCK} {what} per block ({GLUON_D256_DKDV_BLOCK} at head dims 129-256)"
+        give = f"{dim}={GLUON_BLOCK} (or {GLUON_D256_DKDV_BLOCK} at head dims 129-256)"
     raise ValueError(f"KernelConfig.{name} is a Gluon tile (gluon_stages={tile.gluon_stages}), and the Gluon kernel "
-                     f"of that pass takes {GLUON_BLOCK} {what} per block; got {dim}={getattr(tile, dim)}. Give it "
-                     f"{dim}={GLUON_BLOCK}, or gluon_stages=0 for the tl kernel at this tile")
+                     f"of that pass takes {takes}; got {dim}={getattr(tile, dim)}. Give it {give}, or gluon_stages=0 "
+                     f"for the tl kernel at this tile")
 
 
 def check_threshold(label: str, name: str, value: object) -> int:
@@ -403,20 +415,24 @@ HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
 
 
 def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = HOPPER,
-                       gluon: bool = True, gluon_d256: bool | None = None) -> KernelConfig:
+                       gluon: bool = True, gluon_d256: bool | None = None,
+                       gluon_d256_dkdv: bool | None = None) -> KernelConfig:
     """The tiles and thresholds of a CUDA GPU of compute ``capability`` (an H100 or H200 by default), with the
     Gluon kernels where ``gluon`` (they run on sm_90 with Triton's Gluon API), without asking a device: for tools
     that model that GPU on a machine without it. A call on a GPU gets :func:`kernel_config` (its device's, and
     ``use_config``'s overrides). ``gluon_d256``: with ``gluon``, head dims 129-256 in half precision run the Gluon
-    forward and dQ pass at :data:`GLUON_D256`'s tiles (dK/dV stays tl); None: as :data:`GLUON_D256_ENABLED`
-    says. One object per combination of arguments."""
+    forward and dQ pass at :data:`GLUON_D256`'s tiles; None: as :data:`GLUON_D256_ENABLED` says.
+    ``gluon_d256_dkdv``: with ``gluon_d256`` as well, the dK/dV pass there runs its Gluon kernel
+    (``kernels/gluon/dkdv_d256.py``) at ``GLUON_D256["dkdv"]``, else its tl kernel; None: as
+    :data:`GLUON_D256_DKDV_ENABLED` says. One object per combination of arguments."""
     enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
-    return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled)
+    dkdv = GLUON_D256_DKDV_ENABLED if gluon_d256_dkdv is None else gluon_d256_dkdv
+    return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled, dkdv)
 
 
 @functools.cache
 def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, int], gluon: bool,
-                        gluon_d256: bool) -> KernelConfig:
+                        gluon_d256: bool, gluon_d256_dkdv: bool = False) -> KernelConfig:
     cfg = _cuda_config(d_pad)
     if capability[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
@@ -425,6 +441,10 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
         # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay
         # tl (gluon_one_pass None), and so does every pass with dropout, at these tiles.
         cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"])
+        if gluon_d256_dkdv:
+            # The Gluon dK/dV kernel has no one pass: the tl one-pass kernel keeps the tl dK/dV tile, whose
+            # registers it was written for. With dropout the tl dK/dV kernel runs GLUON_D256["dkdv"].
+            cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv)
     if half and d_pad in _GLUON_FWD and gluon:
         # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
         # (plan.plan_attention); with dropout it is the tl kernel, which keeps the tl dK/dV tile, whose registers
@@ -487,31 +507,72 @@ GLUON_ONE_PASS_BULK = {
 #   masked variants reload a few spilled registers in the loop;
 # - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
-# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists. dK/dV stays
-# tl: two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone.
+# num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists.
+# - dK/dV (kernels/gluon/dkdv_d256.py, behind GLUON_D256_DKDV_ENABLED until timed on a GPU): the D <= 128 kernel's
+#   two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys and
+#   each warpgroup half of the head dim (2 x 64 x 128 fp32); 64 query rows a step, 2 stages of Q and dO (128 KB)
+#   beside K and V (64 KB) and the P^T / dS^T hand-over tiles (24 KB). With dropout the tl dK/dV kernel runs it (8
+#   warps: its dK and dV take 128 registers a thread there).
 GLUON_D256_HEAD_DIM = 256
 GLUON_D256 = {
     "fwd": Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),
     "dq": Tile(128, 32, num_warps=8, num_stages=1, gluon_stages=3),
+    "dkdv": Tile(64, GLUON_D256_DKDV_BLOCK, num_warps=8, num_stages=1, gluon_stages=2),
 }
 GLUON_D256_ENABLED = True  # a source switch, read by cuda_kernel_config (tools compare against False)
+# The D=256 Gluon dK/dV pass (GLUON_D256["dkdv"]) where GLUON_D256_ENABLED: off until checked and timed on a GPU
+# (tests/kernels/test_hopper_d256.py, tools/d256_probe.py); cuda_kernel_config(..., gluon_d256_dkdv=True) gives it.
+GLUON_D256_DKDV_ENABLED = False
 # What one CTA of an H100 or H200 may take, and what the Gluon forward and dQ pass hold beside their tiles (their
 # barriers and alignment: under 400 bytes measured).
 HOPPER_SHARED_BYTES = 227 * 1024
 _GLUON_SHARED_SLACK = 1024
-GLUON_DKDV_MAX_HEAD_DIM = 128  # the Gluon dK/dV kernel's (GLUON_D256's note says why)
+GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's note says why)
 
 
-def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2) -> str | None:
-    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq" or "dkdv") cannot run ``tile`` at head dim ``d_pad``
-    (padded: :func:`head_dim_pad`) with inputs of ``itemsize`` bytes, or None where it can: the dK/dV kernel past
-    GLUON_DKDV_MAX_HEAD_DIM, the forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their
-    K/V stages past a Hopper CTA's shared memory."""
-    if kind == "dkdv":
-        if d_pad > GLUON_DKDV_MAX_HEAD_DIM:
-            return (f"the Gluon dK/dV kernel runs head dims up to {GLUON_DKDV_MAX_HEAD_DIM}: at {d_pad} its two "
-                    f"64 x {d_pad} float32 accumulators a warpgroup take more than its 240 registers a thread")
+def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsize: int = 2) -> int:
+    """The shared memory of the D=256 Gluon dK/dV kernel's tiles at ``tile``: K and V of its 64 keys, the stages of
+    Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and the hand-over tiles (P^T in
+    float32, dS^T in the input dtype)."""
+    keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
+    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
+    return 2 * keys * row_bytes + stages + keys * rows * (4 + itemsize)
+
+
+def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str | None:
+    """:func:`gluon_tile_problem` of the dK/dV pass: the D <= 128 kernel (``kernels/gluon/dkdv.py``: 128 keys, with
+    a one-pass variant) up to GLUON_DKDV_MAX_HEAD_DIM, the D=256 one (``dkdv_d256.py``: 64 keys, 64 query rows a
+    step or more, no one pass) past it."""
+    if d_pad <= GLUON_DKDV_MAX_HEAD_DIM:
+        if tile.block_n != GLUON_BLOCK:
+            return (f"the Gluon dK/dV kernel at head dims up to {GLUON_DKDV_MAX_HEAD_DIM} takes {GLUON_BLOCK} keys a "
+                    f"block; got {tile} at head dim {d_pad}")
         return None
+    if d_pad > GLUON_D256_HEAD_DIM:
+        return f"no Gluon dK/dV kernel runs head dim {d_pad}"
+    if one_pass:
+        return (f"the Gluon dK/dV kernel at head dims {GLUON_DKDV_MAX_HEAD_DIM + 1}-{GLUON_D256_HEAD_DIM} has no "
+                f"one-pass variant (gluon_one_pass must be None there)")
+    if tile.block_n != GLUON_D256_DKDV_BLOCK or tile.block_m < 64:
+        return (f"the Gluon dK/dV kernel at head dims {GLUON_DKDV_MAX_HEAD_DIM + 1}-{GLUON_D256_HEAD_DIM} takes "
+                f"{GLUON_D256_DKDV_BLOCK} keys a block and 64 query rows a step or more (at {d_pad} the "
+                f"{GLUON_BLOCK}-key kernel's two 64 x {d_pad} float32 accumulators a warpgroup take more than its 240 "
+                f"registers a thread); got {tile}")
+    need = dkdv_d256_shared_bytes(tile, d_pad, itemsize) + _GLUON_SHARED_SLACK
+    if need > HOPPER_SHARED_BYTES:
+        return (f"the Gluon dkdv kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA has "
+                f"{HOPPER_SHARED_BYTES}: fewer stages or query rows")
+    return None
+
+
+def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> str | None:
+    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq" or "dkdv"; ``one_pass``: the dK/dV pass adding dQ as
+    well) cannot run ``tile`` at head dim ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of ``itemsize``
+    bytes, or None where it can: a dK/dV tile that is not its kernel's at that head dim (:func:`_dkdv_problem`), the
+    forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their K/V stages past a Hopper CTA's
+    shared memory."""
+    if kind == "dkdv":
+        return _dkdv_problem(tile, d_pad, itemsize, one_pass)
     row_bytes = itemsize * d_pad
     resident = (1 if kind == "fwd" else 2) * tile.block_m * row_bytes  # Q; Q and dO
     need = resident + tile.gluon_stages * 2 * tile.block_n * row_bytes + _GLUON_SHARED_SLACK

@@ -11,6 +11,8 @@ import torch
 from ..kernels.constants import TURNS_MBARRIER, TURNS_NAMED_RELEASE
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
+from ..kernels.gluon.dkdv_d256 import BLOCK_N as D256_BLOCK_N
+from ..kernels.gluon.dkdv_d256 import attention_dkdv_d256_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
 from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
@@ -27,6 +29,7 @@ _LAUNCH_REGS = 168
 TURNS = {"mbarrier": TURNS_MBARRIER, "named_release": TURNS_NAMED_RELEASE}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
+_DKDV_D256 = FastKernel(attention_dkdv_d256_gluon)
 
 
 def run_forward(
@@ -118,6 +121,34 @@ def run_dkdv(
              BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
              num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),
         bound, "dkdv",
+    )
+
+
+def run_dkdv_d256(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
+    softmax_scale: float, tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
+) -> None:
+    """:func:`run_dkdv` at head dims 129-256 (padded to 256) by ``kernels.gluon.dkdv_d256``: 64 keys a CTA (block_n
+    64; block_m, at least 64, and gluon_stages are read; ``config.GLUON_D256["dkdv"]``), no one-pass variant.
+    ``bound``: as :func:`run_dq`'s."""
+    _check_rows(tile.block_n, D256_BLOCK_N)
+    _check_no_pingpong(tile, "dK/dV")
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    mask_tensors, mask_scalars = mask
+    dk, dv = dk_dv
+    pad = head_dim_pad(head_dim)
+    q_rows, kv_rows = tile.block_m, D256_BLOCK_N
+    launch_bound(
+        _DKDV_D256, (cdiv(seq_k, D256_BLOCK_N), batch * num_kv_heads),
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
+         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             num_warps=4, maxnreg=_LAUNCH_REGS),
+        bound, "dkdv_d256",
     )
 
 

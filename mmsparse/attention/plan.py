@@ -70,8 +70,8 @@ class AttentionPlan:
         head dim (``use_tuning``) is refused with the reason before anything compiles."""
         passes = (("fwd", self.forward), ("dq", self.dq), ("dkdv", self.dkdv))
         for kind, step in passes:
-            problem = step is not None and step.gluon and gluon_tile_problem(kind, step.tile, head_dim_pad(head_dim),
-                                                                             itemsize)
+            problem = step is not None and step.gluon and gluon_tile_problem(
+                kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
             if problem:
                 raise ValueError(f"mmsparse: {problem}; give this head dim its own tiles (mmsparse.tuning."
                                  f"default_config) or a tl tile (gluon_stages=0)")

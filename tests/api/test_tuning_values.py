@@ -66,8 +66,9 @@ BAD_CONFIGS = {
     "one_pass_max_keys-str": (dict(one_pass_max_keys="x"), TypeError, r"KernelConfig\.one_pass_max_keys must be an "
                                                                       r"int"),
     "compact_bytes-none": (dict(compact_bytes=None), TypeError, r"KernelConfig\.compact_bytes must be an int"),
-    # The Gluon kernels' blocks are fixed: 128 query rows (forward, dQ), 128 keys (dK/dV); a launch refused any
-    # other tile, and only on a Hopper GPU.
+    # The Gluon kernels' blocks are fixed: 128 query rows (forward, dQ), 128 keys (dK/dV; 64 in the kernel of head
+    # dims 129-256, which the plan checks against the head dim); a launch refused any other tile, and only on a
+    # Hopper GPU.
     "gluon-fwd-64-rows": (dict(fwd=Tile(64, 64, gluon_stages=2)), ValueError,
                           r"KernelConfig\.fwd is a Gluon tile \(gluon_stages=2\).*128 query rows.*block_m=64"),
     "gluon-fwd_short-64-rows": (dict(fwd_short=Tile(64, 64, gluon_stages=2)), ValueError,
@@ -76,8 +77,9 @@ BAD_CONFIGS = {
                              r"KernelConfig\.decode is a Gluon tile.*128 query rows.*gluon_stages=0"),
     "gluon-dq-64-rows": (dict(bwd_dq=Tile(64, 64, gluon_stages=3)), ValueError,
                          r"KernelConfig\.bwd_dq is a Gluon tile.*128 query rows"),
-    "gluon-dkdv-64-keys": (dict(bwd_dkdv=Tile(64, 64, gluon_stages=4)), ValueError,
-                           r"KernelConfig\.bwd_dkdv is a Gluon tile.*128 keys.*block_n=64"),
+    "gluon-dkdv-32-keys": (dict(bwd_dkdv=Tile(64, 32, gluon_stages=4)), ValueError,
+                           r"KernelConfig\.bwd_dkdv is a Gluon tile.*128 keys per block \(64 at head dims "
+                           r"129-256\).*block_n=32"),
     "gluon_one_pass-64-keys": (dict(gluon_one_pass=Tile(64, 64, gluon_stages=3)), ValueError,
                                r"KernelConfig\.gluon_one_pass is a Gluon tile.*128 keys"),
 }
@@ -89,6 +91,19 @@ def test_a_config_the_kernels_cannot_run_is_refused_when_made(fields, exc, match
         KernelConfig(**{**SMALL, **fields})
     with pytest.raises(exc, match=match):
         dataclasses.replace(KernelConfig(**SMALL), **fields)
+
+
+def test_the_d256_dkdv_block_is_checked_against_the_head_dim_when_planned(device):
+    """A 64-key Gluon dK/dV tile is the D=256 kernel's: a config takes it, and a call at a head dim up to 128 refuses
+    it before anything compiles, with the reason."""
+    from mmsparse import mbs_attention
+    from tests.helpers import CYCLIC, make_qkv
+
+    cfg = KernelConfig(**{**SMALL, "bwd_dkdv": Tile(64, 64, gluon_stages=2)})
+    q, k, v = make_qkv(1, 2, 1, 60, 60, 32, torch.float32, device)
+    with use_tuning(cfg), pytest.raises(ValueError, match="mmsparse: the Gluon dK/dV kernel at head dims up to 128 "
+                                                          "takes 128 keys"):
+        mbs_attention(q, k, v, CYCLIC, (9, 30, 21))
 
 
 def test_a_gluon_tile_keeps_its_rows_only_where_the_pass_runs_gluon():

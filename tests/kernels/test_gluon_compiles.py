@@ -11,10 +11,11 @@ forward's consumer loops are counted too (``tests/kernels/ptx_loops.py``): the m
 turn scheme.
 
 The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs
-of short samples, and the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
-thread) over the three mask modes (bits, segment codes, a dense mask), causal and not, the forward's
-ping-pong on and off, with and without a sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds
-must be TMA bulk reduce-adds, with no atomic at all). ptxas's report of each dK/dV variant must not say that it
+of short samples, the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
+thread, and the D=256 dK/dV kernel at ``GLUON_D256["dkdv"]``, which must not spill at all) over the three mask
+modes (bits, segment codes, a dense mask), causal and not, the forward's ping-pong on and off, with and without a
+sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be TMA bulk reduce-adds, with no
+atomic at all). ptxas's report of each dK/dV variant must not say that it
 serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
 the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
 Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose
@@ -108,6 +109,10 @@ VARIANTS = [
     Variant("dq", 256, "bits", causal=True),
     Variant("dq", 256, "codes", window=True),
     Variant("dq", 256, "dense", causal=True, group=4),
+    # D=256 dK/dV (kernels/gluon/dkdv_d256.py, GLUON_D256["dkdv"]): each mask mode, causal, a window, GQA 1 and 4.
+    Variant("dkdv", 256, "bits", causal=True),
+    Variant("dkdv", 256, "codes", window=True, group=1),
+    Variant("dkdv", 256, "dense", group=4),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -146,6 +151,8 @@ def expected_barriers(variant: Variant) -> int:
     the forward with ping-pong the two turns. Its named turns and releases (``turns="named_release"``) are hardware
     barriers, not mbarriers."""
     tile = _tile(variant)
+    if variant.kind == "dkdv" and variant.head_dim == 256:
+        return 2 + 2 * tile.gluon_stages + 3  # the hand-overs: P^T staged, dS^T staged and read
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + (2 if variant.one_pass else 0)  # one pass: the dS handshake
     if variant.kind == "dq":
@@ -229,11 +236,12 @@ D256_MAX_SPILL_STORES = 64
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.head_dim == 256], ids=lambda v: v.name)
 def test_d256_variants_spill_at_most_a_few_words(ptx_dir, variant):
-    """At D=256 the forward and the dQ pass hold a 64 x 256 fp32 accumulator (128 of a thread's 240 registers):
-    ptxas did not serialize their wgmmas (C7512) nor ignore setmaxnreg (C7508), spilled at most a few words (where
-    measured: none in the forward; in the dQ pass outside the loop, and one reload in its masked path with segment
-    codes), and the shared memory it allots is within a Hopper CTA's and matches config.gluon_tile_problem's count."""
-    from mmsparse.attention.config import _GLUON_SHARED_SLACK, gluon_tile_problem
+    """At D=256 the forward and the dQ pass hold a 64 x 256 fp32 accumulator (128 of a thread's 240 registers), the
+    dK/dV kernel's warpgroups two 64 x 128 ones: ptxas did not serialize their wgmmas (C7512) nor ignore setmaxnreg
+    (C7508), spilled at most a few words (where measured: none in the forward; in the dQ pass outside the loop, and
+    one reload in its masked path with segment codes; none at all in dK/dV, which has a test of its own), and the
+    shared memory it allots is within a Hopper CTA's and matches config.gluon_tile_problem's count."""
+    from mmsparse.attention.config import _GLUON_SHARED_SLACK, dkdv_d256_shared_bytes, gluon_tile_problem
 
     out, proc = ptx_dir
     path = out / f"{variant.name}.ptxas.txt"
@@ -247,9 +255,27 @@ def test_d256_variants_spill_at_most_a_few_words(ptx_dir, variant):
     tile = _tile(variant)
     assert shared <= HOPPER_SHARED_BYTES and gluon_tile_problem(variant.kind, tile, 256) is None, variant.name
     row_bytes = 2 * 256
-    counted = (1 if variant.kind == "fwd" else 2) * tile.block_m * row_bytes + \
-        tile.gluon_stages * 2 * tile.block_n * row_bytes
+    if variant.kind == "dkdv":
+        # the count holds a query-bit row per stage, which a dense mask does not read (one row stands in)
+        unread = (tile.gluon_stages - 1) * tile.block_m * 4 if variant.mask == "dense" else 0
+        counted = dkdv_d256_shared_bytes(tile) - unread
+    else:
+        counted = (1 if variant.kind == "fwd" else 2) * tile.block_m * row_bytes + \
+            tile.gluon_stages * 2 * tile.block_n * row_bytes
     assert counted <= shared <= counted + _GLUON_SHARED_SLACK, f"{variant.name}: {shared} bytes, {counted} counted"
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv" and v.head_dim == 256],
+                         ids=lambda v: v.name)
+def test_d256_dkdv_does_not_spill(ptx_dir, variant):
+    """The D=256 dK/dV kernel keeps everything in registers (its consumers compiled without spilling down to 208
+    registers a thread, below the 232 they get; its producer needs 40): no stack frame, no spill store or load."""
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptxas.txt"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    report = path.read_text()
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
+    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
 
 
 FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
@@ -404,8 +430,9 @@ def _main(out: Path, only: str = "") -> None:
             return lambda *args, **kwargs: _compile_launch(current["name"], out, self.kernel, args, kwargs)
 
     knobs.nvidia.dump_ptxas_log = True
-    gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV = (
-        Compile(gluon_launch._FWD), Compile(gluon_launch._DQ), Compile(gluon_launch._DKDV))
+    gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV, gluon_launch._DKDV_D256 = (
+        Compile(gluon_launch._FWD), Compile(gluon_launch._DQ), Compile(gluon_launch._DKDV),
+        Compile(gluon_launch._DKDV_D256))
     modes = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}
     batch, heads, seq = 1, 4, 384
     infos = {}
@@ -433,6 +460,9 @@ def _main(out: Path, only: str = "") -> None:
         elif variant.kind == "dq":
             gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile,
                                 variant.window)
+        elif variant.head_dim == 256:
+            gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
+                                       *mask, 1.0, 1.0, tile, variant.window)
         else:
             dq_sum = torch.zeros(q.shape) if variant.one_pass else None
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,

@@ -1,5 +1,7 @@
 """The Gluon forward and dQ pass at head dims 129-256 (``config.GLUON_D256``), beside
-the tl dK/dV pass: output and all three gradients against the float64 reference, and which kernel ran each pass.
+the tl dK/dV pass, and with the Gluon dK/dV pass of those head dims (``kernels/gluon/dkdv_d256.py``, off by default:
+``cuda_kernel_config(..., gluon_d256_dkdv=True)``): output and all three gradients against the float64 reference, dK
+and dV against the tl dK/dV pass's, and which kernel ran each pass.
 
 The kernels need an sm_90 GPU (``hopper``); the config's choices and the refusal of tiles a head dim cannot run are
 checked everywhere (no kernel runs in those)."""
@@ -14,6 +16,7 @@ import torch
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.config import (
     GLUON_D256,
+    GLUON_D256_DKDV_ENABLED,
     GLUON_D256_ENABLED,
     HOPPER,
     Tile,
@@ -23,7 +26,16 @@ from mmsparse.attention.config import (
 )
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.plan import plan_attention
-from tests.helpers import CYCLIC, FOUR, HUB, check_against_reference, check_outputs, make_qkv
+from tests.helpers import (
+    CYCLIC,
+    FOUR,
+    HUB,
+    assert_close,
+    check_against_reference,
+    check_outputs,
+    forward_backward,
+    make_qkv,
+)
 
 TEXT_IMAGE_TEXT = [[2, 0, 0], [1, 1, 0], [1, 1, 2]]  # Gemma 3: text causal, the image whole, both see the past
 TL_DKDV_D256 = Tile(32, 64, num_warps=4, num_stages=1)  # the tl table's dK/dV tile at D=256
@@ -50,17 +62,24 @@ def _case_id(case) -> str:
 
 
 def d256_config(dtype: torch.dtype):
-    """The D=256 candidate tiles (``cuda_kernel_config(..., gluon_d256=True)``), independent of the default table."""
-    return cuda_kernel_config(256, dtype, HOPPER, gluon=True, gluon_d256=True)
+    """The D=256 candidate tiles (``cuda_kernel_config(..., gluon_d256=True)``), independent of the default table:
+    the tl dK/dV pass."""
+    return cuda_kernel_config(256, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=False)
+
+
+def d256_dkdv_config(dtype: torch.dtype):
+    """:func:`d256_config` with the Gluon dK/dV pass at ``GLUON_D256["dkdv"]`` (``gluon_d256_dkdv=True``)."""
+    return cuda_kernel_config(256, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=True)
 
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Records which Gluon passes ran: only a spy on their launchers tells (the tl ones agree within tolerance)."""
+    """Records which Gluon passes ran: only a spy on their launchers tells (the tl ones agree within tolerance).
+    ``dkdv_d256`` is the dK/dV kernel of head dims 129-256."""
     from mmsparse.attention import gluon_launch
 
     calls = []
-    for name in ("forward", "dkdv", "dq"):
+    for name in ("forward", "dkdv", "dkdv_d256", "dq"):
         real = getattr(gluon_launch, f"run_{name}")
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -89,34 +108,65 @@ def test_gluon_forward_and_dq_against_float64(case, gluon_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gluon_dkdv_against_float64_and_the_tl_pass(case, gluon_calls):
+    """With the D=256 Gluon dK/dV pass on: output and the three gradients against float64, then dK and dV against
+    the tl dK/dV pass's on the same inputs (both round float32 sums to the input dtype, in other orders)."""
+    topo, lens, causal, window, batch, heads, kv_heads, seq_q, head_dim, dtype = case
+    seq_k = max(sum(r) for r in lens) if isinstance(lens, list) else sum(lens)
+    programs = -(-(seq_q or seq_k) // 128) * batch * heads
+    more = -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // programs)
+    q, k, v = make_qkv(batch, heads * more, kv_heads * more, seq_q or seq_k, seq_k, head_dim, dtype,
+                       torch.device("cuda"))
+    with use_tuning(d256_dkdv_config(dtype), short_keys=0):
+        out, _ = check_against_reference(q, k, v, topo, lens, causal=causal, window=window)
+    assert sorted(gluon_calls) == ["dkdv_d256", "dq", "forward"]
+    grad_out = torch.randn_like(out)
+    kw = dict(topology=topo, seg_lens=lens, causal=causal, window=window)
+    with use_tuning(d256_dkdv_config(dtype), short_keys=0):
+        gluon = forward_backward(q, k, v, grad_out, **kw)
+    with use_tuning(d256_config(dtype), short_keys=0):
+        tl = forward_backward(q, k, v, grad_out, **kw)
+    for name, i in (("dk", 2), ("dv", 3)):
+        assert_close(f"{name} against the tl dK/dV pass", gluon[i], tl[i], dtype)
+    assert torch.equal(gluon[1], tl[1])  # the same dQ pass on both sides
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("dkdv", [False, True], ids=["tl-dkdv", "gluon-dkdv"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_mask_with_an_empty_row_and_column(causal, gluon_calls):
+def test_dense_mask_with_an_empty_row_and_column(causal, dkdv, gluon_calls):
     dev = torch.device("cuda")
     q, k, v = make_qkv(1, 64, 16, 1500, 1500, 256, torch.bfloat16, dev)
     mask = torch.rand(1500, 1500, device=dev) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    with use_tuning(d256_config(torch.bfloat16), short_keys=0):
+    cfg = (d256_dkdv_config if dkdv else d256_config)(torch.bfloat16)
+    with use_tuning(cfg, short_keys=0):
         out = mbs_attention(q, k, v, None, None, causal=causal, attn_mask=mask)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     want = mask & torch.ones_like(mask).tril() if causal else mask
     check_outputs(q, k, v, out, grad_out, want.cpu())
-    assert sorted(gluon_calls) == ["dq", "forward"]
+    assert sorted(gluon_calls) == (["dkdv_d256"] if dkdv else []) + ["dq", "forward"]
     assert not out[:, :, 5].any() and not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
+    assert not v.grad[:, :, 7].any()
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_dropout_and_small_grids_run_the_tl_kernels_at_the_gluon_tiles(gluon_calls):
-    """Dropout runs the tl forward and dQ kernels at the candidate tiles (128 rows, 8 warps); a grid too small to
-    fill the GPU splits the forward's key lists (tl) while the dQ pass stays Gluon."""
+@pytest.mark.parametrize("dkdv", [False, True], ids=["tl-dkdv", "gluon-dkdv"])
+def test_dropout_and_small_grids_run_the_tl_kernels_at_the_gluon_tiles(dkdv, gluon_calls):
+    """Dropout runs the tl forward, dQ (and with the Gluon dK/dV pass on, dK/dV) kernels at the candidate tiles
+    (8 warps); a grid too small to fill the GPU splits the forward's key lists (tl) while the backward passes stay
+    Gluon."""
     dev = torch.device("cuda")
     lens = (300, 1000, 777)
-    with use_tuning(d256_config(torch.bfloat16), short_keys=0):
+    with use_tuning((d256_dkdv_config if dkdv else d256_config)(torch.bfloat16), short_keys=0):
         q, k, v = make_qkv(1, 2, 1, 2077, 2077, 256, torch.bfloat16, dev)
         check_against_reference(q, k, v, CYCLIC, lens)  # 17 x 2 programs: split
-        assert gluon_calls == ["dq"]
+        assert sorted(gluon_calls) == (["dkdv_d256"] if dkdv else []) + ["dq"]
         gluon_calls.clear()
         q, k, v = make_qkv(1, 16, 4, 2077, 2077, 256, torch.bfloat16, dev)
         torch.manual_seed(7)
@@ -131,12 +181,34 @@ def test_dropout_and_small_grids_run_the_tl_kernels_at_the_gluon_tiles(gluon_cal
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_default_thresholds_over_4k_keys(gluon_calls):
-    """At the candidate's own thresholds (no short_keys override) 4,100 keys take the Gluon forward and dQ pass."""
+@pytest.mark.parametrize("dkdv", [False, True], ids=["tl-dkdv", "gluon-dkdv"])
+def test_default_thresholds_over_4k_keys(dkdv, gluon_calls):
+    """At the candidate's own thresholds (no short_keys override) 4,100 keys take the Gluon forward and dQ pass (and
+    the Gluon dK/dV pass where it is on), the dQ pass on its side stream beside dK/dV."""
     q, k, v = make_qkv(1, 16, 4, 4100, 4100, 256, torch.bfloat16, torch.device("cuda"))
-    with use_tuning(d256_config(torch.bfloat16)):
+    with use_tuning((d256_dkdv_config if dkdv else d256_config)(torch.bfloat16)):
         check_against_reference(q, k, v, TEXT_IMAGE_TEXT, (1800, 256, 2044))
-    assert sorted(gluon_calls) == ["dq", "forward"]
+    assert sorted(gluon_calls) == (["dkdv_d256"] if dkdv else []) + ["dq", "forward"]
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_gluon_dkdv_is_deterministic_and_one_pass_stays_tl(gluon_calls):
+    """The Gluon dK/dV pass has no atomics: two backwards give the same bits. deterministic=False runs the tl
+    one-pass backward at its own tile (the Gluon dK/dV kernel has no one pass)."""
+    q, k, v = make_qkv(1, 16, 4, 3000, 3000, 256, torch.bfloat16, torch.device("cuda"))
+    grad_out = torch.randn_like(q)
+    kw = dict(topology=TEXT_IMAGE_TEXT, seg_lens=(1200, 256, 1544))
+    with use_tuning(d256_dkdv_config(torch.bfloat16), short_keys=0):
+        first = forward_backward(q, k, v, grad_out, **kw)
+        second = forward_backward(q, k, v, grad_out, **kw)
+        assert gluon_calls.count("dkdv_d256") == 2
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+        gluon_calls.clear()
+        q1, k1, v1 = (t.detach()[:, :, :1500].clone().requires_grad_() for t in (q, k, v))
+        check_against_reference(q1, k1, v1, TEXT_IMAGE_TEXT, (600, 256, 644), deterministic=False)
+    assert "dkdv_d256" not in gluon_calls
 
 
 def test_candidate_config_runs_gluon_forward_and_dq_only():
@@ -164,8 +236,56 @@ def test_candidate_config_runs_gluon_forward_and_dq_only():
             assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
     fp32 = cuda_kernel_config(256, torch.float32, HOPPER, gluon=True, gluon_d256=True)
     assert not (fp32.fwd.gluon or fp32.bwd_dq.gluon or fp32.bwd_dkdv.gluon)
-    for kind, tile in GLUON_D256.items():
+    for kind in ("fwd", "dq"):
+        tile = GLUON_D256[kind]
         assert tile.block_m == 128 and tile.gluon and gluon_tile_problem(kind, tile, 256) is None
+
+
+def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
+    """``gluon_d256_dkdv=True`` (off by default: GLUON_D256_DKDV_ENABLED) gives the dK/dV pass its Gluon kernel at
+    GLUON_D256["dkdv"] where the D=256 candidates apply, the tl one-pass backward its own tile, dropout the tl dK/dV
+    kernel at the Gluon tile; nothing changes at D=128, without gluon_d256, or in float32."""
+    cuda = torch.device("cuda")  # planned, not run
+    assert not GLUON_D256_DKDV_ENABLED
+    assert not cuda_kernel_config(256, torch.bfloat16).bwd_dkdv.gluon  # the default
+    assert cuda_kernel_config(256, torch.bfloat16, HOPPER, gluon=True, gluon_d256=False,
+                              gluon_d256_dkdv=True).bwd_dkdv == TL_DKDV_D256
+    assert not cuda_kernel_config(256, torch.float32, HOPPER, gluon=True, gluon_d256=True,
+                                  gluon_d256_dkdv=True).bwd_dkdv.gluon
+    d128 = [cuda_kernel_config(128, torch.bfloat16, HOPPER, gluon=True, gluon_d256_dkdv=on) for on in (False, True)]
+    assert d128[0] == d128[1]
+    tile = GLUON_D256["dkdv"]
+    assert (tile.block_m, tile.block_n, tile.gluon_stages, tile.pingpong) == (64, 64, 2, False)
+    for head_dim in (136, 192, 256):
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=True)
+            assert cfg.bwd_dkdv == tile and cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
+            assert cfg.gluon_one_pass is None and cfg.one_pass_tile() == TL_DKDV_D256
+            long = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132)
+            assert long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+            assert long.dkdv.tile == tile and (64, 64, True) in long.list_tiles()
+            long.check_head_dim(head_dim, 2)
+            one_pass = plan_attention(cfg, 1, 16, 4, 1500, 1500, cuda, sms=132, deterministic=False)
+            assert one_pass.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
+            assert one_pass.dkdv.tile == TL_DKDV_D256
+            one_pass.check_head_dim(head_dim, 2)
+            dropout = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132, dropout=True)
+            assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"} and dropout.dkdv.tile == tile
+
+
+def test_dkdv_tiles_are_checked_against_the_head_dim():
+    """Each Gluon dK/dV kernel runs its own tiles only: 128 keys up to D=128 (with a one pass), 64 keys and 64 query
+    rows a step or more past it (no one pass, 2 stages of Q and dO within a CTA's shared memory at D=256)."""
+    tile = GLUON_D256["dkdv"]
+    assert gluon_tile_problem("dkdv", tile, 256) is None
+    assert gluon_tile_problem("dkdv", tile, 256, one_pass=True) is not None  # no one-pass variant
+    assert gluon_tile_problem("dkdv", tile, 128) is not None  # the D <= 128 kernel takes 128 keys
+    assert gluon_tile_problem("dkdv", tile, 256, itemsize=4) is not None  # float32: twice the shared memory
+    assert gluon_tile_problem("dkdv", replace(tile, gluon_stages=3), 256) is not None  # shared memory
+    assert gluon_tile_problem("dkdv", replace(tile, block_m=128), 256) is not None
+    assert gluon_tile_problem("dkdv", replace(tile, block_m=32), 256) is not None  # S^T is one m64 wgmma
+    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=4), 128, one_pass=True) is None
+    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=3), 256, one_pass=True) is not None
 
 
 def test_tiles_a_head_dim_cannot_run_are_refused(device):
@@ -182,3 +302,35 @@ def test_tiles_a_head_dim_cannot_run_are_refused(device):
     assert d128.bwd_dkdv.gluon
     with use_tuning(d128), pytest.raises(ValueError, match="mmsparse: the Gluon (dq|dK/dV) kernel"):
         mbs_attention(q, k, v, HUB, (9, 30, 21))
+
+
+def test_backward_dispatches_the_d256_dkdv_launcher(monkeypatch, device):
+    """A plan whose dK/dV pass is the D=256 Gluon tile calls ``run_dkdv_d256`` with that tile and the lists built
+    for it (recorded here instead of run: anywhere, through the interpreter on a CPU), never the D <= 128
+    launcher; an error inside it reaches the caller."""
+    from mmsparse.attention import gluon_launch
+    from mmsparse.attention.config import kernel_config
+
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args[7], args[12]))  # the mask arguments of the tile's lists, the tile
+        raise RuntimeError("recorded, not run")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the D <= 128 dK/dV launcher was called at D=256")
+
+    monkeypatch.setattr(gluon_launch, "run_dkdv_d256", record)
+    monkeypatch.setattr(gluon_launch, "run_dkdv", refuse)
+    tile = GLUON_D256["dkdv"]
+    cfg = replace(kernel_config(256, torch.bfloat16, device), bwd_dkdv=tile)
+    q, k, v = make_qkv(1, 2, 1, 150, 150, 256, torch.bfloat16, device)
+    with use_tuning(cfg):
+        out = mbs_attention(q, k, v, CYCLIC, (40, 70, 40))
+        with pytest.raises(RuntimeError, match="recorded, not run"):
+            out.sum().backward()
+    (mask, planned), = calls
+    assert planned == tile
+    mask_tensors, mask_scalars = mask
+    counts = mask_tensors[3]  # COUNTS: each key block's (full, partial, start): 150 keys, 3 blocks of 64
+    assert counts.reshape(counts.shape[0], -1, 3).shape[1] == 3

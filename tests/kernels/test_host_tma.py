@@ -142,3 +142,52 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             run(q, k, v, q.clone(), rows, rows, outputs, lists, *mask, 1.0, 1.0, replace(tile, pingpong=True))
         assert not launched
 
+
+
+def test_d256_dkdv_launcher_passes_what_the_kernel_takes(monkeypatch):
+    """The D=256 dK/dV launcher (``run_dkdv_d256``), its launch recorded: every kernel parameter given, Q and dO as
+    descriptors of block_m-row boxes, K, V, dK and dV of 64-key boxes, all 256 wide (a head dim of 192 padded);
+    tiles of another block or with ping-pong refused."""
+    from dataclasses import replace
+
+    from mmsparse.attention import gluon_launch
+    from mmsparse.attention.config import GLUON_D256
+    from mmsparse.attention.kernel_args import kernel_args
+    from mmsparse.mask.build import build_mask_info
+
+    launched = {}
+    params = list(gluon_launch._DKDV_D256.fn.arg_names)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                given = params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
+                assert sorted(given) == sorted(params)
+                launched.update(dict(zip(params, args)) | kwargs, grid=grid)
+
+            return launch
+
+    monkeypatch.setattr(gluon_launch, "_DKDV_D256", Recorder())
+    batch, heads, kv_heads, seq, head_dim = 2, 4, 1, 300, 192
+    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    info = build_mask_info([[1, 1], [0, 1]], (100, 200), seq, seq, True, torch.device("cpu"))
+    tile = GLUON_D256["dkdv"]
+    args = kernel_args(info.prepare([(tile.block_m, tile.block_n, True)]))
+    lists = args.tile(tile.block_m, tile.block_n, True)
+    rows = torch.zeros(batch, heads, seq)
+    outputs = (torch.empty_like(k), torch.empty_like(v))
+    gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, outputs, lists, info.mode, info.causal, 1.0, 1.0, tile)
+    assert {n: launched[n].block_shape for n in ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc")} == {
+        "q_desc": [1, 1, tile.block_m, 256], "do_desc": [1, 1, tile.block_m, 256],
+        **{n: [1, 1, 64, 256] for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")}}
+    assert launched["dk_desc"].base is outputs[0] and launched["dv_desc"].base is outputs[1]
+    assert (launched["STAGES"], launched["BM"], launched["HEAD_DIM_PAD"], launched["GROUP"]) == (2, 64, 256, 4)
+    assert launched["IS_CAUSAL"] and launched["grid"] == (5, batch * kv_heads)  # 300 keys: 5 blocks of 64
+    with pytest.raises(ValueError, match="blocks have 64 rows, the planned tile 128"):
+        gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, outputs, lists, info.mode, info.causal, 1.0, 1.0,
+                                   replace(tile, block_n=128))
+    with pytest.raises(ValueError, match="Tile.pingpong is the Gluon forward's"):
+        gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, outputs, lists, info.mode, info.causal, 1.0, 1.0,
+                                   replace(tile, pingpong=True))

@@ -9,14 +9,17 @@ from mmsparse.attention.config import GLUON_D256, HOPPER
 from tools import d256_probe
 
 
-def test_settings_put_tl_first_then_the_candidate():
+def test_settings_put_tl_first_then_the_candidates():
     plain = d256_probe.settings(HOPPER, sweep=False)
-    assert list(plain) == ["tl", "gluon"]
+    assert list(plain) == ["tl", "gluon", "gluon dkdv"]
     assert not (plain["tl"].fwd.gluon or plain["tl"].bwd_dq.gluon or plain["tl"].bwd_dkdv.gluon)
-    assert plain["gluon"].fwd == GLUON_D256["fwd"] and plain["gluon"].bwd_dq == GLUON_D256["dq"]
+    for label in ("gluon", "gluon dkdv"):
+        assert plain[label].fwd == GLUON_D256["fwd"] and plain[label].bwd_dq == GLUON_D256["dq"]
+    assert not plain["gluon"].bwd_dkdv.gluon and plain["gluon dkdv"].bwd_dkdv == GLUON_D256["dkdv"]
     swept = d256_probe.settings(HOPPER, sweep=True)
-    assert list(swept)[:2] == ["tl", "gluon"] and len(swept) == 2 + len(d256_probe.SWEEP_FWD) + len(d256_probe.SWEEP_DQ)
-    assert all(cfg.bwd_dkdv == plain["gluon"].bwd_dkdv for cfg in swept.values())  # dK/dV stays tl
+    assert list(swept)[:3] == list(plain)
+    assert len(swept) == 3 + len(d256_probe.SWEEP_FWD) + len(d256_probe.SWEEP_DQ)
+    assert all(cfg.bwd_dkdv == plain["gluon"].bwd_dkdv for label, cfg in swept.items() if label != "gluon dkdv")
 
 
 def test_mask_is_gemma3_like_at_16k():

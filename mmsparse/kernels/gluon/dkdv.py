@@ -37,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from ..rules import allowed_pairs
 from .common import (
     WORKER_REGS,
     WORKER_WARPS,
@@ -45,6 +44,7 @@ from .common import (
     invalidate_ring,
     load_resident_halves,
     program_lists,
+    scores_init,
     thread_barrier,
     tma_load,
     tma_store,
@@ -99,37 +99,6 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
         tma_store(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
         tma_store(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
     tma.store_wait(0)
-
-
-@gluon.jit
-def _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, MASK_MODE: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    """The exact token mask of one partial [keys, queries] tile (:func:`mmsparse.kernels.rules.allowed_pairs`)
-    as the initial value of S^T: 0 where allowed, -inf elsewhere (p = exp2(-inf) = 0). The bits of keys and
-    queries past the end are 0."""
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-    offs_m = rows_s.load(cols)
-    q_bits = offs_m  # a stand-in: a dense mask reads no bits
-    if MASK_MODE != _MASK_DENSE:
-        q_bits = qbits_s.load(cols)
-    allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
-                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
-                            MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-    return gl.where(allowed, 0.0, float("-inf"))
-
-
-@gluon.jit
-def _scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero, MASK_MODE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    """The accumulator S^T = K Q^T is issued onto: the mask bias in the partial blocks (it >= n_full), nothing in
-    the full ones: ``(initial value, use_acc)``. Built before the matmuls are issued, while only dK and dV hold
-    registers: as a where() on P^T it spilled at D=128, BM=64."""
-    cols: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
-    partial = it >= n_full
-    st0 = st_zero
-    if partial:
-        st0 = _mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-    return st0, partial
 
 
 @gluon.jit
@@ -231,7 +200,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     if total > 0:
         # Step 0: no dK of a previous step to issue.
         mbarrier.wait(ready.index(0), 0)
-        st0, partial = _scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
+        st0, partial = scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
                                     st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         do_s = do_smem.index(0)
         st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
@@ -259,7 +228,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
                 prev = (i - 1) % STAGES
             it = i % n_total
             mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
-            st0, partial = _scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
+            st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             do_s = do_smem.index(stage)
             st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
