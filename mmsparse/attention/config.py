@@ -509,9 +509,9 @@ GLUON_ONE_PASS_BULK = {
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
 # num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists.
 # - dK/dV (kernels/gluon/dkdv_d256.py, behind GLUON_D256_DKDV_ENABLED until timed on a GPU): the D <= 128 kernel's
-#   two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys and
-#   each warpgroup half of the head dim (2 x 64 x 128 fp32); 64 query rows a step, 2 stages of Q and dO (128 KB)
-#   beside K and V (64 KB) and the P^T / dS^T hand-over tiles (24 KB). With dropout the tl dK/dV kernel runs it (8
+#   two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys, one
+#   warpgroup their dV and the other their dK (64 x 256 fp32 each); 64 query rows a step, 2 stages of Q and dO
+#   (128 KB) beside K and V (64 KB) and the P^T hand-over tile (16 KB). With dropout the tl dK/dV kernel runs it (8
 #   warps: its dK and dV take 128 registers a thread there).
 GLUON_D256_HEAD_DIM = 256
 GLUON_D256 = {
@@ -532,11 +532,11 @@ GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's
 
 def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsize: int = 2) -> int:
     """The shared memory of the D=256 Gluon dK/dV kernel's tiles at ``tile``: K and V of its 64 keys, the stages of
-    Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and the hand-over tiles (P^T in
-    float32, dS^T in the input dtype)."""
+    Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and the P^T tile (float32)
+    one consumer warpgroup hands the other."""
     keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
     stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
-    return 2 * keys * row_bytes + stages + keys * rows * (4 + itemsize)
+    return 2 * keys * row_bytes + stages + keys * rows * 4
 
 
 def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str | None:
