@@ -15,6 +15,9 @@
   - ``dense_flash``: SDPA's FlashAttention-2 backend with no mask (``is_causal`` on configs with causal pairs,
     ``cfg.dense_causal``; never a window): the cost of ignoring the sparsity. A speed reference only: it computes
     another mask.
+  - ``fa4_dense``: FlashAttention-4's own kernel (``flash_attn.cute.flash_attn_func``, Hopper; not in the default
+    list) with no mask, causal as ``dense_flash``: the fastest dense kernel there is, the bar for a config that is
+    one causal segment (``dense_causal_d256``), a speed reference elsewhere.
 
 Each ``setup_*`` returns an :class:`Impl` (the call plus the cost of its mask state) or raises :class:`Skip`.
 """
@@ -43,8 +46,9 @@ from .flex_mask import flex_mask_mod, packed_ids, segment_ids
 from .impl import Impl, TensorFn
 from .timing import Timing
 
-IMPLS = ("mmsparse", "mmsparse_nondet", "flex", "flex_flash", "sdpa_mask", "dense_flash")
-DEFAULT_IMPLS = tuple(n for n in IMPLS if n != "mmsparse_nondet")  # the opt-in backward only when asked for
+IMPLS = ("mmsparse", "mmsparse_nondet", "flex", "flex_flash", "sdpa_mask", "dense_flash", "fa4_dense")
+# The opt-in backward, and FlashAttention-4's dense kernel (its own install), only when asked for
+DEFAULT_IMPLS = tuple(n for n in IMPLS if n not in ("mmsparse_nondet", "fa4_dense"))
 # Left out of a CPU run's default list, with why: they cannot be timed there (named in --impls they still run, and
 # flex then checks its forward's mask).
 NOT_ON_CPU = {"flex": "FlexAttention has no backward on a CPU", "flex_flash": "its FLASH backend needs a Hopper GPU"}
@@ -384,6 +388,33 @@ def setup_dense_flash(case: Case, timing: Timing) -> Impl:
     return Impl(fn, reference="dense", info={"backend": label + (" (is_causal)" if causal else "")})
 
 
+def fa4_unavailable(device: torch.device) -> str | None:
+    """Why FlashAttention-4's dense kernel cannot run here, or None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != FLASH_ARCH:
+        return f"FlashAttention-4's kernels here are Hopper's (sm_90): not {device} ({FLASH_SETUP_HINT})"
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as e:
+        return f"flash_attn.cute not importable ({short_error(e, 120)}; {FLASH_SETUP_HINT})"
+    return None
+
+
+def setup_fa4_dense(case: Case, timing: Timing) -> Impl:
+    reason = fa4_unavailable(case.device)
+    if reason is not None:
+        raise Skip(reason)
+    from flash_attn.cute import flash_attn_func
+
+    causal = case.cfg.dense_causal
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # FlashAttention takes [B, S, H, D]: the transposed views, as a model holding that layout passes them
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return Impl(fn, reference="dense", info={"backend": "flash_attn.cute" + (" (causal)" if causal else "")})
+
+
 SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {
     "mmsparse": setup_mmsparse,
     "mmsparse_nondet": setup_mmsparse_nondet,
@@ -391,4 +422,5 @@ SETUPS: dict[str, Callable[[Case, Timing], Impl]] = {
     "flex_flash": setup_flex_flash,
     "sdpa_mask": setup_sdpa_mask,
     "dense_flash": setup_dense_flash,
+    "fa4_dense": setup_fa4_dense,
 }

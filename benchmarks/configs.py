@@ -336,6 +336,11 @@ MASK_CONFIGS: dict[str, BenchConfig] = {
         # the transfusion mask (text causal, each image bidirectional and seeing everything before it) under a
         # 4096-token sliding window, as Gemma 3's sliding layers compose it: 65 segments
         BenchConfig("vlm32k_window4k", 2, 16, 8, 128, *_VLM_32K, window=4096, tags=("masks",)),
+        # Gemma 3's head dim: the same sequence at Gemma-3-4B-like heads, whole and under Gemma 3 4B's 1024 window
+        BenchConfig("vlm32k_d256", 1, 8, 4, 256, *_VLM_32K, tags=("masks",)),
+        BenchConfig("vlm32k_d256_window1k", 1, 8, 4, 256, *_VLM_32K, window=1024, tags=("masks",)),
+        # one causal segment: the row where FlashAttention-4's dense kernel (fa4_dense) runs the same mask
+        BenchConfig("dense_causal_d256", 1, 16, 4, 256, (16384,), ((CAUSAL,),), tags=("masks",)),
     )
 }
 

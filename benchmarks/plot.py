@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-IMPL_ORDER = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash")
+IMPL_ORDER = ("mmsparse", "flex", "flex_flash", "sdpa_mask", "dense_flash", "fa4_dense")
 COLORS = {"mmsparse": "#d62728", "flex": "#1f77b4", "flex_flash": "#9467bd", "sdpa_mask": "#7f7f7f",
-          "dense_flash": "#2ca02c"}
+          "dense_flash": "#2ca02c", "fa4_dense": "#8c564b"}
 PANELS = (  # (row key, title, log scale)
     ("fwd_ms", "forward time (ms, lower is better)", True),
     ("bwd_ms", "backward time (ms, lower is better)", True),
