@@ -6,13 +6,14 @@ before it: ``benchmarks.configs.transfusion_layout``), B 1, Hq 16, Hkv 4, D 256,
     python -m tools.d256_probe              # tl, gluon (fwd + dq), gluon dkdv (fwd + dq + dkdv), 3 rounds (< 3 min)
     python -m tools.d256_probe --sweep                # also other Gluon tiles of the forward and the dQ pass
     python -m tools.d256_probe --rounds 5 --out benchmarks/results/h200
+    python -m tools.d256_probe --dropout 0.1          # with attention dropout (the tl kernels at these tiles)
 
 Each setting's forward (autograd on, as in training) and forward + backward are timed by triton.testing.do_bench
 (median), the settings in turn within each round, the order alternating; the backward is their difference. TF/s
 count live pairs (4 Hq D flops per pair forward, 2.5 times that backward), as the benchmark does. Before timing,
 each setting's output and gradients are compared with the tl setting's and with a float32 reference on sampled
-rows of one GQA group (``mmsparse.reference.reference_group_rows``); an error past MAX_ERROR makes the exit status
-1. The table comes last; ``--out`` also writes ``d256_probe.{json,md}`` with the GPU, versions and commit.
+rows of one GQA group (``mmsparse.reference.reference_group_rows``; with ``--dropout`` only with the tl setting's,
+the same dropout seeds for each); an error past MAX_ERROR makes the exit status 1. The table comes last; ``--out`` also writes ``d256_probe.{json,md}`` with the GPU, versions and commit.
 """
 
 from __future__ import annotations
@@ -100,31 +101,42 @@ def reference_errors(cfg: BenchConfig, q, k, v, dout, results: dict[str, list[to
     return errors
 
 
+def _dropout_fn(cfg: BenchConfig, dropout_p: float) -> Any:
+    """``mbs_attention`` on ``cfg`` with attention dropout ``dropout_p`` (its seed drawn from torch's generator)."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mmsparse.mbs_attention(q, k, v, cfg.topology, cfg.seg_lens, causal=cfg.causal, dropout_p=dropout_p)
+
+    return fn
+
+
 def run(rounds: int, variants: dict[str, KernelConfig], cfg: BenchConfig = GEMMA3_16K,
-        device: torch.device | None = None, bench: Any = None) -> dict[str, Any]:
+        device: torch.device | None = None, bench: Any = None, dropout_p: float = 0.0) -> dict[str, Any]:
     """The record of :func:`main`: ``variants`` (label -> config, the first the reference) on ``cfg``'s bf16 inputs
-    on ``device`` (None: the current GPU), timed by ``bench`` (None: ``triton.testing.do_bench``; its keywords)."""
+    on ``device`` (None: the current GPU), timed by ``bench`` (None: ``triton.testing.do_bench``; its keywords),
+    with attention dropout ``dropout_p`` (then checked against the first setting only: the float32 reference has
+    none)."""
     if bench is None:
         from triton.testing import do_bench as bench
 
     device = torch.device("cuda") if device is None else device
     q, k, v, dout = make_inputs(cfg, device)
-    fn = mmsparse_fn(cfg, device)
+    fn = _dropout_fn(cfg, dropout_p) if dropout_p > 0 else mmsparse_fn(cfg, device)
     results, kernels = {}, {}
     for label, kc in variants.items():  # compiles each setting's kernels before any timing
         q.grad = k.grad = v.grad = None
+        torch.manual_seed(0)  # the same dropout seed for every setting
         with mmsparse.tuning.use_tuning(kc):
             out = fn(q, k, v)
             out.backward(dout)
         results[label] = [out.detach(), q.grad, k.grad, v.grad]
         kernels[label] = plan_attention(kc, cfg.batch, cfg.heads_q, cfg.heads_kv, cfg.seq_k, cfg.seq_k,
-                                        device).kernels()
+                                        device, dropout=dropout_p > 0).kernels()
     q.grad = k.grad = v.grad = None
     first = next(iter(variants))
     agree = {label: {name: _relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), res,
                                                                        results[first])}
              for label, res in results.items()}
-    errors = reference_errors(cfg, q, k, v, dout, results)
+    errors = {label: {} for label in results} if dropout_p > 0 else reference_errors(cfg, q, k, v, dout, results)
     del results
 
     times: dict[str, dict[str, list[float]]] = {label: {"fwd": [], "fwdbwd": []} for label in variants}
@@ -152,12 +164,18 @@ def run(rounds: int, variants: dict[str, KernelConfig], cfg: BenchConfig = GEMMA
             "dkdv_tile": str(variants[label].bwd_dkdv),
         }
     return {"config": cfg.describe(), "live_pairs": cfg.live_pairs, "rounds": rounds, "reference": first,
+            "dropout_p": dropout_p,
             "rows": rows, "versions": versions(device), "commit": git_commit()}
+
+
+def _dropout_words(record: dict[str, Any]) -> str:
+    p = record.get("dropout_p", 0.0)
+    return f", attention dropout {p} (no float32 check)" if p else ""
 
 
 def markdown(record: dict[str, Any]) -> str:
     lines = [f"{record['versions']}, commit {record['commit']}", "",
-             f"{record['config']}; do_bench medians over {record['rounds']} interleaved rounds; TF/s of live pairs; "
+             f"{record['config']}{_dropout_words(record)}; do_bench medians over {record['rounds']} interleaved rounds; TF/s of live pairs; "
              f"speedup: the median of the per-round ratios to `{record['reference']}`; err: max |diff| / max |ref| "
              "of out, dq, dk, dv against the tl setting and against a float32 reference (sampled rows)", "",
              "| setting | fwd / dq / dkdv | fwd ms | fwd TF/s | fwd speedup | bwd ms | bwd TF/s | bwd speedup | "
@@ -179,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     ap.add_argument("--sweep", action="store_true", help="also time other Gluon tiles of the forward and dQ pass")
-    ap.add_argument("--out", type=Path, help="folder for d256_probe.{json,md}")
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability (default 0)")
+    ap.add_argument("--out", type=Path, help="folder for d256_probe.{json,md} (d256_probe_dropout.* with --dropout)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tools.d256_probe times the Gluon kernels at D=256: it needs a CUDA GPU (a Hopper: H100, H200)")
@@ -188,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tools.d256_probe times the Gluon kernels at D=256: it needs a Hopper GPU (H100, H200) and Triton's "
               "Gluon API")
         return 2
-    record = run(args.rounds, settings(torch.cuda.get_device_capability(0), args.sweep))
+    record = run(args.rounds, settings(torch.cuda.get_device_capability(0), args.sweep), dropout_p=args.dropout)
     for label, row in record["rows"].items():
         print(f"{label}: fwd {row['fwd_tile']}, dq {row['dq_tile']}, dkdv {row['dkdv_tile']}")
     off = [f"{label} {check} {name} {err:.2g}" for label, row in record["rows"].items()
@@ -196,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"errors over {MAX_ERROR}: {', '.join(off)}" if off else f"every error is within {MAX_ERROR}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "d256_probe.json").write_text(json.dumps(record, indent=1))
-        (args.out / "d256_probe.md").write_text(markdown(record))
+        name = "d256_probe_dropout" if args.dropout else "d256_probe"
+        (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
+        (args.out / f"{name}.md").write_text(markdown(record))
     print(markdown(record))
     return 1 if off else 0
 

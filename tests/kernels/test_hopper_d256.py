@@ -1,6 +1,6 @@
 """The Gluon forward and dQ pass at head dims 129-256 (``config.GLUON_D256``), beside
-the tl dK/dV pass, and with the Gluon dK/dV pass of those head dims (``kernels/gluon/dkdv_d256.py``, off by default:
-``cuda_kernel_config(..., gluon_d256_dkdv=True)``): output and all three gradients against the float64 reference, dK
+the tl dK/dV pass (``cuda_kernel_config(..., gluon_d256_dkdv=False)``), and with the Gluon dK/dV pass of those head
+dims (``kernels/gluon/dkdv_d256.py``, the default): output and all three gradients against the float64 reference, dK
 and dV against the tl dK/dV pass's, and which kernel ran each pass.
 
 The kernels need an sm_90 GPU (``hopper``); the config's choices and the refusal of tiles a head dim cannot run are
@@ -213,15 +213,15 @@ def test_gluon_dkdv_is_deterministic_and_one_pass_stays_tl(gluon_calls):
 
 def test_candidate_config_runs_gluon_forward_and_dq_only():
     """Where the candidate applies (half precision, head dims 129-256), which kernel and tile each pass gets: the
-    Gluon forward over SHORT_KEYS keys or more (the tl tile below), the Gluon dQ pass at every length, the tl dK/dV
-    pass and tl one-pass backwards; the default table is it; float32 never runs Gluon."""
+    Gluon forward over SHORT_KEYS keys or more (the tl tile below), the Gluon dQ pass at every length, with
+    ``gluon_d256_dkdv=False`` the tl dK/dV pass, and tl one-pass backwards; float32 never runs Gluon."""
     cuda = torch.device("cuda")  # planned, not run: no device is asked for
     tl_only = cuda_kernel_config(256, torch.bfloat16, HOPPER, gluon=True, gluon_d256=False)
     assert not (tl_only.fwd.gluon or tl_only.bwd_dq.gluon or tl_only.bwd_dkdv.gluon)
     assert cuda_kernel_config(256, torch.bfloat16).fwd.gluon == GLUON_D256_ENABLED
     for head_dim in (136, 192, 256):
         for dtype in (torch.bfloat16, torch.float16):
-            cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True)
+            cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=False)
             assert cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
             assert cfg.bwd_dkdv == TL_DKDV_D256 and cfg.gluon_one_pass is None and cfg.one_pass_tile() == TL_DKDV_D256
             assert not cfg.fwd_short.gluon and cfg.bwd_dq_short is None and cfg.fwd_short_samples is None
@@ -242,12 +242,13 @@ def test_candidate_config_runs_gluon_forward_and_dq_only():
 
 
 def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
-    """``gluon_d256_dkdv=True`` (off by default: GLUON_D256_DKDV_ENABLED) gives the dK/dV pass its Gluon kernel at
+    """``gluon_d256_dkdv=True`` (the default: GLUON_D256_DKDV_ENABLED) gives the dK/dV pass its Gluon kernel at
     GLUON_D256["dkdv"] where the D=256 candidates apply, the tl one-pass backward its own tile, dropout the tl dK/dV
-    kernel at the Gluon tile; nothing changes at D=128, without gluon_d256, or in float32."""
+    kernel at the Gluon tile; nothing changes at D=128, without gluon_d256, or in float32; False gives the tl pass."""
     cuda = torch.device("cuda")  # planned, not run
-    assert not GLUON_D256_DKDV_ENABLED
-    assert not cuda_kernel_config(256, torch.bfloat16).bwd_dkdv.gluon  # the default
+    assert GLUON_D256_DKDV_ENABLED
+    assert cuda_kernel_config(256, torch.bfloat16) == cuda_kernel_config(256, torch.bfloat16, gluon_d256_dkdv=True)
+    assert cuda_kernel_config(256, torch.bfloat16, gluon_d256_dkdv=False).bwd_dkdv == TL_DKDV_D256
     assert cuda_kernel_config(256, torch.bfloat16, HOPPER, gluon=True, gluon_d256=False,
                               gluon_d256_dkdv=True).bwd_dkdv == TL_DKDV_D256
     assert not cuda_kernel_config(256, torch.float32, HOPPER, gluon=True, gluon_d256=True,

@@ -150,6 +150,31 @@ def test_batch_past_2_31(dialect, per_sample):
     _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(CYCLIC, rows[b], seq, seq, False), gen)
 
 
+# A Gemma-3-like sample: text causal over everything before it, each image whole and seeing everything before it
+GEMMA_LIKE = [[2, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 2, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 2]]
+
+
+def test_head_dim_256_batch_past_2_31(dialect):
+    """Gemma's head dim (the Gluon forward, dQ and dK/dV kernels of head dims 129-256): B * H * S * D = 2.23e9 for q,
+    k and v alike (MHA), per-sample lengths, as [B, S, H, D] views (row * stride_row wraps)."""
+    gen = torch.Generator(device="cuda").manual_seed(20)
+    lens = [(9000, 4096, 12000, 4096, 4808)] * 31 + [(6000, 4096, 9000, 8192, 6712)]
+    seq, batch, heads = sum(lens[0]), len(lens), 8
+
+    def make():
+        return _randn(batch, seq, heads, 256, gen=gen).transpose(1, 2)
+
+    q, k, v = make(), make(), make()
+    do = _randn(batch, heads, seq, 256, gen=gen)
+    assert q.numel() > TWO31 and k.numel() > TWO31
+    out, grads = _run(q, k, v, do, topology=GEMMA_LIKE, seg_lens=lens)
+    out1, grads1 = _run(q[-1:], k[-1:], v[-1:], do[-1:], topology=GEMMA_LIKE, seg_lens=lens[-1:])
+    _assert_bit_equal("out", out[-1:], out1)
+    for name, g, g1 in zip(("dq", "dk", "dv"), grads, grads1):
+        _assert_bit_equal(name, g[-1:], g1)
+    _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(GEMMA_LIKE, lens[b], seq, seq, False), gen)
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_one_sample_past_2_31(dialect, layout):
     """One sample with H * S * D = 2.46e9, contiguous (h * stride_h wraps) and as a [B, S, H, D] view (row *

@@ -245,6 +245,16 @@ GROUPS: dict[str, Group] = {
             SanCase("gluon-dense-causal-d64", dense=0.5, lens=(200,), causal=True, dtype="fp16", fill_grid=True,
                     expect=_GLUON_ALL),
         ), hopper=True),
+    "gluon-d256": Group(
+        "Gluon Hopper kernels of head dims 129-256 (the dK/dV pass's warpgroups hand P^T over in shared memory): "
+        "pair types 0/1/2 with per-sample lengths and GQA, D 256 and 192, a dense mask", "gluon", (
+            SanCase("gluon-d256-codes-per-sample", TRANSFUSION5, [(90, 64, 130, 64, 70), (40, 0, 200, 64, 3)],
+                    batch=2, heads=4, kv_heads=2, head_dim=256, fill_grid=True, expect=_GLUON_ALL),
+            SanCase("gluon-d192-bits-causal", HUB, (100, 37, 163), causal=True, heads=2, kv_heads=2, head_dim=192,
+                    dtype="fp16", fill_grid=True, expect=_GLUON_ALL),
+            SanCase("gluon-d256-dense", dense=0.3, lens=(300,), heads=2, kv_heads=1, head_dim=256, fill_grid=True,
+                    expect=_GLUON_ALL),
+        ), hopper=True),
 }
 
 # racecheck and synccheck: the Gluon kernels (TMA, mbarriers, warp specialisation) and one tl case.
@@ -253,6 +263,7 @@ SUBSET = {
     "gluon-bits": ("gluon-bits-causal-d128", "gluon-bits-per-sample-d64"),
     "gluon-codes": ("gluon-codes-types",),
     "gluon-dense": ("gluon-dense",),
+    "gluon-d256": ("gluon-d256-codes-per-sample",),
 }
 TOOL_GROUPS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "memcheck": dict.fromkeys(GROUPS),  # None: every case

@@ -157,7 +157,8 @@ def test_case_lists(capsys):
         for group, only in groups.items():
             assert sanitize.selected_cases(group, only), (tool, group)
     assert set(sanitize.TOOL_GROUPS["memcheck"]) == set(sanitize.GROUPS)
-    assert {g for g in sanitize.SUBSET if sanitize.GROUPS[g].hopper} == {"gluon-bits", "gluon-codes", "gluon-dense"}
+    assert {g for g in sanitize.SUBSET if sanitize.GROUPS[g].hopper} == {"gluon-bits", "gluon-codes", "gluon-dense",
+                                                                         "gluon-d256"}
     cases = [c for g in sanitize.GROUPS.values() for c in g.cases]
     assert any(c.dropout for c in cases) and any(c.dense for c in cases) and any(c.packed for c in cases)
     assert any(c.layout == "thd" for c in cases) and any(c.q_start for c in cases)
@@ -278,7 +279,8 @@ def test_driver_with_a_stand_in_sanitizer(monkeypatch, tmp_path, capsys):
     assert status == {("memcheck", "tl-bits"): "clean", ("memcheck", "tl-codes"): "clean",
                       ("memcheck", "tl-dense"): "errors", ("memcheck", "tl-dropout"): "no summary",
                       ("memcheck", "builders"): "clean", ("memcheck", "gluon-bits"): "skipped",
-                      ("memcheck", "gluon-codes"): "skipped", ("memcheck", "gluon-dense"): "skipped"}
+                      ("memcheck", "gluon-codes"): "skipped", ("memcheck", "gluon-dense"): "skipped",
+                      ("memcheck", "gluon-d256"): "skipped"}
     dense = next(r for r in record["runs"] if r["group"] == "tl-dense")
     assert dense["errors"] == 1 and dense["report"][0] == "========= Invalid __global__ read of size 4 bytes"
     assert dense["cases"]["failed"] == {"dense-gqa": "RuntimeError: CUDA error: unspecified launch failure"}

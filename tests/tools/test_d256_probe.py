@@ -53,6 +53,11 @@ def test_run_compares_and_times_every_setting(device):
     assert record["rows"]["a"]["fwd_speedup"] == 1.0
     assert "| a |" in d256_probe.markdown(record)
 
+    dropped = d256_probe.run(1, variants, cfg, device, bench, dropout_p=0.25)  # the same seed for both settings
+    assert dropped["dropout_p"] == 0.25 and "attention dropout 0.25" in d256_probe.markdown(dropped)
+    assert max(dropped["rows"]["b"]["vs_tl"].values()) < 2e-2 and dropped["rows"]["b"]["vs_float32"] == {}
+    assert max(dropped["rows"]["a"]["vs_tl"].values()) == 0.0
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
 def test_without_a_gpu_it_says_so_in_one_line(capsys):
