@@ -13,7 +13,8 @@ Each setting's forward (autograd on, as in training) and forward + backward are 
 count live pairs (4 Hq D flops per pair forward, 2.5 times that backward), as the benchmark does. Before timing,
 each setting's output and gradients are compared with the tl setting's and with a float32 reference on sampled
 rows of one GQA group (``mmsparse.reference.reference_group_rows``; with ``--dropout`` only with the tl setting's,
-the same dropout seeds for each); an error past MAX_ERROR makes the exit status 1. The table comes last; ``--out`` also writes ``d256_probe.{json,md}`` with the GPU, versions and commit.
+the same dropout seeds for each); an error past MAX_ERROR makes the exit status 1. The table comes last; ``--out``
+also writes ``d256_probe.{json,md}`` with the GPU, versions and commit.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def _dropout_words(record: dict[str, Any]) -> str:
 
 def markdown(record: dict[str, Any]) -> str:
     lines = [f"{record['versions']}, commit {record['commit']}", "",
-             f"{record['config']}{_dropout_words(record)}; do_bench medians over {record['rounds']} interleaved rounds; TF/s of live pairs; "
+             f"{record['config']}{_dropout_words(record)}; do_bench medians over {record['rounds']} interleaved "
+             "rounds; TF/s of live pairs; "
              f"speedup: the median of the per-round ratios to `{record['reference']}`; err: max |diff| / max |ref| "
              "of out, dq, dk, dv against the tl setting and against a float32 reference (sampled rows)", "",
              "| setting | fwd / dq / dkdv | fwd ms | fwd TF/s | fwd speedup | bwd ms | bwd TF/s | bwd speedup | "
