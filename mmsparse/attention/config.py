@@ -74,6 +74,9 @@ class KernelConfig:
     # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
     # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there.
     gluon_one_pass: Tile | None = None
+    # The tl dK/dV kernel's tile with dropout (no Gluon kernel has it), where bwd_dkdv is a Gluon tile the tl kernel
+    # runs poorly: at D=256 the Gluon kernel's 64 keys by 64 rows spill in the tl kernel. None: bwd_dkdv's.
+    bwd_dkdv_dropout: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
     # block lists packed end to end (CSR) when their fixed slots would pass this many bytes.
@@ -94,12 +97,16 @@ class KernelConfig:
         for name, rows in _GLUON_ROWS.items():
             _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
-                    "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass}
+                    "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass,
+                    "bwd_dkdv_dropout": self.bwd_dkdv_dropout}
         for name, tile in backward.items():
             if tile is not None and tile.pingpong:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
                 raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
                                  f"turns; give the backward tiles pingpong=False")
+        if self.bwd_dkdv_dropout is not None and self.bwd_dkdv_dropout.gluon:
+            raise ValueError(f"KernelConfig.bwd_dkdv_dropout is the tl dK/dV kernel's tile with dropout, which no "
+                             f"Gluon kernel has: give it gluon_stages=0; got {self.bwd_dkdv_dropout}")
         if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
             raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
                              f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
@@ -118,6 +125,10 @@ class KernelConfig:
     def dq_tile(self, seq_k: int) -> Tile:
         """The dQ pass's tile: ``bwd_dq_short`` over few keys, for the same reason as the forward's."""
         return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k, self)
+
+    def dkdv_tile(self, dropout: bool = False) -> Tile:
+        """The dK/dV pass's tile: ``bwd_dkdv_dropout`` with dropout where set, else ``bwd_dkdv``."""
+        return self.bwd_dkdv_dropout if dropout and self.bwd_dkdv_dropout is not None else self.bwd_dkdv
 
     def one_pass_tile(self) -> Tile:
         """The one-pass backward's tile: ``bwd_one_pass``, else ``bwd_dkdv``'s sizes."""
@@ -167,7 +178,7 @@ GLUON_BLOCK = 128
 # (gluon_tile_problem).
 GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
-                "bwd_one_pass", "gluon_one_pass")
+                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
 # (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
@@ -443,8 +454,10 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
         cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"])
         if gluon_d256_dkdv:
             # The Gluon dK/dV kernel has no one pass: the tl one-pass kernel keeps the tl dK/dV tile, whose
-            # registers it was written for. With dropout the tl dK/dV kernel runs GLUON_D256["dkdv"].
-            cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv)
+            # registers it was written for, and so does the tl dK/dV kernel with dropout (at the Gluon tile it
+            # spilled: 0.91x the tl tile's backward on an H200).
+            cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
+                          bwd_dkdv_dropout=cfg.bwd_dkdv)
     if half and d_pad in _GLUON_FWD and gluon:
         # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
         # (plan.plan_attention); with dropout it is the tl kernel, which keeps the tl dK/dV tile, whose registers
@@ -511,8 +524,8 @@ GLUON_ONE_PASS_BULK = {
 # - dK/dV (kernels/gluon/dkdv_d256.py; 4.2x the tl pass on the mask above): the D <= 128 kernel's two 64 x 256
 #   fp32 accumulators a warpgroup would take 256 registers a thread alone, so a CTA owns 64 keys, one
 #   warpgroup their dV and the other their dK (64 x 256 fp32 each); 64 query rows a step, 2 stages of Q and dO
-#   (128 KB) beside K and V (64 KB) and the P^T hand-over tile (16 KB). With dropout the tl dK/dV kernel runs it (8
-#   warps: its dK and dV take 128 registers a thread there).
+#   (128 KB) beside K and V (64 KB) and the P^T hand-over tile (16 KB). With dropout the tl dK/dV kernel runs its
+#   own tile (bwd_dkdv_dropout).
 GLUON_D256_HEAD_DIM = 256
 GLUON_D256 = {
     "fwd": Tile(128, 64, num_warps=8, num_stages=2, gluon_stages=2, pingpong=False),

@@ -124,7 +124,7 @@ def plan_attention(
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
                                 one_pass=True)
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
-    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.bwd_dkdv
+    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.dkdv_tile(dropout)
     return AttentionPlan(
         forward=forward,
         dq=BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),

@@ -82,6 +82,12 @@ BAD_CONFIGS = {
                            r"129-256\).*block_n=32"),
     "gluon_one_pass-64-keys": (dict(gluon_one_pass=Tile(64, 64, gluon_stages=3)), ValueError,
                                r"KernelConfig\.gluon_one_pass is a Gluon tile.*128 keys"),
+    # Dropout runs the tl kernels only: a Gluon tile for it would be silently ignored
+    "gluon-dkdv-dropout": (dict(bwd_dkdv_dropout=Tile(64, 128, gluon_stages=2)), ValueError,
+                           r"KernelConfig\.bwd_dkdv_dropout is the tl dK/dV kernel's tile with dropout.*"
+                           r"gluon_stages=0"),
+    "dkdv-dropout-tuple": (dict(bwd_dkdv_dropout=(32, 64)), TypeError, r"KernelConfig\.bwd_dkdv_dropout must be a "
+                                                                       r"mmsparse\.tuning\.Tile or None"),
 }
 
 

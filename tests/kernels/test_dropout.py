@@ -91,3 +91,36 @@ def test_dropout_with_q_start_matches_reference(device):
     keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 16, 60, p, q_start=q_start)
     mask = reference_mask(CYCLIC, lens, 60, 16, q_start=q_start)
     check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)
+
+
+def test_dropout_runs_the_dkdv_pass_at_its_own_tile(device, monkeypatch):
+    """A config's ``bwd_dkdv_dropout`` is the tile the dK/dV pass runs with dropout (the D=256 table keeps the tl
+    tile there): the call plans it, builds its lists, and matches the float64 reference with the same keep mask."""
+    from dataclasses import replace
+
+    from mmsparse.attention import backward
+    from mmsparse.attention.config import Tile, kernel_config, use_tuning
+
+    p = 0.3
+    base = kernel_config(32, torch.float32, device)
+    own = Tile(16, 32, num_warps=4, num_stages=1)
+    assert own != base.bwd_dkdv
+    tiles = []
+    real = backward.BackwardLaunch.__init__
+
+    def spy(self, q, k, info, cfg, plan, *args):
+        tiles.append(plan.dkdv.tile)
+        real(self, q, k, info, cfg, plan, *args)
+
+    monkeypatch.setattr(backward.BackwardLaunch, "__init__", spy)
+    q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
+    torch.manual_seed(99)
+    with use_tuning(replace(base, bwd_dkdv_dropout=own)):
+        out = mbs_attention(q, k, v, CYCLIC, LENS, causal=True, dropout_p=p)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert tiles == [own]
+    torch.manual_seed(99)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 60, 60, p)
+    check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, LENS, 60, causal=True), dropout_keep=keep,
+                  dropout_p=p)

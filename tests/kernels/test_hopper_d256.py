@@ -243,8 +243,9 @@ def test_candidate_config_runs_gluon_forward_and_dq_only():
 
 def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
     """``gluon_d256_dkdv=True`` (the default: GLUON_D256_DKDV_ENABLED) gives the dK/dV pass its Gluon kernel at
-    GLUON_D256["dkdv"] where the D=256 candidates apply, the tl one-pass backward its own tile, dropout the tl dK/dV
-    kernel at the Gluon tile; nothing changes at D=128, without gluon_d256, or in float32; False gives the tl pass."""
+    GLUON_D256["dkdv"] where the D=256 candidates apply, the tl one-pass backward and the tl dK/dV kernel with dropout
+    the tl tile (``bwd_dkdv_dropout``); nothing changes at D=128, without gluon_d256, or in float32; False gives the
+    tl pass."""
     cuda = torch.device("cuda")  # planned, not run
     assert GLUON_D256_DKDV_ENABLED
     assert cuda_kernel_config(256, torch.bfloat16) == cuda_kernel_config(256, torch.bfloat16, gluon_d256_dkdv=True)
@@ -271,7 +272,8 @@ def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
             assert one_pass.dkdv.tile == TL_DKDV_D256
             one_pass.check_head_dim(head_dim, 2)
             dropout = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132, dropout=True)
-            assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"} and dropout.dkdv.tile == tile
+            assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
+            assert dropout.dkdv.tile == TL_DKDV_D256 == cfg.bwd_dkdv_dropout and (32, 64, True) in dropout.list_tiles()
 
 
 def test_dkdv_tiles_are_checked_against_the_head_dim():

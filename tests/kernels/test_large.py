@@ -71,18 +71,20 @@ def _rows_past_boundaries(t: torch.Tensor, count: int, gen: torch.Generator) -> 
 
 
 def _topology_rows(topology, lens_row, seq_k: int, seq_q: int, causal: bool):
-    """allowed(rows) for one sample from its topology and lengths (an independent token lookup)."""
-    topo = Topology(topology)
-    k = topo.num_segments
-    table = torch.zeros(k + 1, k + 1, dtype=torch.bool, device="cuda")
-    table[:k, :k] = topo.matrix.cuda()
+    """allowed(rows) for one sample from its topology of pair types (0 none, 1 full, 2 causal: the keys of that
+    segment at or before the query) and lengths (an independent token lookup)."""
+    k = Topology(topology).num_segments
+    types = torch.zeros(k + 1, k + 1, dtype=torch.int8, device="cuda")
+    types[:k, :k] = torch.as_tensor(topology, dtype=torch.int8)
     seg = segment_ids(torch.as_tensor([lens_row]), seq_k)[0].cuda()
     past = seq_k - seq_q
     key_pos = torch.arange(seq_k, device="cuda")
 
     def allowed(rows: torch.Tensor) -> torch.Tensor:
-        m = table[seg[past + rows][:, None], seg[None, :]]
-        return m & (key_pos[None, :] <= (past + rows)[:, None]) if causal else m
+        pair = types[seg[past + rows][:, None], seg[None, :]]
+        before = key_pos[None, :] <= (past + rows)[:, None]
+        m = (pair == 1) | ((pair == 2) & before)
+        return m & before if causal else m
 
     return allowed
 
