@@ -9,13 +9,15 @@ same weights (switched with ``set_attn_implementation``) and the same batch: ``m
 ``sdpa`` (transformers' dense 4-D mask), ``flex_attention`` (transformers' flex backend, its block mask built from
 the same mask functions) and ``eager`` (where it fits). One step is forward + backward with activation
 checkpointing (bf16 weights), no optimizer. Records ``results/<gpu>/hf_vlm.{json,md}``: median step time, peak
-memory, and each backend's loss against SDPA's.
+memory, each backend's loss against SDPA's, and where one profiled step's GPU time goes (attention kernels, mask
+building, the rest: :mod:`benchmarks.hf_breakdown`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import statistics
 import sys
 import time
@@ -28,6 +30,7 @@ import torch
 import mmsparse  # noqa: F401  (before transformers' model classes: on a CPU it turns Triton's interpreter on)
 
 from .env import environment, record_dir
+from .hf_breakdown import step_breakdown
 from .report import fmt, log, write_record
 
 IMAGE, BOI, EOI = 3, 4, 5  # token ids (inside the vocabulary)
@@ -102,17 +105,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def one_step(model: Any, batch: dict, device: torch.device) -> torch.Tensor:
+    """Forward + backward from zeroed gradients, synchronised: the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    synchronize(device)
+    return loss
+
+
 def time_steps(model: Any, batch: dict, device: torch.device, warmup: int, steps: int) -> tuple[list[float], float]:
     """Step times (ms) after ``warmup`` steps, and the first step's loss."""
     loss0 = None
     times = []
     for i in range(warmup + steps):
-        model.zero_grad(set_to_none=True)
         synchronize(device)
         t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        synchronize(device)
+        loss = one_step(model, batch, device)
         if loss0 is None:
             loss0 = loss.item()
         if i >= warmup:
@@ -131,6 +140,8 @@ def run_impl(model: Any, impl: str, batch: dict, device: torch.device, warmup: i
         row.update(step_ms=statistics.median(times), step_ms_all=times, loss=loss)
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        modelling = importlib.import_module(type(model).__module__)
+        row["breakdown"] = step_breakdown(lambda: one_step(model, batch, device), modelling, impl)
     except torch.OutOfMemoryError:
         row["skipped"] = "out of memory"
     except Exception as e:  # a backend that cannot run this case: recorded, the others go on
@@ -148,19 +159,32 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, str], note: str) -> str:
         "# Gemma-3-like VLM training step: attention backends", "",
         f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
         f"commit {env['commit']}.", "", note, "",
-        "| case | backend | step ms | SDPA ms / this | peak GiB | loss - SDPA's |",
-        "|---|---|---:|---:|---:|---:|",
+        "| case | backend | step ms | SDPA ms / this | peak GiB | loss - SDPA's | GPU ms | attention fwd / bwd ms "
+        "| mask GPU / host ms | rest GPU ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['case']} | {r['impl']} | {r['skipped']} | | | |")
+            lines.append(f"| {r['case']} | {r['impl']} | {r['skipped']} | | | | | | | |")
             continue
         base = r.get("sdpa_ms")
         speed = f"{base / r['step_ms']:.2f}" if base else "-"
         diff = r.get("loss_vs_sdpa")
         lines.append(f"| {r['case']} | {r['impl']} | {fmt(r['step_ms'], 1)} | {speed} | {fmt(r.get('peak_gib'), 2)} "
-                     f"| {'-' if diff is None else f'{diff:+.2e}'} |")
+                     f"| {'-' if diff is None else f'{diff:+.2e}'} | {_breakdown_cells(r.get('breakdown'))} |")
+    lines += ["", "GPU ms: the kernels of one profiled step (after the timed ones); attention: the kernels launched by "
+              "the backend's attention calls (recomputes included) and its attention backward's autograd nodes "
+              "(eager's backward is many small nodes: it counts as the rest); mask: the model's mask functions "
+              "(GPU and host time); rest: every other kernel."]
     return "\n".join(lines) + "\n"
+
+
+def _breakdown_cells(b: dict[str, Any] | None) -> str:
+    if b is None:
+        return "- | - | - | -"
+    bwd = fmt(b["attention_bwd_gpu_ms"], 1) if b["backward_separated"] else "n/a"
+    return (f"{fmt(b['gpu_ms'], 1)} | {fmt(b['attention_fwd_gpu_ms'], 1)} / {bwd} | {fmt(b['mask_gpu_ms'], 1)} / "
+            f"{fmt(b['mask_host_ms'], 1)} | {fmt(b['rest_gpu_ms'], 1)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -211,6 +211,24 @@ def test_gluon_dkdv_is_deterministic_and_one_pass_stays_tl(gluon_calls):
     assert "dkdv_d256" not in gluon_calls
 
 
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_gluon_dkdv_hand_over_gives_the_same_bits_over_many_runs(gluon_calls):
+    """The dK/dV kernel's warpgroups hand P^T over in shared memory, ordered by mbarriers (compute-sanitizer's
+    racecheck flags the pair of accesses, as it flags every warp-specialised kernel's dispatch words). A hand-over
+    out of order would read another step's P^T now and then: 40 backwards of one input, GQA with a dense grid, give
+    the same dK and dV bits each time."""
+    q, k, v = make_qkv(2, 16, 4, 2100, 2100, 256, torch.bfloat16, torch.device("cuda"))
+    grad_out = torch.randn_like(q)
+    with use_tuning(d256_dkdv_config(torch.bfloat16), short_keys=0):
+        out = mbs_attention(q, k, v, TEXT_IMAGE_TEXT, (900, 256, 944))
+        first = torch.autograd.grad(out, (k, v), grad_out, retain_graph=True)
+        for _ in range(39):
+            again = torch.autograd.grad(out, (k, v), grad_out, retain_graph=True)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert gluon_calls.count("dkdv_d256") == 40
+
+
 def test_candidate_config_runs_gluon_forward_and_dq_only():
     """Where the candidate applies (half precision, head dims 129-256), which kernel and tile each pass gets: the
     Gluon forward over SHORT_KEYS keys or more (the tl tile below), the Gluon dQ pass at every length, with

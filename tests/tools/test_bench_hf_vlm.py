@@ -17,11 +17,18 @@ def test_tiny_run_writes_the_record(tmp_path):
     assert {"gpu", "torch", "triton", "transformers", "commit"} <= set(record["env"])
     rows = record["rows"]
     assert [r["impl"] for r in rows] == ["mmsparse", "sdpa"] * len(hf_vlm.TINY_CASES)
+    config = hf_vlm.model_config(tiny=True)
+    layers = config.text_config.num_hidden_layers + config.vision_config.num_hidden_layers  # both attend
     for r in rows:
         assert not r.get("skipped"), r
         assert r["step_ms"] > 0 and abs(r["loss_vs_sdpa"]) < 1e-3, r
+        # the profiled step: each layer's attention call (the vision tower's too) and its backward node found, the
+        # masks built; no kernel on a CPU
+        b = r["breakdown"]
+        assert (b["attention_calls"], b["attention_backwards"]) == (layers, layers), b
+        assert b["mask_calls"] >= 1 and b["backward_separated"] and b["gpu_ms"] == b["attention_gpu_ms"] == 0, b
     table = (tmp_path / "hf_vlm.md").read_text()
-    assert "| mmsparse |" in table and "| sdpa |" in table
+    assert "| mmsparse |" in table and "| sdpa |" in table and "attention fwd / bwd ms" in table
 
 
 def test_a_cpu_run_without_out_writes_no_record_into_the_repository(tmp_path, monkeypatch):
