@@ -46,9 +46,9 @@ from .common import (
     program_lists,
     scores_init,
     thread_barrier,
-    tma_load,
     tma_store,
 )
+from .dkdv_rows import stage_query_blocks
 from .dq_adds import bulk_add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -68,30 +68,9 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
-    rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
-        for it in range(n_total):
-            i = g * n_total + it
-            stage = i % STAGES
-            m_blk = block_id(idx_ptr, it)
-            offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
-            # Rows past the end get lse = +inf, hence p = 0.
-            lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-            delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
-            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            lse_smem.index(stage).store(lse)
-            delta_smem.index(stage).store(delta)
-            rows_smem.index(stage).store(offs_m)
-            if MASK_MODE != _MASK_DENSE:
-                if it >= n_full:
-                    # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
-                    qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
-            # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
-            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
-            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
+    stage_query_blocks(LSE, DELTA, q_desc, do_desc, (q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem),
+                       ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr, seq_q, NUM_HEADS, GROUP, BM, STAGES,
+                       MASK_MODE)
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)

@@ -43,7 +43,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id
 from .common import (
     WORKER_WARPS,
     box,
@@ -55,6 +54,7 @@ from .common import (
     tma_load,
     tma_store,
 )
+from .dkdv_rows import stage_query_blocks
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 # Registers a thread of warpgroup 1 and of the producer. Triton gives warpgroup 0 (the default partition) what the
@@ -85,30 +85,9 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [b, hk, col0, 0], kv_bar, box(k_smem.index(0)))
     tma_load(v_desc, [b, hk, col0, 0], kv_bar, box(v_smem.index(0)))
-    rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
-        for it in range(n_total):
-            i = g * n_total + it
-            stage = i % STAGES
-            m_blk = block_id(idx_ptr, it)
-            offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
-            # Rows past the end get lse = +inf, hence p = 0.
-            lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-            delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
-            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            lse_smem.index(stage).store(lse)
-            delta_smem.index(stage).store(delta)
-            rows_smem.index(stage).store(offs_m)
-            if MASK_MODE != _MASK_DENSE:
-                if it >= n_full:
-                    # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
-                    qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
-            # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
-            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
-            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
+    stage_query_blocks(LSE, DELTA, q_desc, do_desc, (q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem),
+                       ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr, seq_q, NUM_HEADS, GROUP, BM, STAGES,
+                       MASK_MODE)
     mbarrier.wait(done, 0)
     tma_store(dk_desc, [b, hk, col0, 0], box(k_smem.index(0)))
     tma_store(dv_desc, [b, hk, col0, 0], box(v_smem.index(0)))

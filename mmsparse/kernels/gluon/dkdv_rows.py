@@ -1,0 +1,48 @@
+"""The query side of a dK/dV producer (the D <= 128 kernel's and the D=256 one's): for every listed query block of
+every head of the KV group, its lse, delta and query-index rows (and, in a partial block, its query bits) stored
+into the stage, then Q and dO by TMA onto the stage's ready barrier."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ..constants import MASK_DENSE
+from ..lists import block_id
+from .common import box, tma_load
+
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
+
+
+@gluon.jit
+def stage_query_blocks(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr,
+                       seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                       STAGES: gl.constexpr, MASK_MODE: gl.constexpr):
+    """``stages``: the ring's (q, do, lse, delta, rows, qbits) shared tiles; step ``g * n_total + it`` takes
+    stage ``step % STAGES`` once the consumers have released it (``empty``)."""
+    q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = stages
+    rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
+        for it in range(n_total):
+            i = g * n_total + it
+            stage = i % STAGES
+            m_blk = block_id(idx_ptr, it)
+            offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
+            # Rows past the end get lse = +inf, hence p = 0.
+            lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+            delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            lse_smem.index(stage).store(lse)
+            delta_smem.index(stage).store(delta)
+            rows_smem.index(stage).store(offs_m)
+            if MASK_MODE != _MASK_DENSE:
+                if it >= n_full:
+                    # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
+                    qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
+            # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
+            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
+            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
