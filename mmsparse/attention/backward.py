@@ -1,7 +1,8 @@
 """The backward passes' launcher, one per call, made at its first backward: delta = rowsum(dO * O), then dQ and
 dK/dV, each as its Gluon kernel on Hopper where the tile has one and as its tl kernel elsewhere, with the same
 numerics; or, with ``deterministic=False``, the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ
-into a float32 accumulator by atomics."""
+into a float32 accumulator by atomics (or, where the config has ``gluon_dq_writer``, the warp-specialised Gluon
+one-pass kernel with a dQ writer warp does)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,11 @@ class BackwardLaunch:
                                  self.dq_constexprs, bound, "dq")
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
-        if plan.dkdv.gluon and self.dkdv_d256:
+        if plan.dkdv.dq_writer:
+            _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, self.dkdv_mask, self.mode,
+                                       self.causal, self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
+                                       bound=bound)
+        elif plan.dkdv.gluon and self.dkdv_d256:
             _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
                                    self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window, bound=bound)
         elif plan.dkdv.gluon:

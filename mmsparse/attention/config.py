@@ -74,6 +74,10 @@ class KernelConfig:
     # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
     # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there.
     gluon_one_pass: Tile | None = None
+    # The warp-specialised one-pass backward's tile (kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
+    # warp and a dQ writer warp; block_n 128: GLUON_DQ_WRITER). Where set (and no dropout), the one-pass backward
+    # runs it rather than the dK/dV kernel's ONE_PASS variant at gluon_one_pass. None: off (GLUON_DQ_WRITER_ENABLED).
+    gluon_dq_writer: Tile | None = None
     # The tl dK/dV kernel's tile with dropout (no Gluon kernel has it), where bwd_dkdv is a Gluon tile the tl kernel
     # runs poorly: at D=256 the Gluon kernel's 64 keys by 64 rows spill in the tl kernel. None: bwd_dkdv's.
     bwd_dkdv_dropout: Tile | None = None
@@ -98,7 +102,7 @@ class KernelConfig:
             _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
                     "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass,
-                    "bwd_dkdv_dropout": self.bwd_dkdv_dropout}
+                    "gluon_dq_writer": self.gluon_dq_writer, "bwd_dkdv_dropout": self.bwd_dkdv_dropout}
         for name, tile in backward.items():
             if tile is not None and tile.pingpong:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
@@ -110,6 +114,9 @@ class KernelConfig:
         if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
             raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
                              f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
+        if self.gluon_dq_writer is not None and not self.gluon_dq_writer.gluon:
+            raise ValueError(f"KernelConfig.gluon_dq_writer is the Gluon dQ-writer kernel's tile: it needs "
+                             f"gluon_stages (2 or more); got {self.gluon_dq_writer}. None turns that kernel off")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -135,13 +142,21 @@ class KernelConfig:
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
     def one_pass_runs_gluon(self, dropout: bool = False) -> bool:
-        """The one-pass backward is the Gluon dK/dV kernel's ONE_PASS variant: that pass is Gluon, the config has a
-        Gluon one-pass tile (``gluon_one_pass``), and no dropout (no Gluon kernel has it)."""
-        return self.bwd_dkdv.gluon and self.gluon_one_pass is not None and not dropout
+        """The one-pass backward is a Gluon kernel: the dK/dV kernel's ONE_PASS variant or the dQ-writer kernel
+        (:meth:`one_pass_runs_dq_writer`): the dK/dV pass is Gluon, the config has a Gluon one-pass tile
+        (``gluon_one_pass`` or ``gluon_dq_writer``), and no dropout (no Gluon kernel has it)."""
+        tiles = self.gluon_one_pass is not None or self.gluon_dq_writer is not None
+        return self.bwd_dkdv.gluon and tiles and not dropout
+
+    def one_pass_runs_dq_writer(self, dropout: bool = False) -> bool:
+        """The one-pass backward is the warp-specialised dQ-writer kernel (``gluon_dq_writer`` is set)."""
+        return self.gluon_dq_writer is not None and self.one_pass_runs_gluon(dropout)
 
     def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
-        """The tile the one-pass backward runs at: where :meth:`one_pass_runs_gluon`, ``gluon_one_pass``; elsewhere
-        the tl kernel's :meth:`one_pass_tile`."""
+        """The tile the one-pass backward runs at: ``gluon_dq_writer`` where :meth:`one_pass_runs_dq_writer`, else
+        ``gluon_one_pass`` where :meth:`one_pass_runs_gluon`; elsewhere the tl kernel's :meth:`one_pass_tile`."""
+        if self.gluon_dq_writer is not None and self.one_pass_runs_dq_writer(dropout):
+            return self.gluon_dq_writer
         if self.gluon_one_pass is not None and self.one_pass_runs_gluon(dropout):
             return self.gluon_one_pass
         return self.one_pass_tile()
@@ -178,12 +193,13 @@ GLUON_BLOCK = 128
 # (gluon_tile_problem).
 GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
-                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout")
+                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
 # (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
 _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "block_m", "decode": "block_m",
-               "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n"}
+               "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n",
+               "gluon_dq_writer": "block_n"}
 # The blocks each of those tiles may have (GLUON_BLOCK where not listed).
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
@@ -427,7 +443,7 @@ HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
 
 def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = HOPPER,
                        gluon: bool = True, gluon_d256: bool | None = None,
-                       gluon_d256_dkdv: bool | None = None) -> KernelConfig:
+                       gluon_d256_dkdv: bool | None = None, gluon_dq_writer: bool | None = None) -> KernelConfig:
     """The tiles and thresholds of a CUDA GPU of compute ``capability`` (an H100 or H200 by default), with the
     Gluon kernels where ``gluon`` (they run on sm_90 with Triton's Gluon API), without asking a device: for tools
     that model that GPU on a machine without it. A call on a GPU gets :func:`kernel_config` (its device's, and
@@ -435,15 +451,21 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     forward and dQ pass at :data:`GLUON_D256`'s tiles; None: as :data:`GLUON_D256_ENABLED` says.
     ``gluon_d256_dkdv``: with ``gluon_d256`` as well, the dK/dV pass there runs its Gluon kernel
     (``kernels/gluon/dkdv_d256.py``) at ``GLUON_D256["dkdv"]``, else its tl kernel; None: as
-    :data:`GLUON_D256_DKDV_ENABLED` says. One object per combination of arguments."""
+    :data:`GLUON_D256_DKDV_ENABLED` says. ``gluon_dq_writer``: with ``gluon``, the one-pass backward at head dims up
+    to 128 in half precision runs the warp-specialised dQ-writer kernel (``kernels/gluon/bwd_dq_writer.py``) at
+    :data:`GLUON_DQ_WRITER`'s tile; None: as :data:`GLUON_DQ_WRITER_ENABLED` says (off). One object per combination
+    of arguments."""
     enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
     dkdv = GLUON_D256_DKDV_ENABLED if gluon_d256_dkdv is None else gluon_d256_dkdv
+    writer = GLUON_DQ_WRITER_ENABLED if gluon_dq_writer is None else gluon_dq_writer
+    if writer:  # a separate cache key only when on: the default configs stay the objects they were
+        return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled, dkdv, True)
     return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled, dkdv)
 
 
 @functools.cache
 def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, int], gluon: bool,
-                        gluon_d256: bool, gluon_d256_dkdv: bool = False) -> KernelConfig:
+                        gluon_d256: bool, gluon_d256_dkdv: bool = False, gluon_dq_writer: bool = False) -> KernelConfig:
     cfg = _cuda_config(d_pad)
     if capability[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
@@ -467,6 +489,8 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
                       bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
                       bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
+        if gluon_dq_writer and d_pad in GLUON_DQ_WRITER:
+            cfg = replace(cfg, gluon_dq_writer=GLUON_DQ_WRITER[d_pad])
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -511,6 +535,17 @@ GLUON_ONE_PASS_BULK = {
     64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
+# The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py), for KernelConfig.gluon_dq_writer: 128 keys a
+# CTA, 64 query rows a step. A stage is held for one step (every matmul of a step reads it and is waited for in it),
+# so 3 stages give the producer two steps of slack; at D=128 a 4th does not fit beside the dQ staging buffer
+# (249,856 B of 232,448: dq_writer_shared_bytes), at D=64 it does (135,168 B). Not timed yet.
+GLUON_DQ_WRITER = {
+    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
+    128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
+}
+# A source switch, off: cuda_kernel_config(..., gluon_dq_writer=True) turns the kernel on for one config
+# (tools/one_pass.py's "dq-writer" side, tests/kernels/test_hopper_dq_writer.py).
+GLUON_DQ_WRITER_ENABLED = False
 # The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
 # consumer warpgroup (registers and shared memory: tests/kernels/test_gluon_compiles.py; timings on an H200:
 # docs/tuning.md):
@@ -552,6 +587,28 @@ def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsiz
     return 2 * keys * row_bytes + stages + keys * rows * 4
 
 
+def dq_writer_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2) -> int:
+    """The shared memory of the dQ-writer kernel's tiles at ``tile`` (its module docstring has the table): K and V of
+    its 128 keys, the stages of Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows,
+    both MMA warpgroups' dS^T tiles and the float32 ``[block_m, d_pad]`` dQ staging buffer."""
+    keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
+    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
+    return 2 * keys * row_bytes + stages + keys * rows * itemsize + rows * d_pad * 4
+
+
+def _dq_writer_problem(tile: Tile, d_pad: int, itemsize: int) -> str | None:
+    """:func:`gluon_tile_problem` of the dQ-writer kernel: head dims up to 128, 128 keys a block, and its shared
+    memory within a CTA's."""
+    if d_pad > GLUON_DKDV_MAX_HEAD_DIM or tile.block_n != GLUON_BLOCK:
+        return (f"the Gluon dQ-writer one-pass kernel runs head dims up to {GLUON_DKDV_MAX_HEAD_DIM} at {GLUON_BLOCK} "
+                f"keys a block; got {tile} at head dim {d_pad}")
+    need = dq_writer_shared_bytes(tile, d_pad, itemsize) + _GLUON_SHARED_SLACK
+    if need > HOPPER_SHARED_BYTES:
+        return (f"the Gluon dQ-writer kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "
+                f"has {HOPPER_SHARED_BYTES}: fewer stages")
+    return None
+
+
 def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str | None:
     """:func:`gluon_tile_problem` of the dK/dV pass: the D <= 128 kernel (``kernels/gluon/dkdv.py``: 128 keys, with
     a one-pass variant) up to GLUON_DKDV_MAX_HEAD_DIM, the D=256 one (``dkdv_d256.py``: 64 keys, 64 query rows a
@@ -579,13 +636,16 @@ def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str 
 
 
 def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> str | None:
-    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq" or "dkdv"; ``one_pass``: the dK/dV pass adding dQ as
-    well) cannot run ``tile`` at head dim ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of ``itemsize``
-    bytes, or None where it can: a dK/dV tile that is not its kernel's at that head dim (:func:`_dkdv_problem`), the
-    forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their K/V stages past a Hopper CTA's
+    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq", "dkdv" or "dq_writer"; ``one_pass``: the dK/dV pass
+    adding dQ as well) cannot run ``tile`` at head dim ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of
+    ``itemsize`` bytes, or None where it can: a dK/dV tile that is not its kernel's at that head dim
+    (:func:`_dkdv_problem`), the dQ-writer kernel's past its head dims or shared memory (:func:`_dq_writer_problem`),
+    the forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their K/V stages past a Hopper CTA's
     shared memory."""
     if kind == "dkdv":
         return _dkdv_problem(tile, d_pad, itemsize, one_pass)
+    if kind == "dq_writer":
+        return _dq_writer_problem(tile, d_pad, itemsize)
     row_bytes = itemsize * d_pad
     resident = (1 if kind == "fwd" else 2) * tile.block_m * row_bytes  # Q; Q and dO
     need = resident + tile.gluon_stages * 2 * tile.block_n * row_bytes + _GLUON_SHARED_SLACK

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 
 from ..kernels.constants import TURNS_MBARRIER, TURNS_NAMED_RELEASE
+from ..kernels.gluon.bwd_dq_writer import BLOCK_N as DQ_WRITER_BLOCK_N
+from ..kernels.gluon.bwd_dq_writer import attention_bwd_dq_writer_gluon
 from ..kernels.gluon.common import BLOCK_M, WG_ROWS
 from ..kernels.gluon.dkdv import BLOCK_N, WG_KEYS, attention_dkdv_gluon
 from ..kernels.gluon.dkdv_d256 import BLOCK_N as D256_BLOCK_N
@@ -30,6 +32,7 @@ TURNS = {"mbarrier": TURNS_MBARRIER, "named_release": TURNS_NAMED_RELEASE}
 
 _FWD, _DQ, _DKDV = FastKernel(attention_fwd_gluon), FastKernel(attention_dq_gluon), FastKernel(attention_dkdv_gluon)
 _DKDV_D256 = FastKernel(attention_dkdv_d256_gluon)
+_DQ_WRITER = FastKernel(attention_bwd_dq_writer_gluon)
 
 
 def run_forward(
@@ -149,6 +152,39 @@ def run_dkdv_d256(
              BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
              num_warps=4, maxnreg=_LAUNCH_REGS),
         bound, "dkdv_d256",
+    )
+
+
+def run_bwd_dq_writer(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    dk_dv: tuple[torch.Tensor, torch.Tensor], dq_sum: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
+    qk_scale_log2: float, softmax_scale: float, tile: Tile, has_window: bool = False,
+    bound: dict[str, Callable[..., None]] | None = None,
+) -> None:
+    """The one-pass backward by ``kernels.gluon.bwd_dq_writer`` (two MMA warpgroups, a producer warp and a dQ writer
+    warp): dK and dV into ``dk_dv`` as :func:`run_dkdv`, and dQ times the softmax scale added into ``dq_sum`` (a
+    zeroed contiguous float32 ``[B, Hq, Sq, D]``) by TMA bulk reduce-adds, at ``tile`` (block_n 128; block_m and
+    gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
+    ``bound``: as :func:`run_dq`'s."""
+    _check_rows(tile.block_n, DQ_WRITER_BLOCK_N)
+    _check_no_pingpong(tile, "one-pass")
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    mask_tensors, mask_scalars = mask
+    dk, dv = dk_dv
+    pad = head_dim_pad(head_dim)
+    q_rows, kv_rows = tile.block_m, WG_KEYS.value
+    launch_bound(
+        _DQ_WRITER, (cdiv(seq_k, DQ_WRITER_BLOCK_N), batch * num_kv_heads),
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
+         delta, head_rows_descriptor(dq_sum, q_rows, pad // 2), *mask_tensors, *mask_scalars, qk_scale_log2,
+         softmax_scale),
+        # 12 warps at launch (the two one-warp workers padded to a warpgroup): 168 x 384 threads fit an SM's 64K
+        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             num_warps=4, maxnreg=_LAUNCH_REGS),
+        bound, "bwd_dq_writer",
     )
 
 

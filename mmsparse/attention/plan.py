@@ -39,12 +39,15 @@ class ForwardPass:
 @dataclass(frozen=True)
 class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
-    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass."""
+    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass.
+    ``dq_writer``: that one pass is the warp-specialised Gluon kernel with a dQ writer warp
+    (``kernels/gluon/bwd_dq_writer.py``, ``KernelConfig.gluon_dq_writer``)."""
 
     tile: Tile
     gluon: bool
     by_key: bool
     one_pass: bool = False
+    dq_writer: bool = False
 
     @property
     def lists(self) -> TileKey:
@@ -68,7 +71,7 @@ class AttentionPlan:
         """Raise ValueError where a pass this plan runs as its Gluon kernel cannot run at ``head_dim`` with inputs
         of ``itemsize`` bytes (:func:`mmsparse.attention.config.gluon_tile_problem`): a config made for another
         head dim (``use_tuning``) is refused with the reason before anything compiles."""
-        passes = (("fwd", self.forward), ("dq", self.dq), ("dkdv", self.dkdv))
+        passes = (("fwd", self.forward), ("dq", self.dq), ("dq_writer" if self.dkdv.dq_writer else "dkdv", self.dkdv))
         for kind, step in passes:
             problem = step is not None and step.gluon and gluon_tile_problem(
                 kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
@@ -78,10 +81,12 @@ class AttentionPlan:
 
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
-        one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel)."""
+        one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel), and ``"dkdv": "gluon-dq-writer"`` where
+        that is the dQ-writer kernel."""
         fwd = "gluon" if self.forward.gluon else "tl-split" if self.forward.n_splits > 1 else "tl"
         dq = "one-pass" if self.dq is None else "gluon" if self.dq.gluon else "tl"
-        return {"forward": fwd, "dq": dq, "dkdv": "gluon" if self.dkdv.gluon else "tl"}
+        dkdv = "gluon-dq-writer" if self.dkdv.dq_writer else "gluon" if self.dkdv.gluon else "tl"
+        return {"forward": fwd, "dq": dq, "dkdv": dkdv}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -100,10 +105,11 @@ def plan_attention(
         sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
             (with :func:`mmsparse.attention.config.cuda_kernel_config`).
         deterministic: False allows the one-pass backward (the dK/dV kernel also adds dQ by atomics, with no dQ
-            pass and no side stream): the Gluon dK/dV kernel at ``config.bwd_dkdv`` where that pass is Gluon and
-            there is no dropout, else the tl one at ``config.one_pass_tile()``; planned below
-            ``config.one_pass_max_keys`` keys, from where both one-pass kernels were slower than the two-pass
-            backward on every config measured. True: the two passes (bitwise repeatable).
+            pass and no side stream): the Gluon dQ-writer kernel at ``config.gluon_dq_writer`` where set, else the
+            Gluon dK/dV kernel at ``config.gluon_one_pass`` where that pass is Gluon, in either case without
+            dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.one_pass_max_keys`` keys,
+            from where both older one-pass kernels were slower than the two-pass backward on every config measured.
+            True: the two passes (bitwise repeatable).
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -122,7 +128,7 @@ def plan_attention(
                           row_blocks, bh_programs, n_splits)
     if config.runs_one_pass(seq_k, deterministic):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
-                                one_pass=True)
+                                one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
         return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
     dq_tile, dkdv_tile = config.dq_tile(seq_k), config.dkdv_tile(dropout)
     return AttentionPlan(

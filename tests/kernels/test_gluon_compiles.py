@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str  # "fwd", "fwd_short" (the short-samples forward tile), "dq", "dkdv"
+    kind: str  # "fwd", "fwd_short" (the short-samples forward tile), "dq", "dkdv", "dq_writer" (bwd_dq_writer.py)
     head_dim: int
     mask: str  # "bits", "codes", "dense"
     causal: bool = False
@@ -54,7 +54,7 @@ class Variant:
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
         # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
-        kind = "dkdv1p-bulk" if self.one_pass else self.kind
+        kind = "dkdv1p-bulk" if self.one_pass else "dqwriter" if self.kind == "dq_writer" else self.kind
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -113,6 +113,15 @@ VARIANTS = [
     Variant("dkdv", 256, "bits", causal=True),
     Variant("dkdv", 256, "codes", window=True, group=1),
     Variant("dkdv", 256, "dense", group=4),
+    # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py, config.GLUON_DQ_WRITER): each head dim,
+    # each mask mode, causal, a window, GQA groups 1, 2 and 4.
+    Variant("dq_writer", 128, "bits", causal=True),
+    Variant("dq_writer", 128, "codes", window=True, group=1),
+    Variant("dq_writer", 128, "dense", group=4),
+    Variant("dq_writer", 128, "codes", causal=True, group=4),
+    Variant("dq_writer", 64, "bits", group=1),
+    Variant("dq_writer", 64, "codes", causal=True, group=4),
+    Variant("dq_writer", 64, "dense", causal=True, window=True),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -131,6 +140,7 @@ def _tile(variant: Variant):
         _GLUON_FWD_SHORT_SAMPLES,
         GLUON_D256,
         GLUON_D256_HEAD_DIM,
+        GLUON_DQ_WRITER,
         GLUON_ONE_PASS_BULK,
     )
 
@@ -138,7 +148,7 @@ def _tile(variant: Variant):
         tile = GLUON_D256[variant.kind]
     else:
         table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
-                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV}
+                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV, "dq_writer": GLUON_DQ_WRITER}
         tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
@@ -155,6 +165,8 @@ def expected_barriers(variant: Variant) -> int:
         return 2 + 2 * tile.gluon_stages + 2  # the hand-over of P^T: staged, read
     if variant.kind == "dkdv":
         return 2 + 2 * tile.gluon_stages + (2 if variant.one_pass else 0)  # one pass: the dS handshake
+    if variant.kind == "dq_writer":
+        return 2 + 2 * tile.gluon_stages + 2 + 4  # the dS handshake; each dQ staging half's full and empty
     if variant.kind == "dq":
         return 1 + 3 * tile.gluon_stages
     if tile.pingpong and tile.turns == "named_release":
@@ -432,9 +444,9 @@ def _main(out: Path, only: str = "") -> None:
             return lambda *args, **kwargs: _compile_launch(current["name"], out, self.kernel, args, kwargs)
 
     knobs.nvidia.dump_ptxas_log = True
-    gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV, gluon_launch._DKDV_D256 = (
+    gluon_launch._FWD, gluon_launch._DQ, gluon_launch._DKDV, gluon_launch._DKDV_D256, gluon_launch._DQ_WRITER = (
         Compile(gluon_launch._FWD), Compile(gluon_launch._DQ), Compile(gluon_launch._DKDV),
-        Compile(gluon_launch._DKDV_D256))
+        Compile(gluon_launch._DKDV_D256), Compile(gluon_launch._DQ_WRITER))
     modes = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}
     batch, heads, seq = 1, 4, 384
     infos = {}
@@ -453,7 +465,7 @@ def _main(out: Path, only: str = "") -> None:
         rows = torch.zeros(batch, heads, seq)
         tile = _tile(variant)
         current["name"] = variant.name
-        by_key = variant.kind == "dkdv"
+        by_key = variant.kind in ("dkdv", "dq_writer")
         info.prepare([(tile.block_m, tile.block_n, by_key)])
         mask = (kernel_args(info).tile(tile.block_m, tile.block_n, by_key), info.mode, info.causal)
         assert (info.window is not None) == variant.window, variant.name
@@ -462,6 +474,9 @@ def _main(out: Path, only: str = "") -> None:
         elif variant.kind == "dq":
             gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile,
                                 variant.window)
+        elif variant.kind == "dq_writer":
+            gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
+                                           torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window)
         elif variant.head_dim == 256:
             gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                        *mask, 1.0, 1.0, tile, variant.window)

@@ -343,3 +343,8 @@ def attention_dkdv_gluon(
     invalidate_ring(empty, STAGES)
     if ONE_PASS:
         invalidate_ring(ds_bars, 2)
+
+
+# Shared with the warp-specialised one-pass backward (gluon.bwd_dq_writer): the same producer and ring counter.
+key_block_producer = _producer
+count_slot = _count_slot

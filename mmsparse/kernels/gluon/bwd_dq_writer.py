@@ -1,0 +1,268 @@
+"""Hopper one-pass backward in Gluon on FlashAttention-3/4's SM90 schedule: dK and dV per key block, dQ added into
+a float32 accumulator by a warp of its own (the "dQ writer"), for head dims up to 128.
+
+Partitions of one CTA (128 keys, ``[B, Hkv]`` x key blocks, as ``gluon.dkdv``):
+
+- two MMA warpgroups (the default partition and worker 0), each owning 64 keys and their dK, dV accumulators in
+  registers; they walk the key block's query list, for every head of the GQA group, as one flat sequence of steps;
+- the producer warp (worker 1, ``gluon.dkdv``'s): K and V once, then Q and dO by TMA and the lse, delta,
+  query-index and (partial blocks) query-bit rows through a ring of ``STAGES`` stages; dK and dV by TMA at the end;
+- the dQ writer warp (worker 2): owns the one float32 dQ staging buffer (``[BM, D]``, a ``[BM, D/2]`` half per
+  MMA warpgroup) and issues the TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor``) into dQ.
+
+A step of MMA warpgroup w (FlashAttention-4's ``mma_one_m_block`` with ``SdP_swapAB`` and RS dK/dV matmuls): issue
+S^T = K_w Q^T (onto the mask bias in a partial block) and dP^T = V_w dO^T; P^T = exp2(S^T scale - lse) once S^T is
+done; dV += P^T dO with P^T in registers (RS); dS^T = P^T (dP^T - delta) once dP^T is done; stage dS^T in the
+warpgroup's shared tile and meet the other warpgroup there (``_DS_FULL``); issue dQ[:, w D/2 : (w+1) D/2] = dS K
+over both warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in registers (RS); once dV and dQ are
+done, hand dQ's half to the writer through its staging half (a full/empty mbarrier pair per half) while dK runs;
+release the stage once dK is done. Every wgmma issued in a step is waited for in that step (one in flight across
+the loop's back edge makes ptxas serialize them all, C7512), so a stage is held for one step only, unlike
+``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps of slack.
+
+The MMA warpgroups never wait for a reduce-add: the writer waits for each half to be read
+(``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
+after it filled the half.
+
+Shared memory a CTA (bytes; ``fused_bwd_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
+may take 232,448 on an H100 or H200):
+
+====================================  ==================  ==================
+what                                  D=128, BM=64        D=64, BM=64
+====================================  ==================  ==================
+K and V, 128 keys                     65,536              32,768
+Q and dO, per stage                   32,768              16,384
+lse, delta, query rows, bits / stage  1,024               1,024
+dS^T, both warpgroups (bf16)          16,384              16,384
+dQ staging, ``[BM, D]`` float32       32,768              16,384
+barriers                              < 200               < 200
+2 stages                              182,272             100,352
+3 stages (D=128's)                    216,064             117,760
+4 stages (D=64's)                     249,856 (no)        135,168
+====================================  ==================  ==================
+
+The numerics are the ``tl`` one-pass kernel's (``tl.backward._dkdv_tiles``) and ``gluon.dkdv``'s: p in float32,
+the token mask as S^T's initial value (0 or -inf), dV from p rounded to the input dtype, dS rounded to the input
+dtype, dK and dQ times the softmax scale. No dropout: that stays with the ``tl`` kernel. Not deterministic: the
+reduce-adds of the key blocks into one dQ tile land in any order.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..lists import block_id
+from .common import invalidate_ring, program_lists, scores_init, thread_barrier, tma_atomic_add
+from .dkdv import WG_KEYS, count_slot, key_block_producer
+from .dq_adds import issue_dq
+
+_MASK_DENSE = gl.constexpr(MASK_DENSE)
+BLOCK_N = 2 * WG_KEYS.value  # keys per CTA
+# Worker partitions: the second MMA warpgroup, the producer warp, the dQ writer warp.
+WORKER_WARPS = gl.constexpr([4, 1, 1])
+# Registers a thread of each worker. The two one-warp workers share a warpgroup of the launch's count (Triton pads
+# it to one), so the default warpgroup gets 3 x 168 - 240 - 24 = 240, as the second MMA warpgroup.
+WORKER_REGS = gl.constexpr([240, 24, 24])
+# The dS^T hand-over between the MMA warpgroups (``ds_bars``): both staged this step's dS^T; both of their dQ
+# matmuls have read both tiles (a tile may then take the next step's dS^T).
+_DS_FULL, _DS_READ = gl.constexpr(0), gl.constexpr(1)
+
+
+@gluon.jit
+def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale,
+                   sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                   MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """MMA warpgroup WG, keys col0 + 64 WG ..: dK and dV over every step, and its half of dQ's columns of each step
+    handed to the writer (the module's docstring has the order of a step)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done = barriers
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    N: gl.constexpr = HEAD_DIM_PAD // 2  # dQ's columns a warpgroup computes
+
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
+    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
+    k_bits = offs_n  # a stand-in: only the bit and code masks read them
+    if MASK_MODE != _MASK_DENSE:
+        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
+    k_w = k_smem.index(WG)
+    v_w = v_smem.index(WG)
+    ds_w = ds_smem.index(WG)
+    stage_w = dq_stage.index(WG)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
+    st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
+    total = GROUP * n_total
+    stage = STAGES - 1  # count_slot's predecessor of stage 0
+    phase = 1
+    mbarrier.wait(kv_bar, 0)
+    for i in range(total):
+        # Nothing in flight on entry.
+        stage, phase = count_slot(stage, phase, STAGES)
+        it = i % n_total
+        mbarrier.wait(ready.index(stage), phase)
+        st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
+                                   mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+        q_s = q_smem.index(stage)
+        do_s = do_smem.index(stage)
+        st = warpgroup_mma(k_w, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
+        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        lse = lse_smem.index(stage).load(cols)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+        delta = delta_smem.index(stage).load(cols)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
+        # nothing).
+        mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
+        ds_w.store(dst)
+        fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+        mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
+        dst_op = gl.convert_layout(dst, op_layout)
+        mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
+        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
+        dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+        # Of dV, dQ (two groups), dK: all but dK are done.
+        dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
+        mbarrier.arrive(ds_bars.index(_DS_READ))
+        # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
+        mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
+        stage_w.store(dq * sm_scale)
+        fence_async_shared()  # before the writer's TMA (async proxy) reads the half
+        mbarrier.arrive(dq_full.index(WG))
+        dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
+        mbarrier.arrive(empty.index(stage))
+    if total > 0:
+        mbarrier.wait(ds_bars.index(_DS_READ), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
+    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
+    k_w.store((dk * sm_scale).to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    thread_barrier()  # every thread's stores and fence before the one arrival
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP: gl.constexpr, BM: gl.constexpr,
+               HEAD_DIM_PAD: gl.constexpr):
+    """Each step's dQ rows (query block ``idx_ptr[it]`` of the group's head g; ``bh0``: the group's first batch *
+    Hq + head in the descriptor's ``[B * Hq, Sq, D]``): each MMA warpgroup's half added by one TMA bulk reduce-add
+    once staged, and freed once the reduce has read it."""
+    N: gl.constexpr = HEAD_DIM_PAD // 2
+    i = 0
+    for g in range(GROUP):
+        for it in range(n_total):
+            row0 = block_id(idx_ptr, it) * BM
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w), i & 1)
+                half = dq_stage.index(w)
+                tma_atomic_add(dq_desc, [bh0 + g, row0, w * N], half.reshape([1, BM, N]))
+            # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
+            tma.store_wait(1)
+            mbarrier.arrive(dq_empty.index(0))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(1))
+            i += 1
+
+
+@gluon.jit(do_not_specialize=DYNAMIC_ARGS)
+def attention_bwd_dq_writer_gluon(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+):
+    """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s with
+    ``ONE_PASS``: Q, K, V, dO, dK and dV as ``host_tma`` descriptors, DQ the ``host_tma.head_rows_descriptor``
+    (``[B * Hq, Sq, D]``, ``[1, BM, HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the
+    launcher, which dQ times the softmax scale is added into."""
+    gl.static_assert(STAGES >= 2, "the producer refills a stage while the MMA warpgroups work on another")
+    gl.static_assert(HEAD_DIM_PAD <= 128, "two 64 x D float32 accumulators a warpgroup: D=256 is gluon.dkdv_d256's")
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hk = pid_bh % NUM_KV_HEADS
+    dtype: gl.constexpr = q_desc.dtype
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
+
+    n_full, n_total, idx_ptr, mask_args = program_lists(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
+    col0 = pid_n * (2 * WG_KEYS)
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
+    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each MMA warpgroup
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)  # the writer's
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # _DS_FULL, _DS_READ
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a staging half filled (per warpgroup)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a staging half read by its reduce
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)  # both MMA warpgroups have staged dK and dV
+    for j in gl.static_range(2):
+        mbarrier.init(ds_bars.index(j), count=2)  # one arrival per MMA warpgroup
+        mbarrier.init(dq_full.index(j), count=1)  # its warpgroup
+        mbarrier.init(dq_empty.index(j), count=1)  # the writer
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups release a stage
+    fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
+
+    buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
+    barriers = (kv_bar, ready, empty, done)
+    dq_ring = (ds_smem, ds_bars, dq_stage, dq_full, dq_empty)
+    bh0 = b * NUM_HEADS + hk * GROUP  # the group's first head in the dQ descriptor's [B * Hq] rows
+    gl.warp_specialize(
+        [
+            (_mma_warpgroup, (0, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+            (_mma_warpgroup, (1, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+            (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
+                                  idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
+                                  MASK_MODE)),
+            (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
+        ],
+        WORKER_WARPS,
+        WORKER_REGS,
+    )
+    # Every partition has returned: no barrier is waited on or signalled again.
+    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(done)
+    invalidate_ring(ready, STAGES)
+    invalidate_ring(empty, STAGES)
+    invalidate_ring(ds_bars, 2)
+    invalidate_ring(dq_full, 2)
+    invalidate_ring(dq_empty, 2)
