@@ -1,13 +1,15 @@
 """The one-pass backward against the default two-pass one, config by config: the one pass (``deterministic=False``:
 on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding
-it by atomics), both checked against the float32 reference, the one pass's gradients against the two passes', its
-dQ's run-to-run differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass
-kernel runs at every length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs it only below that many
-keys.
+it by atomics), on Hopper also the warp-specialised one-pass kernel with a dQ writer warp (side ``dq-writer``:
+``kernels/gluon/bwd_dq_writer.py``, off by default, turned on here per call), each checked against the float32
+reference, the one-pass sides' gradients against the first side's, their dQ's run-to-run differences, and the
+backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at every length here
+(``use_tuning(one_pass_max_keys=...)``); a call alone runs them only below that many keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
     python -m tools.one_pass --sides one-pass,two-pass     # the one pass as the baseline
+    python -m tools.one_pass --sides two-pass,dq-writer --configs mm13k_hub_d64
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +36,59 @@ from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
 from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
-from mmsparse.attention.config import kernel_config
+from mmsparse.attention.config import KernelConfig, cuda_kernel_config, kernel_config
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
 # name: the deterministic argument; the first side given is the baseline of the others
-SIDES = {"two-pass": True, "one-pass": False}
+SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False}
+# The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only).
+WRITER_SIDES = ("dq-writer",)
 
 
-def attention_fn(cfg: BenchConfig, side: str) -> TensorFn:
+def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
+    """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
+    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``); None for the others (the device's own)."""
+    if side not in WRITER_SIDES:
+        return None
+    writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
+    if writer is None:
+        raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
+    return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer)
+
+
+def attention_fn(cfg: BenchConfig, side: str, config: KernelConfig | None = None) -> TensorFn:
     """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with the ``deterministic`` of ``side``
-    (``SIDES``)."""
+    (``SIDES``), under ``config`` where given (``use_tuning``: the thresholds set outside stay)."""
     deterministic = SIDES[side]
     topology = call_topology(cfg)
     if cfg.packed:
         rows = [list(r) for r in cfg.seg_lens]
-        return lambda q, k, v: mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal,
-                                                             deterministic=deterministic)
-    return lambda q, k, v: mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal,
-                                                  deterministic=deterministic)
+
+        def call(q, k, v):
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal,
+                                                 deterministic=deterministic)
+    else:
+        def call(q, k, v):
+            return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal,
+                                          deterministic=deterministic)
+    if config is None:
+        return call
+
+    def tuned(q, k, v):
+        with mmsparse.tuning.use_tuning(config):  # read by the forward, carried to its backward
+            return call(q, k, v)
+    return tuned
 
 
-def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """The tile the one pass runs at under the current config, as the record shows it."""
-    x = kernel_config(cfg.head_dim, dtype, device).one_pass_kernel_tile()
-    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages} bulk" if x.gluon else " tl")
+def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, config: KernelConfig | None = None
+                  ) -> str:
+    """The tile the one pass runs at under the current config (or ``config``), as the record shows it."""
+    c = config if config is not None else kernel_config(cfg.head_dim, dtype, device)
+    x = c.one_pass_kernel_tile()
+    kind = " dq-writer" if c.one_pass_runs_dq_writer() else " bulk"
+    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages}{kind}" if x.gluon else " tl")
 
 
 def grads(case: Case, fn: TensorFn) -> tuple[torch.Tensor, ...]:
@@ -82,15 +112,17 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     """One config's row: correctness of each side, the other side's differences from the first, the one pass's dQ
     run-to-run differences, and the backward's time and memory of each."""
     case = Case.make(cfg, device, dtype)
-    fns = {side: attention_fn(cfg, side) for side in sides}
+    configs = {side: side_config(cfg, side, device, dtype) for side in sides}
+    fns = {side: attention_fn(cfg, side, configs[side]) for side in sides}
     row: dict[str, Any] = {"config": cfg.name}
     results = {}
     for side, fn in fns.items():
         res = check(case, Impl(fn), grads=True)
         results[side] = grads(case, fn)
-        again = grads(case, fn) if side == "one-pass" else None
-        if side == "one-pass":
-            row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype)
+        one_pass = not SIDES[side]
+        again = grads(case, fn) if one_pass else None
+        if one_pass:
+            row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype, configs[side])
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
         if again is not None:  # run to run: the atomic adds' order
@@ -150,14 +182,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--rounds", type=int, default=5 if cuda else 1, help="interleaved timing rounds (median)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--sides", default=",".join(SIDES),
+    default_sides = SIDES if cuda else [s for s in SIDES if s not in WRITER_SIDES]
+    ap.add_argument("--sides", default=",".join(default_sides),
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side not in SIDES for side in sides):
-        ap.error(f"--sides takes both of {', '.join(SIDES)}, the baseline first; got {args.sides!r}")
+        ap.error(f"--sides takes two or more of {', '.join(SIDES)}, the baseline first; got {args.sides!r}")
+    if not cuda and set(sides) & set(WRITER_SIDES):
+        ap.error(f"the {', '.join(WRITER_SIDES)} side runs a Gluon kernel: it needs a Hopper GPU")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timing = Timing(device, warmup=25 if cuda else 0, rep=100 if cuda else 0, cpu_warmup=1, cpu_reps=1,

@@ -39,3 +39,20 @@ def test_one_pass_tool_sides(tmp_path):
     with pytest.raises(SystemExit):
         one_pass.main([*args, "--sides", "two-pass,one-pass-atomic"])  # a side that is gone
 
+
+
+def test_dq_writer_side(tmp_path):
+    """The dQ-writer side runs the device's config with the warp-specialised kernel's tile; a Gluon kernel, so a
+    CPU run refuses the side rather than timing something else under its name."""
+    import torch
+
+    from benchmarks.configs import ALL_CONFIGS
+    from mmsparse.attention.config import GLUON_DQ_WRITER
+
+    cfg = ALL_CONFIGS["mm13k_hub"]
+    config = one_pass.side_config(cfg, "dq-writer", torch.device("cpu"), torch.bfloat16)
+    assert config.gluon_dq_writer == GLUON_DQ_WRITER[128]
+    assert one_pass.side_config(cfg, "one-pass", torch.device("cpu"), torch.bfloat16) is None
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,dq-writer"])

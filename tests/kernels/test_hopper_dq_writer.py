@@ -1,0 +1,200 @@
+"""The warp-specialised one-pass backward (mmsparse/kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
+warp and a dQ writer warp), off by default and turned on per config (``cuda_kernel_config(...,
+gluon_dq_writer=True)``): its plan everywhere, and on an sm_90 GPU output and all three gradients against the
+float64 reference.
+
+The GPU tests take the cases of tests/kernels/test_hopper_one_pass.py (bits, segment codes, causal, a window, GQA
+groups 1 and 2, D 64/96/128, ragged lengths) and add a dense mask with an empty row and column, GQA group 4 past
+the ring's stages, and agreement with the two passes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention.config import (
+    GLUON_DQ_WRITER,
+    GLUON_DQ_WRITER_ENABLED,
+    GLUON_ONE_PASS_BULK,
+    HOPPER,
+    HOPPER_SHARED_BYTES,
+    Tile,
+    cuda_kernel_config,
+    dq_writer_shared_bytes,
+    gluon_tile_problem,
+    head_dim_pad,
+)
+from mmsparse.attention.plan import plan_attention
+from mmsparse.tuning import use_tuning
+from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
+from tests.kernels.test_hopper_one_pass import CASES, _case_id
+
+CUDA = torch.device("cuda")
+
+
+def writer_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+    """The H100/H200 config of ``head_dim`` with the dQ-writer kernel on."""
+    return cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_dq_writer=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The switch and the plan (any machine)
+
+
+def test_off_by_default():
+    """Nothing changes unless it is asked for: the source switch is off, and the default configs are the very
+    objects they were (their cache key did not change)."""
+    assert GLUON_DQ_WRITER_ENABLED is False
+    for head_dim in (64, 128, 256):
+        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+        assert cfg.gluon_dq_writer is None and not cfg.one_pass_runs_dq_writer()
+        assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
+        plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, torch.device("cpu"), sms=132, deterministic=False)
+        assert not plan.dkdv.dq_writer and plan.kernels()["dkdv"] != "gluon-dq-writer"
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_switch_plans_the_dq_writer(head_dim):
+    """On, it is the one-pass backward's kernel (deterministic=False, below one_pass_max_keys), at the table's
+    tile; the two passes stay as they were, and dropout keeps the tl one pass."""
+    cfg = writer_config(head_dim)
+    tile = GLUON_DQ_WRITER[head_dim_pad(head_dim)]
+    assert cfg.gluon_dq_writer == tile and cfg.one_pass_kernel_tile() == tile
+    assert cfg.gluon_one_pass == GLUON_ONE_PASS_BULK[head_dim_pad(head_dim)]  # kept, for comparison
+    cpu = torch.device("cpu")
+    plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
+    assert plan.dq is None and plan.dkdv.dq_writer and plan.dkdv.tile == tile
+    assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon-dq-writer"
+    plan.check_head_dim(head_dim, 2)
+    two = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=True)
+    default = cuda_kernel_config(head_dim, torch.bfloat16)
+    assert two == plan_attention(default, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=True)
+    dropout = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, dropout=True, deterministic=False)
+    assert not dropout.dkdv.dq_writer and dropout.kernels()["dkdv"] == "tl"
+    long = plan_attention(cfg, 1, 4, 2, 13000, 13000, cpu, sms=132, deterministic=False)
+    assert long.dq is not None and not long.dkdv.dq_writer  # one_pass_max_keys still holds
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(256, torch.bfloat16), (128, torch.float32)])
+def test_switch_leaves_other_head_dims_and_float32(head_dim, dtype):
+    assert writer_config(head_dim, dtype).gluon_dq_writer is None
+
+
+def test_shared_memory_budget():
+    """The tables' tiles fit a CTA; one stage more does not at D=128 (the module docstring's table)."""
+    assert dq_writer_shared_bytes(GLUON_DQ_WRITER[128], 128) == 216_064
+    assert dq_writer_shared_bytes(GLUON_DQ_WRITER[64], 64) == 135_168
+    for d_pad, tile in GLUON_DQ_WRITER.items():
+        assert gluon_tile_problem("dq_writer", tile, d_pad) is None
+    four = dataclasses.replace(GLUON_DQ_WRITER[128], gluon_stages=4)
+    assert dq_writer_shared_bytes(four, 128) > HOPPER_SHARED_BYTES
+    assert "shared memory" in gluon_tile_problem("dq_writer", four, 128)
+    assert "head dims up to 128" in gluon_tile_problem("dq_writer", GLUON_DQ_WRITER[128], 256)
+    assert "128 keys" in gluon_tile_problem("dq_writer", Tile(64, 64, gluon_stages=3), 128)
+
+
+def test_a_tl_tile_is_refused():
+    with pytest.raises(ValueError, match="gluon_dq_writer is the Gluon dQ-writer kernel's tile"):
+        dataclasses.replace(writer_config(128), gluon_dq_writer=Tile(64, 128))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On an sm_90 GPU
+
+
+@pytest.fixture
+def writer_calls(monkeypatch):
+    """The tile of each dQ-writer launch, and the name of any other Gluon backward launcher that ran."""
+    from mmsparse.attention import gluon_launch
+
+    calls = []
+    real = {name: getattr(gluon_launch, name) for name in ("run_bwd_dq_writer", "run_dkdv", "run_dq")}
+
+    def spy(name):
+        def launch(*args, **kwargs):
+            if name == "run_bwd_dq_writer":
+                calls.append(args[12] if len(args) > 12 else kwargs["tile"])
+            else:
+                calls.append(name)
+            return real[name](*args, **kwargs)
+        return launch
+
+    for name in real:
+        monkeypatch.setattr(gluon_launch, name, spy(name))
+    return calls
+
+
+@pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES), ids=_case_id)
+def test_dq_writer_matches_float64(name, writer_calls):
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
+    seq = sum(lens)
+    seq_q = seq_q or seq
+    q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
+    with use_tuning(writer_config(head_dim, dtype)):
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert writer_calls == [GLUON_DQ_WRITER[head_dim_pad(head_dim)]]  # no dQ pass, no other dK/dV kernel
+    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_writer_dense_mask(head_dim, writer_calls):
+    """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN."""
+    q, k, v = make_qkv(1, 4, 2, 1100, 1100, head_dim, torch.bfloat16, CUDA)
+    mask = torch.rand(1100, 1100, device=CUDA) < 0.3
+    mask[5] = False
+    mask[:, 7] = False
+    with use_tuning(writer_config(head_dim)):
+        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert writer_calls == [GLUON_DQ_WRITER[head_dim]]
+    check_outputs(q, k, v, out, grad_out, mask.cpu())
+    assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
+def test_dq_writer_gqa4_past_the_threshold(head_dim, causal, writer_calls):
+    """GQA group 4 over 3.2k keys (forced past one_pass_max_keys): many more steps per key block than the ring has
+    stages, each staging half refilled many times, the group's heads one after another in each CTA."""
+    lens = (700, 1500, 1001)
+    q, k, v = make_qkv(1, 8, 2, sum(lens), sum(lens), head_dim, torch.bfloat16, CUDA)
+    with use_tuning(writer_config(head_dim), one_pass_max_keys=1 << 62):
+        out = mbs_attention(q, k, v, CYCLIC, lens, causal=causal, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert writer_calls == [GLUON_DQ_WRITER[head_dim]]
+    check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=causal))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_dq_writer_agrees_with_the_two_pass_backward(writer_calls):
+    """The same numbers up to the order of float32 adds: both round P and dS to bf16 the same way, so dQ differs by
+    its accumulation order only, and dK, dV by at most that."""
+    lens = (300, 512, 211)
+    q, k, v = make_qkv(1, 4, 2, sum(lens), sum(lens), 128, torch.bfloat16, CUDA)
+    grad_out = torch.randn(1, 4, sum(lens), 128, device=CUDA, dtype=torch.bfloat16)
+    grads = {}
+    with use_tuning(writer_config(128)):
+        for deterministic in (True, False):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
+            out.backward(grad_out)
+            grads[deterministic] = [t.grad for t in leaves]
+    assert GLUON_DQ_WRITER[128] in writer_calls
+    for name, two, one in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        a, b = two.double(), one.double()
+        # float32 sums of ~1000 terms: 1e-5 relative to the largest gradient, plus a bf16 ulp of rounding apart
+        tol = 1e-5 * a.abs().max() + 2.0**-7 * torch.maximum(a.abs(), b.abs())
+        assert ((a - b).abs() <= tol).all(), f"{name}: max diff {(a - b).abs().max().item():.3e}"
