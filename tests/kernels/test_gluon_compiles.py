@@ -14,8 +14,9 @@ The variants are the tiles the config launches (``config.py``: D=64 and D=128, t
 of short samples, the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
 thread, and the D=256 dK/dV kernel at ``GLUON_D256["dkdv"]``, which must not spill at all) over the three mask
 modes (bits, segment codes, a dense mask), causal and not, the forward's ping-pong on and off, with and without a
-sliding window, and the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be TMA bulk reduce-adds, with no
-atomic at all). ptxas's report of each dK/dV variant must not say that it
+sliding window, the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be TMA bulk reduce-adds, with no
+atomic at all), and the warp-specialised one-pass kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
+off by default: its adds likewise, and no spill at all). ptxas's report of each dK/dV variant must not say that it
 serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
 the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
 Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose
@@ -210,7 +211,8 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert report.checked > 0  # the shared accesses were read, not skipped
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass or v.kind == "dq_writer"],
+                         ids=lambda v: v.name)
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     """The one-pass kernel adds dQ only by TMA bulk reduce-adds through the ``[B * Hq, Sq, D]`` dQ descriptor (rows
     past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic."""
@@ -224,7 +226,7 @@ def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     assert not atomics, f"{variant.name}: {atomics}"
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv"], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer")], ids=lambda v: v.name)
 def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
     """ptxas did not serialize the dK/dV kernel's wgmmas for want of registers (C7512): the pipeline would be
     gone; and the kernel fits a Hopper SM's shared memory (the one pass adds a dS^T tile per warpgroup to the
@@ -290,6 +292,32 @@ def test_d256_dkdv_does_not_spill(ptx_dir, variant):
     report = path.read_text()
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
     assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dq_writer"], ids=lambda v: v.name)
+def test_dq_writer_does_not_spill(ptx_dir, variant):
+    """The warp-specialised one-pass kernel keeps everything in registers at its split (kernels/gluon/bwd_dq_writer.py:
+    both MMA warpgroups 240 a thread, the producer and the dQ writer warps 24): no stack frame, no spill, no
+    serialized wgmma (C7512) nor ignored setmaxnreg (C7508); its shared memory is what
+    config.dq_writer_shared_bytes counts, plus the barriers and alignment."""
+    from mmsparse.attention.config import _GLUON_SHARED_SLACK, dq_writer_shared_bytes
+    from mmsparse.kernels.gluon.bwd_dq_writer import WORKER_REGS
+
+    out, proc = ptx_dir
+    path = out / f"{variant.name}.ptxas.txt"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    report = path.read_text()
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
+    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+    ptx = (out / f"{variant.name}.ptx").read_text()
+    regs = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    assert set(WORKER_REGS.value) <= regs, f"{variant.name}: setmaxnreg {sorted(regs)}"
+    tile = _tile(variant)
+    # the count holds a query-bit row per stage, which a dense mask does not read (one row stands in)
+    unread = (tile.gluon_stages - 1) * tile.block_m * 4 if variant.mask == "dense" else 0
+    counted = dq_writer_shared_bytes(tile, variant.head_dim) - unread
+    shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
+    assert counted <= shared <= counted + _GLUON_SHARED_SLACK <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} B"
 
 
 FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]

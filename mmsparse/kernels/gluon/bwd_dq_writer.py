@@ -120,13 +120,14 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         do_s = do_smem.index(stage)
         st = warpgroup_mma(k_w, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        lse = lse_smem.index(stage).load(cols)
         st = warpgroup_mma_wait(1, deps=(st,))
+        # lse and delta are read once their matmul is done: held across its wait they made ptxas spill at D=128.
+        lse = lse_smem.index(stage).load(cols)
         pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
-        delta = delta_smem.index(stage).load(cols)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        delta = delta_smem.index(stage).load(cols)
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
         # nothing).
