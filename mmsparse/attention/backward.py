@@ -9,7 +9,7 @@ import contextlib
 import threading
 import warnings
 from types import ModuleType
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -80,7 +80,7 @@ class BackwardLaunch:
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
         # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
-        self._bound: dict[tuple[int, ...], dict[str, Callable[..., None]]] = {}
+        self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
     def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs,
                  dq_mask: LaunchArgs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

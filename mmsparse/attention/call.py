@@ -96,6 +96,13 @@ _OP_FORWARD: RecentlyUsed[ForwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
 _OP_BACKWARD: RecentlyUsed[BackwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
 
 
+def clear_op_launches() -> None:
+    """Forget the custom ops' launches and the per-shape plans they were made from (``clear_caches``)."""
+    _OP_FORWARD.clear()
+    _OP_BACKWARD.clear()
+    attention_plan_of.cache_clear()
+
+
 def _mask_key(mask: LaunchArgs) -> tuple:
     """What a launch specialises on in a call's mask arguments: their integers, and each tensor's dtype and
     16-byte alignment (a mask's query codes may be a view at any offset)."""

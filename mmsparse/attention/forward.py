@@ -4,7 +4,7 @@ launch worked out once per call (:mod:`mmsparse.attention.call` keeps it)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -59,7 +59,7 @@ class ForwardLaunch:
         n_splits = self.n_splits = forward.n_splits
         self.qk_scale_log2 = softmax_scale * _LOG2E
         d_pad = head_dim_pad(head_dim)
-        self.bound: dict[str, Callable[..., None]] = {}  # the Gluon forward's relaunch (gluon_launch.run_forward)
+        self.bound: dict[str, Any] = {}  # the Gluon forward's relaunch and setup (gluon_launch.run_forward)
         if self.gluon:  # the Gluon launcher works out its own grid and constexprs
             return
         key_blocks = cdiv(k.shape[2], tile.block_n)
