@@ -22,7 +22,7 @@ from .backward import BackwardLaunch
 from .config import KernelConfig, kernel_config
 from .forward import ForwardLaunch
 from .kernel_args import LaunchArgs, kernel_args
-from .plan import AttentionPlan, CallPlan, attention_plan_of, check_passes, plan_attention
+from .plan import AttentionPlan, CallPlan, attention_plan_of, call_plan_from_text, check_passes, plan_attention
 
 
 def frozen_plan(plan: AttentionPlan, info: MaskInfo, cfg: KernelConfig, dropout: bool) -> CallPlan:
@@ -118,28 +118,30 @@ def _op_plan(plan: CallPlan, q: torch.Tensor, k: torch.Tensor) -> AttentionPlan:
     return aplan
 
 
-def forward_launch_of(plan: CallPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+def forward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                       dropout_p: float, seed: torch.Tensor | None, mask: LaunchArgs) -> ForwardLaunch:
-    """The forward launch of a frozen plan at these arguments (q, k, v laid out by ``forward.kernel_layout``;
-    ``mask``: the forward tile's mask arguments), made on first use and kept."""
-    key = (plan, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
+    """The forward launch of a frozen plan (its text: a str keeps its hash) at these arguments (q, k, v laid out
+    by ``forward.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use and kept."""
+    key = (text, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
            None if seed is None else seed.data_ptr() & 15, _mask_key(mask))
     launch = _OP_FORWARD.get(key)
     if launch is None:
+        plan = call_plan_from_text(text)
         launch = _OP_FORWARD.store(key, ForwardLaunch(q, k, v, plan, _op_plan(plan, q, k).forward, softmax_scale,
                                                              dropout_p))
     return launch
 
 
-def backward_launch_of(plan: CallPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+def backward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                        dropout_p: float, seed: torch.Tensor | None,
                        masks: tuple[LaunchArgs, LaunchArgs | None]) -> BackwardLaunch:
-    """The backward launch of a frozen plan at these arguments (``masks``: the dK/dV and dQ tiles' mask
+    """The backward launch of a frozen plan (its text) at these arguments (``masks``: the dK/dV and dQ tiles' mask
     arguments), made on first use and kept. Its relaunches are kept per layout of q, k and v inside it."""
-    key = (plan, q.shape, k.shape, q.dtype, q.device, softmax_scale, dropout_p,
+    key = (text, q.shape, k.shape, q.dtype, q.device, softmax_scale, dropout_p,
            None if seed is None else seed.data_ptr() & 15, *(None if m is None else _mask_key(m) for m in masks))
     launch = _OP_BACKWARD.get(key)
     if launch is None:
+        plan = call_plan_from_text(text)
         check_passes((("dq", plan.dq), ("dkdv", plan.dkdv)), q.shape[-1], q.element_size())
         # the frozen plan holds every backward pass: the forward's grid is not needed
         launch = _OP_BACKWARD.store(key, BackwardLaunch(q, k, plan, plan, softmax_scale, dropout_p))

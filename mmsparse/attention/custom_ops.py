@@ -158,7 +158,7 @@ def _fwd_op(
     values = call_plan_from_text(plan)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     args = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
-    return forward_launch_of(values, q, k, v, softmax_scale, dropout_p, seed, args)(q, k, v, seed, args)
+    return forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)(q, k, v, seed, args)
 
 
 @_fwd_op.register_fake
@@ -177,7 +177,7 @@ def _bwd_op(
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     dkdv = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
     dq = mask_launch_args(mask, values.mode, lists[2], lists[3], values.window) if values.dq is not None else None
-    launch = backward_launch_of(values, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
+    launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
     return launch(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv, dq)
 
 
