@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .attention.autograd import MBSAttentionFunction
+from .attention.call import clear_op_launches
 from .attention.config import current_settings
 from .attention.dropout import new_dropout_seed
 from .attention.plan import plan_attention
@@ -34,6 +35,7 @@ def clear_caches() -> None:
     e.g. between phases with different lengths, or to measure a cold start."""
     CACHE.clear()
     plan_attention.cache_clear()
+    clear_op_launches()
     clear_scratch()
 
 

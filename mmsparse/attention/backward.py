@@ -10,28 +10,28 @@ import contextlib
 import threading
 import warnings
 from types import ModuleType
-from typing import Callable
+from typing import Any
 
 import torch
 
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from ..mask.blocks import cdiv
-from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import own_stream
-from .config import GLUON_DKDV_MAX_HEAD_DIM, KernelConfig, cuda_index, head_dim_pad
+from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
 from .forward import _LOG2E, aligned_copy, dot_mode
-from .kernel_args import kernel_args
-from .plan import AttentionPlan
+from .kernel_args import LaunchArgs
+from .plan import AttentionPlan, CallPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
 
 class BackwardLaunch:
-    """Everything about one planned backward except the tensors, worked out once per call, at its first backward
-    (:class:`mmsparse.attention.call.CallLaunch` keeps it): the block lists of the call's plan (built when this is
-    made, on the current stream), the mask arguments, grids and constexprs. After their first launch the kernels
+    """Everything about one planned backward except the tensors, worked out once per call kind, at its first
+    backward (:class:`mmsparse.attention.call.CallLaunch` keeps it per mask in eager, the custom op per plan,
+    shapes and strides): grids and constexprs. The mask arguments come with each call, over block lists built
+    before it on the current stream. After their first launch the kernels
     are called straight through their launchers, kept per layout of the saved q, k and v (``_bound``): a backward's
     strides are read from the tensors it is given, not from the forward's key, since saved-tensor hooks
     (activation offloading) can hand them back in another layout than the forward saw. Every other integer
@@ -49,32 +49,27 @@ class BackwardLaunch:
     one where the plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]``
     accumulator by atomics, cast to q's dtype at the end."""
 
-    def __init__(self, q, k, info: MaskInfo, cfg: KernelConfig, plan: AttentionPlan, softmax_scale: float,
+    def __init__(self, q, k, call_plan: CallPlan, plan: AttentionPlan | CallPlan, softmax_scale: float,
                  dropout_p: float) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
         num_kv_heads, seq_k = k.shape[1], k.shape[2]
         d_pad = head_dim_pad(head_dim)
-        # not the mask itself: it holds this launch (kernel_args), and a reference back would make a cycle
-        self.mode, self.causal, self.has_window = info.mode, info.causal, info.window is not None
+        self.mode, self.causal, self.has_window = call_plan.mode, call_plan.causal, call_plan.window is not None
         self.device, self.dtype = q.device, q.dtype
-        self.cfg, self.softmax_scale, self.dropout_p = cfg, softmax_scale, dropout_p
+        self.use_tma, self.softmax_scale, self.dropout_p = call_plan.use_tma, softmax_scale, dropout_p
         self.qk_scale = softmax_scale * _LOG2E
         self.q_shape, self.kv_shape = q.shape, (batch, num_kv_heads, seq_k, head_dim)
         self.n_rows = batch * num_heads * seq_q
         self.delta_grid = (cdiv(self.n_rows, 64),)
         self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
         self.plan = plan
-        info.prepare(plan.list_tiles(forward=False), cfg.compact_bytes)  # on the current stream, before any fork
-        args = kernel_args(info)
-        self.dkdv_mask = args.tile(*plan.dkdv.lists)
-        self.dq_mask = args.tile(*plan.dq.lists) if plan.dq is not None else None
         self.one_pass = plan.dq is None
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
         self.dkdv_d256 = d_pad > GLUON_DKDV_MAX_HEAD_DIM
         tile = plan.dkdv.tile
-        flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=info.mode, IS_CAUSAL=info.causal,
-                     HAS_WINDOW=info.window is not None, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
-                     USE_TMA=cfg.use_tma)
+        flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=self.mode, IS_CAUSAL=self.causal,
+                     HAS_WINDOW=self.has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
+                     USE_TMA=self.use_tma)
         group = num_heads // num_kv_heads
         if plan.dq is not None and not plan.dq.gluon:
             dq_tile = plan.dq.tile
@@ -86,12 +81,15 @@ class BackwardLaunch:
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
         # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
-        self._bound: dict[tuple[int, ...], dict[str, Callable[..., None]]] = {}
+        self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
-    def __call__(self, do, q, k, v, out, lse, seed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs,
+                 dq_mask: LaunchArgs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
-        q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous) and dropout seed."""
-        if self.cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
+        q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous), dropout seed and the mask
+        arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
+        before, on the current stream."""
+        if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
         plan, device = self.plan, self.device
         out, lse = saved_layout(out), saved_layout(lse)
@@ -115,10 +113,10 @@ class BackwardLaunch:
                 side.wait_stream(main)  # delta, the block lists and the inputs are ready
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if plan.dq.gluon:
-                    _gluon().run_dq(q, k, v, do, lse, delta, dq, self.dq_mask, self.mode, self.causal, self.qk_scale,
+                    _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, self.mode, self.causal, self.qk_scale,
                                     self.softmax_scale, plan.dq.tile, self.has_window, bound=bound)
                 else:
-                    mask_tensors, mask_scalars = self.dq_mask
+                    mask_tensors, mask_scalars = dq_mask
                     launch_bound(_DQ, self.dq_grid,
                                  (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
                                   self.qk_scale, self.softmax_scale, self.dropout_p),
@@ -126,18 +124,18 @@ class BackwardLaunch:
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
         if plan.dkdv.dq_writer:
-            _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, self.dkdv_mask, self.mode,
+            _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, dkdv_mask, self.mode,
                                        self.causal, self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
                                        bound=bound)
         elif plan.dkdv.gluon and self.dkdv_d256:
-            _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
+            _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, self.mode, self.causal,
                                    self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window, bound=bound)
         elif plan.dkdv.gluon:
-            _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), self.dkdv_mask, self.mode, self.causal,
+            _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, self.mode, self.causal,
                               self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
                               dq_sum if self.one_pass else None, bound=bound)
         else:
-            mask_tensors, mask_scalars = self.dkdv_mask
+            mask_tensors, mask_scalars = dkdv_mask
             dq_arg = dq_sum if self.one_pass else dk  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, self.dkdv_grid,
                          (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,

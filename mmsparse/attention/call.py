@@ -1,8 +1,15 @@
-"""One call's launches, planned once: when its forward first runs with a mask, shapes, strides, dtype, scale,
-dropout, determinism and tiles, the config's plan (which kernel and tile each pass runs), the block lists the
-forward reads and the forward's launch; at its first backward, the backward's lists and launch. The mask keeps the
-launches of its last calls (``kernel_args(info).calls``), so a repeated call plans and builds nothing, and a
-backward reads what its forward planned instead of working it out again.
+"""One call's plan and launches, made once.
+
+In eager, when a call's forward first runs with a mask, shapes, strides, dtype, scale, dropout, determinism and
+tiles: the config's plan (which kernel and tile each pass runs, :mod:`.plan`), the block lists the forward reads
+and the forward's launch; at its first backward, the backward's lists and launch. The mask keeps the launches of
+its last calls (``kernel_args(info).calls``), so a repeated call plans and builds nothing, and a backward reads
+what its forward planned instead of working it out again.
+
+Traced (``torch.compile``, ``torch.export``), the call's frozen plan (:class:`.plan.CallPlan`) is made when the
+graph is traced and crosses the custom ops by value; the ops find their launches by that plan and the shapes
+(:func:`forward_launch_of`, :func:`backward_launch_of`), kept for the process, and read the mask's tensors and
+lists from their arguments.
 """
 
 from __future__ import annotations
@@ -10,18 +17,28 @@ from __future__ import annotations
 import torch
 
 from ..mask.info import MaskInfo
+from ..runtime.recent import RecentlyUsed
 from .backward import BackwardLaunch
 from .config import KernelConfig, kernel_config
 from .forward import ForwardLaunch
-from .kernel_args import kernel_args
-from .plan import AttentionPlan, plan_attention
+from .kernel_args import LaunchArgs, kernel_args
+from .plan import AttentionPlan, CallPlan, attention_plan_of, call_plan_from_text, check_passes, plan_attention
+
+
+def frozen_plan(plan: AttentionPlan, info: MaskInfo, cfg: KernelConfig, dropout: bool) -> CallPlan:
+    """The :class:`CallPlan` of an eager call's plan."""
+    return CallPlan(forward=plan.forward.tile, dq=plan.dq, dkdv=plan.dkdv, side_stream=plan.side_stream,
+                    mode=info.mode, causal=info.causal, window=info.window,
+                    num_segments=getattr(info, "num_segments", 0), dropout=dropout, use_tma=cfg.use_tma,
+                    compact_bytes=cfg.compact_bytes,
+                    decode_max_q=cfg.decode_max_q)
 
 
 class CallLaunch:
     """The plan and launches of one kind of call over one mask. It does not hold the mask (the mask holds it):
     the backward is given the mask again."""
 
-    __slots__ = ("cfg", "plan", "forward", "_backward", "_softmax_scale", "_dropout_p")
+    __slots__ = ("cfg", "plan", "call_plan", "forward", "_forward_mask", "_backward", "_scalars")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, cfg: KernelConfig,
                  softmax_scale: float, dropout_p: float, deterministic: bool) -> None:
@@ -30,19 +47,31 @@ class CallLaunch:
         self.plan: AttentionPlan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device,
                                                   info.sample_len, dropout_p > 0.0, deterministic=deterministic)
         self.plan.check_head_dim(head_dim, q.element_size())
+        self.call_plan = frozen_plan(self.plan, info, cfg, dropout_p > 0.0)
+        self._scalars = (softmax_scale, dropout_p)
         info.prepare(self.plan.list_tiles(backward=False), cfg.compact_bytes)  # on the current stream, first
-        self.forward = ForwardLaunch(q, k, v, info, cfg, self.plan.forward, softmax_scale, dropout_p)
+        self._forward_mask = kernel_args(info).tile(*self.plan.forward.lists)
+        self.forward = ForwardLaunch(q, k, v, self.call_plan, self.plan.forward, softmax_scale, dropout_p)
         self._backward: BackwardLaunch | None = None
-        self._softmax_scale, self._dropout_p = softmax_scale, dropout_p
 
-    def backward(self, info: MaskInfo, q: torch.Tensor, k: torch.Tensor) -> BackwardLaunch:
-        """The backward's launch, made (its lists built, on the current stream) at the call's first backward:
-        a call that never runs one builds none of it."""
+    def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the call's q, k, v (laid out by ``forward.kernel_layout``) and seed."""
+        return self.forward(q, k, v, seed, self._forward_mask)
+
+    def run_backward(self, info: MaskInfo, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor,
+                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)``: the backward's launch is made (its lists built, on the current stream) at the call's
+        first backward: a call that never runs one builds none of it."""
         launch = self._backward
         if launch is None:
-            launch = self._backward = BackwardLaunch(q, k, info, self.cfg, self.plan, self._softmax_scale,
-                                                     self._dropout_p)
-        return launch
+            info.prepare(self.plan.list_tiles(forward=False), self.cfg.compact_bytes)  # before any fork
+            launch = self._backward = BackwardLaunch(q, k, self.call_plan, self.plan, *self._scalars)
+        args = kernel_args(info)
+        plan = self.plan
+        return launch(do, q, k, v, out, lse, seed, args.tile(*plan.dkdv.lists),
+                      args.tile(*plan.dq.lists) if plan.dq is not None else None)
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
@@ -57,6 +86,65 @@ def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInf
     launch = calls.get(key)
     if launch is None:
         launch = calls.store(key, CallLaunch(q, k, v, info, config, softmax_scale, dropout_p, deterministic))
+    return launch
+
+
+# The custom ops' launches, by frozen plan, shapes, strides, the mask's integers and every tensor's alignment: what
+# a launch specialises on. Host objects only (no tensor of any call).
+MAX_OP_LAUNCHES = 256
+_OP_FORWARD: RecentlyUsed[ForwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
+_OP_BACKWARD: RecentlyUsed[BackwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
+
+
+def clear_op_launches() -> None:
+    """Forget the custom ops' launches and the per-shape plans they were made from (``clear_caches``)."""
+    _OP_FORWARD.clear()
+    _OP_BACKWARD.clear()
+    attention_plan_of.cache_clear()
+
+
+def _mask_key(mask: LaunchArgs) -> tuple:
+    """What a launch specialises on in a call's mask arguments: their integers, and each tensor's dtype and
+    16-byte alignment (a mask's query codes may be a view at any offset)."""
+    tensors, scalars = mask
+    return (tuple(t.dtype for t in tensors), tuple(t.data_ptr() & 15 for t in tensors),
+            tuple(s if isinstance(s, int) else (s.dtype, s.data_ptr() & 15) for s in scalars))
+
+
+def _op_plan(plan: CallPlan, q: torch.Tensor, k: torch.Tensor) -> AttentionPlan:
+    batch, num_heads, seq_q, head_dim = q.shape
+    aplan = attention_plan_of(plan, batch, num_heads, k.shape[1], seq_q, k.shape[2], q.device)
+    aplan.check_head_dim(head_dim, q.element_size())
+    return aplan
+
+
+def forward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                      dropout_p: float, seed: torch.Tensor | None, mask: LaunchArgs) -> ForwardLaunch:
+    """The forward launch of a frozen plan (its text: a str keeps its hash) at these arguments (q, k, v laid out
+    by ``forward.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use and kept."""
+    key = (text, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
+           None if seed is None else seed.data_ptr() & 15, _mask_key(mask))
+    launch = _OP_FORWARD.get(key)
+    if launch is None:
+        plan = call_plan_from_text(text)
+        launch = _OP_FORWARD.store(key, ForwardLaunch(q, k, v, plan, _op_plan(plan, q, k).forward, softmax_scale,
+                                                             dropout_p))
+    return launch
+
+
+def backward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                       dropout_p: float, seed: torch.Tensor | None,
+                       masks: tuple[LaunchArgs, LaunchArgs | None]) -> BackwardLaunch:
+    """The backward launch of a frozen plan (its text) at these arguments (``masks``: the dK/dV and dQ tiles' mask
+    arguments), made on first use and kept. Its relaunches are kept per layout of q, k and v inside it."""
+    key = (text, q.shape, k.shape, q.dtype, q.device, softmax_scale, dropout_p,
+           None if seed is None else seed.data_ptr() & 15, *(None if m is None else _mask_key(m) for m in masks))
+    launch = _OP_BACKWARD.get(key)
+    if launch is None:
+        plan = call_plan_from_text(text)
+        check_passes((("dq", plan.dq), ("dkdv", plan.dkdv)), q.shape[-1], q.element_size())
+        # the frozen plan holds every backward pass: the forward's grid is not needed
+        launch = _OP_BACKWARD.store(key, BackwardLaunch(q, k, plan, plan, softmax_scale, dropout_p))
     return launch
 
 
@@ -75,7 +163,7 @@ def mbs_attn_fwd(
     """
     cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
     launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, cfg)
-    return launch.forward(q, k, v, seed)
+    return launch.run_forward(q, k, v, seed)
 
 
 def mbs_attn_bwd(
@@ -87,4 +175,4 @@ def mbs_attn_bwd(
     ``[B, Hq, Sq, D]`` contiguous); ``deterministic`` False allows the one-pass backward (dQ by atomic adds)."""
     cfg = kernel_config(q.shape[-1], q.dtype, q.device) if config is None else config
     launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, cfg)
-    return launch.backward(info, q, k)(do, q, k, v, out, lse, seed)
+    return launch.run_backward(info, do, q, k, v, out, lse, seed)

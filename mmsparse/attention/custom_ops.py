@@ -1,21 +1,55 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.fwd_v3`` / ``.bwd_v3`` (registered here, with fake implementations) make the kernels opaque to
-torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. Their names carry the version of
-their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled graphs does not key on a custom op's
-schema, so a graph cached by an older mmsparse would call a changed op with its old arguments. Eager calls run the same
-implementations directly: a call through the op dispatcher costs 25-35 us, which a small host-bound call feels.
+``torch.ops.mmsparse.lists_v4``, ``.fwd_v4`` and ``.bwd_v4`` (registered here, with fake implementations) make the
+kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
+plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
+text, by value (an exported program runs with its own plan in any process); each tile's block lists come from one
+``lists`` op, whose outputs the forward and the backward ops both read, and which torch's common-subexpression
+elimination can share between layers that pass the same mask. The lists take fixed slots there, sized from the
+shapes (the packed layout's size is data: a graph cannot know it).
+
+The ops' names carry the version of their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled
+graphs does not key on a custom op's schema, so a graph cached by an older mmsparse would call a changed op with its
+old arguments. Eager calls run the launches directly (a call through the op dispatcher costs 25-35 us, which a small
+host-bound call feels), planned once per call kind and kept on the mask (:mod:`.call`).
 :class:`mmsparse.attention.autograd.MBSAttentionFunction` is the one autograd definition over both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..mask.info import MaskInfo, mask_from_tuple
-from .call import CallLaunch, call_launch
-from .config import Settings, current_settings, intern_settings, kernel_config, settings_from_text
+from ..mask.blocks import cdiv
+from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
+from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
+from .config import Settings, current_settings, kernel_config
 from .forward import kernel_layout
+from .kernel_args import mask_launch_args
+from .plan import CallPlan, call_plan_from_text, plan_call
+
+OP_VERSION = 4  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+
+
+@dataclass
+class TracedCall:
+    """What a traced call's backward reads of its forward: the frozen plan (and its text), the mask's kernel
+    tensors and the block lists built so far, by tile."""
+
+    plan: CallPlan
+    text: str
+    mask: list[torch.Tensor]
+    lists: dict[TileKey, tuple[torch.Tensor, torch.Tensor]]
+
+    def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
+        """(counts, indices) of each tile in turn: those the forward built, and one ``lists`` op for each other
+        tile (a traced backward may not change what its forward made: a dict of its own)."""
+        built = dict(self.lists)
+        for key in keys:
+            if key not in built:
+                built[key] = _lists_op(self.mask, self.text, *key)
+        return [t for key in keys for t in built[key]]
 
 
 def _forward(
@@ -25,30 +59,28 @@ def _forward(
     """(out, lse, the call's launches) of q, k, v in any layout (:func:`kernel_layout` copies only what the kernels
     cannot read). The config is read here, from ``settings``, once for the forward and its backward."""
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
-    out, lse = launch.forward(q, k, v, seed)
+    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
+    launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
+    out, lse = launch.run_forward(q, k, v, seed)
     return out, lse, launch
 
 
-def _backward(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool,
-    settings: Settings, launch: CallLaunch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward's inputs, with the forward's launches (``launch``): nothing is planned again.
-    Without them (the custom op, a backward called alone) the launches are found again from the arguments."""
-    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    if launch is None:
-        launch = _launch_of(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, settings)
-    return launch.backward(info, q, k)(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed)
+def traced_plan(q: torch.Tensor, k: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
+                deterministic: bool, settings: Settings) -> CallPlan:
+    """The frozen plan of a traced call (its lengths may be symbols: see :func:`plan_call`)."""
+    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
+    # A graph may hold dropout_p as a symbol: a branch decides whether dropout is on (and guards on it) here
+    dropout = True if dropout_p > 0.0 else False  # noqa: SIM210 (bool() would keep the symbol)
+    return plan_call(config, info.seq_q, info.seq_k, q.device, info.sample_len, dropout, deterministic,
+                     info.mode, info.causal, info.window, getattr(info, "num_segments", 0))
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float, dropout_p: float,
     seed: torch.Tensor | None, settings: Settings | None = None, deterministic: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, CallLaunch | None]:
+) -> tuple[torch.Tensor, torch.Tensor, CallLaunch | TracedCall]:
     """The forward: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units, launch)``: ``launch`` is the call's
-    plan and launches, for :func:`attention_backward` (None when traced: the op plans inside).
+    plan and launches (traced: its frozen plan, mask tensors and lists), for :func:`attention_backward`.
 
     Args:
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``.
@@ -59,66 +91,78 @@ def attention_forward(
         deterministic: the backward the call plans (False: the one-pass backward, dQ by atomic adds).
     """
     settings = current_settings() if settings is None else settings
-    if torch.compiler.is_compiling():  # traced: the kernels must be an opaque op on tensors
-        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
-        out, lse = _fwd_op(q, k, v, mask, mode, causal, num_segments, short, seed, softmax_scale, dropout_p, window,
-                           _text(settings))
-        return out, lse, None
+    if torch.compiler.is_compiling():  # traced: the kernels must be opaque ops on tensors
+        plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
+        mask, text = list(info.kernel_tensors()), plan.text
+        key = plan.list_tiles(backward=False)[0]
+        counts, indices = _lists_op(mask, text, *key)
+        out, lse = _fwd_op(q, k, v, mask, [counts, indices], seed, softmax_scale, dropout_p, text)
+        return out, lse, TracedCall(plan, text, mask, {key: (counts, indices)})
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
-    settings: Settings | None = None, launch: CallLaunch | None = None,
+    settings: Settings | None = None, launch: CallLaunch | TracedCall | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
     ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable). ``settings``: the
-    forward's (None: this thread's now). ``launch``: the forward's (None: found again from the arguments)."""
+    forward's (None: this thread's now). ``launch``: the forward's (None: found again from the arguments, in eager;
+    traced, planned again from them)."""
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        mask, mode, causal, num_segments, short, window = info.as_tuple(_short_samples(q, settings))
-        return _bwd_op(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short, seed, softmax_scale,
-                       dropout_p, window, deterministic, _text(settings))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, settings,
-                     launch)
+        call = launch if isinstance(launch, TracedCall) else None
+        if call is None:
+            plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
+            call = TracedCall(plan, plan.text, list(info.kernel_tensors()), {})
+        passes = [call.plan.dkdv] + ([call.plan.dq] if call.plan.dq is not None else [])
+        lists = call.tile_lists([step.lists for step in passes])
+        return _bwd_op(grad_out, q, k, v, out, lse, call.mask, lists, seed, softmax_scale, dropout_p, call.text)
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    if not isinstance(launch, CallLaunch):
+        config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
+        launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
+    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed)
 
 
-def _launch_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
-               dropout_p: float, seed: torch.Tensor | None, deterministic: bool, settings: Settings) -> CallLaunch:
-    """The launches a forward with these arguments (q, k, v laid out by :func:`kernel_layout`) made, or makes
-    now."""
-    config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
-    return call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
+def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bool) -> tuple[int, int, int]:
+    """(mask rows, list rows, slots a row) of a tile's fixed-slot lists (``kernel_tensors``: the first tensor's
+    rows are the queries, the second's last dim the keys)."""
+    n_q, n_k = cdiv(mask[0].shape[1], block_m), cdiv(mask[1].shape[-1], block_n)
+    rows, cols = (n_k, n_q) if by_key else (n_q, n_k)
+    return mask[0].shape[0], rows, cols
 
 
-OP_VERSION = 3  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+@torch.library.custom_op(f"mmsparse::lists_v{OP_VERSION}", mutates_args=())
+def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int,
+              by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    values = call_plan_from_text(plan)
+    info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
+    lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
+    return lists.counts, lists.indices
 
 
-def _text(settings: Settings) -> str:
-    """The settings' value as the ops take it (a Settings made without ``use_config`` is interned first)."""
-    return settings.text or intern_settings(settings).text
-
-
-def _short_samples(q: torch.Tensor, settings: Settings) -> int:
-    """The config's longest mean sample length that takes the short-samples tile."""
-    return kernel_config(q.shape[-1], q.dtype, q.device, settings).short_samples
+@_lists_op.register_fake
+def _(mask, plan, block_m, block_n, by_key):
+    batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
+    counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
+    return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)
 
 
 @torch.library.custom_op(f"mmsparse::fwd_v{OP_VERSION}", mutates_args=())
 def _fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], mode: int, causal: bool,
-    num_segments: int, short_samples: bool, seed: torch.Tensor | None, softmax_scale: float, dropout_p: float,
-    window: int, settings: str,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], lists: list[torch.Tensor],
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    values = settings_from_text(settings)
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, values))
-    out, lse, _ = _forward(q, k, v, info, softmax_scale, dropout_p, seed, values)
-    return out, lse
+    values = call_plan_from_text(plan)
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    args = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
+    return forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)(q, k, v, seed, args)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p, window, settings):
+def _(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -126,16 +170,17 @@ def _(q, k, v, mask, mode, causal, num_segments, short_samples, seed, softmax_sc
 @torch.library.custom_op(f"mmsparse::bwd_v{OP_VERSION}", mutates_args=())
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    mask: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short_samples: bool,
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, window: int, deterministic: bool,
-    settings: str,
+    mask: list[torch.Tensor], lists: list[torch.Tensor], seed: torch.Tensor | None, softmax_scale: float,
+    dropout_p: float, plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values = settings_from_text(settings)
-    info = mask_from_tuple(mask, mode, causal, num_segments, short_samples, window, _short_samples(q, values))
-    return _backward(grad_out, q, k, v, out, lse, info, softmax_scale, dropout_p, seed, deterministic, values)
+    values = call_plan_from_text(plan)
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    dkdv = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
+    dq = mask_launch_args(mask, values.mode, lists[2], lists[3], values.window) if values.dq is not None else None
+    launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
+    return launch(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv, dq)
 
 
 @_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, mask, mode, causal, num_segments, short_samples, seed, softmax_scale, dropout_p,
-      window, deterministic, settings):
+def _(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

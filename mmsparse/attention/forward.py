@@ -4,19 +4,18 @@ launch worked out once per call (:mod:`mmsparse.attention.call` keeps it)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..kernels.constants import DOT_NATIVE, DOT_TF32X3, DOT_UPCAST
 from ..kernels.tl.forward import attention_combine_tl, attention_fwd_tl
 from ..mask.blocks import cdiv
-from ..mask.info import MaskInfo
 from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
-from .config import KernelConfig, head_dim_pad
-from .kernel_args import kernel_args
-from .plan import ForwardPass
+from .config import head_dim_pad
+from .kernel_args import LaunchArgs
+from .plan import CallPlan, ForwardPass
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
 
@@ -43,34 +42,35 @@ def dot_mode(q: torch.Tensor) -> int:
 
 
 class ForwardLaunch:
-    """Everything about one planned forward launch except q, k, v, the outputs and the seed, worked out once per
-    call (:class:`mmsparse.attention.call.CallLaunch`): a repeated small call is bound by host work. After its
-    first launch it calls the compiled kernel straight through its launcher (:meth:`FastKernel.bind`); the strides
-    and every other integer argument come from its key, so each launch specialises alike. Its mask arguments are
-    read from lists built before it was made."""
+    """Everything about one planned forward launch except q, k, v, the outputs, the seed and the mask's tensors,
+    worked out once per call kind (:class:`mmsparse.attention.call.CallLaunch` keeps it per mask in eager, the
+    custom op per plan, shapes and strides): a repeated small call is bound by host work. After its first launch it
+    calls the compiled kernel straight through its launcher (:meth:`FastKernel.bind`); the strides and every other
+    integer argument come from its key (the mask's integers included), so each launch specialises alike."""
 
-    def __init__(self, q, k, v, info: MaskInfo, cfg: KernelConfig, plan: ForwardPass, softmax_scale: float,
+    def __init__(self, q, k, v, plan: CallPlan, forward: ForwardPass, softmax_scale: float,
                  dropout_p: float) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
-        tile = plan.tile
-        self.cfg, self.tile, self.gluon = cfg, tile, plan.gluon
-        self.mode, self.causal, self.has_window = info.mode, info.causal, info.window is not None
-        self.mask = kernel_args(info).tile(tile.block_m, tile.block_n)
-        self.mask_tensors, mask_scalars = self.mask
+        tile = forward.tile
+        self.tile, self.gluon, self.use_tma = tile, forward.gluon, plan.use_tma
+        self.mode, self.causal, self.has_window = plan.mode, plan.causal, plan.window is not None
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
-        n_splits = self.n_splits = plan.n_splits
-        key_blocks = cdiv(info.seq_k, tile.block_n)
+        n_splits = self.n_splits = forward.n_splits
         self.qk_scale_log2 = softmax_scale * _LOG2E
-        self.scalars = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_scalars, self.qk_scale_log2,
-                        dropout_p, n_splits, cdiv(key_blocks, n_splits))
         d_pad = head_dim_pad(head_dim)
-        self.grid = (plan.row_blocks * n_splits, plan.bh_programs)
+        self.bound: dict[str, Any] = {}  # the Gluon forward's relaunch and setup (gluon_launch.run_forward)
+        if self.gluon:  # the Gluon launcher works out its own grid and constexprs
+            return
+        key_blocks = cdiv(k.shape[2], tile.block_n)
+        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+        self.tail = (self.qk_scale_log2, dropout_p, n_splits, cdiv(key_blocks, n_splits))
+        self.grid = (forward.row_blocks * n_splits, forward.bh_programs)
         self.constexprs = dict(
             NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-            BM=plan.block_m, BN=tile.block_n, MASK_MODE=info.mode, IS_CAUSAL=info.causal, HAS_WINDOW=self.has_window,
-            HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=cfg.use_tma,
-            PACK_GQA=plan.pack_rows > 0, num_warps=plan.num_warps, num_stages=tile.num_stages,
+            BM=forward.block_m, BN=tile.block_n, MASK_MODE=plan.mode, IS_CAUSAL=plan.causal,
+            HAS_WINDOW=self.has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q), USE_TMA=plan.use_tma,
+            PACK_GQA=forward.pack_rows > 0, num_warps=forward.num_warps, num_stages=tile.num_stages,
         )
         n_rows = batch * num_heads * seq_q
         self.combine_grid = (cdiv(n_rows, _COMBINE_ROWS),)
@@ -78,14 +78,15 @@ class ForwardLaunch:
         self.combine_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS)
         self._fwd: Callable[..., None] | None = None  # the bound launches, after the first call
         self._combine: Callable[..., None] | None = None
-        self.bound: dict[str, Callable[..., None]] = {}  # the Gluon forward's relaunch (gluon_launch.run_forward)
 
-    def __call__(self, q, k, v, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of the call's q, k, v (laid out by :func:`kernel_layout`) and dropout seed."""
-        if self.cfg.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), not per launch
+    def __call__(self, q, k, v, seed: torch.Tensor | None, mask: LaunchArgs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the call's q, k, v (laid out by :func:`kernel_layout`), dropout seed and the mask
+        arguments of the forward's tile (:func:`mmsparse.attention.kernel_args.mask_launch_args`), whose integers
+        the caller keys this launch on."""
+        if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), not per launch
             ensure_tma_allocator(self.device)
         if self.gluon:
-            return _hopper_forward(q, k, v, self)
+            return _hopper_forward(q, k, v, self, mask)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         o_dst, lse_dst = out, lse
@@ -93,7 +94,7 @@ class ForwardLaunch:
             o_dst = torch.empty((self.n_splits, *self.out_shape), dtype=torch.float32, device=self.device)
             lse_dst = torch.empty((self.n_splits, *self.lse_shape), dtype=torch.float32, device=self.device)
         seed = seed if seed is not None else lse  # never read without dropout
-        args = (q, k, v, o_dst, lse_dst, *self.mask_tensors, seed, *self.scalars)
+        args = (q, k, v, o_dst, lse_dst, *mask[0], seed, *self.strides, *mask[1], *self.tail)
         if self._fwd is not None:
             self._fwd(*args)
         else:
@@ -107,12 +108,12 @@ class ForwardLaunch:
         return out, lse
 
 
-def _hopper_forward(q, k, v, launch: ForwardLaunch):
+def _hopper_forward(q, k, v, launch: ForwardLaunch, mask: LaunchArgs):
     """The Gluon Hopper forward (the plan chose it: the tile has one, no dropout, no split key lists)."""
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
-    return gluon_launch.run_forward(q, k, v, launch.mask, launch.mode, launch.causal, launch.qk_scale_log2, launch.tile,
-                                    launch.has_window, bound=launch.bound)
+    return gluon_launch.run_forward(q, k, v, mask, launch.mode, launch.causal,
+                                    launch.qk_scale_log2, launch.tile, launch.has_window, bound=launch.bound)
 
 
 _COMBINE_ROWS = 16

@@ -4,7 +4,7 @@ decides whether it is used."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -37,27 +37,33 @@ _DQ_WRITER = FastKernel(attention_bwd_dq_writer_gluon)
 
 def run_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
-    qk_scale_log2: float, tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
+    qk_scale_log2: float, tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.ForwardLaunch`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
     that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
     ``bound``: as :func:`run_dq`'s."""
-    _check_rows(tile.block_m, BLOCK_M)
     batch, num_heads, seq_q, head_dim = q.shape
+
+    def setup() -> _Setup:
+        _check_rows(tile.block_m, BLOCK_M)
+        pad = head_dim_pad(head_dim)
+        return _Setup(
+            (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
+            dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
+                 STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+                 PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS))
+
+    s = _setup_of(bound, "forward", setup)
     mask_tensors, mask_scalars = mask
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = WG_ROWS.value, tile.block_n
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
-        _FWD, (cdiv(seq_q, BLOCK_M), batch * num_heads),
+        _FWD, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2),
-        dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
-             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS),
-        bound, "forward",
+        s.constexprs, bound, "forward",
     )
     return out, lse
 
@@ -65,28 +71,34 @@ def run_forward(
 def run_dq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float, softmax_scale: float,
-    tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
+    tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
 ) -> None:
     """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
     without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read; no ping-pong), over the mask
     arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
     caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for launches that specialise
     alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
-    _check_rows(tile.block_m, BLOCK_M)
-    _check_no_pingpong(tile, "dQ")
     batch, num_heads, seq_q, head_dim = q.shape
+
+    def setup() -> _Setup:
+        _check_rows(tile.block_m, BLOCK_M)
+        _check_no_pingpong(tile, "dQ")
+        pad = head_dim_pad(head_dim)
+        return _Setup(
+            (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
+            dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
+                 STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, num_warps=4,
+                 maxnreg=_LAUNCH_REGS))
+
+    s = _setup_of(bound, "dq", setup)
     mask_tensors, mask_scalars = mask
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = WG_ROWS.value, tile.block_n
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
-        _DQ, (cdiv(seq_q, BLOCK_M), batch * num_heads),
+        _DQ, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
          qk_scale_log2, softmax_scale),
-        dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
-             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, num_warps=4,
-             maxnreg=_LAUNCH_REGS),
-        bound, "dq",
+        s.constexprs, bound, "dq",
     )
 
 
@@ -94,7 +106,7 @@ def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
-    bound: dict[str, Callable[..., None]] | None = None,
+    bound: dict[str, Any] | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
@@ -102,56 +114,68 @@ def run_dkdv(
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it, by TMA bulk reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3
     stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s."""
-    _check_rows(tile.block_n, BLOCK_N)
-    _check_no_pingpong(tile, "dK/dV")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
+
+    def setup() -> _Setup:
+        _check_rows(tile.block_n, BLOCK_N)
+        _check_no_pingpong(tile, "dK/dV")
+        pad = head_dim_pad(head_dim)
+        # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
+        one_pass = dict(ONE_PASS=True) if dq_sum is not None else {}
+        return _Setup(
+            (cdiv(seq_k, BLOCK_N), batch * num_kv_heads), pad, tile.block_m, WG_KEYS.value,
+            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
+                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass))
+
+    # the one-pass variant is its own launch (another compile key)
+    s = _setup_of(bound, "dkdv" if dq_sum is None else "dkdv-one-pass", setup)
     mask_tensors, mask_scalars = mask
     dk, dv = dk_dv
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = tile.block_m, WG_KEYS.value
-    # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
-    one_pass, dq_arg = {}, delta
-    if dq_sum is not None:
-        # each consumer warpgroup reduces half of a block's columns
-        one_pass, dq_arg = dict(ONE_PASS=True), head_rows_descriptor(dq_sum, q_rows, pad // 2)
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
+    # each consumer warpgroup reduces half of a block's columns
+    dq_arg = delta if dq_sum is None else head_rows_descriptor(dq_sum, q_rows, pad // 2)
     launch_bound(
-        _DKDV, (cdiv(seq_k, BLOCK_N), batch * num_kv_heads),
+        _DKDV, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
          delta, dq_arg, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
-        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass),
-        bound, "dkdv",
+        s.constexprs, bound, "dkdv" if dq_sum is None else "dkdv-one-pass",
     )
 
 
 def run_dkdv_d256(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
-    softmax_scale: float, tile: Tile, has_window: bool = False, bound: dict[str, Callable[..., None]] | None = None,
+    softmax_scale: float, tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
 ) -> None:
     """:func:`run_dkdv` at head dims 129-256 (padded to 256) by ``kernels.gluon.dkdv_d256``: 64 keys a CTA (block_n
     64; block_m, at least 64, and gluon_stages are read; ``config.GLUON_D256["dkdv"]``), no one-pass variant.
     ``bound``: as :func:`run_dq`'s."""
-    _check_rows(tile.block_n, D256_BLOCK_N)
-    _check_no_pingpong(tile, "dK/dV")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
+
+    def setup() -> _Setup:
+        _check_rows(tile.block_n, D256_BLOCK_N)
+        _check_no_pingpong(tile, "dK/dV")
+        pad = head_dim_pad(head_dim)
+        return _Setup(
+            (cdiv(seq_k, D256_BLOCK_N), batch * num_kv_heads), pad, tile.block_m, D256_BLOCK_N,
+            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
+                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS))
+
+    s = _setup_of(bound, "dkdv_d256", setup)
     mask_tensors, mask_scalars = mask
     dk, dv = dk_dv
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = tile.block_m, D256_BLOCK_N
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
-        _DKDV_D256, (cdiv(seq_k, D256_BLOCK_N), batch * num_kv_heads),
+        _DKDV_D256, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
          delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
-        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             num_warps=4, maxnreg=_LAUNCH_REGS),
-        bound, "dkdv_d256",
+        s.constexprs, bound, "dkdv_d256",
     )
 
 
@@ -159,33 +183,63 @@ def run_bwd_dq_writer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], dq_sum: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, softmax_scale: float, tile: Tile, has_window: bool = False,
-    bound: dict[str, Callable[..., None]] | None = None,
+    bound: dict[str, Any] | None = None,
 ) -> None:
     """The one-pass backward by ``kernels.gluon.bwd_dq_writer`` (two MMA warpgroups, a producer warp and a dQ writer
     warp): dK and dV into ``dk_dv`` as :func:`run_dkdv`, and dQ times the softmax scale added into ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) by TMA bulk reduce-adds, at ``tile`` (block_n 128; block_m and
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
     ``bound``: as :func:`run_dq`'s."""
-    _check_rows(tile.block_n, DQ_WRITER_BLOCK_N)
-    _check_no_pingpong(tile, "one-pass")
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
+
+    def setup() -> _Setup:
+        _check_rows(tile.block_n, DQ_WRITER_BLOCK_N)
+        _check_no_pingpong(tile, "one-pass")
+        pad = head_dim_pad(head_dim)
+        # 12 warps at launch (the two one-warp workers padded to a warpgroup): 168 x 384 threads fit an SM's 64K
+        return _Setup(
+            (cdiv(seq_k, DQ_WRITER_BLOCK_N), batch * num_kv_heads), pad, tile.block_m, WG_KEYS.value,
+            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
+                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS))
+
+    s = _setup_of(bound, "bwd_dq_writer", setup)
     mask_tensors, mask_scalars = mask
     dk, dv = dk_dv
-    pad = head_dim_pad(head_dim)
-    q_rows, kv_rows = tile.block_m, WG_KEYS.value
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
-        _DQ_WRITER, (cdiv(seq_k, DQ_WRITER_BLOCK_N), batch * num_kv_heads),
+        _DQ_WRITER, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
          delta, head_rows_descriptor(dq_sum, q_rows, pad // 2), *mask_tensors, *mask_scalars, qk_scale_log2,
          softmax_scale),
-        # 12 warps at launch (the two one-warp workers padded to a warpgroup): 168 x 384 threads fit an SM's 64K
-        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-             num_warps=4, maxnreg=_LAUNCH_REGS),
-        bound, "bwd_dq_writer",
+        s.constexprs, bound, "bwd_dq_writer",
     )
+
+
+class _Setup(NamedTuple):
+    """What a Gluon launch works out from its shapes, tile and flags alone, once per launch owner (``bound``): the
+    grid, the padded head dim, the rows of its Q-side and K-side descriptor boxes, and the constexprs. The
+    descriptors themselves are made from each call's live tensors (they hold a pointer and strides)."""
+
+    grid: tuple[int, int]
+    pad: int
+    q_rows: int
+    kv_rows: int
+    constexprs: dict[str, Any]
+
+
+def _setup_of(bound: dict[str, Any] | None, name: str, make: Callable[[], _Setup]) -> _Setup:
+    """The launch's :class:`_Setup`, kept in ``bound`` beside its relaunch: the owner of ``bound`` keeps one per set
+    of launches of equal shapes, tiles and flags (``forward.ForwardLaunch``, ``backward.BackwardLaunch``)."""
+    if bound is None:
+        return make()
+    key = f"{name}:setup"
+    setup = bound.get(key)
+    if setup is None:
+        setup = bound[key] = make()
+    return setup
 
 
 def _check_rows(planned: int, kernel: int) -> None:

@@ -9,7 +9,8 @@ Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the 
              sliding window, read only by the HAS_WINDOW variants; 0 without one)
 
 (the tl kernels take the dropout SEED between the two groups). The torch custom ops carry a mask as its
-``as_tuple`` (:mod:`mmsparse.mask.info`). Adding a kernel argument touches this module and the kernels, nothing
+``kernel_tensors`` (:mod:`mmsparse.mask.info`) and each tile's lists, and make these arguments from them
+(:func:`mask_launch_args`). Adding a kernel argument touches this module and the kernels, nothing
 above.
 """
 
@@ -19,8 +20,9 @@ import weakref
 
 import torch
 
+from ..kernels.constants import MASK_DENSE, MASK_SEGMENTS
 from ..mask.bit_lists import kernel_window
-from ..mask.info import BitMask, CodeMask, DenseMask, MaskInfo, TileKey
+from ..mask.info import MaskInfo, TileKey
 from ..runtime.recent import RecentlyUsed
 from .config import KernelConfig
 from .plan import plan_attention
@@ -66,29 +68,32 @@ class KernelArgs:
             return args
         info = self.info
         lists = info.built_lists(block_m, block_n, by_key)
-        shared = info.batch == 1
-        if isinstance(info, BitMask):
-            # k_bits' batch stride is 0 too when the key bits are shared (expanded)
-            mask = (info.q_bits, info.k_bits, info.q_bits)
-            mask_strides = (0 if shared else info.q_bits.stride(0), 0 if shared else info.k_bits.stride(0), 0, 0)
-        elif isinstance(info, CodeMask):
-            mask = (info.q_codes, info.k_codes, info.table)
-            mask_strides = (0 if shared else info.q_codes.stride(0), 0 if shared else info.k_codes.stride(0), 0,
-                            info.table.stride(0))
-        elif isinstance(info, DenseMask):
-            dense = info.dense.view(torch.uint8)
-            mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
-        else:
-            raise TypeError(f"no kernel arguments for a {type(info).__name__}")
-        list_strides = (0 if shared else lists.counts.stride(0), 0 if shared else lists.indices.stride(0))
-        q_start = info.q_start
-        q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
-        args = self._tiles[key] = (
-            (*mask, lists.counts, lists.indices),
-            (*mask_strides, *list_strides, info.seq_q, info.seq_k, q_start, q_start_stride,
-             kernel_window(info.window)),
-        )
+        args = self._tiles[key] = mask_launch_args(info.kernel_tensors(), info.mode, lists.counts, lists.indices,
+                                                   info.window)
         return args
+
+
+def mask_launch_args(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], mode: int, counts: torch.Tensor,
+                     indices: torch.Tensor, window: int | None) -> LaunchArgs:
+    """The mask arguments of one tile, in the order of the module docstring, from a mask's kernel tensors
+    (``MaskInfo.kernel_tensors``: three tensors and the first-query positions) and that tile's lists. A batch
+    stride of 0 shares one mask (or list) across the batch; tensors a mode does not read are stand-ins."""
+    first, second, third, q_start = tensors
+    shared = first.shape[0] == 1
+    if mode == MASK_DENSE:
+        dense = third.view(torch.uint8)
+        mask, mask_strides = (dense, dense, dense), (0, 0, 0 if shared else dense.stride(0), dense.stride(1))
+        seq_q, seq_k = dense.shape[1], dense.shape[2]
+    else:
+        # k bits (or codes): batch stride 0 too when shared (expanded); the pair table's row stride (codes)
+        mask = (first, second, third)
+        mask_strides = (0 if shared else first.stride(0), 0 if shared else second.stride(0), 0,
+                        third.stride(0) if mode == MASK_SEGMENTS else 0)
+        seq_q, seq_k = first.shape[1], second.shape[1]
+    list_strides = (0 if shared else counts.stride(0), 0 if shared else indices.stride(0))
+    q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
+    return ((*mask, counts, indices),
+            (*mask_strides, *list_strides, seq_q, seq_k, q_start, q_start_stride, kernel_window(window)))
 
 
 def kernel_args(info: MaskInfo) -> KernelArgs:

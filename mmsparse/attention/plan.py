@@ -9,7 +9,8 @@ the plan which kernel runs rather than watching the launchers.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -71,13 +72,8 @@ class AttentionPlan:
         """Raise ValueError where a pass this plan runs as its Gluon kernel cannot run at ``head_dim`` with inputs
         of ``itemsize`` bytes (:func:`mmsparse.attention.config.gluon_tile_problem`): a config made for another
         head dim (``use_tuning``) is refused with the reason before anything compiles."""
-        passes = (("fwd", self.forward), ("dq", self.dq), ("dq_writer" if self.dkdv.dq_writer else "dkdv", self.dkdv))
-        for kind, step in passes:
-            problem = step is not None and step.gluon and gluon_tile_problem(
-                kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
-            if problem:
-                raise ValueError(f"mmsparse: {problem}; give this head dim its own tiles (mmsparse.tuning."
-                                 f"default_config) or a tl tile (gluon_stages=0)")
+        dkdv = "dq_writer" if self.dkdv.dq_writer else "dkdv"
+        check_passes((("fwd", self.forward), ("dq", self.dq), (dkdv, self.dkdv)), head_dim, itemsize)
 
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
@@ -114,9 +110,34 @@ def plan_attention(
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
     """
-    group = num_heads // num_kv_heads
     tile = config.forward_tile(seq_q, seq_k, sample_len)
-    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m, config.decode_max_q)
+    forward = forward_pass(tile, config.decode_max_q, batch, num_heads, num_kv_heads, seq_q, seq_k, device, dropout,
+                           sms)
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic)
+    return AttentionPlan(forward=forward, dq=dq, dkdv=dkdv, side_stream=side_stream)
+
+
+def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, dropout: bool,
+                    deterministic: bool) -> tuple[BackwardPass | None, BackwardPass, bool]:
+    """(dQ pass or None for the one pass, dK/dV pass, side stream) of :func:`plan_attention`: they depend on the
+    key count only through the config's thresholds, so a traced call decides them once for every length on the
+    same side of those (:func:`plan_call`)."""
+    if config.runs_one_pass(seq_k, deterministic):
+        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
+                                one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
+        return None, one_pass, False
+    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.dkdv_tile(dropout)
+    return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
+            BackwardPass(dkdv_tile, dkdv_tile.gluon and not dropout, True),
+            device.type == "cuda" and not config.few_keys(seq_k))
+
+
+def forward_pass(tile: Tile, decode_max_q: int, batch: int, num_heads: int, num_kv_heads: int, seq_q: int,
+                 seq_k: int, device: torch.device, dropout: bool, sms: int | None = None) -> ForwardPass:
+    """The forward's launch at ``tile``: the GQA pack of a short query block, the grid and the key-list splits,
+    which follow every length (a traced call works them out when its op runs: :func:`attention_plan_of`)."""
+    group = num_heads // num_kv_heads
+    pack_rows = gqa_pack_rows(group, seq_q, tile.block_m, decode_max_q)
     if pack_rows:
         block_m, num_warps = pack_rows, max(tile.num_warps, pack_rows // 16)
         row_blocks, bh_programs = 1, batch * num_kv_heads
@@ -124,19 +145,124 @@ def plan_attention(
         block_m, num_warps = tile.block_m, tile.num_warps
         row_blocks, bh_programs = cdiv(seq_q, tile.block_m), batch * num_heads
     n_splits = num_splits(row_blocks * bh_programs, cdiv(seq_k, tile.block_n), device, sms)
-    forward = ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
-                          row_blocks, bh_programs, n_splits)
-    if config.runs_one_pass(seq_k, deterministic):
-        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
-                                one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
-        return AttentionPlan(forward=forward, dq=None, dkdv=one_pass, side_stream=False)
-    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.dkdv_tile(dropout)
-    return AttentionPlan(
-        forward=forward,
-        dq=BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
-        dkdv=BackwardPass(dkdv_tile, dkdv_tile.gluon and not dropout, True),
-        side_stream=device.type == "cuda" and not config.few_keys(seq_k),
-    )
+    return ForwardPass(tile, tile.gluon and not dropout and n_splits == 1, block_m, num_warps, pack_rows,
+                       row_blocks, bh_programs, n_splits)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """The frozen plan of one call, everything about it that its lengths do not change: each pass's tile and
+    kernel, the mask's kind and the thresholds' outcomes. Made once (in eager, with the call's launches; traced,
+    when the graph is traced) and read by the forward, by the backward and by the block-list builder; it crosses
+    the custom ops as its :meth:`text`, by value (the scale and dropout probability travel beside it, as floats
+    a graph may hold as symbols). What follows each length (the forward's grid and key-list splits) is worked out
+    from it by :func:`attention_plan_of`, kept per shapes."""
+
+    forward: Tile
+    dq: BackwardPass | None  # None: the one-pass backward
+    dkdv: BackwardPass
+    side_stream: bool
+    mode: int  # the mask's kind (kernels.constants.MASK_*)
+    causal: bool
+    window: int | None
+    num_segments: int
+    dropout: bool  # the Gluon kernels have none: with it their passes run the tl kernels at the same tiles
+    use_tma: bool
+    compact_bytes: int
+    decode_max_q: int
+
+    def list_tiles(self, forward: bool = True, backward: bool = True) -> list[TileKey]:
+        """The block lists the planned passes read, each once."""
+        passes = [self.dkdv] + ([self.dq] if self.dq is not None else [])
+        keys = ([(self.forward.block_m, self.forward.block_n, False)] if forward else [])
+        keys += [p.lists for p in passes] if backward else []
+        return list(dict.fromkeys(keys))
+
+    @property
+    def text(self) -> str:
+        """The plan's whole value as JSON (:func:`call_plan_from_text` inverts it): what a custom op takes."""
+        return _plan_text(self)
+
+
+_TILE_FIELDS = tuple(f.name for f in fields(Tile))
+_PLAN_SCALARS = ("side_stream", "mode", "causal", "window", "num_segments", "dropout", "use_tma",
+                 "compact_bytes", "decode_max_q")
+
+
+def _plan_text(plan: CallPlan) -> str:
+    # The plan's value as nested pairs of names and constants: what a traced graph can hand to _text_of.
+    def tile(t: Tile) -> tuple:
+        return tuple((name, getattr(t, name)) for name in _TILE_FIELDS)
+
+    def step(p: BackwardPass | None) -> tuple | None:
+        return None if p is None else (("tile", tile(p.tile)), ("gluon", p.gluon), ("by_key", p.by_key),
+                                       ("one_pass", p.one_pass), ("dq_writer", p.dq_writer))
+
+    return _text_of((("forward", tile(plan.forward)), ("dq", step(plan.dq)), ("dkdv", step(plan.dkdv)),
+                     *((name, getattr(plan, name)) for name in _PLAN_SCALARS)))
+
+
+@torch.compiler.assume_constant_result  # traced, run as Python on the constants: Dynamo does not trace json
+def _text_of(pairs: tuple) -> str:
+    def value(v: object) -> object:
+        if isinstance(v, tuple):
+            return {name: value(item) for name, item in v}
+        return v
+
+    return json.dumps(value(pairs), sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=1024)
+def call_plan_from_text(text: str) -> CallPlan:
+    """The :class:`CallPlan` whose :attr:`CallPlan.text` is ``text`` (one object per text, so that launches kept
+    per plan hit by identity as well as by value)."""
+    try:
+        value = json.loads(text)
+
+        def pass_of(step: dict | None) -> BackwardPass | None:
+            return None if step is None else BackwardPass(Tile(**step["tile"]), bool(step["gluon"]),
+                                                          bool(step["by_key"]), bool(step["one_pass"]),
+                                                          bool(step["dq_writer"]))
+
+        dkdv = pass_of(value["dkdv"])
+        if dkdv is None:
+            raise ValueError("no dK/dV pass")
+        return CallPlan(forward=Tile(**value["forward"]), dq=pass_of(value["dq"]), dkdv=dkdv,
+                        **{name: value[name] for name in _PLAN_SCALARS})
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"not the text of an mmsparse call plan (a graph made by another version of mmsparse?): "
+                         f"{text[:200]!r} ({err})") from err
+
+
+def plan_call(config: KernelConfig, seq_q: int, seq_k: int, device: torch.device, sample_len: int | None,
+              dropout: bool, deterministic: bool, mode: int, causal: bool, window: int | None,
+              num_segments: int) -> CallPlan:
+    """The :class:`CallPlan` of a call (the lengths may be a traced graph's symbols: they are only compared with
+    the config's thresholds, which the graph then guards on)."""
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic)
+    return CallPlan(forward=config.forward_tile(seq_q, seq_k, sample_len), dq=dq, dkdv=dkdv,
+                    side_stream=side_stream, mode=mode, causal=causal, window=window, num_segments=num_segments,
+                    dropout=dropout, use_tma=config.use_tma,
+                    compact_bytes=config.compact_bytes, decode_max_q=config.decode_max_q)
+
+
+@functools.lru_cache(maxsize=1024)
+def attention_plan_of(plan: CallPlan, batch: int, num_heads: int, num_kv_heads: int, seq_q: int, seq_k: int,
+                      device: torch.device) -> AttentionPlan:
+    """The :class:`AttentionPlan` of a frozen plan at these shapes (the forward's grid and splits), kept."""
+    forward = forward_pass(plan.forward, plan.decode_max_q, batch, num_heads, num_kv_heads, seq_q, seq_k, device,
+                           plan.dropout)
+    return AttentionPlan(forward=forward, dq=plan.dq, dkdv=plan.dkdv, side_stream=plan.side_stream)
+
+
+def check_passes(passes: tuple, head_dim: int, itemsize: int) -> None:
+    """:meth:`AttentionPlan.check_head_dim` of ``(kind, pass or None)`` pairs."""
+    for kind, step in passes:
+        problem = step is not None and step.gluon and gluon_tile_problem(
+            kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
+        if problem:
+            raise ValueError(f"mmsparse: {problem}; give this head dim its own tiles (mmsparse.tuning."
+                             f"default_config) or a tl tile (gluon_stages=0)")
 
 
 _PACK_MAX_ROWS = 64

@@ -27,7 +27,7 @@ import torch
 
 from ..attention.call import CallLaunch
 from ..attention.config import Settings, current_settings
-from ..attention.custom_ops import attention_backward, attention_forward
+from ..attention.custom_ops import TracedCall, attention_backward, attention_forward
 from ..attention.forward import combine_partials
 from ..mask.info import BitMask, CodeMask
 
@@ -108,7 +108,7 @@ class PiecesCall:
     backward reuses instead of planning again."""
 
     settings: Settings = field(default_factory=current_settings)
-    launches: dict[int, CallLaunch | None] = field(default_factory=dict)  # by id of the piece
+    launches: dict[int, CallLaunch | TracedCall] = field(default_factory=dict)  # by id of the piece
 
 
 def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece, scale: float,

@@ -6,9 +6,9 @@
 - :class:`DenseMask`: the user's bool mask, on the arbitrary-mask path.
 
 The token-level part is O(S) (the dense mask aside). Their common base, :class:`MaskInfo`, builds block lists
-lazily for each tile asked for. ``as_tuple`` / :func:`mask_from_tuple` carry a mask across the torch custom-op
-boundary as plain tensors and ints. Nothing here knows the attention kernels' signatures:
-:mod:`mmsparse.attention.kernel_args` turns a mask into their arguments.
+lazily for each tile asked for. ``kernel_tensors`` / :func:`mask_from_kernel_tensors` carry a mask across the torch
+custom-op boundary as plain tensors (the call's plan carries its kind and scalars). Nothing here knows the
+attention kernels' signatures: :mod:`mmsparse.attention.kernel_args` turns a mask into their arguments.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from .token_bits import launch_token_bits
 from .topology import Topology, allowed_by_type
 
 TileKey = tuple[int, int, bool]  # (block_m, block_n, by_key) of one set of block lists
-# What crosses the custom-op boundary: (tensors, mode, causal, segment count, a pack of short samples, window or 0)
-MaskTuple = tuple[list[torch.Tensor], int, bool, int, bool, int]
 
 
 class MaskInfo:
@@ -37,8 +35,8 @@ class MaskInfo:
     block lists built once per tile. ``batch`` is 1 when the whole batch shares the mask.
 
     Build one with :meth:`from_topology`, :meth:`from_segments` or :meth:`from_dense` (or a kind's constructor).
-    A subclass gives its token-level tensors, its tile classification, its device-side list builder and its
-    tuple form.
+    A subclass gives its token-level tensors, its tile classification, its device-side list builder and the
+    tensors its kernels read.
     """
 
     mode: int  # the kernels' MASK_MODE
@@ -80,18 +78,16 @@ class MaskInfo:
         other than the building one gets its own: see :mod:`mmsparse.mask.cache`)."""
         raise NotImplementedError
 
-    def as_tuple(self, short_samples: int) -> MaskTuple:
-        """The mask as a torch custom op takes it: four tensors (unused places hold empty stand-ins; the last is
-        the first-query positions), the mode, causality, the segment count, and whether it is a pack of short
-        samples (a flag rather than the mean length, so that new packs do not recompile a graph: it only picks the
-        forward's tile; ``short_samples`` is the config's threshold), and the window (0 for none).
-        :func:`mask_from_tuple` inverts it."""
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensors the kernels read, as the custom ops take them: three (a kind repeats one where it reads fewer)
+        and the first-query positions. :func:`mask_from_kernel_tensors` makes a mask of them again."""
         raise NotImplementedError
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists | None:
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
+                     compact: bool | None = None) -> BlockLists | None:
         """The block lists built on the device straight from the token-level tensors, or None where they come
         from :meth:`classes` (dense masks; CPU tensors without Triton's interpreter)."""
         return None
@@ -172,14 +168,15 @@ class MaskInfo:
         return self._classes[key]
 
     def lists(self, block_m: int, block_n: int, by_key: bool = False,
-              compact_bytes: int = COMPACT_BYTES) -> BlockLists:
+              compact_bytes: int = COMPACT_BYTES, compact: bool | None = None) -> BlockLists:
         """Per query block its key blocks, or (by_key) per key block its query blocks. Topology masks: built by
         Triton kernels straight from the token-level tensors; dense masks, or CPU tensors without Triton's
         interpreter: reduced from :meth:`classes` in torch. ``compact_bytes``: above it a bit mask's lists take
-        the compact layout (:func:`mmsparse.mask.bit_lists.build_block_lists`)."""
+        the compact layout (:func:`mmsparse.mask.bit_lists.build_block_lists`); ``compact`` False: fixed slots
+        whatever their size (lists whose size must follow from the shapes alone: a traced graph's)."""
         key = (block_m, block_n, by_key)
         if key not in self._lists and kernels_run_on(self.device):
-            built = self._build_lists(block_m, block_n, by_key, compact_bytes)
+            built = self._build_lists(block_m, block_n, by_key, compact_bytes, compact)
             if built is not None:
                 self._lists[key] = built
                 self._grew()
@@ -251,19 +248,18 @@ class BitMask(MaskInfo):
     def same_tensors(self) -> BitMask:
         return BitMask(self.q_bits, self.k_bits, self.num_segments, self.causal, self.q_start, self.window)
 
-    def as_tuple(self, short_samples: int) -> MaskTuple:
-        unused = torch.empty((self.batch, 0, 0), dtype=torch.bool, device=self.device)
-        return ([self.q_bits, self.k_bits, unused, self.q_start], self.mode, self.causal, self.num_segments, False,
-                _window_arg(self.window))
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_bits, self.k_bits, self.q_bits, self.q_start
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return classify_blocks_from_bits(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
                                          self.q_start, self.window)
 
-    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
+                     compact: bool | None = None) -> BlockLists:
         return build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
-                                 self.q_start, by_key, summaries=self._summaries, compact_bytes=compact_bytes,
-                                 window=self.window)
+                                 self.q_start, by_key, summaries=self._summaries, compact=compact,
+                                 compact_bytes=compact_bytes, window=self.window)
 
 
 class CodeMask(MaskInfo):
@@ -307,24 +303,23 @@ class CodeMask(MaskInfo):
         return CodeMask(self.q_codes, self.k_codes, self.table, self.num_segments, self.causal, self.q_start,
                         self.sample_len, self.window)
 
-    def as_tuple(self, short_samples: int) -> MaskTuple:
-        short = self.sample_len is not None and self.sample_len <= short_samples
-        tensors = [self.q_codes, self.k_codes, self.table, self.q_start]
-        return tensors, self.mode, self.causal, self.num_segments, short, _window_arg(self.window)
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_codes, self.k_codes, self.table, self.q_start
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # from the codes' runs: O(S + tiles x runs), no S x S mask
         return classify_blocks_from_codes(self.q_codes, self.k_codes, self.table, block_m, block_n, self.causal,
                                           self.q_start, self.window)
 
-    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int) -> BlockLists:
+    def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
+                     compact: bool | None = None) -> BlockLists:
         if self._runs is None:
             k_codes = self.k_codes if self.k_codes.stride(0) != 0 else self.k_codes[:1]
             q_runs = CodeRuns(self.q_codes)
             same = _same_view(self.q_codes, k_codes)  # self-attention: the queries' codes are the keys'
             self._runs = (q_runs, q_runs if same else CodeRuns(k_codes))
         return build_segment_lists(*self._runs, self.table, block_m, block_n, self.causal, self.q_start, by_key,
-                                   compact_bytes=compact_bytes, window=self.window)
+                                   compact=compact, compact_bytes=compact_bytes, window=self.window)
 
     def code_mask(self) -> torch.Tensor:
         """The dense bool ``[Bm, Sq, Sk]`` by the rule of :mod:`mmsparse.mask.segment_codes` in torch (O(S^2): tests and
@@ -361,30 +356,24 @@ class DenseMask(MaskInfo):
     def same_tensors(self) -> DenseMask:
         return DenseMask(self.dense, self.causal, self.q_start, self.window)
 
-    def as_tuple(self, short_samples: int) -> MaskTuple:
-        unused = torch.empty((self.batch, 0), dtype=torch.int32, device=self.device)
-        return [unused, unused, self.dense, self.q_start], self.mode, self.causal, 0, False, _window_arg(self.window)
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.dense, self.dense, self.dense, self.q_start
 
     def _classify(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return classify_blocks_from_mask(self.dense, block_m, block_n, self.causal, self.q_start, self.window)
 
 
-def mask_from_tuple(tensors: list[torch.Tensor], mode: int, causal: bool, num_segments: int, short: bool,
-                    window: int, short_samples: int) -> MaskInfo:
-    """The mask of :meth:`MaskInfo.as_tuple` (a pack of short samples comes back with the longest mean sample
-    length that counts as short, ``short_samples``; a window of 0 is none)."""
+def mask_from_kernel_tensors(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], mode: int, causal: bool,
+                             num_segments: int, window: int | None) -> MaskInfo:
+    """A mask of :meth:`MaskInfo.kernel_tensors`, with no list built yet (a custom op's, which builds one tile's)."""
     first, second, third, q_start = tensors
-    win = window if window > 0 else None
     if mode == MASK_BITS:
-        return BitMask(first, second, num_segments, causal, q_start, win)
+        return BitMask(first, second, num_segments, causal, q_start, window)
     if mode == MASK_SEGMENTS:
-        return CodeMask(first, second, third, num_segments, causal, q_start, short_samples if short else None, win)
-    return DenseMask(third, causal, q_start, win)
-
-
-def _window_arg(window: int | None) -> int:
-    """The window as a custom op's int: 0 for none."""
-    return 0 if window is None else window
+        return CodeMask(first, second, third, num_segments, causal, q_start, window=window)
+    if mode == MASK_DENSE:
+        return DenseMask(third, causal, q_start, window)
+    raise ValueError(f"no mask of mode {mode}")
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

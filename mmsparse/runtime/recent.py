@@ -39,6 +39,10 @@ class RecentlyUsed(Generic[V]):
                 self._entries.popitem(last=False)
             return kept
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
     def values(self) -> list[V]:
         with self._lock:
             return list(self._entries.values())

@@ -137,12 +137,12 @@ def test_the_ops_signatures_match_their_version():
     mmsparse.attention.custom_ops.OP_VERSION, and these lists with it."""
     from mmsparse.attention.custom_ops import OP_VERSION
 
-    assert OP_VERSION == 3
+    assert OP_VERSION == 4
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
-             for op in ("fwd", "bwd")}
+             for op in ("lists", "fwd", "bwd")}
     assert names == {
-        "fwd": ["q", "k", "v", "mask", "mode", "causal", "num_segments", "short_samples", "seed", "softmax_scale",
-                "dropout_p", "window", "settings"],
-        "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "mode", "causal", "num_segments", "short_samples",
-                "seed", "softmax_scale", "dropout_p", "window", "deterministic", "settings"],
+        "lists": ["mask", "plan", "block_m", "block_n", "by_key"],
+        "fwd": ["q", "k", "v", "mask", "lists", "seed", "softmax_scale", "dropout_p", "plan"],
+        "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "lists", "seed", "softmax_scale", "dropout_p",
+                "plan"],
     }

@@ -1,6 +1,6 @@
 """``use_config`` settings belong to the thread that set them and are read once, when a call's forward runs: the
 backward runs with the forward's settings wherever and whenever it runs (outside the block, on another thread).
-The backward's config and plan are recorded where it launches."""
+The backward's plan is recorded where it launches."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ ODD_TILES = KernelConfig(fwd=Tile(16, 16), bwd_dkdv=Tile(16, 16), bwd_dq=Tile(16
 
 @pytest.fixture
 def backward_plans(monkeypatch):
-    """(thread name, config, AttentionPlan) of every backward run while the test runs (on a GPU autograd runs the
+    """(thread name, dK/dV tile, plan) of every backward run while the test runs (on a GPU autograd runs the
     backward on a thread of its own)."""
     plans = []
     original = backward_module.BackwardLaunch.__call__
 
     def recording(self, *args, **kwargs):
-        plans.append((threading.current_thread().name, self.cfg, self.plan))
+        plans.append((threading.current_thread().name, self.plan.dkdv.tile, self.plan))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(backward_module.BackwardLaunch, "__call__", recording)
@@ -53,8 +53,8 @@ def test_backward_runs_with_the_forwards_tiles(device, backward_plans):
     with use_tuning(ODD_TILES):
         q, k, v, out = _call(device, generator)
     _finish(q, k, v, out, generator)  # outside the block
-    (_, config, plan), = backward_plans
-    assert config.bwd_dkdv == ODD_TILES.bwd_dkdv and plan.dkdv.tile == ODD_TILES.bwd_dkdv
+    (_, tile, plan), = backward_plans
+    assert tile == ODD_TILES.bwd_dkdv and plan.dq.tile == ODD_TILES.bwd_dq
 
 
 def test_backward_runs_with_the_forwards_threshold(device, backward_plans):
@@ -148,8 +148,8 @@ def test_threads_each_run_their_own_settings(device, backward_plans):
         t.join(120)
     assert not errors, errors
     # by count, not by thread: on a GPU the backward runs on autograd's own thread
-    odd = sorted(config.bwd_dkdv == ODD_TILES.bwd_dkdv for _, config, _ in backward_plans)
-    assert odd == [False, False, True, True], [config.bwd_dkdv for _, config, _ in backward_plans]
+    odd = sorted(tile == ODD_TILES.bwd_dkdv for _, tile, _ in backward_plans)
+    assert odd == [False, False, True, True], [tile for _, tile, _ in backward_plans]
 
 
 def test_use_tuning_refuses_a_config_of_another_type():
@@ -174,4 +174,4 @@ def test_compiled_calls_run_their_forwards_settings(device, backward_plans):
         else:
             out = compiled(q, k, v)
         _finish(q, k, v, out, generator)  # the backward outside the block
-    assert [config.bwd_dkdv == ODD_TILES.bwd_dkdv for _, config, _ in backward_plans] == [False, True, False]
+    assert [tile == ODD_TILES.bwd_dkdv for _, tile, _ in backward_plans] == [False, True, False]

@@ -1,5 +1,5 @@
-"""A program exported with ``torch.export`` carries the settings it was traced under by value: loaded in a fresh
-process, one that has set other settings of its own, it runs with the exporter's tiles and thresholds."""
+"""A program exported with ``torch.export`` carries the plan it was traced under by value: loaded in a fresh
+process, one that has set other settings of its own, it plans nothing and runs with the exporter's tiles."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class Attention(torch.nn.Module):
 
 
 # The fresh process: it sets and uses other settings first (a per-process handle would now name those), then
-# loads the program, records the forward tile each call plans, and compares with the float64 reference.
+# loads the program, records every plan made and the tiles each launch runs, and compares with the float64
+# reference.
 CHILD = """
 import json, sys
 import torch
@@ -39,20 +40,22 @@ other = KernelConfig(fwd=Tile(32, 32), bwd_dkdv=Tile(32, 32), bwd_dq=Tile(32, 32
 with use_tuning(other, short_keys=7):
     q = torch.randn(1, 1, 40, 16, device=device)
     mmsparse.mbs_attention(q, q, q, [[1]], [40])
-tiles = []
-original = call.plan_attention
-def recording(config, *args, **kwargs):
-    plan = original(config, *args, **kwargs)
-    tiles.append([plan.forward.tile.block_m, plan.forward.tile.block_n, config.short_keys])
+tiles, plans = [], []
+original = call.attention_plan_of
+def recording(*args, **kwargs):
+    plan = original(*args, **kwargs)
+    tiles.append([plan.forward.tile.block_m, plan.forward.tile.block_n, plan.dkdv.tile.block_m,
+                  plan.dkdv.tile.block_n])
     return plan
-call.plan_attention = recording
+call.attention_plan_of = recording
+call.plan_attention = lambda *args, **kwargs: plans.append(args)
 program = torch.export.load(path).module()
 gen = torch.Generator().manual_seed(3)
 q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(device) for _ in range(3))
 out = program(q, k, v)
 mask = mmsparse.reference_mask(TOPOLOGY, LENS, 40)
 ref = mmsparse.reference_attention(q.double(), k.double(), v.double(), mask, dtype=torch.float64)
-print(json.dumps({"tiles": tiles, "max_err": (out.double() - ref).abs().max().item()}))
+print(json.dumps({"tiles": tiles, "plans": len(plans), "max_err": (out.double() - ref).abs().max().item()}))
 """.replace("from tests.helpers import TOPOLOGY_PLACEHOLDER", f"TOPOLOGY, LENS = {TOPOLOGY!r}, {LENS!r}")
 
 
@@ -67,5 +70,6 @@ def test_an_exported_program_runs_with_its_settings_in_a_fresh_process(device, t
                             env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert record["tiles"] == [[16, 16, 0]], f"the loaded program planned with other settings: {record['tiles']}"
+    assert record["plans"] == 0, "the loaded program planned again"
+    assert record["tiles"] == [[16, 16, 16, 16]], f"the loaded program ran other tiles: {record['tiles']}"
     assert record["max_err"] < 1e-4, record

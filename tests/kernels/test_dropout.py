@@ -96,6 +96,7 @@ def test_dropout_with_q_start_matches_reference(device):
 def test_dropout_runs_the_dkdv_pass_at_its_own_tile(device, monkeypatch):
     """A config's ``bwd_dkdv_dropout`` is the tile the dK/dV pass runs with dropout (the D=256 table keeps the tl
     tile there): the call plans it, builds its lists, and matches the float64 reference with the same keep mask."""
+    import inspect
     from dataclasses import replace
 
     from mmsparse.attention import backward
@@ -107,10 +108,11 @@ def test_dropout_runs_the_dkdv_pass_at_its_own_tile(device, monkeypatch):
     assert own != base.bwd_dkdv
     tiles = []
     real = backward.BackwardLaunch.__init__
+    signature = inspect.signature(real)
 
-    def spy(self, q, k, info, cfg, plan, *args):
-        tiles.append(plan.dkdv.tile)
-        real(self, q, k, info, cfg, plan, *args)
+    def spy(*args, **kwargs):
+        tiles.append(signature.bind(*args, **kwargs).arguments["plan"].dkdv.tile)
+        real(*args, **kwargs)
 
     monkeypatch.setattr(backward.BackwardLaunch, "__init__", spy)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)

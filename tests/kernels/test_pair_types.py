@@ -4,6 +4,7 @@ forward and backward against the float64 dense reference."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -245,24 +246,27 @@ def test_packs_tell_the_forward_their_sample_length(device):
     assert MaskInfo.from_segments(topo, lens[:1], 8, 8, False).sample_len is None
 
 
-def test_compiled_ops_keep_the_pack_flag(device):
-    """The custom ops' view of a mask (``as_tuple`` / ``mask_from_tuple``) keeps whether it is a pack of short
-    samples, as a flag: the forward picks the same tile traced or eager, and a new pack's length changes no graph
-    argument."""
-    from mmsparse.attention.config import SHORT_SAMPLES
-    from mmsparse.mask.info import mask_from_tuple
+def test_compiled_ops_keep_the_pack_tile(device):
+    """A traced call's frozen plan picks the tile of a pack of short samples as eager's plan does, and crosses the
+    custom ops by value: its text makes an equal plan, and the mask's kernel tensors make a mask of the same kind
+    (a new pack's length then changes no graph argument: the plan holds the tile, not the length)."""
+    from mmsparse.attention.config import SHORT_SAMPLES, kernel_config
+    from mmsparse.attention.plan import call_plan_from_text, plan_attention, plan_call
+    from mmsparse.mask.info import mask_from_kernel_tensors
+    from mmsparse.tuning import Tile
 
     topo = Topology([[1, 2], [0, 1]])
+    config = replace(kernel_config(16, torch.float32, device), fwd_short_samples=Tile(16, 16))
     for lens, short in (([[3, 5], [0, 9], [4, 4]], True), ([[SHORT_SAMPLES, 1]], False)):
         lens = torch.tensor(lens, device=device)
         total = int(lens.sum())
         info = MaskInfo.from_segments(topo, lens, total, total, True, packed=True)
-        packed = info.as_tuple(SHORT_SAMPLES)
-        flag, window = packed[-2:]
-        assert flag is short and window == 0
-        again = mask_from_tuple(*packed, SHORT_SAMPLES)
-        assert (again.sample_len is not None) is short and (again.sample_len or 0) <= SHORT_SAMPLES
+        plan = plan_call(config, total, total, device, info.sample_len, False, True, info.mode, info.causal,
+                         info.window, info.num_segments)
+        eager = plan_attention(config, 1, 1, 1, total, total, device, info.sample_len)
+        assert plan.forward == eager.forward.tile == (config.fwd_short_samples if short else config.fwd)
+        assert call_plan_from_text(plan.text) == plan
+        again = mask_from_kernel_tensors(info.kernel_tensors(), plan.mode, plan.causal, plan.num_segments,
+                                         plan.window)
         assert type(again) is type(info) and (again.seq_q, again.seq_k) == (total, total)
         assert torch.equal(again.q_codes, info.q_codes) and again.causal and again.num_segments == 2
-    single = MaskInfo.from_segments(topo, lens[:1].expand(2, -1), total, total, False)
-    assert single.as_tuple(SHORT_SAMPLES)[-2] is False

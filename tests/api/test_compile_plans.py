@@ -1,0 +1,140 @@
+"""One plan per call under torch.compile, as in eager: a compiled step plans nothing (its plan was made when the graph
+was traced and crosses the custom ops by value), prepares nothing, and builds each tile's block lists once, in one
+``lists`` op that the forward and the backward ops both read. Counted rather than timed; every step's output and
+gradients are checked against the float64 reference (outputs NaN-poisoned: tests/poison.py).
+
+The eager twin is tests/kernels/test_launch_reuse.py::test_a_repeated_call_plans_and_builds_nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from mmsparse import mbs_attention, reference_attention, reference_mask
+from mmsparse.attention import call, custom_ops
+from mmsparse.mask import info as info_module
+from mmsparse.mask.info import MaskInfo
+from tests.helpers import HUB, check_outputs, make_qkv
+
+LENS = (7, 20, 13)
+# The interpreter's config (fwd 32x16, dQ 32x16, dK/dV 16x32 by key): the forward and dQ passes read one set of
+# lists, dK/dV another (the one-pass backward reads dK/dV's only).
+TILES = 2
+BUILDERS = ("build_block_lists", "build_segment_lists", "lists_from_classes")
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Plans (eager, traced, and the ops' per-shape forward grids), mask list preparations, and list builds, as
+    the steps run (the tracing of a graph is not counted: it happens once per graph)."""
+    seen = {"plans": 0, "prepares": 0, "builds": 0}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            if not torch.compiler.is_compiling():  # per step: what a traced counter adds would be replayed by it
+                seen[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for module, attr in ((call, "plan_attention"), (custom_ops, "plan_call"), (call, "attention_plan_of")):
+        original = getattr(module, attr, None)
+        if original is not None:  # (the commit before this plan had no traced plan)
+            monkeypatch.setattr(module, attr, counting("plans", original))
+    monkeypatch.setattr(MaskInfo, "prepare", counting("prepares", MaskInfo.prepare))
+    for name in BUILDERS:
+        monkeypatch.setattr(info_module, name, counting("builds", getattr(info_module, name)))
+    return seen
+
+
+def _inputs(seq: int, device: torch.device, seed: int, batch: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(batch, 2, 1, seq, seq, 16, torch.float32, device, gen)
+    return q, k, v, torch.randn(q.shape, generator=gen).to(device)
+
+
+def _step(compiled, q, k, v, grad_out, *args) -> torch.Tensor:
+    for t in (q, k, v):
+        t.grad = None
+    out = compiled(q, k, v, *args)
+    out.backward(grad_out)
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
+def test_a_repeated_compiled_step_plans_nothing_and_builds_each_tile_once(device, counts, deterministic):
+    counter = CompileCounterWithBackend("aot_eager")  # through the custom ops, gradients by AOTAutograd
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS, deterministic=deterministic),
+                             fullgraph=True, backend=counter)
+    q, k, v, grad_out = _inputs(sum(LENS), device, 0)
+    mask = reference_mask(HUB, LENS, sum(LENS))
+    _step(compiled, q, k, v, grad_out)  # traced: planned once, the ops' launches made
+    for _ in range(3):
+        for key in counts:
+            counts[key] = 0
+        out = _step(compiled, q, k, v, grad_out)
+        assert counts == {"plans": 0, "prepares": 0, "builds": TILES}, counts
+        check_outputs(q, k, v, out, grad_out, mask)
+    assert counter.frame_count == 1
+
+
+def test_a_compiled_two_layer_step_builds_each_layers_lists_once(device, counts):
+    """Two attention calls over the same lengths in one graph: each builds each tile's lists once, read by its
+    forward and its backward op. (Each call builds its mask from constants of its own: torch's common-subexpression
+    elimination does not merge graph constants, so the two calls do not share lists.)"""
+    torch._dynamo.reset()
+
+    def two_layers(q, k, v):
+        hidden = mbs_attention(q, k, v, HUB, LENS)
+        return mbs_attention(hidden, k, v, HUB, LENS)
+
+    compiled = torch.compile(two_layers, fullgraph=True, backend="aot_eager")
+    q, k, v, grad_out = _inputs(sum(LENS), device, 1)
+    _step(compiled, q, k, v, grad_out)
+    for key in counts:
+        counts[key] = 0
+    out = _step(compiled, q, k, v, grad_out)
+    assert counts == {"plans": 0, "prepares": 0, "builds": 2 * TILES}, counts
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = reference_mask(HUB, LENS, sum(LENS))
+    ref = reference_attention(reference_attention(qd, kd, vd, mask, dtype=torch.float64), kd, vd, mask,
+                              dtype=torch.float64)
+    ref.backward(grad_out.double())
+    for name, got, want in (("out", out, ref), ("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad),
+                            ("dv", v.grad, vd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+CHANGING = {  # (lengths argument per step, sequence length per step, batch)
+    "tuples": ([(10, 20, 18), (13, 17, 21), (4, 30, 0), (25, 20, 15)], None, 1),
+    "tensor": ([torch.tensor(x) for x in [(10, 20, 18), (13, 17, 21), (4, 30, 0), (25, 20, 15)]], None, 1),
+    "per-sample": ([[(10, 20, 18), (5, 9, 30)], [(12, 16, 20), (6, 0, 22)], [(1, 30, 3), (0, 0, 0)],
+                    [(7, 11, 13), (20, 14, 7)]], [48, 50, 40, 41], 2),
+}
+
+
+@pytest.mark.parametrize("form", list(CHANGING))
+def test_compiled_steps_with_new_lengths_plan_nothing(device, counts, form):
+    """New lengths every step (after the first two, which compile the graphs: constants, then symbols): no step
+    plans the call again or prepares a mask; each builds each tile's lists once."""
+    lengths, seqs, batch = CHANGING[form]
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, lens: mbs_attention(q, k, v, HUB, lens, causal=True), fullgraph=True,
+                             backend=counter)
+    for step, lens in enumerate(lengths):
+        seq = seqs[step] if seqs is not None else int(sum(lens))
+        q, k, v, grad_out = _inputs(seq, device, 10 + step, batch)
+        for key in counts:
+            counts[key] = 0
+        lens_arg = lens.to(device) if isinstance(lens, torch.Tensor) else lens
+        out = _step(compiled, q, k, v, grad_out, lens_arg)
+        rows = lens.tolist() if isinstance(lens, torch.Tensor) else lens
+        check_outputs(q, k, v, out, grad_out, reference_mask(HUB, rows, seq, causal=True))
+        if step >= 2:
+            assert counts["prepares"] == 0 and counts["builds"] == TILES, counts
+            # the only plan work left: the forward's grid at new shapes (kept per shapes by the op)
+            assert counts["plans"] <= 1, counts
+    assert counter.frame_count <= 2

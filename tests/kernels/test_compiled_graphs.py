@@ -1,0 +1,32 @@
+"""``torch.compile(mode="reduce-overhead")`` (CUDA graphs over the compiled graph) on the GPU: the frozen plan's
+list ops and attention ops are captured and replayed, forward and backward, with GQA, per-sample rows and keys past
+SHORT_KEYS (the backward's side stream), each replay against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention.config import SHORT_KEYS
+from tests.helpers import HUB, check_outputs, make_qkv
+
+SEQ = SHORT_KEYS + 64
+ROWS = [(300, 1500, 200), (1000, 900, 150)]  # per sample, each at most SEQ tokens; the rest is padding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
+def test_reduce_overhead_replays_forward_and_backward(deterministic):
+    device = torch.device("cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, ROWS, deterministic=deterministic),
+                             mode="reduce-overhead", fullgraph=True)
+    mask = reference_mask(HUB, ROWS, SEQ).to(device)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):  # warm-up, capture, replays
+        q, k, v = make_qkv(2, 4, 2, SEQ, SEQ, 64, torch.float16, device, gen)
+        grad_out = torch.randn(q.shape, generator=gen).to(device, torch.float16)
+        out = compiled(q, k, v)
+        out.backward(grad_out)
+        check_outputs(q, k, v, out.clone(), grad_out, mask)
