@@ -410,8 +410,16 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     elif device.type != "cuda":
         cfg = _INTERPRETER
     else:
-        cfg = _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
+        cfg = _cuda_config_of(head_dim_pad(head_dim), dtype, cuda_index(device))
     return _with_thresholds(cfg, settings.thresholds) if settings.thresholds else cfg
+
+
+@torch.compiler.assume_constant_result
+def _cuda_config_of(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> KernelConfig:
+    """:func:`_cached_cuda_config`, run as Python when a graph is traced (its checks query the device and look
+    Triton's Gluon up with importlib, which Dynamo refuses to trace inside an autograd.Function) and kept in the
+    graph as the constant it is for those arguments."""
+    return _cached_cuda_config(head_dim_pad, dtype, device_index)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,6 +10,7 @@ the ring's stages, and agreement with the two passes."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -113,10 +114,12 @@ def writer_calls(monkeypatch):
     calls = []
     real = {name: getattr(gluon_launch, name) for name in ("run_bwd_dq_writer", "run_dkdv", "run_dq")}
 
+    signature = inspect.signature(real["run_bwd_dq_writer"])
+
     def spy(name):
         def launch(*args, **kwargs):
             if name == "run_bwd_dq_writer":
-                calls.append(args[12] if len(args) > 12 else kwargs["tile"])
+                calls.append(signature.bind(*args, **kwargs).arguments["tile"])
             else:
                 calls.append(name)
             return real[name](*args, **kwargs)
