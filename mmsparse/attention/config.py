@@ -409,17 +409,29 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
         cfg = settings.config
     elif device.type != "cuda":
         cfg = _INTERPRETER
+    elif torch.compiler.is_compiling():
+        cfg = _TRACED_CONFIGS[_traced_config_slot(head_dim_pad(head_dim), dtype, cuda_index(device))]
     else:
-        cfg = _cuda_config_of(head_dim_pad(head_dim), dtype, cuda_index(device))
+        cfg = _cached_cuda_config(head_dim_pad(head_dim), dtype, cuda_index(device))
     return _with_thresholds(cfg, settings.thresholds) if settings.thresholds else cfg
 
 
+# The CUDA configs a traced graph has read, by slot. Dynamo refuses to trace the lookup inside an
+# autograd.Function (it queries the device and finds Triton's Gluon with importlib), and a config handed back by
+# assume_constant_result itself cannot be read (torch 2.11 cannot guard on its methods): the graph keeps the slot,
+# a constant int, and reads the config from this list, which only grows.
+_TRACED_CONFIGS: list[KernelConfig] = []
+
+
 @torch.compiler.assume_constant_result
-def _cuda_config_of(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> KernelConfig:
-    """:func:`_cached_cuda_config`, run as Python when a graph is traced (its checks query the device and look
-    Triton's Gluon up with importlib, which Dynamo refuses to trace inside an autograd.Function) and kept in the
-    graph as the constant it is for those arguments."""
-    return _cached_cuda_config(head_dim_pad, dtype, device_index)
+def _traced_config_slot(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> int:
+    """The slot in ``_TRACED_CONFIGS`` of :func:`_cached_cuda_config`'s config, run as Python when traced."""
+    cfg = _cached_cuda_config(head_dim_pad, dtype, device_index)
+    for slot, seen in enumerate(_TRACED_CONFIGS):
+        if seen is cfg:
+            return slot
+    _TRACED_CONFIGS.append(cfg)
+    return len(_TRACED_CONFIGS) - 1
 
 
 @functools.lru_cache(maxsize=64)
