@@ -1,6 +1,6 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.lists_v4``, ``.fwd_v4`` and ``.bwd_v4`` (registered here, with fake implementations) make the
+``torch.ops.mmsparse.lists_v5``, ``.fwd_v5`` and ``.bwd_v5`` (registered here, with fake implementations) make the
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
 text, by value (an exported program runs with its own plan in any process); each tile's block lists come from one
@@ -17,30 +17,40 @@ host-bound call feels), planned once per call kind and kept on the mask (:mod:`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..mask.blocks import cdiv
+from ..mask.blocks import BlockLists, cdiv
+from ..mask.build import constant_mask
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
+from ..runtime.capture import keep_while_captured
+from ..runtime.launch import stream_key
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
 from .forward import kernel_layout
 from .kernel_args import mask_launch_args
 from .plan import CallPlan, call_plan_from_text, plan_call
 
-OP_VERSION = 4  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+OP_VERSION = 5  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
 
 
 @dataclass
 class TracedCall:
     """What a traced call's backward reads of its forward: the frozen plan (and its text), the mask's kernel
-    tensors and the block lists built so far, by tile."""
+    tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.constant_key``; empty
+    for a length tensor: see :func:`_kept_lists`)."""
 
     plan: CallPlan
     text: str
     mask: list[torch.Tensor]
     lists: dict[TileKey, tuple[torch.Tensor, torch.Tensor]]
+    constant: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: CallPlan, info: MaskInfo) -> TracedCall:
+        key = info.constant_key
+        return cls(plan, plan.text, list(info.kernel_tensors()), {}, [] if key is None else key)
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
         """(counts, indices) of each tile in turn: those the forward built, and one ``lists`` op for each other
@@ -48,7 +58,7 @@ class TracedCall:
         built = dict(self.lists)
         for key in keys:
             if key not in built:
-                built[key] = _lists_op(self.mask, self.text, *key)
+                built[key] = _lists_op(self.mask, self.text, *key, self.constant)
         return [t for key in keys for t in built[key]]
 
 
@@ -93,11 +103,11 @@ def attention_forward(
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: the kernels must be opaque ops on tensors
         plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
-        mask, text = list(info.kernel_tensors()), plan.text
+        call = TracedCall.of(plan, info)
         key = plan.list_tiles(backward=False)[0]
-        counts, indices = _lists_op(mask, text, *key)
-        out, lse = _fwd_op(q, k, v, mask, [counts, indices], seed, softmax_scale, dropout_p, text)
-        return out, lse, TracedCall(plan, text, mask, {key: (counts, indices)})
+        counts, indices = call.lists[key] = _lists_op(call.mask, call.text, *key, call.constant)
+        out, lse = _fwd_op(q, k, v, call.mask, [counts, indices], seed, softmax_scale, dropout_p, call.text)
+        return out, lse, call
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
 
@@ -114,8 +124,7 @@ def attention_backward(
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         call = launch if isinstance(launch, TracedCall) else None
         if call is None:
-            plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
-            call = TracedCall(plan, plan.text, list(info.kernel_tensors()), {})
+            call = TracedCall.of(traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings), info)
         passes = [call.plan.dkdv] + ([call.plan.dq] if call.plan.dq is not None else [])
         lists = call.tile_lists([step.lists for step in passes])
         return _bwd_op(grad_out, q, k, v, out, lse, call.mask, lists, seed, softmax_scale, dropout_p, call.text)
@@ -135,16 +144,36 @@ def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bo
 
 
 @torch.library.custom_op(f"mmsparse::lists_v{OP_VERSION}", mutates_args=())
-def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int,
-              by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int, by_key: bool,
+              constant: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
-    info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
-    lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
+    lists = _kept_lists(mask[0].device, constant, (block_m, block_n, by_key)) if constant else None
+    if lists is None:
+        info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
+        lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
     return lists.counts, lists.indices
 
 
+def _kept_lists(device: torch.device, constant: list[int], tile: TileKey) -> BlockLists | None:
+    """A tile's lists of the mask made of the host values ``constant`` (:func:`mmsparse.mask.build.constant_mask`),
+    built once per process, values and stream, not at every step.
+    While a CUDA graph captures, only lists built before it (a warm-up ran the step), which the graph then keeps
+    alive; None otherwise (the lists are built from the graph's mask tensors: kept lists made in a capture would
+    live in the graph's pool)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    info = constant_mask(tuple(constant), device, stream_key(device), build=not capturing)
+    if info is None:
+        return None
+    if capturing:
+        lists = info.lists_built(*tile)
+        if lists is not None:
+            keep_while_captured(device, info, lists)
+        return lists
+    return info.lists(*tile, compact=False)
+
+
 @_lists_op.register_fake
-def _(mask, plan, block_m, block_n, by_key):
+def _(mask, plan, block_m, block_n, by_key, constant):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
     counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
     return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)

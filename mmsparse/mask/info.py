@@ -40,6 +40,9 @@ class MaskInfo:
     """
 
     mode: int  # the kernels' MASK_MODE
+    # Traced: the host values the mask was built from, as flat ints (mmsparse.mask.build.constant_mask), where
+    # they are all host values; None: a length tensor.
+    constant_key: list[int] | None = None
 
     def __init__(self, seq_q: int, seq_k: int, causal: bool, like: torch.Tensor,
                  q_start: torch.Tensor | None = None, sample_len: int | None = None,
@@ -191,11 +194,15 @@ class MaskInfo:
     def built_lists(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists:
         """The block lists at a tile that :meth:`prepare` (or :meth:`lists`) built: a launch only reads them, so
         that everything it reads was written on the current stream before it."""
-        lists = self._lists.get((block_m, block_n, by_key))
+        lists = self.lists_built(block_m, block_n, by_key)
         if lists is None:
             raise RuntimeError(f"the block lists at tile {block_m}x{block_n}{' by key' if by_key else ''} were not "
                                "built before the launch: plan the call and prepare its lists first")
         return lists
+
+    def lists_built(self, block_m: int, block_n: int, by_key: bool = False) -> BlockLists | None:
+        """The block lists at a tile if built already, else None (nothing is built)."""
+        return self._lists.get((block_m, block_n, by_key))
 
     def prepare(self, tiles: list[TileKey], compact_bytes: int = COMPACT_BYTES) -> MaskInfo:
         """Build the block lists at ``tiles`` now, e.g. every kernel's before timing or CUDA-graph capture

@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mmsparse import mbs_attention, reference_attention, reference_mask
 from mmsparse.attention import call, custom_ops
 from mmsparse.mask import info as info_module
+from mmsparse.mask.build import clear_constant_masks
 from mmsparse.mask.info import MaskInfo
 from tests.helpers import HUB, check_outputs, make_qkv
 
@@ -62,11 +63,15 @@ def _step(compiled, q, k, v, grad_out, *args) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("lengths", ["constant", "tensor"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
-def test_a_repeated_compiled_step_plans_nothing_and_builds_each_tile_once(device, counts, deterministic):
+def test_a_repeated_compiled_step_plans_nothing_and_builds_each_tile_once(device, counts, deterministic, lengths):
+    """Lengths the graph holds as constants: the lists are built at the first step and kept, later steps build
+    none. Lengths in a tensor: each step builds each tile's lists once, read by the forward and backward ops."""
     counter = CompileCounterWithBackend("aot_eager")  # through the custom ops, gradients by AOTAutograd
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS, deterministic=deterministic),
+    lens = LENS if lengths == "constant" else torch.tensor(LENS, device=device)
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, lens, deterministic=deterministic),
                              fullgraph=True, backend=counter)
     q, k, v, grad_out = _inputs(sum(LENS), device, 0)
     mask = reference_mask(HUB, LENS, sum(LENS))
@@ -75,16 +80,17 @@ def test_a_repeated_compiled_step_plans_nothing_and_builds_each_tile_once(device
         for key in counts:
             counts[key] = 0
         out = _step(compiled, q, k, v, grad_out)
-        assert counts == {"plans": 0, "prepares": 0, "builds": TILES}, counts
+        builds = 0 if lengths == "constant" else TILES
+        assert counts == {"plans": 0, "prepares": 0, "builds": builds}, counts
         check_outputs(q, k, v, out, grad_out, mask)
     assert counter.frame_count == 1
 
 
-def test_a_compiled_two_layer_step_builds_each_layers_lists_once(device, counts):
-    """Two attention calls over the same lengths in one graph: each builds each tile's lists once, read by its
-    forward and its backward op. (Each call builds its mask from constants of its own: torch's common-subexpression
-    elimination does not merge graph constants, so the two calls do not share lists.)"""
+def test_a_compiled_two_layer_step_shares_the_kept_lists(device, counts):
+    """Two attention calls over the same constant lengths in one graph: the first step builds each tile's lists
+    once for both, and later steps build none."""
     torch._dynamo.reset()
+    clear_constant_masks()  # built fresh: the first step builds them
 
     def two_layers(q, k, v):
         hidden = mbs_attention(q, k, v, HUB, LENS)
@@ -93,10 +99,11 @@ def test_a_compiled_two_layer_step_builds_each_layers_lists_once(device, counts)
     compiled = torch.compile(two_layers, fullgraph=True, backend="aot_eager")
     q, k, v, grad_out = _inputs(sum(LENS), device, 1)
     _step(compiled, q, k, v, grad_out)
+    assert counts["builds"] == TILES, counts
     for key in counts:
         counts[key] = 0
     out = _step(compiled, q, k, v, grad_out)
-    assert counts == {"plans": 0, "prepares": 0, "builds": 2 * TILES}, counts
+    assert counts == {"plans": 0, "prepares": 0, "builds": 0}, counts
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = reference_mask(HUB, LENS, sum(LENS))
     ref = reference_attention(reference_attention(qd, kd, vd, mask, dtype=torch.float64), kd, vd, mask,
