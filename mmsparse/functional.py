@@ -21,9 +21,10 @@ from .checks import (
     check_softmax_scale,
     check_window,
 )
-from .mask.build import build_mask_info, clear_constant_masks, dense_mask_info, topology_mask
+from .mask.build import build_mask_info, dense_mask_info, topology_mask
 from .mask.cache import CACHE
 from .mask.info import MaskInfo
+from .mask.kept import clear_kept
 from .mask.lengths import SegLensArg
 from .runtime.scratch import clear_scratch
 
@@ -34,7 +35,7 @@ def clear_caches() -> None:
     their own masks (``TritonMBSAttnKernel``); those go with the module. Call it after the last use of the masks,
     e.g. between phases with different lengths, or to measure a cold start."""
     CACHE.clear()
-    clear_constant_masks()
+    clear_kept()
     plan_attention.cache_clear()
     clear_op_launches()
     clear_scratch()

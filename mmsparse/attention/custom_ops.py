@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..mask.blocks import BlockLists, cdiv
-from ..mask.build import constant_mask
+from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
-from ..runtime.capture import keep_while_captured
-from ..runtime.launch import stream_key
+from ..mask.kept import kept_lists
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
 from .forward import kernel_layout
@@ -38,19 +36,18 @@ OP_VERSION = 5  # bump with any change to the ops' signatures (tests/api/test_co
 @dataclass
 class TracedCall:
     """What a traced call's backward reads of its forward: the frozen plan (and its text), the mask's kernel
-    tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.constant_key``; empty
-    for a length tensor: see :func:`_kept_lists`)."""
+    tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.host_values``; empty
+    for a length tensor: see :func:`_lists_op`)."""
 
     plan: CallPlan
     text: str
     mask: list[torch.Tensor]
     lists: dict[TileKey, tuple[torch.Tensor, torch.Tensor]]
-    constant: list[int] = field(default_factory=list)
+    host_values: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan: CallPlan, info: MaskInfo) -> TracedCall:
-        key = info.constant_key
-        return cls(plan, plan.text, list(info.kernel_tensors()), {}, [] if key is None else key)
+        return cls(plan, plan.text, list(info.kernel_tensors()), {}, info.host_values or [])
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
         """(counts, indices) of each tile in turn: those the forward built, and one ``lists`` op for each other
@@ -58,7 +55,7 @@ class TracedCall:
         built = dict(self.lists)
         for key in keys:
             if key not in built:
-                built[key] = _lists_op(self.mask, self.text, *key, self.constant)
+                built[key] = _lists_op(self.mask, self.text, *key, self.host_values)
         return [t for key in keys for t in built[key]]
 
 
@@ -105,7 +102,7 @@ def attention_forward(
         plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
         call = TracedCall.of(plan, info)
         key = plan.list_tiles(backward=False)[0]
-        counts, indices = call.lists[key] = _lists_op(call.mask, call.text, *key, call.constant)
+        counts, indices = call.lists[key] = _lists_op(call.mask, call.text, *key, call.host_values)
         out, lse = _fwd_op(q, k, v, call.mask, [counts, indices], seed, softmax_scale, dropout_p, call.text)
         return out, lse, call
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
@@ -145,35 +142,21 @@ def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bo
 
 @torch.library.custom_op(f"mmsparse::lists_v{OP_VERSION}", mutates_args=())
 def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int, by_key: bool,
-              constant: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+              host_values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
-    lists = _kept_lists(mask[0].device, constant, (block_m, block_n, by_key)) if constant else None
-    if lists is None:
-        info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
-        lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
+    # host_values: the values of a mask of host lengths (mmsparse.mask.kept), whose lists are built once and kept;
+    # the op returns copies (a graph may reuse an op's output memory once it is dead). Empty (a length tensor):
+    # built from the graph's mask tensors, every step.
+    kept = kept_lists(tuple(host_values), mask[0].device, (block_m, block_n, by_key)) if host_values else None
+    if kept is not None:
+        return kept.counts.clone(), kept.indices.clone()
+    info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
+    lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
     return lists.counts, lists.indices
 
 
-def _kept_lists(device: torch.device, constant: list[int], tile: TileKey) -> BlockLists | None:
-    """A tile's lists of the mask made of the host values ``constant`` (:func:`mmsparse.mask.build.constant_mask`),
-    built once per process, values and stream, not at every step.
-    While a CUDA graph captures, only lists built before it (a warm-up ran the step), which the graph then keeps
-    alive; None otherwise (the lists are built from the graph's mask tensors: kept lists made in a capture would
-    live in the graph's pool)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    info = constant_mask(tuple(constant), device, stream_key(device), build=not capturing)
-    if info is None:
-        return None
-    if capturing:
-        lists = info.lists_built(*tile)
-        if lists is not None:
-            keep_while_captured(device, info, lists)
-        return lists
-    return info.lists(*tile, compact=False)
-
-
 @_lists_op.register_fake
-def _(mask, plan, block_m, block_n, by_key, constant):
+def _(mask, plan, block_m, block_n, by_key, host_values):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
     counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
     return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)

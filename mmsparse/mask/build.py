@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ..checks import check_flag, check_window, count, layout_hint
-from ..runtime.recent import RecentlyUsed
 from .cache import CACHE
 from .info import MaskInfo
+from .kept import host_values_key
 from .keys import value_key
 from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor, seg_lens_argument
 from .topology import Topology
@@ -45,71 +45,10 @@ def build_mask_info(
             return hit
     info = make_mask_info(_as_topology(topology, topo_key), seg_lens, seq_q, seq_k, causal, device, check_lengths,
                           q_start, packed, window)
-    if torch.compiler.is_compiling() and q_start is None:
-        info.constant_key = _constant_key(topo_key, seg_lens, seq_q, seq_k, causal, packed, window)
+    if torch.compiler.is_compiling() and q_start is None:  # traced: the lists ops may read kept lists
+        rows = topo_key.rows if isinstance(topo_key, Topology) else topo_key[1] if topo_key[0] == "value" else None
+        info.host_values = host_values_key(rows, seg_lens, seq_q, seq_k, causal, packed, window)
     return info if key is None else CACHE.store_mask(key, info)
-
-
-def _constant_key(topo_key: Any, seg_lens: SegLensArg, seq_q: int, seq_k: int, causal: bool, packed: bool,
-                  window: int | None) -> list[int] | None:
-    """The whole value a traced mask is built from, as the flat ints a custom op takes (a graph may hold some as
-    symbols; the op reads them as numbers): a matrix of nested rows and host lengths (:func:`constant_mask`
-    decodes it). None for anything else (a length tensor: the mask is built from the graph's tensors)."""
-    if not (isinstance(topo_key, tuple) and topo_key[0] == "value" and _int_rows(topo_key[1])):
-        return None
-    if not isinstance(seg_lens, (list, tuple)) or len(seg_lens) == 0:
-        return None
-    nested = isinstance(seg_lens[0], (list, tuple))
-    rows = seg_lens if nested else [seg_lens]
-    if not _int_rows(rows):
-        return None
-    matrix = topo_key[1]
-    if len(matrix) ** 2 + len(rows) * len(matrix) > _MAX_CONSTANT_INTS:
-        return None
-    return [len(matrix), *(v for row in matrix for v in row), int(nested), len(rows), *(n for row in rows for n in row),
-            seq_q, seq_k, int(causal), int(packed), -1 if window is None else window]
-
-
-# Past this many ints (a topology of 60 segments) a key would cost more host time per step than building the
-# lists in the graph, and make every traced op argument that long.
-_MAX_CONSTANT_INTS = 4096
-
-
-def _int_rows(rows: Any) -> bool:
-    """Rows of ints (a graph's int symbols pass too: Dynamo reads them as ints)."""
-    return isinstance(rows, (list, tuple)) and all(
-        isinstance(row, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in row)
-        for row in rows)
-
-
-_CONSTANT_MASKS: RecentlyUsed[MaskInfo] = RecentlyUsed(64)
-
-
-def constant_mask(key: tuple[int, ...], device: torch.device, stream: Any = None,
-                  build: bool = True) -> MaskInfo | None:
-    """The mask of a :func:`_constant_key` on ``device``, built when first asked for (unless ``build`` is False:
-    then None) and kept, with the block lists it builds: what a traced graph's ``lists`` ops read at every step
-    whose mask is made of host values, so that a repeated step builds nothing. One per CUDA stream (``stream``:
-    its :func:`mmsparse.runtime.launch.stream_key`), as :mod:`.cache` keeps masks: a list built on one stream is
-    read on another only after that stream waited for it."""
-    entry = (key, device, stream)
-    info = _CONSTANT_MASKS.get(entry)
-    if info is None and build:
-        k = key[0]
-        matrix = [list(key[1 + i * k:1 + (i + 1) * k]) for i in range(k)]
-        at = 1 + k * k
-        nested, n_rows = key[at], key[at + 1]
-        at += 2
-        rows = [list(key[at + i * k:at + (i + 1) * k]) for i in range(n_rows)]
-        seq_q, seq_k, causal, packed, window = key[at + n_rows * k:]
-        info = _CONSTANT_MASKS.store(entry, make_mask_info(
-            Topology(matrix), rows if nested else rows[0], seq_q, seq_k, bool(causal), device, packed=bool(packed),
-            window=None if window < 0 else window))
-    return info
-
-
-def clear_constant_masks() -> None:
-    _CONSTANT_MASKS.clear()
 
 
 def make_mask_info(

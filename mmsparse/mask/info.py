@@ -40,9 +40,9 @@ class MaskInfo:
     """
 
     mode: int  # the kernels' MASK_MODE
-    # Traced: the host values the mask was built from, as flat ints (mmsparse.mask.build.constant_mask), where
-    # they are all host values; None: a length tensor.
-    constant_key: list[int] | None = None
+    # Traced: the values the mask was built from as flat ints, where they are all host values (mmsparse.mask.kept);
+    # None: a length tensor, or not traced.
+    host_values: list[int] | None = None
 
     def __init__(self, seq_q: int, seq_k: int, causal: bool, like: torch.Tensor,
                  q_start: torch.Tensor | None = None, sample_len: int | None = None,
@@ -136,6 +136,12 @@ class MaskInfo:
         """Called once a new entry is in one of the tables: the next :attr:`nbytes` measures again."""
         self._version += 1
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor the mask holds now: token-level, summaries, tile classes and block lists."""
+        held = [*self.tensors(), *self._held()]
+        held += [t for pair in list(self._classes.values()) for t in pair]
+        return held + [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices)]
+
     @property
     def nbytes(self) -> int:
         """Device bytes the mask holds now: its token-level tensors, block lists, tile classes and the list builders'
@@ -147,9 +153,7 @@ class MaskInfo:
         version = self._version
         if self._measured[0] == version:
             return self._measured[1]
-        held = [*self.tensors(), *self._held()]
-        held += [t for pair in list(self._classes.values()) for t in pair]
-        held += [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices)]
+        held = self.held_tensors()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         size = sum(storages.values())
         self._measured = (version, size)

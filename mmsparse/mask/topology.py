@@ -34,6 +34,9 @@ MAX_BIT_SEGMENTS = 32  # the bit vectors of the 0/1 fast path are int32
 MAX_SEGMENTS = 4095  # segment codes keep the segment in 12 bits, with one value left for padding
 
 
+_ROWS_KEPT_MAX = 64
+
+
 def _to_int32_bits(value: int) -> int:
     """Two's-complement view of a 32-bit pattern, so that bit 31 fits an int32 tensor."""
     return value - (1 << 32) if value >= (1 << 31) else value
@@ -50,6 +53,7 @@ class Topology:
     Attributes:
         types: int8 ``[k, k]`` pair types.
         matrix: bool ``[k, k]``, ``types != NONE``: which segment sees which at all.
+        rows: the pair types as nested tuples of ints, up to 64 segments (else None, as for a traced tensor).
         has_causal_pairs: whether some pair is CAUSAL; None for a tensor traced by torch.compile, whose values are
             unknown until the graph runs (checked there).
     """
@@ -59,6 +63,7 @@ class Topology:
             names = names if names is not None else matrix.names
             self.types, self.matrix, self.has_causal_pairs = matrix.types, matrix.matrix, matrix.has_causal_pairs
             self._row_bits, self._col_bits = matrix._row_bits, matrix._col_bits
+            self.rows = matrix.rows
         else:
             rows = _python_rows(matrix)
             if rows is not None:  # validated in Python: under torch.compile a list is a constant, not a tensor
@@ -71,6 +76,9 @@ class Topology:
             self.matrix = self.types != NONE
             # None: a traced tensor's values are unknown, so its masks go by segment codes, which take any types.
             self.has_causal_pairs = None if rows is None else any(CAUSAL in row for row in rows)
+            # The pair types as Python ints, for a small topology: a traced call keys its kept mask by them.
+            small = rows is not None and len(rows) <= _ROWS_KEPT_MAX
+            self.rows: tuple[tuple[int, ...], ...] | None = tuple(map(tuple, rows)) if small else None
             # Plain ints, computed once: torch.compile then sees constants rather than reading a tensor back.
             k = self.num_segments
             bits = rows is not None and self.uses_bits

@@ -141,7 +141,7 @@ def test_the_ops_signatures_match_their_version():
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
              for op in ("lists", "fwd", "bwd")}
     assert names == {
-        "lists": ["mask", "plan", "block_m", "block_n", "by_key", "constant"],
+        "lists": ["mask", "plan", "block_m", "block_n", "by_key", "host_values"],
         "fwd": ["q", "k", "v", "mask", "lists", "seed", "softmax_scale", "dropout_p", "plan"],
         "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "lists", "seed", "softmax_scale", "dropout_p",
                 "plan"],

@@ -14,8 +14,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mmsparse import mbs_attention, reference_attention, reference_mask
 from mmsparse.attention import call, custom_ops
 from mmsparse.mask import info as info_module
-from mmsparse.mask.build import clear_constant_masks
 from mmsparse.mask.info import MaskInfo
+from mmsparse.mask.kept import clear_kept
+from mmsparse.nn import MultimodalSelfAttention
 from tests.helpers import HUB, check_outputs, make_qkv
 
 LENS = (7, 20, 13)
@@ -90,7 +91,7 @@ def test_a_compiled_two_layer_step_shares_the_kept_lists(device, counts):
     """Two attention calls over the same constant lengths in one graph: the first step builds each tile's lists
     once for both, and later steps build none."""
     torch._dynamo.reset()
-    clear_constant_masks()  # built fresh: the first step builds them
+    clear_kept()  # built fresh: the first step builds them
 
     def two_layers(q, k, v):
         hidden = mbs_attention(q, k, v, HUB, LENS)
@@ -145,3 +146,25 @@ def test_compiled_steps_with_new_lengths_plan_nothing(device, counts, form):
             # the only plan work left: the forward's grid at new shapes (kept per shapes by the op)
             assert counts["plans"] <= 1, counts
     assert counter.frame_count <= 2
+
+
+def test_a_compiled_layer_step_builds_nothing_after_the_first(device, counts):
+    """A layer keeps its topology as a Topology: its pair types key the kept lists as a list's do. Two layers of
+    one graph share them; the step's output and input gradient match eager's, which reads the same kernels."""
+    torch._dynamo.reset()
+    clear_kept()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(MultimodalSelfAttention(32, 2, HUB, LENS, device=device) for _ in range(2)))
+    x = torch.randn(1, sum(LENS), 32, device=device, requires_grad=True)
+    compiled = torch.compile(layers, fullgraph=True, backend="aot_eager")
+    grads = []
+    for model in (layers, compiled, compiled):
+        x.grad = None
+        for key in counts:
+            counts[key] = 0
+        out = model(x)
+        out.sum().backward()
+        grads.append((out.detach(), x.grad.clone()))
+    assert counts == {"plans": 0, "prepares": 0, "builds": 0}, counts
+    for got in grads[1:]:
+        torch.testing.assert_close(got, grads[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,137 @@
+"""Masks of host values, kept for traced graphs: a compiled step whose topology and lengths are host values builds
+its block lists once per process, not at every step.
+
+A traced call hands its ``lists`` op the values its mask is made of, as flat ints (:func:`host_values_key`; a graph
+may hold the lengths as symbols, which the op then reads as numbers). The op finds the mask of those values here,
+built when first asked for, and the tile's lists with it.
+
+A kept mask outlives the call that built it and is read on any stream, so it is built on a stream of mmsparse's own,
+never on the caller's: under ``torch.compile(mode="reduce-overhead")`` the caller's stream allocates from a CUDA
+graph's private memory pool during the warm-up, whose blocks the graph reuses. Each reading stream waits for the
+builds once, and the tensors are recorded on it, so their memory is not handed out again while it still reads them.
+During a capture only lists built before it are read, and the graph keeps them alive
+(:func:`mmsparse.runtime.capture.keep_while_captured`); the others are built in the capture from the graph's tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..runtime.capture import keep_while_captured
+from ..runtime.launch import stream_key, stream_of
+from ..runtime.recent import RecentlyUsed
+from ..runtime.streams import own_stream
+from .blocks import BlockLists
+from .info import MaskInfo, TileKey
+
+# Past this many ints (a topology of 60 segments) a key costs more host time per step than building the lists in the
+# graph, and makes every traced op's argument that long.
+MAX_KEY_INTS = 4096
+MAX_KEPT = 64
+
+
+class _Kept:
+    __slots__ = ("info", "readers")
+
+    def __init__(self, info: MaskInfo) -> None:
+        self.info = info
+        self.readers: set[Any] = set()  # streams that waited for every build so far
+
+
+_KEPT: RecentlyUsed[_Kept] = RecentlyUsed(MAX_KEPT)
+_LOCK = threading.Lock()
+_BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def host_values_key(rows: Any, seg_lens: Any, seq_q: int, seq_k: int, causal: bool, packed: bool,
+                    window: int | None) -> list[int] | None:
+    """The values a mask is built from, as flat ints (:func:`kept_lists` reads them), where they are all host
+    values: ``rows`` the topology's pair types, ``seg_lens`` a row of lengths or rows of them. None otherwise (a
+    length tensor, a traced topology tensor, or more than :data:`MAX_KEY_INTS` ints)."""
+    if not _int_rows(rows) or not isinstance(seg_lens, (list, tuple)) or len(seg_lens) == 0:
+        return None
+    nested = isinstance(seg_lens[0], (list, tuple))
+    lens = seg_lens if nested else [seg_lens]
+    if not _int_rows(lens) or len(rows) * (len(rows) + len(lens)) > MAX_KEY_INTS:
+        return None
+    return [len(rows), *(v for row in rows for v in row), int(nested), len(lens), *(n for row in lens for n in row),
+            seq_q, seq_k, int(causal), int(packed), -1 if window is None else window]
+
+
+def _int_rows(rows: Any) -> bool:
+    """Rows of ints (a graph's int symbols pass too: Dynamo reads them as ints)."""
+    return isinstance(rows, (list, tuple)) and all(
+        isinstance(row, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in row)
+        for row in rows)
+
+
+def kept_lists(key: tuple[int, ...], device: torch.device, tile: TileKey) -> BlockLists | None:
+    """The fixed-slot block lists at ``tile`` of the mask of ``key`` (:func:`host_values_key`) on ``device``,
+    ready to read on the current stream; built and kept on first use. None during a CUDA-graph capture where
+    they were not built, and read on this stream, before it."""
+    if device.type != "cuda":
+        kept = _KEPT.get((key, device)) or _KEPT.store((key, device), _Kept(_mask_of(key, device)))
+        return kept.info.lists(*tile, compact=False)
+    reader = stream_key(device)
+    if torch.cuda.is_current_stream_capturing():
+        kept = _KEPT.get((key, device))
+        lists = None if kept is None or reader not in kept.readers else kept.info.lists_built(*tile)
+        if lists is not None:
+            keep_while_captured(device, kept.info)
+        return lists
+    with _LOCK:
+        kept = _KEPT.get((key, device))
+        if kept is None or kept.info.lists_built(*tile) is None:
+            kept = _build(key, device, tile, kept)
+        if reader not in kept.readers:
+            stream = stream_of(reader)
+            stream.wait_stream(_build_stream(device))
+            for tensor in kept.info.held_tensors():
+                tensor.record_stream(stream)
+            kept.readers.add(reader)
+    return kept.info.lists_built(*tile)
+
+
+def clear_kept() -> None:
+    """Forget the kept masks (``clear_caches``)."""
+    _KEPT.clear()
+
+
+def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kept | None) -> _Kept:
+    """Build the mask (unless ``kept``) and its lists at ``tile`` on mmsparse's build stream, after the caller's
+    work so far; every reader waits for it again."""
+    build = _build_stream(device)
+    build.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(build):
+        if kept is None:
+            kept = _KEPT.store((key, device), _Kept(_mask_of(key, device)))
+        kept.info.lists(*tile, compact=False)
+    kept.readers.clear()
+    return kept
+
+
+def _build_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _BUILD_STREAMS.get(index)
+    if stream is None:
+        stream = _BUILD_STREAMS[index] = own_stream(index)
+    return stream
+
+
+def _mask_of(key: tuple[int, ...], device: torch.device) -> MaskInfo:
+    """The mask of a :func:`host_values_key`, built now on the current stream."""
+    from .build import make_mask_info  # build imports this module (its traced masks name their key)
+    from .topology import Topology
+
+    k = key[0]
+    rows = [list(key[1 + i * k:1 + (i + 1) * k]) for i in range(k)]
+    at = 1 + k * k
+    nested, n_lens = key[at], key[at + 1]
+    at += 2
+    lens = [list(key[at + i * k:at + (i + 1) * k]) for i in range(n_lens)]
+    seq_q, seq_k, causal, packed, window = key[at + n_lens * k:]
+    return make_mask_info(Topology(rows), lens if nested else lens[0], seq_q, seq_k, bool(causal), device,
+                          packed=bool(packed), window=None if window < 0 else window)
