@@ -11,7 +11,6 @@ import torch
 from ..checks import check_flag, check_window, count, layout_hint
 from .cache import CACHE
 from .info import MaskInfo
-from .kept import host_values_key
 from .keys import value_key
 from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor, seg_lens_argument
 from .topology import Topology
@@ -49,6 +48,34 @@ def build_mask_info(
         rows = topo_key.rows if isinstance(topo_key, Topology) else topo_key[1] if topo_key[0] == "value" else None
         info.host_values = host_values_key(rows, seg_lens, seq_q, seq_k, causal, packed, window)
     return info if key is None else CACHE.store_mask(key, info)
+
+
+# Past this many ints (a topology of 60 segments) a key costs more host time per step than building the lists in the
+# graph, and makes every traced op's argument that long.
+MAX_KEY_INTS = 4096
+
+
+def host_values_key(rows: Any, seg_lens: Any, seq_q: int, seq_k: int, causal: bool, packed: bool,
+                    window: int | None) -> list[int] | None:
+    """The values a mask is built from, as flat ints (:func:`kept_lists` reads them), where they are all host
+    values: ``rows`` the topology's pair types, ``seg_lens`` a row of lengths or rows of them. None otherwise (a
+    length tensor, a traced topology tensor, or more than :data:`MAX_KEY_INTS` ints). ``mmsparse.mask.kept``
+    builds the mask of the key again, and keeps it."""
+    if not _int_rows(rows) or not isinstance(seg_lens, (list, tuple)) or len(seg_lens) == 0:
+        return None
+    nested = isinstance(seg_lens[0], (list, tuple))
+    lens = seg_lens if nested else [seg_lens]
+    if not _int_rows(lens) or len(rows) * (len(rows) + len(lens)) > MAX_KEY_INTS:
+        return None
+    return [len(rows), *(v for row in rows for v in row), int(nested), len(lens), *(n for row in lens for n in row),
+            seq_q, seq_k, int(causal), int(packed), -1 if window is None else window]
+
+
+def _int_rows(rows: Any) -> bool:
+    """Rows of ints (a graph's int symbols pass too: Dynamo reads them as ints)."""
+    return isinstance(rows, (list, tuple)) and all(
+        isinstance(row, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in row)
+        for row in rows)
 
 
 def make_mask_info(

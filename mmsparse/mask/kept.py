@@ -1,7 +1,8 @@
 """Masks of host values, kept for traced graphs: a compiled step whose topology and lengths are host values builds
 its block lists once per process, not at every step.
 
-A traced call hands its ``lists`` op the values its mask is made of, as flat ints (:func:`host_values_key`; a graph
+A traced call hands its ``lists`` op the values its mask is made of, as flat ints (``MaskInfo.host_values``, from
+:func:`mmsparse.mask.build.host_values_key`; a graph
 may hold the lengths as symbols, which the op then reads as numbers). The op finds the mask of those values here,
 built when first asked for, and the tile's lists with it.
 
@@ -25,11 +26,10 @@ from ..runtime.launch import stream_key, stream_of
 from ..runtime.recent import RecentlyUsed
 from ..runtime.streams import own_stream
 from .blocks import BlockLists
+from .build import make_mask_info
 from .info import MaskInfo, TileKey
+from .topology import Topology
 
-# Past this many ints (a topology of 60 segments) a key costs more host time per step than building the lists in the
-# graph, and makes every traced op's argument that long.
-MAX_KEY_INTS = 4096
 MAX_KEPT = 64
 
 
@@ -46,30 +46,8 @@ _LOCK = threading.Lock()
 _BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def host_values_key(rows: Any, seg_lens: Any, seq_q: int, seq_k: int, causal: bool, packed: bool,
-                    window: int | None) -> list[int] | None:
-    """The values a mask is built from, as flat ints (:func:`kept_lists` reads them), where they are all host
-    values: ``rows`` the topology's pair types, ``seg_lens`` a row of lengths or rows of them. None otherwise (a
-    length tensor, a traced topology tensor, or more than :data:`MAX_KEY_INTS` ints)."""
-    if not _int_rows(rows) or not isinstance(seg_lens, (list, tuple)) or len(seg_lens) == 0:
-        return None
-    nested = isinstance(seg_lens[0], (list, tuple))
-    lens = seg_lens if nested else [seg_lens]
-    if not _int_rows(lens) or len(rows) * (len(rows) + len(lens)) > MAX_KEY_INTS:
-        return None
-    return [len(rows), *(v for row in rows for v in row), int(nested), len(lens), *(n for row in lens for n in row),
-            seq_q, seq_k, int(causal), int(packed), -1 if window is None else window]
-
-
-def _int_rows(rows: Any) -> bool:
-    """Rows of ints (a graph's int symbols pass too: Dynamo reads them as ints)."""
-    return isinstance(rows, (list, tuple)) and all(
-        isinstance(row, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in row)
-        for row in rows)
-
-
 def kept_lists(key: tuple[int, ...], device: torch.device, tile: TileKey) -> BlockLists | None:
-    """The fixed-slot block lists at ``tile`` of the mask of ``key`` (:func:`host_values_key`) on ``device``,
+    """The fixed-slot block lists at ``tile`` of the mask of ``key`` (``MaskInfo.host_values``) on ``device``,
     ready to read on the current stream; built and kept on first use. None during a CUDA-graph capture where
     they were not built, and read on this stream, before it."""
     if device.type != "cuda":
@@ -122,10 +100,7 @@ def _build_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _mask_of(key: tuple[int, ...], device: torch.device) -> MaskInfo:
-    """The mask of a :func:`host_values_key`, built now on the current stream."""
-    from .build import make_mask_info  # build imports this module (its traced masks name their key)
-    from .topology import Topology
-
+    """The mask of a ``MaskInfo.host_values`` key, built now on the current stream."""
     k = key[0]
     rows = [list(key[1 + i * k:1 + (i + 1) * k]) for i in range(k)]
     at = 1 + k * k
