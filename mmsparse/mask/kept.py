@@ -6,17 +6,19 @@ A traced call hands its ``lists`` op the values its mask is made of, as flat int
 may hold the lengths as symbols, which the op then reads as numbers). The op finds the mask of those values here,
 built when first asked for, and the tile's lists with it.
 
-A kept mask outlives the call that built it and is read on any stream, so it is built on a stream of mmsparse's own,
-never on the caller's: under ``torch.compile(mode="reduce-overhead")`` the caller's stream allocates from a CUDA
-graph's private memory pool during the warm-up, whose blocks the graph reuses. Each reading stream waits for the
-builds once, and the tensors are recorded on it, so their memory is not handed out again while it still reads them.
-During a capture only lists built before it are read, and the graph keeps them alive
-(:func:`mmsparse.runtime.capture.keep_while_captured`); the others are built in the capture from the graph's tensors.
+A kept mask outlives the call that built it and is read on any stream, so it is built on a stream and a thread of
+mmsparse's own, never the caller's: under ``torch.compile(mode="reduce-overhead")`` the warm-up allocates all of
+the calling thread's memory from a CUDA graph's private pool, whose blocks the graph reuses (and checks). Each
+reading stream waits for the builds once, and the tensors are recorded on it, so that their memory is not handed
+out again while it still reads them. During a capture only lists built before it are read, and the graph keeps
+them alive (:func:`mmsparse.runtime.capture.keep_while_captured`); the others are built in the capture from the
+graph's tensors.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ class _Kept:
 _KEPT: RecentlyUsed[_Kept] = RecentlyUsed(MAX_KEPT)
 _LOCK = threading.Lock()
 _BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
+_BUILDER: ThreadPoolExecutor | None = None
 
 
 def kept_lists(key: tuple[int, ...], device: torch.device, tile: TileKey) -> BlockLists | None:
@@ -80,15 +83,27 @@ def clear_kept() -> None:
 
 def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kept | None) -> _Kept:
     """Build the mask (unless ``kept``) and its lists at ``tile`` on mmsparse's build stream, after the caller's
-    work so far; every reader waits for it again."""
+    work so far, from a thread of mmsparse's own: a CUDA graph's warm-up routes every allocation of the calling
+    thread to the graph's pool, whatever the stream. Every reader waits for it again."""
     build = _build_stream(device)
     build.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(build):
-        if kept is None:
-            kept = _KEPT.store((key, device), _Kept(_mask_of(key, device)))
-        kept.info.lists(*tile, compact=False)
-    kept.readers.clear()
-    return kept
+
+    def run() -> _Kept:
+        with torch.cuda.device(device), torch.cuda.stream(build):
+            made = kept if kept is not None else _Kept(_mask_of(key, device))
+            made.info.lists(*tile, compact=False)
+        return made
+
+    made = _builder().submit(run).result()
+    made.readers.clear()
+    return made if kept is not None else _KEPT.store((key, device), made)
+
+
+def _builder() -> ThreadPoolExecutor:
+    global _BUILDER
+    if _BUILDER is None:
+        _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmsparse-kept-masks")
+    return _BUILDER
 
 
 def _build_stream(device: torch.device) -> torch.cuda.Stream:
