@@ -57,10 +57,9 @@ MAX_KEY_INTS = 4096
 
 def host_values_key(rows: Any, seg_lens: Any, seq_q: int, seq_k: int, causal: bool, packed: bool,
                     window: int | None) -> list[int] | None:
-    """The values a mask is built from, as flat ints (:func:`kept_lists` reads them), where they are all host
+    """The values a mask is built from, as flat ints (``mmsparse.mask.kept`` reads them), where they are all host
     values: ``rows`` the topology's pair types, ``seg_lens`` a row of lengths or rows of them. None otherwise (a
-    length tensor, a traced topology tensor, or more than :data:`MAX_KEY_INTS` ints). ``mmsparse.mask.kept``
-    builds the mask of the key again, and keeps it."""
+    length tensor, a traced topology tensor, or more than :data:`MAX_KEY_INTS` ints)."""
     if not _int_rows(rows) or not isinstance(seg_lens, (list, tuple)) or len(seg_lens) == 0:
         return None
     nested = isinstance(seg_lens[0], (list, tuple))

@@ -2,9 +2,8 @@
 its block lists once per process, not at every step.
 
 A traced call hands its ``lists`` op the values its mask is made of, as flat ints (``MaskInfo.host_values``, from
-:func:`mmsparse.mask.build.host_values_key`; a graph
-may hold the lengths as symbols, which the op then reads as numbers). The op finds the mask of those values here,
-built when first asked for, and the tile's lists with it.
+:func:`mmsparse.mask.build.host_values_key`; a graph may hold the lengths as symbols, which the op then reads as
+numbers). The op finds the mask of those values here, built when first asked for, and the tile's lists with it.
 
 A kept mask outlives the call that built it and is read on any stream, so it is built on a stream and a thread of
 mmsparse's own, never the caller's: under ``torch.compile(mode="reduce-overhead")`` the warm-up allocates all of
