@@ -3,13 +3,15 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
 
 - ``seed`` (B 8, H 16, D 64, segments (50, 375, 500), cyclic): ``host_us_fwd`` and ``host_us_fwd_bwd``, the median
   host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
-  ``check_lengths=False``), ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
+  ``check_lengths=False``), ``host_us_bwd`` (the backward alone, ``autograd.grad`` of a kept forward),
+  ``host_us_autograd_floor`` (a forward + backward through one autograd node that only allocates its outputs),
+  ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
   ``fwd_bwd_ms`` (do_bench: what a loop of calls takes), ``cudnn_dense_fwd_bwd_ms`` (SDPA's cuDNN backend, no
   mask), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
 - ``small_2k`` (B 4, H 16, D 128, segments (256, 1024, 768), hub): ``fwd_bwd_ms``, ``cudnn_dense_fwd_bwd_ms``;
 - ``block`` (two ``MultimodalSelfAttention`` layers at the seed's lengths, E 1024, H 16, B 8, bf16): forward +
   backward ``eager_ms``, ``compile_ms`` (``torch.compile``), ``reduce_overhead_ms``
-  (``torch.compile(mode="reduce-overhead")``).
+  (``torch.compile(mode="reduce-overhead")``), taking turns in 5 rounds (:func:`interleaved_ms`).
 
     python -m benchmarks.host                  # GPU: benchmarks/results/<gpu>/host.{json,md}
     python -m benchmarks.host --device cpu --out DIR   # CPU smoke run (the interpreter; tiny shapes, no cuDNN,
@@ -143,6 +145,28 @@ def _fwd_bwd(q, k, v, grad, **kwargs) -> Callable[[], None]:
     return step
 
 
+class _Empty(torch.autograd.Function):
+    """One autograd node whose forward and backward only allocate their outputs: what any attention call's forward
+    + backward costs the host before its own work."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[override]
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
+
+
+def _autograd_floor(q, k, v, grad) -> Callable[[], None]:
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        _Empty.apply(q, k, v).backward(grad)
+
+    return step
+
+
 def _dense_cudnn(q, k, v, grad) -> Callable[[], None]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -172,6 +196,13 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
         mbs_attention(q, k, v, shape.topology, next(fresh), check_lengths=False).backward(grad)
 
     row["host_us_fwd_bwd_new_lengths"] = host_us(new_lengths, device, calls)
+    out = mbs_attention(q, k, v, **kw)
+
+    def backward_only() -> None:
+        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+    row["host_us_bwd"] = host_us(backward_only, device, calls)
+    row["host_us_autograd_floor"] = host_us(_autograd_floor(q, k, v, grad), device, calls)
     row["fwd_bwd_ms"] = wall_ms(fwd_bwd, device, calls)
     cuda = device.type == "cuda"
     row["gpu_kernel_ms"] = gpu_kernel_ms(fwd_bwd) if cuda else None
@@ -206,15 +237,31 @@ def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtyp
 
         return step
 
-    row: dict[str, float | None] = {"eager_ms": wall_ms(stepper(layers), device, calls)}
-    if device.type == "cuda":
-        torch._dynamo.reset()
-        row["compile_ms"] = wall_ms(stepper(torch.compile(layers)), device, calls)
-        torch._dynamo.reset()
-        row["reduce_overhead_ms"] = wall_ms(stepper(torch.compile(layers, mode="reduce-overhead")), device, calls)
-    else:
-        row["compile_ms"] = row["reduce_overhead_ms"] = None
-    return row
+    if device.type != "cuda":
+        return {"eager_ms": wall_ms(stepper(layers), device, calls), "compile_ms": None, "reduce_overhead_ms": None}
+    torch._dynamo.reset()
+    steps = {"eager_ms": stepper(layers), "compile_ms": stepper(torch.compile(layers)),
+             "reduce_overhead_ms": stepper(torch.compile(layers, mode="reduce-overhead"))}
+    return interleaved_ms(steps, device)
+
+
+def interleaved_ms(steps: dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
+                   calls: int = 50) -> dict[str, float | None]:
+    """Median over ``rounds`` of each step's mean time in ms over ``calls`` calls, the steps taking turns in each
+    round (a host-bound step's time drifts with the machine: turns keep the ratios fair)."""
+    for step in steps.values():
+        for _ in range(10):  # compiles, warms up and captures
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -222,7 +269,8 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         f"Host time and the user's step (`python -m benchmarks.host`). {record['gpu']}; torch {record['torch']}, "
         f"triton {record['triton']}; commit {record['commit']}. Host times are medians of one call without a "
-        "sync; the other times are do_bench medians, side by side in one run.",
+        "sync; the block's are medians of 5 rounds in which its modes take turns; the other times are do_bench "
+        "medians, side by side in one run.",
         "",
         "| row | measure | value |",
         "|---|---|---:|",
@@ -234,7 +282,9 @@ def markdown(record: dict[str, Any]) -> str:
         lines += ["", f"Seed forward + backward / dense cuDNN: {seed_ratio:.2f}; "
                   f"small_2k: {small['fwd_bwd_ms'] / small['cudnn_dense_fwd_bwd_ms']:.2f}; block compiled / eager: "
                   f"{block['compile_ms'] / block['eager_ms']:.2f}, reduce-overhead / eager: "
-                  f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}."]
+                  f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}. Seed host forward + backward "
+                  f"{seed['host_us_fwd_bwd']:.0f} us against {seed['gpu_kernel_ms'] * 1e3:.0f} us of kernels; an "
+                  f"autograd node that only allocates takes {seed['host_us_autograd_floor']:.0f} us."]
     return "\n".join(lines) + "\n"
 
 
