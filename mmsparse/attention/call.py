@@ -29,7 +29,7 @@ def frozen_plan(plan: AttentionPlan, info: MaskInfo, cfg: KernelConfig, dropout:
     """The :class:`CallPlan` of an eager call's plan."""
     return CallPlan(forward=plan.forward.tile, dq=plan.dq, dkdv=plan.dkdv, side_stream=plan.side_stream,
                     mode=info.mode, causal=info.causal, window=info.window,
-                    num_segments=getattr(info, "num_segments", 0), dropout=dropout, use_tma=cfg.use_tma,
+                    num_segments=info.num_segments, dropout=dropout, use_tma=cfg.use_tma,
                     compact_bytes=cfg.compact_bytes,
                     decode_max_q=cfg.decode_max_q)
 

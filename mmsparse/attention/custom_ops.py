@@ -79,7 +79,7 @@ def traced_plan(q: torch.Tensor, k: torch.Tensor, info: MaskInfo, softmax_scale:
     # A graph may hold dropout_p as a symbol: a branch decides whether dropout is on (and guards on it) here
     dropout = True if dropout_p > 0.0 else False  # noqa: SIM210 (bool() would keep the symbol)
     return plan_call(config, info.seq_q, info.seq_k, q.device, info.sample_len, dropout, deterministic,
-                     info.mode, info.causal, info.window, getattr(info, "num_segments", 0))
+                     info.mode, info.causal, info.window, info.num_segments)
 
 
 def attention_forward(

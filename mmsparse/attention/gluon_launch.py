@@ -44,17 +44,8 @@ def run_forward(
     that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
     ``bound``: as :func:`run_dq`'s."""
     batch, num_heads, seq_q, head_dim = q.shape
-
-    def setup() -> _Setup:
-        _check_rows(tile.block_m, BLOCK_M)
-        pad = head_dim_pad(head_dim)
-        return _Setup(
-            (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
-            dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
-                 STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
-                 PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns], num_warps=4, maxnreg=_LAUNCH_REGS))
-
-    s = _setup_of(bound, "forward", setup)
+    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,
+                                                         PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns]))
     mask_tensors, mask_scalars = mask
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
@@ -78,19 +69,7 @@ def run_dq(
     arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
     caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for launches that specialise
     alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
-    batch, num_heads, seq_q, head_dim = q.shape
-
-    def setup() -> _Setup:
-        _check_rows(tile.block_m, BLOCK_M)
-        _check_no_pingpong(tile, "dQ")
-        pad = head_dim_pad(head_dim)
-        return _Setup(
-            (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
-            dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
-                 STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, num_warps=4,
-                 maxnreg=_LAUNCH_REGS))
-
-    s = _setup_of(bound, "dq", setup)
+    s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ"))
     mask_tensors, mask_scalars = mask
     pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
@@ -114,35 +93,16 @@ def run_dkdv(
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it, by TMA bulk reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3
     stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-
-    def setup() -> _Setup:
-        _check_rows(tile.block_n, BLOCK_N)
-        _check_no_pingpong(tile, "dK/dV")
-        pad = head_dim_pad(head_dim)
-        # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had.
-        one_pass = dict(ONE_PASS=True) if dq_sum is not None else {}
-        return _Setup(
-            (cdiv(seq_k, BLOCK_N), batch * num_kv_heads), pad, tile.block_m, WG_KEYS.value,
-            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
-                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS, **one_pass))
-
-    # the one-pass variant is its own launch (another compile key)
-    s = _setup_of(bound, "dkdv" if dq_sum is None else "dkdv-one-pass", setup)
-    mask_tensors, mask_scalars = mask
-    dk, dv = dk_dv
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
+    # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had; the
+    # one-pass variant is its own launch (another compile key).
+    one_pass = dict(ONE_PASS=True) if dq_sum is not None else {}
+    name = "dkdv" if dq_sum is None else "dkdv-one-pass"
+    s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, BLOCK_N, WG_KEYS.value, "dK/dV", mode, causal,
+                                                  has_window, **one_pass))
     # each consumer warpgroup reduces half of a block's columns
-    dq_arg = delta if dq_sum is None else head_rows_descriptor(dq_sum, q_rows, pad // 2)
-    launch_bound(
-        _DKDV, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-         delta, dq_arg, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
-        s.constexprs, bound, "dkdv" if dq_sum is None else "dkdv-one-pass",
-    )
+    dq_arg = delta if dq_sum is None else head_rows_descriptor(dq_sum, s.q_rows, s.pad // 2)
+    _launch_by_key(_DKDV, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_arg), mask, qk_scale_log2, softmax_scale,
+                   bound)
 
 
 def run_dkdv_d256(
@@ -153,30 +113,10 @@ def run_dkdv_d256(
     """:func:`run_dkdv` at head dims 129-256 (padded to 256) by ``kernels.gluon.dkdv_d256``: 64 keys a CTA (block_n
     64; block_m, at least 64, and gluon_stages are read; ``config.GLUON_D256["dkdv"]``), no one-pass variant.
     ``bound``: as :func:`run_dq`'s."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-
-    def setup() -> _Setup:
-        _check_rows(tile.block_n, D256_BLOCK_N)
-        _check_no_pingpong(tile, "dK/dV")
-        pad = head_dim_pad(head_dim)
-        return _Setup(
-            (cdiv(seq_k, D256_BLOCK_N), batch * num_kv_heads), pad, tile.block_m, D256_BLOCK_N,
-            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
-                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS))
-
-    s = _setup_of(bound, "dkdv_d256", setup)
-    mask_tensors, mask_scalars = mask
-    dk, dv = dk_dv
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
-    launch_bound(
-        _DKDV_D256, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-         delta, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
-        s.constexprs, bound, "dkdv_d256",
-    )
+    s = _setup_of(bound, "dkdv_d256",
+                  lambda: _key_setup(q, k, tile, D256_BLOCK_N, D256_BLOCK_N, "dK/dV", mode, causal, has_window))
+    _launch_by_key(_DKDV_D256, "dkdv_d256", s, (q, k, v, do, *dk_dv), (lse, delta), mask, qk_scale_log2,
+                   softmax_scale, bound)
 
 
 def run_bwd_dq_writer(
@@ -190,32 +130,11 @@ def run_bwd_dq_writer(
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) by TMA bulk reduce-adds, at ``tile`` (block_n 128; block_m and
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
     ``bound``: as :func:`run_dq`'s."""
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-
-    def setup() -> _Setup:
-        _check_rows(tile.block_n, DQ_WRITER_BLOCK_N)
-        _check_no_pingpong(tile, "one-pass")
-        pad = head_dim_pad(head_dim)
-        # 12 warps at launch (the two one-warp workers padded to a warpgroup): 168 x 384 threads fit an SM's 64K
-        return _Setup(
-            (cdiv(seq_k, DQ_WRITER_BLOCK_N), batch * num_kv_heads), pad, tile.block_m, WG_KEYS.value,
-            dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
-                 BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal,
-                 HAS_WINDOW=has_window, num_warps=4, maxnreg=_LAUNCH_REGS))
-
-    s = _setup_of(bound, "bwd_dq_writer", setup)
-    mask_tensors, mask_scalars = mask
-    dk, dv = dk_dv
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
-    launch_bound(
-        _DQ_WRITER, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad), lse,
-         delta, head_rows_descriptor(dq_sum, q_rows, pad // 2), *mask_tensors, *mask_scalars, qk_scale_log2,
-         softmax_scale),
-        s.constexprs, bound, "bwd_dq_writer",
-    )
+    s = _setup_of(bound, "bwd_dq_writer", lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value,
+                                                             "one-pass", mode, causal, has_window))
+    _launch_by_key(_DQ_WRITER, "bwd_dq_writer", s, (q, k, v, do, *dk_dv),
+                   (lse, delta, head_rows_descriptor(dq_sum, s.q_rows, s.pad // 2)), mask, qk_scale_log2,
+                   softmax_scale, bound)
 
 
 class _Setup(NamedTuple):
@@ -228,6 +147,55 @@ class _Setup(NamedTuple):
     q_rows: int
     kv_rows: int
     constexprs: dict[str, Any]
+
+
+def _query_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, mode: int, causal: bool, has_window: bool,
+                 no_pingpong: str | None, **flags: Any) -> _Setup:
+    """The setup of a launch by query block (the forward, dQ): a CTA per 128 query rows of a (batch, head).
+    ``no_pingpong``: the pass's name where it takes no ping-pong turns; ``flags``: its own constexprs."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    _check_rows(tile.block_m, BLOCK_M)
+    if no_pingpong is not None:
+        _check_no_pingpong(tile, no_pingpong)
+    pad = head_dim_pad(head_dim)
+    return _Setup(
+        (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
+        dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
+             STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, **flags,
+             num_warps=4, maxnreg=_LAUNCH_REGS))
+
+
+def _key_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, block_n: int, kv_rows: int, name: str, mode: int,
+               causal: bool, has_window: bool, **flags: Any) -> _Setup:
+    """The setup of a launch by key block (the dK/dV kernels, the dQ writer): a CTA per ``block_n`` keys of a
+    (batch, KV head), K-side boxes of ``kv_rows`` rows; ``flags``: the kernel's own constexprs."""
+    batch, num_heads, _, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    _check_rows(tile.block_n, block_n)
+    _check_no_pingpong(tile, name)
+    pad = head_dim_pad(head_dim)
+    return _Setup(
+        (cdiv(seq_k, block_n), batch * num_kv_heads), pad, tile.block_m, kv_rows,
+        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
+             BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
+             num_warps=4, maxnreg=_LAUNCH_REGS, **flags))
+
+
+def _launch_by_key(kernel: FastKernel, name: str, s: _Setup, tensors: tuple[torch.Tensor, ...], middle: tuple,
+                   mask: LaunchArgs, qk_scale_log2: float, softmax_scale: float,
+                   bound: dict[str, Any] | None) -> None:
+    """Launch a kernel by key block: descriptors of ``tensors`` (q, k, v, dO, dK, dV, made from the live tensors),
+    then ``middle`` (lse, delta, the kernel's own), the mask arguments and the two scales."""
+    q, k, v, do, dk, dv = tensors
+    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
+    mask_tensors, mask_scalars = mask
+    launch_bound(
+        kernel, s.grid,
+        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
+         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad),
+         *middle, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+        s.constexprs, bound, name,
+    )
 
 
 def _setup_of(bound: dict[str, Any] | None, name: str, make: Callable[[], _Setup]) -> _Setup:

@@ -40,6 +40,7 @@ class MaskInfo:
     """
 
     mode: int  # the kernels' MASK_MODE
+    num_segments: int = 0  # the segments of a topology mask; 0 for a dense mask, which has none
     # Traced: the values the mask was built from as flat ints, where they are all host values (mmsparse.mask.kept);
     # None: a length tensor, or not traced.
     host_values: list[int] | None = None

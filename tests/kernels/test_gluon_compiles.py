@@ -198,13 +198,28 @@ def test_gluon_kernels_compile_for_sm90(ptx_dir):
     assert compiled == [v.name for v in VARIANTS], proc.stdout
 
 
+def _compiled(ptx_dir, variant, suffix: str) -> Path:
+    """The compile child's output of ``variant`` with this suffix (".ptx" or ".ptxas.txt"), which must exist."""
+    out, proc = ptx_dir
+    path = out / f"{variant.name}{suffix}"
+    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    return path
+
+
+def _assert_no_spill(ptx_dir, variant) -> str:
+    """The ptxas report of ``variant``, which shows no stack frame, no spill, no serialized wgmma (C7512) and no
+    ignored setmaxnreg (C7508)."""
+    report = _compiled(ptx_dir, variant, ".ptxas.txt").read_text()
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
+    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+    return report
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     from tests.kernels.ptx_barriers import check_barrier_lifetimes
 
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptx"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    path = _compiled(ptx_dir, variant, ".ptx")
     report = check_barrier_lifetimes(path.read_text())
     assert not report.problems and not report.unresolved, f"{variant.name}:\n{report.summary()}"
     assert len(report.barriers) == expected_barriers(variant), f"{variant.name}:\n{report.summary()}"
@@ -216,9 +231,7 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     """The one-pass kernel adds dQ only by TMA bulk reduce-adds through the ``[B * Hq, Sq, D]`` dQ descriptor (rows
     past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic."""
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptx"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    path = _compiled(ptx_dir, variant, ".ptx")
     ptx = path.read_text()
     assert re.search(BULK_REDUCE_ADD, ptx), f"{variant.name}: no TMA bulk reduce-add in the PTX"
     assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group" in ptx, variant.name
@@ -231,9 +244,7 @@ def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
     """ptxas did not serialize the dK/dV kernel's wgmmas for want of registers (C7512): the pipeline would be
     gone; and the kernel fits a Hopper SM's shared memory (the one pass adds a dS^T tile per warpgroup to the
     4-stage ring). Spills are printed for the record."""
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptxas.txt"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    path = _compiled(ptx_dir, variant, ".ptxas.txt")
     report = path.read_text()
     assert "Function properties" in report, f"{variant.name}: no ptxas report:\n{report}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
@@ -258,9 +269,7 @@ def test_d256_variants_spill_at_most_a_few_words(ptx_dir, variant):
     config.gluon_tile_problem's count."""
     from mmsparse.attention.config import _GLUON_SHARED_SLACK, dkdv_d256_shared_bytes, gluon_tile_problem
 
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptxas.txt"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    path = _compiled(ptx_dir, variant, ".ptxas.txt")
     report = path.read_text()
     assert "Function properties" in report, f"{variant.name}: no ptxas report:\n{report}"
     stores = [int(a) for a, _ in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
@@ -286,12 +295,7 @@ def test_d256_dkdv_does_not_spill(ptx_dir, variant):
     """The D=256 dK/dV kernel keeps everything in registers (warpgroup 0 gets 248 a thread, warpgroup 1 216, the
     producer 40: kernels/gluon/dkdv_d256.py says why): no stack frame, no spill store or load, with Triton 3.9's
     ptxas and with 3.6's."""
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptxas.txt"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
-    report = path.read_text()
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
-    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+    _assert_no_spill(ptx_dir, variant)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dq_writer"], ids=lambda v: v.name)
@@ -303,13 +307,8 @@ def test_dq_writer_does_not_spill(ptx_dir, variant):
     from mmsparse.attention.config import _GLUON_SHARED_SLACK, dq_writer_shared_bytes
     from mmsparse.kernels.gluon.bwd_dq_writer import WORKER_REGS
 
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptxas.txt"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
-    report = path.read_text()
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{variant.name}:\n{report}"
-    assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
-    ptx = (out / f"{variant.name}.ptx").read_text()
+    report = _assert_no_spill(ptx_dir, variant)
+    ptx = _compiled(ptx_dir, variant, ".ptx").read_text()
     regs = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert set(WORKER_REGS.value) <= regs, f"{variant.name}: setmaxnreg {sorted(regs)}"
     tile = _tile(variant)
@@ -337,9 +336,7 @@ def expected_arrives_per_block(variant: Variant) -> int:
 def test_forward_arrives_per_key_block(ptx_dir, variant):
     from tests.kernels.ptx_loops import counts, matmul_loops
 
-    out, proc = ptx_dir
-    path = out / f"{variant.name}.ptx"
-    assert path.exists(), f"{variant.name} did not compile:\n{proc.stderr[-3000:]}"
+    path = _compiled(ptx_dir, variant, ".ptx")
     loops = [counts(seq) for seq in matmul_loops(path.read_text())]
     assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
     released_by_name = _tile(variant).pingpong and _tile(variant).turns == "named_release"
