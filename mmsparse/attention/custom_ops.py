@@ -1,12 +1,13 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.lists_v5``, ``.fwd_v5`` and ``.bwd_v5`` (registered here, with fake implementations) make the
+``torch.ops.mmsparse.lists_v6``, ``.fwd_v6`` and ``.bwd_v6`` (registered here, with fake implementations) make the
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
-text, by value (an exported program runs with its own plan in any process); each tile's block lists come from one
-``lists`` op, whose outputs the forward and the backward ops both read, and which torch's common-subexpression
-elimination can share between layers that pass the same mask. The lists take fixed slots there, sized from the
-shapes (the packed layout's size is data: a graph cannot know it).
+text, by value (an exported program runs with its own plan in any process). Where the topology and lengths are host
+values (``MaskInfo.host_values``), the forward and backward ops read the kept block lists of those values
+(:mod:`mmsparse.mask.kept`), so a repeated step builds none; otherwise each tile's lists come from one ``lists`` op,
+whose outputs the forward and the backward ops both read. The lists take fixed slots, sized from the shapes (the
+packed layout's size is data: a graph cannot know it).
 
 The ops' names carry the version of their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled
 graphs does not key on a custom op's schema, so a graph cached by an older mmsparse would call a changed op with its
@@ -30,14 +31,14 @@ from .forward import kernel_layout
 from .kernel_args import mask_launch_args
 from .plan import CallPlan, call_plan_from_text, plan_call
 
-OP_VERSION = 5  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+OP_VERSION = 6  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
 
 
 @dataclass
 class TracedCall:
     """What a traced call's backward reads of its forward: the frozen plan (and its text), the mask's kernel
-    tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.host_values``; empty
-    for a length tensor: see :func:`_lists_op`)."""
+    tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.host_values``: the ops
+    then read kept lists, :func:`_op_lists`; empty for a length tensor)."""
 
     plan: CallPlan
     text: str
@@ -50,12 +51,15 @@ class TracedCall:
         return cls(plan, plan.text, list(info.kernel_tensors()), {}, info.host_values or [])
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
-        """(counts, indices) of each tile in turn: those the forward built, and one ``lists`` op for each other
-        tile (a traced backward may not change what its forward made: a dict of its own)."""
+        """(counts, indices) of each tile in turn: those built before, and one ``lists`` op for each other tile (a
+        traced backward may not change what its forward made: a dict of its own). Empty where the mask is of host
+        values: the ops read kept lists."""
+        if self.host_values:
+            return []
         built = dict(self.lists)
         for key in keys:
             if key not in built:
-                built[key] = _lists_op(self.mask, self.text, *key, self.host_values)
+                built[key] = _lists_op(self.mask, self.text, *key)
         return [t for key in keys for t in built[key]]
 
 
@@ -102,8 +106,10 @@ def attention_forward(
         plan = traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings)
         call = TracedCall.of(plan, info)
         key = plan.list_tiles(backward=False)[0]
-        counts, indices = call.lists[key] = _lists_op(call.mask, call.text, *key, call.host_values)
-        out, lse = _fwd_op(q, k, v, call.mask, [counts, indices], seed, softmax_scale, dropout_p, call.text)
+        lists = call.tile_lists([key])
+        if lists:
+            call.lists[key] = (lists[0], lists[1])
+        out, lse = _fwd_op(q, k, v, call.mask, lists, seed, softmax_scale, dropout_p, call.text, call.host_values)
         return out, lse, call
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
 
@@ -124,7 +130,8 @@ def attention_backward(
             call = TracedCall.of(traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings), info)
         passes = [call.plan.dkdv] + ([call.plan.dq] if call.plan.dq is not None else [])
         lists = call.tile_lists([step.lists for step in passes])
-        return _bwd_op(grad_out, q, k, v, out, lse, call.mask, lists, seed, softmax_scale, dropout_p, call.text)
+        return _bwd_op(grad_out, q, k, v, out, lse, call.mask, lists, seed, softmax_scale, dropout_p, call.text,
+                       call.host_values)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     if not isinstance(launch, CallLaunch):
         config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
@@ -141,40 +148,55 @@ def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bo
 
 
 @torch.library.custom_op(f"mmsparse::lists_v{OP_VERSION}", mutates_args=())
-def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int, by_key: bool,
-              host_values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _lists_op(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int,
+              by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
-    # host_values: the values of a mask of host lengths (mmsparse.mask.kept), whose lists are built once and kept;
-    # the op returns copies (a graph may reuse an op's output memory once it is dead). Empty (a length tensor):
-    # built from the graph's mask tensors, every step.
-    kept = kept_lists(tuple(host_values), mask[0].device, (block_m, block_n, by_key)) if host_values else None
-    if kept is not None:
-        return kept.counts.clone(), kept.indices.clone()
     info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
     lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
     return lists.counts, lists.indices
 
 
 @_lists_op.register_fake
-def _(mask, plan, block_m, block_n, by_key, host_values):
+def _(mask, plan, block_m, block_n, by_key):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
     counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
     return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)
 
 
+def _op_lists(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],
+              host_values: list[int]) -> list[torch.Tensor]:
+    """The (counts, indices) of each tile an op reads: its ``lists`` argument (the graph's ``lists`` ops), or,
+    where the mask is made of ``host_values``, the kept lists of those values (:mod:`mmsparse.mask.kept`: built
+    once, so a repeated step builds none), else built here from the mask tensors (a CUDA-graph capture that
+    cannot read kept lists keeps what it builds to itself)."""
+    if lists:
+        return lists
+    info = None
+    found = []
+    for tile in tiles:
+        kept = kept_lists(tuple(host_values), mask[0].device, tile)
+        if kept is None:
+            info = info or mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments,
+                                                    values.window)
+            kept = info.lists(*tile, values.compact_bytes, compact=False)
+        found += [kept.counts, kept.indices]
+    return found
+
+
 @torch.library.custom_op(f"mmsparse::fwd_v{OP_VERSION}", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], lists: list[torch.Tensor],
-    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str,
+    seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    args = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
+    counts, indices = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
+    args = mask_launch_args(mask, values.mode, counts, indices, values.window)
     return forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)(q, k, v, seed, args)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan):
+def _(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
@@ -183,10 +205,12 @@ def _(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan):
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     mask: list[torch.Tensor], lists: list[torch.Tensor], seed: torch.Tensor | None, softmax_scale: float,
-    dropout_p: float, plan: str,
+    dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    passes = [values.dkdv] + ([values.dq] if values.dq is not None else [])
+    lists = _op_lists(mask, values, [step.lists for step in passes], lists, host_values)
     dkdv = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
     dq = mask_launch_args(mask, values.mode, lists[2], lists[3], values.window) if values.dq is not None else None
     launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
@@ -194,5 +218,5 @@ def _bwd_op(
 
 
 @_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan):
+def _(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

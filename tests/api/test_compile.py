@@ -137,12 +137,12 @@ def test_the_ops_signatures_match_their_version():
     mmsparse.attention.custom_ops.OP_VERSION, and these lists with it."""
     from mmsparse.attention.custom_ops import OP_VERSION
 
-    assert OP_VERSION == 5
+    assert OP_VERSION == 6
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
              for op in ("lists", "fwd", "bwd")}
     assert names == {
-        "lists": ["mask", "plan", "block_m", "block_n", "by_key", "host_values"],
-        "fwd": ["q", "k", "v", "mask", "lists", "seed", "softmax_scale", "dropout_p", "plan"],
+        "lists": ["mask", "plan", "block_m", "block_n", "by_key"],
+        "fwd": ["q", "k", "v", "mask", "lists", "seed", "softmax_scale", "dropout_p", "plan", "host_values"],
         "bwd": ["grad_out", "q", "k", "v", "out", "lse", "mask", "lists", "seed", "softmax_scale", "dropout_p",
-                "plan"],
+                "plan", "host_values"],
     }
