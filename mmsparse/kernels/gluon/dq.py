@@ -145,7 +145,7 @@ def attention_dq_gluon(
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
     HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's S and dP are issued")
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest first, as the forward (kernels/gluon/forward.py)
+    pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS

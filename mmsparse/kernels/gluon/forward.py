@@ -177,7 +177,7 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr, pid_bh):
+              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
     turn n_total the last P V alone."""
@@ -251,6 +251,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
+    pid_bh = gl.program_id(1)  # (b, h) recomputed here, not held across the loop
     tma_store(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
@@ -269,9 +270,7 @@ def attention_fwd_gluon(
     past the head dim as zeros and drops writes there. ``TURNS`` (read with PINGPONG): how the warpgroups take
     turns, ``constants.TURNS_*``."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
-    # Longest first: CTAs start in grid order, and under causal masks a query block's list grows with its index, so
-    # the last blocks of a head start first and the grid's tail is its shortest blocks.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
@@ -303,9 +302,9 @@ def attention_fwd_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS, pid_bh)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS, pid_bh)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES, named_release)),
         ],
