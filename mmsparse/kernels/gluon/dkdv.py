@@ -43,12 +43,11 @@ from .common import (
     box,
     invalidate_ring,
     load_resident_halves,
-    program_lists,
     scores_init,
     thread_barrier,
     tma_store,
 )
-from .dkdv_rows import stage_query_blocks
+from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
 from .dq_adds import bulk_add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -271,28 +270,16 @@ def attention_dkdv_gluon(
     TMA bulk reduce-adds through DQ, the ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, D]``, ``[1, BM,
     HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the launcher (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // NUM_KV_HEADS
-    hk = pid_bh % NUM_KV_HEADS
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
-
-    n_full, n_total, idx_ptr, mask_args = program_lists(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
-    col0 = pid_n * (2 * WG_KEYS)
+    b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
+        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
-    rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
-    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = allocate_query_stages(
+        dtype, STAGES, BM, HEAD_DIM_PAD, MASK_MODE)
     if ONE_PASS:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup

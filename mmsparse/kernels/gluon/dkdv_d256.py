@@ -47,14 +47,13 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
-    program_lists,
     resident_tile,
     scores_init,
     thread_barrier,
     tma_load,
     tma_store,
 )
-from .dkdv_rows import stage_query_blocks
+from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 # Registers a thread of warpgroup 1 and of the producer. Triton gives warpgroup 0 (the default partition) what the
@@ -199,29 +198,17 @@ def attention_dkdv_d256_gluon(
     dK and dV; ``[1, 1, BM, HEAD_DIM_PAD]`` for Q and dO), lse and delta contiguous ``[B, Hq, Sq]``."""
     gl.static_assert(STAGES >= 2, "the producer refills a stage while the consumers work on the other")
     gl.static_assert(BM >= 64, "S^T and dP^T are one m64 wgmma over BM query columns; dK/dV's k is BM")
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // NUM_KV_HEADS
-    hk = pid_bh % NUM_KV_HEADS
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KEYS, HEAD_DIM_PAD], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
-
-    n_full, n_total, idx_ptr, mask_args = program_lists(
-        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
-    col0 = pid_n * _KEYS
+    b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
+        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, _KEYS)
 
     # [1, keys, D]: resident_tile indexes them through an opaque zero, so their descriptors are not hoisted
     k_smem = gl.allocate_shared_memory(dtype, [1, _KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, _KEYS, HEAD_DIM_PAD], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
-    rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
-    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = allocate_query_stages(
+        dtype, STAGES, BM, HEAD_DIM_PAD, MASK_MODE)
     pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KEYS, BM], gl.float32)
     pt_smem = gl.allocate_shared_memory(gl.float32, [_KEYS, BM], pt_layout)  # P^T, warpgroup 0 -> 1
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()

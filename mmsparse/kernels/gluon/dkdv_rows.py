@@ -1,6 +1,7 @@
-"""The query side of a dK/dV producer (the D <= 128 kernel's and the D=256 one's): for every listed query block of
-every head of the KV group, its lse, delta and query-index rows (and, in a partial block, its query bits) stored
-into the stage, then Q and dO by TMA onto the stage's ready barrier."""
+"""What the kernels by key block (the D <= 128 dK/dV kernel, the D=256 one, the one pass with a dQ writer) share: the
+program's key block and its list, the ring of query-side tiles, and the producer's query side: for every listed
+query block of every head of the KV group, its lse, delta and query-index rows (and, in a partial block, its query
+bits) stored into the stage, then Q and dO by TMA onto the stage's ready barrier."""
 
 from __future__ import annotations
 
@@ -10,9 +11,42 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..constants import MASK_DENSE
 from ..lists import block_id
-from .common import box, tma_load
+from .common import box, program_lists, tma_load
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
+
+
+@gluon.jit
+def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+                    stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
+                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr):
+    """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``program_id(0)`` (``KEYS``
+    keys from ``col0``) of batch ``b`` and KV head ``hk`` (``program_id(1)`` = b * NUM_KV_HEADS + hk), and its list
+    (``common.program_lists``)."""
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hk = pid_bh % NUM_KV_HEADS
+    n_full, n_total, idx_ptr, mask_args = program_lists(
+        b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
+    return b, hk, pid_n * KEYS, n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
+def allocate_query_stages(dtype: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                          MASK_MODE: gl.constexpr):
+    """The ring that :func:`stage_query_blocks` fills: ``(q, do, lse, delta, rows, qbits)`` shared tiles of
+    ``STAGES`` query blocks of ``BM`` rows (one qbits tile for a dense mask, which reads none)."""
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, HEAD_DIM_PAD], q_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_layout)
+    rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BM], row_layout)
+    qbits_smem = gl.allocate_shared_memory(gl.int32, [STAGES if MASK_MODE != _MASK_DENSE else 1, BM], row_layout)
+    return q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem
 
 
 @gluon.jit
