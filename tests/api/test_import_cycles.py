@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 from tests.imports import imported, module_files
 
@@ -60,18 +62,24 @@ def import_graph(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dic
     return {module: imported(module, path, known) for module, path in files.items()}
 
 
-def test_no_import_cycle():
-    found = cycles(import_graph())
+@pytest.fixture(scope="module")
+def repo_graph() -> dict[str, set[str]]:
+    """The repository's graph, read once for the module's tests (each reads it, none changes it)."""
+    return import_graph()
+
+
+def test_no_import_cycle(repo_graph):
+    found = cycles(repo_graph)
     assert not found, "import cycles (break each, e.g. by moving what both need into a module of its own):\n" + (
         "\n".join(" <-> ".join(c) for c in found)
     )
 
 
-def test_the_benchmark_imports_no_tool():
+def test_the_benchmark_imports_no_tool(repo_graph):
     """The dependencies run one way: tools/ and the stress tools use the benchmark's harness, never the reverse."""
     upward = sorted(
         f"{module} imports {target}"
-        for module, targets in import_graph().items()
+        for module, targets in repo_graph.items()
         if module.startswith("benchmarks")
         for target in targets
         if target.startswith(("tools", "tests"))
@@ -79,7 +87,7 @@ def test_the_benchmark_imports_no_tool():
     assert not upward, "\n".join(upward)
 
 
-def test_the_check_sees_a_cycle(tmp_path):
+def test_the_check_sees_a_cycle(tmp_path, repo_graph):
     """A cycle through a relative import under TYPE_CHECKING, and one through ``from package import module``, are
     found; the repository's real edges are seen (a check that sees nothing passes)."""
     pkg = tmp_path / "pkg"
@@ -92,6 +100,6 @@ def test_the_check_sees_a_cycle(tmp_path):
     (pkg / "d.py").write_text("from .sub import c\n")
     (pkg / "e.py").write_text("import pkg.a\n")
     assert cycles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.sub.c"]]
-    graph = import_graph()
+    graph = repo_graph
     assert "benchmarks.impl" in graph["benchmarks.check"] and "tests.helpers" in graph["tests.api.test_layers"]
     assert "mmsparse.attention.plan" in graph["tests.stress.fuzz"] and "benchmarks.cp_cases" in graph["tools.cp_plan"]
