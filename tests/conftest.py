@@ -16,8 +16,8 @@ Where the tests are (they mirror the package; no test file sits at the root of t
   stress/       the stress tools themselves (fuzz, sanitize, soak, shared_gpu, cold_runs; README.md there) and
                 their CPU smoke tests, marked ``stress``
 helpers.py holds what several modules share (topologies, cases, the float64 checks), poison.py the NaN-poisoned
-``torch.empty`` (shared with the stress tools), interpreter.py the interpreter mapped once per launch; no test
-module imports another."""
+``torch.empty`` (shared with the stress tools), interpreter.py the interpreter mapped once per launch and without
+the overflow checks it discards; no test module imports another."""
 
 import os
 
@@ -28,11 +28,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.interpreter import patch_once_per_launch  # noqa: E402
+from tests.interpreter import patch_once_per_launch, skip_discarded_overflow_checks  # noqa: E402
 from tests.poison import poisoned_empty  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_once_per_launch()
+    skip_discarded_overflow_checks()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,11 +5,19 @@ The interpreter maps ``triton.language`` onto its own implementations when a lau
 modules each time (``inspect.getmembers``): about a fifth of a kernel test's time on a CPU. Inside one launch the
 second and later scans find the same modules already mapped, so :func:`patch_once_per_launch` skips a nested call's
 mapping when the modules its function sees were mapped by this launch already; a function that sees others is
-mapped as before. Nothing else changes: the same kernels run through the same interpreter.
+mapped as before.
+
+:func:`skip_discarded_overflow_checks` stops the interpreter from building integer-overflow checks it throws away.
+With ``sanitize_overflow`` on (its default), every int32 add, sub and mul also computes its result in int64 and
+compares it with int32's bounds, about a third of an interpreted kernel's time; but the check ends in
+``device_assert``, which returns without checking anything unless the options say ``debug``, and the interpreter's
+options never do. So the check is off only where it could not fail (a test holds this premise against the
+installed Triton). Nothing else changes: the same kernels run through the same interpreter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from typing import Any
@@ -57,4 +65,22 @@ def patch_once_per_launch() -> bool:
     patch_for_launch.original = patch_lang  # type: ignore[attr-defined]  (read at each call: a test counts them)
     interpreter._patch_lang = patch_for_launch
     executor.__call__ = call_launch
+    return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Give the interpreter's builder ``sanitize_overflow=False`` where its options have ``debug`` off (so each
+    overflow check's ``device_assert`` discards it); False (and nothing changed) where the builder is not laid out as
+    expected or its options ask for ``debug``."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or getattr(options, "debug", True):
+        return False
+    if not getattr(options, "sanitize_overflow", False):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True

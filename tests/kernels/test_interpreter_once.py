@@ -1,14 +1,17 @@
 """tests/interpreter.py: on a CPU, Triton's interpreter maps triton.language once per launch, not once per nested
-``@triton.jit`` call, and a kernel with nested calls still computes what torch does."""
+``@triton.jit`` call, and a kernel with nested calls still computes what torch does; the overflow checks it skips
+are ones the interpreter would discard."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import InterpreterError
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter only")
 
@@ -50,3 +53,35 @@ def test_a_launch_maps_the_language_once_and_computes_the_same(monkeypatch):
     assert calls == ["_kernel"], calls  # 3 programs x 6 nested calls, mapped once for the launch
     _kernel[(3,)](src, dst, 40, BLOCK=16)  # the next launch maps again (the first one's mapping was undone)
     assert calls == ["_kernel", "_kernel"]
+
+
+@triton.jit
+def _square_int32(src, dst):
+    x = tl.load(src)
+    tl.store(dst, x * x)  # int32 * int32: Triton adds an overflow check here where sanitize_overflow is on
+
+
+def _square_of_2_pow_20(monkeypatch, options, **changes) -> int:
+    """2^20 squared in int32, through the interpreter's builder given ``options`` with ``changes``."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(options, **changes))
+    src = torch.tensor([2**20], dtype=torch.int32)
+    dst = torch.full_like(src, -1)
+    _square_int32[(1,)](src, dst)
+    return int(dst)
+
+
+def test_the_overflow_checks_skipped_are_the_ones_the_interpreter_discards(monkeypatch):
+    """The premise of skip_discarded_overflow_checks: with the interpreter's own options (debug off), an int32
+    overflow passes unreported even with ``sanitize_overflow`` on, so turning it off loses no check. With debug on
+    the same check fires: were a Triton's interpreter to turn debug on, this test fails, and the skip goes."""
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    assert not options.sanitize_overflow, "tests/conftest.py did not skip the discarded overflow checks"
+    assert not options.debug
+    assert _square_of_2_pow_20(monkeypatch, options, sanitize_overflow=True) == 0  # 2^40 wraps to 0, unreported
+    with pytest.raises(InterpreterError, match="int32 overflow"):
+        _square_of_2_pow_20(monkeypatch, options, sanitize_overflow=True, debug=True)
+    assert _square_of_2_pow_20(monkeypatch, options) == 0
