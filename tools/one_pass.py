@@ -10,6 +10,7 @@ backward's time and peak memory of each, in interleaved rounds. The one-pass ker
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
     python -m tools.one_pass --sides one-pass,two-pass     # the one pass as the baseline
     python -m tools.one_pass --sides two-pass,dq-writer --configs mm13k_hub_d64
+    python -m tools.one_pass --sides two-pass,dq-writer-s3,dq-writer-s5 --configs mm13k_hub --head-dim 64
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -36,32 +37,52 @@ from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
 from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
-from mmsparse.attention.config import KernelConfig, cuda_kernel_config, kernel_config
+from mmsparse.attention.config import KernelConfig, cuda_kernel_config, gluon_tile_problem, head_dim_pad, kernel_config
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
 # name: the deterministic argument; the first side given is the baseline of the others
 SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False}
-# The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only).
+# The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only); "dq-writer-s<N>" runs it at N
+# stages instead of its table's (a stage sweep).
 WRITER_SIDES = ("dq-writer",)
+_STAGES_MARK = "-s"
+
+
+def side_kind(side: str) -> str:
+    """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-s<N>"."""
+    base, mark, stages = side.rpartition(_STAGES_MARK)
+    return base if mark and base in WRITER_SIDES and stages.isdigit() else side
+
+
+def side_stages(side: str) -> int | None:
+    """The stage count a "dq-writer-s<N>" side asks for (None: the table's)."""
+    return int(side.rpartition(_STAGES_MARK)[2]) if side_kind(side) != side else None
 
 
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
-    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``); None for the others (the device's own)."""
-    if side not in WRITER_SIDES:
+    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's stages where it names them); None
+    for the others (the device's own)."""
+    if side_kind(side) not in WRITER_SIDES:
         return None
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
+    stages = side_stages(side)
+    if stages is not None:
+        writer = replace(writer, gluon_stages=stages)
+        problem = gluon_tile_problem("dq_writer", writer, head_dim_pad(cfg.head_dim), dtype.itemsize)
+        if problem is not None:
+            raise ValueError(f"side {side}: {problem}")
     return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer)
 
 
 def attention_fn(cfg: BenchConfig, side: str, config: KernelConfig | None = None) -> TensorFn:
     """mmsparse as a user calls it for ``cfg`` (as the benchmark's), with the ``deterministic`` of ``side``
     (``SIDES``), under ``config`` where given (``use_tuning``: the thresholds set outside stay)."""
-    deterministic = SIDES[side]
+    deterministic = SIDES[side_kind(side)]
     topology = call_topology(cfg)
     if cfg.packed:
         rows = [list(r) for r in cfg.seg_lens]
@@ -119,7 +140,7 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     for side, fn in fns.items():
         res = check(case, Impl(fn), grads=True)
         results[side] = grads(case, fn)
-        one_pass = not SIDES[side]
+        one_pass = not SIDES[side_kind(side)]
         again = grads(case, fn) if one_pass else None
         if one_pass:
             row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype, configs[side])
@@ -185,13 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     default_sides = SIDES if cuda else [s for s in SIDES if s not in WRITER_SIDES]
     ap.add_argument("--sides", default=",".join(default_sides),
                     help=f"comma-separated backwards, the first the baseline (of {', '.join(SIDES)})")
+    ap.add_argument("--head-dim", type=int, help="run every config at this head dim instead of its own (the row's "
+                    "name gets _d<N>)")
     ap.add_argument("--out", type=Path, help="also write the rows, versions and commit as JSON here")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
-    if len(sides) < 2 or any(side not in SIDES for side in sides):
-        ap.error(f"--sides takes two or more of {', '.join(SIDES)}, the baseline first; got {args.sides!r}")
-    if not cuda and set(sides) & set(WRITER_SIDES):
+    if len(sides) < 2 or any(side_kind(side) not in SIDES for side in sides):
+        ap.error(f"--sides takes two or more of {', '.join(SIDES)} (or dq-writer-s<N>: at N stages), the baseline "
+                 f"first; got {args.sides!r}")
+    if args.head_dim is not None and args.head_dim < 1:
+        ap.error(f"--head-dim takes a positive head dim; got {args.head_dim}")
+    if not cuda and any(side_kind(side) in WRITER_SIDES for side in sides):
         ap.error(f"the {', '.join(WRITER_SIDES)} side runs a Gluon kernel: it needs a Hopper GPU")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -201,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     # The kernel at every length: deterministic=False alone runs it only below one_pass_max_keys keys.
     with mmsparse.tuning.use_tuning(one_pass_max_keys=1 << 62):
         for name in names:
-            rows.append(compare_config(ALL_CONFIGS[name], device, dtype, timing, sides))
-            print(f"{name}: bwd " + ", ".join(f"{s} {rows[-1][f'{s}_bwd_ms']:.3f} ms" for s in sides), flush=True)
+            cfg = ALL_CONFIGS[name]
+            if args.head_dim is not None and args.head_dim != cfg.head_dim:
+                cfg = replace(cfg, name=f"{name}_d{args.head_dim}", head_dim=args.head_dim)
+            rows.append(compare_config(cfg, device, dtype, timing, sides))
+            print(f"{cfg.name}: bwd " + ", ".join(f"{s} {rows[-1][f'{s}_bwd_ms']:.3f} ms" for s in sides), flush=True)
     print(table(rows, sides))
     if args.out is not None:
         record = {"rows": rows, "sides": sides, "versions": versions(device), "commit": git_commit(),

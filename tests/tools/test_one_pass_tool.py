@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -56,3 +57,27 @@ def test_dq_writer_side(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,dq-writer"])
+
+
+def test_dq_writer_stage_sides_and_head_dim(tmp_path):
+    """"dq-writer-s<N>" runs the dQ-writer kernel at N stages, refused where they would not fit a CTA's shared
+    memory; --head-dim reruns a config at another head dim under its own row name."""
+    import torch
+
+    from benchmarks.configs import ALL_CONFIGS
+    from mmsparse.attention.config import GLUON_DQ_WRITER
+
+    assert one_pass.side_kind("dq-writer-s5") == "dq-writer" and one_pass.side_stages("dq-writer-s5") == 5
+    assert one_pass.side_kind("two-pass-s5") == "two-pass-s5"  # not a side: main refuses it
+    cfg = ALL_CONFIGS["mm13k_hub_d64"]
+    config = one_pass.side_config(cfg, "dq-writer-s6", torch.device("cpu"), torch.bfloat16)
+    assert config.gluon_dq_writer == replace(GLUON_DQ_WRITER[64], gluon_stages=6)
+    with pytest.raises(ValueError, match="shared memory"):  # 4 stages at D=128 need 249,856 B of 232,448
+        one_pass.side_config(ALL_CONFIGS["mm13k_hub"], "dq-writer-s4", torch.device("cpu"), torch.bfloat16)
+    out = tmp_path / "one_pass.json"
+    args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
+    with pytest.raises(SystemExit):
+        one_pass.main([*args, "--sides", "two-pass,two-pass-s5"])
+    assert one_pass.main([*args, "--sides", "two-pass,one-pass", "--head-dim", "24"]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["config"] == "tiny_ab_d24" and row["one-pass_check"] == "ok"
