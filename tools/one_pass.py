@@ -1,10 +1,11 @@
-"""The one-pass backward against the default two-pass one, config by config: the one pass (``deterministic=False``:
-on Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding
-it by atomics), on Hopper also the warp-specialised one-pass kernel with a dQ writer warp (side ``dq-writer``:
-``kernels/gluon/bwd_dq_writer.py``, off by default, turned on here per call), each checked against the float32
-reference, the one-pass sides' gradients against the first side's, their dQ's run-to-run differences, and the
-backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at every length here
-(``use_tuning(one_pass_max_keys=...)``); a call alone runs them only below that many keys.
+"""The one-pass backward against the default two-pass one, config by config: the one pass (side ``one-pass``: on
+Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding it
+by atomics), on Hopper also the warp-specialised one-pass kernel with a dQ writer warp (side ``dq-writer``:
+``kernels/gluon/bwd_dq_writer.py``, D=64's default, turned on here per call at every head dim), each checked
+against the float32 reference, the one-pass sides' gradients against the first side's, their dQ's run-to-run
+differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at
+every length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs the bulk and tl ones only below that
+many keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
@@ -64,9 +65,12 @@ def side_stages(side: str) -> int | None:
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
     table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's stages where it names them); None
-    for the others (the device's own)."""
+    for the two passes (the device's own); the one-pass side the device's config without the dQ writer (the bulk one
+    pass, also where the writer is the default)."""
     if side_kind(side) not in WRITER_SIDES:
-        return None
+        if SIDES[side_kind(side)]:
+            return None
+        return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=None)
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")

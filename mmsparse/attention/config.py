@@ -21,7 +21,7 @@ from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
 # The KernelConfig fields that switch a path, which use_tuning sets on every call's config.
-THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys")
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class KernelConfig:
     gluon_one_pass: Tile | None = None
     # The warp-specialised one-pass backward's tile (kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
     # warp and a dQ writer warp; block_n 128: GLUON_DQ_WRITER). Where set (and no dropout), the one-pass backward
-    # runs it rather than the dK/dV kernel's ONE_PASS variant at gluon_one_pass. None: off (GLUON_DQ_WRITER_ENABLED).
+    # runs it rather than the dK/dV kernel's ONE_PASS variant at gluon_one_pass. None: off (by default at head dims
+    # other than GLUON_DQ_WRITER_HEAD_DIMS).
     gluon_dq_writer: Tile | None = None
     # The tl dK/dV kernel's tile with dropout (no Gluon kernel has it), where bwd_dkdv is a Gluon tile the tl kernel
     # runs poorly: at D=256 the Gluon kernel's 64 keys by 64 rows spill in the tl kernel. None: bwd_dkdv's.
@@ -89,8 +90,11 @@ class KernelConfig:
     short_samples: int = 4096
     compact_bytes: int = COMPACT_BYTES
     # deterministic=False runs the one-pass backward below this many keys, the two-pass one from there, where the
-    # two passes were faster (docs/performance.md, "The tile tables' reasons").
+    # two passes were faster (docs/performance.md, "The tile tables' reasons"); where that one pass is the dQ-writer
+    # kernel (gluon_dq_writer, no dropout), below dq_writer_max_keys instead: it beat the two passes at every length
+    # measured (13k-64k keys at D=64), so by default it runs at every length.
     one_pass_max_keys: int = 2048
+    dq_writer_max_keys: int = 1 << 62
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:
@@ -165,10 +169,15 @@ class KernelConfig:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
         return seq_k < self.one_pass_max_keys
 
-    def runs_one_pass(self, seq_k: int, deterministic: bool) -> bool:
-        """The backward over ``seq_k`` keys runs in one pass (dQ by atomics): only where ``deterministic`` is False,
-        below ``one_pass_max_keys`` keys."""
-        return not deterministic and self.one_pass(seq_k)
+    def runs_one_pass(self, seq_k: int, deterministic: bool, dropout: bool = False) -> bool:
+        """The backward over ``seq_k`` keys runs in one pass (dQ added, not owned): only where ``deterministic`` is
+        False, below ``dq_writer_max_keys`` keys where the one pass is the dQ-writer kernel, else below
+        ``one_pass_max_keys``."""
+        if deterministic:
+            return False
+        if self.one_pass_runs_dq_writer(dropout):
+            return seq_k < self.dq_writer_max_keys
+        return self.one_pass(seq_k)
 
     def few_keys(self, seq_k: int) -> bool:
         """Fewer than ``short_keys`` keys: a call this short is bound by host work and fixed costs per program."""
@@ -203,7 +212,7 @@ _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "b
 # The blocks each of those tiles may have (GLUON_BLOCK where not listed).
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
-                    "compact_bytes": "bytes", "one_pass_max_keys": "keys"}
+                    "compact_bytes": "bytes", "one_pass_max_keys": "keys", "dq_writer_max_keys": "keys"}
 
 
 def _check_int(label: str, value: object) -> int:
@@ -473,14 +482,13 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     (``kernels/gluon/dkdv_d256.py``) at ``GLUON_D256["dkdv"]``, else its tl kernel; None: as
     :data:`GLUON_D256_DKDV_ENABLED` says. ``gluon_dq_writer``: with ``gluon``, the one-pass backward at head dims up
     to 128 in half precision runs the warp-specialised dQ-writer kernel (``kernels/gluon/bwd_dq_writer.py``) at
-    :data:`GLUON_DQ_WRITER`'s tile; None: as :data:`GLUON_DQ_WRITER_ENABLED` says (off). One object per combination
-    of arguments."""
+    :data:`GLUON_DQ_WRITER`'s tile; None: at the head dims of :data:`GLUON_DQ_WRITER_HEAD_DIMS` (D=64). One object
+    per combination of arguments."""
     enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
     dkdv = GLUON_D256_DKDV_ENABLED if gluon_d256_dkdv is None else gluon_d256_dkdv
-    writer = GLUON_DQ_WRITER_ENABLED if gluon_dq_writer is None else gluon_dq_writer
-    if writer:  # a separate cache key only when on: the default configs stay the objects they were
-        return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled, dkdv, True)
-    return _cuda_kernel_config(head_dim_pad(head_dim), dtype, capability, gluon, enabled, dkdv)
+    d_pad = head_dim_pad(head_dim)
+    writer = d_pad in GLUON_DQ_WRITER_HEAD_DIMS if gluon_dq_writer is None else gluon_dq_writer
+    return _cuda_kernel_config(d_pad, dtype, capability, gluon, enabled, dkdv, writer)
 
 
 @functools.cache
@@ -558,14 +566,17 @@ GLUON_ONE_PASS_BULK = {
 # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py), for KernelConfig.gluon_dq_writer: 128 keys a
 # CTA, 64 query rows a step. A stage is held for one step (every matmul of a step reads it and is waited for in it),
 # so 3 stages give the producer two steps of slack; at D=128 a 4th does not fit beside the dQ staging buffer
-# (249,856 B of 232,448: dq_writer_shared_bytes), at D=64 it does (135,168 B). Not timed yet.
+# (249,856 B of 232,448: dq_writer_shared_bytes). At D=64 5 stages (152,576 B) were the fastest of 3-6 on 4 of 6
+# configs (H200, tools.one_pass; docs/performance.md).
 GLUON_DQ_WRITER = {
-    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
+    64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=5),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
 }
-# A source switch, off: cuda_kernel_config(..., gluon_dq_writer=True) turns the kernel on for one config
-# (tools/one_pass.py's "dq-writer" side, tests/kernels/test_hopper_dq_writer.py).
-GLUON_DQ_WRITER_ENABLED = False
+# The head dims (padded) whose deterministic=False backward runs the dQ-writer kernel by default. At D=64 it beat
+# the two passes by 1.02-1.20x at 13k-64k keys, and the bulk one pass by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa)
+# and at the seed (H200, tools.one_pass); at D=128 it lost to the two passes (0.975x on mm13k_hub).
+# cuda_kernel_config(..., gluon_dq_writer=True) turns it on at D=128 too (tools/one_pass.py's "dq-writer" side).
+GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64})
 # The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
 # consumer warpgroup (registers and shared memory: tests/kernels/test_gluon_compiles.py; timings on an H200:
 # docs/tuning.md):

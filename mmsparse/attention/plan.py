@@ -103,7 +103,8 @@ def plan_attention(
         deterministic: False allows the one-pass backward (the dK/dV kernel also adds dQ by atomics, with no dQ
             pass and no side stream): the Gluon dQ-writer kernel at ``config.gluon_dq_writer`` where set, else the
             Gluon dK/dV kernel at ``config.gluon_one_pass`` where that pass is Gluon, in either case without
-            dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.one_pass_max_keys`` keys,
+            dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.dq_writer_max_keys`` keys
+            for the dQ-writer kernel (every length by default), below ``config.one_pass_max_keys`` for the others,
             from where both older one-pass kernels were slower than the two-pass backward on every config measured.
             True: the two passes (bitwise repeatable).
 
@@ -122,7 +123,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
     """(dQ pass or None for the one pass, dK/dV pass, side stream) of :func:`plan_attention`: they depend on the
     key count only through the config's thresholds, so a traced call decides them once for every length on the
     same side of those (:func:`plan_call`)."""
-    if config.runs_one_pass(seq_k, deterministic):
+    if config.runs_one_pass(seq_k, deterministic, dropout):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
                                 one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
         return None, one_pass, False

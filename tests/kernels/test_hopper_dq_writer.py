@@ -1,7 +1,7 @@
 """The warp-specialised one-pass backward (mmsparse/kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
-warp and a dQ writer warp), off by default and turned on per config (``cuda_kernel_config(...,
-gluon_dq_writer=True)``): its plan everywhere, and on an sm_90 GPU output and all three gradients against the
-float64 reference.
+warp and a dQ writer warp), the deterministic=False backward at D=64 by default (``GLUON_DQ_WRITER_HEAD_DIMS``) and
+turned on per config elsewhere (``cuda_kernel_config(..., gluon_dq_writer=True)``): its plan everywhere, and on an
+sm_90 GPU output and all three gradients against the float64 reference.
 
 The GPU tests take the cases of tests/kernels/test_hopper_one_pass.py (bits, segment codes, causal, a window, GQA
 groups 1 and 2, D 64/96/128, ragged lengths) and add a dense mask with an empty row and column, GQA group 4 past
@@ -18,7 +18,7 @@ import torch
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.config import (
     GLUON_DQ_WRITER,
-    GLUON_DQ_WRITER_ENABLED,
+    GLUON_DQ_WRITER_HEAD_DIMS,
     GLUON_ONE_PASS_BULK,
     HOPPER,
     HOPPER_SHARED_BYTES,
@@ -27,6 +27,7 @@ from mmsparse.attention.config import (
     dq_writer_shared_bytes,
     gluon_tile_problem,
     head_dim_pad,
+    kernel_config,
 )
 from mmsparse.attention.plan import plan_attention
 from mmsparse.tuning import use_tuning
@@ -45,22 +46,36 @@ def writer_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
 # The switch and the plan (any machine)
 
 
-def test_off_by_default():
-    """Nothing changes unless it is asked for: the source switch is off, and the default configs are the very
-    objects they were (their cache key did not change)."""
-    assert GLUON_DQ_WRITER_ENABLED is False
-    for head_dim in (64, 128, 256):
+def test_default_head_dims():
+    """By default the dQ writer is deterministic=False's backward at D=64 (head dims padded to 64), at every length
+    (dq_writer_max_keys), while dropout keeps the tl one pass below one_pass_max_keys and the two passes from
+    there; at D=128 and 256 nothing changes unless it is asked for, and those configs are the objects that
+    gluon_dq_writer=False gives."""
+    assert GLUON_DQ_WRITER_HEAD_DIMS == {64}
+    cpu = torch.device("cpu")
+    for head_dim in (48, 64):
+        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+        assert cfg.gluon_dq_writer == GLUON_DQ_WRITER[64] and cfg.one_pass_runs_dq_writer()
+        assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=True)
+        for keys in (1000, 13000, 130000):
+            plan = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, deterministic=False)
+            assert plan.dq is None and plan.dkdv.dq_writer and plan.kernels()["dkdv"] == "gluon-dq-writer"
+            dropout = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, dropout=True, deterministic=False)
+            assert not dropout.dkdv.dq_writer and (dropout.dq is None) == (keys < cfg.one_pass_max_keys)
+        off = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
+        assert off.gluon_dq_writer is None and not off.one_pass_runs_dq_writer()
+    for head_dim in (128, 256):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
         assert cfg.gluon_dq_writer is None and not cfg.one_pass_runs_dq_writer()
         assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
-        plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, torch.device("cpu"), sms=132, deterministic=False)
+        plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
         assert not plan.dkdv.dq_writer and plan.kernels()["dkdv"] != "gluon-dq-writer"
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_switch_plans_the_dq_writer(head_dim):
-    """On, it is the one-pass backward's kernel (deterministic=False, below one_pass_max_keys), at the table's
-    tile; the two passes stay as they were, and dropout keeps the tl one pass."""
+    """On, it is the one-pass backward's kernel (deterministic=False, below dq_writer_max_keys: at every length by
+    default), at the table's tile; the two passes stay as they were, and dropout keeps the tl one pass."""
     cfg = writer_config(head_dim)
     tile = GLUON_DQ_WRITER[head_dim_pad(head_dim)]
     assert cfg.gluon_dq_writer == tile and cfg.one_pass_kernel_tile() == tile
@@ -76,7 +91,13 @@ def test_switch_plans_the_dq_writer(head_dim):
     dropout = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, dropout=True, deterministic=False)
     assert not dropout.dkdv.dq_writer and dropout.kernels()["dkdv"] == "tl"
     long = plan_attention(cfg, 1, 4, 2, 13000, 13000, cpu, sms=132, deterministic=False)
-    assert long.dq is not None and not long.dkdv.dq_writer  # one_pass_max_keys still holds
+    assert long.dq is None and long.dkdv.dq_writer  # past one_pass_max_keys: the older one passes' threshold
+    with use_tuning(cfg, dq_writer_max_keys=13000):
+        capped = plan_attention(kernel_config(head_dim, torch.bfloat16, cpu), 1, 4, 2, 13000, 13000, cpu, sms=132,
+                                deterministic=False)
+    assert capped.dq is not None and not capped.dkdv.dq_writer
+    assert plan_attention(dataclasses.replace(cfg, dq_writer_max_keys=13001), 1, 4, 2, 13000, 13000, cpu, sms=132,
+                          deterministic=False).dkdv.dq_writer
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(256, torch.bfloat16), (128, torch.float32)])
@@ -87,7 +108,7 @@ def test_switch_leaves_other_head_dims_and_float32(head_dim, dtype):
 def test_shared_memory_budget():
     """The tables' tiles fit a CTA; one stage more does not at D=128 (the module docstring's table)."""
     assert dq_writer_shared_bytes(GLUON_DQ_WRITER[128], 128) == 216_064
-    assert dq_writer_shared_bytes(GLUON_DQ_WRITER[64], 64) == 135_168
+    assert dq_writer_shared_bytes(GLUON_DQ_WRITER[64], 64) == 152_576  # 5 stages
     for d_pad, tile in GLUON_DQ_WRITER.items():
         assert gluon_tile_problem("dq_writer", tile, d_pad) is None
     four = dataclasses.replace(GLUON_DQ_WRITER[128], gluon_stages=4)
@@ -168,16 +189,31 @@ def test_dq_writer_dense_mask(head_dim, writer_calls):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
 def test_dq_writer_gqa4_past_the_threshold(head_dim, causal, writer_calls):
-    """GQA group 4 over 3.2k keys (forced past one_pass_max_keys): many more steps per key block than the ring has
-    stages, each staging half refilled many times, the group's heads one after another in each CTA."""
+    """GQA group 4 over 3.2k keys (past one_pass_max_keys, which the dQ writer does not read): many more steps per key
+    block than the ring has stages, each staging half refilled many times, the group's heads one after another in
+    each CTA."""
     lens = (700, 1500, 1001)
     q, k, v = make_qkv(1, 8, 2, sum(lens), sum(lens), head_dim, torch.bfloat16, CUDA)
-    with use_tuning(writer_config(head_dim), one_pass_max_keys=1 << 62):
+    with use_tuning(writer_config(head_dim)):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=causal, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     assert writer_calls == [GLUON_DQ_WRITER[head_dim]]
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=causal))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_d64_default_runs_the_dq_writer(writer_calls):
+    """A user's deterministic=False call at D=64, default settings, lengths past one_pass_max_keys new to the
+    process: the dQ writer runs, and the output and all three gradients match float64."""
+    lens = (1200, 37, 2011)
+    q, k, v = make_qkv(2, 4, 2, sum(lens), sum(lens), 64, torch.bfloat16, CUDA)
+    out = mbs_attention(q, k, v, HUB, lens, causal=True, deterministic=False)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert writer_calls == [GLUON_DQ_WRITER[64]]
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, sum(lens), causal=True))
 
 
 @pytest.mark.hopper

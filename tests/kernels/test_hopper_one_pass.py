@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, reference_mask
-from mmsparse.attention.config import GLUON_ONE_PASS_BULK, head_dim_pad, kernel_config
+from mmsparse.attention.config import GLUON_ONE_PASS_BULK, cuda_kernel_config, head_dim_pad, kernel_config
 from mmsparse.attention.plan import plan_attention
 from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
@@ -77,6 +77,12 @@ def _bulk_tile(head_dim: int):
     return tile
 
 
+def _bulk_one_pass(head_dim: int, dtype: torch.dtype):
+    """The device's config with the bulk one pass as deterministic=False's backward: at D=64 the default is the dQ
+    writer (tests/kernels/test_hopper_dq_writer.py), which these tests turn off."""
+    return use_tuning(cuda_kernel_config(head_dim, dtype, gluon_dq_writer=False))
+
+
 def _planned_one_pass(q, k, dropout=False):
     dev = q.device
     cfg = kernel_config(q.shape[-1], q.dtype, dev)
@@ -93,11 +99,12 @@ def test_gluon_one_pass_matches_float64(name, one_pass_calls):
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, dev)
-    plan = _planned_one_pass(q, k)
-    assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
-    out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
+    with _bulk_one_pass(head_dim, dtype):
+        plan = _planned_one_pass(q, k)
+        assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
     assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]  # no dQ pass
     mask = reference_mask(topo, lens, seq, seq_q, causal, window=window)
     check_outputs(q, k, v, out, grad_out, mask)
@@ -113,9 +120,10 @@ def test_gluon_one_pass_dense_mask(head_dim, one_pass_calls):
     mask = torch.rand(1100, 1100, device=dev) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
+    with _bulk_one_pass(head_dim, torch.bfloat16):
+        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
     assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]
     check_outputs(q, k, v, out, grad_out, mask.cpu())
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()

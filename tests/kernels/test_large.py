@@ -271,18 +271,21 @@ def test_dropout_past_2_31():
                    keep_for=keep_for, dropout_p=p, key_groups=1)
 
 
-@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
-def test_one_pass_past_2_31(layout):
-    """The one-pass backward (deterministic=False: the Gluon kernel on Hopper, the tl one elsewhere): its float32 dQ
+@pytest.mark.parametrize("layout,head_dim", [("BHSD", 128), ("BSHD", 128), ("BSHD", 64)])
+def test_one_pass_past_2_31(layout, head_dim):
+    """The one-pass backward (deterministic=False: on Hopper the Gluon bulk one pass at D=128, forced past its
+    threshold, and the dQ-writer kernel at D=64, its default at every length; the tl one elsewhere): its float32 dQ
     accumulator has B * Hq * S * D = 2.36e9 elements, and q as a [B, S, H, D] view puts row * stride_row past 2^31.
     Atomic adds run in any order, so the check is the float32 reference on the sampled rows and the two-pass
     result."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     seg = (4096, 120000, 20000)
     seq = sum(seg)
-    q = _randn(4, seq, 32, 128, gen=gen).transpose(1, 2) if layout == "BSHD" else _randn(4, 32, seq, 128, gen=gen)
-    do = _randn(4, 32, seq, 128, gen=gen)
-    k, v = (_randn(4, 8, seq, 128, gen=gen) for _ in "kv")
+    heads = 32 * 128 // head_dim
+    q = (_randn(4, seq, heads, head_dim, gen=gen).transpose(1, 2) if layout == "BSHD"
+         else _randn(4, heads, seq, head_dim, gen=gen))
+    do = _randn(4, heads, seq, head_dim, gen=gen)
+    k, v = (_randn(4, heads // 4, seq, head_dim, gen=gen) for _ in "kv")
     with config.use_tuning(one_pass_max_keys=1 << 62):  # the one-pass kernel at this length (not by default)
         out, grads = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True, deterministic=False)
     _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(HUB, seg, seq, seq, True), gen)

@@ -274,9 +274,9 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
     """Where the dK/dV pass is the Gluon kernel, the one-pass backward is its ONE_PASS variant at the Gluon one-pass
     tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from there
     deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel at the
-    tl dK/dV tile."""
+    tl dK/dV tile. (By default D=64 runs the dQ-writer kernel instead: tests/kernels/test_hopper_dq_writer.py.)"""
     for head_dim in (64, 128):
-        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+        cfg = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
         assert cfg.bwd_dkdv.gluon
         tl_tile = cfg.one_pass_tile()
         assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
@@ -318,7 +318,7 @@ def test_gluon_one_pass_tile(head_dim):
     that is not a Gluon tile is refused."""
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
-    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
+    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)  # D=64's default is the writer
     cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
     assert cfg.one_pass_kernel_tile() == cfg.one_pass_tile() and not cfg.one_pass_kernel_tile().gluon
     assert not cfg.one_pass_runs_gluon() and with_bulk.one_pass_runs_gluon()

@@ -49,7 +49,7 @@ TOPOLOGIES = {
 SETTINGS: list[dict[str, Any]] = [
     {},
     {"deterministic": False},
-    {"deterministic": False, "one_pass_max_keys": 0},  # the two passes whatever the length
+    {"deterministic": False, "one_pass_max_keys": 0, "dq_writer_max_keys": 0},  # the two passes at every length
     {"short_keys": 0},  # no short tiles: the long-list tiles and the side stream at every length
 ]
 

@@ -53,7 +53,10 @@ def test_dq_writer_side(tmp_path):
     cfg = ALL_CONFIGS["mm13k_hub"]
     config = one_pass.side_config(cfg, "dq-writer", torch.device("cpu"), torch.bfloat16)
     assert config.gluon_dq_writer == GLUON_DQ_WRITER[128]
-    assert one_pass.side_config(cfg, "one-pass", torch.device("cpu"), torch.bfloat16) is None
+    assert one_pass.side_config(cfg, "two-pass", torch.device("cpu"), torch.bfloat16) is None  # the device's own
+    # the bulk one pass, also at D=64, whose default one pass is the dQ writer
+    d64 = ALL_CONFIGS["mm13k_hub_d64"]
+    assert one_pass.side_config(d64, "one-pass", torch.device("cpu"), torch.bfloat16).gluon_dq_writer is None
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,dq-writer"])
