@@ -15,6 +15,7 @@ from mmsparse import (
     FULL,
     NONE,
     TritonMBSAttnKernel,
+    clear_caches,
     mbs_attention,
     mbs_attention_varlen,
     reference_mask,
@@ -163,6 +164,10 @@ class _Launches:
 
 @pytest.fixture
 def launches(monkeypatch):
+    """The dK/dV and dQ launches of the test, in order. The launch plans kept from earlier tests go first: on a GPU a
+    kept backward relaunches its kernels without going through ``_DKDV`` and ``_DQ``, so a call shaped like one
+    before the spy would go unrecorded."""
+    clear_caches()
     log: list = []
     monkeypatch.setattr(backward, "_DKDV", _Launches("dkdv", backward._DKDV, log))
     monkeypatch.setattr(backward, "_DQ", _Launches("dq", backward._DQ, log))
