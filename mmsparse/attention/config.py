@@ -566,8 +566,9 @@ GLUON_ONE_PASS_BULK = {
 # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py), for KernelConfig.gluon_dq_writer: 128 keys a
 # CTA, 64 query rows a step. A stage is held for one step (every matmul of a step reads it and is waited for in it),
 # so 3 stages give the producer two steps of slack; at D=128 a 4th does not fit beside the dQ staging buffer
-# (249,856 B of 232,448: dq_writer_shared_bytes). At D=64 5 stages (152,576 B) were the fastest of 3-6 on 4 of 6
-# configs (H200, tools.one_pass; docs/performance.md).
+# (249,856 B of 232,448: dq_writer_shared_bytes). At D=64 5 stages (152,576 B), of 3-6, were the fastest or within
+# 1.5% of it on every config measured but mm13k_hub_gqa, 2.7% behind 4 there (H200, tools.one_pass;
+# docs/performance.md).
 GLUON_DQ_WRITER = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=5),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
