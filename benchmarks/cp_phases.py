@@ -13,8 +13,8 @@ A step's exchange is three phases, each synchronised over the ranks: the forward
   - ``all_gather``: one all-gather in which each rank gives its largest message to the phase (each rank receives
     P - 1 of them: at least what the phase moves);
   - ``copy_engine``: each rank pulls its messages out of the peers' memory with copy engines, one stream per peer
-    (torch's symmetric memory: ``cudaMemcpyAsync`` over NVLink, no SMs); ``None`` with the reason where it cannot
-    run (gloo, or no symmetric memory);
+    (buffers shared by CUDA IPC, ``cudaMemcpyPeerAsync`` over NVLink, no SMs); ``None`` with the reason where it
+    cannot run (gloo);
 - **GB/s** of each: the most bytes a rank received, over the slowest rank's time; ``phase_share``: the phase's GB/s
   over the fastest way's.
 
@@ -88,23 +88,26 @@ def _all_gather(sizes: list[list[int]], device: torch.device) -> Callable[[], No
 
 
 def _copy_engine(sizes: list[list[int]], rank: int, device: torch.device) -> Callable[[], None]:
-    """Each rank pulls its messages from the peers' symmetric memory, each peer's on a stream of its own. A rank's
-    buffer holds its messages to every rank end to end (``sizes`` row order), so every rank knows where to read."""
+    """Each rank pulls its messages out of the peers' memory, each peer's on a stream of its own: a rank's buffer
+    holds its messages to every rank end to end (``sizes`` row order), shared with the other processes by CUDA IPC,
+    and a copy between two GPUs' tensors is ``cudaMemcpyPeerAsync``: copy engines over NVLink, no SMs."""
     if device.type != "cuda":
         raise RuntimeError("copy engines between GPUs: needs CUDA")
-    import torch.distributed._symmetric_memory as symm_mem
+    from torch.multiprocessing.reductions import reduce_tensor
 
     world = len(sizes)
-    length = max(1, max(sum(row) for row in sizes))
-    buffer = symm_mem.empty(length, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+    buffer = torch.empty(max(1, sum(sizes[rank])), dtype=torch.uint8, device=device)
+    handles: list[Any] = [None] * world
+    dist.all_gather_object(handles, reduce_tensor(buffer))
     pulls = []
     for peer in range(world):
         n = sizes[peer][rank]
         if peer != rank and n:
+            rebuild, rebuild_args = handles[peer]
             offset = sum(sizes[peer][:rank])
-            source = handle.get_buffer(peer, (length,), torch.uint8)[offset:offset + n]
+            source = rebuild(*rebuild_args)[offset:offset + n]  # on the peer's GPU, opened in this process
             pulls.append((torch.cuda.Stream(device), source, torch.empty(n, dtype=torch.uint8, device=device)))
+    cp_dist.barrier(device)
 
     def move() -> None:
         main = torch.cuda.current_stream(device)
@@ -114,6 +117,7 @@ def _copy_engine(sizes: list[list[int]], rank: int, device: torch.device) -> Cal
                 target.copy_(source, non_blocking=True)
         for stream, _, _ in pulls:
             main.wait_stream(stream)
+    move.keep = (buffer, handles)  # type: ignore[attr-defined]  (the peers read this rank's buffer)
     return move
 
 
