@@ -65,8 +65,8 @@ def side_stages(side: str) -> int | None:
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
     table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's stages where it names them); None
-    for the two passes (the device's own); the one-pass side the device's config without the dQ writer (the bulk one
-    pass, also where the writer is the default)."""
+    for the two passes (the device's own); the one-pass side the device's config without the dQ writer (the one
+    pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is the default)."""
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
             return None

@@ -72,7 +72,8 @@ class KernelConfig:
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
     # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
-    # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there.
+    # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there
+    # (unless gluon_dq_writer is set).
     gluon_one_pass: Tile | None = None
     # The warp-specialised one-pass backward's tile (kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
     # warp and a dQ writer warp; block_n 128: GLUON_DQ_WRITER). Where set (and no dropout), the one-pass backward
@@ -509,11 +510,12 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
             cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                           bwd_dkdv_dropout=cfg.bwd_dkdv)
     if half and d_pad in _GLUON_FWD and gluon:
-        # The one-pass backward runs the Gluon dK/dV kernel at gluon_one_pass, its dQ added by TMA bulk reduce-adds
-        # (plan.plan_attention); with dropout it is the tl kernel, which keeps the tl dK/dV tile, whose registers
-        # it was written for.
+        # The one-pass backward runs the dQ-writer kernel at gluon_dq_writer where set, else the Gluon dK/dV kernel
+        # at gluon_one_pass, its dQ added by TMA bulk reduce-adds (plan.plan_attention); with dropout it is the tl
+        # kernel, which keeps the tl dK/dV tile, whose registers it was written for.
         cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
-                      gluon_one_pass=GLUON_ONE_PASS_BULK[d_pad], fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
+                      gluon_one_pass=GLUON_ONE_PASS_BULK.get(d_pad),
+                      fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
                       bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
                       bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
@@ -558,9 +560,10 @@ _GLUON_DKDV = {
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
 # The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for KernelConfig.gluon_one_pass: at D=128 its
-# two 32 KB float32 staging tiles fit in shared memory beside 3 stages of Q and dO, not 4.
+# two 32 KB float32 staging tiles fit in shared memory beside 3 stages of Q and dO, not 4. At D=64 the dQ-writer
+# kernel (GLUON_DQ_WRITER_HEAD_DIMS) beat it on every config measured, so it has no D=64 tile; a D=64 config without
+# the writer runs the tl one pass.
 GLUON_ONE_PASS_BULK = {
-    64: _GLUON_DKDV[64],
     128: replace(_GLUON_DKDV[128], gluon_stages=3),
 }
 # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py), for KernelConfig.gluon_dq_writer: 128 keys a

@@ -96,13 +96,11 @@ VARIANTS = [
     Variant("dq", 128, "codes", window=True),
     Variant("dkdv", 128, "bits", causal=True, window=True),
     Variant("dkdv", 64, "dense", window=True),
-    # The one-pass dK/dV kernel (dQ by TMA bulk reduce-adds): each head dim, GQA and not, each mask mode, causal and
-    # a window.
+    # The one-pass dK/dV kernel (dQ by TMA bulk reduce-adds; D=128, its one head dim): GQA and not, each mask mode,
+    # causal and a window.
     Variant("dkdv", 128, "bits", causal=True, one_pass=True),
     Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
     Variant("dkdv", 128, "dense", group=4, one_pass=True),
-    Variant("dkdv", 64, "codes", causal=True, one_pass=True),
-    Variant("dkdv", 64, "bits", group=1, one_pass=True),
     # D=256 (config.GLUON_D256): the forward and the dQ pass, each mask mode, causal, a window.
     Variant("fwd", 256, "bits", causal=True),
     Variant("fwd", 256, "codes", window=True),

@@ -276,12 +276,18 @@ def test_plan_of_the_one_pass_backward(device):
 
 
 def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
-    """Where the dK/dV pass is the Gluon kernel, the one-pass backward is its ONE_PASS variant at the Gluon one-pass
-    tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from there
-    deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel at the
-    tl dK/dV tile. (By default D=64 runs the dQ-writer kernel instead: tests/kernels/test_hopper_dq_writer.py.)"""
-    for head_dim in (64, 128):
-        cfg = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
+    """Where the dK/dV pass is the Gluon kernel at D=128, the one-pass backward is its ONE_PASS variant at the Gluon
+    one-pass tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from
+    there deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel
+    at the tl dK/dV tile. D=64 runs the dQ-writer kernel (tests/kernels/test_hopper_dq_writer.py), and without it
+    the tl one pass: it has no bulk one-pass tile."""
+    d64 = cuda_kernel_config(64, torch.bfloat16, gluon_dq_writer=False)
+    assert d64.gluon_one_pass is None and not d64.one_pass_runs_gluon()
+    d64_plan = plan_attention(d64, 4, 16, 4, 1000, 1000, torch.device("cpu"), None, False, sms=132,
+                              deterministic=False)
+    assert d64_plan.dq is None and d64_plan.kernels()["dkdv"] == "tl"
+    for head_dim in (128,):
+        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
         assert cfg.bwd_dkdv.gluon
         tl_tile = cfg.one_pass_tile()
         assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
@@ -315,15 +321,15 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
     assert own.one_pass_tile() == Tile(32, 16)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_one_pass_tile(head_dim):
-    """KernelConfig.gluon_one_pass (GLUON_ONE_PASS_BULK, the default: dQ by TMA bulk reduce-adds) is the tile the
-    Gluon one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep
-    theirs; without it the one pass is the tl kernel (the Gluon one adds dQ no other way), and a gluon_one_pass
-    that is not a Gluon tile is refused."""
+def test_gluon_one_pass_tile():
+    """KernelConfig.gluon_one_pass (GLUON_ONE_PASS_BULK at D=128: dQ by TMA bulk reduce-adds) is the tile the Gluon
+    one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs;
+    without it the one pass is the tl kernel (the Gluon one adds dQ no other way), and a gluon_one_pass that is not
+    a Gluon tile is refused."""
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
-    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)  # D=64's default is the writer
+    head_dim = 128
+    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
     cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
     assert cfg.one_pass_kernel_tile() == cfg.one_pass_tile() and not cfg.one_pass_kernel_tile().gluon
     assert not cfg.one_pass_runs_gluon() and with_bulk.one_pass_runs_gluon()
@@ -334,7 +340,7 @@ def test_gluon_one_pass_tile(head_dim):
     bulk = GLUON_ONE_PASS_BULK[head_dim]
     assert with_bulk.gluon_one_pass == bulk
     assert bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
-    assert bulk.gluon_stages == (3 if head_dim == 128 else cfg.bwd_dkdv.gluon_stages)  # 32 KB of staging at D=128
+    assert bulk.gluon_stages == 3 < cfg.bwd_dkdv.gluon_stages  # 32 KB of staging at D=128
     assert with_bulk.one_pass_kernel_tile() == bulk
     assert with_bulk.one_pass_kernel_tile(dropout=True) == cfg.one_pass_tile()
 
