@@ -50,7 +50,7 @@ from mmsparse.distributed import ContextParallel
 
 from . import cp_dist, cp_dropout, cp_links, cp_record
 from .cp_allgather import AllGatherCP
-from .cp_cases import ALL_CASES, CASES, DROPOUT_CASE, TINY_DROPOUT_CASE, CPCase
+from .cp_cases import ALL_CASES, CASES, DROPOUT_CASE, TINY_DROPOUT_CASE, CPCase, case_names
 from .cp_rank import RankInputs, local_backward, local_forward
 from .cp_record import IMPLS
 from .cp_traffic import predicted_speedup, rank_bytes
@@ -234,18 +234,10 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
     return rows
 
 
-def _names(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CASES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown)}; known: {', '.join(ALL_CASES)}")
-    return names
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m benchmarks.cp_nccl",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=_names, default=None,
+    parser.add_argument("--configs", type=case_names, default=None,
                         help=f"comma-separated, from: {', '.join(ALL_CASES)} (default: {', '.join(CASES)} on GPUs, "
                              "tiny_hub_causal on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="folder of cp_nccl.{json,md} (default: "

@@ -41,7 +41,7 @@ import mmsparse  # before triton: without CUDA it turns on Triton's interpreter 
 from mmsparse.distributed import ContextParallel
 
 from . import cp_dist
-from .cp_cases import ALL_CASES, CPCase
+from .cp_cases import ALL_CASES, CPCase, case_names
 from .env import environment, record_dir
 from .report import log
 
@@ -213,18 +213,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + [f"- not run: {p}" for p in problems]) + "\n"
 
 
-def _names(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CASES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown)}; known: {', '.join(ALL_CASES)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m benchmarks.cp_phases",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=_names, default=None,
+    parser.add_argument("--configs", type=case_names, default=None,
                         help="comma-separated context-parallel configs (default: mm43k_cyclic on GPUs, tiny_cyclic "
                              "on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="folder of cp_phases.{json,md} (default: "

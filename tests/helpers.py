@@ -4,6 +4,8 @@ verbose closeness checks. (Fixtures live in tests/conftest.py.)"""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,3 +175,14 @@ def run_example(name: str, argv: list[str]) -> Any:
         return module.main(argv)
     finally:
         del sys.modules[spec.name]
+
+
+def torchrun_on_cpu(module: str, ranks: int, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` in ``ranks`` processes under torchrun (gloo on the CPU), from the checkout, with
+    ``env`` added to the environment; fails the test with the output's tail unless it exits with 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+               module, *args]
+    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result

@@ -5,24 +5,17 @@ bit for bit."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import torchrun_on_cpu
 
 
 def test_cp_times_dp_training_matches_one_process_and_repeats(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU/gloo run; GPUs run it under torchrun with NCCL")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-               "benchmarks.cp_fsdp", "--device", "cpu", "--tiny", "--steps", "2", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun_on_cpu("benchmarks.cp_fsdp", 4, ["--device", "cpu", "--tiny", "--steps", "2", "--out", str(tmp_path)])
     (row,) = json.loads((tmp_path / "cp_fsdp.json").read_text())
     assert (row["gpus"], row["dp"], row["cp"], row["steps"]) == (4, 2, 2, 2)
     assert len(row["losses_single"]) == len(row["losses_cp_dp"]) == len(row["losses_cp_dp_again"]) == 2

@@ -5,15 +5,12 @@ dropout mask bit for bit; and the merge of runs on different GPU counts."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from benchmarks import cp_record
-from tests.helpers import REPO
+from tests.helpers import torchrun_on_cpu
 
 ROW_FIELDS = ("config", "gpus", "impl", "speedup", "step_ms", "one_gpu_step_ms", "one_gpu_step_ms_ranks", "gpu",
               "torch", "triton", "commit", "nccl", "out_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "repeatable",
@@ -25,11 +22,8 @@ CP_FIELDS = ("model_speedup", "model_speedup_overlap", "compute_ms", "exchange_m
 def test_two_processes_over_gloo_fill_the_record(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU/gloo run; GPUs run it under torchrun with NCCL")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "benchmarks.cp_nccl", "--device", "cpu", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MMSPARSE_COMMIT": "test-commit"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun_on_cpu("benchmarks.cp_nccl", 2, ["--device", "cpu", "--out", str(tmp_path)],
+                             MMSPARSE_COMMIT="test-commit")
     assert "NCCL_NVLS_ENABLE" in result.stdout and "mask mismatches 0" in result.stdout
 
     record = json.loads((tmp_path / "cp_nccl.json").read_text())

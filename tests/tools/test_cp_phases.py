@@ -5,15 +5,12 @@ and the one that cannot (copy engines, CUDA only) is recorded with its reason.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from benchmarks.cp_phases import PHASES, WAYS, message_bytes
-from tests.helpers import REPO
+from tests.helpers import torchrun_on_cpu
 
 
 def test_the_return_sends_back_what_the_fetch_brought():
@@ -27,11 +24,8 @@ def test_the_return_sends_back_what_the_fetch_brought():
 def test_two_processes_over_gloo_fill_the_record(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU/gloo run; GPUs run it under torchrun with NCCL")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "benchmarks.cp_phases", "--device", "cpu", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MMSPARSE_COMMIT": "test-commit"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun_on_cpu("benchmarks.cp_phases", 2, ["--device", "cpu", "--out", str(tmp_path)],
+                    MMSPARSE_COMMIT="test-commit")
     record = json.loads((tmp_path / "cp_phases.json").read_text())
     assert record["commit"] == "test-commit" and record["nccl"]["NCCL_NVLS_ENABLE"] == "0"
     rows = record["rows"]
