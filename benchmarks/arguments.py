@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from .configs import ALL_CONFIGS
 
@@ -13,6 +14,18 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
     return value
+
+
+def names_in(table: dict[str, object]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for a comma-separated ``--configs`` value whose names must be keys of ``table``, empty
+    ones skipped (an unknown one: the usage error, listing the known ones)."""
+    def names(text: str) -> list[str]:
+        found = [n for n in text.split(",") if n]
+        unknown = [n for n in found if n not in table]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown)}; known: {', '.join(table)}")
+        return found
+    return names
 
 
 def config_names(parser: argparse.ArgumentParser, text: str) -> list[str]:

@@ -16,9 +16,9 @@ CPU through Triton's interpreter: a check that the tools work, not a measurement
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from .arguments import names_in
 from .configs import CONFIGS, CYCLIC, HUB, video_layout
 
 # The long-sequence layouts of context parallelism, name: (topology, seg_lens, causal); the developer tools
@@ -129,12 +129,5 @@ TINY: dict[str, CPCase] = {
 TINY_DROPOUT_CASE = CPCase("tiny_pairs_dropout", PAIRS5, (9, 14, 11, 12, 10), False, 1, 2, 1, 64, reps=0,
                            dropout_p=0.1)
 ALL_CASES: dict[str, CPCase] = {**CASES, **TINY}
-
-
-def case_names(text: str) -> list[str]:
-    """``--configs``' comma-separated names of :data:`ALL_CASES` (argparse's ``type``: an unknown one is refused)."""
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CASES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown)}; known: {', '.join(ALL_CASES)}")
-    return names
+# --configs of the context-parallel tools: names of ALL_CASES
+case_names = names_in(ALL_CASES)

@@ -177,8 +177,9 @@ def measure_phases(case: CPCase, device: torch.device, dtype: torch.dtype, reps:
         cp.bytes_sent = cp.bytes_received = 0
         calls[phase]()
         counted = cp_dist.gather_lists([cp.bytes_sent, cp.bytes_received], device)
-        planned = [[sum(sizes[r]), sum(row[r] for row in sizes)] for r in range(world)]
-        received = max(sum(row[r] for row in sizes) for r in range(world))
+        received_by = [sum(row[r] for row in sizes) for r in range(world)]
+        planned = [[sum(sizes[r]), received_by[r]] for r in range(world)]
+        received = max(received_by)
         row: dict[str, Any] = {
             "config": case.name, "gpus": world, "phase": phase, "sizes": sizes,
             "bytes_match": [[int(x) for x in c] for c in counted] == planned,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.arguments import names_in
 from benchmarks.configs import CYCLIC, HUB
 from benchmarks.cp_cases import LONG_LAYOUTS
 from benchmarks.cp_rank import RankInputs, local_backward, local_forward
@@ -204,14 +205,6 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _names(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CONFIGS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown)}; known: {', '.join(ALL_CONFIGS)}")
-    return names
-
-
 def _worlds(text: str) -> list[int]:
     worlds = [int(w) for w in text.split(",") if w]
     if not worlds or min(worlds) < 1:
@@ -221,7 +214,7 @@ def _worlds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.cp_local", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=_names, default=list(CONFIGS),
+    parser.add_argument("--configs", type=names_in(ALL_CONFIGS), default=list(CONFIGS),
                         help=f"comma-separated, from: {', '.join(ALL_CONFIGS)} (default: {', '.join(CONFIGS)})")
     parser.add_argument("--worlds", type=_worlds, default=list(WORLD_SIZES), help="comma-separated (default 2,4,8)")
     parser.add_argument("--out", type=Path, default=None, help=f"folder for {TOPIC}.json and {TOPIC}.md")

@@ -38,7 +38,14 @@ from benchmarks.env import git_commit, versions
 from benchmarks.impl import Impl, TensorFn
 from benchmarks.runner import peak_mib
 from benchmarks.timing import Timing, time_passes
-from mmsparse.attention.config import KernelConfig, cuda_kernel_config, gluon_tile_problem, head_dim_pad, kernel_config
+from mmsparse.attention.config import (
+    EVERY_LENGTH,
+    KernelConfig,
+    cuda_kernel_config,
+    gluon_tile_problem,
+    head_dim_pad,
+    kernel_config,
+)
 
 GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_hub_d64", "mm13k_hub_gqa",
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     rounds=args.rounds)
     rows = []
     # The kernel at every length: deterministic=False alone runs it only below one_pass_max_keys keys.
-    with mmsparse.tuning.use_tuning(one_pass_max_keys=1 << 62):
+    with mmsparse.tuning.use_tuning(one_pass_max_keys=EVERY_LENGTH):
         for name in names:
             cfg = ALL_CONFIGS[name]
             if args.head_dim is not None and args.head_dim != cfg.head_dim:

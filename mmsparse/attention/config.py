@@ -20,6 +20,7 @@ from ..mask.bit_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
+EVERY_LENGTH = 1 << 62  # a key-count threshold no call reaches: the path runs at every length
 # The KernelConfig fields that switch a path, which use_tuning sets on every call's config.
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys")
 
@@ -95,7 +96,7 @@ class KernelConfig:
     # kernel (gluon_dq_writer, no dropout), below dq_writer_max_keys instead: it beat the two passes at every length
     # measured (13k-64k keys at D=64), so by default it runs at every length.
     one_pass_max_keys: int = 2048
-    dq_writer_max_keys: int = 1 << 62
+    dq_writer_max_keys: int = EVERY_LENGTH
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:

@@ -286,36 +286,36 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
     d64_plan = plan_attention(d64, 4, 16, 4, 1000, 1000, torch.device("cpu"), None, False, sms=132,
                               deterministic=False)
     assert d64_plan.dq is None and d64_plan.kernels()["dkdv"] == "tl"
-    for head_dim in (128,):
-        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
-        assert cfg.bwd_dkdv.gluon
-        tl_tile = cfg.one_pass_tile()
-        assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
-        limit = cfg.one_pass_max_keys
+    head_dim = 128
+    cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+    assert cfg.bwd_dkdv.gluon
+    tl_tile = cfg.one_pass_tile()
+    assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
+    limit = cfg.one_pass_max_keys
 
-        def plan(config, seq, dropout=False):
-            return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
-                                  deterministic=False)
+    def plan(config, seq, dropout=False):
+        return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
+                              deterministic=False)
 
-        one_pass_tile = cfg.gluon_one_pass
-        assert one_pass_tile.gluon
-        short = plan(cfg, limit - 1)
-        assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == one_pass_tile
-        assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
-        assert short.list_tiles(forward=False) == [(one_pass_tile.block_m, one_pass_tile.block_n, True)]
-        dropout = plan(cfg, limit - 1, dropout=True)
-        assert dropout.dq is None and not dropout.dkdv.gluon and dropout.dkdv.tile == tl_tile
-        assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
-        long = plan(cfg, limit)
-        assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
-        # The lists prepare() builds ahead (e.g. before CUDA-graph capture) are those the planned passes read.
-        assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == short.list_tiles(forward=False)
-        assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
-        forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
-        assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == one_pass_tile
-        with use_tuning(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
-            forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
-        assert forced.dq is None and forced.dkdv.gluon
+    one_pass_tile = cfg.gluon_one_pass
+    assert one_pass_tile.gluon
+    short = plan(cfg, limit - 1)
+    assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == one_pass_tile
+    assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
+    assert short.list_tiles(forward=False) == [(one_pass_tile.block_m, one_pass_tile.block_n, True)]
+    dropout = plan(cfg, limit - 1, dropout=True)
+    assert dropout.dq is None and not dropout.dkdv.gluon and dropout.dkdv.tile == tl_tile
+    assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
+    long = plan(cfg, limit)
+    assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+    # The lists prepare() builds ahead (e.g. before CUDA-graph capture) are those the planned passes read.
+    assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == short.list_tiles(forward=False)
+    assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
+    forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
+    assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == one_pass_tile
+    with use_tuning(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
+        forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
+    assert forced.dq is None and forced.dkdv.gluon
     own = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
                        bwd_one_pass=Tile(32, 16))
     assert own.one_pass_tile() == Tile(32, 16)
