@@ -17,7 +17,8 @@ Where the tests are (they mirror the package; no test file sits at the root of t
                 their CPU smoke tests, marked ``stress``
 helpers.py holds what several modules share (topologies, cases, the float64 checks), poison.py the NaN-poisoned
 ``torch.empty`` (shared with the stress tools), interpreter.py the interpreter mapped once per launch and without
-the overflow checks it discards; no test module imports another."""
+the overflow checks it discards (child_site/ gives the processes the tests start the same); no test module imports
+another."""
 
 import os
 
@@ -31,9 +32,13 @@ import pytest  # noqa: E402
 from tests.interpreter import patch_once_per_launch, skip_discarded_overflow_checks  # noqa: E402
 from tests.poison import poisoned_empty  # noqa: E402
 
+CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_once_per_launch()
     skip_discarded_overflow_checks()
+    # every Python process a test starts runs child_site/sitecustomize.py, which patches its interpreter as well
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (CHILD_SITE, os.environ.get("PYTHONPATH"))))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -177,12 +177,18 @@ def run_example(name: str, argv: list[str]) -> Any:
         del sys.modules[spec.name]
 
 
+def checkout_pythonpath() -> str:
+    """A child's ``PYTHONPATH`` that imports this checkout first, keeping the test process's entries after it
+    (tests/conftest.py's ``child_site``)."""
+    return os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+
+
 def torchrun_on_cpu(module: str, ranks: int, args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``python -m module args`` in ``ranks`` processes under torchrun (gloo on the CPU), from the checkout, with
     ``env`` added to the environment; fails the test with the output's tail unless it exits with 0."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
                module, *args]
-    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": checkout_pythonpath(), **env},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

@@ -12,7 +12,7 @@ import torch
 
 from mmsparse import mbs_attention
 from mmsparse.tuning import KernelConfig, Tile, use_tuning
-from tests.helpers import REPO
+from tests.helpers import REPO, checkout_pythonpath
 
 TOPOLOGY, LENS = [[1, 1, 0], [0, 1, 1], [1, 0, 1]], (9, 20, 11)
 # Tiles no default config has, so that the loaded program's plan tells whose settings it ran with.
@@ -65,7 +65,7 @@ def test_an_exported_program_runs_with_its_settings_in_a_fresh_process(device, t
         program = torch.export.export(Attention(), (q, k, v))
     path = tmp_path / "attention.pt2"
     torch.export.save(program, path)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
     result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(device)], capture_output=True, text=True,
                             env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

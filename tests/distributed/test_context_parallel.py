@@ -164,13 +164,6 @@ KEPT_BY_WORLD = {2: (2, 8, 11), 3: (2,), 4: (11,)}
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
-    # A spawned rank is a fresh interpreter that never ran tests/conftest.py: install the same once-per-launch mapping
-    # of Triton's interpreter there, and drop the overflow checks it discards (tests/interpreter.py; the same kernels
-    # through the same interpreter).
-    from tests.interpreter import patch_once_per_launch, skip_discarded_overflow_checks
-
-    patch_once_per_launch()
-    skip_discarded_overflow_checks()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         _check_unshard(rank, world)

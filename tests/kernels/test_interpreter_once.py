@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,3 +87,24 @@ def test_the_overflow_checks_skipped_are_the_ones_the_interpreter_discards(monke
     with pytest.raises(InterpreterError, match="int32 overflow"):
         _square_of_2_pow_20(monkeypatch, options, sanitize_overflow=True, debug=True)
     assert _square_of_2_pow_20(monkeypatch, options) == 0
+
+
+_CHILD = """
+import sys
+import triton
+from triton.runtime import interpreter
+print(getattr(interpreter._patch_lang, "_once", False), interpreter.interpreter_builder.options.sanitize_overflow)
+"""
+
+
+@pytest.mark.parametrize("interpret", ["1", None], ids=["interpreter", "compiled"])
+def test_processes_the_tests_start_get_the_same_patches(interpret):
+    """tests/child_site: a Python process started from a test with the interpreter on has both patches once triton
+    is imported; one started without it is left as it is."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = interpret
+    result = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    patched = result.stdout.split()
+    assert patched == (["True", "False"] if interpret else ["False", "True"]), result.stdout
