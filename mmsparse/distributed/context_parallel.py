@@ -150,7 +150,7 @@ class ContextParallel(RankProblem):
 
     def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None) -> torch.Tensor:
         """The backward's return of dK/dV alone, for timing it: each fetched chunk's gradient goes to its owner,
-        which sums the contributions to its chunks in float32, in rank order.
+        which sums the contributions to its chunks in float32, its own first, then the peers' in rank order.
 
         Args:
             dkv_gathered: ``[B, 2 Hkv, S_gathered, D]`` (K's heads, then V's) of the fetched keys, in
@@ -185,19 +185,11 @@ def _group_of_ranks(ranks: list[int]) -> Any:
                        "the default group: give it that group again with cp.group = group")
 
 
-def _exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
-              like: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Point-to-point: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from each
-    (group ranks; empty tensors are not sent)."""
-    received, requests = _post_exchange(cp, sends, recv_shapes, like)
-    for request in requests:
-        request.wait()
-    return received
-
-
 def _post_exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
                    like: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[Any]]:
-    """:func:`_exchange` started: (the receive buffers, the requests to wait for before reading them)."""
+    """Point to point, started: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from
+    each (group ranks; empty tensors are not sent). Returns the receive buffers and the requests to wait for before
+    reading them."""
     ops, received = [], {}
     for peer in range(cp.world_size):
         if peer == cp.rank:
@@ -299,7 +291,8 @@ def _spans(plan: ContextParallelPlan, chunks: Sequence[int], where: dict[int, tu
 def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
                      wire: torch.dtype = torch.float32, by_position: bool = False) -> torch.Tensor:
     """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
-    contributions in float32 in rank order (its own at its rank's place): deterministic, no atomics. dkv_*:
+    contributions in float32, its own first (while the transfer runs), then the peers' in rank order: deterministic,
+    no atomics. dkv_*:
     ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype; ``dkv_local``
     None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout pieces'."""
     plan, rank = cp.plan, cp.rank
@@ -321,17 +314,20 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
     for peer in range(cp.world_size):
         n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
         recv_shapes[peer] = (batch, heads, n, dim)
-    received = _exchange(cp, sends, recv_shapes, dkv_gathered)
-    total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
-    for peer in range(cp.world_size):  # rank order
-        if peer == rank:
-            if dkv_local is not None:
-                total += dkv_local
-            own = [c for c in plan.local_chunks[rank] if c in gathered]
-            _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
-        elif peer in received:
-            served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
-            _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
+    received, requests = _post_exchange(cp, sends, recv_shapes, dkv_gathered)
+    # The rank's own contributions are summed while the peers' are in flight, then each peer's in rank order: one
+    # fixed order, so a run repeats bit for bit.
+    if dkv_local is not None:
+        total = dkv_local.to(torch.float32, copy=True)
+    else:
+        total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
+    own = [c for c in plan.local_chunks[rank] if c in gathered]
+    _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
+    for request in requests:
+        request.wait()
+    for peer in sorted(received):
+        served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
+        _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
     return total
 
 
