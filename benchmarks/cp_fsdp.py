@@ -24,7 +24,7 @@ before NCCL starts, recorded with the results):
 
 then bitwise repeatability holds for a fixed GPU count, NCCL version and launch, not across them (a different
 number of ranks sums in another order). ContextParallel itself needs none of this: it moves K/V and dK/dV point
-to point and sums on the owner in rank order; the pins are for FSDP's all-gather/reduce-scatter and the
+to point and sums on the owner in a fixed order; the pins are for FSDP's all-gather/reduce-scatter and the
 gradient all-reduce over ``cp``. On the GPU, ``torch.use_deterministic_algorithms(True, warn_only=True)`` with
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS needs it for repeatable matmuls); ops that warn are listed in the
 record. Without CUDA the processes run over gloo through Triton's interpreter (``--tiny``): a check that the

@@ -9,7 +9,8 @@ Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced b
 ``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
 runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight; :mod:`.local` builds
 and runs them, for any rank), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
-contribution to the chunk's owner, which sums them in rank order: deterministic, no atomics. Only O(S / P) state
+contribution to the chunk's owner, which sums them in a fixed order (its own while the peers' are in flight,
+then the peers' in rank order): deterministic, no atomics. Only O(S / P) state
 is saved per rank by default: fetched K/V is fetched again in the backward, unless ``keep_fetched_kv`` trades its
 memory for that second exchange.
 """
@@ -112,7 +113,7 @@ class ContextParallel(RankProblem):
                   softmax_scale: float | None = None) -> torch.Tensor:
         """Attention of this rank's queries over every key its topology lets them see. Its backward is always the
         deterministic two-pass one: ``deterministic=False`` and ``use_config(deterministic=False)`` do not reach
-        the pieces (their dK/dV return to the owners in rank order, and dQ stays bitwise repeatable too).
+        the pieces (their dK/dV are summed by the owners in a fixed order, and dQ stays bitwise repeatable too).
 
         Args:
             q: ``[B, Hq, S_local, D]``; k, v: ``[B, Hkv, S_local, D]``: this rank's tokens (from ``shard``).
