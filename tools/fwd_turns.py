@@ -1,10 +1,12 @@
-"""The Gluon forward's ping-pong settings side by side on one Hopper GPU: each turn scheme (``Tile.turns``) at the
-config's tile, and at D=64 (which runs without ping-pong) ping-pong at 2 and 3 stages with each scheme. Every
-setting's output must equal the config's tile's bit for bit (they only move synchronisation); the forward's time
-is the median over interleaved rounds, and each ratio the median of the per-round ratios to the first setting.
+"""The Gluon forward's turn and release settings side by side on one Hopper GPU: each scheme (``Tile.turns``) at the
+config's tile; where the config runs without ping-pong (D=64, D=256), each scheme's stage releases without turns,
+and ping-pong at 2 and 3 stages with each scheme where the tile fits a CTA. Every setting's output must equal the
+config's tile's bit for bit (they only move synchronisation); the forward's time is the median over interleaved
+rounds, and each ratio the median of the per-round ratios to the first setting.
 
     python -m tools.fwd_turns                                   # the configs below, 5 rounds
     python -m tools.fwd_turns --configs mm13k_hub,pack_64k_x512 --rounds 9 --out benchmarks/results/h200
+    python -m tools.fwd_turns --configs vlm32k_d256 --settings no_pingpong_mbarrier,no_pingpong_named_release
 
 Writes ``fwd_turns.{json,md}`` under ``--out``, with the GPU, versions and commit.
 """
@@ -27,21 +29,25 @@ from benchmarks.baselines import mmsparse_fn
 from benchmarks.configs import ALL_CONFIGS
 from benchmarks.env import git_commit, versions
 from benchmarks.inputs import make_inputs
-from mmsparse.attention.config import TURN_SCHEMES, KernelConfig, kernel_config
+from mmsparse.attention.config import TURN_SCHEMES, KernelConfig, gluon_tile_problem, head_dim_pad, kernel_config
 from mmsparse.attention.dispatch import hopper_gluon_available
 
 DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k", "pack_64k_x512", "mm13k_hub_d64")
 
 
-def settings(base: KernelConfig) -> dict[str, KernelConfig]:
-    """Label -> config. The first is the reference of the ratios: the config's own tile without ping-pong at D=64,
-    the turn mbarriers otherwise. The forward's tile and the short-samples tile change together."""
+def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
+    """Label -> config. The first is the reference of the ratios: the config's own tile (without ping-pong at
+    D=64 and D=256, with its turn scheme's releases), the turn mbarriers otherwise. The forward's tile and the
+    short-samples tile change together; a ping-pong tile that does not fit a CTA's shared memory is left out."""
     if not base.fwd.pingpong:
-        out = {"no_pingpong": base}
+        out = {f"no_pingpong_{base.fwd.turns}": base}
+        for turns in TURN_SCHEMES:
+            out.setdefault(f"no_pingpong_{turns}", replace(base, fwd=replace(base.fwd, turns=turns)))
         for stages in (2, 3):
             for turns in TURN_SCHEMES:
-                out[f"pingpong_{stages}stages_{turns}"] = replace(
-                    base, fwd=replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns))
+                tile = replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns)
+                if gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
+                    out[f"pingpong_{stages}stages_{turns}"] = replace(base, fwd=tile)
         return out
     short = base.fwd_short_samples
     return {turns: replace(base, fwd=replace(base.fwd, turns=turns),
@@ -49,13 +55,15 @@ def settings(base: KernelConfig) -> dict[str, KernelConfig]:
             for turns in TURN_SCHEMES}
 
 
-def time_config(name: str, rounds: int) -> dict[str, Any]:
+def time_config(name: str, rounds: int, only: list[str] | None = None) -> dict[str, Any]:
     from triton.testing import do_bench
 
     cfg, device = ALL_CONFIGS[name], torch.device("cuda")
     q, k, v, _ = make_inputs(cfg, device)
     fn = mmsparse_fn(cfg, device)
-    variants = settings(kernel_config(cfg.head_dim, q.dtype, device))
+    variants = settings(kernel_config(cfg.head_dim, q.dtype, device), cfg.head_dim)
+    if only:  # the reference setting stays first
+        variants = {label: kc for i, (label, kc) in enumerate(variants.items()) if i == 0 or label in only}
     times: dict[str, list[float]] = {label: [] for label in variants}
     with torch.no_grad():
         outs = {}
@@ -90,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated benchmark config names")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     ap.add_argument("--out", type=Path, help="folder for fwd_turns.{json,md}")
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated setting labels to time beside the config's own (default: every one)")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
     if not (torch.cuda.is_available() and hopper_gluon_available(0)):
         print("tools.fwd_turns times the Gluon forward: it needs a Hopper GPU (H100, H200)", file=sys.stderr)
         return 2
-    rows = [time_config(name, args.rounds) for name in names]
+    only = args.settings.split(",") if args.settings else None
+    rows = [time_config(name, args.rounds, only) for name in names]
     record = {"rows": rows, "versions": versions(torch.device("cuda")), "commit": git_commit(), "rounds": args.rounds}
     print(markdown(record))
     if args.out is not None:

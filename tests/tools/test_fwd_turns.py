@@ -9,15 +9,23 @@ from mmsparse.attention.config import TURN_SCHEMES, cuda_kernel_config
 from tools import fwd_turns
 
 
-def test_settings_cover_every_turn_scheme_and_d64_pingpong():
-    d128 = fwd_turns.settings(cuda_kernel_config(128, torch.bfloat16))
+def test_settings_cover_every_turn_scheme_and_pingpong_where_it_fits():
+    d128 = fwd_turns.settings(cuda_kernel_config(128, torch.bfloat16), 128)
     assert list(d128) == list(TURN_SCHEMES)
     for turns, cfg in d128.items():
         assert cfg.fwd.turns == turns and cfg.fwd_short_samples.turns == turns and cfg.fwd.pingpong
-    d64 = fwd_turns.settings(cuda_kernel_config(64, torch.bfloat16))
-    assert next(iter(d64)) == "no_pingpong" and not d64["no_pingpong"].fwd.pingpong
-    assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if k != "no_pingpong"} == {
+    d64 = fwd_turns.settings(cuda_kernel_config(64, torch.bfloat16), 64)
+    assert next(iter(d64)) == "no_pingpong_mbarrier" and d64["no_pingpong_mbarrier"] == cuda_kernel_config(
+        64, torch.bfloat16)
+    assert {t: not c.fwd.pingpong and c.fwd.turns == t for t in TURN_SCHEMES
+            for c in [d64[f"no_pingpong_{t}"]]} == dict.fromkeys(TURN_SCHEMES, True)
+    assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if c.fwd.pingpong} == {
         (s, t) for s in (2, 3) for t in TURN_SCHEMES}
+    # D=256: 3 stages of 64 keys beside Q do not fit a CTA, so only 2-stage ping-pong is compared
+    d256 = fwd_turns.settings(cuda_kernel_config(256, torch.bfloat16), 256)
+    assert {(c.fwd.gluon_stages, c.fwd.turns) for c in d256.values() if c.fwd.pingpong} == {
+        (2, t) for t in TURN_SCHEMES}
+    assert {f"no_pingpong_{t}" for t in TURN_SCHEMES} <= set(d256)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
