@@ -1,12 +1,12 @@
-"""The Gluon forward's turn and release settings side by side on one Hopper GPU: each scheme (``Tile.turns``) at the
-config's tile; where the config runs without ping-pong (D=64, D=256), each scheme's stage releases without turns,
-and ping-pong at 2 and 3 stages with each scheme where the tile fits a CTA. Every setting's output must equal the
-config's tile's bit for bit (they only move synchronisation); the forward's time is the median over interleaved
-rounds, and each ratio the median of the per-round ratios to the first setting.
+"""The Gluon forward's ping-pong settings side by side on one Hopper GPU: each turn scheme (``Tile.turns``) at the
+config's tile, and where the config runs without ping-pong (D=64, D=256) ping-pong at 2 and 3 stages with each
+scheme, where the tile fits a CTA. Every setting's output must equal the config's tile's bit for bit (they only
+move synchronisation); the forward's time is the median over interleaved rounds, and each ratio the median of the
+per-round ratios to the first setting.
 
     python -m tools.fwd_turns                                   # the configs below, 5 rounds
     python -m tools.fwd_turns --configs mm13k_hub,pack_64k_x512 --rounds 9 --out benchmarks/results/h200
-    python -m tools.fwd_turns --configs vlm32k_d256 --settings no_pingpong_mbarrier,no_pingpong_named_release
+    python -m tools.fwd_turns --configs vlm32k_d256 --settings pingpong_2stages_named_release
 
 Writes ``fwd_turns.{json,md}`` under ``--out``, with the GPU, versions and commit.
 """
@@ -36,13 +36,11 @@ DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k
 
 
 def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
-    """Label -> config. The first is the reference of the ratios: the config's own tile (without ping-pong at
-    D=64 and D=256, with its turn scheme's releases), the turn mbarriers otherwise. The forward's tile and the
-    short-samples tile change together; a ping-pong tile that does not fit a CTA's shared memory is left out."""
+    """Label -> config. The first is the reference of the ratios: the config's own tile without ping-pong at D=64
+    and D=256, the turn mbarriers otherwise. The forward's tile and the short-samples tile change together; a
+    ping-pong tile that does not fit a CTA's shared memory is left out."""
     if not base.fwd.pingpong:
-        out = {f"no_pingpong_{base.fwd.turns}": base}
-        for turns in TURN_SCHEMES:
-            out.setdefault(f"no_pingpong_{turns}", replace(base, fwd=replace(base.fwd, turns=turns)))
+        out = {"no_pingpong": base}
         for stages in (2, 3):
             for turns in TURN_SCHEMES:
                 tile = replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns)
@@ -63,6 +61,10 @@ def time_config(name: str, rounds: int, only: list[str] | None = None) -> dict[s
     fn = mmsparse_fn(cfg, device)
     variants = settings(kernel_config(cfg.head_dim, q.dtype, device), cfg.head_dim)
     if only:  # the reference setting stays first
+        unknown = [label for label in only if label not in variants]
+        if unknown:
+            raise ValueError(f"--settings {', '.join(unknown)}: {name} (D={cfg.head_dim}) has the settings "
+                             f"{', '.join(variants)}")
         variants = {label: kc for i, (label, kc) in enumerate(variants.items()) if i == 0 or label in only}
     times: dict[str, list[float]] = {label: [] for label in variants}
     with torch.no_grad():

@@ -38,10 +38,9 @@ class Tile:
     # The Gluon forward's two consumer warpgroups take turns to issue their matmuls; a backward tile may not ask
     # for it (KernelConfig refuses it): the dQ and dK/dV kernels have no turns.
     pingpong: bool = False
-    # How the Gluon forward's warpgroups release stages and, with pingpong, take turns (gluon_launch.TURNS):
-    # "mbarrier" (stages released through mbarriers, a turn mbarrier each with pingpong: an arrive, each a
-    # warpgroup-wide bar.sync, per key block and turn) or "named_release" (hardware named barriers for the releases
-    # and the turns: no mbarrier arrive in the consumer loop).
+    # How the Gluon forward's warpgroups take turns with pingpong (gluon_launch.TURNS): "mbarrier" (a turn
+    # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
+    # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
 
     def __post_init__(self) -> None:

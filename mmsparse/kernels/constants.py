@@ -14,11 +14,10 @@ MASK_DENSE = 1  # arbitrary user mask, loaded only in partial tiles
 # any topology, packed samples: per-token segment codes and the pair table (mmsparse.mask.segment_codes)
 MASK_SEGMENTS = 2
 
-# How the Gluon forward's two consumer warpgroups release stages and, with ping-pong, take turns (its ``TURNS``;
-# config.Tile.turns).
-TURNS_MBARRIER = 0  # each stage released through the ring's kv_empty; with ping-pong a turn mbarrier per warpgroup
-# a named hardware barrier per stage for its release and, with ping-pong, one per warpgroup for the turns
-# (bar.sync / bar.arrive): no mbarrier arrive in the consumer loop
+# How the two consumer warpgroups of the Gluon forward take turns with ping-pong (its ``TURNS``; config.Tile.turns).
+TURNS_MBARRIER = 0  # a turn mbarrier per warpgroup; each stage released apart through the ring's kv_empty
+# a named hardware barrier per warpgroup for the turns (bar.sync / bar.arrive), and one per stage for its release:
+# no mbarrier arrive in the consumer loop
 TURNS_NAMED_RELEASE = 1
 
 # How the tl kernels multiply tiles (their ``DOT_MODE``).

@@ -80,8 +80,6 @@ VARIANTS = [
     Variant("fwd", 64, "bits", pingpong=True, turns="named_release", stages=3),
     Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named_release", stages=2),
     Variant("fwd", 64, "bits", causal=True, pingpong=True, turns="mbarrier", stages=2),
-    # Named stage releases without ping-pong turns.
-    Variant("fwd", 64, "codes", turns="named_release"),
     Variant("fwd_short", 128, "codes", causal=True),
     Variant("dq", 128, "bits", causal=True),
     Variant("dq", 128, "codes"),
@@ -107,7 +105,6 @@ VARIANTS = [
     Variant("fwd", 256, "bits", causal=True),
     Variant("fwd", 256, "codes", window=True),
     Variant("fwd", 256, "dense", causal=True, group=4),
-    Variant("fwd", 256, "bits", causal=True, turns="named_release"),
     Variant("dq", 256, "bits", causal=True),
     Variant("dq", 256, "codes", window=True),
     Variant("dq", 256, "dense", causal=True, group=4),
@@ -171,7 +168,7 @@ def expected_barriers(variant: Variant) -> int:
         return 2 + 2 * tile.gluon_stages + 2 + 4  # the dS handshake; each dQ staging half's full and empty
     if variant.kind == "dq":
         return 1 + 3 * tile.gluon_stages
-    if tile.turns == "named_release":
+    if tile.pingpong and tile.turns == "named_release":
         return 1 + 2 * tile.gluon_stages
     return 1 + 3 * tile.gluon_stages + (2 if tile.pingpong else 0)
 
@@ -328,9 +325,9 @@ def expected_arrives_per_block(variant: Variant) -> int:
     each): the stage release, and with turn mbarriers the turn hand-off as well; named barriers hand the turn over
     and release the stages without one."""
     tile = _tile(variant)
-    if tile.turns == "named_release":
+    if tile.pingpong and tile.turns == "named_release":
         return 0
-    return 2 if tile.pingpong else 1
+    return 2 if tile.pingpong and tile.turns == "mbarrier" else 1
 
 
 @pytest.mark.parametrize("variant", FORWARD_VARIANTS, ids=lambda v: v.name)
@@ -340,7 +337,7 @@ def test_forward_arrives_per_key_block(ptx_dir, variant):
     path = _compiled(ptx_dir, variant, ".ptx")
     loops = [counts(seq) for seq in matmul_loops(path.read_text())]
     assert len(loops) == 2, f"{variant.name}: {loops}"  # one steady-state loop per consumer warpgroup
-    released_by_name = _tile(variant).turns == "named_release"
+    released_by_name = _tile(variant).pingpong and _tile(variant).turns == "named_release"
     for loop in loops:
         assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
         assert loop["bar.arrive reg, 288"] == released_by_name, f"{variant.name}: {dict(loop)}"
@@ -359,28 +356,24 @@ def test_named_turns_keep_clear_of_tritons_barriers(ptx_dir):
 
     ours_ids = {*TURN_BARRIER_IDS, *range(RELEASE_BARRIER_ID.value, 16)}
     out, _ = ptx_dir
-    named = releases_only = 0
+    named = 0
     for variant in VARIANTS:
         lines = (out / f"{variant.name}.ptx").read_text().splitlines()
         uses = [m.groups() for line in lines if (m := _BARRIER.match(line))]
         tile = _tile(variant)
-        named_release = variant.kind in ("fwd", "fwd_short") and tile.turns == "named_release"
+        turns = tile.turns if variant.kind in ("fwd", "fwd_short") and tile.pingpong else None
         mine = {(op, bar, threads) for op, bar, threads in uses if bar.startswith("%") or int(bar) in ours_ids}
         theirs = {int(bar) for op, bar, threads in uses if not bar.startswith("%") and int(bar) not in ours_ids}
         assert 0 in theirs or 1 in theirs, f"{variant.name}: no barrier of Triton's found: {uses[:5]}"
         turn_uses = {(op, str(bar), "256") for op in ("sync", "arrive") for bar in TURN_BARRIER_IDS}
-        if named_release:
+        if turns == "named_release":
             releases = {(op, threads) for op, bar, threads in mine - turn_uses if bar.startswith("%")}
             assert mine - turn_uses and releases == {("sync", "288"), ("arrive", "288")}, f"{variant.name}: {mine}"
-            if tile.pingpong:
-                assert turn_uses <= mine, f"{variant.name}: {mine}"
-            else:
-                assert not mine & turn_uses, f"{variant.name} takes turns without ping-pong: {mine}"
+            assert turn_uses <= mine, f"{variant.name}: {mine}"
         else:
             assert not mine, f"{variant.name} uses barrier ids {sorted(ours_ids)}: {mine}"
-        named += named_release
-        releases_only += named_release and not tile.pingpong
-    assert named > 0 and releases_only > 0
+        named += turns == "named_release"
+    assert named > 0
 
 
 @pytest.mark.parametrize("variant", [v for v in FORWARD_VARIANTS], ids=lambda v: v.name)

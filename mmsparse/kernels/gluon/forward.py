@@ -6,14 +6,13 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
 - two consumer warpgroups each own 64 of the rows. Each issues the next block's Q K^T before the current block's
   P V (both asynchronous), so its softmax runs while its own matmul does;
 - with ``PINGPONG`` the two warpgroups take turns to issue their matmuls, so one's softmax overlaps the other's
-  matmuls. ``TURNS`` picks how (``constants.TURNS_*``), and how a warpgroup releases a stage, with or without
-  ping-pong. Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a warpgroup-wide ``bar.sync`` and one
-  thread's arrive, so the arrives per key block count: with ``TURNS_MBARRIER`` a warpgroup arrives once per block
-  to release the stage (``kv_empty``) and, with ping-pong, once more to hand the turn over on its turn mbarrier;
-  with ``TURNS_NAMED_RELEASE`` the stage releases go through hardware named barriers (the consumers'
-  ``bar.arrive``, the producer's ``bar.sync``), and with ping-pong so do the turns, as in FlashAttention-3
-  (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads), which leaves no mbarrier arrive and no
-  warpgroup-wide ``bar.sync`` in the consumer loop.
+  matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
+  warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: with turn mbarriers
+  (``TURNS_MBARRIER``) a warpgroup arrives twice per block, handing the turn over and releasing the stage;
+  with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as in FlashAttention-3
+  (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra bar.sync), and so do the
+  stage releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive
+  in the consumer loop.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, the exact token mask applied only
 in partial blocks, lse = +inf for a row that sees nothing; save that the exponent is one FMA, ``p = exp2(s * scale -
@@ -153,11 +152,12 @@ def _hand_off(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.const
 
 
 @gluon.jit
-def _release_stage(kv_empty, stage, block, n_total, TURNS: gl.constexpr, STAGES: gl.constexpr):
+def _release_stage(kv_empty, stage, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+                   STAGES: gl.constexpr):
     """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer. A named release only
     where the producer waits for it (a block STAGES later exists): an arrive nobody syncs with would stay
     counted."""
-    if TURNS == _TURNS_NAMED_RELEASE:
+    if PINGPONG and TURNS == _TURNS_NAMED_RELEASE:
         if block + STAGES < n_total:
             named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
     else:
@@ -234,7 +234,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
                                   HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            _release_stage(kv_empty, prev, it - 1, n_total, TURNS, STAGES)
+            _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
@@ -243,8 +243,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-        if TURNS != _TURNS_NAMED_RELEASE:  # no block comes STAGES after the last
-            _release_stage(kv_empty, last, n_total - 1, n_total, TURNS, STAGES)
+        if not (PINGPONG and TURNS == _TURNS_NAMED_RELEASE):  # no block comes STAGES after the last
+            _release_stage(kv_empty, last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
 
     # Rows that attend nothing: l = 0, output 0, lse = +inf (the backward's exp2(s - lse) is then 0).
     empty = l_i == 0.0
@@ -269,8 +269,8 @@ def attention_fwd_gluon(
 ):
     """One CTA per (128-row query block, batch*head); arguments as the ``tl`` forward's (no dropout, no splits),
     save that Q, K, V and O come as ``host_tma`` descriptors. Tiles are HEAD_DIM_PAD wide: TMA reads the columns
-    past the head dim as zeros and drops writes there. ``TURNS``: how the warpgroups release stages and, with
-    PINGPONG, take turns, ``constants.TURNS_*``."""
+    past the head dim as zeros and drops writes there. ``TURNS`` (read with PINGPONG): how the warpgroups take
+    turns, ``constants.TURNS_*``."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -279,7 +279,7 @@ def attention_fwd_gluon(
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
-    named_release: gl.constexpr = TURNS == _TURNS_NAMED_RELEASE
+    named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
     turn_mbarriers: gl.constexpr = PINGPONG and TURNS == _TURNS_MBARRIER
     gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
