@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     ap.add_argument("--out", type=Path, help="folder for fwd_turns.{json,md}")
     ap.add_argument("--settings", default=None,
-                    help="comma-separated setting labels to time beside the config's own (default: every one)")
+                    help="comma-separated setting labels to time beside the config's own, which every config must have "
+                         "(default: every one)")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
     if not (torch.cuda.is_available() and hopper_gluon_available(0)):

@@ -293,9 +293,9 @@ def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local:
                      wire: torch.dtype = torch.float32, by_position: bool = False) -> torch.Tensor:
     """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
     contributions in float32, its own first (while the transfer runs), then the peers' in rank order: deterministic,
-    no atomics. dkv_*:
-    ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype; ``dkv_local``
-    None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout pieces'."""
+    no atomics. dkv_*: ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype;
+    ``dkv_local`` None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout
+    pieces'."""
     plan, rank = cp.plan, cp.rank
     if dkv_gathered.dtype != wire:
         if wire != torch.float32 and dkv_gathered.numel():

@@ -90,7 +90,6 @@ def test_the_overflow_checks_skipped_are_the_ones_the_interpreter_discards(monke
 
 
 _CHILD = """
-import sys
 import triton
 from triton.runtime import interpreter
 print(getattr(interpreter._patch_lang, "_once", False), interpreter.interpreter_builder.options.sanitize_overflow)
