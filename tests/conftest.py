@@ -61,7 +61,9 @@ def _on_hopper() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """``gpu``, ``hopper`` and ``large`` tests skip without CUDA; ``hopper`` ones also off sm_90 or without Gluon;
-    ``large`` ones (slow) unless asked for by ``-m large`` or ``MMSPARSE_LARGE=1``."""
+    ``large`` ones (slow) unless asked for by ``-m large`` or ``MMSPARSE_LARGE=1``. ``long_module`` modules come
+    first (in their own order): pytest-xdist hands files out in this order, so the longest start at once."""
+    items.sort(key=lambda item: item.get_closest_marker("long_module") is None)
     cuda = torch.cuda.is_available()
     large = "large" in (config.option.markexpr or "") or os.environ.get("MMSPARSE_LARGE") == "1"
     hopper = cuda and any(item.get_closest_marker("hopper") for item in items) and _on_hopper()

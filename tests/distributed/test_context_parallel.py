@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 from tests.helpers import CYCLIC, HUB, REPO, check_outputs
 
+pytestmark = pytest.mark.long_module  # spawned worlds of 2 and 3 ranks through the interpreter: minutes
+
 CASES = [
     # topology, seg_lens, causal, batch, heads, kv heads, dtype[, dropout_p[, window]]
     ([[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21), False, 1, 2, 2, torch.float32),

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.long_module  # one compile child for every test: minutes
 
 
 @dataclass(frozen=True)
