@@ -41,7 +41,7 @@ class CallLaunch:
     __slots__ = ("cfg", "plan", "call_plan", "forward", "_forward_mask", "_backward", "_scalars")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, cfg: KernelConfig,
-                 softmax_scale: float, dropout_p: float, deterministic: bool) -> None:
+                 softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool) -> None:
         batch, num_heads, seq_q, head_dim = q.shape
         self.cfg = cfg
         self.plan: AttentionPlan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device,
@@ -51,7 +51,8 @@ class CallLaunch:
         self._scalars = (softmax_scale, dropout_p)
         info.prepare(self.plan.list_tiles(backward=False), cfg.compact_bytes)  # on the current stream, first
         self._forward_mask = kernel_args(info).tile(*self.plan.forward.lists)
-        self.forward = ForwardLaunch(q, k, v, self.call_plan, self.plan.forward, softmax_scale, dropout_p)
+        self.forward = forward_launch_of(self.call_plan, q, k, v, softmax_scale, dropout_p, seed, self._forward_mask,
+                                         self.plan)
         self._backward: BackwardLaunch | None = None
 
     def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,14 +65,13 @@ class CallLaunch:
                      seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``: the backward's launch is made (its lists built, on the current stream) at the call's
         first backward: a call that never runs one builds none of it."""
-        launch = self._backward
+        launch, plan, args = self._backward, self.plan, kernel_args(info)
         if launch is None:
-            info.prepare(self.plan.list_tiles(forward=False), self.cfg.compact_bytes)  # before any fork
-            launch = self._backward = BackwardLaunch(q, k, self.call_plan, self.plan, *self._scalars)
-        args = kernel_args(info)
-        plan = self.plan
-        return launch(do, q, k, v, out, lse, seed, args.tile(*plan.dkdv.lists),
-                      args.tile(*plan.dq.lists) if plan.dq is not None else None)
+            info.prepare(plan.list_tiles(forward=False), self.cfg.compact_bytes)  # before any fork
+        masks = (args.tile(*plan.dkdv.lists), args.tile(*plan.dq.lists) if plan.dq is not None else None)
+        if launch is None:
+            launch = self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
+        return launch(do, q, k, v, out, lse, seed, *masks)
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
@@ -85,21 +85,22 @@ def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInf
     calls = kernel_args(info).calls
     launch = calls.get(key)
     if launch is None:
-        launch = calls.store(key, CallLaunch(q, k, v, info, config, softmax_scale, dropout_p, deterministic))
+        launch = calls.store(key, CallLaunch(q, k, v, info, config, softmax_scale, dropout_p, seed, deterministic))
     return launch
 
 
-# The custom ops' launches, by frozen plan, shapes, strides, the mask's integers and every tensor's alignment: what
-# a launch specialises on. Host objects only (no tensor of any call).
+# The launches, by frozen plan, shapes, strides, the mask's integers and every tensor's alignment: what a launch
+# specialises on. Shared by every mask alike (eager calls with new lengths) and by the custom ops. Host objects only
+# (no tensor of any call).
 MAX_OP_LAUNCHES = 256
-_OP_FORWARD: RecentlyUsed[ForwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
-_OP_BACKWARD: RecentlyUsed[BackwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
+_FORWARD: RecentlyUsed[ForwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
+_BACKWARD: RecentlyUsed[BackwardLaunch] = RecentlyUsed(MAX_OP_LAUNCHES)
 
 
 def clear_op_launches() -> None:
-    """Forget the custom ops' launches and the per-shape plans they were made from (``clear_caches``)."""
-    _OP_FORWARD.clear()
-    _OP_BACKWARD.clear()
+    """Forget the kept launches and the per-shape plans they were made from (``clear_caches``)."""
+    _FORWARD.clear()
+    _BACKWARD.clear()
     attention_plan_of.cache_clear()
 
 
@@ -118,33 +119,36 @@ def _op_plan(plan: CallPlan, q: torch.Tensor, k: torch.Tensor) -> AttentionPlan:
     return aplan
 
 
-def forward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      dropout_p: float, seed: torch.Tensor | None, mask: LaunchArgs) -> ForwardLaunch:
-    """The forward launch of a frozen plan (its text: a str keeps its hash) at these arguments (q, k, v laid out
-    by ``forward.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use and kept."""
-    key = (text, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
+def forward_launch_of(plan: str | CallPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                      dropout_p: float, seed: torch.Tensor | None, mask: LaunchArgs,
+                      shaped: AttentionPlan | None = None) -> ForwardLaunch:
+    """The forward launch of a frozen plan (its text, as the custom ops carry it, or the plan) at these arguments
+    (q, k, v laid out by ``forward.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use
+    and kept. ``shaped``: the plan at these shapes, where the caller has it (else worked out on a miss)."""
+    key = (plan, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
            None if seed is None else seed.data_ptr() & 15, _mask_key(mask))
-    launch = _OP_FORWARD.get(key)
+    launch = _FORWARD.get(key)
     if launch is None:
-        plan = call_plan_from_text(text)
-        launch = _OP_FORWARD.store(key, ForwardLaunch(q, k, v, plan, _op_plan(plan, q, k).forward, softmax_scale,
-                                                             dropout_p))
+        frozen = call_plan_from_text(plan) if isinstance(plan, str) else plan
+        forward = (_op_plan(frozen, q, k) if shaped is None else shaped).forward
+        launch = _FORWARD.store(key, ForwardLaunch(q, k, v, frozen, forward, softmax_scale, dropout_p))
     return launch
 
 
-def backward_launch_of(text: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                       dropout_p: float, seed: torch.Tensor | None,
+def backward_launch_of(plan: str | CallPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       softmax_scale: float, dropout_p: float, seed: torch.Tensor | None,
                        masks: tuple[LaunchArgs, LaunchArgs | None]) -> BackwardLaunch:
-    """The backward launch of a frozen plan (its text) at these arguments (``masks``: the dK/dV and dQ tiles' mask
-    arguments), made on first use and kept. Its relaunches are kept per layout of q, k and v inside it."""
-    key = (text, q.shape, k.shape, q.dtype, q.device, softmax_scale, dropout_p,
+    """The backward launch of a frozen plan (its text or the plan) at these arguments (``masks``: the dK/dV and dQ
+    tiles' mask arguments), made on first use and kept. Its relaunches are kept per layout of q, k and v inside
+    it."""
+    key = (plan, q.shape, k.shape, q.dtype, q.device, softmax_scale, dropout_p,
            None if seed is None else seed.data_ptr() & 15, *(None if m is None else _mask_key(m) for m in masks))
-    launch = _OP_BACKWARD.get(key)
+    launch = _BACKWARD.get(key)
     if launch is None:
-        plan = call_plan_from_text(text)
-        check_passes((("dq", plan.dq), ("dkdv", plan.dkdv)), q.shape[-1], q.element_size())
+        frozen = call_plan_from_text(plan) if isinstance(plan, str) else plan
+        check_passes((("dq", frozen.dq), ("dkdv", frozen.dkdv)), q.shape[-1], q.element_size())
         # the frozen plan holds every backward pass: the forward's grid is not needed
-        launch = _OP_BACKWARD.store(key, BackwardLaunch(q, k, plan, plan, softmax_scale, dropout_p))
+        launch = _BACKWARD.store(key, BackwardLaunch(q, k, frozen, frozen, softmax_scale, dropout_p))
     return launch
 
 

@@ -126,9 +126,9 @@ def validate_seg_lens(seg_lens: SegLens, num_segments: int, name: str = "seg_len
     return tuple(checked)
 
 
-def traced_row(seg_lens: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """A 1-D length tensor that cannot be read back now (traced, or captured in a CUDA graph) as a ``[1, k]`` row:
-    its shape and dtype checked, its values not (as a ``[B, k]`` tensor's are not then)."""
+def unread_row(seg_lens: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """A 1-D length tensor that is not read back (``check_lengths=False``, traced, or captured in a CUDA graph) as a
+    ``[1, k]`` view: its shape and dtype checked, its values not (as a ``[B, k]`` tensor's are not then)."""
     if seg_lens.dim() != 1 or seg_lens.shape[0] != num_segments:
         raise ValueError(f"seg_lens must be {num_segments} lengths (one per segment) or per-sample [batch, "
                          f"{num_segments}]; got shape {tuple(seg_lens.shape)}")
@@ -178,8 +178,8 @@ def lens_tensor(
             check_rows(seg_lens.tolist(), k, seq_len)
         return seg_lens.to(device)  # any integer dtype: the token bits read int32/int64 as they are, cast the rest
     if not is_per_sample(seg_lens):
-        if isinstance(seg_lens, torch.Tensor) and tracing_or_capturing(seg_lens):
-            return traced_row(seg_lens, k).to(device)
+        if isinstance(seg_lens, torch.Tensor) and (not check_lengths or tracing_or_capturing(seg_lens)):
+            return unread_row(seg_lens, k).to(device)
         lens = validate_seg_lens(seg_lens, k)
         if sum(lens) != seq_len:
             fix = "the segments must cover the sequence (pass per-sample lengths [B, k] to pad a shorter sample)"

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsparse import clear_caches, mbs_attention
+from mmsparse import clear_caches, mbs_attention, reference_mask
 from mmsparse.attention import call
 from mmsparse.attention.config import kernel_config
 from mmsparse.attention.kernel_args import MAX_CALLS, kernel_args
 from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.info import MaskInfo
+from mmsparse.mask.lengths import lens_tensor
 from mmsparse.runtime import launch
-from tests.helpers import make_qkv
+from tests.helpers import check_outputs, make_qkv
 
 HUB, LENS = [[1, 1, 1], [1, 1, 0], [1, 0, 1]], (7, 20, 13)
 
@@ -103,3 +104,76 @@ def test_the_least_recently_used_launch_goes_first(device):
     assert launch(1) is first  # a hit: batch 1 is now the most recently used
     launch(MAX_CALLS + 1)  # full: batch 2, the least recently used, goes
     assert len(calls) == MAX_CALLS and launch(1) is first and launch(2) is not second
+
+
+def test_new_lengths_every_call_share_one_launch(device, monkeypatch):
+    """A training loop's lengths: a new tensor every call, so a new mask and new block lists every call. The
+    launches (grids, constexprs, bound launchers) are found by what they specialise on and made once for every mask
+    alike, while each call still reads its own mask's lists: the float64 reference of each call's lengths."""
+    clear_caches()
+    made = {"forward": 0, "backward": 0}
+
+    def counted(cls, name):
+        class Counted(cls):
+            def __init__(self, *args, **kwargs):
+                made[name] += 1
+                super().__init__(*args, **kwargs)
+
+        return Counted
+
+    monkeypatch.setattr(call, "ForwardLaunch", counted(call.ForwardLaunch, "forward"))
+    monkeypatch.setattr(call, "BackwardLaunch", counted(call.BackwardLaunch, "backward"))
+    gen = torch.Generator().manual_seed(3)
+    for lens in [(7, 20, 13), (12, 15, 13), (0, 31, 9), (7, 20, 13)]:
+        q, k, v = make_qkv(2, 2, 1, 40, 40, 16, torch.float32, device, gen)
+        out = mbs_attention(q, k, v, HUB, torch.tensor(lens, device=device), causal=True, check_lengths=False)
+        grad = torch.randn(out.shape, generator=gen).to(device)
+        out.backward(grad)
+        check_outputs(q, k, v, out, grad, reference_mask(HUB, lens, 40, causal=True))
+    assert made == {"forward": 1, "backward": 1}
+
+
+def test_an_unchecked_length_tensor_is_not_read_back():
+    """``check_lengths=False`` with one row of lengths as a tensor: the kernels read the tensor itself (a view),
+    nothing goes through the host (on a GPU, a read would wait for every kernel queued before it)."""
+    lens = torch.tensor([7, 20, 13])
+    row = lens_tensor(lens, 3, 40, lens.device, check_lengths=False)
+    assert row.shape == (1, 3) and row.data_ptr() == lens.data_ptr()
+    # checked, it is read (and a sum that does not cover the sequence is refused)
+    with pytest.raises(ValueError, match="sum"):
+        lens_tensor(lens, 3, 41, lens.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_new_device_lengths_sync_nothing(monkeypatch, per_sample):
+    """Device lengths new every call with ``check_lengths=False``: a forward and backward that never waits for the
+    GPU (``torch.cuda.set_sync_debug_mode`` turns a sync into an error), with every kernel launched through a bound
+    launcher but the block-list builders'."""
+    dev = torch.device("cuda")
+    q, k, v = make_qkv(2, 4, 2, 925, 925, 64, torch.bfloat16, dev)
+    grad = torch.randn_like(q)
+    rows = [(50, 375, 500), (100, 325, 500)] if per_sample else [(50, 375, 500)]
+
+    def step():
+        lens = torch.tensor(rows if per_sample else rows[0], device=dev)
+        mbs_attention(q, k, v, HUB, lens, check_lengths=False).backward(grad)
+
+    step()
+    torch.cuda.synchronize()
+    through_triton = []
+    original = launch.FastKernel.launch
+
+    def counting(self, grid, args, kwargs):
+        through_triton.append(self.fn.__name__)
+        return original(self, grid, args, kwargs)
+
+    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert through_triton and not [name for name in through_triton if name.startswith("attention_")], through_triton
