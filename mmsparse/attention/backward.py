@@ -61,9 +61,9 @@ class BackwardLaunch:
         self.q_shape, self.kv_shape = q.shape, (batch, num_kv_heads, seq_k, head_dim)
         self.n_rows = batch * num_heads * seq_q
         self.delta_grid = (cdiv(self.n_rows, 64),)
-        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64)
         self.plan = plan
         self.one_pass = plan.dq is None
+        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64, ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
         self.dkdv_d256 = d_pad > GLUON_DKDV_MAX_HEAD_DIM
         tile = plan.dkdv.tile
@@ -101,13 +101,14 @@ class BackwardLaunch:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
             bound = self._bound[strides] = {}
         delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
-        launch_bound(_DELTA, self.delta_grid, (out, do, delta, self.n_rows), self.delta_constexprs, bound,
-                     "delta")
-        main, side = _streams(device) if plan.side_stream else (None, None)
         if self.one_pass:
-            dq_sum = _dq_accumulator(self.q_shape, device)
             _alert_not_deterministic()
-        else:
+            # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
+            dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=device)
+        launch_bound(_DELTA, self.delta_grid, (out, do, delta, dq_sum if self.one_pass else delta, self.n_rows),
+                     self.delta_constexprs, bound, "delta")
+        main, side = _streams(device) if plan.side_stream else (None, None)
+        if not self.one_pass:
             dq = torch.empty(self.q_shape, dtype=self.dtype, device=device)
             if side is not None:
                 side.wait_stream(main)  # delta, the block lists and the inputs are ready
@@ -157,11 +158,6 @@ def saved_layout(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and not t.data_ptr() & 15:
         return t
     return aligned_copy(t)
-
-
-def _dq_accumulator(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """The one-pass backward's zeroed float32 dQ accumulator (rows no tile reaches stay 0)."""
-    return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
 def _alert_not_deterministic() -> None:

@@ -100,3 +100,16 @@ def test_new_device_lengths_build_the_mask_once_a_call(launches):
         # per call: the segment codes' runs, the run summaries and the block lists of the two list shapes the passes
         # read (the forward's and dQ's share one; dK/dV's is by key)
         assert builders == {"code_runs_kernel": 1, "run_summary_kernel": 2, "segment_lists_kernel": 2}, builders
+
+
+def test_the_one_pass_backward_zeroes_its_dq_sum_in_the_delta_kernel(launches):
+    """``deterministic=False``: the float32 dQ accumulator is zeroed by the delta kernel, not by a fill of its own
+    (each launch costs a small call its host time); in float32 it is dQ itself, with no conversion after."""
+    q, k, v, grad_out = _inputs(2)
+    for _ in range(3):
+        launches.clear()
+        with _TorchOps() as mode:
+            out = mbs_attention(q, k, v, TOPOLOGY, LENGTHS, deterministic=False)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+    assert dict(launches) == {name: 1 for name in ATTENTION_KERNELS if name != "attention_dq_tl"}
+    assert dict(mode.ops) == STEADY_OPS

@@ -116,7 +116,7 @@ def test_fast_launch_keys_on_alignment():
         o, do = o_buf[offset : offset + rows * d], do_buf[offset : offset + rows * d]
         delta = torch.full((rows,), float("nan"), device=dev)
         before = launch.fast_launches
-        delta_launch[(2,)](o, do, delta, rows, HEAD_DIM=d, HEAD_DIM_PAD=d, BR=64)
+        delta_launch[(2,)](o, do, delta, delta, rows, HEAD_DIM=d, HEAD_DIM_PAD=d, BR=64)
         fast.append(launch.fast_launches - before)
         torch.testing.assert_close(delta, (o.view(rows, d).double() * do.view(rows, d).double()).sum(1).float())
     assert fast == [0, 1, 0, 1, 1]

@@ -28,7 +28,11 @@ from .common import (
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr):
+def attention_delta_tl(O, DO, DELTA, DQ_SUM, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       BR: tl.constexpr, ZERO_DQ: tl.constexpr = False):
+    """delta = rowsum(dO * O) of ``n_rows`` contiguous rows. ``ZERO_DQ``: also zero the same rows of the one-pass
+    backward's float32 dQ accumulator ``DQ_SUM`` (``[n_rows, HEAD_DIM]``, contiguous), which a launch of its own
+    would otherwise do: a small call is bound by host work."""
     # 64-bit rows: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
     # gives a wrong delta, hence wrong dq and dk, with no error.
     offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -36,6 +40,10 @@ def attention_delta_tl(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
     o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
     do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
     tl.store(DELTA + offs_r, tl.sum(o * do, 1), mask=offs_r < n_rows)
+    if ZERO_DQ:
+        inside = (offs_r < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(DQ_SUM + offs_r[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BR, HEAD_DIM_PAD], tl.float32),
+                 mask=inside)
 
 
 @triton.jit
