@@ -108,8 +108,8 @@ def _mask_key(mask: LaunchArgs) -> tuple:
     """What a launch specialises on in a call's mask arguments: their integers, and each tensor's dtype and
     16-byte alignment (a mask's query codes may be a view at any offset)."""
     tensors, scalars = mask
-    return (tuple(t.dtype for t in tensors), tuple(t.data_ptr() & 15 for t in tensors),
-            tuple(s if isinstance(s, int) else (s.dtype, s.data_ptr() & 15) for s in scalars))
+    return (*[(t.dtype, t.data_ptr() & 15) for t in tensors],
+            *[s if isinstance(s, int) else (s.dtype, s.data_ptr() & 15) for s in scalars])
 
 
 def _op_plan(plan: CallPlan, q: torch.Tensor, k: torch.Tensor) -> AttentionPlan:
