@@ -2,7 +2,8 @@
 time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same shapes, in one run.
 
 - ``seed`` (B 8, H 16, D 64, segments (50, 375, 500), cyclic): ``host_us_fwd`` and ``host_us_fwd_bwd``, the median
-  host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
+  host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_nondet`` (the same with
+  ``deterministic=False``), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
   ``check_lengths=False``), ``host_us_bwd`` (the backward alone, ``autograd.grad`` of a kept forward),
   ``host_us_autograd_floor`` (a forward + backward through one autograd node that only allocates its outputs),
   ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
@@ -186,6 +187,7 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
     row: dict[str, float | None] = {
         "host_us_fwd": host_us(lambda: mbs_attention(q.detach(), k.detach(), v.detach(), **kw), device, calls),
         "host_us_fwd_bwd": host_us(fwd_bwd, device, calls),
+        "host_us_fwd_bwd_nondet": host_us(_fwd_bwd(q, k, v, grad, deterministic=False, **kw), device, calls),
     }
     lens = [torch.tensor(shape.seg_lens, device=device) for _ in range(calls + 1)]
     fresh = iter(lens * 2)  # a new device tensor every call: the mask is built in the call
