@@ -4,7 +4,10 @@ In eager, when a call's forward first runs with a mask, shapes, strides, dtype, 
 tiles: the config's plan (which kernel and tile each pass runs, :mod:`.plan`), the block lists the forward reads
 and the forward's launch; at its first backward, the backward's lists and launch. The mask keeps the launches of
 its last calls (``kernel_args(info).calls``), so a repeated call plans and builds nothing, and a backward reads
-what its forward planned instead of working it out again.
+what its forward planned instead of working it out again. The launches themselves (grids, constexprs, bound
+launchers) are kept for the process by frozen plan, shapes, strides and the mask's integers
+(:func:`forward_launch_of`, :func:`backward_launch_of`): a call with new lengths every step builds its mask's lists
+and finds its launches made.
 
 Traced (``torch.compile``, ``torch.export``), the call's frozen plan (:class:`.plan.CallPlan`) is made when the
 graph is traced and crosses the custom ops by value; the ops find their launches by that plan and the shapes

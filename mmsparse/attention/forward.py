@@ -43,8 +43,9 @@ def dot_mode(q: torch.Tensor) -> int:
 
 class ForwardLaunch:
     """Everything about one planned forward launch except q, k, v, the outputs, the seed and the mask's tensors,
-    worked out once per call kind (:class:`mmsparse.attention.call.CallLaunch` keeps it per mask in eager, the
-    custom op per plan, shapes and strides): a repeated small call is bound by host work. After its first launch it
+    worked out once per call kind (kept by plan, shapes, strides and the mask's integers,
+    :func:`mmsparse.attention.call.forward_launch_of`, for every mask alike, in eager and in the custom ops): a
+    repeated small call, or one with new lengths, is bound by host work. After its first launch it
     calls the compiled kernel straight through its launcher (:meth:`FastKernel.bind`); the strides and every other
     integer argument come from its key (the mask's integers included), so each launch specialises alike."""
 
