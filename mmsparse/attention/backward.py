@@ -29,9 +29,9 @@ _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_t
 
 class BackwardLaunch:
     """Everything about one planned backward except the tensors, worked out once per call kind, at its first
-    backward (kept by plan, shapes, strides and the mask's integers, :func:`mmsparse.attention.call.backward_launch_of`,
-    for every mask alike, in eager and in the custom ops): grids and constexprs. The mask arguments come with each call, over block lists built
-    before it on the current stream. After their first launch the kernels
+    backward (kept by plan, shapes, strides and the mask's integers for every mask alike, in eager and in the custom
+    ops: :func:`mmsparse.attention.call.backward_launch_of`): grids and constexprs. The mask arguments come with each
+    call, over block lists built before it on the current stream. After their first launch the kernels
     are called straight through their launchers, kept per layout of the saved q, k and v (``_bound``): a backward's
     strides are read from the tensors it is given, not from the forward's key, since saved-tensor hooks
     (activation offloading) can hand them back in another layout than the forward saw. Every other integer
