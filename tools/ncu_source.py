@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ncu = ncu_binary()
     if ncu is None:
-        print("ncu not found: install Nsight Compute or put it on PATH", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     report = args.out / f"{args.config}-source"

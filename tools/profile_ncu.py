@@ -39,8 +39,11 @@ TOP_STALLS = 4
 
 
 def ncu_binary() -> str | None:
-    """ncu on PATH, or where CUDA installs it."""
-    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    """ncu on PATH, or where CUDA installs it; None (and a message on stderr) where there is none."""
+    found = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    if found is None:
+        print("ncu not found: install Nsight Compute or put it on PATH", file=sys.stderr)
+    return found
 
 
 def child(config: str, impl: str) -> None:
@@ -147,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ncu = ncu_binary()
     if ncu is None:
-        print("ncu not found: install Nsight Compute or put it on PATH", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

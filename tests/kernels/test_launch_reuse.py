@@ -37,6 +37,20 @@ def counts(monkeypatch):
     return seen
 
 
+def launches_through_triton(monkeypatch) -> list[str]:
+    """The names of the kernels launched from now on through ``FastKernel.launch`` (Triton's key), not through a
+    bound launcher."""
+    names: list[str] = []
+    original = launch.FastKernel.launch
+
+    def counting(self, grid, args, kwargs):
+        names.append(self.fn.__name__)
+        return original(self, grid, args, kwargs)
+
+    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    return names
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_a_repeated_call_plans_and_builds_nothing(device, counts, deterministic):
     clear_caches()  # a cold mask: the first call plans and builds
@@ -59,14 +73,7 @@ def test_a_repeated_call_launches_through_bound_launchers(monkeypatch, seg_lens)
     grad = torch.randn_like(q)
     for _ in range(2):
         mbs_attention(q, k, v, HUB, seg_lens).backward(grad)
-    through_triton = []
-    original = launch.FastKernel.launch
-
-    def counting(self, grid, args, kwargs):
-        through_triton.append(self.fn.__name__)
-        return original(self, grid, args, kwargs)
-
-    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    through_triton = launches_through_triton(monkeypatch)
     before = launch.fast_launches
     for _ in range(3):
         mbs_attention(q, k, v, HUB, seg_lens).backward(grad)
@@ -162,14 +169,7 @@ def test_new_device_lengths_sync_nothing(monkeypatch, per_sample):
 
     step()
     torch.cuda.synchronize()
-    through_triton = []
-    original = launch.FastKernel.launch
-
-    def counting(self, grid, args, kwargs):
-        through_triton.append(self.fn.__name__)
-        return original(self, grid, args, kwargs)
-
-    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    through_triton = launches_through_triton(monkeypatch)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
