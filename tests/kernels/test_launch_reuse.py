@@ -178,3 +178,23 @@ def test_new_device_lengths_sync_nothing(monkeypatch, per_sample):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert through_triton and not [name for name in through_triton if name.startswith("attention_")], through_triton
+
+
+def test_shared_launches_keep_each_masks_kind_apart(device):
+    """Launches are kept by plan, shapes and the mask's integers, not by mask: calls that alternate between masks of
+    other kinds (segment bits, segment codes with causal pairs, a window, per-sample rows) with new lengths every
+    call each read their own mask, checked against the float64 reference."""
+    clear_caches()
+    gen = torch.Generator().manual_seed(11)
+    codes = [[2, 1, 0], [0, 2, 1], [1, 0, 2]]  # causal pairs: the segment-code mask
+    calls = [(HUB, [(7, 20, 13)], True, {}), (codes, [(10, 18, 12)], True, {}), (HUB, [(9, 20, 11)], False, {}),
+             (HUB, [(5, 25, 10)], True, {"window": 9}), (codes, [(7, 20, 13), (0, 30, 6)], True, {}),
+             (HUB, [(12, 15, 13)], True, {})]
+    for topology, rows, causal, extra in calls:
+        q, k, v = make_qkv(2, 2, 1, 40, 40, 16, torch.float32, device, gen)
+        lens = torch.tensor(rows[0] if len(rows) == 1 else rows, device=device)
+        out = mbs_attention(q, k, v, topology, lens, causal=causal, check_lengths=False, **extra)
+        grad = torch.randn(out.shape, generator=gen).to(device)
+        out.backward(grad)
+        mask = reference_mask(topology, rows[0] if len(rows) == 1 else rows, 40, causal=causal, **extra)
+        check_outputs(q, k, v, out, grad, mask)
