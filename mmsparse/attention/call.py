@@ -38,7 +38,8 @@ def frozen_plan(plan: AttentionPlan, info: MaskInfo, cfg: KernelConfig, dropout:
 
 
 class CallLaunch:
-    """The plan and launches of one kind of call over one mask. It does not hold the mask (the mask holds it):
+    """The plan of one kind of call over one mask, its list arguments, and its launches (shared with every mask
+    alike: :func:`forward_launch_of`, :func:`backward_launch_of`). It does not hold the mask (the mask holds it):
     the backward is given the mask again."""
 
     __slots__ = ("cfg", "plan", "call_plan", "forward", "_forward_mask", "_backward", "_scalars")
@@ -68,13 +69,13 @@ class CallLaunch:
                      seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``: the backward's launch is made (its lists built, on the current stream) at the call's
         first backward: a call that never runs one builds none of it."""
-        launch, plan, args = self._backward, self.plan, kernel_args(info)
-        if launch is None:
+        plan, args, first = self.plan, kernel_args(info), self._backward is None
+        if first:
             info.prepare(plan.list_tiles(forward=False), self.cfg.compact_bytes)  # before any fork
         masks = (args.tile(*plan.dkdv.lists), args.tile(*plan.dq.lists) if plan.dq is not None else None)
-        if launch is None:
-            launch = self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
-        return launch(do, q, k, v, out, lse, seed, *masks)
+        if first:
+            self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
+        return self._backward(do, q, k, v, out, lse, seed, *masks)
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
