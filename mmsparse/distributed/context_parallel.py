@@ -17,7 +17,7 @@ memory for that second exchange.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
 from ..checks import check_dropout
+from .exchange import TRANSPORTS, return_kv_grads, start_fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .pieces import PiecesCall, piece_seeds
-from .plan import ContextParallelPlan
 
 
 class ContextParallel(RankProblem):
@@ -49,15 +49,23 @@ class ContextParallel(RankProblem):
             call, up to the whole sequence's K/V) held from forward to backward. Off by default: the saved state
             then stays O(S / P). Worth it where the exchange, not the attention, bounds the step (tens of
             thousands of tokens on a fast link).
+        transport: how the exchange moves K/V and dK/dV: ``"p2p"``, the group's point to point (NCCL, gloo);
+            ``"peer_copy"``, each rank copying what it needs straight out of its peers' memory (CUDA IPC and copy
+            engines between the GPUs of one host, no SMs; shared memory between CPU processes of one host), which
+            keeps two slots a rank for the process, as large as the largest exchange it has run; ``"auto"``
+            (default): ``peer_copy`` on GPUs that reach each other where a slot stays within 128 MiB, else
+            ``p2p``. Both move the same bytes and give the same bits.
     """
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  causal: bool = False, group: Any = None, chunk: int | None = None,
-                 window: int | None = None, keep_fetched_kv: bool = False) -> None:
+                 window: int | None = None, keep_fetched_kv: bool = False, transport: str = "auto") -> None:
         check_causal(causal)
         if not isinstance(keep_fetched_kv, bool):
             raise TypeError(f"keep_fetched_kv must be a bool; got {type(keep_fetched_kv).__name__}")
-        self.keep_fetched_kv = keep_fetched_kv
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}")
+        self.keep_fetched_kv, self.transport = keep_fetched_kv, transport
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group) first")
         self._group = _process_group(group)
@@ -147,7 +155,7 @@ class ContextParallel(RankProblem):
         Returns:
             ``(k_gathered, v_gathered)``, ``[B, Hkv, S_gathered, D]`` each.
         """
-        return _start_gather_kv(self, k, v)()
+        return start_fetch(self, k, v)()
 
     def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None) -> torch.Tensor:
         """The backward's return of dK/dV alone, for timing it: each fetched chunk's gradient goes to its owner,
@@ -162,7 +170,7 @@ class ContextParallel(RankProblem):
         Returns:
             The summed dK/dV of this rank's keys, float32 ``[B, 2 Hkv, S_local, D]``.
         """
-        return _return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
+        return return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
 
 
 def _process_group(group: Any) -> Any:
@@ -186,165 +194,13 @@ def _group_of_ranks(ranks: list[int]) -> Any:
                        "the default group: give it that group again with cp.group = group")
 
 
-def _post_exchange(cp: ContextParallel, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
-                   like: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[Any]]:
-    """Point to point, started: ``sends[peer]`` goes to each peer, and a tensor of ``recv_shapes[peer]`` comes from
-    each (group ranks; empty tensors are not sent). Returns the receive buffers and the requests to wait for before
-    reading them."""
-    ops, received = [], {}
-    for peer in range(cp.world_size):
-        if peer == cp.rank:
-            continue
-        global_peer = dist.get_global_rank(cp.group, peer)
-        if sends.get(peer) is not None and sends[peer].numel():
-            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), global_peer, cp.group))
-            cp.bytes_sent += sends[peer].numel() * sends[peer].element_size()
-        shape = recv_shapes.get(peer)
-        if shape is not None and shape[2]:
-            received[peer] = like.new_empty(shape)
-            ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, cp.group))
-            cp.bytes_received += received[peer].numel() * received[peer].element_size()
-    return received, dist.batch_isend_irecv(ops) if ops else []
-
-
-def _ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, tuple[int, int]]:
-    """Chunk -> (start, end) of its tokens when ``chunks`` are laid end to end (a rank's local tokens, or the
-    keys it gathered)."""
-    ranges, start = {}, 0
-    for c in chunks:
-        ranges[c] = (start, start + plan.chunk_tokens(c))
-        start += plan.chunk_tokens(c)
-    return ranges
-
-
-def _runs(spans: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """(source start, destination start, length) copies with each run of spans that are adjacent on both sides
-    merged into one: a rank's chunks usually sit next to each other, so a copy moves many chunks at once."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst, n in spans:
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-        elif n:
-            runs.append((src, dst, n))
-    return runs
-
-
-def _copy_tokens(dst: torch.Tensor, srcs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int, int]]) -> None:
-    """``dst[:, heads, d:d + n] = src[:, :, s:s + n]`` for each (s, d, n) of the merged ``spans``, the ``srcs``
-    stacked along the head dim of ``dst`` (K's heads, then V's)."""
-    for s, d, n in _runs(spans):
-        h = 0
-        for src in srcs:
-            dst[:, h : h + src.shape[1], d : d + n] = src[:, :, s : s + n]
-            h += src.shape[1]
-
-
-def _start_gather_kv(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor,
-                     by_position: bool = False) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """Start fetching K and V of the chunks this rank needs: each owner sends each rank just the chunks that
-    rank's queries see (the plan's ``needed_kv``), point to point. Returns ``finish()``: it waits for the exchange
-    (this rank's sends included) and gives the gathered K and V in ``cp.gathered_chunks(by_position)``' order."""
-    plan, rank = cp.plan, cp.rank
-    batch, hkv, _, dim = k.shape
-    mine = _ranges(plan, plan.local_chunks[rank])
-    sends = {}
-    for peer in range(cp.world_size):
-        wanted = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
-        if peer != rank and wanted:
-            # K and V packed into one message, [B, 2 Hkv, n, D], straight from the rank's own tensors
-            sends[peer] = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in wanted), dim))
-            _copy_tokens(sends[peer], (k, v), _spans(plan, wanted, mine))
-    recv_shapes = {}
-    for peer in range(cp.world_size):
-        n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] == peer)
-        recv_shapes[peer] = (batch, 2 * hkv, n, dim)
-    received, requests = _post_exchange(cp, sends, recv_shapes, k)
-
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        needed = cp.gathered_chunks(by_position)
-        into = _ranges(plan, needed)
-        gathered = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in needed), dim))
-        _copy_tokens(gathered, (k, v), [(mine[c][0], into[c][0], plan.chunk_tokens(c))
-                                        for c in needed if plan.owner[c] == rank])
-        for request in requests:
-            request.wait()
-        for peer, buffer in received.items():
-            from_peer = [c for c in needed if plan.owner[c] == peer]
-            _copy_tokens(gathered, (buffer,), _spans(plan, from_peer, into, source_first=False))
-        return gathered[:, :hkv], gathered[:, hkv:]
-
-    return finish
-
-
-def _spans(plan: ContextParallelPlan, chunks: Sequence[int], where: dict[int, tuple[int, int]],
-           source_first: bool = True) -> list[tuple[int, int, int]]:
-    """(source start, destination start, length) of ``chunks`` between ``where`` (their places in a rank's
-    tokens or gathered keys) and a message that holds them end to end: from ``where`` into the message, or
-    (``source_first`` False) from the message into ``where``."""
-    spans, offset = [], 0
-    for c in chunks:
-        n = plan.chunk_tokens(c)
-        spans.append((where[c][0], offset, n) if source_first else (offset, where[c][0], n))
-        offset += n
-    return spans
-
-
-def _return_kv_grads(cp: ContextParallel, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
-                     wire: torch.dtype = torch.float32, by_position: bool = False) -> torch.Tensor:
-    """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
-    contributions in float32, its own first (while the transfer runs), then the peers' in rank order: deterministic,
-    no atomics. dkv_*: ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype;
-    ``dkv_local`` None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout
-    pieces'."""
-    plan, rank = cp.plan, cp.rank
-    if dkv_gathered.dtype != wire:
-        if wire != torch.float32 and dkv_gathered.numel():
-            raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
-                             f"{wire} (cp.kv_grad_dtype): pass it in that dtype")
-        dkv_gathered = dkv_gathered.to(wire)  # float32 from the inputs' dtype: exact
-    gathered = _ranges(plan, cp.gathered_chunks(by_position))
-    batch, heads, _, dim = dkv_gathered.shape
-    sends = {}
-    for peer in range(cp.world_size):
-        chunks = [c for c in plan.needed_kv[rank] if plan.owner[c] == peer]
-        if peer != rank and chunks:
-            sends[peer] = dkv_gathered.new_empty((batch, heads, sum(plan.chunk_tokens(c) for c in chunks), dim))
-            _copy_tokens(sends[peer], (dkv_gathered,), _spans(plan, chunks, gathered))
-    mine = _ranges(plan, plan.local_chunks[rank])
-    recv_shapes = {}
-    for peer in range(cp.world_size):
-        n = sum(plan.chunk_tokens(c) for c in plan.needed_kv[peer] if plan.owner[c] == rank)
-        recv_shapes[peer] = (batch, heads, n, dim)
-    received, requests = _post_exchange(cp, sends, recv_shapes, dkv_gathered)
-    # The rank's own contributions are summed while the peers' are in flight, then each peer's in rank order: one
-    # fixed order, so a run repeats bit for bit.
-    if dkv_local is not None:
-        total = dkv_local.to(torch.float32, copy=True)
-    else:
-        total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
-    own = [c for c in plan.local_chunks[rank] if c in gathered]
-    _add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
-    for request in requests:
-        request.wait()
-    for peer in sorted(received):
-        served = [c for c in plan.needed_kv[peer] if plan.owner[c] == rank]
-        _add_tokens(total, received[peer], _spans(plan, served, mine, source_first=False))
-    return total
-
-
-def _add_tokens(dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
-    """``dst[:, :, d:d + n] += src[:, :, s:s + n]`` for each (s, d, n) of the merged ``spans``."""
-    for s, d, n in _runs(spans):
-        dst[:, :, d : d + n] += src[:, :, s : s + n]
-
-
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, scale: float, dropout_p: float,  # type: ignore[override]
                 seed: torch.Tensor | None):
         pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
-        finish, fetched = _start_gather_kv(cp, k, v, seed is not None), []
+        finish, fetched = start_fetch(cp, k, v, seed is not None), []
 
         def gather() -> tuple[torch.Tensor, torch.Tensor]:
             fetched.extend(finish())
@@ -365,10 +221,10 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *fetched = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
-        finish = (lambda: tuple(fetched)) if fetched else _start_gather_kv(cp, k, v, ctx.by_position)
+        finish = (lambda: tuple(fetched)) if fetched else start_fetch(cp, k, v, ctx.by_position)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
                                            ctx.dropout_p, finish, ctx.call)
-        dkv = _return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
+        dkv = return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
                                ctx.by_position)
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None

@@ -97,15 +97,16 @@ class RankProblem:
         """Live (query, key) pairs of this rank's queries, per head, summed over the samples."""
         return self.plan.live_pairs[self.rank]
 
-    def gathered_chunks(self, by_position: bool = False) -> tuple[int, ...]:
-        """The chunks whose K/V this rank gathers (its own among them), in the order it holds them: sequence order,
-        except where the rank is one piece (:meth:`one_piece`): its own chunks first, then each other rank's in
-        rank order. That piece's mask does not depend on the keys' order, and the exchange then copies, sends and
-        sums each rank's chunks as one run instead of one chunk at a time."""
-        needed = self.plan.needed_kv[self.rank]
+    def gathered_chunks(self, by_position: bool = False, rank: int | None = None) -> tuple[int, ...]:
+        """The chunks whose K/V this rank (or ``rank``) gathers, its own among them, in the order it holds them:
+        sequence order, except where the ranks are one piece (:meth:`one_piece`): its own chunks first, then each
+        other rank's in rank order. That piece's mask does not depend on the keys' order, and the exchange then
+        copies, sends and sums each rank's chunks as one run instead of one chunk at a time."""
+        rank = self.rank if rank is None else rank
+        needed = self.plan.needed_kv[rank]
         if not self.one_piece(by_position):
             return needed
-        owners = [self.rank, *(r for r in range(self.world_size) if r != self.rank)]
+        owners = [rank, *(r for r in range(self.world_size) if r != rank)]
         return tuple(c for r in owners for c in needed if self.plan.owner[c] == r)
 
     def gathered_positions(self, by_position: bool = False) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""Memory that every rank of a process group can read, for exchanges that copy straight out of a peer's memory.
+
+Each rank keeps two slots, opened in every other rank of the group (CUDA IPC between the GPUs of one host, or a
+shared-memory file between CPU processes of one host). An exchange writes what the peers need into this rank's
+slot, meets them at a barrier, and each rank then copies what it needs out of the peers' slots: on GPUs by copy
+engines, one stream per peer, no SMs and no receive buffer to unpack. The slots take turns: an exchange writes
+the slot the one before it did not use. A slot is written again two exchanges later, after a barrier that each
+rank reaches only once its own copies of the earlier exchange are done (the caller's stream waits for them before
+that barrier), so no rank overwrites what a peer is still reading.
+
+Every rank of the group must take part in the same exchanges in the same order, as with NCCL's point to point.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.row_copy import copy_token_run
+from ..runtime.streams import own_stream
+from .token_runs import merged_runs
+
+_SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
+_MEMORIES: dict[tuple[int, torch.device], PeerMemory] = {}
+_MEMORIES_LOCK = threading.Lock()
+
+
+def peer_memory(group: Any, device: torch.device) -> PeerMemory:
+    """The group's :class:`PeerMemory` on this device, made (a collective: every rank must ask) at its first use."""
+    key = (id(group), device)
+    memory = _MEMORIES.get(key)
+    if memory is None or memory.group is not group:
+        with _MEMORIES_LOCK:
+            memory = _MEMORIES[key] = PeerMemory(group, device)
+    return memory
+
+
+class PeerMemory:
+    """Two slots of this rank's memory that the group's other ranks have opened, and theirs opened here.
+
+    ``reason`` is None where the group can use it, else why not (every rank gets the same answer): ranks on
+    more than one host, GPUs that cannot reach each other, a backend other than NCCL on GPUs or gloo on CPUs."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.reason = _why_not_usable(group, device)
+        self.capacity = 0  # bytes of each slot
+        self._mine: list[torch.Tensor] = []
+        self._theirs: list[list[torch.Tensor | None]] = []  # per slot, per rank (None: this rank)
+        self._turn = 0
+        self._token = torch.zeros(1, dtype=torch.int32, device=device)
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._pulling: list[torch.cuda.Stream] = []
+
+    def slot(self, sizes: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The next slot to write, as uint8 tensors: this rank's, and every rank's as opened here (None at this
+        rank's place). ``sizes``: the bytes each rank writes this exchange (every rank passes the same list); the
+        slots grow, all ranks at once, where one is too small."""
+        if self.reason is not None:
+            raise RuntimeError(f"peer memory cannot be used on this group: {self.reason}")
+        need = max(sizes, default=0)
+        if need > self.capacity:
+            self._grow(-(-need // _SLOT_ALIGN) * _SLOT_ALIGN)
+        turn = self._turn % 2
+        self._turn += 1
+        return self._mine[turn], self._theirs[turn]
+
+    def barrier(self) -> None:
+        """Every rank's writes so far (in its current stream's order) are done before this rank's current stream
+        goes on: an all-reduce of one integer."""
+        dist.all_reduce(self._token, group=self.group)
+
+    def pull(self, dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]], peer: int) -> None:
+        """Copy ``src[:, :, s:s + n]`` into ``dst[:, :, d:d + n]`` for each (s, d, n) of ``spans``, ``src`` being a
+        view of ``peer``'s slot and ``dst`` this rank's ``[B, H, S, D]``: on the GPU on a stream of the peer's own,
+        after the work queued so far on the current stream, until :meth:`wait`."""
+        rows = dst.shape[0] * dst.shape[1]
+        dst_rows, src_rows = dst.view(rows, dst.shape[2], -1), src.view(rows, src.shape[2], -1)
+        if self.device.type != "cuda":
+            for s, d, n in merged_runs(spans):
+                copy_token_run(dst_rows, d, src_rows, s, n)
+            return
+        stream = self._streams.get(peer)
+        if stream is None:
+            stream = self._streams[peer] = own_stream(self.device.index)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for s, d, n in merged_runs(spans):
+            copy_token_run(dst_rows, d, src_rows, s, n, stream)
+        dst.record_stream(stream)  # its memory stays this stream's until the copies are done
+        self._pulling.append(stream)
+
+    def wait(self) -> None:
+        """The current stream waits for every :meth:`pull` since the last wait."""
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            for stream in self._pulling:
+                current.wait_stream(stream)
+        self._pulling.clear()
+
+    def _grow(self, capacity: int) -> None:
+        # No rank may still be reading the old slots when they go: each rank's device is idle before the handles'
+        # all-gather, which no rank leaves before every rank has entered it.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        files = None
+        if self.device.type == "cuda":
+            mine = [torch.empty(capacity, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            shared: list[Any] = [_ipc_handle(t) for t in mine]
+        else:
+            shared = files = [_shared_file() for _ in range(2)]
+            mine = [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in files]
+        handles: list[Any] = [None] * self.world_size
+        dist.all_gather_object(handles, shared, group=self.group)
+        theirs = [[None if r == self.rank else _open(handles[r][i], capacity) for r in range(self.world_size)]
+                  for i in range(2)]
+        if files is not None:
+            dist.barrier(group=self.group)  # every rank has mapped the files: their names can go
+            for path in files:
+                os.unlink(path)
+        self._mine, self._theirs, self.capacity = mine, theirs, capacity
+
+
+def _shared_file() -> str:
+    """A new file for a CPU slot, in shared memory where the host has it."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(folder, f"mmsparse-peer-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def _ipc_handle(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(t)
+
+
+def _open(handle: Any, capacity: int) -> torch.Tensor:
+    """A peer's slot opened in this process: a file's name (CPU) or a CUDA IPC handle."""
+    if isinstance(handle, str):
+        return torch.from_file(handle, shared=True, size=capacity, dtype=torch.uint8)
+    rebuild, args = handle
+    return rebuild(*args)
+
+
+def _why_not_usable(group: Any, device: torch.device) -> str | None:
+    """None where every rank can read every other rank's memory, else why not; the same answer on every rank (a
+    collective)."""
+    backend = dist.get_backend(group)
+    facts = (socket.gethostname(), device.type, backend, _device_uuid(device), device.index)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, facts, group=group)
+    if len({f[0] for f in everyone}) > 1:
+        return "its ranks run on more than one host"
+    if len({f[1] for f in everyone}) > 1:
+        return "its ranks hold tensors on different kinds of device"
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if backend != wanted:
+        return f"its backend is {backend}; peer copies on {device.type} need {wanted}"
+    problem = _cannot_reach(device, everyone) if device.type == "cuda" else None
+    problems: list[Any] = [None] * len(everyone)
+    dist.all_gather_object(problems, problem, group=group)
+    return next((p for p in problems if p is not None), None)
+
+
+def _device_uuid(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    value = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if value is None else str(value)
+
+
+def _cannot_reach(device: torch.device, everyone: list[Any]) -> str | None:
+    """Why this rank cannot open and read each peer's GPU memory, or None: a peer's device index must name the same
+    GPU here (IPC opens a handle on that index), and this GPU must reach it."""
+    for _, _, _, peer_uuid, index in everyone:
+        if index == device.index:
+            continue
+        if peer_uuid is None or index >= torch.cuda.device_count() or _device_uuid(torch.device("cuda", index)) != (
+                peer_uuid):
+            return f"a peer's GPU (cuda:{index}) is not the same device in every process (CUDA_VISIBLE_DEVICES)"
+        if not torch.cuda.can_device_access_peer(device.index, index):
+            return f"cuda:{device.index} cannot access cuda:{index} directly"
+    return None

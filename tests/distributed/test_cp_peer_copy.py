@@ -1,0 +1,107 @@
+"""The exchange by peer copies (``ContextParallel(transport="peer_copy")``) on CPU: processes over gloo that copy
+from each other's shared memory, through Triton's interpreter. It moves the same bytes as point to point and sums
+in the same order, so out and every gradient must be bitwise equal to the ``p2p`` transport's, and both must
+match the float64 reference. The cases grow, so the slots grow between them (every rank at once), and a smaller
+case after them reuses the slots."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmsparse.runtime.row_copy import copy_token_run
+from tests.helpers import CYCLIC, check_outputs
+
+pytestmark = pytest.mark.long_module  # spawned ranks through the interpreter
+
+CASES = [
+    # topology, seg_lens, causal, batch, heads, kv heads, dtype, dropout_p
+    ([[1, 1], [0, 0]], (37, 20), False, 1, 2, 1, torch.float16, 0.0),  # one piece: bf16-style return, own first
+    (CYCLIC, [(9, 30, 21), (5, 20, 10)], True, 2, 2, 1, torch.float32, 0.0),  # pieces, per-sample rows, float32
+    ([[2, 0, 0], [1, 1, 0], [1, 2, 2]], (20, 45, 18), False, 1, 2, 1, torch.float32, 0.25),  # codes, dropout
+    ([[1, 1], [0, 0]], (17, 20), False, 1, 2, 1, torch.float16, 0.0),  # smaller again: the slots are reused
+]
+
+
+def _run(rank: int, case, transport: str):
+    from mmsparse.distributed import ContextParallel
+
+    topology, lens, causal, batch, heads, kv_heads, dtype, dropout_p = case
+    seq = max(sum(r) for r in (lens if isinstance(lens[0], tuple) else [lens]))
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
+    cp = ContextParallel(topology, lens, causal=causal, transport=transport)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(rank + 5)  # rank 0's seed reaches every rank
+    o_l = cp.attention(*(cp.shard(t) for t in leaves), dropout_p=dropout_p)
+    o_l.backward(cp.shard(do))
+    grads = [t.grad.clone() for t in leaves]
+    for g in grads:
+        dist.all_reduce(g)
+    return (q, k, v, do), cp.unshard(o_l.detach()), grads, (cp.bytes_sent, cp.bytes_received)
+
+
+def _worker(rank: int, world: int, init_file: str) -> None:
+    from mmsparse import reference_mask
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for case in CASES:
+            inputs, out, grads, moved = _run(rank, case, "peer_copy")
+            _, out_p2p, grads_p2p, moved_p2p = _run(rank, case, "p2p")
+            assert moved == moved_p2p, f"peer copies moved {moved} bytes (sent, received), point to point {moved_p2p}"
+            for a, b in zip((out, *grads), (out_p2p, *grads_p2p)):
+                assert torch.equal(a, b), "peer copies must give the bits point to point gives"
+            topology, lens, causal, *_, dropout_p = case
+            if rank == 0 and not dropout_p:
+                q, k, v, do = inputs
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                for t, g in zip(leaves, grads):
+                    t.grad = g
+                seq = q.shape[2]
+                check_outputs(*leaves, out, do, reference_mask(topology, lens, seq, causal=causal))
+        dist.barrier()
+        assert not glob.glob(f"/dev/shm/mmsparse-peer-{os.getpid()}-*"), "a slot's file outlived its mapping"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_peer_copies_give_the_bits_of_point_to_point(world, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU/gloo test; on GPUs benchmarks.cp_nccl checks copy engines against one GPU")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+def test_a_token_run_copies_every_row():
+    src = torch.randn(3, 10, 4)
+    dst = torch.full((3, 7, 4), float("nan"))
+    copy_token_run(dst, 2, src, 5, 4)
+    assert torch.equal(dst[:, 2:6], src[:, 5:9])
+    assert dst[:, :2].isnan().all() and dst[:, 6:].isnan().all()
+    with pytest.raises(ValueError, match="do not fit"):
+        copy_token_run(dst, 4, src, 0, 4)
+    with pytest.raises(ValueError, match="one dtype, rows and width"):
+        copy_token_run(dst, 0, src[:2].contiguous(), 0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_token_run(dst, 0, src.transpose(0, 1).contiguous().transpose(0, 1), 0, 1)
+
+
+def test_an_unknown_transport_is_refused():
+    from mmsparse.distributed import ContextParallel
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="transport must be one of 'auto', 'p2p', 'peer_copy'"):
+            ContextParallel([[1]], (10,), transport="nccl")
+    finally:
+        if started:
+            dist.destroy_process_group()
