@@ -6,7 +6,9 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
 
 - **links**: all-gather bus bandwidth at 256 MiB a rank, send/recv from rank 0 to rank 1 (:mod:`.cp_links`);
 - per config (:mod:`.cp_cases`) and impl (``mmsparse_cp``: ``ContextParallel``; ``mmsparse_cp_keep``: the same
-  with ``keep_fetched_kv=True``, no second fetch in the backward; ``all_gather``: contiguous shards, K/V
+  with ``keep_fetched_kv=True``, no second fetch in the backward; ``mmsparse_cp_p2p``: the same with
+  ``transport="p2p"``, NCCL's point to point where ``auto`` takes peer copies (``same_bits_as_p2p`` on the
+  ``mmsparse_cp`` row: out and every gradient bitwise equal across the two); ``all_gather``: contiguous shards, K/V
   all-gathered, :mod:`.cp_allgather`):
   - **correctness**: out, dq, dk, dv against ``mbs_attention`` on the whole sequence with the same inputs (every
     rank runs it on its own GPU), relative L2 and max abs over the union of the shards; a second run must be
@@ -96,7 +98,7 @@ def _check(step, leaves: list[torch.Tensor], ref: dict[str, torch.Tensor], pick,
     errors = {n: cp_dist.sharded_error(g, pick(ref[n]), device) for n, g in zip(NAMES, second)}
     return {**{f"{n}_rel_l2": e["rel_l2"] for n, e in errors.items()},
             **{f"{n}_max_abs": e["max_abs"] for n, e in errors.items()},
-            "repeatable": cp_dist.all_ranks(equal, device)}
+            "repeatable": cp_dist.all_ranks(equal, device), "_bits": second}
 
 
 def _counts(case: CPCase, args: argparse.Namespace) -> tuple[int, int]:
@@ -120,11 +122,14 @@ def _step_fn(attention, leaves: list[torch.Tensor], dout: torch.Tensor):
     return step
 
 
-def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fetched_kv: bool = False) -> dict:
+def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fetched_kv: bool = False,
+                 transport: str = "auto") -> dict:
     """The ``mmsparse_cp`` row of a config (without its one-GPU fields); ``mmsparse_cp_keep`` with
-    ``keep_fetched_kv``: the K/V fetched in the forward kept for the backward (its step, check and bytes only)."""
+    ``keep_fetched_kv``: the K/V fetched in the forward kept for the backward, and ``mmsparse_cp_p2p`` with
+    ``transport`` "p2p" (their step, check and bytes only)."""
     case, device = p.case, p.device
-    cp = ContextParallel(case.topology, case.seg_lens, causal=case.causal, keep_fetched_kv=keep_fetched_kv)
+    cp = ContextParallel(case.topology, case.seg_lens, causal=case.causal, keep_fetched_kv=keep_fetched_kv,
+                         transport=transport)
     index = cp.token_index.to(device)
     leaves = [t.index_select(2, index).requires_grad_() for t in p.inputs()]
     dout = p.dout.index_select(2, index)
@@ -147,7 +152,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     )
     row["bytes_match"] = (row["bytes_sent"], row["bytes_received"]) == (row["plan_bytes_sent"],
                                                                          row["plan_bytes_received"])
-    if keep_fetched_kv:
+    if keep_fetched_kv or transport != "auto":
         return row
 
     q, k, v = (t.detach() for t in leaves)
@@ -194,7 +199,8 @@ def run_all_gather(p: Problem, args: argparse.Namespace) -> dict:
 
 def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, links: dict,
              base: dict) -> list[dict]:
-    """The config's rows: ``mmsparse_cp``, ``mmsparse_cp_keep`` and ``all_gather``, or one skipped row."""
+    """The config's rows: ``mmsparse_cp``, ``mmsparse_cp_keep``, ``mmsparse_cp_p2p`` and ``all_gather``, or one
+    skipped row."""
     world = dist.get_world_size()
     rows = [{**base, "config": case.name, "gpus": world, "impl": impl, "layout": case.layout,
              "seq_len": case.seq_len, "shape": case.describe()} for impl in IMPLS]
@@ -214,10 +220,14 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
         t.grad = None
     bandwidth = links["send_recv_gbs"] * 1e9
     done = [run_mmsparse(p, args, bandwidth), run_mmsparse(p, args, bandwidth, keep_fetched_kv=True),
-            run_all_gather(p, args)]
+            run_mmsparse(p, args, bandwidth, transport="p2p"), run_all_gather(p, args)]
+    bits = [row.pop("_bits") for row in done]
+    done[0]["same_bits_as_p2p"] = cp_dist.all_ranks(all(torch.equal(a, b) for a, b in zip(bits[0], bits[2])), device)
+    del bits
     for row, result in zip(rows, done):
         row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"])
-        row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES)
+        row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES) and row.get(
+            "same_bits_as_p2p", True)
     summary, dkv_ratio = rows[0].pop("_summary"), rows[0].pop("_dkv_ratio")
     rows[0]["model_speedup"], rows[0]["model_speedup_overlap"] = predicted_speedup(
         summary, one_gpu["one_gpu_step_ms"] / 1e3, links["send_recv_gbs"] * 1e9, dkv_ratio)

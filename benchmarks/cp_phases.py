@@ -6,8 +6,9 @@ A step's exchange is three phases, each synchronised over the ranks: the forward
 
 - **bytes**: the message from each rank to each other rank, from the plan (``sizes``, row: sender), checked against
   ``ContextParallel``'s own counters over one call (``bytes_match``);
-- **the phase** as ``ContextParallel`` runs it (``phase_ms``: packing, the point-to-point transfer, unpacking; the
-  slowest rank's median over calls that each start at a barrier);
+- **the phase** as ``ContextParallel`` runs it by default (``phase_ms``: with ``transport="auto"``, peer copies on
+  GPUs of one host, point to point elsewhere; the slowest rank's median over calls that each start at a barrier),
+  and with ``transport="p2p"`` (``phase_p2p_ms``: packing, NCCL's point to point, unpacking);
 - **the same messages moved three ways**, raw buffers, timed alike:
   - ``p2p``: NCCL's batched isend/irecv to every peer at once (the transfer ``ContextParallel`` uses);
   - ``all_gather``: one all-gather in which each rank gives its largest message to the phase (each rank receives
@@ -170,7 +171,10 @@ def measure_phases(case: CPCase, device: torch.device, dtype: torch.dtype, reps:
     tokens = token_matrix(cp)
     element = {"fetch": torch.empty((), dtype=dtype).element_size(),
                "return": torch.empty((), dtype=wire).element_size()}
+    by_p2p = ContextParallel(case.topology, case.seg_lens, causal=case.causal, transport="p2p")
     calls = {"fetch": lambda: cp.fetch_kv(k, v), "return": lambda: cp.return_kv_grads(dkv_gathered, dkv_local)}
+    p2p_calls = {"fetch": lambda: by_p2p.fetch_kv(k, v),
+                 "return": lambda: by_p2p.return_kv_grads(dkv_gathered, dkv_local)}
     rows = []
     for phase in PHASES:
         sizes = message_bytes(tokens, b * 2 * hkv * d * element[phase], phase)
@@ -188,6 +192,9 @@ def measure_phases(case: CPCase, device: torch.device, dtype: torch.dtype, reps:
         row["phase_ms"], row["phase_ms_ranks"] = cp_dist.slowest_rank_ms(
             cp_dist.timed_ms(calls[phase], device, reps, warmup), device)
         row["phase_gbs"] = _gbs(received, row["phase_ms"])
+        row["phase_p2p_ms"], _ = cp_dist.slowest_rank_ms(cp_dist.timed_ms(p2p_calls[phase], device, reps, warmup),
+                                                         device)
+        row["phase_p2p_gbs"] = _gbs(received, row["phase_p2p_ms"])
         row.update(_time_ways(sizes, received, rank, device, reps, warmup))
         fastest = max(row[f"{w}_gbs"] for w in WAYS if row[f"{w}_gbs"] is not None)
         row["fastest_way"] = next(w for w in WAYS if row[f"{w}_gbs"] == fastest)
@@ -202,11 +209,13 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = ["| config | GPUs | phase | MiB a rank receives (most) | largest message MiB | phase ms | phase GB/s | "
-             "p2p GB/s | all-gather GB/s | copy engines GB/s | fastest | phase / fastest | bytes match |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "phase by p2p ms | p2p GB/s | all-gather GB/s | copy engines GB/s | fastest | phase / fastest | "
+             "bytes match |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['gpus']} | {r['phase']} | {r['received_max_bytes'] / MiB:.1f} | "
                      f"{r['message_max_bytes'] / MiB:.1f} | {r['phase_ms']:.3f} | {num(r['phase_gbs'], '.1f')} | "
+                     f"{r['phase_p2p_ms']:.3f} | "
                      f"{num(r['p2p_gbs'], '.1f')} | {num(r['all_gather_gbs'], '.1f')} | "
                      f"{num(r['copy_engine_gbs'], '.1f')} | {r['fastest_way']} | {r['phase_share']:.2f} | "
                      f"{r['bytes_match']} |")

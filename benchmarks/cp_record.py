@@ -19,7 +19,7 @@ from .report import fmt, write_record
 
 TOPIC = "cp_nccl"
 SECTIONS = {"rows": ("config", "gpus"), "links": ("gpus",), "dropout": ("config", "gpus")}  # merge keys
-IMPLS = ("mmsparse_cp", "mmsparse_cp_keep", "all_gather")
+IMPLS = ("mmsparse_cp", "mmsparse_cp_keep", "mmsparse_cp_p2p", "all_gather")
 
 
 def merge(folder: Path, new: dict[str, list[dict]], commit: str) -> dict[str, list[dict]]:

@@ -30,6 +30,7 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
     rows = record["rows"]
     assert [(r["config"], r["gpus"], r["impl"]) for r in rows] == [("tiny_hub_causal", 2, "mmsparse_cp"),
                                                                      ("tiny_hub_causal", 2, "mmsparse_cp_keep"),
+                                                                     ("tiny_hub_causal", 2, "mmsparse_cp_p2p"),
                                                                      ("tiny_hub_causal", 2, "all_gather")]
     for row in rows:
         missing = [f for f in ROW_FIELDS + (CP_FIELDS if row["impl"] == "mmsparse_cp" else ()) if f not in row]
@@ -39,6 +40,7 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
         assert row["speedup"] == pytest.approx(row["one_gpu_step_ms"] / row["step_ms"])
         assert row["nccl"]["NCCL_NVLS_ENABLE"] == "0"
     cp, kept = rows[0], rows[1]
+    assert cp["same_bits_as_p2p"] and rows[2]["bytes_match"]
     assert cp["bytes_match"] and min(cp["bytes_sent"]) > 0, "the ranks exchange exactly what the plan says"
     assert kept["bytes_match"] and sum(kept["bytes_received"]) < sum(cp["bytes_received"]), (
         "keeping the fetched K/V saves the backward's fetch, as planned")
