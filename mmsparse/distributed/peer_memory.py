@@ -24,9 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.row_copy import copy_token_run
 from ..runtime.streams import own_stream
-from .token_runs import merged_runs
 
 _SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
 _MEMORIES: dict[tuple[int, torch.device], PeerMemory] = {}
@@ -79,23 +77,19 @@ class PeerMemory:
         goes on: an all-reduce of one integer."""
         dist.all_reduce(self._token, group=self.group)
 
-    def pull(self, dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]], peer: int) -> None:
-        """Copy ``src[:, :, s:s + n]`` into ``dst[:, :, d:d + n]`` for each (s, d, n) of ``spans``, ``src`` being a
-        view of ``peer``'s slot and ``dst`` this rank's ``[B, H, S, D]``: on the GPU on a stream of the peer's own,
-        after the work queued so far on the current stream, until :meth:`wait`."""
-        rows = dst.shape[0] * dst.shape[1]
-        dst_rows, src_rows = dst.view(rows, dst.shape[2], -1), src.view(rows, src.shape[2], -1)
+    def pull(self, dst: torch.Tensor, src: torch.Tensor, peer: int) -> None:
+        """Copy ``src``, a message in ``peer``'s slot, into ``dst`` (contiguous, of its shape and dtype): on the GPU
+        on a stream of the peer's own, after the work queued so far on the current stream, until :meth:`wait`."""
         if self.device.type != "cuda":
-            for s, d, n in merged_runs(spans):
-                copy_token_run(dst_rows, d, src_rows, s, n)
+            dst.copy_(src)
             return
         stream = self._streams.get(peer)
         if stream is None:
             stream = self._streams[peer] = own_stream(self.device.index)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for s, d, n in merged_runs(spans):
-            copy_token_run(dst_rows, d, src_rows, s, n, stream)
-        dst.record_stream(stream)  # its memory stays this stream's until the copies are done
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)  # both contiguous: one cudaMemcpyAsync, by copy engines
+        dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
 
     def wait(self) -> None:

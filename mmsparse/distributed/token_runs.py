@@ -23,11 +23,6 @@ def chunk_ranges(plan: ContextParallelPlan, chunks: Sequence[int]) -> dict[int, 
     return ranges
 
 
-def local_lengths(plan: ContextParallelPlan) -> list[int]:
-    """Every rank's number of local tokens."""
-    return [sum(plan.chunk_tokens(c) for c in chunks) for chunks in plan.local_chunks]
-
-
 def served_chunks(plan: ContextParallelPlan, owner: int, peer: int) -> list[int]:
     """``owner``'s chunks that ``peer``'s queries see, in the plan's order: what the owner serves the peer, and the
     order of the peer's dK/dV contributions to them."""

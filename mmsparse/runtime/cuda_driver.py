@@ -1,6 +1,6 @@
 """The few CUDA driver calls that torch has no Python API for, through ctypes on the driver library that torch
-has already loaded: streams of our own (torch's come from a shared pool), the lifetime of what a CUDA graph
-reads (user objects), and pitched 2-D copies, which copy engines run (also from another GPU's memory)."""
+has already loaded: streams of our own (torch's come from a shared pool) and the lifetime of what a CUDA graph
+reads (user objects)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,6 @@ CU_GRAPH_USER_OBJECT_MOVE = 0x1  # the graph takes over the caller's reference
 CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # CUhostFn: void (*)(void *user_data)
-CU_MEMORYTYPE_DEVICE = 2
-
-
-class Memcpy2D(ctypes.Structure):
-    """CUDA_MEMCPY2D: a copy of ``Height`` rows of ``WidthInBytes`` between two pitched regions."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
 
 
 class CudaDriverError(RuntimeError):
@@ -59,7 +44,6 @@ def driver() -> Any | None:
                                       p(ctypes.c_void_p), p(ctypes.c_size_t)],
         "cuUserObjectCreate": [p(ctypes.c_void_p), ctypes.c_void_p, HOST_FN, c_uint, c_uint],
         "cuGraphRetainUserObject": [ctypes.c_void_p, ctypes.c_void_p, c_uint, c_uint],
-        "cuMemcpy2DAsync_v2": [p(Memcpy2D), ctypes.c_void_p],
     }
     try:
         for fn_name, argtypes in signatures.items():

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmsparse.runtime.row_copy import copy_token_run
 from tests.helpers import CYCLIC, check_outputs
 
 pytestmark = pytest.mark.long_module  # spawned ranks through the interpreter
@@ -77,20 +76,6 @@ def test_peer_copies_give_the_bits_of_point_to_point(world, tmp_path):
         pytest.skip("the CPU/gloo test; on GPUs benchmarks.cp_nccl checks copy engines against one GPU")
     assert os.environ.get("TRITON_INTERPRET") == "1"
     mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
-
-
-def test_a_token_run_copies_every_row():
-    src = torch.randn(3, 10, 4)
-    dst = torch.full((3, 7, 4), float("nan"))
-    copy_token_run(dst, 2, src, 5, 4)
-    assert torch.equal(dst[:, 2:6], src[:, 5:9])
-    assert dst[:, :2].isnan().all() and dst[:, 6:].isnan().all()
-    with pytest.raises(ValueError, match="do not fit"):
-        copy_token_run(dst, 4, src, 0, 4)
-    with pytest.raises(ValueError, match="one dtype, rows and width"):
-        copy_token_run(dst, 0, src[:2].contiguous(), 0, 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        copy_token_run(dst, 0, src.transpose(0, 1).contiguous().transpose(0, 1), 0, 1)
 
 
 def test_an_unknown_transport_is_refused():
