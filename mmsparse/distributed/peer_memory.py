@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..runtime.cuda_driver import copy_on_stream, driver, enable_peer_access
 from ..runtime.streams import own_stream
 
 _SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
@@ -87,8 +88,10 @@ class PeerMemory:
         if stream is None:
             stream = self._streams[peer] = own_stream(self.device.index)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)  # both contiguous: one cudaMemcpyAsync, by copy engines
+        if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape):
+            raise ValueError("a pull copies a contiguous message into a contiguous buffer of its shape and dtype")
+        copy_on_stream(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream.cuda_stream,
+                       self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
 
@@ -116,6 +119,10 @@ class PeerMemory:
         dist.all_gather_object(handles, shared, group=self.group)
         theirs = [[None if r == self.rank else _open(handles[r][i], capacity) for r in range(self.world_size)]
                   for i in range(2)]
+        for row in theirs:  # IPC opens a peer's handle in its GPU's context here: this GPU's must read it
+            for t in row:
+                if t is not None and t.is_cuda and t.device.index != self.device.index:
+                    enable_peer_access(self.device.index, t.device.index)
         if files is not None:
             dist.barrier(group=self.group)  # every rank has mapped the files: their names can go
             for path in files:
@@ -158,6 +165,8 @@ def _why_not_usable(group: Any, device: torch.device) -> str | None:
     if backend != wanted:
         return f"its backend is {backend}; peer copies on {device.type} need {wanted}"
     problem = _cannot_reach(device, everyone) if device.type == "cuda" else None
+    if device.type == "cuda" and problem is None and driver() is None:
+        problem = "the CUDA driver library (libcuda) could not be loaded"
     problems: list[Any] = [None] * len(everyone)
     dist.all_gather_object(problems, problem, group=group)
     return next((p for p in problems if p is not None), None)
