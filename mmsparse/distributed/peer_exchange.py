@@ -25,7 +25,7 @@ class PeerCopies:
 
     def __init__(self, cp: Any, memory: PeerMemory, tokens: list[list[int]], token_bytes: int) -> None:
         self.cp, self.memory, self.tokens, self.token_bytes = cp, memory, tokens, token_bytes
-        self.mine, self.theirs = memory.slot([sum(row) * token_bytes for row in tokens])
+        self.mine = memory.slot([sum(row) * token_bytes for row in tokens])
 
     def outboxes(self, like: torch.Tensor, shapes: dict[int, tuple[int, ...]]) -> dict[int, torch.Tensor]:
         rank = self.cp.rank
@@ -40,9 +40,8 @@ class PeerCopies:
         for peer, shape in recv_shapes.items():
             if peer == rank or not shape[2]:
                 continue
-            source = _message(self.theirs[peer], self._offset(peer, rank), like.dtype, shape)
             received[peer] = like.new_empty(shape)
-            memory.pull(received[peer], source, peer)
+            memory.pull(received[peer], peer, self._offset(peer, rank))
             cp.bytes_received += received[peer].numel() * received[peer].element_size()
         cp.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
         return received, memory.wait

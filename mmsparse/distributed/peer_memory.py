@@ -1,7 +1,8 @@
 """Memory that every rank of a process group can read, for exchanges that copy straight out of a peer's memory.
 
-Each rank keeps two slots, opened in every other rank of the group (CUDA IPC between the GPUs of one host, or a
-shared-memory file between CPU processes of one host). An exchange writes what the peers need into this rank's
+Each rank keeps two slots, opened in every other rank of the group (CUDA IPC between the GPUs of one host, each
+opened in the reading GPU's own context (:mod:`mmsparse.runtime.ipc_memory`), or a shared-memory file between CPU
+processes of one host). An exchange writes what the peers need into this rank's
 slot, meets them at a barrier, and each rank then copies what it needs out of the peers' slots: on GPUs by copy
 engines, one stream per peer, no SMs and no receive buffer to unpack. The slots take turns: an exchange writes
 the slot the one before it did not use. A slot is written again two exchanges later, after a barrier that each
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.cuda_driver import copy_on_stream, driver, enable_peer_access
+from ..runtime.cuda_driver import copy_on_stream, driver
+from ..runtime.ipc_memory import SharedBlock, close_block, open_block
 from ..runtime.streams import own_stream
 
 _SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
@@ -53,45 +55,50 @@ class PeerMemory:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.reason = _why_not_usable(group, device)
         self.capacity = 0  # bytes of each slot
-        self._mine: list[torch.Tensor] = []
-        self._theirs: list[list[torch.Tensor | None]] = []  # per slot, per rank (None: this rank)
-        self._turn = 0
+        self._mine: list[Any] = []  # per slot: a SharedBlock (GPU) or a file-backed tensor (CPU)
+        self._theirs: list[list[Any]] = []  # per slot, per rank: an address (GPU) or a tensor (CPU); None: this rank
+        self._turn = self._current = 0
         self._token = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
 
-    def slot(self, sizes: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """The next slot to write, as uint8 tensors: this rank's, and every rank's as opened here (None at this
-        rank's place). ``sizes``: the bytes each rank writes this exchange (every rank passes the same list); the
-        slots grow, all ranks at once, where one is too small."""
+    def slot(self, sizes: Sequence[int]) -> torch.Tensor:
+        """This rank's next slot, as uint8, to write this exchange's messages in; the peers' slots of the same turn
+        are what :meth:`pull` reads. ``sizes``: the bytes each rank writes this exchange (every rank passes the
+        same list); the slots grow, all ranks at once, where one is too small."""
         if self.reason is not None:
             raise RuntimeError(f"peer memory cannot be used on this group: {self.reason}")
         need = max(sizes, default=0)
         if need > self.capacity:
             self._grow(-(-need // _SLOT_ALIGN) * _SLOT_ALIGN)
-        turn = self._turn % 2
+        self._current = self._turn % 2
         self._turn += 1
-        return self._mine[turn], self._theirs[turn]
+        mine = self._mine[self._current]
+        return mine.tensor if self.device.type == "cuda" else mine
 
     def barrier(self) -> None:
         """Every rank's writes so far (in its current stream's order) are done before this rank's current stream
         goes on: an all-reduce of one integer."""
         dist.all_reduce(self._token, group=self.group)
 
-    def pull(self, dst: torch.Tensor, src: torch.Tensor, peer: int) -> None:
-        """Copy ``src``, a message in ``peer``'s slot, into ``dst`` (contiguous, of its shape and dtype): on the GPU
-        on a stream of the peer's own, after the work queued so far on the current stream, until :meth:`wait`."""
+    def pull(self, dst: torch.Tensor, peer: int, offset: int) -> None:
+        """Copy ``dst``'s size in bytes from ``offset`` of ``peer``'s slot of this turn into ``dst`` (contiguous): on
+        the GPU on a stream of the peer's own, after the work queued so far on the current stream, until
+        :meth:`wait`."""
+        if not dst.is_contiguous():
+            raise ValueError("a pull copies a message into a contiguous buffer")
+        nbytes = dst.numel() * dst.element_size()
+        if offset + nbytes > self.capacity:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are past the slots' {self.capacity}")
+        source = self._theirs[self._current][peer]
         if self.device.type != "cuda":
-            dst.copy_(src)
+            dst.view(-1).view(torch.uint8).copy_(source[offset : offset + nbytes])
             return
         stream = self._streams.get(peer)
         if stream is None:
             stream = self._streams[peer] = own_stream(self.device.index)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape):
-            raise ValueError("a pull copies a contiguous message into a contiguous buffer of its shape and dtype")
-        copy_on_stream(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream.cuda_stream,
-                       self.device.index)
+        copy_on_stream(dst.data_ptr(), source + offset, nbytes, stream.cuda_stream, self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
 
@@ -104,50 +111,46 @@ class PeerMemory:
         self._pulling.clear()
 
     def _grow(self, capacity: int) -> None:
-        # No rank may still be reading the old slots when they go: each rank's device is idle before the handles'
-        # all-gather, which no rank leaves before every rank has entered it.
-        if self.device.type == "cuda":
+        # No rank may still read the old slots when they go: each rank's device is idle before the handles'
+        # all-gather, which no rank leaves before every rank has entered it; then every rank closes its view of
+        # the peers' old slots before any rank frees its own.
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
-        files = None
-        if self.device.type == "cuda":
-            mine = [torch.empty(capacity, dtype=torch.uint8, device=self.device) for _ in range(2)]
-            shared: list[Any] = [_ipc_handle(t) for t in mine]
+            mine: list[Any] = [SharedBlock(self.device, capacity) for _ in range(2)]
+            shared: list[Any] = [block.handle for block in mine]
         else:
-            shared = files = [_shared_file() for _ in range(2)]
-            mine = [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in files]
+            shared = [_shared_file() for _ in range(2)]
+            mine = [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in shared]
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, shared, group=self.group)
-        theirs = [[None if r == self.rank else _open(handles[r][i], capacity) for r in range(self.world_size)]
+        theirs = [[None if r == self.rank else self._open(handles[r][i], capacity) for r in range(self.world_size)]
                   for i in range(2)]
-        for row in theirs:  # IPC opens a peer's handle in its GPU's context here: this GPU's must read it
-            for t in row:
-                if t is not None and t.is_cuda and t.device.index != self.device.index:
-                    enable_peer_access(self.device.index, t.device.index)
-        if files is not None:
-            dist.barrier(group=self.group)  # every rank has mapped the files: their names can go
-            for path in files:
-                os.unlink(path)
+        old_mine, old_theirs = self._mine, self._theirs
+        if cuda:
+            for row in old_theirs:
+                for address in row:
+                    if address is not None:
+                        close_block(address, self.device)
+        dist.barrier(group=self.group)  # every rank has opened the new slots and closed the old ones
+        if cuda:
+            for block in old_mine:
+                block.free()
+        else:
+            for path in shared:
+                os.unlink(path)  # every rank has mapped the files: their names can go
         self._mine, self._theirs, self.capacity = mine, theirs, capacity
+
+    def _open(self, handle: Any, capacity: int) -> Any:
+        if self.device.type == "cuda":
+            return open_block(handle, self.device)
+        return torch.from_file(handle, shared=True, size=capacity, dtype=torch.uint8)
 
 
 def _shared_file() -> str:
     """A new file for a CPU slot, in shared memory where the host has it."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(folder, f"mmsparse-peer-{os.getpid()}-{uuid.uuid4().hex}")
-
-
-def _ipc_handle(t: torch.Tensor) -> Any:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return reduce_tensor(t)
-
-
-def _open(handle: Any, capacity: int) -> torch.Tensor:
-    """A peer's slot opened in this process: a file's name (CPU) or a CUDA IPC handle."""
-    if isinstance(handle, str):
-        return torch.from_file(handle, shared=True, size=capacity, dtype=torch.uint8)
-    rebuild, args = handle
-    return rebuild(*args)
 
 
 def _why_not_usable(group: Any, device: torch.device) -> str | None:

@@ -1,6 +1,7 @@
 """The few CUDA driver calls that torch has no Python API for, through ctypes on the driver library that torch
 has already loaded: streams of our own (torch's come from a shared pool) and the lifetime of what a CUDA graph
-reads (user objects), and copies out of another GPU's memory that run in this device's own context."""
+reads (user objects), and memory other processes open (CUDA IPC) with copies out of it in this device's own
+context."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 0x1  # the only flag cuUserObjectCreate take
 CU_GRAPH_USER_OBJECT_MOVE = 0x1  # the graph takes over the caller's reference
 CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
-CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # CUhostFn: void (*)(void *user_data)
+
+
+class IpcMemHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes that name an allocation for other processes."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
 class CudaDriverError(RuntimeError):
@@ -45,8 +52,12 @@ def driver() -> Any | None:
                                       p(ctypes.c_void_p), p(ctypes.c_size_t)],
         "cuUserObjectCreate": [p(ctypes.c_void_p), ctypes.c_void_p, HOST_FN, c_uint, c_uint],
         "cuGraphRetainUserObject": [ctypes.c_void_p, ctypes.c_void_p, c_uint, c_uint],
-        "cuCtxEnablePeerAccess": [ctypes.c_void_p, c_uint],
         "cuMemcpyAsync": [c_uint64, c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemAlloc_v2": [p(c_uint64), ctypes.c_size_t],
+        "cuMemFree_v2": [c_uint64],
+        "cuIpcGetMemHandle": [p(IpcMemHandle), c_uint64],
+        "cuIpcOpenMemHandle_v2": [p(c_uint64), IpcMemHandle, c_uint],
+        "cuIpcCloseMemHandle": [c_uint64],
     }
     try:
         for fn_name, argtypes in signatures.items():
@@ -78,18 +89,6 @@ def bind_context(device_index: int) -> None:
     call("cuDeviceGet", ctypes.byref(device), device_index)
     call("cuDevicePrimaryCtxRetain", ctypes.byref(primary), device)
     call("cuCtxSetCurrent", primary)
-
-
-def enable_peer_access(device_index: int, peer_index: int) -> None:
-    """Let the device's primary context read memory mapped in the peer device's (CUDA IPC opens a handle there):
-    once per pair and process; enabling it again is no error."""
-    bind_context(device_index)
-    device, peer = ctypes.c_int(), ctypes.c_void_p()
-    call("cuDeviceGet", ctypes.byref(device), peer_index)
-    call("cuDevicePrimaryCtxRetain", ctypes.byref(peer), device)
-    result = driver().cuCtxEnablePeerAccess(peer, 0)
-    if result not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-        raise CudaDriverError(f"cuCtxEnablePeerAccess failed with CUDA driver error {result}")
 
 
 def copy_on_stream(dst: int, src: int, nbytes: int, stream: int, device_index: int) -> None:
