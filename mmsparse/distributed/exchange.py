@@ -133,6 +133,7 @@ def _transport(cp: Any, like: torch.Tensor, tokens: list[list[int]], token_bytes
     if cp.transport == "auto" and (like.device.type != "cuda" or max(sizes) > PEER_COPY_MAX_BYTES):
         return PointToPoint(cp)
     memory = peer_memory(cp.group, like.device)
+    memory.reserve(max(sizes))
     if memory.reason is not None:
         if cp.transport == "peer_copy":
             raise RuntimeError(f"ContextParallel(transport='peer_copy') cannot run on this group: {memory.reason}. "

@@ -18,14 +18,14 @@ class PeerCopies:
 
     Args:
         cp: the ContextParallel (rank, world size, byte counters).
-        memory: the group's peer memory.
+        memory: the group's peer memory, its slots reserved for the exchange.
         tokens: tokens of each message, ``[sender][receiver]`` (every rank passes the same).
         token_bytes: bytes of one token of a message (``B x H x D x`` the element size).
     """
 
     def __init__(self, cp: Any, memory: PeerMemory, tokens: list[list[int]], token_bytes: int) -> None:
         self.cp, self.memory, self.tokens, self.token_bytes = cp, memory, tokens, token_bytes
-        self.mine = memory.slot([sum(row) * token_bytes for row in tokens])
+        self.mine = memory.slot()
 
     def outboxes(self, like: torch.Tensor, shapes: dict[int, tuple[int, ...]]) -> dict[int, torch.Tensor]:
         rank = self.cp.rank

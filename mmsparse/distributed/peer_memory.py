@@ -19,13 +19,12 @@ import socket
 import tempfile
 import threading
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..runtime.cuda_driver import copy_on_stream, driver
+from ..runtime.cuda_driver import CudaDriverError, copy_on_stream, driver
 from ..runtime.ipc_memory import SharedBlock, close_block, open_block
 from ..runtime.streams import own_stream
 
@@ -62,15 +61,17 @@ class PeerMemory:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
 
-    def slot(self, sizes: Sequence[int]) -> torch.Tensor:
-        """This rank's next slot, as uint8, to write this exchange's messages in; the peers' slots of the same turn
-        are what :meth:`pull` reads. ``sizes``: the bytes each rank writes this exchange (every rank passes the
-        same list); the slots grow, all ranks at once, where one is too small."""
+    def reserve(self, nbytes: int) -> None:
+        """Slots of at least ``nbytes`` (every rank asks for the same): they grow, all ranks at once, where they
+        are smaller. Where a rank cannot make or open them, ``reason`` says so on every rank and nothing is kept."""
+        if self.reason is None and nbytes > self.capacity:
+            self._grow(-(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN)
+
+    def slot(self) -> torch.Tensor:
+        """This rank's next slot, as uint8, to write this exchange's messages in (:meth:`reserve` first); the
+        peers' slots of the same turn are what :meth:`pull` reads."""
         if self.reason is not None:
             raise RuntimeError(f"peer memory cannot be used on this group: {self.reason}")
-        need = max(sizes, default=0)
-        if need > self.capacity:
-            self._grow(-(-need // _SLOT_ALIGN) * _SLOT_ALIGN)
         self._current = self._turn % 2
         self._turn += 1
         mine = self._mine[self._current]
@@ -117,34 +118,63 @@ class PeerMemory:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-            mine: list[Any] = [SharedBlock(self.device, capacity) for _ in range(2)]
-            shared: list[Any] = [block.handle for block in mine]
-        else:
-            shared = [_shared_file() for _ in range(2)]
-            mine = [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in shared]
+        mine: list[Any] = []
+        shared: list[Any] = []
+        made = _attempt(lambda: self._make(capacity, mine, shared))
         handles: list[Any] = [None] * self.world_size
-        dist.all_gather_object(handles, shared, group=self.group)
-        theirs = [[None if r == self.rank else self._open(handles[r][i], capacity) for r in range(self.world_size)]
-                  for i in range(2)]
-        old_mine, old_theirs = self._mine, self._theirs
-        if cuda:
-            for row in old_theirs:
-                for address in row:
-                    if address is not None:
-                        close_block(address, self.device)
-        dist.barrier(group=self.group)  # every rank has opened the new slots and closed the old ones
-        if cuda:
-            for block in old_mine:
+        dist.all_gather_object(handles, (shared, made), group=self.group)
+        theirs: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        failed = next((error for _, error in handles if error is not None), None)
+        if failed is None:
+            failed = _attempt(lambda: self._open_all(handles, capacity, theirs))
+            verdicts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(verdicts, failed, group=self.group)
+            failed = next((error for error in verdicts if error is not None), None)
+        keep = failed is None
+        for row in theirs if not keep else self._theirs:  # the views this rank will not read again
+            for view in row:
+                if cuda and view is not None:
+                    close_block(view, self.device)
+        dist.barrier(group=self.group)  # every rank has closed what it no longer reads
+        for block in mine if not keep else self._mine:
+            if cuda:
                 block.free()
-        else:
+        if not cuda:
             for path in shared:
-                os.unlink(path)  # every rank has mapped the files: their names can go
-        self._mine, self._theirs, self.capacity = mine, theirs, capacity
+                os.unlink(path)  # every rank has mapped the files, or given up on them: their names can go
+        if keep:
+            self._mine, self._theirs, self.capacity = mine, theirs, capacity
+        else:
+            self.reason = f"a rank could not make or open the shared slots: {failed}"
+
+    def _make(self, capacity: int, mine: list[Any], shared: list[Any]) -> None:
+        for _ in range(2):
+            if self.device.type == "cuda":
+                mine.append(SharedBlock(self.device, capacity))
+                shared.append(mine[-1].handle)
+            else:
+                shared.append(_shared_file())
+                mine.append(torch.from_file(shared[-1], shared=True, size=capacity, dtype=torch.uint8))
+
+    def _open_all(self, handles: list[Any], capacity: int, theirs: list[list[Any]]) -> None:
+        for r, (slots, _) in enumerate(handles):
+            if r != self.rank:
+                for i in range(2):
+                    theirs[i][r] = self._open(slots[i], capacity)
 
     def _open(self, handle: Any, capacity: int) -> Any:
         if self.device.type == "cuda":
             return open_block(handle, self.device)
         return torch.from_file(handle, shared=True, size=capacity, dtype=torch.uint8)
+
+
+def _attempt(step: Any) -> str | None:
+    """None where ``step()`` ran, else what went wrong (the slots are then not used, on any rank)."""
+    try:
+        step()
+    except (CudaDriverError, RuntimeError, OSError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _shared_file() -> str:

@@ -22,7 +22,7 @@ HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # CUhostFn: void (*)(void *us
 class IpcMemHandle(ctypes.Structure):
     """CUipcMemHandle: 64 opaque bytes that name an allocation for other processes."""
 
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # bytes, not a C string: zeros inside are part of it
 
 
 class CudaDriverError(RuntimeError):

@@ -47,7 +47,8 @@ def open_block(handle: bytes, device: torch.device) -> int:
     """The address, in ``device``'s context, of another process's block named by ``handle``."""
     bind_context(device.index)
     address = ctypes.c_uint64()
-    call("cuIpcOpenMemHandle_v2", ctypes.byref(address), IpcMemHandle(handle), CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    named = IpcMemHandle((ctypes.c_ubyte * 64).from_buffer_copy(handle))
+    call("cuIpcOpenMemHandle_v2", ctypes.byref(address), named, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
     return address.value
 
 

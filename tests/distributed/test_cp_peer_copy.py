@@ -45,6 +45,33 @@ def _run(rank: int, case, transport: str):
     return (q, k, v, do), cp.unshard(o_l.detach()), grads, (cp.bytes_sent, cp.bytes_received)
 
 
+def _check_a_rank_that_cannot_open_the_slots(rank: int) -> None:
+    """One rank fails to open a peer's slot: every rank hears of it (no rank waits for the others in a copy that
+    never comes), with the reason, and ``auto`` would run point to point instead."""
+    from mmsparse.distributed import ContextParallel, peer_memory
+
+    group = dist.new_group(list(range(dist.get_world_size())))  # a group of its own: fresh peer memory
+    opened = peer_memory.PeerMemory._open
+
+    def refuse(self, handle, capacity):
+        if rank == 1:
+            raise OSError("cannot map the file")
+        return opened(self, handle, capacity)
+
+    peer_memory.PeerMemory._open = refuse
+    try:
+        cp = ContextParallel(CYCLIC, (9, 30, 21), group=group, transport="peer_copy")
+        k = torch.randn(1, 1, cp.local_len, 16)
+        try:
+            cp.fetch_kv(k, k)
+        except RuntimeError as error:
+            assert "could not make or open the shared slots: OSError: cannot map the file" in str(error)
+        else:
+            raise AssertionError("a rank that cannot open a peer's slot must stop peer copies on every rank")
+    finally:
+        peer_memory.PeerMemory._open = opened
+
+
 def _worker(rank: int, world: int, init_file: str) -> None:
     from mmsparse import reference_mask
 
@@ -64,6 +91,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                     t.grad = g
                 seq = q.shape[2]
                 check_outputs(*leaves, out, do, reference_mask(topology, lens, seq, causal=causal))
+        _check_a_rank_that_cannot_open_the_slots(rank)
         dist.barrier()
         assert not glob.glob(f"/dev/shm/mmsparse-peer-{os.getpid()}-*"), "a slot's file outlived its mapping"
     finally:
