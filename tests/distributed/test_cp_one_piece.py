@@ -67,3 +67,44 @@ def test_other_ranks_sum_their_pieces_in_float32(causal, window, topology):
     problem = RankProblem(topology, (30, 34) if len(topology) == 2 else (9, 30, 21), 0, 2, causal=causal, tile=16,
                           window=window)
     assert not problem.one_piece() and problem.kv_grad_dtype(torch.float16) == torch.float32
+
+
+@pytest.mark.parametrize("case", ONE_PIECE[:2], ids=["cyclic", "second-segment-idle"])
+def test_the_backward_starts_on_the_own_keys_before_the_fetch(case):
+    """Without kept K/V a one-piece rank runs its own keys' dK/dV before it waits for the fetch, then the piece
+    with those keys hidden from its dK/dV pass: the same gradients, bit for bit, as the piece's backward whole."""
+    topology, lens, heads, kv_heads = case
+    seq = sum(lens)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, h, seq, 16, generator=gen).half() for h in (heads, kv_heads, kv_heads, heads))
+    problem = RankProblem(topology, lens, 0, 2, tile=16)
+    own = problem.own_keys(q.device)
+    assert own is not None and 0 < own.count < problem.gathered_positions().numel()
+    index, gathered = problem.token_index, problem.gathered_positions()
+    pieces = problem.pieces(q.device)
+    x = [t[:, :, index] for t in (q, k, v, do)]
+    order = []
+
+    def gather():
+        order.append("gather")
+        return k[:, :, gathered], v[:, :, gathered]
+
+    o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather)
+    whole = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather)
+    from mmsparse.distributed import local
+
+    calls = []
+    backward = local.piece_backward
+
+    def counted(*args, **kwargs):
+        calls.append((len(order), kwargs.get("skip_dq", False)))
+        return backward(*args, **kwargs)
+
+    local.piece_backward = counted
+    try:
+        split = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather, own_keys=own)
+    finally:
+        local.piece_backward = backward
+    assert calls == [(2, True), (3, False)], "own keys' dK/dV before the fetch, then the rest after it"
+    assert split[1] is None and whole[1] is None
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[2], whole[2])
