@@ -83,15 +83,12 @@ class BackwardLaunch:
         # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
         self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
-    def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs, dq_mask: LaunchArgs | None,
-                 skip_dq: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs,
+                 dq_mask: LaunchArgs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
         q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous), dropout seed and the mask
         arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
-        before, on the current stream. ``skip_dq``: the dK/dV pass alone (two-pass plans), dq None."""
-        if skip_dq and self.one_pass:
-            raise ValueError("skip_dq runs the dK/dV pass of a two-pass backward alone; this plan is the one pass, "
-                             "whose dK/dV kernel adds dQ")
+        before, on the current stream."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
         plan, device = self.plan, self.device
@@ -110,9 +107,8 @@ class BackwardLaunch:
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=device)
         launch_bound(_DELTA, self.delta_grid, (out, do, delta, dq_sum if self.one_pass else delta, self.n_rows),
                      self.delta_constexprs, bound, "delta")
-        main, side = _streams(device) if plan.side_stream and not skip_dq else (None, None)
-        dq = None
-        if not self.one_pass and not skip_dq:
+        main, side = _streams(device) if plan.side_stream else (None, None)
+        if not self.one_pass:
             dq = torch.empty(self.q_shape, dtype=self.dtype, device=device)
             if side is not None:
                 side.wait_stream(main)  # delta, the block lists and the inputs are ready

@@ -65,26 +65,17 @@ class CallLaunch:
         return self.forward(q, k, v, seed, self._forward_mask)
 
     def run_backward(self, info: MaskInfo, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor | None, dkdv_info: MaskInfo | None = None,
-                     skip_dq: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                     out: torch.Tensor, lse: torch.Tensor,
+                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``: the backward's launch is made (its lists built, on the current stream) at the call's
-        first backward: a call that never runs one builds none of it. ``dkdv_info``: another mask of the same
-        shapes and kind for the dK/dV pass (keys it hides get zero gradients: their part comes from elsewhere);
-        ``skip_dq``: the dK/dV pass alone, dq None."""
-        plan, args = self.plan, kernel_args(info)
-        if self._backward is None or dkdv_info is not None:
+        first backward: a call that never runs one builds none of it."""
+        plan, args, first = self.plan, kernel_args(info), self._backward is None
+        if first:
             info.prepare(plan.list_tiles(forward=False), self.cfg.compact_bytes)  # before any fork
-        if dkdv_info is not None:
-            dkdv_info.prepare([plan.dkdv.lists], self.cfg.compact_bytes)
-        dkdv_args = args if dkdv_info is None else kernel_args(dkdv_info)
-        masks = (dkdv_args.tile(*plan.dkdv.lists), args.tile(*plan.dq.lists) if plan.dq is not None else None)
-        if dkdv_info is not None:  # a launch specialises on its masks' integers: the other mask's own
-            launch = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
-        else:
-            if self._backward is None:
-                self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
-            launch = self._backward
-        return launch(do, q, k, v, out, lse, seed, *masks, skip_dq=skip_dq)
+        masks = (args.tile(*plan.dkdv.lists), args.tile(*plan.dq.lists) if plan.dq is not None else None)
+        if first:
+            self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
+        return self._backward(do, q, k, v, out, lse, seed, *masks)
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,

@@ -119,18 +119,13 @@ def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
     settings: Settings | None = None, launch: CallLaunch | TracedCall | None = None,
-    dkdv_info: MaskInfo | None = None, skip_dq: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
     ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable). ``settings``: the
     forward's (None: this thread's now). ``launch``: the forward's (None: found again from the arguments, in eager;
-    traced, planned again from them). In eager only, for a backward put together from parts (context
-    parallelism): ``dkdv_info``, another mask of the same shapes and kind for the dK/dV pass; ``skip_dq``, the
-    dK/dV pass alone (dq None)."""
+    traced, planned again from them)."""
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: as in attention_forward
-        if dkdv_info is not None or skip_dq:
-            raise ValueError("dkdv_info and skip_dq are eager-only: a traced backward runs both passes over its mask")
         call = launch if isinstance(launch, TracedCall) else None
         if call is None:
             call = TracedCall.of(traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings), info)
@@ -142,8 +137,7 @@ def attention_backward(
     if not isinstance(launch, CallLaunch):
         config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
         launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
-    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv_info,
-                               skip_dq)
+    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed)
 
 
 def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bool) -> tuple[int, int, int]:

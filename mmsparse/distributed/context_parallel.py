@@ -222,10 +222,8 @@ class _Attention(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else start_fetch(cp, k, v, ctx.by_position)
-        # Without kept K/V a one-piece rank starts on its own keys' dK/dV while the rest is fetched again.
-        own_keys = None if fetched or ctx.by_position else cp.own_keys(q.device)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                           ctx.dropout_p, finish, ctx.call, own_keys)
+                                           ctx.dropout_p, finish, ctx.call)
         dkv = return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
                                ctx.by_position)
         hkv = k.shape[1]

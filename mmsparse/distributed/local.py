@@ -9,7 +9,6 @@ rank with the exchange around those two calls; a benchmark or a test builds any 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,18 +31,6 @@ from .pieces import (
 from .plan import ContextParallelPlan, plan_context_parallel
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
-
-
-@dataclass
-class OwnKeys:
-    """A one-piece rank's own keys, at the front of its gathered keys: its backward runs their dK/dV (``piece``:
-    every local query over them) while the other keys are fetched, then the whole piece with them hidden from its
-    dK/dV pass (``rest``). A key's dK/dV reads only its own column, so the parts are the whole's exactly."""
-
-    count: int  # own keys at the front of the gathered keys
-    local_rows: torch.Tensor | None  # their places among the rank's local keys; None: all of them, in order
-    piece: Piece
-    rest: BitMask
 
 
 class RankProblem:
@@ -88,13 +75,12 @@ class RankProblem:
         self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
-        self._own_keys: dict[Any, OwnKeys | None] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
         # rebuilt on first use.
         state = self.__dict__.copy()
-        state["_bits"], state["_pieces"], state["_dropout_pieces"], state["_own_keys"] = {}, {}, {}, {}
+        state["_bits"], state["_pieces"], state["_dropout_pieces"] = {}, {}, {}
         return state
 
     @property
@@ -147,40 +133,7 @@ class RankProblem:
         runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
 
-    def own_keys(self, device: torch.device) -> OwnKeys | None:
-        """Where this rank is one piece over its own keys and fetched ones: its own keys at the front of the
-        gathered keys, for a backward that starts on them while the others are fetched (built once per device);
-        else None."""
-        if not self.one_piece():
-            return None
-        key = _where(device)
-        if key not in self._own_keys:
-            self._own_keys[key] = self._split_own_keys(device)
-        return self._own_keys[key]
-
     # internals -------------------------------------------------------------------------------------------------
-
-    def _split_own_keys(self, device: torch.device) -> OwnKeys | None:
-        pieces = self._local_pieces(device)
-        own = [c for c in self.gathered_chunks() if self.plan.owner[c] == self.rank]
-        count = sum(self.plan.chunk_tokens(c) for c in own)
-        if len(pieces) != 1 or pieces[0].local_keys or not 0 < count < pieces[0].k_rows.stop:
-            return None
-        whole = pieces[0].info
-        start, rows = 0, []
-        for c in self.plan.local_chunks[self.rank]:
-            if c in own:
-                rows.append(torch.arange(start, start + self.plan.chunk_tokens(c)))
-            start += self.plan.chunk_tokens(c)
-        local_rows = torch.cat(rows)
-        in_order = torch.equal(local_rows, torch.arange(self.local_len))
-        piece = make_piece(slice(0, self.local_len), slice(0, count), True, False, whole.q_bits,
-                           whole.k_bits[:, :count], self.topology.num_segments)
-        hidden = whole.k_bits.clone()
-        hidden[:, :count] = 0  # a key without bits sees no query: the dK/dV pass gives it zeros
-        rest = BitMask(whole.q_bits, hidden, self.topology.num_segments, False)
-        return OwnKeys(count, None if in_order else local_rows.to(device), piece, rest)
-
 
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = self._bits.get(_where(device))
@@ -355,21 +308,16 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather, call: PiecesCall | None = None, own_keys: OwnKeys | None = None,
+                    gather: Gather, call: PiecesCall | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
     dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
     one piece over every row (:meth:`RankProblem.one_piece`), that piece's own gradients in the inputs' dtype.
     ``gather`` is called once, after the pieces over the rank's own keys. ``call``: the forward's (None: this
-    thread's settings now, and the pieces plan again). ``own_keys`` (:meth:`RankProblem.own_keys`): the one
-    piece's dK/dV over the rank's own keys runs before ``gather``, and the piece's backward after it leaves them
-    out."""
+    thread's settings now, and the pieces plan again)."""
     call = PiecesCall() if call is None else call
     hkv = k.shape[1]
-    if _whole(pieces, q.shape[2]) and own_keys is not None and seeds == [None]:
-        return _backward_own_keys_first(grad_out, q, k, v, out, lse, pieces[0], scale, dropout_p, gather, call,
-                                        own_keys)
     if _whole(pieces, q.shape[2]):
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
@@ -405,27 +353,6 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         target[:, hkv:, keys] += dv_p
     gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
     return dq, dkv_l, gathered[2]
-
-
-def _backward_own_keys_first(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float,
-                              gather: Gather, call: PiecesCall,
-                              own: OwnKeys) -> tuple[torch.Tensor, None, torch.Tensor]:
-    """:func:`backward_pieces` of one piece whose gathered keys start with the rank's own: their dK/dV pass runs
-    from the rank's own K/V while the others are in flight; then the piece's dQ over every key and its dK/dV over
-    the fetched ones."""
-    k_own, v_own = (k, v) if own.local_rows is None else (k[:, :, own.local_rows], v[:, :, own.local_rows])
-    _, dk_own, dv_own = piece_backward(grad_out, q, k_own, v_own, out, lse, own.piece, scale, dropout_p, None, call,
-                                       skip_dq=True)
-    k_g, v_g = gather()
-    keys = piece.k_rows
-    dq, dk, dv = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale, dropout_p,
-                                None, call, dkdv_info=own.rest)
-    hkv, n = k.shape[1], own.count
-    dkv_g = dk.new_empty((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))  # the piece holds every gathered key
-    dkv_g[:, :hkv, :n], dkv_g[:, hkv:, :n] = dk_own, dv_own
-    dkv_g[:, :hkv, n:], dkv_g[:, hkv:, n:] = dk[:, :, n:], dv[:, :, n:]
-    return dq, None, dkv_g
 
 
 def _whole(pieces: list[Piece], local_len: int) -> bool:

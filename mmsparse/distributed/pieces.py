@@ -121,13 +121,11 @@ def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piec
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                   call: PiecesCall, dkdv_info: BitMask | CodeMask | None = None,
-                   skip_dq: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                   call: PiecesCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows, with the forward's settings
-    and launches (``call``); ``dkdv_info`` and ``skip_dq`` as in ``attention_backward``."""
+    and launches (``call``)."""
     return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed,
-                              settings=call.settings, launch=call.launches.get(id(piece)), dkdv_info=dkdv_info,
-                              skip_dq=skip_dq)
+                              settings=call.settings, launch=call.launches.get(id(piece)))
 
 
 def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:
