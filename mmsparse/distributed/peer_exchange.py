@@ -1,6 +1,8 @@
-"""The exchange's transport by peer copies (:mod:`.peer_memory`): a rank packs its messages straight into its
-slot, meets the peers at a barrier, and copies each message meant for it out of its sender's slot, one copy per
-peer on a stream of that peer's (copy engines on GPUs: no SMs, beside the work that follows)."""
+"""The exchange by peer copies (:mod:`.peer_memory`): each rank writes its K and V (the fetch) or its gathered
+keys' dK/dV (the return) into its slot as they are, meets the peers at a barrier, and copies what it needs out of
+theirs: on GPUs one 2-D copy per run of chunks and batch row, straight into place, by copy engines on a stream
+per peer (no SMs, beside the work that follows), with nothing packed per peer and nothing to unpack. The same
+bytes as point to point, summed in the same order by :mod:`.exchange`, so the same bits."""
 
 from __future__ import annotations
 
@@ -10,47 +12,93 @@ from typing import Any
 import torch
 
 from .peer_memory import PeerMemory
+from .token_runs import chunk_ranges, copy_tokens, merged_runs, served_chunks
 
 
-class PeerCopies:
-    """One exchange's messages in the ranks' slots: rank r's message to rank q sits in r's slot after its messages
-    to the ranks before q, so every rank knows where to find its own in every sender's slot.
-
-    Args:
-        cp: the ContextParallel (rank, world size, byte counters).
-        memory: the group's peer memory, its slots reserved for the exchange.
-        tokens: tokens of each message, ``[sender][receiver]`` (every rank passes the same).
-        token_bytes: bytes of one token of a message (``B x H x D x`` the element size).
-    """
-
-    def __init__(self, cp: Any, memory: PeerMemory, tokens: list[list[int]], token_bytes: int) -> None:
-        self.cp, self.memory, self.tokens, self.token_bytes = cp, memory, tokens, token_bytes
-        self.mine = memory.slot()
-
-    def outboxes(self, like: torch.Tensor, shapes: dict[int, tuple[int, ...]]) -> dict[int, torch.Tensor]:
-        rank = self.cp.rank
-        return {peer: _message(self.mine, self._offset(rank, peer), like.dtype, shape)
-                for peer, shape in shapes.items()}
-
-    def post(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple[int, ...]],
-             like: torch.Tensor) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
-        cp, memory, rank = self.cp, self.memory, self.cp.rank
-        memory.barrier()  # every rank's messages are packed
-        received = {}
-        for peer, shape in recv_shapes.items():
-            if peer == rank or not shape[2]:
-                continue
-            received[peer] = like.new_empty(shape)
-            memory.pull(received[peer], peer, self._offset(peer, rank))
-            cp.bytes_received += received[peer].numel() * received[peer].element_size()
-        cp.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
-        return received, memory.wait
-
-    def _offset(self, sender: int, receiver: int) -> int:
-        return sum(self.tokens[sender][:receiver]) * self.token_bytes
+def local_lengths(cp: Any) -> list[int]:
+    """Every rank's number of local tokens: its slot holds its K then its V, ``[B, Hkv, S_local, D]`` each."""
+    return [sum(cp.plan.chunk_tokens(c) for c in chunks) for chunks in cp.plan.local_chunks]
 
 
-def _message(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def gathered_lengths(cp: Any, by_position: bool) -> list[int]:
+    """Every rank's number of gathered keys: its slot holds their dK/dV, ``[B, 2 Hkv, S_gathered, D]``."""
+    return [sum(cp.plan.chunk_tokens(c) for c in cp.gathered_chunks(by_position, rank=r))
+            for r in range(cp.world_size)]
+
+
+def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor,
+                by_position: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`.exchange.start_fetch` by peer copies, its slots reserved for :func:`local_lengths`."""
+    plan, rank = cp.plan, cp.rank
+    batch, hkv, local_len, dim = k.shape
+    token = dim * k.element_size()
+    lengths = local_lengths(cp)
+    slot = memory.slot()
+    half = batch * hkv * local_len * token
+    _view(slot, 0, k.dtype, k.shape).copy_(k)
+    _view(slot, half, v.dtype, v.shape).copy_(v)
+    memory.barrier()  # every rank's K/V is in its slot
+    needed = cp.gathered_chunks(by_position)
+    into = chunk_ranges(plan, needed)
+    gathered = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in needed), dim))
+    for peer in range(cp.world_size):
+        from_peer = [c for c in needed if plan.owner[c] == peer]
+        if peer == rank or not from_peer:
+            continue
+        where, held = chunk_ranges(plan, plan.local_chunks[peer]), lengths[peer]
+        for s, d, n in merged_runs([(where[c][0], into[c][0], plan.chunk_tokens(c)) for c in from_peer]):
+            for b in range(batch):
+                for part in range(2):  # K, then V
+                    offset = ((part * batch + b) * hkv * held + s) * token
+                    memory.pull(peer, offset, held * token, gathered[b, part * hkv : (part + 1) * hkv], d, n)
+        cp.bytes_received += sum(plan.chunk_tokens(c) for c in from_peer) * 2 * batch * hkv * token
+    cp.bytes_sent += sum(plan.chunk_tokens(c) for peer in range(cp.world_size) if peer != rank
+                         for c in served_chunks(plan, rank, peer)) * 2 * batch * hkv * token
+    own = chunk_ranges(plan, plan.local_chunks[rank])
+    copy_tokens(gathered, (k, v), [(own[c][0], into[c][0], plan.chunk_tokens(c))
+                                   for c in needed if plan.owner[c] == rank])
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        memory.wait()
+        return gathered[:, :hkv], gathered[:, hkv:]
+
+    return finish
+
+
+def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor,
+                 by_position: bool) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+    """The return's transfer by peer copies, its slots reserved for :func:`gathered_lengths`: each owner copies
+    its chunks' contributions out of each peer's slot. Returns (each peer's contributions to this rank's chunks,
+    in ``served_chunks`` order, once ``wait()`` has returned; ``wait``)."""
+    plan, rank = cp.plan, cp.rank
+    batch, heads, _, dim = dkv_gathered.shape
+    token = dim * dkv_gathered.element_size()
+    lengths = gathered_lengths(cp, by_position)
+    slot = memory.slot()
+    _view(slot, 0, dkv_gathered.dtype, tuple(dkv_gathered.shape)).copy_(dkv_gathered)
+    memory.barrier()  # every rank's contributions are in its slot
+    received = {}
+    for peer in range(cp.world_size):
+        served = served_chunks(plan, rank, peer)
+        if peer == rank or not served:
+            continue
+        where, held = chunk_ranges(plan, cp.gathered_chunks(by_position, rank=peer)), lengths[peer]
+        count = sum(plan.chunk_tokens(c) for c in served)
+        received[peer] = dkv_gathered.new_empty((batch, heads, count, dim))
+        rows = received[peer].view(batch * heads, count, dim)
+        spans, offset = [], 0
+        for c in served:
+            spans.append((where[c][0], offset, plan.chunk_tokens(c)))
+            offset += plan.chunk_tokens(c)
+        for s, d, n in merged_runs(spans):
+            memory.pull(peer, s * token, held * token, rows, d, n)
+        cp.bytes_received += count * batch * heads * token
+    cp.bytes_sent += sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] != rank) * (
+        batch * heads * token)
+    return received, memory.wait
+
+
+def _view(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The bytes of a uint8 slot from ``offset`` as a contiguous tensor of ``dtype`` and ``shape``."""
     count = 1
     for n in shape:

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.cuda_driver import CudaDriverError, copy_on_stream, driver
+from ..runtime.cuda_driver import CudaDriverError, copy_rows_on_stream, driver
 from ..runtime.ipc_memory import SharedBlock, close_block, open_block
 from ..runtime.streams import own_stream
 
+MAX_PITCH = 2**31 - 1  # bytes between the rows of a 2-D copy, at most (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
 _SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
 _MEMORIES: dict[tuple[int, torch.device], PeerMemory] = {}
 _MEMORIES_LOCK = threading.Lock()
@@ -82,24 +83,33 @@ class PeerMemory:
         goes on: an all-reduce of one integer."""
         dist.all_reduce(self._token, group=self.group)
 
-    def pull(self, dst: torch.Tensor, peer: int, offset: int) -> None:
-        """Copy ``dst``'s size in bytes from ``offset`` of ``peer``'s slot of this turn into ``dst`` (contiguous): on
-        the GPU on a stream of the peer's own, after the work queued so far on the current stream, until
-        :meth:`wait`."""
-        if not dst.is_contiguous():
-            raise ValueError("a pull copies a message into a contiguous buffer")
-        nbytes = dst.numel() * dst.element_size()
-        if offset + nbytes > self.capacity:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are past the slots' {self.capacity}")
+    def pull(self, peer: int, src_offset: int, src_pitch: int, dst: torch.Tensor, dst_start: int,
+             count: int) -> None:
+        """Copy ``count`` tokens into each row of ``dst`` from ``dst_start`` on, out of ``peer``'s slot of this turn:
+        row r's from byte ``src_offset + r * src_pitch``. ``dst``: a ``[rows, tokens, width]`` view whose tokens and
+        width are contiguous (rows any uniform stride). On the GPU one 2-D copy on a stream of the peer's own, after
+        the work queued so far on the current stream, until :meth:`wait`."""
+        rows, _, width = dst.shape
+        size = dst.element_size()
+        if dst.stride(2) != 1 or dst.stride(1) != width:
+            raise ValueError("a pull writes rows of contiguous tokens")
+        if src_offset + (rows - 1) * src_pitch + count * width * size > self.capacity:
+            raise ValueError(f"a pull reads past the peer's slot of {self.capacity} bytes")
         source = self._theirs[self._current][peer]
         if self.device.type != "cuda":
-            dst.view(-1).view(torch.uint8).copy_(source[offset : offset + nbytes])
+            tokens = source.view(dst.dtype).as_strided((rows, count, width), (src_pitch // size, width, 1),
+                                                       src_offset // size)
+            dst[:, dst_start : dst_start + count].copy_(tokens)
             return
+        if max(src_pitch, dst.stride(0) * size) > MAX_PITCH:
+            raise ValueError(f"rows {max(src_pitch, dst.stride(0) * size)} bytes apart are past a 2-D copy's "
+                             f"{MAX_PITCH}: use transport='p2p' for this size")
         stream = self._streams.get(peer)
         if stream is None:
             stream = self._streams[peer] = own_stream(self.device.index)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        copy_on_stream(dst.data_ptr(), source + offset, nbytes, stream.cuda_stream, self.device.index)
+        copy_rows_on_stream(dst.data_ptr() + dst_start * width * size, dst.stride(0) * size, source + src_offset,
+                            src_pitch, count * width * size, rows, stream.cuda_stream, self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
 

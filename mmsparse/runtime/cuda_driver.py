@@ -16,7 +16,22 @@ CU_GRAPH_USER_OBJECT_MOVE = 0x1  # the graph takes over the caller's reference
 CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_MEMORYTYPE_DEVICE = 2
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # CUhostFn: void (*)(void *user_data)
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D: ``Height`` rows of ``WidthInBytes`` between two pitched regions."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
 
 
 class IpcMemHandle(ctypes.Structure):
@@ -52,7 +67,7 @@ def driver() -> Any | None:
                                       p(ctypes.c_void_p), p(ctypes.c_size_t)],
         "cuUserObjectCreate": [p(ctypes.c_void_p), ctypes.c_void_p, HOST_FN, c_uint, c_uint],
         "cuGraphRetainUserObject": [ctypes.c_void_p, ctypes.c_void_p, c_uint, c_uint],
-        "cuMemcpyAsync": [c_uint64, c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemcpy2DAsync_v2": [p(Memcpy2D), ctypes.c_void_p],
         "cuMemAlloc_v2": [p(c_uint64), ctypes.c_size_t],
         "cuMemFree_v2": [c_uint64],
         "cuIpcGetMemHandle": [p(IpcMemHandle), c_uint64],
@@ -91,10 +106,14 @@ def bind_context(device_index: int) -> None:
     call("cuCtxSetCurrent", primary)
 
 
-def copy_on_stream(dst: int, src: int, nbytes: int, stream: int, device_index: int) -> None:
-    """``nbytes`` from address ``src`` to ``dst`` on ``stream`` of the device, in the device's own context: the
-    device's copy engines run it, also from another GPU's memory that this context can read. torch's copy between
-    two devices runs on the source device's stream instead, which puts work of this process on the peer's GPU,
-    where it takes turns with the peer process's own kernels."""
+
+def copy_rows_on_stream(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: int,
+                        device_index: int) -> None:
+    """``rows`` rows of ``width`` bytes from address ``src`` (rows ``src_pitch`` bytes apart) to ``dst`` (rows
+    ``dst_pitch`` apart) on ``stream`` of the device, in the device's own context: its copy engines run it, also
+    from another GPU's memory that this context has opened (:mod:`.ipc_memory`)."""
+    copy = Memcpy2D(srcMemoryType=CU_MEMORYTYPE_DEVICE, srcDevice=src, srcPitch=src_pitch,
+                    dstMemoryType=CU_MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch, WidthInBytes=width,
+                    Height=rows)
     bind_context(device_index)
-    call("cuMemcpyAsync", dst, src, nbytes, ctypes.c_void_p(stream))
+    call("cuMemcpy2DAsync_v2", ctypes.byref(copy), ctypes.c_void_p(stream))
