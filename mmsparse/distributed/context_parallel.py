@@ -224,8 +224,9 @@ class _Attention(torch.autograd.Function):
         finish = (lambda: tuple(fetched)) if fetched else start_fetch(cp, k, v, ctx.by_position)
         dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
                                            ctx.dropout_p, finish, ctx.call)
-        dkv = return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
-                               ctx.by_position)
+        # summed in float32 and written in the inputs' dtype in the sum's last pass
+        dkv = return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position), ctx.by_position,
+                              k.dtype if k.dtype == v.dtype else torch.float32)
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

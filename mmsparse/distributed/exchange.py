@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from . import peer_exchange
 from .peer_memory import PeerMemory, peer_memory
-from .token_runs import add_tokens, chunk_ranges, copy_tokens, message_spans, served_chunks
+from .token_runs import chunk_ranges, copy_tokens, message_spans, served_chunks
+from .token_sums import TokenSum
 
 TRANSPORTS = ("auto", "p2p", "peer_copy")
 # The largest slot (a rank's K/V, or its gathered keys' dK/dV) that ``auto`` moves by peer copies; each rank keeps
@@ -71,12 +72,14 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
 
 
 def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
-                    wire: torch.dtype = torch.float32, by_position: bool = False) -> torch.Tensor:
+                    wire: torch.dtype = torch.float32, by_position: bool = False,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Send each gathered chunk's dK/dV to its owner, in ``wire`` dtype; every owner sums its chunks'
     contributions in float32, its own first (while the transfer runs), then the peers' in rank order: deterministic,
     no atomics. dkv_*: ``[B, 2 Hkv, ., D]``, float32 or (``wire`` the inputs' dtype, exact there) the inputs' dtype;
     ``dkv_local`` None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout
-    pieces'. Returns the summed dK/dV of this rank's keys, float32 ``[B, 2 Hkv, S_local, D]``."""
+    pieces'. Returns the summed dK/dV of this rank's keys, ``[B, 2 Hkv, S_local, D]`` in ``out_dtype`` (summed in
+    float32 whatever it is)."""
     if dkv_gathered.dtype != wire:
         if wire != torch.float32 and dkv_gathered.numel():
             raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
@@ -100,20 +103,21 @@ def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor
         recv_shapes = {peer: (batch, heads, _tokens(plan, served_chunks(plan, rank, peer)), dim)
                        for peer in range(cp.world_size)}
         received, wait = _post_p2p(cp, sends, recv_shapes, dkv_gathered)
-    mine = chunk_ranges(plan, plan.local_chunks[rank])
     # The rank's own contributions are summed while the peers' are in flight, then each peer's in rank order: one
-    # fixed order, so a run repeats bit for bit.
-    if dkv_local is not None:
-        total = dkv_local.to(torch.float32, copy=True)
-    else:
-        total = torch.zeros((batch, heads, cp.local_len, dim), dtype=torch.float32, device=dkv_gathered.device)
-    own = [c for c in plan.local_chunks[rank] if c in gathered]
-    add_tokens(total, dkv_gathered, [(gathered[c][0], mine[c][0], plan.chunk_tokens(c)) for c in own])
+    # fixed order, so a run repeats bit for bit (and both transports give the same bits).
+    own, by_peer = cp.contribution_rows(by_position, dkv_gathered.device)
+    summed = TokenSum((batch, heads, cp.local_len, dim), out_dtype, dkv_gathered.device)
+    sources = [] if dkv_local is None else [(dkv_local, cp.contribution_rows(by_position, dkv_local.device, True))]
+    sources += [] if own is None else [(dkv_gathered, own)]
+    peers = [(received[peer], by_peer[peer]) for peer in sorted(received)]
+    if peers:
+        for source, index in sources:
+            summed.add(source, index)
+        sources = []
     wait()
-    for peer in sorted(received):
-        served = served_chunks(plan, rank, peer)
-        add_tokens(total, received[peer], message_spans(plan, served, mine, source_first=False))
-    return total
+    for source, index in (sources + peers)[:-1]:
+        summed.add(source, index)
+    return summed.finish(*(sources + peers)[-1]) if sources + peers else summed.finish()
 
 
 def _tokens(plan: Any, chunks: list[int] | tuple[int, ...]) -> int:

@@ -29,6 +29,7 @@ from .pieces import (
     split_by_position,
 )
 from .plan import ContextParallelPlan, plan_context_parallel
+from .token_runs import chunk_ranges, served_chunks
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
 
@@ -75,12 +76,13 @@ class RankProblem:
         self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
+        self._contribution_rows: dict[Any, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
         # rebuilt on first use.
         state = self.__dict__.copy()
-        state["_bits"], state["_pieces"], state["_dropout_pieces"] = {}, {}, {}
+        state["_bits"], state["_pieces"], state["_dropout_pieces"], state["_contribution_rows"] = {}, {}, {}, {}
         return state
 
     @property
@@ -133,7 +135,36 @@ class RankProblem:
         runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
 
+    def contribution_rows(self, by_position: bool, device: torch.device, local: bool = False) -> Any:
+        """Where each of this rank's local tokens finds its dK/dV contributions, as int32 ``[S_local]`` indices
+        (-1: none there), built once per device: ``(own, by_peer)``, its row in this rank's gathered keys (None
+        where it gathered none of its own) and in each peer's returned message (by peer, for the peers it serves);
+        or (``local``) the identity, for the local pieces' own dK/dV."""
+        key = (by_position, _where(device), local)
+        if key not in self._contribution_rows:
+            self._contribution_rows[key] = self._rows_of_contributions(by_position, device, local)
+        return self._contribution_rows[key]
+
     # internals -------------------------------------------------------------------------------------------------
+
+    def _rows_of_contributions(self, by_position: bool, device: torch.device, local: bool) -> Any:
+        if local:
+            return torch.arange(self.local_len, dtype=torch.int32, device=device)
+        plan, rank = self.plan, self.rank
+        mine = chunk_ranges(plan, plan.local_chunks[rank])
+
+        def rows(places: dict[int, tuple[int, int]]) -> torch.Tensor:
+            index = torch.full((self.local_len,), -1, dtype=torch.int32)
+            for c, (start, end) in places.items():
+                index[mine[c][0] : mine[c][0] + end - start] = torch.arange(start, end, dtype=torch.int32)
+            return index.to(device)
+
+        gathered = chunk_ranges(plan, self.gathered_chunks(by_position))
+        own = {c: gathered[c] for c in plan.local_chunks[rank] if c in gathered}
+        by_peer = {peer: rows(chunk_ranges(plan, served_chunks(plan, rank, peer)))
+                   for peer in range(self.world_size) if peer != rank and served_chunks(plan, rank, peer)}
+        return (rows(own) if own else None), by_peer
+
 
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = self._bits.get(_where(device))
