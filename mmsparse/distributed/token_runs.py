@@ -1,4 +1,4 @@
-"""Where a rank's chunks sit in its tensors, and the copies and sums of token runs between them.
+"""Where a rank's chunks sit in its tensors, and the copies of token runs between them.
 
 A rank holds tokens as chunks laid end to end (its own tokens, the keys it gathered, a message to a peer), in
 ``[B, H, S, D]`` tensors. The exchanges move chunks between such tensors; a rank's chunks usually sit next to each
@@ -63,8 +63,3 @@ def copy_tokens(dst: torch.Tensor, srcs: Sequence[torch.Tensor], spans: Sequence
             dst[:, h : h + src.shape[1], d : d + n] = src[:, :, s : s + n]
             h += src.shape[1]
 
-
-def add_tokens(dst: torch.Tensor, src: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
-    """``dst[:, :, d:d + n] += src[:, :, s:s + n]`` for each (s, d, n) of the merged ``spans``."""
-    for s, d, n in merged_runs(spans):
-        dst[:, :, d : d + n] += src[:, :, s : s + n]
