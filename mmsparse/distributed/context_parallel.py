@@ -6,7 +6,8 @@
     o = cp.unshard(o_l, seq_dim=2)             # the whole sequence on every rank, differentiable
 
 Which tokens a rank holds is the plan's choice (:mod:`.plan`): chunks balanced by live pairs. ``shard`` and
-``unshard`` hide it. The attention fetches the K/V chunks its queries see (point to point, from their owners),
+``unshard`` hide it. The attention fetches the K/V chunks its queries see from their owners (:mod:`.exchange`:
+point to point, or copies straight out of the peers' memory on GPUs of one host),
 runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is in flight; :mod:`.local` builds
 and runs them, for any rank), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
 contribution to the chunk's owner, which sums them in a fixed order (its own while the peers' are in flight,

@@ -165,7 +165,6 @@ class RankProblem:
                    for peer in range(self.world_size) if peer != rank and served_chunks(plan, rank, peer)}
         return (rows(own) if own else None), by_peer
 
-
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = self._bits.get(_where(device))
         if bits is None:

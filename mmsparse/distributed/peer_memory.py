@@ -2,9 +2,9 @@
 
 Each rank keeps two slots, opened in every other rank of the group (CUDA IPC between the GPUs of one host, each
 opened in the reading GPU's own context (:mod:`mmsparse.runtime.ipc_memory`), or a shared-memory file between CPU
-processes of one host). An exchange writes what the peers need into this rank's
-slot, meets them at a barrier, and each rank then copies what it needs out of the peers' slots: on GPUs by copy
-engines, one stream per peer, no SMs and no receive buffer to unpack. The slots take turns: an exchange writes
+processes of one host). An exchange writes what the peers need into this rank's slot, meets them at a barrier,
+and each rank then copies what it needs out of the peers' slots: on GPUs by copy engines, one stream per peer, no
+SMs. The slots take turns: an exchange writes
 the slot the one before it did not use. A slot is written again two exchanges later, after a barrier that each
 rank reaches only once its own copies of the earlier exchange are done (the caller's stream waits for them before
 that barrier), so no rank overwrites what a peer is still reading.
