@@ -2,7 +2,7 @@
 from each other's shared memory, through Triton's interpreter. It moves the same bytes as point to point and sums
 in the same order, so out and every gradient must be bitwise equal to the ``p2p`` transport's, and both must
 match the float64 reference. The cases grow, so the slots grow between them (every rank at once), and a smaller
-case after them reuses the slots."""
+case after them reuses the slots (checked against the reference alone)."""
 
 from __future__ import annotations
 
@@ -77,12 +77,13 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for case in CASES:
+        for i, case in enumerate(CASES):
             inputs, out, grads, moved = _run(rank, case, "peer_copy")
-            _, out_p2p, grads_p2p, moved_p2p = _run(rank, case, "p2p")
-            assert moved == moved_p2p, f"peer copies moved {moved} bytes (sent, received), point to point {moved_p2p}"
-            for a, b in zip((out, *grads), (out_p2p, *grads_p2p)):
-                assert torch.equal(a, b), "peer copies must give the bits point to point gives"
+            if i < len(CASES) - 1:  # the last case checks the slots' reuse, against the reference alone
+                _, out_p2p, grads_p2p, moved_p2p = _run(rank, case, "p2p")
+                assert moved == moved_p2p, f"peer copies moved {moved} bytes (sent, received), p2p {moved_p2p}"
+                for a, b in zip((out, *grads), (out_p2p, *grads_p2p)):
+                    assert torch.equal(a, b), "peer copies must give the bits point to point gives"
             topology, lens, causal, *_, dropout_p = case
             if rank == 0 and not dropout_p:
                 q, k, v, do = inputs
@@ -98,12 +99,12 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_peer_copies_give_the_bits_of_point_to_point(world, tmp_path):
+def test_peer_copies_give_the_bits_of_point_to_point(tmp_path):
+    """Three ranks: each copies from two peers, at offsets past the first peer's in their slots."""
     if torch.cuda.is_available():
         pytest.skip("the CPU/gloo test; on GPUs benchmarks.cp_nccl checks copy engines against one GPU")
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    mp.spawn(_worker, args=(3, str(tmp_path / "init")), nprocs=3, join=True)
 
 
 def test_an_unknown_transport_is_refused():
