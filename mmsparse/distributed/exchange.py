@@ -38,11 +38,12 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
     """Start fetching K and V of the chunks this rank needs: each owner serves each rank just the chunks that
     rank's queries see (the plan's ``needed_kv``). Returns ``finish()``: it waits for the exchange (this rank's
     part in it included) and gives the gathered K and V in ``cp.gathered_chunks(by_position)``' order."""
-    token_bytes = k.shape[0] * 2 * k.shape[1] * k.shape[3] * k.element_size()
-    memory = _peer_memory(cp, k.device, [n * token_bytes for n in peer_exchange.local_lengths(cp)])
-    if memory is not None:
-        return peer_exchange.start_fetch(cp, memory, k, v, by_position)
     plan, rank = cp.plan, cp.rank
+    lengths = [plan.tokens_of(chunks) for chunks in plan.local_chunks]
+    token_bytes = k.shape[0] * 2 * k.shape[1] * k.shape[3] * k.element_size()
+    memory = _peer_memory(cp, k.device, [n * token_bytes for n in lengths])
+    if memory is not None:
+        return peer_exchange.start_fetch(cp, memory, k, v, by_position, lengths)
     batch, hkv, _, dim = k.shape
     mine = chunk_ranges(plan, plan.local_chunks[rank])
     sends = {}
@@ -50,14 +51,14 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
         wanted = served_chunks(plan, rank, peer)
         if peer != rank and wanted:
             # K and V packed into one message, [B, 2 Hkv, n, D], straight from the rank's own tensors
-            sends[peer] = k.new_empty((batch, 2 * hkv, _tokens(plan, wanted), dim))
+            sends[peer] = k.new_empty((batch, 2 * hkv, plan.tokens_of(wanted), dim))
             copy_tokens(sends[peer], (k, v), message_spans(plan, wanted, mine))
-    recv_shapes = {peer: (batch, 2 * hkv, _tokens(plan, served_chunks(plan, peer, rank)), dim)
+    recv_shapes = {peer: (batch, 2 * hkv, plan.tokens_of(served_chunks(plan, peer, rank)), dim)
                    for peer in range(cp.world_size)}
     received, wait = _post_p2p(cp, sends, recv_shapes, k)
     needed = cp.gathered_chunks(by_position)
     into = chunk_ranges(plan, needed)
-    gathered = k.new_empty((batch, 2 * hkv, _tokens(plan, needed), dim))
+    gathered = k.new_empty((batch, 2 * hkv, plan.tokens_of(needed), dim))
     copy_tokens(gathered, (k, v), [(mine[c][0], into[c][0], plan.chunk_tokens(c))
                                    for c in needed if plan.owner[c] == rank])
 
@@ -88,40 +89,35 @@ def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor
     plan, rank = cp.plan, cp.rank
     batch, heads, _, dim = dkv_gathered.shape
     gathered = chunk_ranges(plan, cp.gathered_chunks(by_position))
+    lengths = [plan.tokens_of(cp.gathered_chunks(by_position, rank=r)) for r in range(cp.world_size)]
     token_bytes = batch * heads * dim * dkv_gathered.element_size()
-    memory = _peer_memory(cp, dkv_gathered.device,
-                          [n * token_bytes for n in peer_exchange.gathered_lengths(cp, by_position)])
+    memory = _peer_memory(cp, dkv_gathered.device, [n * token_bytes for n in lengths])
     if memory is not None:
-        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, by_position)
+        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, by_position, lengths)
     else:
         sends = {}
         for owner in range(cp.world_size):
             owed = served_chunks(plan, owner, rank)  # what that owner served this rank
             if owner != rank and owed:
-                sends[owner] = dkv_gathered.new_empty((batch, heads, _tokens(plan, owed), dim))
+                sends[owner] = dkv_gathered.new_empty((batch, heads, plan.tokens_of(owed), dim))
                 copy_tokens(sends[owner], (dkv_gathered,), message_spans(plan, owed, gathered))
-        recv_shapes = {peer: (batch, heads, _tokens(plan, served_chunks(plan, rank, peer)), dim)
+        recv_shapes = {peer: (batch, heads, plan.tokens_of(served_chunks(plan, rank, peer)), dim)
                        for peer in range(cp.world_size)}
         received, wait = _post_p2p(cp, sends, recv_shapes, dkv_gathered)
     # The rank's own contributions are summed while the peers' are in flight, then each peer's in rank order: one
     # fixed order, so a run repeats bit for bit (and both transports give the same bits).
-    own, by_peer = cp.contribution_rows(by_position, dkv_gathered.device)
+    rows = cp.contribution_rows(by_position, dkv_gathered.device)
     summed = TokenSum((batch, heads, cp.local_len, dim), out_dtype, dkv_gathered.device)
-    sources = [] if dkv_local is None else [(dkv_local, cp.contribution_rows(by_position, dkv_local.device, True))]
-    sources += [] if own is None else [(dkv_gathered, own)]
-    peers = [(received[peer], by_peer[peer]) for peer in sorted(received)]
-    if peers:
-        for source, index in sources:
-            summed.add(source, index)
-        sources = []
-    wait()
-    for source, index in (sources + peers)[:-1]:
+    ordered = [] if dkv_local is None else [(dkv_local, rows.local)]
+    ordered += [] if rows.own is None else [(dkv_gathered, rows.own)]
+    early = len(ordered) if received else 0  # the rank's own, added while the peers' are in flight
+    ordered += [(received[peer], rows.by_peer[peer]) for peer in sorted(received)]
+    for source, index in ordered[:early]:
         summed.add(source, index)
-    return summed.finish(*(sources + peers)[-1]) if sources + peers else summed.finish()
-
-
-def _tokens(plan: Any, chunks: list[int] | tuple[int, ...]) -> int:
-    return sum(plan.chunk_tokens(c) for c in chunks)
+    wait()
+    for source, index in ordered[early:-1]:
+        summed.add(source, index)
+    return summed.finish(*ordered[-1]) if ordered else summed.finish()
 
 
 def _peer_memory(cp: Any, device: torch.device, sizes: list[int]) -> PeerMemory | None:

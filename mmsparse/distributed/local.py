@@ -9,7 +9,7 @@ rank with the exchange around those two calls; a benchmark or a test builds any 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,15 @@ from .plan import ContextParallelPlan, plan_context_parallel
 from .token_runs import chunk_ranges, served_chunks
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
+
+
+class ContributionRows(NamedTuple):
+    """Where each of a rank's local tokens finds its dK/dV contributions, as int32 ``[S_local]`` row indices into
+    each source (-1: none there)."""
+
+    local: torch.Tensor  # the local pieces' own dK/dV (the identity)
+    own: torch.Tensor | None  # the rank's gathered keys (None: it gathered none of its own)
+    by_peer: dict[int, torch.Tensor]  # each peer's returned message, for the peers it serves
 
 
 class RankProblem:
@@ -76,7 +85,7 @@ class RankProblem:
         self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
-        self._contribution_rows: dict[Any, Any] = {}
+        self._contribution_rows: dict[Any, ContributionRows] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
@@ -135,21 +144,17 @@ class RankProblem:
         runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
 
-    def contribution_rows(self, by_position: bool, device: torch.device, local: bool = False) -> Any:
-        """Where each of this rank's local tokens finds its dK/dV contributions, as int32 ``[S_local]`` indices
-        (-1: none there), built once per device: ``(own, by_peer)``, its row in this rank's gathered keys (None
-        where it gathered none of its own) and in each peer's returned message (by peer, for the peers it serves);
-        or (``local``) the identity, for the local pieces' own dK/dV."""
-        key = (by_position, _where(device), local)
+    def contribution_rows(self, by_position: bool, device: torch.device) -> ContributionRows:
+        """Where each of this rank's local tokens finds its dK/dV contributions (:class:`ContributionRows`), built
+        once per device."""
+        key = (by_position, _where(device))
         if key not in self._contribution_rows:
-            self._contribution_rows[key] = self._rows_of_contributions(by_position, device, local)
+            self._contribution_rows[key] = self._rows_of_contributions(by_position, device)
         return self._contribution_rows[key]
 
     # internals -------------------------------------------------------------------------------------------------
 
-    def _rows_of_contributions(self, by_position: bool, device: torch.device, local: bool) -> Any:
-        if local:
-            return torch.arange(self.local_len, dtype=torch.int32, device=device)
+    def _rows_of_contributions(self, by_position: bool, device: torch.device) -> ContributionRows:
         plan, rank = self.plan, self.rank
         mine = chunk_ranges(plan, plan.local_chunks[rank])
 
@@ -163,7 +168,8 @@ class RankProblem:
         own = {c: gathered[c] for c in plan.local_chunks[rank] if c in gathered}
         by_peer = {peer: rows(chunk_ranges(plan, served_chunks(plan, rank, peer)))
                    for peer in range(self.world_size) if peer != rank and served_chunks(plan, rank, peer)}
-        return (rows(own) if own else None), by_peer
+        local = torch.arange(self.local_len, dtype=torch.int32, device=device)
+        return ContributionRows(local, rows(own) if own else None, by_peer)
 
     def _token_bits(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = self._bits.get(_where(device))

@@ -6,6 +6,7 @@ bytes as point to point, summed in the same order by :mod:`.exchange`, so the sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,24 +16,13 @@ from .peer_memory import PeerMemory
 from .token_runs import chunk_ranges, copy_tokens, merged_runs, served_chunks
 
 
-def local_lengths(cp: Any) -> list[int]:
-    """Every rank's number of local tokens: its slot holds its K then its V, ``[B, Hkv, S_local, D]`` each."""
-    return [sum(cp.plan.chunk_tokens(c) for c in chunks) for chunks in cp.plan.local_chunks]
-
-
-def gathered_lengths(cp: Any, by_position: bool) -> list[int]:
-    """Every rank's number of gathered keys: its slot holds their dK/dV, ``[B, 2 Hkv, S_gathered, D]``."""
-    return [sum(cp.plan.chunk_tokens(c) for c in cp.gathered_chunks(by_position, rank=r))
-            for r in range(cp.world_size)]
-
-
-def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor,
-                by_position: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`.exchange.start_fetch` by peer copies, its slots reserved for :func:`local_lengths`."""
+def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, by_position: bool,
+                lengths: list[int]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`.exchange.start_fetch` by peer copies. ``lengths``: every rank's local tokens; each rank's slot, reserved
+    for them, holds its K then its V, ``[B, Hkv, S_local, D]`` each."""
     plan, rank = cp.plan, cp.rank
     batch, hkv, local_len, dim = k.shape
     token = dim * k.element_size()
-    lengths = local_lengths(cp)
     slot = memory.slot()
     half = batch * hkv * local_len * token
     _view(slot, 0, k.dtype, k.shape).copy_(k)
@@ -40,7 +30,7 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor,
     memory.barrier()  # every rank's K/V is in its slot
     needed = cp.gathered_chunks(by_position)
     into = chunk_ranges(plan, needed)
-    gathered = k.new_empty((batch, 2 * hkv, sum(plan.chunk_tokens(c) for c in needed), dim))
+    gathered = k.new_empty((batch, 2 * hkv, plan.tokens_of(needed), dim))
     for peer in range(cp.world_size):
         from_peer = [c for c in needed if plan.owner[c] == peer]
         if peer == rank or not from_peer:
@@ -51,9 +41,9 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor,
                 for part in range(2):  # K, then V
                     offset = ((part * batch + b) * hkv * held + s) * token
                     memory.pull(peer, offset, held * token, gathered[b, part * hkv : (part + 1) * hkv], d, n)
-        cp.bytes_received += sum(plan.chunk_tokens(c) for c in from_peer) * 2 * batch * hkv * token
-    cp.bytes_sent += sum(plan.chunk_tokens(c) for peer in range(cp.world_size) if peer != rank
-                         for c in served_chunks(plan, rank, peer)) * 2 * batch * hkv * token
+        cp.bytes_received += plan.tokens_of(from_peer) * 2 * batch * hkv * token
+    cp.bytes_sent += sum(plan.tokens_of(served_chunks(plan, rank, peer)) for peer in range(cp.world_size)
+                         if peer != rank) * 2 * batch * hkv * token
     own = chunk_ranges(plan, plan.local_chunks[rank])
     copy_tokens(gathered, (k, v), [(own[c][0], into[c][0], plan.chunk_tokens(c))
                                    for c in needed if plan.owner[c] == rank])
@@ -65,15 +55,15 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor,
     return finish
 
 
-def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor,
-                 by_position: bool) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
-    """The return's transfer by peer copies, its slots reserved for :func:`gathered_lengths`: each owner copies
-    its chunks' contributions out of each peer's slot. Returns (each peer's contributions to this rank's chunks,
-    in ``served_chunks`` order, once ``wait()`` has returned; ``wait``)."""
+def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor, by_position: bool,
+                 lengths: list[int]) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+    """The return's transfer by peer copies: each owner copies its chunks' contributions out of each peer's slot.
+    ``lengths``: every rank's gathered keys; each rank's slot, reserved for them, holds their dK/dV as they are,
+    ``[B, 2 Hkv, S_gathered, D]``. Returns (each peer's contributions to this rank's chunks, in ``served_chunks``
+    order, once ``wait()`` has returned; ``wait``)."""
     plan, rank = cp.plan, cp.rank
     batch, heads, _, dim = dkv_gathered.shape
     token = dim * dkv_gathered.element_size()
-    lengths = gathered_lengths(cp, by_position)
     slot = memory.slot()
     _view(slot, 0, dkv_gathered.dtype, tuple(dkv_gathered.shape)).copy_(dkv_gathered)
     memory.barrier()  # every rank's contributions are in its slot
@@ -83,7 +73,7 @@ def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor,
         if peer == rank or not served:
             continue
         where, held = chunk_ranges(plan, cp.gathered_chunks(by_position, rank=peer)), lengths[peer]
-        count = sum(plan.chunk_tokens(c) for c in served)
+        count = plan.tokens_of(served)
         received[peer] = dkv_gathered.new_empty((batch, heads, count, dim))
         rows = received[peer].view(batch * heads, count, dim)
         spans, offset = [], 0
@@ -93,15 +83,10 @@ def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor,
         for s, d, n in merged_runs(spans):
             memory.pull(peer, s * token, held * token, rows, d, n)
         cp.bytes_received += count * batch * heads * token
-    cp.bytes_sent += sum(plan.chunk_tokens(c) for c in plan.needed_kv[rank] if plan.owner[c] != rank) * (
-        batch * heads * token)
+    cp.bytes_sent += plan.tokens_of([c for c in plan.needed_kv[rank] if plan.owner[c] != rank]) * batch * heads * token
     return received, memory.wait
 
 
 def _view(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The bytes of a uint8 slot from ``offset`` as a contiguous tensor of ``dtype`` and ``shape``."""
-    count = 1
-    for n in shape:
-        count *= n
-    size = torch.empty((), dtype=dtype).element_size()
-    return slot[offset : offset + count * size].view(dtype).view(shape)
+    return slot[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)

@@ -4,10 +4,9 @@ Each rank keeps two slots, opened in every other rank of the group (CUDA IPC bet
 opened in the reading GPU's own context (:mod:`mmsparse.runtime.ipc_memory`), or a shared-memory file between CPU
 processes of one host). An exchange writes what the peers need into this rank's slot, meets them at a barrier,
 and each rank then copies what it needs out of the peers' slots: on GPUs by copy engines, one stream per peer, no
-SMs. The slots take turns: an exchange writes
-the slot the one before it did not use. A slot is written again two exchanges later, after a barrier that each
-rank reaches only once its own copies of the earlier exchange are done (the caller's stream waits for them before
-that barrier), so no rank overwrites what a peer is still reading.
+SMs. The slots take turns: an exchange writes the slot the one before it did not use. A slot is written again two
+exchanges later, after a barrier that each rank reaches only once its own copies of the earlier exchange are done
+(the caller's stream waits for them before that barrier), so no rank overwrites what a peer is still reading.
 
 Every rank of the group must take part in the same exchanges in the same order, as with NCCL's point to point.
 """
@@ -40,7 +39,9 @@ def peer_memory(group: Any, device: torch.device) -> PeerMemory:
     memory = _MEMORIES.get(key)
     if memory is None or memory.group is not group:
         with _MEMORIES_LOCK:
-            memory = _MEMORIES[key] = PeerMemory(group, device)
+            memory = _MEMORIES.get(key)
+            if memory is None or memory.group is not group:  # another thread may have made it meanwhile
+                memory = _MEMORIES[key] = PeerMemory(group, device)
     return memory
 
 

@@ -115,6 +115,10 @@ class ContextParallelPlan:
     def chunk_tokens(self, c: int) -> int:
         return min(self.chunk, self.seq_len - c * self.chunk)
 
+    def tokens_of(self, chunks: Sequence[int]) -> int:
+        """The tokens of ``chunks``, laid end to end."""
+        return sum(self.chunk_tokens(c) for c in chunks)
+
     def token_index(self, rank: int) -> torch.Tensor:
         """int64 positions of the tokens that ``rank`` holds, in the order it holds them."""
         spans = [torch.arange(c * self.chunk, c * self.chunk + self.chunk_tokens(c)) for c in self.local_chunks[rank]]
@@ -135,7 +139,7 @@ class ContextParallelPlan:
             for c in need:
                 if self.owner[c] != r:
                     sent[self.owner[c]] += self.chunk_tokens(c)
-        held = [sum(self.chunk_tokens(c) for c in chunks) for chunks in self.local_chunks]
+        held = [self.tokens_of(chunks) for chunks in self.local_chunks]
         all_gather = [self.seq_len - h for h in held]  # a ring moves the same tokens, in world_size - 1 steps
         return {
             "world_size": self.world_size,

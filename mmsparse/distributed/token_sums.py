@@ -11,8 +11,10 @@ import triton
 
 from ..kernels.tl.token_sums import add_token_rows_kernel
 from ..mask.blocks import cdiv
+from ..runtime.launch import FastKernel
 
 _BLOCK = 64  # tokens a program: [64, D] float32 in registers
+_ADD = FastKernel(add_token_rows_kernel)
 
 
 class TokenSum:
@@ -32,19 +34,18 @@ class TokenSum:
     def add(self, source: torch.Tensor, index: torch.Tensor) -> None:
         """Add ``source`` (``[B, H, L, D]``) at each local token t's row ``index[t]`` (int32 ``[S_local]`` on the
         device; -1: nothing from this source), in float32."""
-        if self._acc is None:
+        first = self._acc is None
+        if first:
             self._acc = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-            self._launch(source, index, self._acc, first=True, last=False)
-        else:
-            self._launch(source, index, self._acc, first=False, last=False)
+        self._launch(source, index, self._acc, first=first, last=False)
 
     def finish(self, source: torch.Tensor | None = None, index: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum with the last source (if any) added, ``[B, H, S_local, D]`` in the result's dtype: zeros where
-        no source gave anything."""
+        """The sum with the last source added, ``[B, H, S_local, D]`` in the result's dtype; zeros where no source
+        gave anything (no source at all: pass none)."""
         if source is None:
-            if self._acc is None:
-                return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            return self._acc.to(self.dtype)
+            if self._acc is not None:
+                raise ValueError("finish takes the last source once others were added")
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self._launch(source, index, out, first=self._acc is None, last=True)
         return out
@@ -54,7 +55,7 @@ class TokenSum:
         if source.shape[0] != batch or source.shape[1] != heads or source.shape[3] != width:
             raise ValueError(f"a source of {tuple(source.shape)} does not add to a sum of {tuple(self.shape)}")
         acc = self._acc if self._acc is not None else out
-        add_token_rows_kernel[(cdiv(n_tokens, _BLOCK), batch * heads)](
+        _ADD[(cdiv(n_tokens, _BLOCK), batch * heads)](
             acc, source.contiguous(), index, out, n_tokens, source.shape[2],
             WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width), BLOCK=_BLOCK, FIRST=first, LAST=last,
         )
