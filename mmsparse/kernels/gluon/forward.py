@@ -177,6 +177,38 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _step(WG: gl.constexpr, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m, q_bits, s_zero,
+          qk_scale, BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
+          IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+          MASKED: gl.constexpr):
+    """Key block ``it`` >= 1 of a warpgroup: issue S_it = Q K_it^T, then O += P_{it-1} V_{it-1}, and run the softmax
+    of S_it (MASKED: a partial block's, through the token mask) while the second matmul does."""
+    q_smem, k_smem, v_smem = buffers
+    q_bar, k_ready, v_ready, kv_empty, turn = barriers
+    idx_ptr, n_full, n_total, row0 = blocks
+    o_layout: gl.constexpr = acc.type.layout
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    stage = it % STAGES
+    prev = (it - 1) % STAGES
+    _take_turn(turn, WG, it, PINGPONG, TURNS)
+    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+    s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    _hand_off(turn, WG, it, PINGPONG, TURNS)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    if MASKED:
+        s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    p_prev = gl.convert_layout(p.to(q_smem.dtype), p_prev.type.layout)
+    return acc, p_prev, m_i, l_i
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr):
@@ -218,25 +250,16 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
-        for it in range(1, n_total):
-            stage = it % STAGES
-            prev = (it - 1) % STAGES
-            _take_turn(turn, WG, it, PINGPONG, TURNS)
-            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-            _hand_off(turn, WG, it, PINGPONG, TURNS)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            if it >= n_full:
-                s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
-                                  HAS_WINDOW)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        # Full blocks come first in a list: a loop without the mask's branch over them, then one over the partial
+        # blocks, so no branch splits a loop body between a matmul's issue and its wait.
+        for it in range(1, n_full):
+            acc, p_prev, m_i, l_i = _step(WG, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m,
+                                          q_bits, s_zero, qk_scale, BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL,
+                                          HAS_WINDOW, PINGPONG, TURNS, False)
+        for it in range(gl.maximum(n_full, 1), n_total):
+            acc, p_prev, m_i, l_i = _step(WG, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m,
+                                          q_bits, s_zero, qk_scale, BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL,
+                                          HAS_WINDOW, PINGPONG, TURNS, True)
         last = (n_total - 1) % STAGES
         _take_turn(turn, WG, n_total, PINGPONG, TURNS)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
