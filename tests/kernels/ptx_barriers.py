@@ -28,8 +28,11 @@ Every other barrier operation (wait, arrive, expect, a TMA copy's completion) is
 init..inval span of the barriers it may address, so a layout that broke that assumption shows as a problem. LLVM
 may still place a loop of the default partition (which is not outlined) after the code that follows
 ``gl.warp_specialize``: an operation also lies within a span when the control-flow graph says so, that is, when the
-init dominates it and it cannot be reached from the inval. A plain access is checked against both: it is a problem
-if it touches a barrier's bytes where either order puts it inside the span.
+init dominates it and it cannot be reached from the inval. LLVM may also place the worker partitions after the
+return: the worker warps branch off before the inits and reach their code through a jump table (``brx.idx``) after
+the rendezvous (``bar.sync 1``), so no init dominates it. An operation there lies within a span when the default
+partition initialises before its first rendezvous and invalidates after a later one. A plain access is checked
+against all of these: it is a problem if it touches a barrier's bytes where any order puts it inside the span.
 
 Checked as plain shared accesses: ``ld``/``st``/``atom``/``red`` on ``.shared``, ``ldmatrix``/``stmatrix``,
 ``cp.async`` and the shared operand of ``cp.async.bulk`` copies (TMA: their first byte only, the box size is in
@@ -55,6 +58,7 @@ _REG = re.compile(r"%[A-Za-z_$][\w$]*(?:\.[xyz])?")
 _LABEL = re.compile(r"^\s*([$\w]+):\s*")
 _FUNC = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.(?:entry|func)\b")
 _TERMINATORS = ("bra", "brx", "ret", "exit")
+_RENDEZVOUS = re.compile(r"(?:bar|barrier)\.sync(?:\.aligned)? 1")  # warp specialisation's (id 1, all threads)
 _CMP = {"lt": "lt", "lo": "lt", "le": "le", "ls": "le", "gt": "gt", "hi": "gt", "ge": "ge", "hs": "ge", "eq": "eq",
         "ne": "ne"}
 _NEGATE = {"lt": "ge", "ge": "lt", "le": "gt", "gt": "le", "eq": "ne", "ne": "eq"}
@@ -183,11 +187,13 @@ def _parse(lines: list[tuple[int, str]]) -> tuple[list[_Instr], dict[str, list[s
             stmt, buf = buf.split(";", 1)
             stmt = stmt.strip()
             if stmt.startswith(".branchtargets") and last_label:
-                tables[last_label] = [t.strip() for t in stmt[len(".branchtargets"):].split(",") if t.strip()]
+                tables[last_label] = [scoped(t.strip()) for t in stmt[len(".branchtargets"):].split(",") if t.strip()]
             ins = _statement(start, stmt)
             if ins is not None:
                 if ins.opcode.startswith("bra") and ins.operands:
                     ins.operands[0] = scoped(ins.operands[0])
+                if ins.opcode.startswith("brx") and len(ins.operands) > 1:  # brx.idx index, table
+                    ins.operands[1] = scoped(ins.operands[1])
                 instrs.append(ins)
         buf = buf.strip()
     return instrs, tables, threads
@@ -818,6 +824,13 @@ class _Flow:
                 if self.idom.get(b) != new:
                     self.idom[b], changed = new, True
         self._reach: dict[int, set[int]] = {}
+        # Warp specialisation's rendezvous: the worker warps wait at bar.sync 1, then branch through a jump table
+        # (brx.idx) to their partition's code; the default partition's own bar.sync 1 start and end them.
+        tables = [j for i, b in enumerate(blocks) if b.instrs and b.instrs[-1].opcode.startswith("brx")
+                  for j in self.succs[i]]
+        self.worker_blocks = set(tables).union(*(self._reachable(j) for j in tables))
+        self.rendezvous = sorted(ins.line for i, b in enumerate(blocks) if i not in self.worker_blocks
+                                 for ins in b.instrs if _RENDEZVOUS.fullmatch(f"{ins.opcode} {' '.join(ins.operands)}"))
 
     def _dominates(self, a: int, b: int) -> bool:
         if b not in self.idom:
@@ -840,8 +853,13 @@ class _Flow:
 
     def within(self, line: int, start: int, stop: int | None) -> bool:
         """The statement at ``line`` runs after the init at ``start`` (which dominates it) and cannot run after the
-        inval at ``stop`` (None: none)."""
+        inval at ``stop`` (None: none); or it is a worker partition's, and the default partition initialises
+        before its first rendezvous and invalidates after the last rendezvous that precedes the inval (the end of
+        the partitions)."""
         b, bs = self.block_of.get(line), self.block_of.get(start)
+        if b in self.worker_blocks and self.rendezvous:
+            ends = [r for r in self.rendezvous if stop is None or r < stop]
+            return start < self.rendezvous[0] and len(ends) > 1
         if b is None or bs is None or not (line > start if b == bs else self._dominates(bs, b)):
             return False
         if stop is None:

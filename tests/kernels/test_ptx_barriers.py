@@ -247,3 +247,51 @@ def test_a_store_in_an_out_of_line_loop_into_a_live_barrier_fails():
     store = OUT_OF_LINE.replace("$L__loop:\n", "$L__loop:\n\tst.shared.b32 \t[global_smem+1032], %r1;\n")
     report = check_barrier_lifetimes(kernel(INIT + store))
     assert any("touches the live barrier global_smem+1032" in p for p in report.problems), report.summary()
+
+
+# Warp specialisation laid out as Triton does when LLVM puts the worker partitions after the return: the worker
+# warps branch off before the inits, wait at the rendezvous (bar.sync 1) and reach their partition's code through a
+# jump table; the default partition initialises, starts them at its rendezvous and invalidates after the one that
+# ends them. No init dominates the workers' code in the control-flow graph: the rendezvous order it.
+SPECIALISED = """
+JTI0_0:
+	.branchtargets
+		$L__part0,
+		$L__done;
+""" + THREAD0 + """	setp.gt.u32 	%p3, %r1, 255;
+	@%p3 bra 	$L__workers;
+@INIT@
+	barrier.sync 	1;
+	barrier.sync 	1;
+@INVAL@
+	ret;
+$L__workers:
+	barrier.sync 	1;
+	mov.u32 	%r6, 0;
+	brx.idx 	%r6, JTI0_0;
+$L__part0:
+""" + USE + """
+	barrier.sync 	1;
+	bra.uni 	$L__workers;
+$L__done:
+"""
+_INIT_BODY = INIT.replace(THREAD0, "")
+
+
+def _specialised(init: str) -> str:
+    return SPECIALISED.replace("@INIT@", init).replace("@INVAL@", INVAL)
+
+
+def test_worker_partitions_after_the_return_are_ordered_by_the_rendezvous():
+    report = check_barrier_lifetimes(kernel(_specialised(_INIT_BODY)))
+    assert report.ok, report.summary()
+
+
+def test_an_init_after_the_workers_started_fails():
+    """The default partition initialises after its first rendezvous: the workers' wait and arrive may run first."""
+    late = _specialised("").replace("\tbarrier.sync \t1;\n\tbarrier.sync \t1;\n",
+                                                            "\tbarrier.sync \t1;\n" + _INIT_BODY +
+                                                            "\tbarrier.sync \t1;\n", 1)
+    report = check_barrier_lifetimes(kernel(late))
+    assert len(report.problems) == 2, report.summary()
+    assert all("lies outside the init..inval span" in p for p in report.problems), report.summary()
