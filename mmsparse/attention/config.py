@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..kernels.constants import FWD_P_SHARED_PAST_HEAD_DIM
 from ..mask.bit_lists import COMPACT_BYTES
 from .dispatch import hopper_gluon_available
 
@@ -672,12 +671,6 @@ def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str 
     return None
 
 
-def forward_p_bytes(tile: Tile, d_pad: int, itemsize: int = 2) -> int:
-    """The shared P tiles of the Gluon forward at ``tile``: two of ``64 x block_n`` per consumer warpgroup past
-    ``FWD_P_SHARED_PAST_HEAD_DIM``, none below (P stays in registers)."""
-    return 0 if d_pad <= FWD_P_SHARED_PAST_HEAD_DIM else 2 * tile.block_m * tile.block_n * itemsize
-
-
 def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> str | None:
     """Why the Gluon kernel of pass ``kind`` ("fwd", "dq", "dkdv" or "dq_writer"; ``one_pass``: the dK/dV pass
     adding dQ as well) cannot run ``tile`` at head dim ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of
@@ -692,8 +685,6 @@ def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one
     row_bytes = itemsize * d_pad
     resident = (1 if kind == "fwd" else 2) * tile.block_m * row_bytes  # Q; Q and dO
     need = resident + tile.gluon_stages * 2 * tile.block_n * row_bytes + _GLUON_SHARED_SLACK
-    if kind == "fwd":
-        need += forward_p_bytes(tile, d_pad, itemsize)
     if need > HOPPER_SHARED_BYTES:
         return (f"the Gluon {kind} kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "
                 f"has {HOPPER_SHARED_BYTES}: fewer stages or narrower key tiles")

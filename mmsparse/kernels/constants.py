@@ -19,10 +19,6 @@ TURNS_MBARRIER = 0  # a turn mbarrier per warpgroup; each stage released apart t
 # a named hardware barrier per warpgroup for the turns (bar.sync / bar.arrive), and one per stage for its release:
 # no mbarrier arrive in the consumer loop
 TURNS_NAMED_RELEASE = 1
-# Past this head dim (padded) the Gluon forward's P V reads P from two shared tiles per consumer warpgroup, not
-# from registers: beside a 64 x 256 fp32 O accumulator, ptxas waited for the P V matmul before the softmax to reuse
-# P's registers.
-FWD_P_SHARED_PAST_HEAD_DIM = 128
 
 # How the tl kernels multiply tiles (their ``DOT_MODE``).
 DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation

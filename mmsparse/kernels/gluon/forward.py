@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, FWD_P_SHARED_PAST_HEAD_DIM, MASK_DENSE, TURNS_MBARRIER, TURNS_NAMED_RELEASE
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_MBARRIER, TURNS_NAMED_RELEASE
 from ..lists import block_id
 from .common import (
     FIRST_FREE_BARRIER_ID,
@@ -61,7 +61,6 @@ from .common import (
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 _TURNS_MBARRIER = gl.constexpr(TURNS_MBARRIER)
 _TURNS_NAMED_RELEASE = gl.constexpr(TURNS_NAMED_RELEASE)
-_FWD_P_SHARED_PAST_HEAD_DIM = gl.constexpr(FWD_P_SHARED_PAST_HEAD_DIM)
 # TURNS_NAMED_RELEASE: warpgroup w's turn is named barrier TURN_BARRIER_IDS[w], counted over both consumer warpgroups: w
 # waits there (bar.sync) before issuing its matmuls, the other warpgroup arrives (bar.arrive) once it issued its own.
 TURN_BARRIER_IDS = (FIRST_FREE_BARRIER_ID, FIRST_FREE_BARRIER_ID + 1)
@@ -76,7 +75,6 @@ _ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THRE
 RELEASE_BARRIER_ID = gl.constexpr(TURN_BARRIER_IDS[1] + 1)
 _RELEASE_THREADS = _CONSUMER_THREADS + 32
 _ARRIVE_RELEASE = named_barrier_asm("arrive", None, _RELEASE_THREADS)
-_SYNC_WARP = gl.constexpr("bar.warp.sync -1;\n\tmov.u32 $0, 0;")  # for named_barrier: the warp's own barrier
 _SYNC_RELEASE = named_barrier_asm("sync", None, _RELEASE_THREADS)
 
 
@@ -179,66 +177,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _step(WG: gl.constexpr, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m, q_bits, s_zero,
-          qk_scale, BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-          IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
-          MASKED: gl.constexpr, P_SHARED: gl.constexpr):
-    """Key block ``it`` >= 1 of a warpgroup: issue S_it = Q K_it^T, then O += P_{it-1} V_{it-1}, and run the softmax
-    of S_it (MASKED: a partial block's, through the token mask) while the second matmul does. With P_SHARED, P
-    goes through this warpgroup's two shared P tiles (:func:`_stage_p`) and ``p_prev`` is not read."""
-    q_smem, k_smem, v_smem, p_smem = buffers
-    q_bar, k_ready, v_ready, kv_empty, turn = barriers
-    idx_ptr, n_full, n_total, row0 = blocks
-    o_layout: gl.constexpr = acc.type.layout
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    stage = it % STAGES
-    prev = (it - 1) % STAGES
-    _take_turn(turn, WG, it, PINGPONG, TURNS)
-    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-    s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-    if P_SHARED:
-        acc = warpgroup_mma(p_smem.index(2 * WG + (it - 1) % 2), v_smem.index(prev), acc, is_async=True)
-    else:
-        acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-    _hand_off(turn, WG, it, PINGPONG, TURNS)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    if MASKED:
-        s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-    if P_SHARED:
-        # The other tile: the P V in flight reads this one's twin, and this one's last reader was waited for.
-        _stage_p(p.to(q_smem.dtype), p_smem, WG, it)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    else:
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-    _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    if not P_SHARED:
-        p_prev = gl.convert_layout(p.to(q_smem.dtype), p_prev.type.layout)
-    return acc, p_prev, m_i, l_i
-
-
-@gluon.jit
-def _stage_p(p, p_smem, WG: gl.constexpr, it):
-    """Write P_it (the scores' layout, half precision) into shared tile ``2 * WG + it % 2`` for the P V matmul that
-    reads it as its A operand. Each warp writes the 16 rows that its own part of the warpgroup's matmul reads, so a
-    proxy fence and a warp's barrier order the writes before it (no warpgroup-wide barrier)."""
-    p_smem.index(2 * WG + it % 2).store(p)
-    fence_async_shared()
-    named_barrier(_SYNC_WARP)
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
               HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr,
-              P_SHARED: gl.constexpr):
+              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
-    turn n_total the last P V alone. P_SHARED: P is the P V matmul's A operand from shared memory, not registers."""
-    q_smem, k_smem, v_smem, p_smem = buffers
+    turn n_total the last P V alone."""
+    q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
@@ -272,33 +217,32 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         if n_full == 0:
             s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-        if P_SHARED:
-            _stage_p(p.to(dtype), p_smem, WG, 0)
-            p_prev = l_i  # a stand-in the loop carries unread: P is in shared memory
-        else:
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        for it in range(1, n_total):
+            stage = it % STAGES
+            prev = (it - 1) % STAGES
+            _take_turn(turn, WG, it, PINGPONG, TURNS)
+            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+            _hand_off(turn, WG, it, PINGPONG, TURNS)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if it >= n_full:
+                s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
+                                  HAS_WINDOW)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
-        # Full blocks come first in a list: a loop without the mask's branch over them, then one over the partial
-        # blocks, so no branch splits a loop body between a matmul's issue and its wait.
-        for it in range(1, n_full):
-            acc, p_prev, m_i, l_i = _step(WG, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m,
-                                          q_bits, s_zero, qk_scale, BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL,
-                                          HAS_WINDOW, PINGPONG, TURNS, False, P_SHARED)
-        for it in range(gl.maximum(n_full, 1), n_total):
-            acc, p_prev, m_i, l_i = _step(WG, it, acc, p_prev, m_i, l_i, buffers, barriers, blocks, mask_args, offs_m,
-                                          q_bits, s_zero, qk_scale, BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL,
-                                          HAS_WINDOW, PINGPONG, TURNS, True, P_SHARED)
         last = (n_total - 1) % STAGES
         _take_turn(turn, WG, n_total, PINGPONG, TURNS)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
-        if P_SHARED:
-            acc = warpgroup_mma(p_smem.index(2 * WG + (n_total - 1) % 2), v_smem.index(last), acc, is_async=True)
-        else:
-            acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
-        if P_SHARED:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        else:
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         if not (PINGPONG and TURNS == _TURNS_NAMED_RELEASE):  # no block comes STAGES after the last
             _release_stage(kv_empty, last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
 
@@ -336,7 +280,6 @@ def attention_fwd_gluon(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
     named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
-    P_SHARED: gl.constexpr = HEAD_DIM_PAD > _FWD_P_SHARED_PAST_HEAD_DIM
     turn_mbarriers: gl.constexpr = PINGPONG and TURNS == _TURNS_MBARRIER
     gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
@@ -347,11 +290,6 @@ def attention_fwd_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
     k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
-    if P_SHARED:  # two P tiles a warpgroup: one read by the P V in flight, one written for the next
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BN], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [4, WG_ROWS, BN], p_layout)
-    else:
-        p_smem = q_smem  # not read
     q_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # named releases: no kv_empty, and the turns are hardware barriers
@@ -360,15 +298,15 @@ def attention_fwd_gluon(
         _init_turns(turn)
     fence_async_shared()  # the inits, before the producer's TMA copies signal the barriers
 
-    buffers = (q_smem, k_smem, v_smem, p_smem)
+    buffers = (q_smem, k_smem, v_smem)
     barriers = (q_bar, k_ready, v_ready, kv_empty, turn)
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS, P_SHARED)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS, P_SHARED)),
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES, named_release)),
         ],
