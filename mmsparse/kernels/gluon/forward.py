@@ -225,12 +225,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            # The last block's rescale, while this block's Q K^T runs (as FlashAttention-3 places it). The factor
-            # passes through inline assembly with a side effect, which stays after the matmul's issue: else the
-            # compiler moves the multiplies back before it.
-            alpha = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [alpha], dtype=gl.float32, is_pure=False,
-                                              pack=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             _hand_off(turn, WG, it, PINGPONG, TURNS)
@@ -241,10 +235,10 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
         _take_turn(turn, WG, n_total, PINGPONG, TURNS)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
