@@ -1,6 +1,7 @@
 """Sweep tile settings of the kernels on one GPU, side by side with FlexAttention; prints ms and TFLOP/s.
 
     python -m tools.tune_tiles [--configs mm13k_cyclic,mm13k_hub] [--sweep fwd|dkdv|dq|one_pass|none] [--profile]
+    python -m tools.tune_tiles --configs vlm32k_d256 --sweep dkdv --tl   # the tl kernels, as on GPUs without Gluon
 
 ``--sweep one_pass`` times the one-pass backward (``deterministic=False``) at the table's tiles (on Hopper the Gluon
 kernel at ``bwd_dkdv``) and the tl one-pass kernel at each ``bwd_one_pass`` tile, after the two-pass backward at the
@@ -19,7 +20,7 @@ import torch
 from benchmarks.configs import CONFIGS
 from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
-from mmsparse.attention.config import Tile, kernel_config, use_config, use_tuning
+from mmsparse.attention.config import Tile, cuda_kernel_config, head_dim_pad, kernel_config, use_config, use_tuning
 from mmsparse.mask.topology import count_allowed_pairs
 
 
@@ -59,6 +60,12 @@ def profile_kernels(q, k, v, topo, lens, causal) -> None:
 
 
 SWEEPS = ("fwd", "dkdv", "dq", "one_pass", "none")
+# Past D=128 a tl backward tile's accumulators fill the registers: these spilled least of those compiled for sm_90
+# (ptxas's report), and the config table's.
+WIDE_DKDV = [Tile(32, 64, 4, 1), Tile(16, 64, 8, 2), Tile(16, 64, 8, 3), Tile(32, 64, 8, 2), Tile(32, 64, 8, 3),
+             Tile(64, 64, 8, 2)]
+WIDE_DQ = [Tile(64, 32, 4, 1), Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(64, 64, 8, 2), Tile(128, 32, 8, 2),
+           Tile(128, 64, 8, 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", default="fwd", choices=SWEEPS, help="the pass whose tiles are swept (default fwd)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
+    ap.add_argument("--tl", action="store_true", help="start from the table without the Gluon kernels (other GPUs')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m tools.tune_tiles needs a CUDA GPU (it times the kernels' tiles); there is none here",
@@ -92,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:18s} flex  fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
         except Exception as e:  # noqa: BLE001
             print(f"{name} flex failed: {e!r}"[:300])
-        base = kernel_config(d, torch.bfloat16, q.device)
+        if args.tl:
+            base = cuda_kernel_config(head_dim_pad(d), torch.bfloat16, gluon=False)
+        else:
+            base = kernel_config(d, torch.bfloat16, q.device)
+        wide = head_dim_pad(d) > 128
         if args.profile:
             profile_kernels(q, k, v, topo, lens, causal)
         variants = [base]
@@ -101,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
                 variants.append(replace(base, fwd=Tile(bm, bn, w, st), fwd_short=None))
         elif args.sweep == "dkdv":
-            for bm, bn, w, st in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3, 4)):
-                variants.append(replace(base, bwd_dkdv=Tile(bm, bn, w, st)))
+            tiles = WIDE_DKDV if wide else [Tile(*t) for t in itertools.product((32, 64), (32, 64, 128), (4, 8),
+                                                                               (2, 3, 4))]
+            variants += [replace(base, bwd_dkdv=tile) for tile in tiles]
         elif args.sweep == "dq":
-            for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)):
-                variants.append(replace(base, bwd_dq=Tile(bm, bn, w, st), bwd_dq_short=None))
+            tiles = WIDE_DQ if wide else [Tile(*t) for t in itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4))]
+            variants += [replace(base, bwd_dq=tile, bwd_dq_short=None) for tile in tiles]
         one_pass = args.sweep == "one_pass"
         if one_pass:
             variants.append(base)  # the one-pass backward at the table's tile (Gluon's where bwd_dkdv is Gluon)
