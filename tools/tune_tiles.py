@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.configs import CONFIGS
+from benchmarks.arguments import config_names
+from benchmarks.configs import ALL_CONFIGS
 from benchmarks.flex_mask import flex_mask_mod, segment_ids
 from mmsparse import mbs_attention  # before triton: without CUDA it turns on Triton's interpreter
 from mmsparse.attention.config import Tile, cuda_kernel_config, head_dim_pad, kernel_config, use_config, use_tuning
@@ -77,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one fwd+bwd (torch profiler)")
     ap.add_argument("--tl", action="store_true", help="start from the table without the Gluon kernels (other GPUs')")
     args = ap.parse_args(argv)
+    names = config_names(ap, args.configs)
     if not torch.cuda.is_available():
         print("python -m tools.tune_tiles needs a CUDA GPU (it times the kernels' tiles); there is none here",
               file=sys.stderr)
         return 2
-    for name in args.configs.split(","):
-        c = CONFIGS[name]
+    for name in names:
+        c = ALL_CONFIGS[name]
         b, h, hk, d, lens, causal = c.batch, c.heads_q, c.heads_kv, c.head_dim, c.seg_lens, c.causal
         topo = [list(row) for row in c.topology]
         s = sum(lens)
