@@ -336,12 +336,40 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
             decode=Tile(16, 64, num_warps=2, num_stages=3),
         )
+    # The dK/dV tile here is the one a Hopper GPU's shared memory takes: wide_dkdv_tile picks by the GPU's.
     return KernelConfig(
         fwd=Tile(64, 64, num_warps=4, num_stages=2),
         decode=Tile(16, 64, num_warps=4, num_stages=2),
-        bwd_dkdv=Tile(32, 64, num_warps=4, num_stages=1),
+        bwd_dkdv=WIDE_DKDV_TILES[0][1],
         bwd_dq=Tile(64, 32, num_warps=4, num_stages=1),
     )
+
+
+# The tl dK/dV tile at head dims 129-256 by the shared memory a block of the GPU may take, largest first: (bytes,
+# tile). Two 64 x 256 fp32 accumulators (dK and dV) take 256 registers a thread in 4 warps, so every tile has 8.
+# Bytes are what Triton allots the kernel in bf16, compiled for sm_90 with TMA for the first (197,648 B) and for sm_80
+# and sm_89 with pointer loads for the others (163,840 and 90,112 B; none spills there). On an H200 (vlm32k_d256,
+# the tl kernels alone, docs/tuning.md) 64 x 64 with 2 stages ran the backward at 264 TF/s against 110 for the
+# 32 x 64 tile of 4 warps it replaces (2,888 B of spills; 114,688 B with pointer loads, past an sm_89's 101,376).
+WIDE_DKDV_TILES = (
+    (197_648, Tile(64, 64, num_warps=8, num_stages=2)),  # with TMA (sm_90 and later): a Hopper's 232,448 B
+    (163_840, Tile(64, 64, num_warps=8, num_stages=1)),  # an A100's 166,912 B
+    (0, Tile(16, 64, num_warps=8, num_stages=1)),  # 90,112 B: an sm_86 or sm_89's 101,376 B
+)
+# The tl one-pass dK/dV kernel there, through TMA: at the dK/dV tile above it needs 263,440 B (its dQ adds).
+WIDE_ONE_PASS_TMA = Tile(32, 64, num_warps=4, num_stages=1)
+# A block's shared memory by compute capability, where the device is not asked (cuda_kernel_config's default):
+# the sm_80 and sm_87 parts and the data-centre parts from sm_90 on take more than the others.
+_SHARED_BYTES_BY_CAPABILITY = {(8, 0): 166_912, (8, 7): 166_912, (9, 0): 232_448, (10, 0): 232_448}
+
+
+def wide_dkdv_tile(shared_bytes: int, tma: bool) -> Tile:
+    """The tl dK/dV tile of :data:`WIDE_DKDV_TILES` for a GPU whose blocks may take ``shared_bytes`` of shared
+    memory (``tma``: tiles load through TMA, which the first needs)."""
+    for needs, tile in WIDE_DKDV_TILES[0 if tma else 1:]:
+        if shared_bytes >= needs:
+            return tile
+    return WIDE_DKDV_TILES[-1][1]
 
 
 @dataclass(frozen=True)
@@ -466,7 +494,13 @@ def _cached_cuda_config(head_dim_pad: int, dtype: torch.dtype, device_index: int
     half = dtype in (torch.float16, torch.bfloat16)
     gluon_dims = set(_GLUON_FWD) | ({GLUON_D256_HEAD_DIM} if GLUON_D256_ENABLED else set())
     gluon = half and head_dim_pad in gluon_dims and hopper_gluon_available(device_index)
-    return cuda_kernel_config(head_dim_pad, dtype, torch.cuda.get_device_capability(device_index), gluon)
+    return cuda_kernel_config(head_dim_pad, dtype, torch.cuda.get_device_capability(device_index), gluon,
+                              shared_bytes=_device_shared_bytes(device_index))
+
+
+def _device_shared_bytes(device_index: int) -> int | None:
+    """The shared memory a block of the device may take (opted in), or None where torch does not say."""
+    return getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", None)
 
 
 HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
@@ -474,7 +508,8 @@ HOPPER = (9, 0)  # the compute capability the Gluon kernels are written for
 
 def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = HOPPER,
                        gluon: bool = True, gluon_d256: bool | None = None,
-                       gluon_d256_dkdv: bool | None = None, gluon_dq_writer: bool | None = None) -> KernelConfig:
+                       gluon_d256_dkdv: bool | None = None, gluon_dq_writer: bool | None = None,
+                       shared_bytes: int | None = None) -> KernelConfig:
     """The tiles and thresholds of a CUDA GPU of compute ``capability`` (an H100 or H200 by default), with the
     Gluon kernels where ``gluon`` (they run on sm_90 with Triton's Gluon API), without asking a device: for tools
     that model that GPU on a machine without it. A call on a GPU gets :func:`kernel_config` (its device's, and
@@ -484,21 +519,27 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     (``kernels/gluon/dkdv_d256.py``) at ``GLUON_D256["dkdv"]``, else its tl kernel; None: as
     :data:`GLUON_D256_DKDV_ENABLED` says. ``gluon_dq_writer``: with ``gluon``, the one-pass backward at head dims up
     to 128 in half precision runs the warp-specialised dQ-writer kernel (``kernels/gluon/bwd_dq_writer.py``) at
-    :data:`GLUON_DQ_WRITER`'s tile; None: at the head dims of :data:`GLUON_DQ_WRITER_HEAD_DIMS` (D=64). One object
-    per combination of arguments."""
+    :data:`GLUON_DQ_WRITER`'s tile; None: at the head dims of :data:`GLUON_DQ_WRITER_HEAD_DIMS` (D=64).
+    ``shared_bytes``: the shared memory a block may take, which picks the tl dK/dV tile past D=128
+    (:func:`wide_dkdv_tile`); None: as such a GPU of ``capability`` has. One object per combination of arguments."""
     enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
     dkdv = GLUON_D256_DKDV_ENABLED if gluon_d256_dkdv is None else gluon_d256_dkdv
     d_pad = head_dim_pad(head_dim)
     writer = d_pad in GLUON_DQ_WRITER_HEAD_DIMS if gluon_dq_writer is None else gluon_dq_writer
-    return _cuda_kernel_config(d_pad, dtype, capability, gluon, enabled, dkdv, writer)
+    shared = _SHARED_BYTES_BY_CAPABILITY.get(capability, 101_376) if shared_bytes is None else shared_bytes
+    return _cuda_kernel_config(d_pad, dtype, capability, gluon, enabled, dkdv, writer, shared)
 
 
 @functools.cache
 def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, int], gluon: bool,
-                        gluon_d256: bool, gluon_d256_dkdv: bool = False, gluon_dq_writer: bool = False) -> KernelConfig:
+                        gluon_d256: bool, gluon_d256_dkdv: bool, gluon_dq_writer: bool,
+                        shared_bytes: int) -> KernelConfig:
     cfg = _cuda_config(d_pad)
     if capability[0] < 9:  # no TMA before Hopper
         cfg = replace(cfg, use_tma=False)
+    if d_pad > GLUON_DKDV_MAX_HEAD_DIM:
+        wide = wide_dkdv_tile(shared_bytes, cfg.use_tma)
+        cfg = replace(cfg, bwd_dkdv=wide, bwd_one_pass=WIDE_ONE_PASS_TMA if cfg.use_tma else wide)
     half = dtype in (torch.float16, torch.bfloat16)
     if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
         # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay

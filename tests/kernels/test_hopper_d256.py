@@ -19,10 +19,13 @@ from mmsparse.attention.config import (
     GLUON_D256_DKDV_ENABLED,
     GLUON_D256_ENABLED,
     HOPPER,
+    WIDE_DKDV_TILES,
+    WIDE_ONE_PASS_TMA,
     Tile,
     cuda_kernel_config,
     gluon_tile_problem,
     use_tuning,
+    wide_dkdv_tile,
 )
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.plan import plan_attention
@@ -38,7 +41,7 @@ from tests.helpers import (
 )
 
 TEXT_IMAGE_TEXT = [[2, 0, 0], [1, 1, 0], [1, 1, 2]]  # Gemma 3: text causal, the image whole, both see the past
-TL_DKDV_D256 = Tile(32, 64, num_warps=4, num_stages=1)  # the tl table's dK/dV tile at D=256
+TL_DKDV_D256 = WIDE_DKDV_TILES[0][1]  # the tl table's dK/dV tile at D=256 on a Hopper GPU
 
 # (topology, seg_lens (or per-sample), causal, window, batch, heads, kv_heads, seq_q or None, head_dim, dtype):
 # bits and segment codes (pair types), causal, GQA, per-sample lengths, fewer queries than keys, a segment that
@@ -241,7 +244,8 @@ def test_candidate_config_runs_gluon_forward_and_dq_only():
         for dtype in (torch.bfloat16, torch.float16):
             cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=False)
             assert cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
-            assert cfg.bwd_dkdv == TL_DKDV_D256 and cfg.gluon_one_pass is None and cfg.one_pass_tile() == TL_DKDV_D256
+            assert cfg.bwd_dkdv == TL_DKDV_D256 and cfg.gluon_one_pass is None
+            assert cfg.one_pass_tile() == WIDE_ONE_PASS_TMA
             assert not cfg.fwd_short.gluon and cfg.bwd_dq_short is None and cfg.fwd_short_samples is None
             long = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132)
             assert long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "tl"}
@@ -280,18 +284,38 @@ def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
         for dtype in (torch.bfloat16, torch.float16):
             cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=True)
             assert cfg.bwd_dkdv == tile and cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
-            assert cfg.gluon_one_pass is None and cfg.one_pass_tile() == TL_DKDV_D256
+            assert cfg.gluon_one_pass is None and cfg.one_pass_tile() == WIDE_ONE_PASS_TMA
             long = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132)
             assert long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
             assert long.dkdv.tile == tile and (64, 64, True) in long.list_tiles()
             long.check_head_dim(head_dim, 2)
             one_pass = plan_attention(cfg, 1, 16, 4, 1500, 1500, cuda, sms=132, deterministic=False)
             assert one_pass.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
-            assert one_pass.dkdv.tile == TL_DKDV_D256
+            assert one_pass.dkdv.tile == WIDE_ONE_PASS_TMA
             one_pass.check_head_dim(head_dim, 2)
             dropout = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132, dropout=True)
             assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
-            assert dropout.dkdv.tile == TL_DKDV_D256 == cfg.bwd_dkdv_dropout and (32, 64, True) in dropout.list_tiles()
+            assert dropout.dkdv.tile == TL_DKDV_D256 == cfg.bwd_dkdv_dropout and (64, 64, True) in dropout.list_tiles()
+
+
+def test_tl_dkdv_tile_past_d128_fits_the_gpus_shared_memory():
+    """The tl dK/dV tile at head dims 129-256 is the largest whose shared memory the GPU's blocks take (bytes
+    Triton allotted when compiled for sm_80, sm_89 and sm_90): 2 stages only through TMA, and the tl one pass
+    on Hopper keeps its own tile (its dQ adds need more)."""
+    hopper, a100, ada = 232_448, 166_912, 101_376
+    big, one_stage, small = (tile for _, tile in WIDE_DKDV_TILES)
+    assert (big.block_m, big.num_warps, big.num_stages) == (64, 8, 2)
+    assert wide_dkdv_tile(hopper, tma=True) == big and wide_dkdv_tile(hopper, tma=False) == one_stage
+    assert wide_dkdv_tile(a100, tma=False) == one_stage and wide_dkdv_tile(ada, tma=False) == small
+    assert wide_dkdv_tile(160_000, tma=True) == small
+    for capability, shared, tile in (((9, 0), None, big), ((8, 0), None, one_stage), ((8, 9), None, small),
+                                     ((8, 6), None, small), ((9, 0), ada, small), ((8, 0), hopper, one_stage)):
+        for head_dim in (136, 192, 256):
+            cfg = cuda_kernel_config(head_dim, torch.bfloat16, capability, gluon=False, shared_bytes=shared)
+            assert cfg.bwd_dkdv == tile, (capability, shared, head_dim)
+            assert cfg.bwd_one_pass == (WIDE_ONE_PASS_TMA if cfg.use_tma else tile), (capability, shared)
+    d128 = cuda_kernel_config(128, torch.bfloat16, (8, 9), gluon=False)
+    assert d128.bwd_dkdv == cuda_kernel_config(128, torch.bfloat16, HOPPER, gluon=False).bwd_dkdv
 
 
 def test_dkdv_tiles_are_checked_against_the_head_dim():
