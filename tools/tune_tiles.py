@@ -33,9 +33,10 @@ def flex_times(q, k, v, topo, lens, causal):
     s = q.shape[2]
     bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
     fn = torch.compile(flex_attention)
-    fwd = do_bench(lambda: fn(q, k, v, block_mask=bm), return_mode="median")
+    gqa = q.shape[1] != k.shape[1]
+    fwd = do_bench(lambda: fn(q, k, v, block_mask=bm, enable_gqa=gqa), return_mode="median")
     g = torch.randn_like(q)
-    both = do_bench(lambda: fn(q, k, v, block_mask=bm).backward(g), return_mode="median")
+    both = do_bench(lambda: fn(q, k, v, block_mask=bm, enable_gqa=gqa).backward(g), return_mode="median")
     return fwd, both - fwd
 
 
