@@ -349,7 +349,7 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
 # tile). Two 64 x 256 fp32 accumulators (dK and dV) take 256 registers a thread in 4 warps, so every tile has 8.
 # Bytes are what Triton allots the kernel in bf16, compiled for sm_90 with TMA for the first (197,648 B) and for sm_80
 # and sm_89 with pointer loads for the others (163,840 and 90,112 B; none spills there). On an H200 (vlm32k_d256,
-# the tl kernels alone, docs/tuning.md) 64 x 64 with 2 stages ran the backward at 264 TF/s against 110 for the
+# the tl kernels alone, docs/tuning.md) 64 x 64 with 2 stages ran the backward at 267 TF/s against 111 for the
 # 32 x 64 tile of 4 warps it replaces (2,888 B of spills; 114,688 B with pointer loads, past an sm_89's 101,376).
 WIDE_DKDV_TILES = (
     (197_648, Tile(64, 64, num_warps=8, num_stages=2)),  # with TMA (sm_90 and later): a Hopper's 232,448 B
@@ -361,6 +361,7 @@ WIDE_ONE_PASS_TMA = Tile(32, 64, num_warps=4, num_stages=1)
 # A block's shared memory by compute capability, where the device is not asked (cuda_kernel_config's default):
 # the sm_80 and sm_87 parts and the data-centre parts from sm_90 on take more than the others.
 _SHARED_BYTES_BY_CAPABILITY = {(8, 0): 166_912, (8, 7): 166_912, (9, 0): 232_448, (10, 0): 232_448}
+_OTHER_GPU_SHARED_BYTES = 101_376  # sm_86, sm_89 and sm_120 parts
 
 
 def wide_dkdv_tile(shared_bytes: int, tma: bool) -> Tile:
@@ -526,8 +527,9 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     dkdv = GLUON_D256_DKDV_ENABLED if gluon_d256_dkdv is None else gluon_d256_dkdv
     d_pad = head_dim_pad(head_dim)
     writer = d_pad in GLUON_DQ_WRITER_HEAD_DIMS if gluon_dq_writer is None else gluon_dq_writer
-    shared = _SHARED_BYTES_BY_CAPABILITY.get(capability, 101_376) if shared_bytes is None else shared_bytes
-    return _cuda_kernel_config(d_pad, dtype, capability, gluon, enabled, dkdv, writer, shared)
+    if shared_bytes is None:
+        shared_bytes = _SHARED_BYTES_BY_CAPABILITY.get(capability, _OTHER_GPU_SHARED_BYTES)
+    return _cuda_kernel_config(d_pad, dtype, capability, gluon, enabled, dkdv, writer, shared_bytes)
 
 
 @functools.cache

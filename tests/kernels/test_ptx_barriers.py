@@ -289,9 +289,8 @@ def test_worker_partitions_after_the_return_are_ordered_by_the_rendezvous():
 
 def test_an_init_after_the_workers_started_fails():
     """The default partition initialises after its first rendezvous: the workers' wait and arrive may run first."""
-    late = _specialised("").replace("\tbarrier.sync \t1;\n\tbarrier.sync \t1;\n",
-                                                            "\tbarrier.sync \t1;\n" + _INIT_BODY +
-                                                            "\tbarrier.sync \t1;\n", 1)
+    rendezvous = "\tbarrier.sync \t1;\n"
+    late = _specialised("").replace(rendezvous * 2, rendezvous + _INIT_BODY + rendezvous, 1)
     report = check_barrier_lifetimes(kernel(late))
     assert len(report.problems) == 2, report.summary()
     assert all("lies outside the init..inval span" in p for p in report.problems), report.summary()
