@@ -225,3 +225,23 @@ def test_packed_block_lists(topology, device):
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("tile", ["tma", "pointers", "small", "one_pass"])
+def test_wide_head_dim_tl_dkdv_tiles(tile, device):
+    """Each tl dK/dV tile the tables give at head dims 129-256 (by the GPU's shared memory, and the one pass's),
+    at head dim 136 (padded to 256), against the float64 reference: output and all three gradients, pair types,
+    GQA, a segment longer than a key block."""
+    from dataclasses import replace
+
+    from mmsparse.attention.config import WIDE_DKDV_TILES, WIDE_ONE_PASS_TMA, cuda_kernel_config, use_tuning
+
+    tiles = {"tma": WIDE_DKDV_TILES[0][1], "pointers": WIDE_DKDV_TILES[1][1], "small": WIDE_DKDV_TILES[2][1],
+             "one_pass": WIDE_ONE_PASS_TMA}
+    cfg = cuda_kernel_config(136, torch.float16, gluon=False)
+    cfg = replace(cfg, bwd_dkdv=tiles[tile], bwd_one_pass=tiles[tile], use_tma=tile != "pointers")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(1, 2, 1, 97, 97, 136, torch.float16, device, gen)
+    with use_tuning(cfg):
+        check_against_reference(q, k, v, [[2, 0, 1], [1, 1, 0], [2, 2, 2]], (20, 70, 7),
+                                deterministic=tile != "one_pass")
