@@ -84,6 +84,9 @@ class KernelConfig:
     # The tl dK/dV kernel's tile with dropout (no Gluon kernel has it), where bwd_dkdv is a Gluon tile the tl kernel
     # runs poorly: at D=256 the Gluon kernel's 64 keys by 64 rows spill in the tl kernel. None: bwd_dkdv's.
     bwd_dkdv_dropout: Tile | None = None
+    # The tl dQ kernel's tile with dropout, where bwd_dq is a Gluon tile: at D=256 the Gluon dQ tile (128 x 32, 8
+    # warps) ran the tl kernel 0.95x as fast as the tl table's. None: bwd_dq's (bwd_dq_short's over few keys).
+    bwd_dq_dropout: Tile | None = None
     # Thresholds that switch a path (defaults below): decoding's tile at most this many queries; short key
     # lists' tiles (and no side stream) below this many keys; the short-samples tile up to this mean sample length;
     # block lists packed end to end (CSR) when their fixed slots would pass this many bytes.
@@ -108,15 +111,17 @@ class KernelConfig:
             _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
                     "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass,
-                    "gluon_dq_writer": self.gluon_dq_writer, "bwd_dkdv_dropout": self.bwd_dkdv_dropout}
+                    "gluon_dq_writer": self.gluon_dq_writer, "bwd_dkdv_dropout": self.bwd_dkdv_dropout,
+                    "bwd_dq_dropout": self.bwd_dq_dropout}
         for name, tile in backward.items():
             if tile is not None and tile.pingpong:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
                 raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
                                  f"turns; give the backward tiles pingpong=False")
-        if self.bwd_dkdv_dropout is not None and self.bwd_dkdv_dropout.gluon:
-            raise ValueError(f"KernelConfig.bwd_dkdv_dropout is the tl dK/dV kernel's tile with dropout, which no "
-                             f"Gluon kernel has: give it gluon_stages=0; got {self.bwd_dkdv_dropout}")
+        for name, tile in (("bwd_dkdv_dropout", self.bwd_dkdv_dropout), ("bwd_dq_dropout", self.bwd_dq_dropout)):
+            if tile is not None and tile.gluon:
+                raise ValueError(f"KernelConfig.{name} is a tl kernel's tile with dropout, which no Gluon kernel "
+                                 f"has: give it gluon_stages=0; got {tile}")
         if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
             raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
                              f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
@@ -135,8 +140,11 @@ class KernelConfig:
             return self.fwd_short_samples
         return _by_length(self.fwd, self.fwd_short, seq_k, self)
 
-    def dq_tile(self, seq_k: int) -> Tile:
-        """The dQ pass's tile: ``bwd_dq_short`` over few keys, for the same reason as the forward's."""
+    def dq_tile(self, seq_k: int, dropout: bool = False) -> Tile:
+        """The dQ pass's tile: ``bwd_dq_dropout`` with dropout where set; else ``bwd_dq_short`` over few keys, for
+        the same reason as the forward's, and ``bwd_dq``."""
+        if dropout and self.bwd_dq_dropout is not None:
+            return self.bwd_dq_dropout
         return _by_length(self.bwd_dq, self.bwd_dq_short, seq_k, self)
 
     def dkdv_tile(self, dropout: bool = False) -> Tile:
@@ -204,7 +212,7 @@ GLUON_BLOCK = 128
 # (gluon_tile_problem).
 GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
-                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer")
+                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer", "bwd_dq_dropout")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
 # (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
@@ -545,8 +553,10 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
     half = dtype in (torch.float16, torch.bfloat16)
     if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
         # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay
-        # tl (gluon_one_pass None), and so does every pass with dropout, at these tiles.
-        cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"])
+        # tl (gluon_one_pass None), and so does every pass with dropout: the forward at these tiles, dQ at the tl
+        # table's (bwd_dq_dropout; 1.05x the backward at the Gluon tile on an H200).
+        cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"],
+                      bwd_dq_dropout=cfg.bwd_dq)
         if gluon_d256_dkdv:
             # The Gluon dK/dV kernel has no one pass: the tl one-pass kernel keeps the tl dK/dV tile, whose
             # registers it was written for, and so does the tl dK/dV kernel with dropout (at the Gluon tile it

@@ -127,7 +127,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
                                 one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
         return None, one_pass, False
-    dq_tile, dkdv_tile = config.dq_tile(seq_k), config.dkdv_tile(dropout)
+    dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
     return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
             BackwardPass(dkdv_tile, dkdv_tile.gluon and not dropout, True),
             device.type == "cuda" and not config.few_keys(seq_k))

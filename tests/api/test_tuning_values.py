@@ -84,8 +84,9 @@ BAD_CONFIGS = {
                                r"KernelConfig\.gluon_one_pass is a Gluon tile.*128 keys"),
     # Dropout runs the tl kernels only: a Gluon tile for it would be silently ignored
     "gluon-dkdv-dropout": (dict(bwd_dkdv_dropout=Tile(64, 128, gluon_stages=2)), ValueError,
-                           r"KernelConfig\.bwd_dkdv_dropout is the tl dK/dV kernel's tile with dropout.*"
-                           r"gluon_stages=0"),
+                           r"KernelConfig\.bwd_dkdv_dropout is a tl kernel's tile with dropout.*gluon_stages=0"),
+    "gluon-dq-dropout": (dict(bwd_dq_dropout=Tile(128, 64, gluon_stages=2)), ValueError,
+                         r"KernelConfig\.bwd_dq_dropout is a tl kernel's tile with dropout.*gluon_stages=0"),
     "dkdv-dropout-tuple": (dict(bwd_dkdv_dropout=(32, 64)), TypeError, r"KernelConfig\.bwd_dkdv_dropout must be a "
                                                                        r"mmsparse\.tuning\.Tile or None"),
 }

@@ -245,3 +245,25 @@ def test_wide_head_dim_tl_dkdv_tiles(tile, device):
     with use_tuning(cfg):
         check_against_reference(q, k, v, [[2, 0, 1], [1, 1, 0], [2, 2, 2]], (20, 70, 7),
                                 deterministic=tile != "one_pass")
+
+
+def test_wide_head_dim_dropout_on_the_hopper_table(device):
+    """With dropout, Hopper's table at head dims 129-256 runs every pass's tl kernel: the forward at the Gluon
+    forward's tile, dQ and dK/dV at the tl table's (``bwd_dq_dropout``, ``bwd_dkdv_dropout``). Through the
+    interpreter at head dim 136, against float64 with the same keep mask: output and all three gradients."""
+    from mmsparse.attention.config import cuda_kernel_config, use_tuning
+    from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
+
+    cfg = cuda_kernel_config(136, torch.float16)
+    assert cfg.bwd_dq.gluon and not cfg.bwd_dq_dropout.gluon and not cfg.bwd_dkdv_dropout.gluon
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = make_qkv(1, 2, 1, 97, 97, 136, torch.float16, device, gen)
+    lens, p = (20, 70, 7), 0.25
+    torch.manual_seed(8)
+    with use_tuning(cfg):
+        out = mbs_attention(q, k, v, CYCLIC, lens, dropout_p=p)
+    grad_out = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+    out.backward(grad_out)
+    torch.manual_seed(8)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), 1, 2, 97, 97, p)
+    check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, 97), dropout_keep=keep, dropout_p=p)

@@ -93,9 +93,10 @@ def test_dropout_with_q_start_matches_reference(device):
     check_outputs(q, k, v, out, grad_out, mask, dropout_keep=keep, dropout_p=p)
 
 
-def test_dropout_runs_the_dkdv_pass_at_its_own_tile(device, monkeypatch):
-    """A config's ``bwd_dkdv_dropout`` is the tile the dK/dV pass runs with dropout (the D=256 table keeps the tl
-    tile there): the call plans it, builds its lists, and matches the float64 reference with the same keep mask."""
+def test_dropout_runs_the_backward_passes_at_their_own_tiles(device, monkeypatch):
+    """A config's ``bwd_dkdv_dropout`` and ``bwd_dq_dropout`` are the tiles the dK/dV and dQ passes run with
+    dropout (the D=256 table keeps the tl tiles there): the call plans them, builds their lists, and matches the
+    float64 reference with the same keep mask."""
     import inspect
     from dataclasses import replace
 
@@ -105,23 +106,25 @@ def test_dropout_runs_the_dkdv_pass_at_its_own_tile(device, monkeypatch):
     p = 0.3
     base = kernel_config(32, torch.float32, device)
     own = Tile(16, 32, num_warps=4, num_stages=1)
-    assert own != base.bwd_dkdv
+    own_dq = Tile(16, 16, num_warps=4, num_stages=1)
+    assert own != base.bwd_dkdv and own_dq != base.bwd_dq
     tiles = []
     real = backward.BackwardLaunch.__init__
     signature = inspect.signature(real)
 
     def spy(*args, **kwargs):
-        tiles.append(signature.bind(*args, **kwargs).arguments["plan"].dkdv.tile)
+        plan = signature.bind(*args, **kwargs).arguments["plan"]
+        tiles.append((plan.dq.tile, plan.dkdv.tile))
         real(*args, **kwargs)
 
     monkeypatch.setattr(backward.BackwardLaunch, "__init__", spy)
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     torch.manual_seed(99)
-    with use_tuning(replace(base, bwd_dkdv_dropout=own)):
+    with use_tuning(replace(base, bwd_dkdv_dropout=own, bwd_dq_dropout=own_dq)):
         out = mbs_attention(q, k, v, CYCLIC, LENS, causal=True, dropout_p=p)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    assert tiles == [own]
+    assert tiles == [(own_dq, own)]
     torch.manual_seed(99)
     keep = dropout_keep_mask(new_dropout_seed(q.device), 2, 4, 60, 60, p)
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, LENS, 60, causal=True), dropout_keep=keep,

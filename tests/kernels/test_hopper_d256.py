@@ -160,10 +160,10 @@ def test_dense_mask_with_an_empty_row_and_column(causal, dkdv, gluon_calls):
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("dkdv", [False, True], ids=["tl-dkdv", "gluon-dkdv"])
-def test_dropout_and_small_grids_run_the_tl_kernels_at_the_gluon_tiles(dkdv, gluon_calls):
-    """Dropout runs the tl forward, dQ (and with the Gluon dK/dV pass on, dK/dV) kernels at the candidate tiles
-    (8 warps); a grid too small to fill the GPU splits the forward's key lists (tl) while the backward passes stay
-    Gluon."""
+def test_dropout_and_small_grids_run_the_tl_kernels(dkdv, gluon_calls):
+    """Dropout runs the tl forward at the candidate's tile (8 warps) and the tl dQ and dK/dV kernels at the tl
+    table's tiles (``bwd_dq_dropout``, ``bwd_dkdv_dropout``); a grid too small to fill the GPU splits the forward's
+    key lists (tl) while the backward passes stay Gluon."""
     dev = torch.device("cuda")
     lens = (300, 1000, 777)
     with use_tuning((d256_dkdv_config if dkdv else d256_config)(torch.bfloat16), short_keys=0):
@@ -296,6 +296,10 @@ def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
             dropout = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132, dropout=True)
             assert dropout.kernels() == {"forward": "tl", "dq": "tl", "dkdv": "tl"}
             assert dropout.dkdv.tile == TL_DKDV_D256 == cfg.bwd_dkdv_dropout and (64, 64, True) in dropout.list_tiles()
+            tl_dq = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=False).bwd_dq
+            assert dropout.dq.tile == tl_dq == cfg.bwd_dq_dropout and (tl_dq.block_m, tl_dq.block_n, False) in \
+                dropout.list_tiles()
+            assert long.dq.tile == GLUON_D256["dq"]  # without dropout the Gluon dQ tile
 
 
 def test_tl_dkdv_tile_past_d128_fits_the_gpus_shared_memory():
