@@ -325,7 +325,9 @@ SHORT_SAMPLES = KernelConfig.short_samples  # tokens per sample: the largest mea
 _INTERPRETER = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16))
 
 
-def _cuda_config(head_dim_pad: int) -> KernelConfig:
+def _cuda_config(head_dim_pad: int, tma: bool, shared_bytes: int) -> KernelConfig:
+    """The tl tables of a CUDA GPU: tiles through TMA where ``tma`` (Hopper on), else pointer loads; past D=128 a
+    dK/dV tile its blocks' ``shared_bytes`` take."""
     if head_dim_pad <= 64:
         # 64-row forward tiles beat 128 rows; below SHORT_KEYS 32-key tiles skip more ragged partial blocks.
         return KernelConfig(
@@ -334,6 +336,7 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=3),
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
             decode=Tile(16, 64, num_warps=2, num_stages=3),
+            use_tma=tma,
         )
     if head_dim_pad <= 128:
         # The fastest measured of each pass: one warpgroup at 128x64 in the forward, 16x64 with 2 warps decoding,
@@ -343,13 +346,16 @@ def _cuda_config(head_dim_pad: int) -> KernelConfig:
             bwd_dkdv=Tile(64, 64, num_warps=4, num_stages=2),
             bwd_dq=Tile(64, 64, num_warps=4, num_stages=3),
             decode=Tile(16, 64, num_warps=2, num_stages=3),
+            use_tma=tma,
         )
-    # The dK/dV tile here is the one a Hopper GPU's shared memory takes: wide_dkdv_tile picks by the GPU's.
+    wide = wide_dkdv_tile(shared_bytes, tma)
     return KernelConfig(
         fwd=Tile(64, 64, num_warps=4, num_stages=2),
         decode=Tile(16, 64, num_warps=4, num_stages=2),
-        bwd_dkdv=WIDE_DKDV_TILES[0][1],
+        bwd_dkdv=wide,
         bwd_dq=Tile(64, 32, num_warps=4, num_stages=1),
+        bwd_one_pass=WIDE_ONE_PASS_TMA if tma else wide,
+        use_tma=tma,
     )
 
 
@@ -544,12 +550,7 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
 def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, int], gluon: bool,
                         gluon_d256: bool, gluon_d256_dkdv: bool, gluon_dq_writer: bool,
                         shared_bytes: int) -> KernelConfig:
-    cfg = _cuda_config(d_pad)
-    if capability[0] < 9:  # no TMA before Hopper
-        cfg = replace(cfg, use_tma=False)
-    if d_pad > GLUON_DKDV_MAX_HEAD_DIM:
-        wide = wide_dkdv_tile(shared_bytes, cfg.use_tma)
-        cfg = replace(cfg, bwd_dkdv=wide, bwd_one_pass=WIDE_ONE_PASS_TMA if cfg.use_tma else wide)
+    cfg = _cuda_config(d_pad, capability[0] >= 9, shared_bytes)  # no TMA before Hopper
     half = dtype in (torch.float16, torch.bfloat16)
     if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
         # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay

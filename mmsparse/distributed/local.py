@@ -166,8 +166,8 @@ class RankProblem:
 
         gathered = chunk_ranges(plan, self.gathered_chunks(by_position))
         own = {c: gathered[c] for c in plan.local_chunks[rank] if c in gathered}
-        by_peer = {peer: rows(chunk_ranges(plan, served_chunks(plan, rank, peer)))
-                   for peer in range(self.world_size) if peer != rank and served_chunks(plan, rank, peer)}
+        served = {peer: served_chunks(plan, rank, peer) for peer in range(self.world_size) if peer != rank}
+        by_peer = {peer: rows(chunk_ranges(plan, chunks)) for peer, chunks in served.items() if chunks}
         local = torch.arange(self.local_len, dtype=torch.int32, device=device)
         return ContributionRows(local, rows(own) if own else None, by_peer)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .peer_memory import PeerMemory
-from .token_runs import chunk_ranges, copy_tokens, merged_runs, served_chunks
+from .token_runs import chunk_ranges, copy_tokens, merged_runs, message_spans, served_chunks
 
 
 def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, by_position: bool,
@@ -76,11 +76,7 @@ def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor, by_pos
         count = plan.tokens_of(served)
         received[peer] = dkv_gathered.new_empty((batch, heads, count, dim))
         rows = received[peer].view(batch * heads, count, dim)
-        spans, offset = [], 0
-        for c in served:
-            spans.append((where[c][0], offset, plan.chunk_tokens(c)))
-            offset += plan.chunk_tokens(c)
-        for s, d, n in merged_runs(spans):
+        for s, d, n in merged_runs(message_spans(plan, served, where)):
             memory.pull(peer, s * token, held * token, rows, d, n)
         cp.bytes_received += count * batch * heads * token
     cp.bytes_sent += plan.tokens_of([c for c in plan.needed_kv[rank] if plan.owner[c] != rank]) * batch * heads * token

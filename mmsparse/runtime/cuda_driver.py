@@ -106,7 +106,6 @@ def bind_context(device_index: int) -> None:
     call("cuCtxSetCurrent", primary)
 
 
-
 def copy_rows_on_stream(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: int,
                         device_index: int) -> None:
     """``rows`` rows of ``width`` bytes from address ``src`` (rows ``src_pitch`` bytes apart) to ``dst`` (rows
