@@ -231,7 +231,8 @@ def test_packed_block_lists(topology, device):
 def test_wide_head_dim_tl_dkdv_tiles(tile, device):
     """Each tl dK/dV tile the tables give at head dims 129-256 (by the GPU's shared memory, and the one pass's),
     at head dim 136 (padded to 256), against the float64 reference: output and all three gradients, pair types,
-    GQA, a segment longer than a key block."""
+    GQA, a segment longer than a key block; then fewer queries than keys with a segment that sees nothing (rows
+    fully masked) and one of zero length."""
     from dataclasses import replace
 
     from mmsparse.attention.config import WIDE_DKDV_TILES, WIDE_ONE_PASS_TMA, cuda_kernel_config, use_tuning
@@ -244,6 +245,9 @@ def test_wide_head_dim_tl_dkdv_tiles(tile, device):
     q, k, v = make_qkv(1, 2, 1, 97, 97, 136, torch.float16, device, gen)
     with use_tuning(cfg):
         check_against_reference(q, k, v, [[2, 0, 1], [1, 1, 0], [2, 2, 2]], (20, 70, 7),
+                                deterministic=tile != "one_pass")
+        q, k, v = make_qkv(1, 2, 1, 61, 97, 136, torch.float16, device, gen)
+        check_against_reference(q, k, v, [[1, 0, 0, 0], [0, 0, 0, 0], [1, 2, 1, 0], [1, 1, 2, 2]], (20, 30, 0, 47),
                                 deterministic=tile != "one_pass")
 
 
