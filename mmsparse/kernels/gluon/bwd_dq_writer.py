@@ -94,7 +94,8 @@ _SYNC_DS_FREE = named_barrier_asm("sync", _DS_FREE_ID, _MMA_THREADS)
 _SYNC_DS_FULL = named_barrier_asm("sync", _DS_FULL_ID, _MMA_THREADS)
 # A staging half passes from its warpgroup to the writer (the warpgroup arrives, the writer syncs) and back (the writer
 # arrives, the warpgroup syncs): each arrive pairs with the other side's next sync, so a warpgroup's first step waits
-# for nothing and, after its last, it takes the writer's last signal.
+# for nothing, and the writer's last signal is waited for by no one (as FlashAttention-3's dQ writer leaves it: a
+# CTA's named barriers start afresh).
 _ARRIVE_DQ_FULL_0 = named_barrier_asm("arrive", _DQ_FULL_ID, _WRITER_THREADS)
 _ARRIVE_DQ_FULL_1 = named_barrier_asm("arrive", _DQ_FULL_ID + 1, _WRITER_THREADS)
 _SYNC_DQ_FULL_0 = named_barrier_asm("sync", _DQ_FULL_ID, _WRITER_THREADS)
@@ -193,7 +194,6 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         mbarrier.arrive(empty.index(stage))
     if total > 0:
         named_barrier(_SYNC_DS_FREE)  # the other warpgroup's last dQ has read our K
-        _staging_half_sync(WG, False, False)  # the writer's last signal, so that none is left pending
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
