@@ -13,17 +13,15 @@ Partitions of one CTA (128 keys, ``[B, Hkv]`` x key blocks, as ``gluon.dkdv``):
 A step of MMA warpgroup w (FlashAttention-4's ``mma_one_m_block`` with ``SdP_swapAB`` and RS dK/dV matmuls): issue
 S^T = K_w Q^T (onto the mask bias in a partial block) and dP^T = V_w dO^T; P^T = exp2(S^T scale - lse) once S^T is
 done; dV += P^T dO with P^T in registers (RS); dS^T = P^T (dP^T - delta) once dP^T is done; stage dS^T in the
-warpgroup's shared tile and meet the other warpgroup there; issue dQ[:, w D/2 : (w+1) D/2] = dS K over both
-warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in registers (RS); once dV and dQ are done,
-hand dQ's half to the writer through its staging half while dK runs; release the stage once dK is done. The
-warpgroups meet each other and the writer at hardware named barriers (``bar.sync`` / ``bar.arrive``, as
-FlashAttention-3 does), not mbarriers: one instruction a thread instead of a warpgroup ``bar.sync``, one thread's
-arrive and a try_wait spin. Every wgmma issued in a step is waited for in that step (one in flight across
+warpgroup's shared tile and meet the other warpgroup there (``_DS_FULL``); issue dQ[:, w D/2 : (w+1) D/2] = dS K
+over both warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in registers (RS); once dV and dQ are
+done, hand dQ's half to the writer through its staging half (a full/empty mbarrier pair per half) while dK runs;
+release the stage once dK is done. Every wgmma issued in a step is waited for in that step (one in flight across
 the loop's back edge makes ptxas serialize them all, C7512), so a stage is held for one step only, unlike
 ``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps of slack.
 
 The MMA warpgroups never wait for a reduce-add: the writer waits for each half to be read
-(``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits for that signal one whole step
+(``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
 after it filled the half.
 
 Shared memory a CTA (bytes; ``fused_bwd_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
@@ -62,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from .common import invalidate_ring, named_barrier, named_barrier_asm, scores_init, thread_barrier, tma_atomic_add
+from .common import invalidate_ring, scores_init, thread_barrier, tma_atomic_add
 from .dkdv import WG_KEYS, count_slot, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
@@ -74,52 +72,9 @@ WORKER_WARPS = gl.constexpr([4, 1, 1])
 # Registers a thread of each worker. The two one-warp workers share a warpgroup of the launch's count (Triton pads
 # it to one), so the default warpgroup gets 3 x 168 - 240 - 24 = 240, as the second MMA warpgroup.
 WORKER_REGS = gl.constexpr([240, 24, 24])
-# The hand-overs of a step are hardware named barriers (bar.sync / bar.arrive with an id), as in FlashAttention-3:
-# one instruction a thread, where an mbarrier arrive is a warpgroup-wide bar.sync and one thread's arrive, and its
-# wait a spin on try_wait. Triton's warp specialisation takes ids 0 to 1 + len(WORKER_WARPS) for these partitions.
-_MMA_THREADS = 2 * 128
-_WRITER_THREADS = 128 + 32  # an MMA warpgroup and the writer warp
-_DS_FREE_ID = 2 + len(WORKER_WARPS.value)
-_DS_FULL_ID = _DS_FREE_ID + 1
-_DQ_FULL_ID = _DS_FULL_ID + 1  # + the MMA warpgroup: its staging half holds this step's dQ
-_DQ_EMPTY_ID = _DQ_FULL_ID + 2  # + the MMA warpgroup: the writer's reduce has read the half
-# (op, id, threads) of every named barrier instruction the kernel issues (tests read its PTX for exactly these).
-NAMED_BARRIERS = frozenset(
-    {("sync", _DS_FREE_ID, _MMA_THREADS), ("sync", _DS_FULL_ID, _MMA_THREADS)}
-    | {(op, first + w, _WRITER_THREADS) for op in ("sync", "arrive") for first in (_DQ_FULL_ID, _DQ_EMPTY_ID)
-       for w in range(2)})
-# Both MMA warpgroups meet before a step's dS^T store (both dQ matmuls of the step before have read both tiles) and
-# after it (both tiles hold this step's dS^T, fenced for the async proxy).
-_SYNC_DS_FREE = named_barrier_asm("sync", _DS_FREE_ID, _MMA_THREADS)
-_SYNC_DS_FULL = named_barrier_asm("sync", _DS_FULL_ID, _MMA_THREADS)
-# A staging half passes from its warpgroup to the writer (the warpgroup arrives, the writer syncs) and back (the writer
-# arrives, the warpgroup syncs): each arrive pairs with the other side's next sync, so a warpgroup's first step waits
-# for nothing, and the writer's last signal is waited for by no one (as FlashAttention-3's dQ writer leaves it: a
-# CTA's named barriers start afresh).
-_ARRIVE_DQ_FULL_0 = named_barrier_asm("arrive", _DQ_FULL_ID, _WRITER_THREADS)
-_ARRIVE_DQ_FULL_1 = named_barrier_asm("arrive", _DQ_FULL_ID + 1, _WRITER_THREADS)
-_SYNC_DQ_FULL_0 = named_barrier_asm("sync", _DQ_FULL_ID, _WRITER_THREADS)
-_SYNC_DQ_FULL_1 = named_barrier_asm("sync", _DQ_FULL_ID + 1, _WRITER_THREADS)
-_ARRIVE_DQ_EMPTY_0 = named_barrier_asm("arrive", _DQ_EMPTY_ID, _WRITER_THREADS)
-_ARRIVE_DQ_EMPTY_1 = named_barrier_asm("arrive", _DQ_EMPTY_ID + 1, _WRITER_THREADS)
-_SYNC_DQ_EMPTY_0 = named_barrier_asm("sync", _DQ_EMPTY_ID, _WRITER_THREADS)
-_SYNC_DQ_EMPTY_1 = named_barrier_asm("sync", _DQ_EMPTY_ID + 1, _WRITER_THREADS)
-
-
-@gluon.jit
-def _staging_half_sync(WG: gl.constexpr, FULL: gl.constexpr, ARRIVE: gl.constexpr):
-    """Warpgroup WG's staging half changes hands: ``FULL`` its dQ is staged (else: the writer has read it);
-    ``ARRIVE`` this side signals (else: it waits for the other side's signal)."""
-    if FULL:
-        if ARRIVE:
-            named_barrier(_ARRIVE_DQ_FULL_0 if WG == 0 else _ARRIVE_DQ_FULL_1)
-        else:
-            named_barrier(_SYNC_DQ_FULL_0 if WG == 0 else _SYNC_DQ_FULL_1)
-    else:
-        if ARRIVE:
-            named_barrier(_ARRIVE_DQ_EMPTY_0 if WG == 0 else _ARRIVE_DQ_EMPTY_1)
-        else:
-            named_barrier(_SYNC_DQ_EMPTY_0 if WG == 0 else _SYNC_DQ_EMPTY_1)
+# The dS^T hand-over between the MMA warpgroups (``ds_bars``): both staged this step's dS^T; both of their dQ
+# matmuls have read both tiles (a tile may then take the next step's dS^T).
+_DS_FULL, _DS_READ = gl.constexpr(0), gl.constexpr(1)
 
 
 @gluon.jit
@@ -130,7 +85,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     handed to the writer (the module's docstring has the order of a step)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
-    ds_smem, dq_stage = dq_ring
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM_PAD, 16])
@@ -175,25 +130,28 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         delta = delta_smem.index(stage).load(cols)
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (each waited for its own in step i-1).
-        named_barrier(_SYNC_DS_FREE)
+        # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
+        # nothing).
+        mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
         ds_w.store(dst)
         fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+        mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
         dst_op = gl.convert_layout(dst, op_layout)
-        named_barrier(_SYNC_DS_FULL)  # both warpgroups' dS^T_i are staged
+        mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
         dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
         dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
         # Of dV, dQ (two groups), dK: all but dK are done.
         dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
-        if i > 0:  # the writer has read this half's previous contents (a whole step ago)
-            _staging_half_sync(WG, False, False)
+        mbarrier.arrive(ds_bars.index(_DS_READ))
+        # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
+        mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
         stage_w.store(dq * sm_scale)
         fence_async_shared()  # before the writer's TMA (async proxy) reads the half
-        _staging_half_sync(WG, True, True)
+        mbarrier.arrive(dq_full.index(WG))
         dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
         mbarrier.arrive(empty.index(stage))
     if total > 0:
-        named_barrier(_SYNC_DS_FREE)  # the other warpgroup's last dQ has read our K
+        mbarrier.wait(ds_bars.index(_DS_READ), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
@@ -203,24 +161,26 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
 
 
 @gluon.jit
-def _dq_writer(dq_desc, bh0, dq_stage, idx_ptr, n_total, GROUP: gl.constexpr, BM: gl.constexpr,
+def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP: gl.constexpr, BM: gl.constexpr,
                HEAD_DIM_PAD: gl.constexpr):
     """Each step's dQ rows (query block ``idx_ptr[it]`` of the group's head g; ``bh0``: the group's first batch *
     Hq + head in the descriptor's ``[B * Hq, Sq, D]``): each MMA warpgroup's half added by one TMA bulk reduce-add
     once staged, and freed once the reduce has read it."""
     N: gl.constexpr = HEAD_DIM_PAD // 2
+    i = 0
     for g in range(GROUP):
         for it in range(n_total):
             row0 = block_id(idx_ptr, it) * BM
             for w in gl.static_range(2):
-                _staging_half_sync(w, True, False)
+                mbarrier.wait(dq_full.index(w), i & 1)
                 half = dq_stage.index(w)
                 tma_atomic_add(dq_desc, [bh0 + g, row0, w * N], half.reshape([1, BM, N]))
             # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
             tma.store_wait(1)
-            _staging_half_sync(0, False, True)
+            mbarrier.arrive(dq_empty.index(0))
             tma.store_wait(0)
-            _staging_half_sync(1, False, True)
+            mbarrier.arrive(dq_empty.index(1))
+            i += 1
 
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
@@ -256,8 +216,15 @@ def attention_bwd_dq_writer_gluon(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # _DS_FULL, _DS_READ
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a staging half filled (per warpgroup)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a staging half read by its reduce
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both MMA warpgroups have staged dK and dV
+    for j in gl.static_range(2):
+        mbarrier.init(ds_bars.index(j), count=2)  # one arrival per MMA warpgroup
+        mbarrier.init(dq_full.index(j), count=1)  # its warpgroup
+        mbarrier.init(dq_empty.index(j), count=1)  # the writer
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups release a stage
@@ -265,7 +232,7 @@ def attention_bwd_dq_writer_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done)
-    dq_ring = (ds_smem, dq_stage)
+    dq_ring = (ds_smem, ds_bars, dq_stage, dq_full, dq_empty)
     bh0 = b * NUM_HEADS + hk * GROUP  # the group's first head in the dQ descriptor's [B * Hq] rows
     gl.warp_specialize(
         [
@@ -276,7 +243,7 @@ def attention_bwd_dq_writer_gluon(
             (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                                   MASK_MODE)),
-            (_dq_writer, (DQ, bh0, dq_stage, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
+            (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
@@ -286,3 +253,6 @@ def attention_bwd_dq_writer_gluon(
     mbarrier.invalidate(done)
     invalidate_ring(ready, STAGES)
     invalidate_ring(empty, STAGES)
+    invalidate_ring(ds_bars, 2)
+    invalidate_ring(dq_full, 2)
+    invalidate_ring(dq_empty, 2)
