@@ -339,6 +339,8 @@ MASK_CONFIGS: dict[str, BenchConfig] = {
         # Gemma 3's head dim: the same sequence at Gemma-3-4B-like heads, whole and under Gemma 3 4B's 1024 window
         BenchConfig("vlm32k_d256", 1, 8, 4, 256, *_VLM_32K, tags=("masks",)),
         BenchConfig("vlm32k_d256_window1k", 1, 8, 4, 256, *_VLM_32K, window=1024, tags=("masks",)),
+        # head dim 192, which pads to 256 (Triton's tensor shapes are powers of two): the D=256 kernels' row at 192
+        BenchConfig("vlm32k_d192", 1, 8, 4, 192, *_VLM_32K, tags=("masks",)),
         # one causal segment: the row where FlashAttention-4's dense kernel (fa4_dense) runs the same mask
         BenchConfig("dense_causal_d256", 1, 16, 4, 256, (16384,), ((CAUSAL,),), tags=("masks",)),
     )

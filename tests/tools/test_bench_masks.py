@@ -160,7 +160,7 @@ def test_the_packed_build_is_the_reference_mask():
 def test_groups_select_the_mask_rows():
     configs, impls = select(parse_args(["--configs", "masks,mm13k_hub_causal", "--impls", "mmsparse,flex,dense_flash"]))
     assert [c.name for c in configs] == ["pack_64k_x512", "transfusion_16k", "video_64k", "vlm32k_window4k",
-                                         "vlm32k_d256", "vlm32k_d256_window1k", "dense_causal_d256",
+                                         "vlm32k_d256", "vlm32k_d256_window1k", "vlm32k_d192", "dense_causal_d256",
                                          "mm13k_hub_causal"]
     assert impls == ["mmsparse", "flex", "dense_flash"]
     assert expand_names(["tiny_masks", "tiny_pack"]) == ["tiny_pack", "tiny_transfusion", "tiny_video", "tiny_window"]
