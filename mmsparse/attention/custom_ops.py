@@ -194,7 +194,8 @@ def _op_lists(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], 
         return lists
     info = None
     found = []
-    for tile, kept in zip(tiles, kept_lists(tuple(host_values), mask[0].device, tiles)):
+    for tile in tiles:
+        kept = kept_lists(tuple(host_values), mask[0].device, tile)
         if kept is None:
             info = info or mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments,
                                                     values.window)

@@ -48,40 +48,31 @@ _BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
 _BUILDER: ThreadPoolExecutor | None = None
 
 
-def kept_lists(key: tuple[int, ...], device: torch.device, tiles: list[TileKey]) -> list[BlockLists | None]:
-    """The fixed-slot block lists at each of ``tiles`` of the mask of ``key`` (``MaskInfo.host_values``) on
-    ``device``, ready to read on the current stream; built and kept on first use. None for a tile during a
-    CUDA-graph capture where it was not built, and read on this stream, before it. One lookup for all of an op's
-    tiles: a repeated step finds them without taking the lock."""
+def kept_lists(key: tuple[int, ...], device: torch.device, tile: TileKey) -> BlockLists | None:
+    """The fixed-slot block lists at ``tile`` of the mask of ``key`` (``MaskInfo.host_values``) on ``device``,
+    ready to read on the current stream; built and kept on first use. None during a CUDA-graph capture where
+    they were not built, and read on this stream, before it."""
     if device.type != "cuda":
         kept = _KEPT.get((key, device)) or _KEPT.store((key, device), _Kept(_mask_of(key, device)))
-        return [kept.info.lists(*tile, compact=False) for tile in tiles]
+        return kept.info.lists(*tile, compact=False)
     reader = stream_key(device)
-    kept = _KEPT.get((key, device))
     if torch.cuda.is_current_stream_capturing():
-        found = [None if kept is None or reader not in kept.readers else kept.info.lists_built(*tile)
-                 for tile in tiles]
-        if any(lists is not None for lists in found):
+        kept = _KEPT.get((key, device))
+        lists = None if kept is None or reader not in kept.readers else kept.info.lists_built(*tile)
+        if lists is not None:
             keep_while_captured(device, kept.info)
-        return found
-    if kept is not None:
-        # The lists first, then the readers: a build clears the readers before its lists can be seen, so a reader
-        # found after them has waited for that build.
-        found = [kept.info.lists_built(*tile) for tile in tiles]
-        if all(lists is not None for lists in found) and reader in kept.readers:
-            return found
+        return lists
     with _LOCK:
         kept = _KEPT.get((key, device))
-        for tile in tiles:
-            if kept is None or kept.info.lists_built(*tile) is None:
-                kept = _build(key, device, tile, kept)
+        if kept is None or kept.info.lists_built(*tile) is None:
+            kept = _build(key, device, tile, kept)
         if reader not in kept.readers:
             stream = stream_of(reader)
             stream.wait_stream(_build_stream(device))
             for tensor in kept.info.held_tensors():
                 tensor.record_stream(stream)
             kept.readers.add(reader)
-    return [kept.info.lists_built(*tile) for tile in tiles]
+    return kept.info.lists_built(*tile)
 
 
 def clear_kept() -> None:
@@ -95,9 +86,6 @@ def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kep
     thread to the graph's pool, whatever the stream. Every reader waits for it again."""
     build = _build_stream(device)
     build.wait_stream(torch.cuda.current_stream(device))
-    if kept is not None:
-        # before the new lists can be seen: a reader that finds them must wait for this build first
-        kept.readers.clear()
 
     def run() -> _Kept:
         with torch.cuda.device(device), torch.cuda.stream(build):
@@ -106,6 +94,7 @@ def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kep
         return made
 
     made = _builder().submit(run).result()
+    made.readers.clear()
     return made if kept is not None else _KEPT.store((key, device), made)
 
 
