@@ -29,6 +29,7 @@ from ..attention.dropout import new_dropout_seed
 from ..checks import check_dropout
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
+from .one_thread import one_thread_on
 from .pieces import PiecesCall, piece_seeds
 
 
@@ -140,11 +141,12 @@ class ContextParallel(RankProblem):
         if self._lens.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        seed = None
-        if dropout_p > 0:  # drawn as a single-GPU call draws it, and rank 0's for all: one mask over the ranks
-            seed = new_dropout_seed(q.device)
-            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return _Attention.apply(q, k, v, self, scale, dropout_p, seed)
+        with one_thread_on(self.group):
+            seed = None
+            if dropout_p > 0:  # drawn as a single-GPU call draws it, and rank 0's for all: one mask over the ranks
+                seed = new_dropout_seed(q.device)
+                dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return _Attention.apply(q, k, v, self, scale, dropout_p, seed)
 
     def fetch_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The exchange of the attention alone, for timing it: the K and V of every chunk this rank's queries see,
@@ -156,7 +158,8 @@ class ContextParallel(RankProblem):
         Returns:
             ``(k_gathered, v_gathered)``, ``[B, Hkv, S_gathered, D]`` each.
         """
-        return start_fetch(self, k, v)()
+        with one_thread_on(self.group):
+            return start_fetch(self, k, v)()
 
     def return_kv_grads(self, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None) -> torch.Tensor:
         """The backward's return of dK/dV alone, for timing it: each fetched chunk's gradient goes to its owner,
@@ -171,7 +174,8 @@ class ContextParallel(RankProblem):
         Returns:
             The summed dK/dV of this rank's keys, float32 ``[B, 2 Hkv, S_local, D]``.
         """
-        return return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
+        with one_thread_on(self.group):
+            return return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
 
 
 def _process_group(group: Any) -> Any:
@@ -219,6 +223,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
+        with one_thread_on(ctx.cp.group):
+            return _Attention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse, *fetched = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
@@ -236,6 +245,11 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, seq_dim: int, cp: ContextParallel):  # type: ignore[override]
         ctx.seq_dim, ctx.cp = seq_dim, cp
+        with one_thread_on(cp.group):
+            return _Unshard._gather(x_local, seq_dim, cp)
+
+    @staticmethod
+    def _gather(x_local: torch.Tensor, seq_dim: int, cp: ContextParallel) -> torch.Tensor:
         moved = x_local.movedim(seq_dim, 0).contiguous()
         longest = max(len(cp.plan.token_index(r)) for r in range(cp.world_size))
         padded = moved.new_zeros((longest, *moved.shape[1:]))
@@ -253,6 +267,7 @@ class _Unshard(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         moved = grad.movedim(ctx.seq_dim, 0).contiguous()
         total = moved.clone()
-        dist.all_reduce(total, group=cp.group)  # every rank's use of every token
+        with one_thread_on(cp.group):
+            dist.all_reduce(total, group=cp.group)  # every rank's use of every token
         local = total[cp._index.to(total.device)]
         return local.movedim(0, ctx.seq_dim), None, None
