@@ -54,7 +54,8 @@ class ContextParallel(RankProblem):
         transport: how the exchange moves K/V and dK/dV: ``"p2p"``, the group's point to point (NCCL, gloo);
             ``"peer_copy"``, each rank copying what it needs straight out of its peers' memory (CUDA IPC and copy
             engines between the GPUs of one host, no SMs; shared memory between CPU processes of one host), which
-            keeps two slots a rank for the process, as large as the largest exchange it has run; ``"auto"``
+            keeps two slots a rank, as large as the largest exchange it has run, until ``release_peer_memory``
+            (a collective); ``"auto"``
             (default): ``peer_copy`` on GPUs that reach each other where a slot stays within 128 MiB, else
             ``p2p``. Both move the same bytes and give the same bits.
     """

@@ -9,6 +9,8 @@ exchanges later, after a barrier that each rank reaches only once its own copies
 (the caller's stream waits for them before that barrier), so no rank overwrites what a peer is still reading.
 
 Every rank of the group must take part in the same exchanges in the same order, as with NCCL's point to point.
+The slots stay until :func:`release_peer_memory` (a collective) or the process's end: the map of memories holds
+each group weakly, but a slot opened in the peers can only be freed once they have closed it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import socket
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -37,12 +40,28 @@ def peer_memory(group: Any, device: torch.device) -> PeerMemory:
     """The group's :class:`PeerMemory` on this device, made (a collective: every rank must ask) at its first use."""
     key = (id(group), device)
     memory = _MEMORIES.get(key)
-    if memory is None or memory.group is not group:
+    if memory is None or memory.group is not group:  # a group's id may name a new group once the old one is gone
         with _MEMORIES_LOCK:
             memory = _MEMORIES.get(key)
             if memory is None or memory.group is not group:  # another thread may have made it meanwhile
                 memory = _MEMORIES[key] = PeerMemory(group, device)
     return memory
+
+
+def release_peer_memory(group: Any = None) -> None:
+    """Free this process's peer-copy slots of ``group`` (a ``ProcessGroup``, a 1-D ``DeviceMesh``, or None for the
+    default group) and close its views of the peers' slots, on every device it used them on. A collective: every
+    rank of the group calls it, after its last context-parallel call on the group and before
+    ``dist.destroy_process_group(group)`` (a slot the peers have opened cannot be freed without them). A later
+    peer-copy exchange on the group makes new slots."""
+    get_group = getattr(group, "get_group", None)  # a DeviceMesh
+    group = dist.group.WORLD if group is None else get_group() if get_group is not None else group
+    with _MEMORIES_LOCK:
+        mine = sorted(((key, m) for key, m in _MEMORIES.items() if m.group is group), key=lambda km: str(km[0][1]))
+        for key, _ in mine:
+            del _MEMORIES[key]
+    for _, memory in mine:  # in device order: the same on every rank of a group of one device each
+        memory.release()
 
 
 class PeerMemory:
@@ -52,7 +71,7 @@ class PeerMemory:
     more than one host, GPUs that cannot reach each other, a backend other than NCCL on GPUs or gloo on CPUs."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
-        self.group, self.device = group, device
+        self._group, self.device = weakref.ref(group), device
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.reason = _why_not_usable(group, device)
         self.capacity = 0  # bytes of each slot
@@ -62,6 +81,17 @@ class PeerMemory:
         self._token = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
+
+    @property
+    def group(self) -> Any:
+        """The process group (None once it is gone)."""
+        return self._group()
+
+    def release(self) -> None:
+        """Close this rank's views of the peers' slots and free its own, every rank at once (a collective); the
+        next :meth:`reserve` makes new ones."""
+        if self.reason is None and self.capacity > 0:
+            self._replace(0, [], [[None] * self.world_size for _ in range(2)])
 
     def reserve(self, nbytes: int) -> None:
         """Slots of at least ``nbytes`` (every rank asks for the same): they grow, all ranks at once, where they
@@ -141,22 +171,35 @@ class PeerMemory:
             verdicts: list[Any] = [None] * self.world_size
             dist.all_gather_object(verdicts, failed, group=self.group)
             failed = next((error for error in verdicts if error is not None), None)
-        keep = failed is None
-        for row in theirs if not keep else self._theirs:  # the views this rank will not read again
+        if not cuda:
+            for path in shared:
+                os.unlink(path)  # every rank has mapped the files, or given up on them: their names can go
+        if failed is None:
+            self._replace(capacity, mine, theirs)
+        else:
+            self._drop(theirs, mine)
+            self.reason = f"a rank could not make or open the shared slots: {failed}"
+
+    def _replace(self, capacity: int, mine: list[Any], theirs: list[list[Any]]) -> None:
+        """Take ``mine`` and ``theirs`` as the slots (every rank at once), dropping the ones before: no rank reads
+        them any more (each device is idle, and every rank met the others since its last copy)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._drop(self._theirs, self._mine)
+        self._mine, self._theirs, self.capacity = mine, theirs, capacity
+
+    def _drop(self, theirs: list[list[Any]], mine: list[Any]) -> None:
+        """Close the views ``theirs`` of the peers' slots, then, once every rank has closed its own, free ``mine``
+        (a collective)."""
+        cuda = self.device.type == "cuda"
+        for row in theirs:
             for view in row:
                 if cuda and view is not None:
                     close_block(view, self.device)
         dist.barrier(group=self.group)  # every rank has closed what it no longer reads
-        for block in mine if not keep else self._mine:
-            if cuda:
+        if cuda:
+            for block in mine:
                 block.free()
-        if not cuda:
-            for path in shared:
-                os.unlink(path)  # every rank has mapped the files, or given up on them: their names can go
-        if keep:
-            self._mine, self._theirs, self.capacity = mine, theirs, capacity
-        else:
-            self.reason = f"a rank could not make or open the shared slots: {failed}"
 
     def _make(self, capacity: int, mine: list[Any], shared: list[Any]) -> None:
         for _ in range(2):

@@ -72,6 +72,34 @@ def _check_a_rank_that_cannot_open_the_slots(rank: int) -> None:
         peer_memory.PeerMemory._open = opened
 
 
+def _check_release(world: int) -> None:
+    """release_peer_memory frees a group's slots on every rank (a later exchange makes new ones and moves the same
+    bytes), and the map of memories does not keep a destroyed group alive."""
+    import gc
+    import weakref
+
+    from mmsparse.distributed import ContextParallel, peer_memory, release_peer_memory
+
+    group = dist.new_group(list(range(world)))
+    cp = ContextParallel(CYCLIC, (9, 30, 21), group=group, transport="peer_copy")
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    k, v = (torch.randn(1, 1, cp.local_len, 16, generator=gen) for _ in range(2))
+    before = cp.fetch_kv(k, v)
+    key = (id(group), torch.device("cpu"))
+    memory = peer_memory._MEMORIES[key]
+    assert memory.capacity > 0 and memory._mine
+    release_peer_memory(group)
+    assert key not in peer_memory._MEMORIES and memory.capacity == 0 and not memory._mine
+    after = cp.fetch_kv(k, v)  # new slots
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    release_peer_memory(group)
+    ref = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del cp, group
+    gc.collect()
+    assert ref() is None, "the peer memories kept a destroyed group alive"
+
+
 def _worker(rank: int, world: int, init_file: str) -> None:
     from mmsparse import reference_mask
 
@@ -93,6 +121,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 seq = q.shape[2]
                 check_outputs(*leaves, out, do, reference_mask(topology, lens, seq, causal=causal))
         _check_a_rank_that_cannot_open_the_slots(rank)
+        _check_release(world)
         dist.barrier()
         assert not glob.glob(f"/dev/shm/mmsparse-peer-{os.getpid()}-*"), "a slot's file outlived its mapping"
     finally:
