@@ -29,10 +29,9 @@ def names_in(table: dict[str, object]) -> Callable[[str], list[str]]:
 
 
 def config_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """The names of a comma-separated ``--configs`` value, empty ones skipped, each a config of
-    benchmarks/configs.py; any other name is ``parser``'s usage error (exit status 2)."""
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL_CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; see benchmarks/configs.py")
-    return names
+    """:func:`names_in` of benchmarks/configs.py's configs, for a value read after parsing: an unknown name is
+    ``parser``'s usage error (exit status 2)."""
+    try:
+        return names_in(ALL_CONFIGS)(text)
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))

@@ -73,7 +73,7 @@ def test_unknown_configs_are_a_usage_error(tool, capsys):
         importlib.import_module(f"tools.{tool}").main(["--configs", "tiny_ab,nope,,tiny"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"tools.{tool}: error: unknown configs ['nope', 'tiny']; see benchmarks/configs.py\n"), err
+    assert f"tools.{tool}: error: unknown config nope, tiny; known: " in err and "tiny_ab" in err, err
 
 
 @pytest.mark.parametrize(
