@@ -109,17 +109,26 @@ def _copy_engine(sizes: list[list[int]], rank: int, device: torch.device) -> Cal
             source = rebuild(*rebuild_args)[offset:offset + n]  # on the peer's GPU, opened in this process
             pulls.append((torch.cuda.Stream(device), source, torch.empty(n, dtype=torch.uint8, device=device)))
     cp_dist.barrier(device)
+    return _Pulls(device, pulls, (buffer, handles))
 
-    def move() -> None:
-        main = torch.cuda.current_stream(device)
-        for stream, source, target in pulls:
+
+class _Pulls:
+    """Each ``(stream, source, target)`` copy on its stream after the current stream's work, which then waits for
+    them all. ``shared``: the rank's own buffer, which the peers read, and the handles it was shared by, held as
+    long as the copies may run."""
+
+    def __init__(self, device: torch.device, pulls: list[tuple[Any, torch.Tensor, torch.Tensor]],
+                 shared: tuple[torch.Tensor, list[Any]]) -> None:
+        self.device, self.pulls, self.shared = device, pulls, shared
+
+    def __call__(self) -> None:
+        main = torch.cuda.current_stream(self.device)
+        for stream, source, target in self.pulls:
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
                 target.copy_(source, non_blocking=True)
-        for stream, _, _ in pulls:
+        for stream, _, _ in self.pulls:
             main.wait_stream(stream)
-    move.keep = (buffer, handles)  # type: ignore[attr-defined]  (the peers read this rank's buffer)
-    return move
 
 
 def _mover(way: str, sizes: list[list[int]], rank: int, device: torch.device) -> Callable[[], None]:
