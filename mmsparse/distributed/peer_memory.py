@@ -89,8 +89,9 @@ class PeerMemory:
 
     def release(self) -> None:
         """Close this rank's views of the peers' slots and free its own, every rank at once (a collective); the
-        next :meth:`reserve` makes new ones."""
-        if self.reason is None and self.capacity > 0:
+        next :meth:`reserve` makes new ones. Slots kept from before a failed growth go too (every rank holds the
+        same capacity)."""
+        if self.capacity > 0:
             self._replace(0, [], [[None] * self.world_size for _ in range(2)])
 
     def reserve(self, nbytes: int) -> None:
