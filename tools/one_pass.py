@@ -12,6 +12,7 @@ many keys.
     python -m tools.one_pass --sides one-pass,two-pass     # the one pass as the baseline
     python -m tools.one_pass --sides two-pass,dq-writer --configs mm13k_hub_d64
     python -m tools.one_pass --sides two-pass,dq-writer-s3,dq-writer-s5 --configs mm13k_hub --head-dim 64
+    python -m tools.one_pass --sides two-pass,dq-writer,dq-writer-m128-s3 --configs transfusion_16k --head-dim 64
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import replace
@@ -52,28 +54,36 @@ GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_h
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
 # name: the deterministic argument; the first side given is the baseline of the others
 SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False}
-# The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only); "dq-writer-s<N>" runs it at N
-# stages instead of its table's (a stage sweep).
+# The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only); "dq-writer-m<M>-s<N>" runs it
+# at M-query blocks and N stages instead of its table's (either part may be left out: a sweep of one of them).
 WRITER_SIDES = ("dq-writer",)
-_STAGES_MARK = "-s"
+_WRITER_TILE = re.compile(r"(dq-writer)(?:-m(\d+))?(?:-s(\d+))?")
 
 
 def side_kind(side: str) -> str:
-    """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-s<N>"."""
-    base, mark, stages = side.rpartition(_STAGES_MARK)
-    return base if mark and base in WRITER_SIDES and stages.isdigit() else side
+    """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-m<M>-s<N>"."""
+    found = _WRITER_TILE.fullmatch(side)
+    return found.group(1) if found else side
 
 
 def side_stages(side: str) -> int | None:
     """The stage count a "dq-writer-s<N>" side asks for (None: the table's)."""
-    return int(side.rpartition(_STAGES_MARK)[2]) if side_kind(side) != side else None
+    found = _WRITER_TILE.fullmatch(side)
+    return int(found.group(3)) if found and found.group(3) else None
+
+
+def side_block_m(side: str) -> int | None:
+    """The query rows a block of a "dq-writer-m<M>" side asks for (None: the table's)."""
+    found = _WRITER_TILE.fullmatch(side)
+    return int(found.group(2)) if found and found.group(2) else None
 
 
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
-    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's stages where it names them); None
-    for the two passes (the device's own); the one-pass side the device's config without the dQ writer (the one
-    pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is the default)."""
+    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's query rows and stages where it
+    names them); None for the two passes (the device's own); the one-pass side the device's config without the dQ
+    writer (the one pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is the
+    default)."""
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
             return None
@@ -81,9 +91,9 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
-    stages = side_stages(side)
-    if stages is not None:
-        writer = replace(writer, gluon_stages=stages)
+    stages, block_m = side_stages(side), side_block_m(side)
+    if stages is not None or block_m is not None:
+        writer = replace(writer, gluon_stages=stages or writer.gluon_stages, block_m=block_m or writer.block_m)
         problem = gluon_tile_problem("dq_writer", writer, head_dim_pad(cfg.head_dim), dtype.itemsize)
         if problem is not None:
             raise ValueError(f"side {side}: {problem}")

@@ -63,20 +63,29 @@ def test_dq_writer_side(tmp_path):
 
 
 def test_dq_writer_stage_sides_and_head_dim(tmp_path):
-    """"dq-writer-s<N>" runs the dQ-writer kernel at N stages, refused where they would not fit a CTA's shared
-    memory; --head-dim reruns a config at another head dim under its own row name."""
+    """"dq-writer-s<N>" runs the dQ-writer kernel at N stages and "dq-writer-m<M>-s<N>" at M query rows a block
+    too, refused where they would not fit a CTA's shared memory; --head-dim reruns a config at another head dim
+    under its own row name."""
     import torch
 
     from benchmarks.configs import ALL_CONFIGS
     from mmsparse.attention.config import GLUON_DQ_WRITER
 
     assert one_pass.side_kind("dq-writer-s5") == "dq-writer" and one_pass.side_stages("dq-writer-s5") == 5
+    assert one_pass.side_block_m("dq-writer-s5") is None
     assert one_pass.side_kind("two-pass-s5") == "two-pass-s5"  # not a side: main refuses it
+    assert one_pass.side_kind("dq-writer-s5-m128") == "dq-writer-s5-m128"  # rows before stages only
     cfg = ALL_CONFIGS["mm13k_hub_d64"]
     config = one_pass.side_config(cfg, "dq-writer-s6", torch.device("cpu"), torch.bfloat16)
     assert config.gluon_dq_writer == replace(GLUON_DQ_WRITER[64], gluon_stages=6)
+    # 128-query blocks: their own stage count, or the table's
+    config = one_pass.side_config(cfg, "dq-writer-m128-s3", torch.device("cpu"), torch.bfloat16)
+    assert config.gluon_dq_writer == replace(GLUON_DQ_WRITER[64], block_m=128, gluon_stages=3)
+    assert one_pass.side_stages("dq-writer-m128") is None and one_pass.side_block_m("dq-writer-m128") == 128
     with pytest.raises(ValueError, match="shared memory"):  # 4 stages at D=128 need 249,856 B of 232,448
         one_pass.side_config(ALL_CONFIGS["mm13k_hub"], "dq-writer-s4", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):  # the table's 5 stages at 128 query rows do not fit
+        one_pass.side_config(cfg, "dq-writer-m128", torch.device("cpu"), torch.bfloat16)
     out = tmp_path / "one_pass.json"
     args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
     with pytest.raises(SystemExit):
