@@ -92,6 +92,8 @@ class PeerMemory:
         next :meth:`reserve` makes new ones. Slots kept from before a failed growth go too (every rank holds the
         same capacity)."""
         if self.capacity > 0:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # this rank's copies out of the peers' slots are done
             self._replace(0, [], [[None] * self.world_size for _ in range(2)])
 
     def reserve(self, nbytes: int) -> None:
@@ -182,10 +184,8 @@ class PeerMemory:
             self.reason = f"a rank could not make or open the shared slots: {failed}"
 
     def _replace(self, capacity: int, mine: list[Any], theirs: list[list[Any]]) -> None:
-        """Take ``mine`` and ``theirs`` as the slots (every rank at once), dropping the ones before: no rank reads
-        them any more (each device is idle, and every rank met the others since its last copy)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Take ``mine`` and ``theirs`` as the slots (every rank at once), dropping the ones before: the caller has
+        made its device idle, so that once every rank meets the others no rank reads them any more."""
         self._drop(self._theirs, self._mine)
         self._mine, self._theirs, self.capacity = mine, theirs, capacity
 
