@@ -103,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:18s} flex  fwd {ff:7.3f} ms {tf(ff):6.0f} TF/s  bwd {fb:7.3f} ms {tf(fb, 2.5):6.0f}")
         except Exception as e:  # noqa: BLE001
             print(f"{name} flex failed: {e!r}"[:300])
-        if args.tl:
-            base = cuda_kernel_config(head_dim_pad(d), torch.bfloat16, gluon=False)
+        if args.tl:  # this GPU's own tl table: its TMA and the shared memory a block of it may take
+            props = torch.cuda.get_device_properties(q.device)
+            base = cuda_kernel_config(d, torch.bfloat16, (props.major, props.minor), gluon=False,
+                                      shared_bytes=getattr(props, "shared_memory_per_block_optin", None))
         else:
             base = kernel_config(d, torch.bfloat16, q.device)
         wide = head_dim_pad(d) > 128
