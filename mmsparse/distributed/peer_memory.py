@@ -54,8 +54,14 @@ def release_peer_memory(group: Any = None) -> None:
     rank of the group calls it, after its last context-parallel call on the group and before
     ``dist.destroy_process_group(group)`` (a slot the peers have opened cannot be freed without them). A later
     peer-copy exchange on the group makes new slots."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("release_peer_memory needs torch.distributed initialised (init_process_group): it is a "
+                           "collective over the group's ranks")
     get_group = getattr(group, "get_group", None)  # a DeviceMesh
     group = dist.group.WORLD if group is None else get_group() if get_group is not None else group
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"release_peer_memory takes a ProcessGroup, a 1-D DeviceMesh or None (the default group); "
+                        f"got {type(group).__name__}")
     with _MEMORIES_LOCK:
         mine = sorted(((key, m) for key, m in _MEMORIES.items() if m.group is group), key=lambda km: str(km[0][1]))
         for key, _ in mine:

@@ -136,6 +136,22 @@ def test_peer_copies_give_the_bits_of_point_to_point(tmp_path):
     mp.spawn(_worker, args=(3, str(tmp_path / "init")), nprocs=3, join=True)
 
 
+def test_release_peer_memory_refuses_what_is_not_a_group():
+    from mmsparse.distributed import release_peer_memory
+
+    if dist.is_initialized():
+        pytest.skip("a process group is up")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        release_peer_memory()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match=r"a 1-D DeviceMesh or None \(the default group\); got str"):
+            release_peer_memory("cp")
+        release_peer_memory()  # the default group, whose slots were never made: nothing to free
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_unknown_transport_is_refused():
     from mmsparse.distributed import ContextParallel
 
