@@ -10,7 +10,7 @@ import contextlib
 import threading
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,15 +83,19 @@ class BackwardLaunch:
         # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
         self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
-    def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs,
-                 dq_mask: LaunchArgs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs, dq_mask: LaunchArgs | None,
+                 after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
         q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous), dropout seed and the mask
         arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
-        before, on the current stream."""
+        before, on the current stream.
+
+        ``after_dkdv(dk, dv)``: called once dK and dV are queued, before the dQ pass is: the passes then run one
+        after the other on the current stream, dK/dV first, so that what the callback queues elsewhere (a context
+        parallel rank's return of dK/dV to their owners, on copy engines) runs beside the dQ pass."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
-        plan, device = self.plan, self.device
         out, lse = saved_layout(out), saved_layout(lse)
         seed = seed if seed is not None else lse  # never read without dropout
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
@@ -100,53 +104,86 @@ class BackwardLaunch:
             if len(self._bound) >= _MAX_LAYOUTS:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
             bound = self._bound[strides] = {}
-        delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=self.device)
+        dq_sum = None
         if self.one_pass:
             _alert_not_deterministic()
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
-            dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=device)
+            dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
         launch_bound(_DELTA, self.delta_grid, (out, do, delta, dq_sum if self.one_pass else delta, self.n_rows),
                      self.delta_constexprs, bound, "delta")
-        main, side = _streams(device) if plan.side_stream else (None, None)
-        if not self.one_pass:
-            dq = torch.empty(self.q_shape, dtype=self.dtype, device=device)
-            if side is not None:
-                side.wait_stream(main)  # delta, the block lists and the inputs are ready
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                if plan.dq.gluon:
-                    _gluon().run_dq(q, k, v, do, lse, delta, dq, dq_mask, self.mode, self.causal, self.qk_scale,
-                                    self.softmax_scale, plan.dq.tile, self.has_window, bound=bound)
-                else:
-                    mask_tensors, mask_scalars = dq_mask
-                    launch_bound(_DQ, self.dq_grid,
-                                 (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
-                                  self.qk_scale, self.softmax_scale, self.dropout_p),
-                                 self.dq_constexprs, bound, "dq")
-        dk = torch.empty(self.kv_shape, dtype=k.dtype, device=device)
-        dv = torch.empty(self.kv_shape, dtype=v.dtype, device=device)
-        if plan.dkdv.dq_writer:
-            _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, dkdv_mask, self.mode,
-                                       self.causal, self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
-                                       bound=bound)
-        elif plan.dkdv.gluon and self.dkdv_d256:
-            _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, self.mode, self.causal,
-                                   self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window, bound=bound)
-        elif plan.dkdv.gluon:
-            _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), dkdv_mask, self.mode, self.causal,
-                              self.qk_scale, self.softmax_scale, plan.dkdv.tile, self.has_window,
-                              dq_sum if self.one_pass else None, bound=bound)
-        else:
-            mask_tensors, mask_scalars = dkdv_mask
-            dq_arg = dq_sum if self.one_pass else dk  # DQ: unread without ONE_PASS
-            launch_bound(_DKDV, self.dkdv_grid,
-                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,
-                          self.qk_scale, self.softmax_scale, self.dropout_p),
-                         self.dkdv_constexprs, bound, "dkdv")
+        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides), bound)
+        if self.one_pass:
+            dk, dv = passes.dkdv(dkdv_mask, dq_sum)
+            if after_dkdv is not None:
+                after_dkdv(dk, dv)
+            dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
+            return dq, dk, dv
+        if after_dkdv is not None:
+            dk, dv = passes.dkdv(dkdv_mask, None)
+            after_dkdv(dk, dv)
+            return passes.dq(dq_mask, self._new_dq()), dk, dv
+        main, side = _streams(self.device) if self.plan.side_stream else (None, None)
+        dq = self._new_dq()  # on the current stream: its memory is that stream's
+        if side is not None:
+            side.wait_stream(main)  # delta, the block lists and the inputs are ready
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            passes.dq(dq_mask, dq)
+        dk, dv = passes.dkdv(dkdv_mask, None)
         if side is not None:
             main.wait_stream(side)
-        if self.one_pass:
-            dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
         return dq, dk, dv
+
+    def _new_dq(self) -> torch.Tensor:
+        return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+
+
+class _Passes:
+    """The dQ and dK/dV passes of one backward call, launched on the current stream: the call's launch, its
+    tensors (``(do, q, k, v, lse, delta, seed, strides)``) and its relaunches (``bound``)."""
+
+    def __init__(self, launch: BackwardLaunch, tensors: tuple, bound: dict[str, Any]) -> None:
+        self.launch, self.tensors, self.bound = launch, tensors, bound
+
+    def dq(self, mask: LaunchArgs, dq: torch.Tensor) -> torch.Tensor:
+        """The dQ pass, into ``dq`` (the inputs' dtype); returns it."""
+        launch, bound = self.launch, self.bound
+        do, q, k, v, lse, delta, seed, strides = self.tensors
+        if launch.plan.dq.gluon:
+            _gluon().run_dq(q, k, v, do, lse, delta, dq, mask, launch.mode, launch.causal, launch.qk_scale,
+                            launch.softmax_scale, launch.plan.dq.tile, launch.has_window, bound=bound)
+        else:
+            mask_tensors, mask_scalars = mask
+            launch_bound(_DQ, launch.dq_grid,
+                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
+                          launch.qk_scale, launch.softmax_scale, launch.dropout_p),
+                         launch.dq_constexprs, bound, "dq")
+        return dq
+
+    def dkdv(self, mask: LaunchArgs, dq_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there."""
+        launch, bound = self.launch, self.bound
+        do, q, k, v, lse, delta, seed, strides = self.tensors
+        plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
+        dk = torch.empty(launch.kv_shape, dtype=k.dtype, device=launch.device)
+        dv = torch.empty(launch.kv_shape, dtype=v.dtype, device=launch.device)
+        if plan.dkdv.dq_writer:
+            _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
+                                       launch.has_window, bound=bound)
+        elif plan.dkdv.gluon and launch.dkdv_d256:
+            _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile,
+                                   launch.has_window, bound=bound)
+        elif plan.dkdv.gluon:
+            _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile, launch.has_window,
+                              dq_sum, bound=bound)
+        else:
+            mask_tensors, mask_scalars = mask
+            dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS
+            launch_bound(_DKDV, launch.dkdv_grid,
+                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,
+                          launch.qk_scale, launch.softmax_scale, launch.dropout_p),
+                         launch.dkdv_constexprs, bound, "dkdv")
+        return dk, dv
 
 
 _MAX_LAYOUTS = 8  # layouts of one call's saved q, k, v whose relaunches are kept (plain and offloaded: 2)

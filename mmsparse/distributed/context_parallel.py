@@ -18,7 +18,7 @@ memory for that second exchange.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
 from ..checks import check_dropout
-from .exchange import TRANSPORTS, return_kv_grads, start_fetch
+from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .one_thread import one_thread_on
 from .pieces import PiecesCall, piece_seeds
@@ -233,11 +233,17 @@ class _Attention(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         # Fetched again unless the forward kept it (its state is then O(S / P)).
         finish = (lambda: tuple(fetched)) if fetched else start_fetch(cp, k, v, ctx.by_position)
-        dq, dkv_l, dkv_g = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale,
-                                           ctx.dropout_p, finish, ctx.call)
-        # summed in float32 and written in the inputs' dtype in the sum's last pass
-        dkv = return_kv_grads(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position), ctx.by_position,
-                              k.dtype if k.dtype == v.dtype else torch.float32)
+        returned: list[Callable[[], torch.Tensor]] = []
+
+        def start(dkv_l: torch.Tensor | None, dkv_g: torch.Tensor) -> None:
+            # summed in float32 and written in the inputs' dtype in the sum's last pass
+            returned.append(start_return(cp, dkv_g, dkv_l, cp.kv_grad_dtype(k.dtype, ctx.by_position),
+                                         ctx.by_position, k.dtype if k.dtype == v.dtype else torch.float32))
+
+        # A one-piece rank starts the return once its dK/dV pass is queued: the transfer runs beside its dQ pass.
+        dq, _, _ = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale, ctx.dropout_p,
+                                   finish, ctx.call, on_kv_grads=start)
+        dkv = returned[0]()
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
 

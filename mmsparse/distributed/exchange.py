@@ -81,6 +81,15 @@ def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor
     ``dkv_local`` None: no piece read the rank's own keys. ``by_position``: the gathered keys' order is the dropout
     pieces'. Returns the summed dK/dV of this rank's keys, ``[B, 2 Hkv, S_local, D]`` in ``out_dtype`` (summed in
     float32 whatever it is)."""
+    return start_return(cp, dkv_gathered, dkv_local, wire, by_position, out_dtype)()
+
+
+def start_return(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
+                 wire: torch.dtype = torch.float32, by_position: bool = False,
+                 out_dtype: torch.dtype = torch.float32) -> Callable[[], torch.Tensor]:
+    """:func:`return_kv_grads`, started: the transfer is queued and the rank's own contributions are summed on the
+    current stream; ``finish()`` waits for the peers' and adds them. Work queued between the two (a dQ pass) runs
+    beside the transfer."""
     if dkv_gathered.dtype != wire:
         if wire != torch.float32 and dkv_gathered.numel():
             raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
@@ -114,10 +123,14 @@ def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor
     ordered += [(received[peer], rows.by_peer[peer]) for peer in sorted(received)]
     for source, index in ordered[:early]:
         summed.add(source, index)
-    wait()
-    for source, index in ordered[early:-1]:
-        summed.add(source, index)
-    return summed.finish(*ordered[-1]) if ordered else summed.finish()
+
+    def finish() -> torch.Tensor:
+        wait()
+        for source, index in ordered[early:-1]:
+            summed.add(source, index)
+        return summed.finish(*ordered[-1]) if ordered else summed.finish()
+
+    return finish
 
 
 def _peer_memory(cp: Any, device: torch.device, sizes: list[int]) -> PeerMemory | None:

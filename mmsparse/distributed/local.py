@@ -32,6 +32,8 @@ from .plan import ContextParallelPlan, plan_context_parallel
 from .token_runs import chunk_ranges, served_chunks
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
+# (dK/dV of the rank's own keys or None, dK/dV of the gathered keys) -> None, as backward_pieces queues them
+KVGrads = Callable[[torch.Tensor | None, torch.Tensor], None]
 
 
 class ContributionRows(NamedTuple):
@@ -344,27 +346,37 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
-                    gather: Gather, call: PiecesCall | None = None,
+                    gather: Gather, call: PiecesCall | None = None, on_kv_grads: KVGrads | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
     dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
     one piece over every row (:meth:`RankProblem.one_piece`), that piece's own gradients in the inputs' dtype.
     ``gather`` is called once, after the pieces over the rank's own keys. ``call``: the forward's (None: this
-    thread's settings now, and the pieces plan again)."""
+    thread's settings now, and the pieces plan again). ``on_kv_grads(dkv_local, dkv_gathered)``: called once
+    with the two dK/dV as soon as they are queued: for one piece before its dQ pass, so that the return it starts
+    runs beside that pass; else after the last piece."""
     call = PiecesCall() if call is None else call
     hkv = k.shape[1]
     if _whole(pieces, q.shape[2]):
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
         keys = piece.k_rows
-        dq, dk_p, dv_p = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale,
-                                        dropout_p, seed, call)
-        if (keys.start, keys.stop) == (0, k_g.shape[2]):
-            return dq, None, torch.cat([dk_p, dv_p], dim=1)
-        dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
-        dkv_g[:, :hkv, keys], dkv_g[:, hkv:, keys] = dk_p, dv_p
-        return dq, None, dkv_g
+        gathered: list[torch.Tensor] = []
+
+        def dkdv_queued(dk_p: torch.Tensor, dv_p: torch.Tensor) -> None:
+            if (keys.start, keys.stop) == (0, k_g.shape[2]):
+                dkv_g = torch.cat([dk_p, dv_p], dim=1)
+            else:
+                dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
+                dkv_g[:, :hkv, keys], dkv_g[:, hkv:, keys] = dk_p, dv_p
+            gathered.append(dkv_g)
+            if on_kv_grads is not None:
+                on_kv_grads(None, dkv_g)
+
+        dq, _, _ = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale, dropout_p,
+                                  seed, call, after_dkdv=dkdv_queued)
+        return dq, None, gathered[0]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
     gathered = None  # (k_g, v_g, their dK/dV) once gathered
@@ -388,6 +400,8 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         target[:, :hkv, keys] += dk_p
         target[:, hkv:, keys] += dv_p
     gathered = gathered or wait()  # called even when no piece reads gathered keys (a real run's sends complete)
+    if on_kv_grads is not None:
+        on_kv_grads(dkv_l, gathered[2])
     return dq, dkv_l, gathered[2]
 
 

@@ -22,6 +22,7 @@ positions of its first query and first key, and the kernels draw the bits a sing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -121,11 +122,13 @@ def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piec
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                   call: PiecesCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   call: PiecesCall, after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows, with the forward's settings
-    and launches (``call``)."""
+    and launches (``call``). ``after_dkdv(dk, dv)``: called once dK and dV are queued, before the dQ pass
+    (``attention_backward``'s)."""
     return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed,
-                              settings=call.settings, launch=call.launches.get(id(piece)))
+                              settings=call.settings, launch=call.launches.get(id(piece)), after_dkdv=after_dkdv)
 
 
 def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:

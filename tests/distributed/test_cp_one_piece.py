@@ -67,3 +67,51 @@ def test_other_ranks_sum_their_pieces_in_float32(causal, window, topology):
     problem = RankProblem(topology, (30, 34) if len(topology) == 2 else (9, 30, 21), 0, 2, causal=causal, tile=16,
                           window=window)
     assert not problem.one_piece() and problem.kv_grad_dtype(torch.float16) == torch.float32
+
+
+@pytest.mark.parametrize("one_piece", [True, False], ids=["one-piece", "pieces"])
+def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch):
+    """A one-piece rank hands its dK/dV to the return (``on_kv_grads``) as soon as the dK/dV pass is queued and
+    only then queues the dQ pass, so that the return's transfer runs beside it; a rank of several pieces hands
+    both sums over after its last piece. What it hands over is what ``backward_pieces`` returns."""
+    from mmsparse.attention import backward
+
+    events = []
+    for name in ("dq", "dkdv"):
+        original = getattr(backward._Passes, name)
+
+        def recorded(self, *args, _original=original, _name=name):
+            events.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(backward._Passes, name, recorded)
+    topology, lens = (CYCLIC, (9, 30, 21)) if one_piece else ([[2, 0], [1, 1]], (30, 34))
+    problem = RankProblem(topology, lens, 0, 2, tile=16)
+    assert problem.one_piece() == one_piece
+    seq = sum(lens)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).half() for _ in range(4))
+    index, gathered = problem.token_index, problem.gathered_positions()
+    pieces = problem.pieces(q.device)
+    x = [t[:, :, index] for t in (q, k, v, do)]
+
+    def gather():
+        return k[:, :, gathered], v[:, :, gathered]
+
+    handed = []
+
+    def on_kv_grads(dkv_local, dkv_gathered):
+        events.append("return")
+        handed.append((dkv_local, dkv_gathered))
+
+    seeds = [None] * len(pieces)
+    o_l, lse_l = forward_pieces(*x[:3], pieces, seeds, 16**-0.5, 0.0, gather)
+    events.clear()
+    _, dkv_l, dkv_g = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, seeds, 16**-0.5, 0.0, gather,
+                                      on_kv_grads=on_kv_grads)
+    (dkv_l_handed, dkv_g_handed), = handed
+    assert dkv_g_handed is dkv_g and dkv_l_handed is dkv_l
+    if one_piece:
+        assert events == ["dkdv", "return", "dq"]
+    else:
+        assert events[-1] == "return" and events.count("return") == 1 and events.count("dq") == len(pieces)
