@@ -20,6 +20,11 @@ release the stage once dK is done. Every wgmma issued in a step is waited for in
 the loop's back edge makes ptxas serialize them all, C7512), so a stage is held for one step only, unlike
 ``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps of slack.
 
+Past 64 query rows a step (BM = 128: ``_halved_step``) a warpgroup takes the stage's rows in halves of 64: S^T,
+dP^T, P^T, dV, dS^T and dK of each half as above, dS^T of each half in its column half of the warpgroup's
+``[64, BM]`` tile; then one hand-over, one dQ matmul of all BM rows, one staging of dQ's half and one release of
+the stage, as a 64-row step. Its registers peak as a 64-row step's (a whole 64 x 128 S^T and dP^T spilled).
+
 The MMA warpgroups never wait for a reduce-add: the writer waits for each half to be read
 (``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
 after it filled the half.
@@ -27,19 +32,19 @@ after it filled the half.
 Shared memory a CTA (bytes; ``fused_bwd_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
 may take 232,448 on an H100 or H200):
 
-====================================  ==================  ==================
-what                                  D=128, BM=64        D=64, BM=64
-====================================  ==================  ==================
-K and V, 128 keys                     65,536              32,768
-Q and dO, per stage                   32,768              16,384
-lse, delta, query rows, bits / stage  1,024               1,024
-dS^T, both warpgroups (bf16)          16,384              16,384
-dQ staging, ``[BM, D]`` float32       32,768              16,384
-barriers                              < 200               < 200
-2 stages                              182,272             100,352
-3 stages (D=128's)                    216,064             117,760
-4 stages (D=64's)                     249,856 (no)        135,168
-====================================  ==================  ==================
+====================================  ==================  ==================  ==================
+what                                  D=128, BM=64        D=64, BM=64         D=64, BM=128
+====================================  ==================  ==================  ==================
+K and V, 128 keys                     65,536              32,768              32,768
+Q and dO, per stage                   32,768              16,384              32,768
+lse, delta, query rows, bits / stage  1,024               1,024               2,048
+dS^T, both warpgroups (bf16)          16,384              16,384              32,768
+dQ staging, ``[BM, D]`` float32       32,768              16,384              32,768
+barriers                              < 200               < 200               < 200
+2 stages                              182,272             100,352             167,936
+3 stages (D=128's)                    216,064             117,760             202,752
+4 stages (D=64's)                     249,856 (no)        135,168             237,568 (no)
+====================================  ==================  ==================  ==================
 
 The numerics are the ``tl`` one-pass kernel's (``tl.backward._dkdv_tiles``) and ``gluon.dkdv``'s: p in float32,
 the token mask as S^T's initial value (0 or -inf), dV from p rounded to the input dtype, dS rounded to the input
@@ -60,7 +65,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from .common import invalidate_ring, scores_init, thread_barrier, tma_atomic_add
+from .common import (
+    WG_ROWS,
+    box,
+    invalidate_ring,
+    load_resident_halves,
+    scores_init,
+    thread_barrier,
+    tma_atomic_add,
+    tma_load,
+    tma_store,
+)
 from .dkdv import WG_KEYS, count_slot, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
@@ -115,41 +130,45 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         stage, phase = count_slot(stage, phase, STAGES)
         it = i % n_total
         mbarrier.wait(ready.index(stage), phase)
-        st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
-                                   mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-        q_s = q_smem.index(stage)
-        do_s = do_smem.index(stage)
-        st = warpgroup_mma(k_w, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
-        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st,))
-        # lse and delta are read once their matmul is done: held across its wait they made ptxas spill at D=128.
-        lse = lse_smem.index(stage).load(cols)
-        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt,))
-        delta = delta_smem.index(stage).load(cols)
-        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
-        # nothing).
-        mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
-        ds_w.store(dst)
-        fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
-        mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
-        dst_op = gl.convert_layout(dst, op_layout)
-        mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
-        dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-        # Of dV, dQ (two groups), dK: all but dK are done.
-        dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
-        mbarrier.arrive(ds_bars.index(_DS_READ))
-        # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
-        mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
-        stage_w.store(dq * sm_scale)
-        fence_async_shared()  # before the writer's TMA (async proxy) reads the half
-        mbarrier.arrive(dq_full.index(WG))
-        dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
-        mbarrier.arrive(empty.index(stage))
+        if BM > WG_ROWS:
+            dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
+                                  buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+        else:
+            st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
+                                       mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+            q_s = q_smem.index(stage)
+            do_s = do_smem.index(stage)
+            st = warpgroup_mma(k_w, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
+            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st,))
+            # lse and delta are read once their matmul is done: held across its wait they made ptxas spill at D=128.
+            lse = lse_smem.index(stage).load(cols)
+            pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt,))
+            delta = delta_smem.index(stage).load(cols)
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
+            # nothing).
+            mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
+            ds_w.store(dst)
+            fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+            mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
+            dst_op = gl.convert_layout(dst, op_layout)
+            mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
+            dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
+            dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+            # Of dV, dQ (two groups), dK: all but dK are done.
+            dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
+            mbarrier.arrive(ds_bars.index(_DS_READ))
+            # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
+            mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
+            stage_w.store(dq * sm_scale)
+            fence_async_shared()  # before the writer's TMA (async proxy) reads the half
+            mbarrier.arrive(dq_full.index(WG))
+            dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
+            mbarrier.arrive(empty.index(stage))
     if total > 0:
         mbarrier.wait(ds_bars.index(_DS_READ), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
@@ -158,6 +177,165 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     fence_async_shared()
     thread_barrier()  # every thread's stores and fence before the one arrival
     mbarrier.arrive(done)
+
+
+@gluon.jit
+def _opaque_zero():
+    """A zero that LLVM cannot see through (side-effecting asm, as ``common.resident_tile``'s): a shared tile indexed
+    with it has its wgmma descriptors made where it is used, not hoisted out of the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_dq_in_loop(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr):
+    """``dq_adds.issue_dq`` with its tiles indexed through an opaque zero: the matmuls' shared-memory descriptors
+    are made in each step (a few uniform integer ops) instead of hoisted out of the loop."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    zero = gl.zeros([BM, N], gl.float32, layout)
+    z = _opaque_zero()
+    dq = warpgroup_mma(ds_smem.index(z).permute((1, 0)), k_smem.index(z).slice(COL0, N, dim=1), zero, use_acc=False,
+                       is_async=True)
+    return warpgroup_mma(ds_smem.index(z + 1).permute((1, 0)), k_smem.index(z + 1).slice(COL0, N, dim=1), dq,
+                         is_async=True)
+
+
+@gluon.jit
+def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
+                 buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, MASK_MODE: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``): the stage's BM query rows as
+    halves of 64 (``WG_ROWS``), each a 64-row step's S^T, dP^T, P^T, dV, dS^T and dK (so that only a half's S^T and
+    dP^T, 64 x 64, are held: 64 x 128 of each spilled), dS^T of each half stored in its column half of the
+    warpgroup's ``[64, BM]`` tile; then, as a 64-row step, one hand-over, one dQ matmul of all BM rows, one staging
+    of dQ's half for the writer and one release of the stage. Returns ``(dk, dv)`` with nothing in flight.
+
+    The register peak is a 64-row step's: a half's dV and dK are waited for before the next half's S^T and dP^T are
+    issued (left in flight across the next half's mask and matmul issue, they spilled a word in the segment-code
+    mask variant). The matmuls' shared-memory descriptors of K, V and the dS^T tiles are made in each step
+    (:func:`_opaque_zero`): hoisted out of the loop (the dQ matmul's alone are 24 64-bit values at BM = 128) they
+    crowded the loop so that the thread id, held across it for the epilogue, spilled."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done = barriers
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
+    HALF: gl.constexpr = WG_ROWS
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    N: gl.constexpr = HEAD_DIM_PAD // 2  # dQ's columns a warpgroup computes
+    keys: gl.constexpr = gl.SliceLayout(1, st_layout)
+    offs_n = gl.convert_layout(offs_n, keys)
+    k_bits = gl.convert_layout(k_bits, keys)
+    z = _opaque_zero()
+    k_w = k_smem.index(WG + z)
+    v_w = v_smem.index(WG + z)
+    ds_w = ds_smem.index(WG + z)
+    q_s = q_smem.index(stage)
+    do_s = do_smem.index(stage)
+    st_zero = gl.zeros([WG_KEYS, HALF], gl.float32, st_layout)
+    for h in gl.static_range(BM // HALF):
+        st0, partial = scores_init(it, n_full, rows_smem.index(stage).slice(h * HALF, HALF),
+                                   qbits_smem.index(stage).slice(h * HALF, HALF), offs_n, k_bits, mask_args, st_zero,
+                                   MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+        q_h = q_s.slice(h * HALF, HALF, dim=0)
+        do_h = do_s.slice(h * HALF, HALF, dim=0)
+        st = warpgroup_mma(k_w, q_h.permute((1, 0)), st0, use_acc=partial, is_async=True)
+        dpt = warpgroup_mma(v_w, do_h.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        lse = lse_smem.index(stage).slice(h * HALF, HALF).load(cols)
+        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do_h, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        delta = delta_smem.index(stage).slice(h * HALF, HALF).load(cols)
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        if h == 0:
+            # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (step 0 waits for nothing).
+            mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
+        ds_w.slice(h * HALF, HALF, dim=1).store(dst)
+        dst_op = gl.convert_layout(dst, op_layout)
+        if h < BM // HALF - 1:
+            dk = warpgroup_mma(dst_op, q_h, dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+    fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+    mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
+    mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
+    dq = _issue_dq_in_loop(ds_smem, k_smem, BM, WG * N, N)
+    dk = warpgroup_mma(dst_op, q_s.slice(BM - HALF, HALF, dim=0), dk, is_async=True)
+    # Of dV, dQ (two groups), dK: all but dK are done.
+    dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
+    mbarrier.arrive(ds_bars.index(_DS_READ))
+    # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
+    mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
+    stage_w = dq_stage.index(WG)
+    stage_w.store(dq * sm_scale)
+    fence_async_shared()  # before the writer's TMA (async proxy) reads the half
+    mbarrier.arrive(dq_full.index(WG))
+    dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
+    mbarrier.arrive(empty.index(stage))
+    return dk, dv
+
+
+@gluon.jit
+def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+              MASK_MODE: gl.constexpr):
+    """The producer warp: ``gluon.dkdv``'s (``key_block_producer``) up to BM = 64. Past it the same, but each
+    stage's lse, delta, query-index and (partial blocks) query-bit rows are loaded and stored 32 rows (a row a lane)
+    at a time, a warp barrier between parts: at BM = 128 the whole rows (4 registers each a lane) spilled at the
+    warp's 24 registers, and so did two 64-row parts, whose loads ptxas hoisted above the first part's stores. The
+    first part's lse and delta are loaded before the wait for the stage to be released, as the 64-row producer
+    loads its rows."""
+    if BM <= WG_ROWS:
+        key_block_producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
+                           NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)
+    else:
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+        kv_bar, ready, empty, done = barriers
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
+        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
+        load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
+        rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        PART: gl.constexpr = 32  # rows a part: one a lane
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
+            for it in range(n_total):
+                i = g * n_total + it
+                stage = i % STAGES
+                m_blk = block_id(idx_ptr, it)
+                for part in gl.static_range(BM // PART):
+                    offs_m = m_blk * BM + part * PART + gl.arange(0, PART, layout=rows)
+                    # Rows past the end get lse = +inf, hence p = 0.
+                    lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+                    delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+                    if part == 0:
+                        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+                    lse_smem.index(stage).slice(part * PART, PART).store(lse)
+                    delta_smem.index(stage).slice(part * PART, PART).store(delta)
+                    rows_smem.index(stage).slice(part * PART, PART).store(offs_m)
+                    if MASK_MODE != _MASK_DENSE:
+                        if it >= n_full:
+                            # Rows past the end get no bits (code 0 is masked by the row bound): no allowed pair.
+                            bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+                            qbits_smem.index(stage).slice(part * PART, PART).store(bits)
+                    if part < BM // PART - 1:
+                        # The next part's loads after these stores (bar.warp.sync): ptxas would hoist them all.
+                        thread_barrier()
+                # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on
+                # ready.
+                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
+                tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
+        # The MMA warpgroups leave dK and dV in the K and V buffers.
+        mbarrier.wait(done, 0)
+        for half in gl.static_range(2):
+            tma_store(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
+            tma_store(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -240,7 +418,7 @@ def attention_bwd_dq_writer_gluon(
                               GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
             (_mma_warpgroup, (1, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
                               GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
-            (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
+            (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                                   MASK_MODE)),
             (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
