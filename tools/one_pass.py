@@ -80,10 +80,10 @@ def side_block_m(side: str) -> int | None:
 
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
-    table's tile: ``cuda_kernel_config(..., gluon_dq_writer=True)``, at the side's query rows and stages where it
-    names them); None for the two passes (the device's own); the one-pass side the device's config without the dQ
-    writer (the one pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is the
-    default)."""
+    table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
+    length where it names them); None for the two passes (the device's own); the one-pass side the device's config
+    without the dQ writer (the one pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is
+    the default)."""
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
             return None
@@ -97,6 +97,8 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
         problem = gluon_tile_problem("dq_writer", writer, head_dim_pad(cfg.head_dim), dtype.itemsize)
         if problem is not None:
             raise ValueError(f"side {side}: {problem}")
+        # the side's tile at every length (the table's longer-call tile would take over there)
+        return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer, gluon_dq_writer_long=None)
     return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer)
 
 
@@ -128,7 +130,7 @@ def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, co
                   ) -> str:
     """The tile the one pass runs at under the current config (or ``config``), as the record shows it."""
     c = config if config is not None else kernel_config(cfg.head_dim, dtype, device)
-    x = c.one_pass_kernel_tile()
+    x = c.one_pass_kernel_tile(seq_k=cfg.seq_k, sample_len=cfg.seq_k // len(cfg.rows) if cfg.packed else None)
     kind = " dq-writer" if c.one_pass_runs_dq_writer() else " bulk"
     return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages}{kind}" if x.gluon else " tl")
 

@@ -81,6 +81,9 @@ class KernelConfig:
     # runs it rather than the dK/dV kernel's ONE_PASS variant at gluon_one_pass. None: off (by default at head dims
     # other than GLUON_DQ_WRITER_HEAD_DIMS).
     gluon_dq_writer: Tile | None = None
+    # The dQ-writer kernel's tile over short_keys keys or more, except for packs of samples of up to short_samples
+    # tokens (GLUON_DQ_WRITER_LONG: 128 query rows a step). None: gluon_dq_writer's everywhere.
+    gluon_dq_writer_long: Tile | None = None
     # The tl dK/dV kernel's tile with dropout (no Gluon kernel has it), where bwd_dkdv is a Gluon tile the tl kernel
     # runs poorly: at D=256 the Gluon kernel's 64 keys by 64 rows spill in the tl kernel. None: bwd_dkdv's.
     bwd_dkdv_dropout: Tile | None = None
@@ -111,7 +114,8 @@ class KernelConfig:
             _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
                     "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass,
-                    "gluon_dq_writer": self.gluon_dq_writer, "bwd_dkdv_dropout": self.bwd_dkdv_dropout,
+                    "gluon_dq_writer": self.gluon_dq_writer, "gluon_dq_writer_long": self.gluon_dq_writer_long,
+                    "bwd_dkdv_dropout": self.bwd_dkdv_dropout,
                     "bwd_dq_dropout": self.bwd_dq_dropout}
         for name, tile in backward.items():
             if tile is not None and tile.pingpong:
@@ -125,9 +129,11 @@ class KernelConfig:
         if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
             raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
                              f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
-        if self.gluon_dq_writer is not None and not self.gluon_dq_writer.gluon:
-            raise ValueError(f"KernelConfig.gluon_dq_writer is the Gluon dQ-writer kernel's tile: it needs "
-                             f"gluon_stages (2 or more); got {self.gluon_dq_writer}. None turns that kernel off")
+        for name in ("gluon_dq_writer", "gluon_dq_writer_long"):
+            tile = getattr(self, name)
+            if tile is not None and not tile.gluon:
+                raise ValueError(f"KernelConfig.{name} is the Gluon dQ-writer kernel's tile: it needs gluon_stages "
+                                 f"(2 or more); got {tile}. None turns it off")
 
     def forward_tile(self, seq_q: int, seq_k: int, sample_len: int | None = None) -> Tile:
         """A few queries (decoding) get short query tiles: a 128-row tile would compute 127 padding rows. Few keys
@@ -136,7 +142,7 @@ class KernelConfig:
         ``fwd_short_samples``: its rows' lists are a few partial tiles, and narrower key tiles waste less."""
         if seq_q <= self.decode_max_q:
             return self.decode
-        if self.fwd_short_samples is not None and sample_len is not None and sample_len <= self.short_samples:
+        if self.fwd_short_samples is not None and self.short_samples_pack(sample_len):
             return self.fwd_short_samples
         return _by_length(self.fwd, self.fwd_short, seq_k, self)
 
@@ -166,14 +172,30 @@ class KernelConfig:
         """The one-pass backward is the warp-specialised dQ-writer kernel (``gluon_dq_writer`` is set)."""
         return self.gluon_dq_writer is not None and self.one_pass_runs_gluon(dropout)
 
-    def one_pass_kernel_tile(self, dropout: bool = False) -> Tile:
-        """The tile the one-pass backward runs at: ``gluon_dq_writer`` where :meth:`one_pass_runs_dq_writer`, else
+    def one_pass_kernel_tile(self, dropout: bool = False, seq_k: int | None = None,
+                             sample_len: int | None = None) -> Tile:
+        """The tile the one-pass backward runs at over ``seq_k`` keys (None: few) and samples of ``sample_len``
+        tokens (None: not a pack): :meth:`dq_writer_tile` where :meth:`one_pass_runs_dq_writer`, else
         ``gluon_one_pass`` where :meth:`one_pass_runs_gluon`; elsewhere the tl kernel's :meth:`one_pass_tile`."""
         if self.gluon_dq_writer is not None and self.one_pass_runs_dq_writer(dropout):
-            return self.gluon_dq_writer
+            return self.dq_writer_tile(seq_k, sample_len)
         if self.gluon_one_pass is not None and self.one_pass_runs_gluon(dropout):
             return self.gluon_one_pass
         return self.one_pass_tile()
+
+    def dq_writer_tile(self, seq_k: int | None = None, sample_len: int | None = None) -> Tile | None:
+        """The dQ-writer kernel's tile: ``gluon_dq_writer_long`` where set, over ``short_keys`` keys or more and not
+        for a pack of short samples (:meth:`short_samples_pack`), else ``gluon_dq_writer``. The longer query steps
+        lost there: the lists are a few steps, and a stage's rows take the producer longer to fill."""
+        long = self.gluon_dq_writer_long
+        if long is None or seq_k is None or self.few_keys(seq_k) or self.short_samples_pack(sample_len):
+            return self.gluon_dq_writer
+        return long
+
+    def short_samples_pack(self, sample_len: int | None) -> bool:
+        """A pack (``sample_len``: its tokens per sample on average; None: not a pack) of samples of at most
+        ``short_samples`` tokens."""
+        return sample_len is not None and sample_len <= self.short_samples
 
     def one_pass(self, seq_k: int) -> bool:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
@@ -212,13 +234,14 @@ GLUON_BLOCK = 128
 # (gluon_tile_problem).
 GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
-                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer", "bwd_dq_dropout")
+                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer", "bwd_dq_dropout",
+                "gluon_dq_writer_long")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
 # (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
 _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "block_m", "decode": "block_m",
                "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n",
-               "gluon_dq_writer": "block_n"}
+               "gluon_dq_writer": "block_n", "gluon_dq_writer_long": "block_n"}
 # The blocks each of those tiles may have (GLUON_BLOCK where not listed).
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
@@ -575,7 +598,8 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
                       bwd_dq_short=cfg.bwd_dq if d_pad in _GLUON_DQ_LONG_ONLY else None)
         if gluon_dq_writer and d_pad in GLUON_DQ_WRITER:
-            cfg = replace(cfg, gluon_dq_writer=GLUON_DQ_WRITER[d_pad])
+            cfg = replace(cfg, gluon_dq_writer=GLUON_DQ_WRITER[d_pad],
+                          gluon_dq_writer_long=GLUON_DQ_WRITER_LONG.get(d_pad))
     if dtype == torch.float32:  # twice the bytes per tile: halve the key tiles to stay within shared memory
         cfg = replace(
             cfg,
@@ -630,6 +654,14 @@ GLUON_ONE_PASS_BULK = {
 GLUON_DQ_WRITER = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=5),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
+}
+# Its tile over SHORT_KEYS keys or more outside packs of short samples (KernelConfig.gluon_dq_writer_long): 128 query
+# rows a step, taken by each MMA warpgroup in halves of 64, and 3 stages (202,752 B; 4 would need 237,568). At D=64
+# it beat the 64-row tile by 1.03-1.07x on 13k-64k keys (mm13k_hub, mm13k_cyclic, mm13k_hub_gqa, transfusion_16k,
+# video_64k), but lost 0.86x on a pack of 512-token samples and 0.87x at the seed's 925 keys (H200, tools.one_pass,
+# benchmarks/results/h200/dq_writer_d64_bm128.md). Between 2,048 and 13k keys it was not measured.
+GLUON_DQ_WRITER_LONG = {
+    64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3),
 }
 # The head dims (padded) whose deterministic=False backward runs the dQ-writer kernel by default. At D=64 it beat
 # the two passes by 1.02-1.20x at 13k-64k keys, and the bulk one pass by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa)

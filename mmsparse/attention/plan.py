@@ -114,18 +114,19 @@ def plan_attention(
     tile = config.forward_tile(seq_q, seq_k, sample_len)
     forward = forward_pass(tile, config.decode_max_q, batch, num_heads, num_kv_heads, seq_q, seq_k, device, dropout,
                            sms)
-    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic)
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len)
     return AttentionPlan(forward=forward, dq=dq, dkdv=dkdv, side_stream=side_stream)
 
 
-def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, dropout: bool,
-                    deterministic: bool) -> tuple[BackwardPass | None, BackwardPass, bool]:
+def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, dropout: bool, deterministic: bool,
+                    sample_len: int | None = None) -> tuple[BackwardPass | None, BackwardPass, bool]:
     """(dQ pass or None for the one pass, dK/dV pass, side stream) of :func:`plan_attention`: they depend on the
-    key count only through the config's thresholds, so a traced call decides them once for every length on the
-    same side of those (:func:`plan_call`)."""
+    key count and the samples' length only through the config's thresholds, so a traced call decides them once for
+    every length on the same side of those (:func:`plan_call`)."""
     if config.runs_one_pass(seq_k, deterministic, dropout):
-        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout), config.one_pass_runs_gluon(dropout), True,
-                                one_pass=True, dq_writer=config.one_pass_runs_dq_writer(dropout))
+        one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
+                                config.one_pass_runs_gluon(dropout), True, one_pass=True,
+                                dq_writer=config.one_pass_runs_dq_writer(dropout))
         return None, one_pass, False
     dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
     return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
@@ -240,7 +241,7 @@ def plan_call(config: KernelConfig, seq_q: int, seq_k: int, device: torch.device
               num_segments: int) -> CallPlan:
     """The :class:`CallPlan` of a call (the lengths may be a traced graph's symbols: they are only compared with
     the config's thresholds, which the graph then guards on)."""
-    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic)
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len)
     return CallPlan(forward=config.forward_tile(seq_q, seq_k, sample_len), dq=dq, dkdv=dkdv,
                     side_stream=side_stream, mode=mode, causal=causal, window=window, num_segments=num_segments,
                     dropout=dropout, use_tma=config.use_tma,

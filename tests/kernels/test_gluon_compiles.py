@@ -51,12 +51,14 @@ class Variant:
     one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS) at config.GLUON_ONE_PASS_BULK's tile
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
+    long: bool = False  # dq_writer only: the tile of longer calls (config.GLUON_DQ_WRITER_LONG, 128 query rows)
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
         # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
         kind = "dkdv1p-bulk" if self.one_pass else "dqwriter" if self.kind == "dq_writer" else self.kind
+        kind += "-128rows" if self.long else ""
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -114,7 +116,7 @@ VARIANTS = [
     Variant("dkdv", 256, "codes", window=True, group=1),
     Variant("dkdv", 256, "dense", group=4),
     # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py, config.GLUON_DQ_WRITER): each head dim,
-    # each mask mode, causal, a window, GQA groups 1, 2 and 4.
+    # each mask mode, causal, a window, GQA groups 1, 2 and 4; at D=64 also the 128-row tile of longer calls.
     Variant("dq_writer", 128, "bits", causal=True),
     Variant("dq_writer", 128, "codes", window=True, group=1),
     Variant("dq_writer", 128, "dense", group=4),
@@ -122,6 +124,9 @@ VARIANTS = [
     Variant("dq_writer", 64, "bits", group=1),
     Variant("dq_writer", 64, "codes", causal=True, group=4),
     Variant("dq_writer", 64, "dense", causal=True, window=True),
+    Variant("dq_writer", 64, "bits", group=1, long=True),
+    Variant("dq_writer", 64, "codes", causal=True, group=4, long=True),
+    Variant("dq_writer", 64, "dense", causal=True, window=True, long=True),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -141,6 +146,7 @@ def _tile(variant: Variant):
         GLUON_D256,
         GLUON_D256_HEAD_DIM,
         GLUON_DQ_WRITER,
+        GLUON_DQ_WRITER_LONG,
         GLUON_ONE_PASS_BULK,
     )
 
@@ -148,7 +154,8 @@ def _tile(variant: Variant):
         tile = GLUON_D256[variant.kind]
     else:
         table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
-                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV, "dq_writer": GLUON_DQ_WRITER}
+                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV,
+                 "dq_writer": GLUON_DQ_WRITER_LONG if variant.long else GLUON_DQ_WRITER}
         tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)

@@ -19,6 +19,7 @@ from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.config import (
     GLUON_DQ_WRITER,
     GLUON_DQ_WRITER_HEAD_DIMS,
+    GLUON_DQ_WRITER_LONG,
     GLUON_ONE_PASS_BULK,
     HOPPER,
     HOPPER_SHARED_BYTES,
@@ -29,7 +30,8 @@ from mmsparse.attention.config import (
     head_dim_pad,
     kernel_config,
 )
-from mmsparse.attention.plan import plan_attention
+from mmsparse.attention.plan import plan_attention, plan_call
+from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
 from tests.kernels.test_hopper_one_pass import CASES, _case_id
@@ -63,13 +65,39 @@ def test_default_head_dims():
             dropout = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, dropout=True, deterministic=False)
             assert not dropout.dkdv.dq_writer and (dropout.dq is None) == (keys < cfg.one_pass_max_keys)
         off = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
-        assert off.gluon_dq_writer is None and not off.one_pass_runs_dq_writer()
+        assert off.gluon_dq_writer is None and off.gluon_dq_writer_long is None and not off.one_pass_runs_dq_writer()
     for head_dim in (128, 256):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
-        assert cfg.gluon_dq_writer is None and not cfg.one_pass_runs_dq_writer()
+        assert cfg.gluon_dq_writer is None and cfg.gluon_dq_writer_long is None
+        assert not cfg.one_pass_runs_dq_writer()
         assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
         plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
         assert not plan.dkdv.dq_writer and plan.kernels()["dkdv"] != "gluon-dq-writer"
+
+
+@pytest.mark.parametrize("head_dim", [48, 64])
+def test_longer_calls_take_the_128_row_tile(head_dim):
+    """From short_keys keys the dQ writer runs 128 query rows a step (GLUON_DQ_WRITER_LONG), except for a pack of
+    samples of up to short_samples tokens, eager and traced alike; at D=128 it has no such tile."""
+    cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+    short, long = GLUON_DQ_WRITER[64], GLUON_DQ_WRITER_LONG[64]
+    assert cfg.gluon_dq_writer_long == long and long.block_m == 128
+    assert gluon_tile_problem("dq_writer", long, 64) is None
+    cpu = torch.device("cpu")
+    cases = [(cfg.short_keys - 1, None, short), (cfg.short_keys, None, long), (64000, None, long),
+             (64000, 512, short), (64000, cfg.short_samples, short), (64000, cfg.short_samples + 1, long)]
+    for keys, sample_len, tile in cases:
+        assert cfg.dq_writer_tile(keys, sample_len) == tile
+        plan = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sample_len, sms=132, deterministic=False)
+        assert plan.dkdv.dq_writer and plan.dkdv.tile == tile and plan.dkdv.lists == (tile.block_m, 128, True)
+        traced = plan_call(cfg, keys, keys, cpu, sample_len, False, False, MASK_BITS, False, None, 3)
+        assert traced.dkdv == plan.dkdv
+    assert cfg.dq_writer_tile() == short  # no length: the tile every length can take
+    without = dataclasses.replace(cfg, gluon_dq_writer_long=None)
+    assert plan_attention(without, 1, 4, 2, 64000, 64000, cpu, sms=132, deterministic=False).dkdv.tile == short
+    assert writer_config(128).gluon_dq_writer_long is None
+    with pytest.raises(ValueError, match="gluon_dq_writer_long is the Gluon dQ-writer kernel's tile"):
+        dataclasses.replace(cfg, gluon_dq_writer_long=Tile(128, 128))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -169,6 +197,25 @@ def test_dq_writer_matches_float64(name, writer_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in CASES if head_dim_pad(CASES[n][7]) in GLUON_DQ_WRITER_LONG],
+                         ids=_case_id)
+def test_dq_writer_128_rows_matches_float64(name, writer_calls):
+    """The same cases at the 128-row tile (each step's rows in two halves), at every length."""
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
+    seq = sum(lens)
+    seq_q = seq_q or seq
+    q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
+    tile = GLUON_DQ_WRITER_LONG[head_dim_pad(head_dim)]
+    with use_tuning(dataclasses.replace(writer_config(head_dim, dtype), gluon_dq_writer=tile)):
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert writer_calls == [tile]
+    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_writer_dense_mask(head_dim, writer_calls):
     """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN."""
@@ -198,21 +245,22 @@ def test_dq_writer_gqa4_past_the_threshold(head_dim, causal, writer_calls):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=causal, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert writer_calls == [GLUON_DQ_WRITER[head_dim]]
+    assert writer_calls == [writer_config(head_dim).dq_writer_tile(sum(lens))]  # D=64: the 128-row tile
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=causal))
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
 def test_d64_default_runs_the_dq_writer(writer_calls):
-    """A user's deterministic=False call at D=64, default settings, lengths past one_pass_max_keys new to the
-    process: the dQ writer runs, and the output and all three gradients match float64."""
+    """A user's deterministic=False call at D=64, default settings, lengths past one_pass_max_keys and short_keys
+    new to the process: the dQ writer runs at its 128-row tile, and the output and all three gradients match
+    float64."""
     lens = (1200, 37, 2011)
     q, k, v = make_qkv(2, 4, 2, sum(lens), sum(lens), 64, torch.bfloat16, CUDA)
     out = mbs_attention(q, k, v, HUB, lens, causal=True, deterministic=False)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    assert writer_calls == [GLUON_DQ_WRITER[64]]
+    assert writer_calls == [GLUON_DQ_WRITER_LONG[64]]
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, sum(lens), causal=True))
 
 
