@@ -65,17 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from .common import (
-    WG_ROWS,
-    box,
-    invalidate_ring,
-    load_resident_halves,
-    scores_init,
-    thread_barrier,
-    tma_atomic_add,
-    tma_load,
-    tma_store,
-)
+from .common import WG_ROWS, invalidate_ring, opaque_zero, scores_init, thread_barrier, tma_atomic_add
 from .dkdv import WG_KEYS, count_slot, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
@@ -87,6 +77,9 @@ WORKER_WARPS = gl.constexpr([4, 1, 1])
 # Registers a thread of each worker. The two one-warp workers share a warpgroup of the launch's count (Triton pads
 # it to one), so the default warpgroup gets 3 x 168 - 240 - 24 = 240, as the second MMA warpgroup.
 WORKER_REGS = gl.constexpr([240, 24, 24])
+# Past 64 query rows a step the producer warp loads and stores a stage's rows this many at a time (one a lane): at
+# 128 rows, whole, they spilled at its 24 registers (``dkdv_rows.stage_query_blocks``).
+PRODUCER_ROW_PART = gl.constexpr(32)
 # The dS^T hand-over between the MMA warpgroups (``ds_bars``): both staged this step's dS^T; both of their dQ
 # matmuls have read both tiles (a tile may then take the next step's dS^T).
 _DS_FULL, _DS_READ = gl.constexpr(0), gl.constexpr(1)
@@ -180,26 +173,6 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
 
 
 @gluon.jit
-def _opaque_zero():
-    """A zero that LLVM cannot see through (side-effecting asm, as ``common.resident_tile``'s): a shared tile indexed
-    with it has its wgmma descriptors made where it is used, not hoisted out of the loop."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _issue_dq_in_loop(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr):
-    """``dq_adds.issue_dq`` with its tiles indexed through an opaque zero: the matmuls' shared-memory descriptors
-    are made in each step (a few uniform integer ops) instead of hoisted out of the loop."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-    zero = gl.zeros([BM, N], gl.float32, layout)
-    z = _opaque_zero()
-    dq = warpgroup_mma(ds_smem.index(z).permute((1, 0)), k_smem.index(z).slice(COL0, N, dim=1), zero, use_acc=False,
-                       is_async=True)
-    return warpgroup_mma(ds_smem.index(z + 1).permute((1, 0)), k_smem.index(z + 1).slice(COL0, N, dim=1), dq,
-                         is_async=True)
-
-
-@gluon.jit
 def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
                  buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, MASK_MODE: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
@@ -212,7 +185,7 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
     The register peak is a 64-row step's: a half's dV and dK are waited for before the next half's S^T and dP^T are
     issued (left in flight across the next half's mask and matmul issue, they spilled a word in the segment-code
     mask variant). The matmuls' shared-memory descriptors of K, V and the dS^T tiles are made in each step
-    (:func:`_opaque_zero`): hoisted out of the loop (the dQ matmul's alone are 24 64-bit values at BM = 128) they
+    (``common.opaque_zero``): hoisted out of the loop (the dQ matmul's alone are 24 64-bit values at BM = 128) they
     crowded the loop so that the thread id, held across it for the epilogue, spilled."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
@@ -229,7 +202,7 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
     keys: gl.constexpr = gl.SliceLayout(1, st_layout)
     offs_n = gl.convert_layout(offs_n, keys)
     k_bits = gl.convert_layout(k_bits, keys)
-    z = _opaque_zero()
+    z = opaque_zero()
     k_w = k_smem.index(WG + z)
     v_w = v_smem.index(WG + z)
     ds_w = ds_smem.index(WG + z)
@@ -263,7 +236,7 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
     fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
     mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
     mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-    dq = _issue_dq_in_loop(ds_smem, k_smem, BM, WG * N, N)
+    dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, opaque_zero())
     dk = warpgroup_mma(dst_op, q_s.slice(BM - HALF, HALF, dim=0), dk, is_async=True)
     # Of dV, dQ (two groups), dK: all but dK are done.
     dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
@@ -277,65 +250,6 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
     dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
     mbarrier.arrive(empty.index(stage))
     return dk, dv
-
-
-@gluon.jit
-def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr):
-    """The producer warp: ``gluon.dkdv``'s (``key_block_producer``) up to BM = 64. Past it the same, but each
-    stage's lse, delta, query-index and (partial blocks) query-bit rows are loaded and stored 32 rows (a row a lane)
-    at a time, a warp barrier between parts: at BM = 128 the whole rows (4 registers each a lane) spilled at the
-    warp's 24 registers, and so did two 64-row parts, whose loads ptxas hoisted above the first part's stores. The
-    first part's lse and delta are loaded before the wait for the stage to be released, as the 64-row producer
-    loads its rows."""
-    if BM <= WG_ROWS:
-        key_block_producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
-                           NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)
-    else:
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
-        kv_bar, ready, empty, done = barriers
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
-        q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-        load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
-        rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        PART: gl.constexpr = 32  # rows a part: one a lane
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
-            for it in range(n_total):
-                i = g * n_total + it
-                stage = i % STAGES
-                m_blk = block_id(idx_ptr, it)
-                for part in gl.static_range(BM // PART):
-                    offs_m = m_blk * BM + part * PART + gl.arange(0, PART, layout=rows)
-                    # Rows past the end get lse = +inf, hence p = 0.
-                    lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-                    delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
-                    if part == 0:
-                        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-                    lse_smem.index(stage).slice(part * PART, PART).store(lse)
-                    delta_smem.index(stage).slice(part * PART, PART).store(delta)
-                    rows_smem.index(stage).slice(part * PART, PART).store(offs_m)
-                    if MASK_MODE != _MASK_DENSE:
-                        if it >= n_full:
-                            # Rows past the end get no bits (code 0 is masked by the row bound): no allowed pair.
-                            bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
-                            qbits_smem.index(stage).slice(part * PART, PART).store(bits)
-                    if part < BM // PART - 1:
-                        # The next part's loads after these stores (bar.warp.sync): ptxas would hoist them all.
-                        thread_barrier()
-                # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on
-                # ready.
-                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
-                tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
-        # The MMA warpgroups leave dK and dV in the K and V buffers.
-        mbarrier.wait(done, 0)
-        for half in gl.static_range(2):
-            tma_store(dk_desc, [b, hk, col0 + half * WG_KEYS, 0], box(k_smem.index(half)))
-            tma_store(dv_desc, [b, hk, col0 + half * WG_KEYS, 0], box(v_smem.index(half)))
-        tma.store_wait(0)
 
 
 @gluon.jit
@@ -418,9 +332,9 @@ def attention_bwd_dq_writer_gluon(
                               GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
             (_mma_warpgroup, (1, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
                               GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
-            (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
+            (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
-                                  MASK_MODE)),
+                                  MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0)),
             (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
         ],
         WORKER_WARPS,

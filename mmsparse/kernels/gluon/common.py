@@ -102,6 +102,14 @@ def box(smem):
 
 
 @gluon.jit
+def opaque_zero():
+    """A zero that LLVM cannot see through (side-effecting asm: neither hoisted nor folded, so nothing derived from
+    it is loop-invariant): a shared tile indexed with it inside a loop has its wgmma descriptors made where it is
+    used (a few integer adds) instead of hoisted out of the loop and held in registers across it."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def resident_tile(smem, WG: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
     """Warpgroup WG's tile of a resident ``[2, rows, D_pad]`` allocation (Q, dO), as the A operand of a wgmma inside
     a loop. Past HOISTED_DESCRIPTORS_MAX_D its index goes through a zero that LLVM cannot see through, so the tile's
@@ -110,8 +118,7 @@ def resident_tile(smem, WG: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
     their neighbours inside the loop rather than recompute them."""
     index = WG
     if HEAD_DIM_PAD > HOISTED_DESCRIPTORS_MAX_D:
-        # side-effecting asm: neither hoisted nor folded, so nothing derived from it is loop-invariant to LLVM
-        index = WG + gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        index = WG + opaque_zero()
     return smem.index(index)
 
 

@@ -11,7 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..constants import MASK_DENSE
 from ..lists import block_id
-from .common import box, program_lists, tma_load
+from .common import box, program_lists, thread_barrier, tma_load
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
@@ -50,12 +50,25 @@ def allocate_query_stages(dtype: gl.constexpr, STAGES: gl.constexpr, BM: gl.cons
 
 
 @gluon.jit
+def _part(row_smem, part, PART: gl.constexpr, BM: gl.constexpr):
+    """Rows part * PART .. (part + 1) * PART - 1 of a stage's ``[BM]`` row tile (the tile itself when PART is BM)."""
+    if PART == BM:
+        return row_smem
+    return row_smem.slice(part * PART, PART)
+
+
+@gluon.jit
 def stage_query_blocks(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr,
                        seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       STAGES: gl.constexpr, MASK_MODE: gl.constexpr):
+                       STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0):
     """``stages``: the ring's (q, do, lse, delta, rows, qbits) shared tiles; step ``g * n_total + it`` takes
-    stage ``step % STAGES`` once the consumers have released it (``empty``)."""
+    stage ``step % STAGES`` once the consumers have released it (``empty``). ``ROW_PART``: the rows are loaded and
+    stored ROW_PART at a time (0: all BM at once), a warp barrier between parts; the first part's lse and delta
+    are loaded before the wait for the stage, as whole rows are. At BM = 128 the one warp's whole rows (4
+    registers each a lane) spilled at its 24 registers, and so did 64-row parts, whose loads ptxas hoisted above
+    the first part's stores without the barrier."""
     q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = stages
+    PART: gl.constexpr = BM if ROW_PART == 0 else ROW_PART
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -64,18 +77,23 @@ def stage_query_blocks(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_pt
             i = g * n_total + it
             stage = i % STAGES
             m_blk = block_id(idx_ptr, it)
-            offs_m = m_blk * BM + gl.arange(0, BM, layout=rows)
-            # Rows past the end get lse = +inf, hence p = 0.
-            lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-            delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
-            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            lse_smem.index(stage).store(lse)
-            delta_smem.index(stage).store(delta)
-            rows_smem.index(stage).store(offs_m)
-            if MASK_MODE != _MASK_DENSE:
-                if it >= n_full:
-                    # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
-                    qbits_smem.index(stage).store(gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0))
+            for part in gl.static_range(BM // PART):
+                offs_m = m_blk * BM + part * PART + gl.arange(0, PART, layout=rows)
+                # Rows past the end get lse = +inf, hence p = 0.
+                lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+                delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+                if part == 0:
+                    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+                _part(lse_smem.index(stage), part, PART, BM).store(lse)
+                _part(delta_smem.index(stage), part, PART, BM).store(delta)
+                _part(rows_smem.index(stage), part, PART, BM).store(offs_m)
+                if MASK_MODE != _MASK_DENSE:
+                    if it >= n_full:
+                        # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
+                        bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+                        _part(qbits_smem.index(stage), part, PART, BM).store(bits)
+                if part < BM // PART - 1:
+                    thread_barrier()  # the next part's loads after these stores (bar.warp.sync)
             # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
             mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))

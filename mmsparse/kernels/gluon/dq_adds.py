@@ -36,14 +36,17 @@ def stage_ds(dst, ds_w):
 
 
 @gluon.jit
-def issue_dq(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr):
+def issue_dq(ds_smem, k_smem, BM: gl.constexpr, COL0: gl.constexpr, N: gl.constexpr, first=0):
     """Issue columns COL0 .. COL0 + N - 1 of the block's dQ = dS_0 K_0 + dS_1 K_1 (``[BM, N]`` fp32, asynchronous)
-    over both warpgroups' keys: A is each staged dS^T seen transposed, B a column slice of that warpgroup's K."""
+    over both warpgroups' keys: A is each staged dS^T seen transposed, B a column slice of that warpgroup's K.
+    ``first``: the index of warpgroup 0's tiles, 0 (``common.opaque_zero()`` inside a loop: the tiles' descriptors
+    are then made where they are used)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     zero = gl.zeros([BM, N], gl.float32, layout)
-    dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(COL0, N, dim=1), zero, use_acc=False,
-                       is_async=True)
-    return warpgroup_mma(ds_smem.index(1).permute((1, 0)), k_smem.index(1).slice(COL0, N, dim=1), dq, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(first).permute((1, 0)), k_smem.index(first).slice(COL0, N, dim=1), zero,
+                       use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(first + 1).permute((1, 0)), k_smem.index(first + 1).slice(COL0, N, dim=1), dq,
+                         is_async=True)
 
 
 @gluon.jit
