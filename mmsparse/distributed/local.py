@@ -362,7 +362,7 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
         keys = piece.k_rows
-        gathered: list[torch.Tensor] = []
+        handed: list[torch.Tensor] = []  # the gathered keys' dK/dV, once queued
 
         def dkdv_queued(dk_p: torch.Tensor, dv_p: torch.Tensor) -> None:
             if (keys.start, keys.stop) == (0, k_g.shape[2]):
@@ -370,13 +370,13 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             else:
                 dkv_g = dk_p.new_zeros((k.shape[0], 2 * hkv, k_g.shape[2], k.shape[3]))
                 dkv_g[:, :hkv, keys], dkv_g[:, hkv:, keys] = dk_p, dv_p
-            gathered.append(dkv_g)
+            handed.append(dkv_g)
             if on_kv_grads is not None:
                 on_kv_grads(None, dkv_g)
 
         dq, _, _ = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale, dropout_p,
                                   seed, call, after_dkdv=dkdv_queued)
-        return dq, None, gathered[0]
+        return dq, None, handed[0]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
     gathered = None  # (k_g, v_g, their dK/dV) once gathered
