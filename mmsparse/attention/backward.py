@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ import torch
 
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from ..mask.blocks import cdiv
+from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import own_stream
@@ -84,16 +86,12 @@ class BackwardLaunch:
         self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
     def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs, dq_mask: LaunchArgs | None,
-                 after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 hooks: ExchangeHooks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
         q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous), dropout seed and the mask
         arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
-        before, on the current stream.
-
-        ``after_dkdv(dk, dv)``: called once dK and dV are queued, before the dQ pass is: the passes then run one
-        after the other on the current stream, dK/dV first, so that what the callback queues elsewhere (a context
-        parallel rank's return of dK/dV to their owners, on copy engines) runs beside the dQ pass."""
+        before, on the current stream. ``hooks``: a context-parallel rank's exchange beside the passes
+        (:class:`ExchangeHooks`); the passes then run one after the other on the current stream, dK/dV first."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
         out, lse = saved_layout(out), saved_layout(lse)
@@ -113,16 +111,12 @@ class BackwardLaunch:
         launch_bound(_DELTA, self.delta_grid, (out, do, delta, dq_sum if self.one_pass else delta, self.n_rows),
                      self.delta_constexprs, bound, "delta")
         passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides), bound)
+        if hooks is not None:
+            return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
             dk, dv = passes.dkdv(dkdv_mask, dq_sum)
-            if after_dkdv is not None:
-                after_dkdv(dk, dv)
             dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
             return dq, dk, dv
-        if after_dkdv is not None:
-            dk, dv = passes.dkdv(dkdv_mask, None)
-            after_dkdv(dk, dv)
-            return passes.dq(dq_mask, self._new_dq()), dk, dv
         main, side = _streams(self.device) if self.plan.side_stream else (None, None)
         dq = self._new_dq()  # on the current stream: its memory is that stream's
         if side is not None:
@@ -134,8 +128,45 @@ class BackwardLaunch:
             main.wait_stream(side)
         return dq, dk, dv
 
+    def _beside_exchange(self, passes: _Passes, hooks: ExchangeHooks, dkdv_mask: LaunchArgs,
+                         dq_mask: LaunchArgs | None,
+                         dq_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The passes of :meth:`__call__` with ``hooks``: dK/dV (taking the keys as they land where the kernel
+        can), then ``hooks.after_dkdv``, then dQ, all on the current stream."""
+        keys = hooks.keys
+        landing = keys is not None and self._takes_landing_keys() and not torch.cuda.is_current_stream_capturing()
+        if keys is not None and not landing:
+            keys.wait()  # this kernel, or a captured graph (whose flag epoch would be replayed), waits on the stream
+        dk, dv = passes.dkdv(dkdv_mask, dq_sum, keys if landing else None)
+        if landing:
+            keys.wait()  # the dQ pass reads every key from its start
+        if hooks.after_dkdv is not None:
+            hooks.after_dkdv(dk, dv)
+        if self.one_pass:
+            return (dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)), dk, dv
+        return passes.dq(dq_mask, self._new_dq()), dk, dv
+
+    def _takes_landing_keys(self) -> bool:
+        """The dK/dV pass can start before every key has landed: the Gluon dK/dV kernel of the two passes (head
+        dims up to 128), which waits in each key block for the keys it reads (``WAIT_ARRIVAL``)."""
+        dkdv = self.plan.dkdv
+        return dkdv.gluon and not dkdv.dq_writer and not self.dkdv_d256 and not self.one_pass
+
     def _new_dq(self) -> torch.Tensor:
         return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class ExchangeHooks:
+    """A context-parallel rank's exchange beside its backward (:meth:`BackwardLaunch.__call__`). ``keys``: the
+    gathered keys still landing when the backward starts: the dK/dV pass takes its key blocks as they land where
+    its kernel can (:meth:`BackwardLaunch._takes_landing_keys`), else the stream waits for them first; the dQ pass
+    runs after every key has landed. ``after_dkdv(dk, dv)``: called once dK and dV are queued, before the dQ pass
+    is, so that what it queues elsewhere (the return of dK/dV to their owners, on copy engines or NCCL) runs beside
+    the dQ pass."""
+
+    keys: KeysArrival | None = None
+    after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
 class _Passes:
@@ -160,8 +191,10 @@ class _Passes:
                          launch.dq_constexprs, bound, "dq")
         return dq
 
-    def dkdv(self, mask: LaunchArgs, dq_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there."""
+    def dkdv(self, mask: LaunchArgs, dq_sum: torch.Tensor | None,
+             arrival: KeysArrival | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there.
+        ``arrival``: the keys past ``arrival.present`` are still landing (the Gluon dK/dV kernel only)."""
         launch, bound = self.launch, self.bound
         do, q, k, v, lse, delta, seed, strides = self.tensors
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
@@ -175,7 +208,7 @@ class _Passes:
                                    launch.has_window, bound=bound)
         elif plan.dkdv.gluon:
             _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile, launch.has_window,
-                              dq_sum, bound=bound)
+                              dq_sum, bound=bound, arrival=arrival)
         else:
             mask_tensors, mask_scalars = mask
             dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS

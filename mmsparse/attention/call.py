@@ -17,13 +17,11 @@ lists from their arguments.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..mask.info import MaskInfo
 from ..runtime.recent import RecentlyUsed
-from .backward import BackwardLaunch
+from .backward import BackwardLaunch, ExchangeHooks
 from .config import KernelConfig, kernel_config
 from .forward import ForwardLaunch
 from .kernel_args import LaunchArgs, kernel_args
@@ -68,10 +66,9 @@ class CallLaunch:
 
     def run_backward(self, info: MaskInfo, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor | None,
-                     after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     hooks: ExchangeHooks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``: the backward's launch is made (its lists built, on the current stream) at the call's
-        first backward: a call that never runs one builds none of it. ``after_dkdv``: as
+        first backward: a call that never runs one builds none of it. ``hooks``: as
         :meth:`BackwardLaunch.__call__`'s."""
         plan, args, first = self.plan, kernel_args(info), self._backward is None
         if first:
@@ -79,7 +76,7 @@ class CallLaunch:
         masks = (args.tile(*plan.dkdv.lists), args.tile(*plan.dq.lists) if plan.dq is not None else None)
         if first:
             self._backward = backward_launch_of(self.call_plan, q, k, v, *self._scalars, seed, masks)
-        return self._backward(do, q, k, v, out, lse, seed, *masks, after_dkdv)
+        return self._backward(do, q, k, v, out, lse, seed, *masks, hooks)
 
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,

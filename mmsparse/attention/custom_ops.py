@@ -18,7 +18,7 @@ host-bound call feels), planned once per call kind and kept on the mask (:mod:`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -26,9 +26,10 @@ import torch
 from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
 from ..mask.kept import kept_lists
+from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
-from .forward import kernel_layout
+from .forward import kernel_layout, read_in_place
 from .kernel_args import mask_launch_args
 from .plan import CallPlan, call_plan_from_text, plan_call
 
@@ -119,13 +120,14 @@ def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     info: MaskInfo, softmax_scale: float, dropout_p: float, seed: torch.Tensor | None, deterministic: bool = True,
     settings: Settings | None = None, launch: CallLaunch | TracedCall | None = None,
-    after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    hooks: ExchangeHooks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`attention_forward`: ``(dq, dk, dv)``, dk and dv summed over each GQA group.
     ``deterministic`` False: the one-pass backward (dQ by atomic adds, not bitwise repeatable). ``settings``: the
     forward's (None: this thread's now). ``launch``: the forward's (None: found again from the arguments, in eager;
-    traced, planned again from them). ``after_dkdv(dk, dv)``: called once dK and dV are queued, in eager before the
-    dQ pass (:meth:`mmsparse.attention.backward.BackwardLaunch.__call__`), traced after the backward op."""
+    traced, planned again from them). ``hooks``: a context-parallel rank's exchange beside the backward
+    (:class:`mmsparse.attention.backward.ExchangeHooks`); traced, its keys are waited for before the backward op and
+    ``after_dkdv`` called after it."""
     settings = current_settings() if settings is None else settings
     if torch.compiler.is_compiling():  # traced: as in attention_forward
         call = launch if isinstance(launch, TracedCall) else None
@@ -133,16 +135,21 @@ def attention_backward(
             call = TracedCall.of(traced_plan(q, k, info, softmax_scale, dropout_p, deterministic, settings), info)
         passes = [call.plan.dkdv] + ([call.plan.dq] if call.plan.dq is not None else [])
         lists = call.tile_lists([step.lists for step in passes])
+        if hooks is not None and hooks.keys is not None:
+            hooks.keys.wait()
         grads = _bwd_op(grad_out, q, k, v, out, lse, call.mask, lists, seed, softmax_scale, dropout_p, call.text,
                         call.host_values)
-        if after_dkdv is not None:
-            after_dkdv(grads[1], grads[2])
+        if hooks is not None and hooks.after_dkdv is not None:
+            hooks.after_dkdv(grads[1], grads[2])
         return grads
+    if hooks is not None and hooks.keys is not None and not (read_in_place(k) and read_in_place(v)):
+        hooks.keys.wait()  # the copy below reads every key
+        hooks = replace(hooks, keys=None)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     if not isinstance(launch, CallLaunch):
         config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
         launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
-    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, after_dkdv)
+    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, hooks)
 
 
 def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bool) -> tuple[int, int, int]:

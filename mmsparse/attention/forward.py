@@ -23,10 +23,13 @@ _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
     elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
+    return t if read_in_place(t) else aligned_copy(t)
+
+
+def read_in_place(t: torch.Tensor) -> bool:
+    """The kernels read 4-D ``t`` as it is (:func:`kernel_layout` copies nothing)."""
     s = t.stride()
-    if s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15:
-        return t
-    return aligned_copy(t)
+    return s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:

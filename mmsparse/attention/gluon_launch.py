@@ -18,6 +18,7 @@ from ..kernels.gluon.dkdv_d256 import attention_dkdv_d256_gluon
 from ..kernels.gluon.dq import attention_dq_gluon
 from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
+from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
 from .config import Tile, head_dim_pad
 from .host_tma import box_descriptor, head_rows_descriptor
@@ -85,24 +86,28 @@ def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
-    bound: dict[str, Any] | None = None,
+    bound: dict[str, Any] | None = None, arrival: KeysArrival | None = None,
 ) -> None:
     """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
     least 2) are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
     into it, by TMA bulk reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3
-    stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s."""
+    stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s. ``arrival`` (not with the one
+    pass): keys past ``arrival.present`` are still landing; their key blocks wait in the kernel for its flag, after
+    the blocks of the keys already there."""
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had; the
-    # one-pass variant is its own launch (another compile key).
-    one_pass = dict(ONE_PASS=True) if dq_sum is not None else {}
-    name = "dkdv" if dq_sum is None else "dkdv-one-pass"
+    # one-pass variant and the arrival one are launches of their own (other compile keys).
+    flags = dict(ONE_PASS=True) if dq_sum is not None else dict(WAIT_ARRIVAL=True) if arrival is not None else {}
+    name = "dkdv" + ("-one-pass" if dq_sum is not None else "-arrival" if arrival is not None else "")
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, BLOCK_N, WG_KEYS.value, "dK/dV", mode, causal,
-                                                  has_window, **one_pass))
+                                                  has_window, **flags))
     # each consumer warpgroup reduces half of a block's columns
     dq_arg = delta if dq_sum is None else head_rows_descriptor(dq_sum, s.q_rows, s.pad // 2)
+    # (flag, epoch, key blocks already there); unread without WAIT_ARRIVAL (delta stands in)
+    landing = (delta, 0, 0) if arrival is None else (arrival.flag, arrival.epoch, arrival.present // BLOCK_N)
     _launch_by_key(_DKDV, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_arg), mask, qk_scale_log2, softmax_scale,
-                   bound)
+                   bound, landing)
 
 
 def run_dkdv_d256(
@@ -183,9 +188,10 @@ def _key_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, block_n: int, kv_ro
 
 def _launch_by_key(kernel: FastKernel, name: str, s: _Setup, tensors: tuple[torch.Tensor, ...], middle: tuple,
                    mask: LaunchArgs, qk_scale_log2: float, softmax_scale: float,
-                   bound: dict[str, Any] | None) -> None:
+                   bound: dict[str, Any] | None, tail: tuple = ()) -> None:
     """Launch a kernel by key block: descriptors of ``tensors`` (q, k, v, dO, dK, dV, made from the live tensors),
-    then ``middle`` (lse, delta, the kernel's own), the mask arguments and the two scales."""
+    then ``middle`` (lse, delta, the kernel's own), the mask arguments, the two scales and ``tail`` (the kernel's
+    own)."""
     q, k, v, do, dk, dv = tensors
     pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     mask_tensors, mask_scalars = mask
@@ -193,7 +199,7 @@ def _launch_by_key(kernel: FastKernel, name: str, s: _Setup, tensors: tuple[torc
         kernel, s.grid,
         (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
          box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad),
-         *middle, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+         *middle, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale, *tail),
         s.constexprs, bound, name,
     )
 

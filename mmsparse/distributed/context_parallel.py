@@ -28,6 +28,7 @@ from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
 from ..checks import check_dropout
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
+from .fetch import Fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .one_thread import one_thread_on
 from .pieces import PiecesCall, piece_seeds
@@ -241,8 +242,10 @@ class _Attention(torch.autograd.Function):
                                          ctx.by_position, k.dtype if k.dtype == v.dtype else torch.float32))
 
         # A one-piece rank starts the return once its dK/dV pass is queued: the transfer runs beside its dQ pass.
+        # A fetch by peer copies lets the dK/dV pass start on the rank's own keys while the others land.
+        arriving = finish.arriving if isinstance(finish, Fetch) else None
         dq, _, _ = backward_pieces(grad_out, q, k, v, out, lse, ctx.pieces, ctx.seeds, ctx.scale, ctx.dropout_p,
-                                   finish, ctx.call, on_kv_grads=start)
+                                   finish, ctx.call, on_kv_grads=start, arriving=arriving)
         dkv = returned[0]()
         hkv = k.shape[1]
         return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None

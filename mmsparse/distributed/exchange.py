@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import peer_exchange
+from .fetch import Fetch
 from .peer_memory import PeerMemory, peer_memory
 from .token_runs import chunk_ranges, copy_tokens, message_spans, served_chunks
 from .token_sums import TokenSum
@@ -31,13 +32,12 @@ TRANSPORTS = ("auto", "p2p", "peer_copy")
 # rate and the slots would hold memory that the step wants.
 PEER_COPY_MAX_BYTES = 128 * 2**20
 
-Finish = Callable[[], tuple[torch.Tensor, torch.Tensor]]
-
-
-def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = False) -> Finish:
+def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = False) -> Fetch:
     """Start fetching K and V of the chunks this rank needs: each owner serves each rank just the chunks that
-    rank's queries see (the plan's ``needed_kv``). Returns ``finish()``: it waits for the exchange (this rank's
-    part in it included) and gives the gathered K and V in ``cp.gathered_chunks(by_position)``' order."""
+    rank's queries see (the plan's ``needed_kv``). Returns a :class:`.fetch.Fetch`: called, it waits for the
+    exchange (this rank's part in it included) and gives the gathered K and V in
+    ``cp.gathered_chunks(by_position)``' order; by peer copies its ``arriving()`` gives them with the keys still
+    landing."""
     plan, rank = cp.plan, cp.rank
     lengths = [plan.tokens_of(chunks) for chunks in plan.local_chunks]
     token_bytes = k.shape[0] * 2 * k.shape[1] * k.shape[3] * k.element_size()
@@ -69,7 +69,7 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
             copy_tokens(gathered, (buffer,), message_spans(plan, from_peer, into, source_first=False))
         return gathered[:, :hkv], gathered[:, hkv:]
 
-    return finish
+    return Fetch(finish)
 
 
 def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,

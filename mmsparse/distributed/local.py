@@ -13,11 +13,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..attention.backward import ExchangeHooks
 from ..checks import check_window
 from ..mask.info import BitMask, CodeMask
 from ..mask.segment_codes import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from ..runtime.launch import stream_key
+from .fetch import Arriving
 from .pieces import (
     Piece,
     PiecesCall,
@@ -347,7 +349,7 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
 def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, pieces: list[Piece], seeds: list[Any], scale: float, dropout_p: float,
                     gather: Gather, call: PiecesCall | None = None, on_kv_grads: KVGrads | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                    arriving: Arriving | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A rank's backward against the merged ``out`` and ``lse`` of :func:`forward_pieces`: (dq
     ``[B, Hq, S_local, D]``, dK/dV of its own keys ``[B, 2 Hkv, S_local, D]`` or None when no piece reads them,
     dK/dV of the gathered keys ``[B, 2 Hkv, S_gathered, D]``), float32 sums over the pieces; where the rank is
@@ -355,11 +357,12 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     ``gather`` is called once, after the pieces over the rank's own keys. ``call``: the forward's (None: this
     thread's settings now, and the pieces plan again). ``on_kv_grads(dkv_local, dkv_gathered)``: called once
     with the two dK/dV as soon as they are queued: for one piece before its dQ pass, so that the return it starts
-    runs beside that pass; else after the last piece."""
+    runs beside that pass; else after the last piece. ``arriving``: for one piece, ``gather``'s keys at once, with
+    those still landing (:meth:`.fetch.Fetch.arriving`), which its dK/dV pass takes as they land."""
     call = PiecesCall() if call is None else call
     hkv = k.shape[1]
     if _whole(pieces, q.shape[2]):
-        k_g, v_g = gather()
+        k_g, v_g, landing = arriving() if arriving is not None else (*gather(), None)
         (piece,), (seed,) = pieces, seeds
         keys = piece.k_rows
         handed: list[torch.Tensor] = []  # the gathered keys' dK/dV, once queued
@@ -374,8 +377,11 @@ def backward_pieces(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             if on_kv_grads is not None:
                 on_kv_grads(None, dkv_g)
 
+        if landing is not None and keys.start != 0:
+            landing.wait()  # the piece's keys do not start with the ones already there
+            landing = None
         dq, _, _ = piece_backward(grad_out, q, k_g[:, :, keys], v_g[:, :, keys], out, lse, piece, scale, dropout_p,
-                                  seed, call, after_dkdv=dkdv_queued)
+                                  seed, call, ExchangeHooks(landing, dkdv_queued))
         return dq, None, handed[0]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_l = torch.zeros((k.shape[0], 2 * hkv, k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)

@@ -6,20 +6,24 @@ bytes as point to point, summed in the same order by :mod:`.exchange`, so the sa
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..runtime.arrival import KeysArrival
+from .fetch import Fetch
 from .peer_memory import PeerMemory
 from .token_runs import chunk_ranges, copy_tokens, merged_runs, message_spans, served_chunks
 
 
 def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, by_position: bool,
-                lengths: list[int]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+                lengths: list[int]) -> Fetch:
     """:func:`.exchange.start_fetch` by peer copies. ``lengths``: every rank's local tokens; each rank's slot, reserved
-    for them, holds its K then its V, ``[B, Hkv, S_local, D]`` each."""
+    for them, holds its K then its V, ``[B, Hkv, S_local, D]`` each. Its :meth:`Fetch.arriving` gives the gathered
+    K/V at once, with a :class:`KeysArrival` over the keys after the rank's own leading chunks."""
     plan, rank = cp.plan, cp.rank
     batch, hkv, local_len, dim = k.shape
     token = dim * k.element_size()
@@ -52,7 +56,15 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
         memory.wait()
         return gathered[:, :hkv], gathered[:, hkv:]
 
-    return finish
+    def arriving() -> tuple[torch.Tensor, torch.Tensor, KeysArrival | None]:
+        signal = memory.signal_arrival()
+        if signal is None:
+            return (*finish(), None)
+        # the own chunks' copy above is queued on the current stream, so those keys are there for its kernels
+        present = plan.tokens_of(list(itertools.takewhile(lambda c: plan.owner[c] == rank, needed)))
+        return gathered[:, :hkv], gathered[:, hkv:], KeysArrival(*signal, present, memory.wait)
+
+    return Fetch(finish, arriving)
 
 
 def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor, by_position: bool,

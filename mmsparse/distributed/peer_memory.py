@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.cuda_driver import CudaDriverError, copy_rows_on_stream, driver
+from ..runtime.cuda_driver import CudaDriverError, copy_rows_on_stream, driver, write_value_on_stream
 from ..runtime.ipc_memory import SharedBlock, close_block, open_block
 from ..runtime.streams import own_stream
 
@@ -87,6 +87,12 @@ class PeerMemory:
         self._token = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
+        # Arrival flags (signal_arrival): the int32 flag, the stream that writes it, the last epoch written, and
+        # why the driver cannot write it (None: not tried, or it can)
+        self._flag: torch.Tensor | None = None
+        self._flag_stream: torch.cuda.Stream | None = None
+        self._epoch = 0
+        self._no_flags: str | None = None
 
     @property
     def group(self) -> Any:
@@ -152,6 +158,28 @@ class PeerMemory:
                             src_pitch, count * width * size, rows, stream.cuda_stream, self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
+
+    def signal_arrival(self) -> tuple[torch.Tensor, int] | None:
+        """After this exchange's pulls: ``(flag, epoch)``, an int32 flag on this rank's GPU that a stream memory
+        operation sets to ``epoch`` once every :meth:`pull` since the last :meth:`wait` has landed, with no kernel
+        (so a kernel that spins on it while holding every SM cannot keep it from being set). Epochs grow, and the
+        flag is written by one stream in their order, so it never goes back. None off the GPU or where the driver
+        cannot write it (then :meth:`wait` is the only way to wait for the pulls)."""
+        if self.device.type != "cuda" or self._no_flags is not None:
+            return None
+        if self._flag is None:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._flag_stream = own_stream(self.device.index)
+        for stream in self._pulling:
+            self._flag_stream.wait_stream(stream)
+        try:
+            write_value_on_stream(self._flag.data_ptr(), self._epoch + 1, self._flag_stream.cuda_stream,
+                                  self.device.index)
+        except CudaDriverError as error:
+            self._no_flags = str(error)
+            return None
+        self._epoch += 1
+        return self._flag, self._epoch
 
     def wait(self) -> None:
         """The current stream waits for every :meth:`pull` since the last wait."""

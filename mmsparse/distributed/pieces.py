@@ -22,10 +22,10 @@ positions of its first query and first key, and the kernels draw the bits a sing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from ..attention.backward import ExchangeHooks
 from ..attention.call import CallLaunch
 from ..attention.config import Settings, current_settings
 from ..attention.custom_ops import TracedCall, attention_backward, attention_forward
@@ -122,13 +122,12 @@ def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piec
 
 def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, piece: Piece, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                   call: PiecesCall, after_dkdv: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                   call: PiecesCall, hooks: ExchangeHooks | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows, with the forward's settings
-    and launches (``call``). ``after_dkdv(dk, dv)``: called once dK and dV are queued, before the dQ pass
-    (``attention_backward``'s)."""
+    and launches (``call``). ``hooks``: the rank's exchange beside the piece's backward (``attention_backward``'s)."""
     return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed,
-                              settings=call.settings, launch=call.launches.get(id(piece)), after_dkdv=after_dkdv)
+                              settings=call.settings, launch=call.launches.get(id(piece)), hooks=hooks)
 
 
 def piece_seeds(pieces: list[Piece], seed: torch.Tensor) -> list[torch.Tensor]:

@@ -36,4 +36,5 @@ LISTS_WRITE = 2
 # model: the attention kernels never specialise on them, so a new length or window reuses the compiled kernel.
 DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                 "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
-                "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window"]
+                "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window", "arrival_epoch",
+                "own_blocks"]

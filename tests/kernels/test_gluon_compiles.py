@@ -52,13 +52,14 @@ class Variant:
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
     long: bool = False  # dq_writer only: the tile of longer calls (config.GLUON_DQ_WRITER_LONG, 128 query rows)
+    arrival: bool = False  # dkdv only: keys still landing (WAIT_ARRIVAL: a context-parallel rank's fetched keys)
 
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
         # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
         kind = "dkdv1p-bulk" if self.one_pass else "dqwriter" if self.kind == "dq_writer" else self.kind
-        kind += "-128rows" if self.long else ""
+        kind += "-128rows" if self.long else "-arrival" if self.arrival else ""
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -104,6 +105,10 @@ VARIANTS = [
     Variant("dkdv", 128, "bits", causal=True, one_pass=True),
     Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
     Variant("dkdv", 128, "dense", group=4, one_pass=True),
+    # The dK/dV kernel over keys still landing (a context-parallel rank's fetched keys: WAIT_ARRIVAL), the token
+    # bits that rank's one piece has.
+    Variant("dkdv", 128, "bits", arrival=True),
+    Variant("dkdv", 64, "bits", group=1, arrival=True),
     # D=256 (config.GLUON_D256): the forward and the dQ pass, each mask mode, causal, a window.
     Variant("fwd", 256, "bits", causal=True),
     Variant("fwd", 256, "codes", window=True),
@@ -464,6 +469,7 @@ def _main(out: Path, only: str = "") -> None:
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.kernel_args import kernel_args
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+    from mmsparse.runtime.arrival import KeysArrival
 
     current = {}
 
@@ -513,8 +519,9 @@ def _main(out: Path, only: str = "") -> None:
                                        *mask, 1.0, 1.0, tile, variant.window)
         else:
             dq_sum = torch.zeros(q.shape) if variant.one_pass else None
+            arrival = KeysArrival(torch.zeros(1, dtype=torch.int32), 3, 256, lambda: None) if variant.arrival else None
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
-                                  1.0, 1.0, tile, variant.window, dq_sum)
+                                  1.0, 1.0, tile, variant.window, dq_sum, arrival=arrival)
 
 
 if __name__ == "__main__":

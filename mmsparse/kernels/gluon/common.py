@@ -102,6 +102,20 @@ def box(smem):
 
 
 @gluon.jit
+def wait_for_arrival(flag_ptr, epoch):
+    """Spin until the int32 at ``flag_ptr`` reads ``epoch`` or more (an acquire load at GPU scope; the flag is
+    written by a stream memory operation once the keys' copies have landed, with no SM), then order this thread's
+    later TMA loads (the async proxy) after that acquire."""
+    seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag_ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    while seen < epoch:
+        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag_ptr],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def opaque_zero():
     """A zero that LLVM cannot see through (side-effecting asm: neither hoisted nor folded, so nothing derived from
     it is loop-invariant): a shared tile indexed with it inside a loop has its wgmma descriptors made where it is

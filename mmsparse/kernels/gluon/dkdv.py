@@ -46,6 +46,7 @@ from .common import (
     scores_init,
     thread_barrier,
     tma_store,
+    wait_for_arrival,
 )
 from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
 from .dq_adds import bulk_add_dq, issue_dq, stage_ds
@@ -58,15 +59,20 @@ BLOCK_N = 2 * WG_KEYS.value
 @gluon.jit
 def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0):
+              MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0, arrival=None, WAIT_ARRIVAL: gl.constexpr = False):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64); the rows ROW_PART at
-    a time (``dkdv_rows.stage_query_blocks``)."""
+    a time (``dkdv_rows.stage_query_blocks``). With ``WAIT_ARRIVAL``, ``arrival`` is (flag, epoch, whether this
+    key block's keys are still landing): such a block's K and V are loaded once the flag reads the epoch."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
+    if WAIT_ARRIVAL:
+        flag_ptr, epoch, landing = arrival
+        if landing:
+            wait_for_arrival(flag_ptr, epoch)
     load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
     stage_query_blocks(LSE, DELTA, q_desc, do_desc, (q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem),
                        ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr, seq_q, NUM_HEADS, GROUP, BM, STAGES,
@@ -261,21 +267,26 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 def attention_dkdv_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, ARRIVAL, arrival_epoch, own_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    ONE_PASS: gl.constexpr = False,
+    ONE_PASS: gl.constexpr = False, WAIT_ARRIVAL: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
     Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added by
     TMA bulk reduce-adds through DQ, the ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, D]``, ``[1, BM,
-    HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the launcher (unread otherwise)."""
+    HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the launcher (unread otherwise).
+    With ``WAIT_ARRIVAL`` the keys past the first ``own_blocks`` key blocks are still landing when the kernel starts
+    (a context-parallel rank's fetched keys): the programs of the own blocks run first, and each other program
+    loads its K and V once the int32 at ``ARRIVAL`` reads ``arrival_epoch`` (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
         COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
-        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS)
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS, own_blocks,
+        WAIT_ARRIVAL)
+    arrival = (ARRIVAL, arrival_epoch, col0 >= own_blocks * 2 * WG_KEYS)  # a block with a key past the own ones
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
@@ -319,7 +330,8 @@ def attention_dkdv_gluon(
             (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
                          sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
-                         n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE)),
+                         n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE, 0, arrival,
+                         WAIT_ARRIVAL)),
         ],
         WORKER_WARPS,
         WORKER_REGS,

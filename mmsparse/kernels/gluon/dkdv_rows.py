@@ -19,18 +19,39 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 @gluon.jit
 def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
                     stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
-                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr):
+                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False):
     """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``program_id(0)`` (``KEYS``
     keys from ``col0``) of batch ``b`` and KV head ``hk`` (``program_id(1)`` = b * NUM_KV_HEADS + hk), and its list
-    (``common.program_lists``)."""
+    (``common.program_lists``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that the
+    first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at the
+    launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
+    if OWN_FIRST:
+        pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
         stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
     return b, hk, pid_n * KEYS, n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
+def _own_first(pid_n, pid_bh, own_blocks):
+    """(key block, batch * KV head) of the program at launch position pid_n + pid_bh * blocks: the own blocks of
+    every (batch, KV head) first, then the others, each part with the key block fastest."""
+    blocks = gl.num_programs(0)
+    linear = pid_n + pid_bh * blocks
+    own_programs = own_blocks * gl.num_programs(1)
+    if linear < own_programs:
+        pid_n = linear % own_blocks
+        pid_bh = linear // own_blocks
+    else:
+        others = linear - own_programs
+        pid_n = own_blocks + others % (blocks - own_blocks)
+        pid_bh = others // (blocks - own_blocks)
+    return pid_n, pid_bh
 
 
 @gluon.jit
