@@ -23,14 +23,15 @@ ONE_PIECE = [
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ONE_PIECE, ids=lambda c: f"k{len(c[0])}-{c[1]}-H{c[2]}x{c[3]}")
-def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world):
+def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, device):
     topology, lens, heads, kv_heads = case
     batch = len(lens) if isinstance(lens, list) else 1
     seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
     gen = torch.Generator().manual_seed(world)
-    q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).half() for h in (heads, kv_heads, kv_heads, heads))
+    q, k, v, do = (torch.randn(batch, h, seq, 16, generator=gen).to(device, torch.half)
+                   for h in (heads, kv_heads, kv_heads, heads))
     out = torch.full_like(q, float("nan"))
-    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (q, k, v))
     for rank in range(world):
         problem = RankProblem(topology, lens, rank, world, tile=16)
         assert problem.one_piece() and not problem.one_piece(by_position=True)
@@ -70,7 +71,7 @@ def test_other_ranks_sum_their_pieces_in_float32(causal, window, topology):
 
 
 @pytest.mark.parametrize("one_piece", [True, False], ids=["one-piece", "pieces"])
-def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch):
+def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch, device):
     """A one-piece rank hands its dK/dV to the return (``on_kv_grads``) as soon as the dK/dV pass is queued and
     only then queues the dQ pass, so that the return's transfer runs beside it; a rank of several pieces hands
     both sums over after its last piece. What it hands over is what ``backward_pieces`` returns."""
@@ -90,7 +91,7 @@ def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch):
     assert problem.one_piece() == one_piece
     seq = sum(lens)
     gen = torch.Generator().manual_seed(5)
-    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).half() for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).to(device, torch.half) for _ in range(4))
     index, gathered = problem.token_index, problem.gathered_positions()
     pieces = problem.pieces(q.device)
     x = [t[:, :, index] for t in (q, k, v, do)]

@@ -114,7 +114,7 @@ def test_dkdv_pass_takes_the_keys_as_they_land(head_dim, kv_heads, monkeypatch):
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, seq))
 
 
-def test_other_kernels_wait_for_the_keys_on_the_stream(monkeypatch):
+def test_other_kernels_wait_for_the_keys_on_the_stream(monkeypatch, device):
     """Where the dK/dV pass is not the Gluon two-pass kernel (here the tl one, as on a CPU), the backward waits for
     every key before its first pass, and hands dK/dV over before the dQ pass."""
     from mmsparse.attention import backward
@@ -131,7 +131,7 @@ def test_other_kernels_wait_for_the_keys_on_the_stream(monkeypatch):
     problem = RankProblem(CYCLIC, (9, 30, 21), 0, 2, tile=16)
     gen = torch.Generator().manual_seed(3)
     seq = 60
-    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).half() for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).to(device, torch.half) for _ in range(4))
     index, gathered = problem.token_index, problem.gathered_positions()
     x = [t[:, :, index] for t in (q, k, v, do)]
 
@@ -139,7 +139,7 @@ def test_other_kernels_wait_for_the_keys_on_the_stream(monkeypatch):
         return k[:, :, gathered], v[:, :, gathered]
 
     def arriving():
-        return (*gather(), KeysArrival(torch.zeros(1, dtype=torch.int32), 1, _present(problem),
+        return (*gather(), KeysArrival(torch.zeros(1, dtype=torch.int32, device=device), 1, _present(problem),
                                        lambda: events.append("wait")))
 
     pieces = problem.pieces(q.device)
