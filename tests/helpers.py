@@ -110,6 +110,20 @@ def make_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, device, gene
     return q, k, v
 
 
+def record_backward_passes(monkeypatch, events: list[str]) -> None:
+    """Append "dq" or "dkdv" to ``events`` as each backward pass of an eager call is queued."""
+    from mmsparse.attention import backward
+
+    for name in ("dq", "dkdv"):
+        original = getattr(backward._Passes, name)
+
+        def recorded(self, *args, _original=original, _name=name):
+            events.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(backward._Passes, name, recorded)
+
+
 def reference_grads(q, k, v, mask, grad_out, softmax_scale=None, dtype=torch.float64, **kw):
     """Reference output and (dq, dk, dv) from plain torch attention computed in ``dtype``."""
     qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))

@@ -11,7 +11,7 @@ import torch
 from mmsparse import reference_mask
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
-from tests.helpers import CYCLIC, HUB, check_outputs
+from tests.helpers import CYCLIC, HUB, check_outputs, record_backward_passes
 
 ONE_PIECE = [
     # topology, seg_lens, heads, kv heads
@@ -75,17 +75,8 @@ def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch, device):
     """A one-piece rank hands its dK/dV to the return (``on_kv_grads``) as soon as the dK/dV pass is queued and
     only then queues the dQ pass, so that the return's transfer runs beside it; a rank of several pieces hands
     both sums over after its last piece. What it hands over is what ``backward_pieces`` returns."""
-    from mmsparse.attention import backward
-
     events = []
-    for name in ("dq", "dkdv"):
-        original = getattr(backward._Passes, name)
-
-        def recorded(self, *args, _original=original, _name=name):
-            events.append(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(backward._Passes, name, recorded)
+    record_backward_passes(monkeypatch, events)
     topology, lens = (CYCLIC, (9, 30, 21)) if one_piece else ([[2, 0], [1, 1]], (30, 34))
     problem = RankProblem(topology, lens, 0, 2, tile=16)
     assert problem.one_piece() == one_piece

@@ -18,7 +18,7 @@ from mmsparse.attention import gluon_launch
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
 from mmsparse.runtime.arrival import KeysArrival
-from tests.helpers import CYCLIC, check_outputs, make_qkv
+from tests.helpers import CYCLIC, check_outputs, make_qkv, record_backward_passes
 
 DELAY_BYTES = (1024, 1 << 20)  # rows, bytes a row: a 1 GiB copy before the keys land (about a millisecond)
 
@@ -117,17 +117,8 @@ def test_dkdv_pass_takes_the_keys_as_they_land(head_dim, kv_heads, monkeypatch):
 def test_other_kernels_wait_for_the_keys_on_the_stream(monkeypatch, device):
     """Where the dK/dV pass is not the Gluon two-pass kernel (here the tl one, as on a CPU), the backward waits for
     every key before its first pass, and hands dK/dV over before the dQ pass."""
-    from mmsparse.attention import backward
-
     events = []
-    for name in ("dq", "dkdv"):
-        original = getattr(backward._Passes, name)
-
-        def recorded(self, *args, _original=original, _name=name):
-            events.append(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(backward._Passes, name, recorded)
+    record_backward_passes(monkeypatch, events)
     problem = RankProblem(CYCLIC, (9, 30, 21), 0, 2, tile=16)
     gen = torch.Generator().manual_seed(3)
     seq = 60
