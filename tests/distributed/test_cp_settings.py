@@ -21,7 +21,7 @@ TOPOLOGY, LENS = [[1, 0, 1], [1, 1, 0], [0, 1, 1]], (9, 30, 21)
 ODD = KernelConfig(fwd=Tile(16, 16), bwd_dkdv=Tile(16, 16), bwd_dq=Tile(16, 16), decode=Tile(16, 16))
 
 
-def test_pieces_run_their_backward_with_the_forwards_settings(monkeypatch):
+def test_pieces_run_their_backward_with_the_forwards_settings(monkeypatch, device):
     backward_tiles, plans = [], []
     original_call, original_plan = backward_module.BackwardLaunch.__call__, call_module.plan_attention
 
@@ -37,7 +37,7 @@ def test_pieces_run_their_backward_with_the_forwards_settings(monkeypatch):
     monkeypatch.setattr(call_module, "plan_attention", counting_plan)
     seq, world = sum(LENS), 2
     gen = torch.Generator().manual_seed(5)
-    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen) for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, seq, 16, generator=gen).to(device) for _ in range(4))
     out = torch.full_like(q, float("nan"))
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
     for rank in range(world):

@@ -31,12 +31,12 @@ def _case_id(case) -> str:
     return f"k{len(topo)}-W{window}-H{h}x{hk}{'-causal' if causal else ''}-{lens}"
 
 
-def _all_ranks(case, world: int, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
+def _all_ranks(case, world: int, device: torch.device, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """Every rank's forward and backward from the full inputs, put back in sequence order: (out, dq, dk, dv)."""
     topology, lens, causal, window, heads, kv_heads = case
     seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
     gen = torch.Generator().manual_seed(3)
-    q, k, v, do = (torch.randn(len(lens) if isinstance(lens, list) else 1, h, seq, 16, generator=gen)
+    q, k, v, do = (torch.randn(len(lens) if isinstance(lens, list) else 1, h, seq, 16, generator=gen).to(device)
                    for h in (heads, kv_heads, kv_heads, heads))
     out, dq, dk, dv = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(world):
@@ -66,22 +66,22 @@ RUNS = [(case, 2) for case in CASES] + [(CASES[0], 3), (CASES[3], 3)]
 
 
 @pytest.mark.parametrize("case, world", RUNS, ids=[f"{_case_id(c)}-{w}" for c, w in RUNS])
-def test_ranks_together_match_the_reference(case, world):
+def test_ranks_together_match_the_reference(case, world, device):
     topology, lens, causal, window, _, _ = case
-    (q, k, v, do), (out, dq, dk, dv) = _all_ranks(case, world)
+    (q, k, v, do), (out, dq, dk, dv) = _all_ranks(case, world, device)
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     for t, g in zip((qd, kd, vd), (dq, dk, dv)):
         t.grad = g
     check_outputs(qd, kd, vd, out, do, reference_mask(topology, lens, q.shape[2], causal=causal, window=window))
 
 
-def test_ranks_together_match_the_single_call_with_dropout():
+def test_ranks_together_match_the_single_call_with_dropout(device):
     """Dropout draws the bits of global positions: the windowed pieces' seeds place them as a single call does."""
     case = (HUB, [(9, 30, 21), (5, 20, 10)], True, 11, 2, 1)
     topology, lens, causal, window, _, _ = case
     torch.manual_seed(21)
-    seed = new_dropout_seed(torch.device("cpu"))
-    (q, k, v, do), (out, dq, dk, dv) = _all_ranks(case, 2, 0.3, seed)
+    seed = new_dropout_seed(device)
+    (q, k, v, do), (out, dq, dk, dv) = _all_ranks(case, 2, device, 0.3, seed)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(21)  # the same Philox key
     single = mbs_attention(*leaves, topology, [list(r) for r in lens], causal=causal, dropout_p=0.3, window=window)
