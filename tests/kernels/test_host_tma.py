@@ -77,8 +77,9 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
-                # defaulted flags a variant leaves off: the one pass's (off in a two-pass launch), the forward's turns
-                optional = {"dkdv": ("ONE_PASS",), "fwd": ("TURNS",)}.get(self.name, ())
+                # defaulted flags a variant leaves off: the one pass's and the landing keys' (off in a plain two-pass
+                # launch), the forward's turns
+                optional = {"dkdv": ("ONE_PASS", "WAIT_ARRIVAL"), "fwd": ("TURNS",)}.get(self.name, ())
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
@@ -117,7 +118,19 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     assert (dkdv["STAGES"], dq["STAGES"], fwd["STAGES"]) == (4, 4, _GLUON_FWD[128].gluon_stages)
     assert dkdv["HEAD_DIM_PAD"] == dq["HEAD_DIM_PAD"] == fwd["HEAD_DIM_PAD"] == 128
     assert dkdv["GROUP"] == dq["GROUP"] == fwd["GROUP"] == 2
-    assert "ONE_PASS" not in dkdv  # the two-pass variant keeps its compile key
+    assert "ONE_PASS" not in dkdv and "WAIT_ARRIVAL" not in dkdv  # the two-pass variant keeps its compile key
+    assert dkdv["own_blocks"] == 0 and dkdv["ARRIVAL"] is dkdv["DELTA"]  # unread there
+
+    # Keys still landing: the flag, the fetch's epoch and the key blocks already there (whole 128-key blocks).
+    from mmsparse.runtime.arrival import KeysArrival
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
+                          args.tile(dkdv_t.block_m, dkdv_t.block_n, True), *mask, 1.0, 1.0, dkdv_t,
+                          arrival=KeysArrival(flag, 7, 200, lambda: None))
+    landing = launched["dkdv"]
+    assert landing["WAIT_ARRIVAL"] and "ONE_PASS" not in landing
+    assert landing["ARRIVAL"] is flag and (landing["arrival_epoch"], landing["own_blocks"]) == (7, 1)
 
     # The one pass: dQ's float32 sum as a [B * Hq, Sq, D] descriptor whose box is one warpgroup's half of a block's
     # dQ (TMA bulk reduce-adds).
