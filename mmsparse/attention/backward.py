@@ -115,8 +115,7 @@ class BackwardLaunch:
             return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
             dk, dv = passes.dkdv(dkdv_mask, dq_sum)
-            dq = dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
-            return dq, dk, dv
+            return self._one_pass_dq(dq_sum), dk, dv
         main, side = _streams(self.device) if self.plan.side_stream else (None, None)
         dq = self._new_dq()  # on the current stream: its memory is that stream's
         if side is not None:
@@ -143,7 +142,7 @@ class BackwardLaunch:
         if hooks.after_dkdv is not None:
             hooks.after_dkdv(dk, dv)
         if self.one_pass:
-            return (dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)), dk, dv
+            return self._one_pass_dq(dq_sum), dk, dv
         return passes.dq(dq_mask, self._new_dq()), dk, dv
 
     def _takes_landing_keys(self) -> bool:
@@ -154,6 +153,10 @@ class BackwardLaunch:
 
     def _new_dq(self) -> torch.Tensor:
         return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+
+    def _one_pass_dq(self, dq_sum: torch.Tensor) -> torch.Tensor:
+        """dQ in q's dtype from the one pass's float32 sum (queued after its kernel on the current stream)."""
+        return dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
 
 
 @dataclass(frozen=True)
