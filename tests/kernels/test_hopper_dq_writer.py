@@ -195,13 +195,22 @@ def test_dq_writer_matches_float64(name, writer_calls):
     check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
 
 
+# Cases of the 128-row tile beyond the shared ones at D <= 64: fewer queries than keys (the last query block's
+# second half past the end), a zero-length segment, a head dim padded to 64, GQA 4 (topology, lengths, causal,
+# batch, heads, kv heads, queries, head dim, dtype, window).
+LONG_CASES = {
+    "bits-D48-fewer-queries-gqa4": (CYCLIC, (500, 0, 1301), True, 2, 8, 2, 877, 48, torch.bfloat16, None),
+    "bits-D64-empty-first-segment": (HUB, (0, 1000, 555), False, 1, 2, 1, None, 64, torch.float16, None),
+}
+LONG_RUNS = {**{n: CASES[n] for n in CASES if head_dim_pad(CASES[n][7]) in GLUON_DQ_WRITER_LONG}, **LONG_CASES}
+
+
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in CASES if head_dim_pad(CASES[n][7]) in GLUON_DQ_WRITER_LONG],
-                         ids=_case_id)
+@pytest.mark.parametrize("name", list(LONG_RUNS))
 def test_dq_writer_128_rows_matches_float64(name, writer_calls):
-    """The same cases at the 128-row tile (each step's rows in two halves), at every length."""
-    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
+    """The same cases at the 128-row tile (each step's rows in two halves), at every length, and a few of its own."""
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = LONG_RUNS[name]
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
