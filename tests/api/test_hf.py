@@ -19,6 +19,9 @@ from mmsparse.integrations import hf  # noqa: E402
 SEG = (5, 20, 15)
 S = sum(SEG)
 VOCAB = 128
+# The KV cache's argument and output field: `past_key_values` in transformers 5.17, `cache` in later 5.x releases.
+CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else (
+    "past_key_values")
 
 
 def _config(family: str):
@@ -118,15 +121,15 @@ def test_kv_cache_queries_are_the_last_positions(device):
     with torch.no_grad():
         full = mm(ids, mm_topology=RING, mm_seg_lens=SEG).logits
         pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
-        cache = copy.deepcopy(pre.cache)
-        step = mm(ids[:, prompt:], cache=pre.cache, mm_topology=RING, mm_seg_lens=SEG).logits
-        grown = mm(ids[:, prompt:], cache=cache, mm_topology=RING, mm_seg_lens=(5, 20, 12),
+        cache = copy.deepcopy(getattr(pre, CACHE))
+        step = mm(ids[:, prompt:], **{CACHE: getattr(pre, CACHE)}, mm_topology=RING, mm_seg_lens=SEG).logits
+        grown = mm(ids[:, prompt:], **{CACHE: cache}, mm_topology=RING, mm_seg_lens=(5, 20, 12),
                    mm_extend_last_segment=True).logits
     assert_logits_close("cached step", step, full[:, prompt:])
     assert_logits_close("cached step, last segment extended", grown, full[:, prompt:])
     with torch.no_grad(), pytest.raises(ValueError, match="mm_extend_last_segment"):
         pre = mm(ids[:, :prompt], mm_topology=RING, mm_seg_lens=(5, 20, 12), use_cache=True)
-        mm(ids[:, prompt:], cache=pre.cache, mm_topology=RING, mm_seg_lens=(5, 20, 12))
+        mm(ids[:, prompt:], **{CACHE: getattr(pre, CACHE)}, mm_topology=RING, mm_seg_lens=(5, 20, 12))
 
 
 def test_without_a_topology_the_models_own_mask(device):
@@ -155,7 +158,7 @@ def test_clear_errors(device):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=[(5, 10, 5), (5, 10, 4)])
     static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
     with pytest.raises(NotImplementedError, match="last key positions"):
-        mm(ids, cache=static, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
+        mm(ids, **{CACHE: static}, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)
 
 
 def test_packed_batch_matches_sdpa_with_the_block_diagonal_mask(device):

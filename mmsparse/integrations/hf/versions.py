@@ -10,8 +10,9 @@ def check_transformers_version(version: str) -> None:
     """ImportError naming the supported range when ``version`` (``transformers.__version__``) is outside it.
 
     Below 5.17 transformers composes the vision models' masks from other pieces (``token_type_ids_mask_function``
-    in 4.x and early 5.x; blocks OR-ed after the sliding window up to 5.16) and names the cache argument
-    ``past_key_values``; from 6 on, nothing is known.
+    in 4.x and early 5.x; blocks OR-ed after the sliding window up to 5.16). The cache argument is
+    ``past_key_values`` in 5.17 and ``cache`` in later 5.x releases; the backend reads neither. From 6 on, nothing is
+    known.
     """
     parts = []
     for piece in version.split("+")[0].split(".")[:2]:
