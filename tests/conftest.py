@@ -1,5 +1,6 @@
 """Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
-NaN-poisoned outputs, the ``device`` fixture, and the skips of the ``gpu``, ``hopper`` and ``large`` markers.
+NaN-poisoned outputs, the ``device`` fixture, and the skips of the ``gpu``, ``hopper``, ``large`` and ``interpreter``
+markers.
 
 Where the tests are (they mirror the package; no test file sits at the root of tests/):
   mask/         mmsparse/mask: lengths, segment codes, the torch tile classes, the list builders and token bits
@@ -61,8 +62,10 @@ def _on_hopper() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """``gpu``, ``hopper`` and ``large`` tests skip without CUDA; ``hopper`` ones also off sm_90 or without Gluon;
-    ``large`` ones (slow) unless asked for by ``-m large`` or ``MMSPARSE_LARGE=1``. ``long_module`` modules come
-    first (in their own order): pytest-xdist hands files out in this order, so the longest start at once."""
+    ``large`` ones (slow) unless asked for by ``-m large`` or ``MMSPARSE_LARGE=1``; ``interpreter`` ones (kernels on
+    CPU tensors through Triton's interpreter, which this file turns on only without CUDA) skip where CUDA is
+    available. ``long_module`` modules come first (in their own order): pytest-xdist hands files out in this order,
+    so the longest start at once."""
     items.sort(key=lambda item: item.get_closest_marker("long_module") is None)
     cuda = torch.cuda.is_available()
     large = "large" in (config.option.markexpr or "") or os.environ.get("MMSPARSE_LARGE") == "1"
@@ -75,3 +78,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an sm_90 GPU and Triton's Gluon API"))
         elif "large" in marks and not large:
             item.add_marker(pytest.mark.skip(reason="slow: run with -m large or MMSPARSE_LARGE=1"))
+        if cuda and item.get_closest_marker("interpreter"):
+            item.add_marker(pytest.mark.skip(reason="runs kernels on CPU tensors through Triton's interpreter, which "
+                                                    "the test session turns on only without a GPU"))

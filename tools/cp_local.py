@@ -9,7 +9,7 @@ timed by the wall clock with a device sync around each call, median of a few cal
 seconds: ``do_bench``'s five estimating calls would cost minutes on long_1m).
 
     python -m tools.cp_local --out DIR                           # DIR/cp_local.{json,md}
-    python -m tools.cp_local --configs tiny_hub_causal --worlds 2,3   # CPU smoke test (times mean nothing)
+    python -m tools.cp_local --configs tiny_hub_causal --worlds 2,3   # smoke test (times mean nothing)
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class LocalConfig:
-    """One sequence layout, its shape, and how many untimed (``warmup``, at least 1: the first call compiles and
-    builds the pieces' block lists) and timed calls (``reps``) each pass gets per rank."""
+    """One sequence layout, its shape, how many untimed (``warmup``, at least 1: the first call compiles and
+    builds the pieces' block lists) and timed calls (``reps``) each pass gets per rank, and the tile its chunks are
+    multiples of (``tile``; None: ``RankProblem``'s, 128 rows on a GPU and 16 in the interpreter)."""
 
     name: str
     topology: Any
@@ -59,6 +60,7 @@ class LocalConfig:
     shape: Shape
     warmup: int
     reps: int
+    tile: int | None = None
 
 
 GPU_SHAPE = Shape(1, 16, 4, 128)
@@ -69,13 +71,15 @@ CONFIGS: dict[str, LocalConfig] = {
     name: LocalConfig(name, topology, seg_lens, causal, GPU_SHAPE, *_COUNTS[name])
     for name, (topology, seg_lens, causal) in LONG_LAYOUTS.items()
 }
-# CPU smoke tests through the interpreter (16-token chunks there): ragged lengths, several chunks a rank
+# Smoke tests (through the interpreter on a CPU): ragged lengths, several chunks a rank, in 16-token chunks on any
+# device (a GPU's 128-row tile would put each of these sequences on rank 0 alone)
 TINY: dict[str, LocalConfig] = {
     c.name: c
     for c in (
-        LocalConfig("tiny_cyclic", CYCLIC, (13, 50, 37), False, TINY_SHAPE, 1, 1),
-        LocalConfig("tiny_hub_causal", HUB, (20, 70, 41), True, TINY_SHAPE, 1, 1),
-        LocalConfig("tiny_pair_types", ((2, 0, 0), (1, 1, 0), (1, 2, 2)), (30, 40, 27), False, TINY_SHAPE, 1, 1),
+        LocalConfig("tiny_cyclic", CYCLIC, (13, 50, 37), False, TINY_SHAPE, 1, 1, tile=16),
+        LocalConfig("tiny_hub_causal", HUB, (20, 70, 41), True, TINY_SHAPE, 1, 1, tile=16),
+        LocalConfig("tiny_pair_types", ((2, 0, 0), (1, 1, 0), (1, 2, 2)), (30, 40, 27), False, TINY_SHAPE, 1, 1,
+                    tile=16),
     )
 }
 ALL_CONFIGS = {**CONFIGS, **TINY}
@@ -105,7 +109,7 @@ def rank_inputs(problem: RankProblem, shape: Shape, dtype: torch.dtype, device: 
 
 def time_rank(cfg: LocalConfig, world: int, rank: int, device: torch.device, warmup: int, reps: int) -> dict:
     """One rank's row: its sizes, live pairs, and the median fwd and bwd ms over ``reps`` calls each."""
-    problem = RankProblem(cfg.topology, cfg.seg_lens, rank, world, causal=cfg.causal)
+    problem = RankProblem(cfg.topology, cfg.seg_lens, rank, world, causal=cfg.causal, tile=cfg.tile)
     shape = cfg.shape
     x = rank_inputs(problem, shape, torch.bfloat16, device, seed=rank)
     scale = shape.head_dim**-0.5

@@ -1,5 +1,5 @@
-"""tests.stress.cold_runs on the CPU: fresh child processes through the interpreter, the record merged across
-invocations, and wrong or crashed runs counted as wrong."""
+"""tests.stress.cold_runs: fresh child processes through the interpreter (on a CPU: the GPU configs take minutes a
+run), the record merged across invocations, and wrong or crashed runs counted as wrong."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_every_gpu_config_passes_the_side_stream_threshold():
     assert len(set(names)) == len(names)
 
 
+@pytest.mark.interpreter  # the children run the tiny CPU configs through the interpreter
 def test_runs_and_record_merge(tmp_path, capsys):
     assert cold_runs.main(["--runs", "2", "--parallel", "2", "--out", str(tmp_path), "--device", "cpu"]) == 0
     assert cold_runs.main(["--runs", "1", "--out", str(tmp_path), "--device", "cpu"]) == 0
@@ -41,10 +42,12 @@ def test_runs_and_record_merge(tmp_path, capsys):
     assert "3 runs, 0 wrong" in (tmp_path / "cold_runs.md").read_text()
 
 
-def test_a_wrong_result_is_reported(monkeypatch, capsys):
+def test_a_wrong_result_is_reported(monkeypatch, capsys, device):
+    # one run of the tiny config in this process, on the session's device (a GPU's own configs take minutes a run)
+    monkeypatch.setattr(cold_runs, "configs_for", lambda _device: cold_runs.CPU_CONFIGS)
     real = mmsparse.mbs_attention
     monkeypatch.setattr(mmsparse, "mbs_attention", lambda *a, **kw: real(*a, **kw) * 1.05)
-    assert cold_runs.child("codes5_tiny", 0, "cpu") == 0
+    assert cold_runs.child("codes5_tiny", 0, device.type) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["problems"] and report["problems"][0].startswith("out")
 

@@ -8,27 +8,35 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from mmsparse.attention.dispatch import hopper_gluon_available
 from tests.stress import shared_gpu
 
 pytestmark = pytest.mark.stress  # the stress tools' smoke tests: pytest -m stress
 
 
-def test_mixed_children_run_to_the_end_and_are_recorded(capsys, tmp_path):
-    # Training and inference children through the interpreter, both warmed up first; the run lands in the record.
-    # An interpreted call with a new mask takes seconds, and tens of them on a loaded 2-core machine: the stall
-    # time (25 s by default, for GPU calls of milliseconds) would read a slow child as a hung one.
-    assert shared_gpu.main(["--procs", "2", "--seconds", "1", "--device", "cpu", "--mode", "mixed", "--stall", "600",
-                            "--out", str(tmp_path)]) == 0
+def test_mixed_children_run_to_the_end_and_are_recorded(capsys, tmp_path, device):
+    # Training and inference children on the session's device (through the interpreter on a CPU) with the tiny
+    # config (the CPU's default; a GPU's default configs are 13k tokens), both warmed up first; the run lands in the
+    # record. An interpreted call with a new mask takes seconds, and tens of them on a loaded 2-core machine: the
+    # stall time (25 s by default, for GPU calls of milliseconds) would read a slow child as a hung one.
+    assert shared_gpu.main(["--procs", "2", "--seconds", "1", "--device", device.type, "--configs", "tiny_ab",
+                            "--mode", "mixed", "--stall", "600", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "process 0 (train): ok" in out and "process 1 (infer): ok" in out and "all ran to the end" in out
     record = json.loads((tmp_path / "shared_gpu.json").read_text())
     (run,) = record["runs"]
     assert run["mode"] == "mixed" and run["roles"] == {"train": 1, "infer": 1} and run["ok"]
     assert run["failures"] == run["stalls"] == 0 and all(c >= 1 for c in run["calls_per_process"])
-    assert run["gluon_kernels"] is False and run["gpu"].startswith("cpu") and run["torch"] and run["triton"]
+    # what the children report: the Gluon kernels only on a Hopper GPU with Gluon, the device's name
+    cuda = device.type == "cuda"
+    gluon = cuda and bool(hopper_gluon_available(torch.cuda.current_device()))
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+    assert run["gluon_kernels"] is gluon and run["gpu"].startswith(gpu) and run["torch"] and run["triton"]
     assert run["commit"]
-    assert "| mixed (1 train, 1 infer) | on | tl | 2 |" in (tmp_path / "shared_gpu.md").read_text()
+    kernels = "Gluon" if gluon else "tl"
+    assert f"| mixed (1 train, 1 infer) | on | {kernels} | 2 |" in (tmp_path / "shared_gpu.md").read_text()
 
 
 def test_a_config_that_cannot_run_fails_before_the_children_start(capsys, tmp_path):

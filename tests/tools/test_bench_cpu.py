@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.baselines import DEFAULT_IMPLS, NOT_ON_CPU
@@ -30,6 +31,7 @@ def test_no_tflops_columns_for_cpu_rows():
     assert "| fwd TF/s | bwd TF/s |" in markdown(gpu, "t") and "500 TF/s" in progress_line(1, 1, gpu[0])
 
 
+@pytest.mark.interpreter  # the CPU run itself; a GPU's is the benchmark tests' (test_bench_masks, test_bench_harness)
 def test_a_cpu_run_has_no_error_rows_and_says_what_it_left_out(tmp_path, capsys):
     from benchmarks.run import main
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import host
 
 
+@pytest.mark.interpreter  # the CPU run; on a GPU the tool runs its full-size shapes, torch.compile and CUDA graphs
 def test_a_cpu_run_writes_the_record(tmp_path):
     assert host.main(["--device", "cpu", "--calls", "2", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "host.json").read_text())

@@ -20,19 +20,21 @@ CPU = torch.device("cpu")
 
 
 def _run_ranks(cfg: cp_local.LocalConfig, world: int, full: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Every rank's local forward and backward on its share of ``full`` (q, k, v, dout), assembled in sequence
-    order: (out, dq, dk, dv). Rows no rank writes stay NaN; dK/dV add each rank's own and gathered keys' parts."""
+    """Every rank's local forward and backward on its share of ``full`` (q, k, v, dout, on one device), assembled
+    in sequence order: (out, dq, dk, dv). Rows no rank writes stay NaN; dK/dV add each rank's own and gathered keys'
+    parts."""
     q, k, v, _ = full
     hkv = k.shape[1]
     out, dq = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     scale = q.shape[-1] ** -0.5
     for rank in range(world):
-        problem = RankProblem(cfg.topology, cfg.seg_lens, rank, world, causal=cfg.causal)
-        x = cp_local.rank_inputs(problem, cfg.shape, torch.float32, CPU, full=full)
+        # the config's chunks (16 tokens on any device): several ranks, each with several chunks
+        problem = RankProblem(cfg.topology, cfg.seg_lens, rank, world, causal=cfg.causal, tile=cfg.tile)
+        x = cp_local.rank_inputs(problem, cfg.shape, torch.float32, q.device, full=full)
         o, lse = local_forward(problem, x, scale)
         dq_l, dkv_l, dkv_g = local_backward(problem, x, o, lse, scale)
-        index, gathered = problem.token_index, problem.gathered_positions()
+        index, gathered = problem.token_index.to(q.device), problem.gathered_positions().to(q.device)
         out[:, :, index], dq[:, :, index] = o, dq_l
         for target, part in ((dk, slice(0, hkv)), (dv, slice(hkv, 2 * hkv))):
             if dkv_l is not None:  # None: one piece over the gathered keys, own keys among them
@@ -43,12 +45,14 @@ def _run_ranks(cfg: cp_local.LocalConfig, world: int, full: list[torch.Tensor]) 
 
 @pytest.mark.parametrize("name, world", [("tiny_cyclic", 3), ("tiny_hub_causal", 2), ("tiny_pair_types", 3)],
                          ids=lambda v: str(v))
-def test_local_problems_put_together_equal_one_process(name, world):
+def test_local_problems_put_together_equal_one_process(name, world, device):
     cfg = cp_local.TINY[name]
     s, seq = cfg.shape, sum(cfg.seg_lens)
     gen = torch.Generator().manual_seed(7)
-    full = [torch.randn(s.batch, h, seq, s.head_dim, generator=gen) for h in (s.heads_q, s.heads_kv, s.heads_kv,
-                                                                             s.heads_q)]
+    full = [torch.randn(s.batch, h, seq, s.head_dim, generator=gen).to(device)
+            for h in (s.heads_q, s.heads_kv, s.heads_kv, s.heads_q)]
+    assert all(RankProblem(cfg.topology, cfg.seg_lens, r, world, causal=cfg.causal, tile=cfg.tile).local_len
+               for r in range(world)), "every rank has tokens"
     out, dq, dk, dv = _run_ranks(cfg, world, full)
     topology = [list(r) for r in cfg.topology]
     q, k, v = (t.clone().requires_grad_() for t in full[:3])
