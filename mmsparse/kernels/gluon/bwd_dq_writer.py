@@ -109,7 +109,6 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
-    ds_w = ds_smem.index(WG)
     stage_w = dq_stage.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -127,12 +126,20 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
                                   buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         else:
+            # Past D=64 the K, V and dS^T tiles' descriptors are made in each step: hoisted out of the loop beside
+            # dK and dV (128 registers at D=128), they made Triton 3.6's and 3.7's code spill 200-300 B in the loop.
+            first = 0
+            if HEAD_DIM_PAD > 64:
+                first = opaque_zero()
+            k_step = k_smem.index(WG + first)
+            v_step = v_smem.index(WG + first)
+            ds_step = ds_smem.index(WG + first)
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
-            st = warpgroup_mma(k_w, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
-            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma(k_step, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
+            dpt = warpgroup_mma(v_step, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st,))
             # lse and delta are read once their matmul is done: held across its wait they made ptxas spill at D=128.
             lse = lse_smem.index(stage).load(cols)
@@ -145,12 +152,12 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
             # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (a fresh barrier: step 0 waits for
             # nothing).
             mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
-            ds_w.store(dst)
+            ds_step.store(dst)
             fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
             mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
             dst_op = gl.convert_layout(dst, op_layout)
             mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-            dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
+            dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, first)
             dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
             # Of dV, dQ (two groups), dK: all but dK are done.
             dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
