@@ -557,7 +557,7 @@ def cuda_kernel_config(head_dim: int, dtype: torch.dtype, capability: tuple[int,
     (``kernels/gluon/dkdv_d256.py``) at ``GLUON_D256["dkdv"]``, else its tl kernel; None: as
     :data:`GLUON_D256_DKDV_ENABLED` says. ``gluon_dq_writer``: with ``gluon``, the one-pass backward at head dims up
     to 128 in half precision runs the warp-specialised dQ-writer kernel (``kernels/gluon/bwd_dq_writer.py``) at
-    :data:`GLUON_DQ_WRITER`'s tile; None: at the head dims of :data:`GLUON_DQ_WRITER_HEAD_DIMS` (D=64).
+    :data:`GLUON_DQ_WRITER`'s tile; None: at the head dims of :data:`GLUON_DQ_WRITER_HEAD_DIMS` (D=64 and 128).
     ``shared_bytes``: the shared memory a block may take, which picks the tl dK/dV tile past D=128
     (:func:`wide_dkdv_tile`); None: as such a GPU of ``capability`` has. One object per combination of arguments."""
     enabled = GLUON_D256_ENABLED if gluon_d256 is None else gluon_d256
@@ -666,9 +666,10 @@ GLUON_DQ_WRITER_LONG = {
 }
 # The head dims (padded) whose deterministic=False backward runs the dQ-writer kernel by default. At D=64 it beat
 # the two passes by 1.02-1.20x at 13k-64k keys, and the bulk one pass by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa)
-# and at the seed (H200, tools.one_pass); at D=128 it lost to the two passes (0.975x on mm13k_hub).
-# cuda_kernel_config(..., gluon_dq_writer=True) turns it on at D=128 too (tools/one_pass.py's "dq-writer" side).
-GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64})
+# and at the seed (H200, tools.one_pass). At D=128, once its loop no longer spilled under Triton 3.6 and 3.7, it
+# beat the two passes by 1.03-1.10x on mm13k_hub, mm13k_cyclic and transfusion_16k (0.90-0.98x while it spilled).
+# cuda_kernel_config(..., gluon_dq_writer=False) turns it off (tools/one_pass.py's "one-pass" side).
+GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64, 128})
 # The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
 # consumer warpgroup (registers and shared memory: tests/kernels/test_gluon_compiles.py; timings on an H200:
 # docs/tuning.md):

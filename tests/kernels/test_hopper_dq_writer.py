@@ -49,30 +49,31 @@ def writer_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
 
 
 def test_default_head_dims():
-    """By default the dQ writer is deterministic=False's backward at D=64 (head dims padded to 64), at every length
-    (dq_writer_max_keys), while dropout keeps the tl one pass below one_pass_max_keys and the two passes from
-    there; at D=128 and 256 nothing changes unless it is asked for, and those configs are the objects that
+    """By default the dQ writer is deterministic=False's backward at D=64 and 128 (head dims padded to those), at
+    every length (dq_writer_max_keys), while dropout keeps the tl one pass below one_pass_max_keys and the two passes
+    from there; at D=256 nothing changes unless it is asked for, and that config is the object that
     gluon_dq_writer=False gives."""
-    assert GLUON_DQ_WRITER_HEAD_DIMS == {64}
+    assert GLUON_DQ_WRITER_HEAD_DIMS == {64, 128}
     cpu = torch.device("cpu")
-    for head_dim in (48, 64):
+    for head_dim in (48, 64, 96, 128):
         cfg = cuda_kernel_config(head_dim, torch.bfloat16)
-        assert cfg.gluon_dq_writer == GLUON_DQ_WRITER[64] and cfg.one_pass_runs_dq_writer()
+        assert cfg.gluon_dq_writer == GLUON_DQ_WRITER[head_dim_pad(head_dim)] and cfg.one_pass_runs_dq_writer()
         assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=True)
         for keys in (1000, 13000, 130000):
             plan = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, deterministic=False)
             assert plan.dq is None and plan.dkdv.dq_writer and plan.kernels()["dkdv"] == "gluon-dq-writer"
             dropout = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, dropout=True, deterministic=False)
             assert not dropout.dkdv.dq_writer and (dropout.dq is None) == (keys < cfg.one_pass_max_keys)
+            determined = plan_attention(cfg, 1, 4, 2, keys, keys, cpu, sms=132, deterministic=True)
+            assert determined.dq is not None and not determined.dkdv.dq_writer
         off = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
         assert off.gluon_dq_writer is None and off.gluon_dq_writer_long is None and not off.one_pass_runs_dq_writer()
-    for head_dim in (128, 256):
-        cfg = cuda_kernel_config(head_dim, torch.bfloat16)
-        assert cfg.gluon_dq_writer is None and cfg.gluon_dq_writer_long is None
-        assert not cfg.one_pass_runs_dq_writer()
-        assert cfg is cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
-        plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
-        assert not plan.dkdv.dq_writer and plan.kernels()["dkdv"] != "gluon-dq-writer"
+    cfg = cuda_kernel_config(256, torch.bfloat16)
+    assert cfg.gluon_dq_writer is None and cfg.gluon_dq_writer_long is None
+    assert not cfg.one_pass_runs_dq_writer()
+    assert cfg is cuda_kernel_config(256, torch.bfloat16, gluon_dq_writer=False)
+    plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
+    assert not plan.dkdv.dq_writer and plan.kernels()["dkdv"] != "gluon-dq-writer"
 
 
 @pytest.mark.parametrize("head_dim", [48, 64])

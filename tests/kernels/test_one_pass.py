@@ -280,14 +280,15 @@ def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
     one-pass tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from
     there deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel
     at the tl dK/dV tile. D=64 runs the dQ-writer kernel (tests/kernels/test_hopper_dq_writer.py), and without it
-    the tl one pass: it has no bulk one-pass tile."""
+    the tl one pass: it has no bulk one-pass tile. D=128 runs the dQ writer by default as well: the bulk one pass
+    is what runs without it."""
     d64 = cuda_kernel_config(64, torch.bfloat16, gluon_dq_writer=False)
     assert d64.gluon_one_pass is None and not d64.one_pass_runs_gluon()
     d64_plan = plan_attention(d64, 4, 16, 4, 1000, 1000, torch.device("cpu"), None, False, sms=132,
                               deterministic=False)
     assert d64_plan.dq is None and d64_plan.kernels()["dkdv"] == "tl"
     head_dim = 128
-    cfg = cuda_kernel_config(head_dim, torch.bfloat16)
+    cfg = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
     assert cfg.bwd_dkdv.gluon
     tl_tile = cfg.one_pass_tile()
     assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
@@ -329,7 +330,7 @@ def test_gluon_one_pass_tile():
     from mmsparse.attention.config import GLUON_ONE_PASS_BULK
 
     head_dim = 128
-    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16)
+    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)  # the dQ writer is the default
     cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
     assert cfg.one_pass_kernel_tile() == cfg.one_pass_tile() and not cfg.one_pass_kernel_tile().gluon
     assert not cfg.one_pass_runs_gluon() and with_bulk.one_pass_runs_gluon()
