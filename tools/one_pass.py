@@ -111,11 +111,11 @@ def attention_fn(cfg: BenchConfig, side: str, config: KernelConfig | None = None
         rows = [list(r) for r in cfg.seg_lens]
 
         def call(q, k, v):
-            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal,
+            return mmsparse.mbs_attention_varlen(q, k, v, topology, rows, causal=cfg.causal, window=cfg.window,
                                                  deterministic=deterministic)
     else:
         def call(q, k, v):
-            return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal,
+            return mmsparse.mbs_attention(q, k, v, topology, cfg.seg_lens, causal=cfg.causal, window=cfg.window,
                                           deterministic=deterministic)
     if config is None:
         return call

@@ -109,3 +109,15 @@ def test_dq_writer_stage_sides_and_head_dim(tmp_path):
     assert one_pass.main([*args, "--sides", "two-pass,one-pass", "--head-dim", "24"]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["config"] == "tiny_ab_d24" and row["one-pass_check"] == "ok"
+
+
+def test_a_windowed_config_is_called_with_its_window(tmp_path, device):
+    """Each side calls mmsparse with the config's sliding window, which the reference applies: called without it,
+    every side failed its check (and the times were of another mask)."""
+    out = tmp_path / "one_pass.json"
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    assert ALL_CONFIGS["tiny_window"].window
+    assert one_pass.main(["--configs", "tiny_window", "--rounds", "1", "--dtype", dtype, "--sides", "two-pass,one-pass",
+                          "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["two-pass_check"] == "ok" and row["one-pass_check"] == "ok", row
