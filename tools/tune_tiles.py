@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tl", action="store_true", help="start from the table without the Gluon kernels (other GPUs')")
     args = ap.parse_args(argv)
     names = config_names(ap, args.configs)
+    # Its calls, Flex's mask and its pair count take one row of lengths, no window: a config with a window or packed
+    # samples would be timed on another mask than its own.
+    other_masks = [n for n in names if ALL_CONFIGS[n].window is not None or ALL_CONFIGS[n].packed]
+    if other_masks:
+        ap.error(f"--configs {','.join(other_masks)}: a sliding window or packed samples, which this tool does not "
+                 "apply; time them with python -m benchmarks --configs NAME")
     if not torch.cuda.is_available():
         print("python -m tools.tune_tiles needs a CUDA GPU (it times the kernels' tiles); there is none here",
               file=sys.stderr)

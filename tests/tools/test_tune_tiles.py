@@ -32,3 +32,11 @@ def test_an_unknown_sweep_is_refused(no_gpu, capsys):
         tune_tiles.main(["--sweep", "dkvd"])
     assert exit_.value.code == 2
     assert "invalid choice: 'dkvd'" in capsys.readouterr().err
+
+
+def test_a_config_it_would_time_on_another_mask_is_refused(no_gpu, capsys):
+    """Windowed and packed configs: the tool's calls take neither, so it refuses them instead of timing another mask."""
+    with pytest.raises(SystemExit) as exit_:
+        tune_tiles.main(["--configs", "mm13k_hub,vlm32k_window4k,pack_64k_x512"])
+    assert exit_.value.code == 2
+    assert "--configs vlm32k_window4k,pack_64k_x512: a sliding window or packed samples" in capsys.readouterr().err
