@@ -44,6 +44,7 @@ from .common import (
     invalidate_ring,
     load_resident_halves,
     scores_init,
+    opaque_zero,
     thread_barrier,
     tma_store,
     wait_for_arrival,
@@ -216,8 +217,13 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             do_s = do_smem.index(stage)
-            st = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
-            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            first = 0
+            if HEAD_DIM_PAD > 64:
+                first = opaque_zero()
+            k_step = k_smem.index(WG + first)
+            v_step = v_smem.index(WG + first)
+            st = warpgroup_mma(k_step, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
+            dpt = warpgroup_mma(v_step, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             if ONE_PASS:
                 dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
             else:
