@@ -5,10 +5,13 @@ and all three gradients match the float64 reference.
 Fresh random inputs, NaN-poisoned outputs (tests/conftest.py); lengths that are not multiples of the tiles (64 query
 rows, 128 keys), several query blocks per key block, several heads and GQA groups, D 96/128 (its head dims: the D=64
 cases run the dQ writer, tests/kernels/test_hopper_dq_writer.py), bits, segment codes and dense masks, causal, a
-window. The kernel needs an sm_90 GPU; its plan is checked everywhere in
+window. Each call runs under the device's config without the dQ writer, which is the default one pass at D=64 and
+D=128 (:func:`_bulk_config`). The kernel needs an sm_90 GPU; its plan is checked everywhere in
 tests/kernels/test_one_pass.py."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,9 +86,16 @@ def _bulk_tile(head_dim: int):
     return tile
 
 
+def _bulk_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, **thresholds: int):
+    """The device's config without the dQ writer (deterministic=False's one pass at D=64 and 128): the bulk one pass
+    is then what deterministic=False runs, below one_pass_max_keys keys."""
+    cfg = kernel_config(head_dim, dtype, torch.device("cuda"))
+    return replace(cfg, gluon_dq_writer=None, gluon_dq_writer_long=None, **thresholds)
+
+
 def _planned_one_pass(q, k, dropout=False):
     dev = q.device
-    cfg = kernel_config(q.shape[-1], q.dtype, dev)
+    cfg = _bulk_config(q.shape[-1], q.dtype)
     return plan_attention(cfg, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], dev, None, dropout,
                           deterministic=False)
 
@@ -101,7 +111,8 @@ def test_gluon_one_pass_matches_float64(name, one_pass_calls):
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, dev)
     plan = _planned_one_pass(q, k)
     assert plan.kernels()["dq"] == "one-pass" and plan.kernels()["dkdv"] == "gluon", plan.kernels()
-    out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+    with use_tuning(_bulk_config(head_dim, dtype)):
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]  # no dQ pass
@@ -119,7 +130,8 @@ def test_gluon_one_pass_dense_mask(head_dim, one_pass_calls):
     mask = torch.rand(1100, 1100, device=dev) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+    with use_tuning(_bulk_config(head_dim)):
+        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(head_dim)]
@@ -136,14 +148,15 @@ def test_gluon_one_pass_past_the_threshold_when_forced(one_pass_calls):
     dev = torch.device("cuda")
     lens = (700, 1500, 1001)
     q, k, v = make_qkv(1, 2, 1, sum(lens), sum(lens), 128, torch.bfloat16, dev)
-    with use_tuning(one_pass_max_keys=1 << 62):
+    with use_tuning(_bulk_config(128, one_pass_max_keys=1 << 62)):
         out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     assert one_pass_calls == [("dkdv", True)] and one_pass_calls.tiles == [_bulk_tile(128)]
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, sum(lens), causal=True))
     one_pass_calls.clear()
-    out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
+    with use_tuning(_bulk_config(128)):
+        out = mbs_attention(q, k, v, CYCLIC, lens, causal=True, deterministic=False)  # the default threshold
     out.backward(grad_out)
     assert sorted(one_pass_calls) == [("dkdv", False), ("dq", False)]
 
@@ -161,7 +174,8 @@ def test_gluon_one_pass_agrees_with_the_two_pass_backward(one_pass_calls):
     grads = {}
     for deterministic in (True, False):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
+        with use_tuning(_bulk_config(128)):
+            out = mbs_attention(*leaves, HUB, lens, causal=True, deterministic=deterministic)
         out.backward(grad_out)
         grads[deterministic] = [t.grad for t in leaves]
     assert one_pass_calls.tiles == [_bulk_tile(128)]

@@ -273,8 +273,8 @@ def test_dropout_past_2_31():
 
 @pytest.mark.parametrize("layout,head_dim", [("BHSD", 128), ("BSHD", 128), ("BSHD", 64)])
 def test_one_pass_past_2_31(layout, head_dim):
-    """The one-pass backward (deterministic=False: on Hopper the Gluon bulk one pass at D=128, forced past its
-    threshold, and the dQ-writer kernel at D=64, its default at every length; the tl one elsewhere): its float32 dQ
+    """The one-pass backward (deterministic=False: on Hopper the dQ-writer kernel at D=64 and 128, its default at
+    every length; the tl one elsewhere, forced past its threshold): its float32 dQ
     accumulator has B * Hq * S * D = 2.36e9 elements, and q as a [B, S, H, D] view puts row * stride_row past 2^31.
     Atomic adds run in any order, so the check is the float32 reference on the sampled rows and the two-pass
     result."""
