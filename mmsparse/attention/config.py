@@ -667,7 +667,8 @@ GLUON_DQ_WRITER_LONG = {
 # The head dims (padded) whose deterministic=False backward runs the dQ-writer kernel by default. At D=64 it beat
 # the two passes by 1.02-1.20x at 13k-64k keys, and the bulk one pass by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa)
 # and at the seed (H200, tools.one_pass). At D=128, once its loop no longer spilled under Triton 3.6 and 3.7, it
-# beat the two passes by 1.03-1.10x on mm13k_hub, mm13k_cyclic and transfusion_16k (0.90-0.98x while it spilled).
+# beat the two passes by 1.01-1.33x and the bulk one pass by 1.07-1.36x on every config measured, 925 to 64k keys
+# (0.90-0.98x the two passes while it spilled; benchmarks/results/h200/dq_writer_d128.md).
 # cuda_kernel_config(..., gluon_dq_writer=False) turns it off (tools/one_pass.py's "one-pass" side).
 GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64, 128})
 # The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
