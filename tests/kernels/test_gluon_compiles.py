@@ -16,7 +16,8 @@ thread, and the D=256 dK/dV kernel at ``GLUON_D256["dkdv"]``, which must not spi
 modes (bits, segment codes, a dense mask), causal and not, the forward's ping-pong on and off, with and without a
 sliding window, the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be TMA bulk reduce-adds, with no
 atomic at all), and the warp-specialised one-pass kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
-off by default: its adds likewise, and no spill at all). ptxas's report of each dK/dV variant must not say that it
+deterministic=False's backward at D=64 and 128: its adds likewise, and no spill at all, under Triton 3.6, 3.7 and
+3.9). ptxas's report of each dK/dV variant must not say that it
 serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
 the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
 Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose
