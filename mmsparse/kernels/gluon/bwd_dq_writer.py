@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from .common import WG_ROWS, invalidate_ring, opaque_zero, scores_init, thread_barrier, tma_atomic_add
+from .common import WG_ROWS, invalidate_ring, key_step_zero, opaque_zero, scores_init, thread_barrier, tma_atomic_add
 from .dkdv import WG_KEYS, count_slot, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
@@ -126,11 +126,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
                                   buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         else:
-            # Past D=64 the K, V and dS^T tiles' descriptors are made in each step: hoisted out of the loop beside
-            # dK and dV (128 registers at D=128), they made Triton 3.6's and 3.7's code spill 200-300 B in the loop.
-            first = 0
-            if HEAD_DIM_PAD > 64:
-                first = opaque_zero()
+            first = key_step_zero(HEAD_DIM_PAD)  # past D=64 the tiles' descriptors are made in each step
             k_step = k_smem.index(WG + first)
             v_step = v_smem.index(WG + first)
             ds_step = ds_smem.index(WG + first)

@@ -124,6 +124,18 @@ def opaque_zero():
 
 
 @gluon.jit
+def key_step_zero(HEAD_DIM_PAD: gl.constexpr):
+    """The index offset of a dK/dV loop's K, V and dS^T tiles in each step: 0 up to D=64, else :func:`opaque_zero`,
+    so that past D=64 their wgmma descriptors are made in each step. Hoisted out of the loop beside dK and dV (128
+    registers a thread at D=128), they made the loop spill: 204-304 B in the dQ-writer kernel under Triton 3.6 and
+    3.7, 140-168 B in the two-pass dK/dV kernel under 3.9."""
+    zero = 0
+    if HEAD_DIM_PAD > 64:
+        zero = opaque_zero()
+    return zero
+
+
+@gluon.jit
 def resident_tile(smem, WG: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
     """Warpgroup WG's tile of a resident ``[2, rows, D_pad]`` allocation (Q, dO), as the A operand of a wgmma inside
     a loop. Past HOISTED_DESCRIPTORS_MAX_D its index goes through a zero that LLVM cannot see through, so the tile's

@@ -42,8 +42,8 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
+    key_step_zero,
     load_resident_halves,
-    opaque_zero,
     scores_init,
     thread_barrier,
     tma_store,
@@ -217,11 +217,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             do_s = do_smem.index(stage)
-            # Past D=64 K's and V's descriptors are made in each step: hoisted out of the loop beside dK and dV they
-            # spilled (140-168 B at D=128 with Triton 3.9, 40-104 B with 3.6; now at most 68).
-            first = 0
-            if HEAD_DIM_PAD > 64:
-                first = opaque_zero()
+            first = key_step_zero(HEAD_DIM_PAD)  # past D=64 K's and V's descriptors are made in each step
             k_step = k_smem.index(WG + first)
             v_step = v_smem.index(WG + first)
             st = warpgroup_mma(k_step, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
