@@ -224,19 +224,20 @@ def allocate_kv_ring(dtype: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit
-def allocate_barriers(STAGES: gl.constexpr):
+def allocate_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
     """The barriers of the forward and the dQ pass: ``(resident, k_ready, v_ready, kv_empty)``, the resident tiles'
-    (Q, and dO in the dQ pass) and the K/V ring's (:func:`init_barriers`)."""
+    (Q, and dO in the dQ pass) and the K/V ring's (:func:`init_barriers`), ``RELEASES`` release barriers a stage (2:
+    its K and its V apart, :func:`stream_kv_ring`)."""
     layout: gl.constexpr = mbarrier.MBarrierLayout()
     resident = gl.allocate_shared_memory(gl.int64, [1], layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [RELEASES * STAGES, 1], layout)
     return resident, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def init_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+def init_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
     """Initialise :func:`allocate_barriers`' barriers: the resident tiles landed (the producer's TMA, one arrival),
     and the ring's (:func:`init_kv_ring`). The caller fences the inits before any TMA copy can signal them."""
     mbarrier.init(resident, count=1)
@@ -244,21 +245,22 @@ def init_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RE
 
 
 @gluon.jit
-def invalidate_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+def invalidate_barriers(resident, k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
     """Invalidate :func:`init_barriers`' barriers once the partitions have joined."""
     mbarrier.invalidate(resident)
     invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES, RELEASES)
 
 
 @gluon.jit
-def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
-    """The ring's barriers: K and V of a stage landed (the producer's TMA), and, with RELEASES, the stage released
-    by both consumer warpgroups (the forward's named releases need no barrier there)."""
+def init_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
+    """The ring's barriers: K and V of a stage landed (the producer's TMA), and ``RELEASES`` a stage released by
+    both consumer warpgroups: 1, the stage; 2, its K and its V apart (:func:`stream_kv_ring`); 0, none (the
+    forward's named releases are hardware barriers)."""
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        if RELEASES:
-            mbarrier.init(kv_empty.index(i), count=2)
+        for r in gl.static_range(RELEASES):
+            mbarrier.init(kv_empty.index(r * STAGES + i), count=2)
 
 
 @gluon.jit
@@ -270,12 +272,11 @@ def invalidate_ring(bars, COUNT: gl.constexpr):
 
 
 @gluon.jit
-def invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = True):
+def invalidate_kv_ring(k_ready, v_ready, kv_empty, STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
     """Invalidate the ring's barriers (:func:`init_kv_ring`) once the partitions have joined."""
     invalidate_ring(k_ready, STAGES)
     invalidate_ring(v_ready, STAGES)
-    if RELEASES:
-        invalidate_ring(kv_empty, STAGES)
+    invalidate_ring(kv_empty, RELEASES * STAGES)
 
 
 @gluon.jit
@@ -291,9 +292,12 @@ def load_resident_halves(a_desc, a_smem, b_desc, b_smem, bar, b, h, row0, ROWS: 
 
 @gluon.jit
 def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk,
-                   BN: gl.constexpr, STAGES: gl.constexpr):
-    """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring, each
-    stage refilled once both consumer warpgroups released it (the forward and the dQ pass share it)."""
+                   BN: gl.constexpr, STAGES: gl.constexpr, V_APART: gl.constexpr = False):
+    """The producer's loop: K and V (kv head hk of batch b) of every listed key block into the stage ring (the
+    forward and the dQ pass share it), each stage refilled once both consumer warpgroups released it at
+    ``kv_empty`` s. With ``V_APART`` (the forward: 2 releases a stage, :func:`init_kv_ring`) a stage's K is released
+    there and its V at STAGES + s: K is done with once the block's scores are, a step before V, so the next block's
+    K loads a step earlier, which a ring of 2 stages needs to keep its loads off the matmuls' path."""
     for it in range(n_total):
         stage = it % STAGES
         n_blk = block_id(idx_ptr, it)
@@ -301,5 +305,7 @@ def stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, i
         mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
+        if V_APART:
+            mbarrier.wait(kv_empty.index(STAGES + stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
