@@ -170,9 +170,9 @@ def _tile(variant: Variant):
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage (the forward's K and V released apart: two); dK/dV K and V once, done, ready and release per stage, and with the one pass the dS handshake's two;
-    the forward with ping-pong the two turns. Its named turns and releases (``turns="named_release"``) are hardware
-    barriers, not mbarriers."""
+    stage (the forward's K and V released apart: two); dK/dV K and V once, done, ready and release per stage, and
+    with the one pass the dS handshake's two; the forward with ping-pong the two turns. Its named turns and releases
+    (``turns="named_release"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
     if variant.kind == "dkdv" and variant.head_dim == 256:
         return 2 + 2 * tile.gluon_stages + 2  # the hand-over of P^T: staged, read

@@ -12,10 +12,10 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
   matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
   warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: without ping-pong a
   warpgroup arrives twice per block (the K and the V releases), with turn mbarriers (``TURNS_MBARRIER``) three
-  times (and the turn's hand-off); with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as in FlashAttention-3
-  (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra bar.sync), and so do the
-  stage releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive
-  in the consumer loop.
+  times (and the turn's hand-off); with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as
+  in FlashAttention-3 (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra
+  bar.sync), and so do the releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no
+  mbarrier arrive in the consumer loop.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, the exact token mask applied only
 in partial blocks, lse = +inf for a row that sees nothing; save that the exponent is one FMA, ``p = exp2(s * scale -
@@ -102,9 +102,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN: gl.constexpr,
                      STAGES: gl.constexpr):
     """``stream_kv_ring`` (with ``V_APART``) with each release a named barrier (TURNS_NAMED_RELEASE): block it >=
-    STAGES waits for both warpgroups to arrive there after block it - STAGES, for its K and then for its V. Hardware barriers count threads, not phases: a
-    warpgroup cannot arrive for the stage's next block before this wait completes, as that block is loaded only
-    after it. A lap of STAGES at a time, so that every stage is a constant."""
+    STAGES waits for both warpgroups to arrive there after block it - STAGES, for its K and then for its V.
+    Hardware barriers count threads, not phases: a warpgroup cannot arrive for the stage's next block before this
+    wait completes, as that block is loaded only after it. A lap of STAGES at a time, so that every stage is a
+    constant."""
     for first in range(0, n_total, STAGES):
         for stage in gl.static_range(STAGES):
             it = first + stage
