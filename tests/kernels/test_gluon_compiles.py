@@ -170,7 +170,7 @@ def _tile(variant: Variant):
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage (the forward's K and V released apart: two); dK/dV K and V once, done, ready and release per stage, and
+    stage (two without ping-pong: K's and V's); dK/dV K and V once, done, ready and release per stage, and
     with the one pass the dS handshake's two; the forward with ping-pong the two turns. Its named turns and releases
     (``turns="named_release"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
@@ -184,7 +184,8 @@ def expected_barriers(variant: Variant) -> int:
         return 1 + 3 * tile.gluon_stages
     if tile.pingpong and tile.turns == "named_release":
         return 1 + 2 * tile.gluon_stages
-    return 1 + 4 * tile.gluon_stages + (2 if tile.pingpong else 0)  # K and V released apart
+    # without ping-pong a stage's K and its V are released apart
+    return 1 + 3 * tile.gluon_stages + (2 if tile.pingpong else tile.gluon_stages)
 
 
 @pytest.fixture(scope="module")
@@ -365,12 +366,12 @@ FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
 
 def expected_arrives_per_block(variant: Variant) -> int:
     """mbarrier arrives of a forward consumer warpgroup per key block (Gluon puts a warpgroup-wide bar.sync before
-    each): the stage's K and its V released apart, and with turn mbarriers the turn hand-off as well; named
-    barriers hand the turn over and release the stages without one."""
+    each): without ping-pong the stage's K and its V released apart; with turn mbarriers the stage's release and
+    the turn hand-off; named barriers hand the turn over and release the stages without one."""
     tile = _tile(variant)
     if tile.pingpong and tile.turns == "named_release":
         return 0
-    return 3 if tile.pingpong and tile.turns == "mbarrier" else 2
+    return 2
 
 
 @pytest.mark.parametrize("variant", FORWARD_VARIANTS, ids=lambda v: v.name)
@@ -383,8 +384,7 @@ def test_forward_arrives_per_key_block(ptx_dir, variant):
     released_by_name = _tile(variant).pingpong and _tile(variant).turns == "named_release"
     for loop in loops:
         assert loop["mbarrier.arrive"] == expected_arrives_per_block(variant), f"{variant.name}: {dict(loop)}"
-        # named releases: the stage's K and its V apart
-        assert loop["bar.arrive reg, 288"] == 2 * released_by_name, f"{variant.name}: {dict(loop)}"
+        assert loop["bar.arrive reg, 288"] == released_by_name, f"{variant.name}: {dict(loop)}"
 
 
 _BARRIER = re.compile(

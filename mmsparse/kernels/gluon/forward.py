@@ -4,18 +4,20 @@ Why a second forward: the ``tl`` kernel is an FA2 loop, where one warpgroup alte
 so the tensor cores idle while the exponentials run (docs/performance.md). Here one CTA owns 128 query rows:
 - a one-warp producer streams the listed K and V tiles through a ring of shared-memory stages with TMA;
 - two consumer warpgroups each own 64 of the rows. Each issues the next block's Q K^T before the current block's
-  P V (both asynchronous), so its softmax runs while its own matmul does. A stage's K and its V are released apart
-  (as FlashAttention-3's two pipelines): K once the block's scores are done, V once its P V is, so the next block's
-  K loads while this block's P V runs; with 2 stages (D=64, D=256) a whole-stage release left each K load on the
-  matmuls' path;
+  P V (both asynchronous), so its softmax runs while its own matmul does. Without ping-pong (D=64, D=256: 2
+  stages) a stage's K and its V are released apart, as FlashAttention-3's two pipelines: K once the block's
+  scores are done, V once its P V is, so the next block's K loads while this block's P V runs (a whole-stage
+  release left each K load on the matmuls' path: 1.15x the D=256 forward, 1.02x at D=64 on an H200; the ping-pong
+  tiles gained nothing or lost, docs/performance.md);
 - with ``PINGPONG`` the two warpgroups take turns to issue their matmuls, so one's softmax overlaps the other's
   matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
-  warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: without ping-pong a
-  warpgroup arrives twice per block (the K and the V releases), with turn mbarriers (``TURNS_MBARRIER``) three
-  times (and the turn's hand-off); with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as
-  in FlashAttention-3 (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra
-  bar.sync), and so do the releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no
-  mbarrier arrive in the consumer loop.
+  warpgroup-wide ``bar.sync`` and one thread's arrive, so the arrives per key block count: twice without ping-pong
+  (K's and V's releases); with turn mbarriers (``TURNS_MBARRIER``) twice as well, handing the turn over and
+  releasing the stage;
+  with ``TURNS_NAMED_RELEASE`` the turns go through hardware named barriers, as in FlashAttention-3
+  (``bar.sync`` / ``bar.arrive`` of both warpgroups' 256 threads: no mbarrier, no extra bar.sync), and so do the
+  stage releases (the consumers' ``bar.arrive``, the producer's ``bar.sync``), which leaves no mbarrier arrive
+  in the consumer loop.
 
 The numerics are the ``tl`` kernel's: scores and the running max in raw units, the exact token mask applied only
 in partial blocks, lse = +inf for a row that sees nothing; save that the exponent is one FMA, ``p = exp2(s * scale -
@@ -72,9 +74,9 @@ _SYNC_TURN_0 = named_barrier_asm("sync", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _SYNC_TURN_1 = named_barrier_asm("sync", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
 _ARRIVE_TURN_0 = named_barrier_asm("arrive", TURN_BARRIER_IDS[0], _CONSUMER_THREADS)
 _ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
-# Stage s's K is released through named barrier RELEASE_BARRIER_ID + s and its V through RELEASE_BARRIER_ID + STAGES +
-# s, counted over both consumer warpgroups and the producer warp: the consumers arrive once they no longer read the
-# tile, the producer waits there (bar.sync) before refilling it.
+# Stage s is released through named barrier RELEASE_BARRIER_ID + s, counted over both consumer
+# warpgroups and the producer warp: the consumers arrive once they no longer read the stage, the producer waits
+# there (bar.sync) before refilling it.
 RELEASE_BARRIER_ID = gl.constexpr(TURN_BARRIER_IDS[1] + 1)
 _RELEASE_THREADS = _CONSUMER_THREADS + 32
 _ARRIVE_RELEASE = named_barrier_asm("arrive", None, _RELEASE_THREADS)
@@ -83,11 +85,11 @@ _SYNC_RELEASE = named_barrier_asm("sync", None, _RELEASE_THREADS)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr, n_total,
-              row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+              row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
-    can start before V lands). A stage's K is free again once both warpgroups released it, and its V once both
-    released that (``kv_empty``: K once the block's scores are done, V once its P V is), or with ``NAMED_RELEASE``
-    the whole stage once its named barrier is."""
+    can start before V lands). A stage is free again once both warpgroups released it (``kv_empty``, its K and its V
+    apart without ping-pong, or with ``NAMED_RELEASE`` its named barrier)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
     tma_load(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
@@ -95,17 +97,16 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
         _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN, STAGES)
     else:
         stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN,
-                       STAGES, V_APART=True)
+                       STAGES, V_APART=not PINGPONG)
 
 
 @gluon.jit
 def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN: gl.constexpr,
                      STAGES: gl.constexpr):
-    """``stream_kv_ring`` (with ``V_APART``) with each release a named barrier (TURNS_NAMED_RELEASE): block it >=
-    STAGES waits for both warpgroups to arrive there after block it - STAGES, for its K and then for its V.
-    Hardware barriers count threads, not phases: a warpgroup cannot arrive for the stage's next block before this
-    wait completes, as that block is loaded only after it. A lap of STAGES at a time, so that every stage is a
-    constant."""
+    """``stream_kv_ring`` with each stage's release a named barrier (TURNS_NAMED_RELEASE): block it >= STAGES waits
+    for both warpgroups to arrive there after block it - STAGES. Hardware barriers count threads, not phases: a
+    warpgroup cannot arrive for the stage's next block before this wait completes, as that block is loaded only
+    after it. A lap of STAGES at a time, so that every stage is a constant."""
     for first in range(0, n_total, STAGES):
         for stage in gl.static_range(STAGES):
             it = first + stage
@@ -115,8 +116,6 @@ def _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, 
                     named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + stage)
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
                 tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
-                if first > 0:
-                    named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + STAGES + stage)
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
                 tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
 
@@ -159,16 +158,27 @@ def _hand_off(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.const
 
 
 @gluon.jit
-def _release(kv_empty, index, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr, STAGES: gl.constexpr):
-    """This warpgroup no longer reads a tile of the stage of ``block``: release it to the producer (``index``: the
-    stage for its K, STAGES + the stage for its V; ``stream_kv_ring``). K is released once the block's scores are
-    done, so the next block's K loads while this block's P V runs. A named release only where the producer waits
-    for it (a block STAGES later exists): an arrive nobody syncs with would stay counted."""
+def _release_keys(kv_empty, stage, PINGPONG: gl.constexpr):
+    """Without ping-pong: this warpgroup's scores of the block in ``stage`` are done, so it no longer reads the
+    stage's K: release it (``kv_empty`` ``stage``), and the producer loads the next block's K there while this
+    block's P V runs. Ping-pong tiles release the whole stage at once (:func:`_release_stage`)."""
+    if not PINGPONG:
+        mbarrier.arrive(kv_empty.index(stage))
+
+
+@gluon.jit
+def _release_stage(kv_empty, stage, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer (without ping-pong
+    its V, ``kv_empty`` STAGES + ``stage``: :func:`_release_keys` released its K). A named release only where the
+    producer waits for it (a block STAGES later exists): an arrive nobody syncs with would stay counted."""
     if PINGPONG and TURNS == _TURNS_NAMED_RELEASE:
         if block + STAGES < n_total:
-            named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + index)
+            named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
+    elif PINGPONG:
+        mbarrier.arrive(kv_empty.index(stage))
     else:
-        mbarrier.arrive(kv_empty.index(index))
+        mbarrier.arrive(kv_empty.index(STAGES + stage))
 
 
 @gluon.jit
@@ -221,7 +231,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _hand_off(turn, WG, 0, PINGPONG, TURNS)
         s = warpgroup_mma_wait(0, deps=(s,))
-        _release(kv_empty, 0, 0, n_total, PINGPONG, TURNS, STAGES)  # K of block 0
+        _release_keys(kv_empty, 0, PINGPONG)
         if n_full == 0:
             s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
@@ -237,13 +247,13 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             _hand_off(turn, WG, it, PINGPONG, TURNS)
             s = warpgroup_mma_wait(1, deps=(s,))
-            _release(kv_empty, stage, it, n_total, PINGPONG, TURNS, STAGES)  # K of block it
+            _release_keys(kv_empty, stage, PINGPONG)
             if it >= n_full:
                 s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
                                   HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            _release(kv_empty, STAGES + prev, it - 1, n_total, PINGPONG, TURNS, STAGES)  # V of block it - 1
+            _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
@@ -253,7 +263,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
         _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         if not (PINGPONG and TURNS == _TURNS_NAMED_RELEASE):  # no block comes STAGES after the last
-            _release(kv_empty, STAGES + last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
+            _release_stage(kv_empty, last, n_total - 1, n_total, PINGPONG, TURNS, STAGES)
 
     # Rows that attend nothing: l = 0, output 0, lse = +inf (the backward's exp2(s - lse) is then 0).
     empty = l_i == 0.0
@@ -290,7 +300,7 @@ def attention_fwd_gluon(
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
     named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
     turn_mbarriers: gl.constexpr = PINGPONG and TURNS == _TURNS_MBARRIER
-    gl.static_assert(not named_release or RELEASE_BARRIER_ID + 2 * STAGES <= 16, "a CTA has 16 named barriers")
+    gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
 
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
@@ -299,10 +309,11 @@ def attention_fwd_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
     k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
-    q_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES, 2)
+    # K and V released apart without ping-pong (2 barriers a stage); named releases need no kv_empty
+    kv_sets: gl.constexpr = 1 if PINGPONG else 2
+    releases: gl.constexpr = 0 if named_release else kv_sets
+    q_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES, kv_sets)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # named releases: no kv_empty, and the turns are hardware barriers; else K and V released apart
-    releases: gl.constexpr = 0 if named_release else 2
     init_barriers(q_bar, k_ready, v_ready, kv_empty, STAGES, releases)
     if turn_mbarriers:
         _init_turns(turn)
@@ -318,7 +329,7 @@ def attention_fwd_gluon(
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
-                         n_total, row0, b, h, h // GROUP, BN, STAGES, named_release)),
+                         n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, PINGPONG)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
