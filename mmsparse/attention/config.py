@@ -676,8 +676,9 @@ GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64, 128})
 # docs/tuning.md):
 # - forward: a 64 x 256 fp32 O accumulator (128 of a thread's 240 registers) beside 64 x 64 scores, 2 stages of 64
 #   keys (192 KB of shared memory with Q): 1.44x the tl forward on a Gemma-3-like 16k mask, where 4 stages of 32
-#   keys (no spill at all) gave 1.28x and ping-pong turns less (FlashAttention-3 drops them past D=128 too); its
-#   masked variants reload a few spilled registers in the loop;
+#   keys (no spill at all) gave 1.28x and ping-pong turns less (FlashAttention-3 drops them past D=128 too), and
+#   1.15x that since a stage's K and its V are released apart (kernels/gluon/forward.py); its masked variants
+#   reload a few spilled registers in the loop;
 # - dQ: a 64 x 256 fp32 dQ accumulator beside the scores and dP of 32 keys; Q and dO stay resident (128 KB), so
 #   64-key stages do not fit beside them, 3 stages of 32 keys do (224 KB).
 # num_warps and num_stages are the tl kernels', which run these tiles with dropout or split key lists.
