@@ -582,11 +582,13 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
         cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"],
                       bwd_dq_dropout=cfg.bwd_dq)
         if gluon_d256_dkdv:
-            # The Gluon dK/dV kernel has no one pass: the tl one-pass kernel keeps the tl dK/dV tile, whose
-            # registers it was written for, and so does the tl dK/dV kernel with dropout (at the Gluon tile it
-            # spilled: 0.91x the tl tile's backward on an H200).
+            # The Gluon dK/dV kernel has no one pass, and the tl one pass (at the tl dK/dV tile, whose registers
+            # it was written for) ran 0.215x the Gluon two passes' speed on the seed's 925 keys (H200,
+            # benchmarks/results/h200/one_pass_d256.md): deterministic=False runs the two passes at every length
+            # here (use_tuning(one_pass_max_keys=N) brings the tl one pass back). The tl dK/dV kernel with dropout
+            # keeps the tl tile too (at the Gluon tile it spilled: 0.91x the tl tile's backward on an H200).
             cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
-                          bwd_dkdv_dropout=cfg.bwd_dkdv)
+                          bwd_dkdv_dropout=cfg.bwd_dkdv, one_pass_max_keys=0)
     if half and d_pad in _GLUON_FWD and gluon:
         # The one-pass backward runs the dQ-writer kernel at gluon_dq_writer where set, else the Gluon dK/dV kernel
         # at gluon_one_pass, its dQ added by TMA bulk reduce-adds (plan.plan_attention); with dropout it is the tl

@@ -197,20 +197,26 @@ def test_default_thresholds_over_4k_keys(dkdv, gluon_calls):
 @pytest.mark.hopper
 @pytest.mark.gpu
 def test_gluon_dkdv_is_deterministic_and_one_pass_stays_tl(gluon_calls):
-    """The Gluon dK/dV pass has no atomics: two backwards give the same bits. deterministic=False runs the tl
-    one-pass backward at its own tile (the Gluon dK/dV kernel has no one pass)."""
+    """The Gluon dK/dV pass has no atomics: two backwards give the same bits. deterministic=False runs the same two
+    passes (the Gluon dK/dV kernel has no one pass, and the tl one ran 0.215x their speed); a one_pass_max_keys
+    threshold brings back the tl one-pass backward at its own tile."""
     q, k, v = make_qkv(1, 16, 4, 3000, 3000, 256, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn_like(q)
     kw = dict(topology=TEXT_IMAGE_TEXT, seg_lens=(1200, 256, 1544))
+    def short_leaves():  # fresh leaves for each check: their .grad is compared with the reference's
+        return (t.detach()[:, :, :1500].clone().requires_grad_() for t in (q, k, v))
+
     with use_tuning(d256_dkdv_config(torch.bfloat16), short_keys=0):
         first = forward_backward(q, k, v, grad_out, **kw)
         second = forward_backward(q, k, v, grad_out, **kw)
         assert gluon_calls.count("dkdv_d256") == 2
         for a, b in zip(first, second):
             assert torch.equal(a, b)
-        gluon_calls.clear()
-        q1, k1, v1 = (t.detach()[:, :, :1500].clone().requires_grad_() for t in (q, k, v))
-        check_against_reference(q1, k1, v1, TEXT_IMAGE_TEXT, (600, 256, 644), deterministic=False)
+        check_against_reference(*short_leaves(), TEXT_IMAGE_TEXT, (600, 256, 644), deterministic=False)
+        assert gluon_calls.count("dkdv_d256") == 3
+    gluon_calls.clear()
+    with use_tuning(d256_dkdv_config(torch.bfloat16), short_keys=0, one_pass_max_keys=2048):
+        check_against_reference(*short_leaves(), TEXT_IMAGE_TEXT, (600, 256, 644), deterministic=False)
     assert "dkdv_d256" not in gluon_calls
 
 
@@ -289,7 +295,12 @@ def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
             assert long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
             assert long.dkdv.tile == tile and (64, 64, True) in long.list_tiles()
             long.check_head_dim(head_dim, 2)
-            one_pass = plan_attention(cfg, 1, 16, 4, 1500, 1500, cuda, sms=132, deterministic=False)
+            # deterministic=False: the two passes (tests/kernels/test_plan.py), the tl one pass only below a
+            # one_pass_max_keys threshold set by hand
+            assert plan_attention(cfg, 1, 16, 4, 1500, 1500, cuda, sms=132, deterministic=False).kernels() == \
+                {"forward": "tl", "dq": "gluon", "dkdv": "gluon"}
+            one_pass = plan_attention(replace(cfg, one_pass_max_keys=2048), 1, 16, 4, 1500, 1500, cuda, sms=132,
+                                      deterministic=False)
             assert one_pass.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
             assert one_pass.dkdv.tile == WIDE_ONE_PASS_TMA
             one_pass.check_head_dim(head_dim, 2)

@@ -182,3 +182,19 @@ def test_prepared_lists_are_the_plans(dropout, deterministic):
     prepare(info, cfg, deterministic, dropout)
     for block_m, block_n, by_key in plan.list_tiles():
         info.built_lists(block_m, block_n, by_key)  # raises where a planned list was not built
+
+
+@pytest.mark.parametrize("seq", [64, 925, 2047, 40000])
+def test_deterministic_false_at_head_dim_256_runs_the_gluon_two_passes(seq):
+    """On Hopper at head dims 129-256 the dK/dV pass is Gluon and has no one pass; the tl one pass ran 0.215x the
+    two passes' speed on the seed (H200), so deterministic=False plans the two passes at every length there. A
+    one_pass_max_keys threshold (what use_tuning(one_pass_max_keys=N) sets on the call's config) still brings the
+    tl one pass back below it."""
+    cfg = cuda_kernel_config(256, torch.bfloat16)
+    cpu = torch.device("cpu")
+    plan = plan_attention(cfg, 2, 8, 4, seq, seq, cpu, None, False, deterministic=False)
+    assert plan.dq is not None and not plan.dkdv.one_pass
+    assert (plan.dq.gluon, plan.dkdv.gluon) == (True, True)
+    forced = plan_attention(replace(cfg, one_pass_max_keys=4096), 2, 8, 4, seq, seq, cpu, None, False,
+                            deterministic=False)
+    assert (forced.dq is None and forced.dkdv.one_pass and not forced.dkdv.gluon) == (seq < 4096)
