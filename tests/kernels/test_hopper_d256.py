@@ -203,6 +203,7 @@ def test_gluon_dkdv_is_deterministic_and_one_pass_stays_tl(gluon_calls):
     q, k, v = make_qkv(1, 16, 4, 3000, 3000, 256, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn_like(q)
     kw = dict(topology=TEXT_IMAGE_TEXT, seg_lens=(1200, 256, 1544))
+
     def short_leaves():  # fresh leaves for each check: their .grad is compared with the reference's
         return (t.detach()[:, :, :1500].clone().requires_grad_() for t in (q, k, v))
 

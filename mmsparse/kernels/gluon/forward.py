@@ -7,7 +7,7 @@ so the tensor cores idle while the exponentials run (docs/performance.md). Here 
   P V (both asynchronous), so its softmax runs while its own matmul does. Without ping-pong (D=64, D=256: 2
   stages) a stage's K and its V are released apart, as FlashAttention-3's two pipelines: K once the block's
   scores are done, V once its P V is, so the next block's K loads while this block's P V runs (a whole-stage
-  release left each K load on the matmuls' path: 1.15x the D=256 forward, 1.02x at D=64 on an H200; the ping-pong
+  release left each K load on the matmuls' path: 1.15x the D=256 forward, 1.02-1.04x at D=64 on an H200; the ping-pong
   tiles gained nothing or lost, docs/performance.md);
 - with ``PINGPONG`` the two warpgroups take turns to issue their matmuls, so one's softmax overlaps the other's
   matmuls. ``TURNS`` picks how (``constants.TURNS_*``). Gluon lowers each ``mbarrier.arrive`` of a warpgroup to a
