@@ -1,6 +1,7 @@
 """The Gluon forward's ping-pong settings side by side on one Hopper GPU: each turn scheme (``Tile.turns``) at the
-config's tile, and where the config runs without ping-pong (D=64, D=256) ping-pong at 2 and 3 stages with each
-scheme, where the tile fits a CTA. Every setting's output must equal the config's tile's bit for bit (they only
+config's tile and the tile without ping-pong at 2 and 3 stages where the config takes turns (D=128), and where the
+config runs without ping-pong (D=64, D=256) ping-pong at 2 and 3 stages with each scheme, where the tile fits a
+CTA. Every setting's output must equal the config's tile's bit for bit (they only
 move synchronisation); the forward's time is the median over interleaved rounds, and each ratio the median of the
 per-round ratios to the first setting.
 
@@ -48,9 +49,14 @@ def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
                     out[f"pingpong_{stages}stages_{turns}"] = replace(base, fwd=tile)
         return out
     short = base.fwd_short_samples
-    return {turns: replace(base, fwd=replace(base.fwd, turns=turns),
-                           fwd_short_samples=short if short is None else replace(short, turns=turns))
-            for turns in TURN_SCHEMES}
+    out = {turns: replace(base, fwd=replace(base.fwd, turns=turns),
+                          fwd_short_samples=short if short is None else replace(short, turns=turns))
+           for turns in TURN_SCHEMES}
+    for stages in (2, 3):  # without ping-pong a stage's K and its V are released apart (kernels/gluon/forward.py)
+        tile = replace(base.fwd, gluon_stages=stages, pingpong=False)
+        if gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
+            out[f"no_pingpong_{stages}stages"] = replace(base, fwd=tile)
+    return out
 
 
 def time_config(name: str, rounds: int, only: list[str] | None = None) -> dict[str, Any]:

@@ -10,10 +10,16 @@ from tools import fwd_turns
 
 
 def test_settings_cover_every_turn_scheme_and_pingpong_where_it_fits():
-    d128 = fwd_turns.settings(cuda_kernel_config(128, torch.bfloat16), 128)
-    assert list(d128) == list(TURN_SCHEMES)
-    for turns, cfg in d128.items():
+    base = cuda_kernel_config(128, torch.bfloat16)
+    d128 = fwd_turns.settings(base, 128)
+    assert list(d128) == [*TURN_SCHEMES, "no_pingpong_2stages", "no_pingpong_3stages"]
+    for turns in TURN_SCHEMES:
+        cfg = d128[turns]
         assert cfg.fwd.turns == turns and cfg.fwd_short_samples.turns == turns and cfg.fwd.pingpong
+    for stages in (2, 3):
+        cfg = d128[f"no_pingpong_{stages}stages"]
+        assert not cfg.fwd.pingpong and cfg.fwd.gluon_stages == stages and cfg.fwd_short_samples == \
+            base.fwd_short_samples
     d64 = fwd_turns.settings(cuda_kernel_config(64, torch.bfloat16), 64)
     assert next(iter(d64)) == "no_pingpong" and d64["no_pingpong"] == cuda_kernel_config(64, torch.bfloat16)
     assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if k != "no_pingpong"} == {
