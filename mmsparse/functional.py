@@ -106,9 +106,9 @@ def mbs_attention(
         deterministic: the backward. True: two passes (dK/dV, then dQ), bitwise repeatable. False: allows one
             pass that adds dQ into a float32 ``[B, Hq, Sq, D]`` buffer by atomic adds (5 matmuls per tile pair
             instead of 7; dQ's last bits vary from run to run), run where it was measured faster: at every length
-            at head dims 40-64 on Hopper in half precision without dropout (the dQ-writer kernel,
-            ``dq_writer_max_keys``), elsewhere below ``one_pass_max_keys`` keys (2048); longer calls keep the two
-            passes. None (default):
+            at head dims 40-128 on Hopper in half precision without dropout (the dQ-writer kernel,
+            ``dq_writer_max_keys``), never at head dims 129-256 there (the two passes were faster), elsewhere below
+            ``one_pass_max_keys`` keys (2048); longer calls keep the two passes. None (default):
             ``mmsparse.use_config(deterministic=...)``'s setting, True unless changed; an argument given here wins.
 
     Returns:
