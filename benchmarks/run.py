@@ -26,11 +26,13 @@ Usage::
     python -m benchmarks --configs mm13k_hub,mm43k_cyclic --impls mmsparse,flex
     python -m benchmarks --configs masks,mm13k_hub_causal --impls mmsparse,flex,dense_flash   # a group + a config
     python -m benchmarks --isolate                # one subprocess per (config, impl)
+    python -m benchmarks --configs video_64k --update   # replace these configs' rows in the record at --out
     python -m benchmarks --device cpu --tiny      # CPU smoke test of the whole flow (times mean nothing; no Flex,
                                                   # which has no CPU backward, and no TF/s)
 
 Writes ``latest.json``, ``latest.md`` and, when matplotlib imports, ``latest.png`` under ``--out`` (default
-``benchmarks/results/<gpu>/``, e.g. ``h100``; a new temporary folder on a CPU or with ``--tiny``): the current run only.
+``benchmarks/results/<gpu>/``, e.g. ``h100``; a new temporary folder on a CPU or with ``--tiny``): the current run only,
+or with ``--update`` merged into the record already there (:mod:`benchmarks.record_merge`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .baselines import DEFAULT_IMPLS, IMPLS, NOT_ON_CPU
 from .configs import ALL_CONFIGS, GPU_CONFIGS, GROUPS, QUICK, TINY, BenchConfig, expand_names
 from .env import environment, record_dir
 from .errors import DeviceLost
+from .record_merge import merged, rows_kept
 from .report import log, write_final, write_json
 from .runner import Runner, base_row, run_isolated
 from .timing import Timing
@@ -81,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
     p.add_argument("--isolate", action="store_true",
                    help="run each (config, impl) in its own subprocess, so a CUDA crash costs one row")
+    p.add_argument("--update", action="store_true",
+                   help="merge into the record already in the output folder: its rows of other configs stay, so that "
+                        "one record can be measured in several runs (each config's rows still in one process) at one "
+                        "commit, GPU and versions; refused otherwise")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of recorded errors")
     p.add_argument("--tiny", action="store_true", help="the tiny configs (CPU smoke test; writes to a temp folder)")
     p.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
@@ -168,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"not run on a CPU: {'; '.join(f'{n} ({NOT_ON_CPU[n]})' for n in left_out)}; name them in --impls to "
             "run them anyway; no TF/s either (the interpreter's rate says nothing of the kernels)")
 
+    # --update: the record's rows of the configs this run does not measure
+    kept = rows_kept(out_dir / f"{TOPIC}.json", env, {c.name for c in configs}) if args.update else []
+
     def save(rows: list[dict[str, Any]]) -> None:  # after every row: a crash keeps what was measured
-        write_json(rows, out_dir / f"{TOPIC}.json")
+        write_json(merged(kept, rows), out_dir / f"{TOPIC}.json")
 
     start = time.perf_counter()
     if args.isolate:
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         save(rows)
         return status
-    table = write_final(rows, out_dir, timing.method, args.plot, TOPIC)
+    table = write_final(merged(kept, rows), out_dir, timing.method, args.plot, TOPIC)
     log("")
     log(table)
     failed = [f"{r['config']}/{r['impl']}" for r in rows if r.get("check") == "FAIL"]
