@@ -1,7 +1,7 @@
 """The Gluon forward's ping-pong settings side by side on one Hopper GPU: each turn scheme (``Tile.turns``) at the
 config's tile and the tile without ping-pong at 2 and 3 stages where the config takes turns (D=128), and where the
-config runs without ping-pong (D=64, D=256) ping-pong at 2 and 3 stages with each scheme, where the tile fits a
-CTA. Every setting's output must equal the config's tile's bit for bit (they only
+config runs without ping-pong (D=64, D=256) its tile at 2-4 stages and ping-pong at 2 and 3 stages with each
+scheme, where the tile fits a CTA. Every setting's output must equal the config's tile's bit for bit (they only
 move synchronisation); the forward's time is the median over interleaved rounds, and each ratio the median of the
 per-round ratios to the first setting.
 
@@ -38,10 +38,10 @@ DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k
 
 def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
     """Label -> config. The first is the reference of the ratios: the config's own tile without ping-pong at D=64
-    and D=256, the turn mbarriers otherwise. The forward's tile and the short-samples tile change together; a
-    ping-pong tile that does not fit a CTA's shared memory is left out."""
+    and D=256, the turn mbarriers otherwise. The forward's tile and the short-samples tile change together; a tile
+    that does not fit a CTA's shared memory is left out."""
     if not base.fwd.pingpong:
-        out = {"no_pingpong": base}
+        out = {"no_pingpong": base, **_without_pingpong(base, head_dim, (2, 3, 4))}
         for stages in (2, 3):
             for turns in TURN_SCHEMES:
                 tile = replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns)
@@ -49,13 +49,20 @@ def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
                     out[f"pingpong_{stages}stages_{turns}"] = replace(base, fwd=tile)
         return out
     short = base.fwd_short_samples
-    out = {turns: replace(base, fwd=replace(base.fwd, turns=turns),
-                          fwd_short_samples=short if short is None else replace(short, turns=turns))
-           for turns in TURN_SCHEMES}
-    for stages in (2, 3):  # without ping-pong a stage's K and its V are released apart (kernels/gluon/forward.py)
-        tile = replace(base.fwd, gluon_stages=stages, pingpong=False)
-        if gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
-            out[f"no_pingpong_{stages}stages"] = replace(base, fwd=tile)
+    return {**{turns: replace(base, fwd=replace(base.fwd, turns=turns),
+                              fwd_short_samples=short if short is None else replace(short, turns=turns))
+               for turns in TURN_SCHEMES},
+            **_without_pingpong(base, head_dim, (2, 3))}
+
+
+def _without_pingpong(base: KernelConfig, head_dim: int, stages: tuple[int, ...]) -> dict[str, KernelConfig]:
+    """The forward's tile without ping-pong (a stage's K and its V released apart, kernels/gluon/forward.py) at each
+    of ``stages`` where it fits a CTA and is not the config's own tile."""
+    out = {}
+    for count in stages:
+        tile = replace(base.fwd, gluon_stages=count, pingpong=False)
+        if tile != base.fwd and gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
+            out[f"no_pingpong_{count}stages"] = replace(base, fwd=tile)
     return out
 
 

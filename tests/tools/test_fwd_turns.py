@@ -22,12 +22,16 @@ def test_settings_cover_every_turn_scheme_and_pingpong_where_it_fits():
             base.fwd_short_samples
     d64 = fwd_turns.settings(cuda_kernel_config(64, torch.bfloat16), 64)
     assert next(iter(d64)) == "no_pingpong" and d64["no_pingpong"] == cuda_kernel_config(64, torch.bfloat16)
-    assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if k != "no_pingpong"} == {
+    assert {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d64.items() if k.startswith("pingpong")} == {
         (s, t) for s in (2, 3) for t in TURN_SCHEMES}
+    deeper = {k: c for k, c in d64.items() if k.startswith("no_pingpong_")}  # the config's tile has 2 stages
+    assert {k: (c.fwd.gluon_stages, c.fwd.pingpong) for k, c in deeper.items()} == {
+        "no_pingpong_3stages": (3, False), "no_pingpong_4stages": (4, False)}
     # D=256: 3 stages of 64 keys beside Q do not fit a CTA, so only 2-stage ping-pong is compared
     d256 = fwd_turns.settings(cuda_kernel_config(256, torch.bfloat16), 256)
     assert next(iter(d256)) == "no_pingpong" and {(c.fwd.gluon_stages, c.fwd.turns) for k, c in d256.items()
                                                   if k != "no_pingpong"} == {(2, t) for t in TURN_SCHEMES}
+    assert not any(k.startswith("no_pingpong_") for k in d256)  # 3 stages of 64 keys beside Q do not fit
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
