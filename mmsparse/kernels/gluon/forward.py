@@ -86,10 +86,10 @@ _SYNC_RELEASE = named_barrier_asm("sync", None, _RELEASE_THREADS)
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr, n_total,
               row0, b, h, hk, BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              V_APART: gl.constexpr):
     """One warp: Q once, then K and V of every listed key block into the stage ring (separate barriers, so Q K^T
     can start before V lands). A stage is free again once both warpgroups released it (``kv_empty``, its K and its V
-    apart without ping-pong, or with ``NAMED_RELEASE`` its named barrier)."""
+    apart with ``V_APART``, or with ``NAMED_RELEASE`` its named barrier)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [b, h, row0, 0], q_bar, box(q_smem.index(0)))
     tma_load(q_desc, [b, h, row0 + WG_ROWS, 0], q_bar, box(q_smem.index(1)))
@@ -97,7 +97,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
         _stream_kv_named(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, idx_ptr, n_total, b, hk, BN, STAGES)
     else:
         stream_kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, n_total, b, hk, BN,
-                       STAGES, V_APART=not PINGPONG)
+                       STAGES, V_APART)
 
 
 @gluon.jit
@@ -309,8 +309,9 @@ def attention_fwd_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM_PAD], q_layout)
     k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
-    # K and V released apart without ping-pong (2 barriers a stage); named releases need no kv_empty
-    kv_sets: gl.constexpr = 1 if PINGPONG else 2
+    # Without ping-pong a stage's K and its V are released apart (2 barriers a stage); named releases need none
+    v_apart: gl.constexpr = not PINGPONG
+    kv_sets: gl.constexpr = 2 if v_apart else 1
     releases: gl.constexpr = 0 if named_release else kv_sets
     q_bar, k_ready, v_ready, kv_empty = allocate_barriers(STAGES, kv_sets)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -329,7 +330,7 @@ def attention_fwd_gluon(
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
                          MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
-                         n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, PINGPONG)),
+                         n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, v_apart)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
