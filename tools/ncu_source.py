@@ -1,12 +1,15 @@
-"""Where one kernel's warps stall, instruction by instruction: Nsight Compute's source view of one forward.
+"""Where one kernel's warps stall, instruction by instruction: Nsight Compute's source view of one call.
 
 ``tools.profile_ncu`` says how much a kernel stalls and for which reasons; this says at which SASS instructions.
-A child process warms the call up and runs one forward (no grad) of a config between ``cudaProfilerStart`` and
-``Stop``; ``ncu`` samples the first launch of the kernel named by ``--kernel`` with its SourceCounters section,
-then exports the SASS source page, and the table lists the instructions with the most warp stall samples, each
-with its share of all samples, how many times a warp executed it and its two largest stall reasons.
+A child process warms the call up and runs one forward (no grad) of a config, or with ``--backward`` one forward +
+backward, between ``cudaProfilerStart`` and ``Stop``; ``ncu`` samples the first launch of the kernel named by
+``--kernel`` with its SourceCounters section, then exports the SASS source page, and the table lists the
+instructions with the most warp stall samples, each with its share of all samples, how many times a warp executed
+it and its two largest stall reasons.
 
     python -m tools.ncu_source --config vlm32k_d256 --kernel attention_fwd_gluon --out DIR
+    python -m tools.ncu_source --config mm13k_hub --impl mmsparse_nondet --backward \
+        --kernel attention_bwd_dq_writer_gluon --out DIR
 
 Writes ``DIR/ncu_source.{json,md}`` and the ``.ncu-rep`` report. Warps that only wait for the kernel's end (the
 idle warps a warp-specialised kernel pads its one-warp partition to a warpgroup with) stall at a barrier for the
@@ -28,8 +31,8 @@ from tools.profile_ncu import ncu_binary
 TOP = 30
 
 
-def child(config: str) -> None:
-    """Warm up, then one profiled forward without grad."""
+def child(config: str, impl: str, backward: bool) -> None:
+    """Warm up, then one profiled forward without grad, or forward + backward (``backward``), of ``impl``."""
     import torch
 
     from benchmarks.baselines import SETUPS
@@ -39,15 +42,23 @@ def child(config: str) -> None:
 
     dev = torch.device("cuda")
     case = Case.make(ALL_CONFIGS[config], dev, torch.bfloat16)
-    fn = SETUPS["mmsparse"](case, Timing(dev, 1, 1)).fn
-    with torch.no_grad():
-        for _ in range(3):
-            fn(case.q, case.k, case.v)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        fn(case.q, case.k, case.v)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+    fn = SETUPS[impl](case, Timing(dev, 1, 1)).fn
+
+    def call() -> None:
+        if backward:
+            case.clear_grads()
+            fn(case.q, case.k, case.v).backward(case.dout)
+        else:
+            with torch.no_grad():
+                fn(case.q, case.k, case.v)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def _number(text: str) -> float:
@@ -94,15 +105,18 @@ def markdown(total: float, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.ncu_source", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", metavar="CONFIG", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("CONFIG", "IMPL", "BACKWARD"), help=argparse.SUPPRESS)
     parser.add_argument("--config", default="vlm32k_d256", help="a benchmark config name")
+    parser.add_argument("--impl", default="mmsparse", help="a benchmark implementation (mmsparse_nondet: the one pass)")
+    parser.add_argument("--backward", action="store_true", help="run forward + backward (to profile a backward kernel)")
     parser.add_argument("--kernel", default="attention_fwd_gluon", help="the kernel's name (a regex)")
     parser.add_argument("--top", type=int, default=TOP, help="instructions listed")
     parser.add_argument("--out", type=Path, default=Path("ncu-source"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the profiled process")
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child)
+        config, impl, backward = args.child
+        child(config, impl, backward == "1")
         return 0
     ncu = ncu_binary()
     if ncu is None:
@@ -113,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
                     "-k", f"regex:{args.kernel}", "-c", "1", "--section", "SourceCounters", "--section",
                     "WarpStateStats", "--import-source", "yes", "--force-overwrite", "--export", str(report),
-                    sys.executable, "-m", "tools.ncu_source", "--child", args.config],
+                    sys.executable, "-m", "tools.ncu_source", "--child", args.config, args.impl,
+                    "1" if args.backward else "0"],
                    check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
     source = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source",
                              "sass"], check=True, capture_output=True, text=True).stdout
@@ -123,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.env import environment
 
     env = environment(torch.device("cuda"))
-    record = {"environment": env, "config": args.config, "kernel": args.kernel, "samples": total, "top": rows}
+    record = {"environment": env, "config": args.config, "impl": args.impl, "backward": args.backward,
+              "kernel": args.kernel, "samples": total, "top": rows}
     (args.out / "ncu_source.json").write_text(json.dumps(record, indent=1) + "\n")
-    head = (f"`{args.kernel}` on {args.config}, one forward: the SASS instructions with the most warp stall "
+    run = f"{args.impl}, one forward" + (" + backward" if args.backward else "")
+    head = (f"`{args.kernel}` on {args.config} ({run}): the SASS instructions with the most warp stall "
             f"samples ({total:.0f} in all). {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit "
             f"{env['commit']}.\n\n")
     (args.out / "ncu_source.md").write_text(head + markdown(total, rows))

@@ -3,8 +3,9 @@
 For each config and implementation, a child process warms the call up, then runs one forward and backward between
 ``cudaProfilerStart``/``Stop`` under ``ncu``. Every kernel launched there is profiled once (ncu replays it and locks
 the clocks, so durations are ncu's, not the benchmark's). The table gives per kernel: duration, SM throughput,
-tensor-pipe utilisation, issue slots busy, warp cycles per issued instruction, and the largest stall reasons in
-cycles per issued instruction. Writes ``--out DIR/ncu.{json,md}`` and the ``.ncu-rep`` reports.
+tensor-pipe utilisation, the L2 cache's and device memory's throughput, issue slots busy, warp cycles per issued
+instruction, and the largest stall reasons in cycles per issued instruction (a kernel whose L2 or memory column is
+near 100 waits on bytes, not on its matmuls). Writes ``--out DIR/ncu.{json,md}`` and the ``.ncu-rep`` reports.
 
     python -m tools.profile_ncu --configs mm13k_hub --impls mmsparse,flex_flash --out DIR
 """
@@ -29,11 +30,15 @@ METRICS = (
     "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
     "smsp__average_warp_latency_per_inst_issued.ratio",
     "sm__inst_issued.avg.pct_of_peak_sustained_active",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
 )
 _DURATION = "gpu__time_duration.sum"
 _SM = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 _ISSUED = "sm__inst_issued.avg.pct_of_peak_sustained_active"
 _CPI = "smsp__average_warp_latency_per_inst_issued.ratio"
+_L2 = "lts__throughput.avg.pct_of_peak_sustained_elapsed"
+_DRAM = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
 _STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 TOP_STALLS = 4
 
@@ -110,6 +115,8 @@ def kernel_rows(raw_csv: str) -> list[dict]:
             "sm_throughput_pct": _number(cell.get(_SM, "")),
             "tensor_pipe_pct": max(tensor.values()) if tensor else None,
             "tensor_pipe_metric": max(tensor, key=tensor.get) if tensor else None,
+            "l2_pct": _number(cell.get(_L2, "")),
+            "dram_pct": _number(cell.get(_DRAM, "")),
             "issue_active_pct": _number(cell.get(_ISSUED, "")),
             "cycles_per_issue": _number(cell.get(_CPI, "")),
             "stalls": dict(sorted(stalls.items(), key=lambda kv: -(kv[1] or 0))),
@@ -127,12 +134,13 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | impl | kernel | ms | SM % | tensor pipe % | issue active % | cycles / issue | top stalls "
-             "(cycles / issue) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| config | impl | kernel | ms | SM % | tensor pipe % | L2 % | DRAM % | issue active % | cycles / issue "
+             "| top stalls (cycles / issue) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         stalls = ", ".join(f"{k} {v:.1f}" for k, v in list(r["stalls"].items())[:TOP_STALLS])
         lines.append(f"| {r['config']} | {r['impl']} | `{_short(r['kernel'])}` | {_f(r['ms'], 3)} | "
-                     f"{_f(r['sm_throughput_pct'])} | {_f(r['tensor_pipe_pct'])} | {_f(r['issue_active_pct'])} | "
+                     f"{_f(r['sm_throughput_pct'])} | {_f(r['tensor_pipe_pct'])} | {_f(r.get('l2_pct'))} | "
+                     f"{_f(r.get('dram_pct'))} | {_f(r['issue_active_pct'])} | "
                      f"{_f(r['cycles_per_issue'])} | {stalls} |")
     return "\n".join(lines) + "\n"
 

@@ -10,10 +10,11 @@ RAW = '''==PROF== Connected to process 1
 "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",\
 "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
 "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
-"smsp__average_warp_latency_per_inst_issued.ratio","sm__inst_issued.avg.pct_of_peak_sustained_active"
-"","","usecond","%","%","%","inst","inst","cycle","%"
-"0","attention_fwd_gluon(int, int)","1,660.50","70.1","61.2","0","0.8","2.5","7.6","38.0"
-"1","flash_fwd","1450","81","n/a","0","1.5","0.3","5.5","39"
+"smsp__average_warp_latency_per_inst_issued.ratio","sm__inst_issued.avg.pct_of_peak_sustained_active",\
+"lts__throughput.avg.pct_of_peak_sustained_elapsed","dram__throughput.avg.pct_of_peak_sustained_elapsed"
+"","","usecond","%","%","%","inst","inst","cycle","%","%","%"
+"0","attention_fwd_gluon(int, int)","1,660.50","70.1","61.2","0","0.8","2.5","7.6","38.0","55.5","20.25"
+"1","flash_fwd","1450","81","n/a","0","1.5","0.3","5.5","39","n/a","n/a"
 '''
 
 
@@ -24,10 +25,13 @@ def test_rows_and_table():
     assert abs(first["ms"] - 1.6605) < 1e-9 and first["sm_throughput_pct"] == 70.1
     assert first["tensor_pipe_pct"] == 61.2 and "gmma" in first["tensor_pipe_metric"]
     assert list(first["stalls"]) == ["wait", "long_scoreboard"] and first["cycles_per_issue"] == 7.6
+    assert first["l2_pct"] == 55.5 and first["dram_pct"] == 20.25
     assert rows[1]["tensor_pipe_pct"] is None and rows[1]["stalls"]["long_scoreboard"] == 1.5
+    assert rows[1]["l2_pct"] is None
     for r in rows:
         r.update(config="mm13k_hub", impl="x")
     table = markdown(rows)
-    row = "| mm13k_hub | x | `attention_fwd_gluon` | 1.661 | 70.1 | 61.2 | 38.0 | 7.6 | wait 2.5, long_scoreboard 0.8 |"
+    row = ("| mm13k_hub | x | `attention_fwd_gluon` | 1.661 | 70.1 | 61.2 | 55.5 | 20.2 | 38.0 | 7.6 | wait 2.5, "
+           "long_scoreboard 0.8 |")
     assert row in table
     assert kernel_rows("no csv here") == []
