@@ -64,3 +64,22 @@ def matmul_loops(ptx: str, commits: int = 2) -> list[list[str]]:
 def counts(seq: list[str]) -> Counter:
     """How often each instruction kind occurs in one loop's sequence (wgmma.mma_async left out)."""
     return Counter(k for k in seq if k != "wgmma.mma_async")
+
+
+_PREDICATE = re.compile(r"^@!?%p\d+\s+")
+
+
+def shared_loads_before_exponentials(ptx: str) -> int:
+    """How many times a shared-memory load stands between a wgmma wait and the first exponential after it (a load
+    whose latency the exponentials then wait for once the matmul is done), in text order."""
+    count, waiting, loaded = 0, False, False
+    for line in ptx.splitlines():
+        stmt = _PREDICATE.sub("", line.strip())
+        if stmt.startswith("wgmma.wait_group"):
+            waiting, loaded = True, False
+        elif waiting and stmt.startswith("ld.shared"):
+            loaded = True
+        elif waiting and stmt.startswith("ex2.approx"):
+            count += loaded
+            waiting = False
+    return count

@@ -11,14 +11,15 @@ Partitions of one CTA (128 keys, ``[B, Hkv]`` x key blocks, as ``gluon.dkdv``):
   MMA warpgroup) and issues the TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor``) into dQ.
 
 A step of MMA warpgroup w (FlashAttention-4's ``mma_one_m_block`` with ``SdP_swapAB`` and RS dK/dV matmuls): issue
-S^T = K_w Q^T (onto the mask bias in a partial block) and dP^T = V_w dO^T; P^T = exp2(S^T scale - lse) once S^T is
-done; dV += P^T dO with P^T in registers (RS); dS^T = P^T (dP^T - delta) once dP^T is done; stage dS^T in the
-warpgroup's shared tile and meet the other warpgroup there (``_DS_FULL``); issue dQ[:, w D/2 : (w+1) D/2] = dS K
-over both warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in registers (RS); once dV and dQ are
-done, hand dQ's half to the writer through its staging half (a full/empty mbarrier pair per half) while dK runs;
-release the stage once dK is done. Every wgmma issued in a step is waited for in that step (one in flight across
-the loop's back edge makes ptxas serialize them all, C7512), so a stage is held for one step only, unlike
-``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps of slack.
+S^T = K_w Q^T (onto -lse / scale, and the mask bias in a partial block: ``common.lse_first``) and dP^T = V_w dO^T;
+P^T = exp2(S^T scale) once S^T is done; dV += P^T dO with P^T in registers (RS); dS^T = P^T (dP^T - delta) once
+dP^T is done; stage dS^T in the warpgroup's shared tile and meet the other warpgroup there (``_DS_FULL``); issue
+dQ[:, w D/2 : (w+1) D/2] = dS K over both warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in
+registers (RS); once dV and dQ are done, hand dQ's half to the writer through its staging half (a full/empty
+mbarrier pair per half) while dK runs; release the stage once dK is done. Every wgmma issued in a step is waited
+for in that step (one in flight across the loop's back edge makes ptxas serialize them all, C7512), so a stage is
+held for one step only, unlike ``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps
+of slack.
 
 Past 64 query rows a step (BM = 128: ``_halved_step``) a warpgroup takes the stage's rows in halves of 64: S^T,
 dP^T, P^T, dV, dS^T and dK of each half as above, dS^T of each half in its column half of the warpgroup's
@@ -46,8 +47,10 @@ barriers                              < 200               < 200               < 
 4 stages (D=64's)                     249,856 (no)        135,168             237,568 (no)
 ====================================  ==================  ==================  ==================
 
-The numerics are the ``tl`` one-pass kernel's (``tl.backward._dkdv_tiles``) and ``gluon.dkdv``'s: p in float32,
-the token mask as S^T's initial value (0 or -inf), dV from p rounded to the input dtype, dS rounded to the input
+The numerics are ``gluon.dkdv``'s, and the ``tl`` one-pass kernel's (``tl.backward._dkdv_tiles``) but for the
+order of one float32 add: p in float32, the token mask (0 or -inf) and -lse / scale as S^T's initial value (where
+``common.lse_first`` holds: p = exp2((S^T - lse / scale) scale) rather than exp2(S^T scale - lse)), dV from p
+rounded to the input dtype, dS rounded to the input
 dtype, dK and dQ times the softmax scale. No dropout: that stays with the ``tl`` kernel. Not deterministic: the
 reduce-adds of the key blocks into one dQ tile land in any order.
 """
@@ -65,7 +68,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
-from .common import WG_ROWS, invalidate_ring, key_step_zero, opaque_zero, scores_init, thread_barrier, tma_atomic_add
+from .common import (
+    WG_ROWS,
+    invalidate_ring,
+    issue_scores,
+    key_step_zero,
+    lse_first,
+    opaque_zero,
+    probabilities,
+    scores_init,
+    thread_barrier,
+    tma_atomic_add,
+)
 from .dkdv import WG_KEYS, count_slot, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
@@ -114,6 +128,8 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
+    inv_qk_scale = 1.0 / qk_scale
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
     mbarrier.wait(kv_bar, 0)
@@ -123,8 +139,9 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         it = i % n_total
         mbarrier.wait(ready.index(stage), phase)
         if BM > WG_ROWS:
-            dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
-                                  buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+            dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale,
+                                  sm_scale, dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL,
+                                  HAS_WINDOW, LSE_FIRST)
         else:
             first = key_step_zero(HEAD_DIM_PAD)  # past D=64 the tiles' descriptors are made in each step
             k_step = k_smem.index(WG + first)
@@ -134,12 +151,11 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
-            st = warpgroup_mma(k_step, q_s.permute((1, 0)), st0, use_acc=partial, is_async=True)
+            lse_s = lse_smem.index(stage)
+            st = issue_scores(k_step, q_s, st0, partial, lse_s, inv_qk_scale, cols, LSE_FIRST)
             dpt = warpgroup_mma(v_step, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st,))
-            # lse and delta are read once their matmul is done: held across its wait they made ptxas spill at D=128.
-            lse = lse_smem.index(stage).load(cols)
-            pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
+            pt = probabilities(st, lse_s, qk_scale, cols, LSE_FIRST)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt,))
@@ -176,9 +192,10 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
 
 
 @gluon.jit
-def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, sm_scale, dk, dv,
-                 buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, MASK_MODE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale, sm_scale,
+                 dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
+                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                 LSE_FIRST: gl.constexpr):
     """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``): the stage's BM query rows as
     halves of 64 (``WG_ROWS``), each a 64-row step's S^T, dP^T, P^T, dV, dS^T and dK (so that only a half's S^T and
     dP^T, 64 x 64, are held: 64 x 128 of each spilled), dS^T of each half stored in its column half of the
@@ -218,11 +235,11 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
                                    MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         q_h = q_s.slice(h * HALF, HALF, dim=0)
         do_h = do_s.slice(h * HALF, HALF, dim=0)
-        st = warpgroup_mma(k_w, q_h.permute((1, 0)), st0, use_acc=partial, is_async=True)
+        lse_h = lse_smem.index(stage).slice(h * HALF, HALF)
+        st = issue_scores(k_w, q_h, st0, partial, lse_h, inv_qk_scale, cols, LSE_FIRST)
         dpt = warpgroup_mma(v_w, do_h.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
-        lse = lse_smem.index(stage).slice(h * HALF, HALF).load(cols)
-        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse, 0)))  # explicit FMA, as the tl kernels
+        pt = probabilities(st, lse_h, qk_scale, cols, LSE_FIRST)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_h, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))

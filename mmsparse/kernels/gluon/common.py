@@ -17,11 +17,12 @@ partitions); PTX allows that only after the barrier is invalidated.
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from ..constants import MASK_DENSE
+from ..constants import MASK_DENSE, MASK_SEGMENTS
 from ..lists import block_id
 from ..rules import allowed_pairs
 
@@ -211,6 +212,39 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
     if partial:
         st0 = transposed_mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
     return st0, partial
+
+
+@triton.constexpr_function
+def lse_first(MASK_MODE, IS_CAUSAL):
+    """Whether the backward passes put -lse / scale into S's (S^T's) initial value before the matmul
+    (:func:`issue_scores`), so that no shared-memory load of lse stands between the matmul's end and the
+    exponentials (the dQ-writer kernel 1.03-1.06x at D=128), rather than subtracting lse after it: every mask but
+    segment codes with the causal flag, whose partial blocks' mask then made ptxas 3.6 and 3.7 spill. The dQ pass,
+    the dK/dV pass and the dQ writer follow the same rule, so that their P agree bit for bit."""
+    return MASK_MODE != MASK_SEGMENTS or not IS_CAUSAL
+
+
+@gluon.jit
+def issue_scores(k_tile, q_tile, st0, partial, lse_s, inv_qk_scale, cols: gl.constexpr, LSE_FIRST: gl.constexpr):
+    """Issue S^T = K Q^T onto ``st0`` (the mask's bias in a partial block, else zeros: ``common.scores_init``),
+    -lse / scale added to it first where ``LSE_FIRST`` (``lse_s``: the stage's lse row)."""
+    if LSE_FIRST:
+        st0 = st0 - gl.expand_dims(lse_s.load(cols) * inv_qk_scale, 0)
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st0, is_async=True)
+    else:
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st0, use_acc=partial, is_async=True)
+    return st
+
+
+@gluon.jit
+def probabilities(st, lse_s, qk_scale, cols: gl.constexpr, LSE_FIRST: gl.constexpr):
+    """P^T = exp2(S^T scale - lse) in float32, of a done S^T from :func:`_issue_scores`."""
+    if LSE_FIRST:
+        pt = gl.exp2(st * qk_scale)
+    else:
+        # read once the matmul is done: held across its wait, lse made ptxas spill at D=128
+        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_s.load(cols), 0)))  # explicit FMA, as the tl kernels
+    return pt
 
 
 @gluon.jit

@@ -11,7 +11,9 @@ dV += P^T_i dO_i; waits for dP^T_i and dK_{i-1}, releases stage i-1, and forms d
 thus held for two steps: at least 2 stages. The numerics are those of the ``tl`` dK/dV kernel
 (``tl.backward._dkdv_tiles``), save that a partial block's token mask is the initial value of S^T (0 or -inf, from
 query indices and bits the producer stores per stage) rather than a where() on P^T: p = 0 all the same where the
-scores and lse are finite and the scale positive. The producer also does the final TMA stores of dK and dV (the
+scores and lse are finite and the scale positive; and that where ``common.lse_first`` holds -lse / scale is part of
+that initial value too (p = exp2((S^T - lse / scale) scale): no load of lse waits between the matmul and the
+exponentials). The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
 ``mmsparse.attention.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
 
@@ -42,8 +44,11 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
+    issue_scores,
     key_step_zero,
     load_resident_halves,
+    lse_first,
+    probabilities,
     scores_init,
     thread_barrier,
     tma_store,
@@ -182,6 +187,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
+    inv_qk_scale = 1.0 / qk_scale
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
     mbarrier.wait(kv_bar, 0)
     if total > 0:
         # Step 0: no dK of a previous step to issue.
@@ -189,10 +196,10 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         st0, partial = scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
                                     st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         do_s = do_smem.index(0)
-        st = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), st0, use_acc=partial, is_async=True)
+        st = issue_scores(k_w, q_smem.index(0), st0, partial, lse_smem.index(0), inv_qk_scale, cols, LSE_FIRST)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
-        pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(0).load(cols), 0)))
+        pt = probabilities(st, lse_smem.index(0), qk_scale, cols, LSE_FIRST)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
@@ -220,7 +227,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             first = key_step_zero(HEAD_DIM_PAD)  # past D=64 K's and V's descriptors are made in each step
             k_step = k_smem.index(WG + first)
             v_step = v_smem.index(WG + first)
-            st = warpgroup_mma(k_step, q_smem.index(stage).permute((1, 0)), st0, use_acc=partial, is_async=True)
+            lse_s = lse_smem.index(stage)
+            st = issue_scores(k_step, q_smem.index(stage), st0, partial, lse_s, inv_qk_scale, cols, LSE_FIRST)
             dpt = warpgroup_mma(v_step, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             if ONE_PASS:
                 dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
@@ -228,7 +236,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
                 dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
-            pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse_smem.index(stage).load(cols), 0)))
+            pt = probabilities(st, lse_s, qk_scale, cols, LSE_FIRST)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).

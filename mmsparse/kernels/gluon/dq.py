@@ -7,7 +7,8 @@ asynchronous, and forms dS_j while that last matmul runs, so the exponentials ov
 warpgroup (the ``tl`` dQ kernel alternates between them).
 
 The numerics are the ``tl`` dQ kernel's (``tl.backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
-mask in partial blocks only, dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
+mask in partial blocks only (save that where ``common.lse_first`` says so, -lse / scale is S's initial value, as in
+the dK/dV passes), dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
 with the ``tl`` kernel. Called only where ``mmsparse.attention.dispatch.hopper_gluon_available`` allows.
 """
 
@@ -35,6 +36,7 @@ from .common import (
     init_barriers,
     invalidate_barriers,
     load_resident_halves,
+    lse_first,
     masked_scores,
     program_lists,
     resident_tile,
@@ -57,13 +59,28 @@ def _producer(q_desc, do_desc, k_desc, v_desc, buffers, barriers, idx_ptr, n_tot
 
 @gluon.jit
 def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args, qk_scale, BN: gl.constexpr,
-                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+                 MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, LSE_FIRST: gl.constexpr):
     """dS = P (dP - delta) of one tile. Rows past the end (lse = +inf) and disallowed pairs (s = -inf) get
-    p = 0."""
+    p = 0. ``LSE_FIRST``: S already holds -lse / scale (:func:`_issue_scores`)."""
     if masked:
         s = masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
-    p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(neg_lse, 1)))  # explicit FMA, as the tl kernels
+    if LSE_FIRST:
+        p = gl.exp2(s * qk_scale)
+    else:
+        p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(neg_lse, 1)))  # explicit FMA, as the tl kernels
     return p * (dp - gl.expand_dims(delta, 1))
+
+
+@gluon.jit
+def _issue_scores(q, k_tile, s_zero, neg_lse, inv_qk_scale, LSE_FIRST: gl.constexpr):
+    """Issue S = Q K^T; where ``LSE_FIRST`` (``common.lse_first``) onto -lse / scale, as the dK/dV passes issue S^T,
+    so that the passes' P agree bit for bit."""
+    if LSE_FIRST:
+        s = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero + gl.expand_dims(neg_lse * inv_qk_scale, 1),
+                          is_async=True)
+    else:
+        s = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -94,23 +111,25 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     do = do_smem.index(WG)
     dq = gl.zeros([WG_ROWS, HEAD_DIM_PAD], gl.float32, dq_layout)
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
+    inv_qk_scale = 1.0 / qk_scale
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
     mbarrier.wait(qdo_bar, 0)
     if n_total > 0:
         # Block 0: its dS alone.
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = _issue_scores(q, k_smem.index(0), s_zero, neg_lse, inv_qk_scale, LSE_FIRST)
         mbarrier.wait(v_ready.index(0), 0)
         dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         ds = _score_grads(s, dp, neg_lse, delta, n_full == 0, offs_m, q_bits, block_id(idx_ptr, 0), mask_args,
-                          qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                          qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW, LSE_FIRST)
         ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
         for it in range(1, n_total):
             stage = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
+            s = _issue_scores(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage), s_zero, neg_lse,
+                              inv_qk_scale, LSE_FIRST)
             mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
             dp = warpgroup_mma(resident_tile(do_smem, WG, HEAD_DIM_PAD), v_smem.index(stage).permute((1, 0)), s_zero,
                                use_acc=False, is_async=True)
@@ -118,7 +137,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             # Waits complete in issue order: S_j and dP_j are done, dQ += dS_{j-1} K_{j-1} may still run.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, block_id(idx_ptr, it), mask_args,
-                              qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                              qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW, LSE_FIRST)
             dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)
