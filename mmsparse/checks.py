@@ -123,8 +123,14 @@ def check_dropout(value: Any, name: str = "dropout") -> float:
     return float(value)
 
 
+# The smallest softmax scale taken. The Hopper backward kernels add -lse / scale to the scores, which overflows
+# float32 for scales below ~1e-37; every score is already ~0 at 1e-30, so nothing smaller is needed.
+MIN_SOFTMAX_SCALE = 1e-30
+
+
 def check_softmax_scale(value: Any) -> float | None:
-    """A softmax scale as a float: None (meaning 1/sqrt(head dim)) or a finite positive number."""
+    """A softmax scale as a float: None (meaning 1/sqrt(head dim)) or a finite number of at least
+    :data:`MIN_SOFTMAX_SCALE`."""
     if value is None:
         return None
     if isinstance(value, (str, bytes, bool)):
@@ -137,6 +143,10 @@ def check_softmax_scale(value: Any) -> float | None:
                         f"{type(value).__name__} {value!r}") from e
     if not 0.0 < scale < float("inf"):
         raise ValueError(f"softmax_scale must be a finite positive number; got {value!r}")
+    if scale < MIN_SOFTMAX_SCALE:
+        raise ValueError(f"softmax_scale must be at least {MIN_SOFTMAX_SCALE:g}; got {value!r}. Every score times "
+                         f"a scale that small is ~0 (uniform attention, as {MIN_SOFTMAX_SCALE:g} gives), and the "
+                         "kernels' exponent arithmetic would overflow")
     return scale
 
 

@@ -92,7 +92,7 @@ def mbs_attention(
             queries output 0). A generator is read once; anything else (one int, a string) is a TypeError.
         causal: also require key position <= query position.
         dropout_p: attention dropout probability (pass 0.0 in eval mode).
-        softmax_scale: default ``1/sqrt(D)``.
+        softmax_scale: default ``1/sqrt(D)``; a finite number of at least 1e-30.
         attn_mask: a bool mask (True = may attend) *instead of* a topology: ``[Sq, S]`` (or ``[S, S]``),
             ``[B, Sq, S]`` or SDPA's ``[B, 1, Sq, S]``, B being 1 or the batch; a query dim of 1 broadcasts.
             Per-head masks and additive float masks are not supported.

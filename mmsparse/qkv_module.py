@@ -41,7 +41,7 @@ class TritonMBSAttnKernel(nn.Module):
         seg_lens: k segment lengths (the seed's ``mm_seq_seg``); S = sum(seg_lens).
         causal_mask: also require key position <= query position.
         dropout: attention dropout probability, applied in training mode only.
-        softmax_scale: default ``1/sqrt(D)``.
+        softmax_scale: default ``1/sqrt(D)``; a finite number of at least 1e-30.
         names: optional segment names, e.g. ``("text", "vision", "audio")``.
         window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
             :func:`mmsparse.mbs_attention`); None (default) for none.

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
-from ..checks import check_dropout
+from ..checks import check_dropout, check_softmax_scale
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .fetch import Fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
@@ -142,7 +142,8 @@ class ContextParallel(RankProblem):
                              f"{tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
         if self._lens.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        softmax_scale = check_softmax_scale(softmax_scale)
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         with one_thread_on(self.group):
             seed = None
             if dropout_p > 0:  # drawn as a single-GPU call draws it, and rank 0's for all: one mask over the ranks

@@ -149,6 +149,10 @@ def test_softmax_scale_is_named(device):
         TritonMBSAttnKernel(CYCLIC, (5, 5, 10), softmax_scale="x")
     with pytest.raises(ValueError, match="softmax_scale must be a finite positive number"):
         TritonMBSAttnKernel(CYCLIC, (5, 5, 10), softmax_scale=0.0)
+    # the Hopper backward adds -lse / scale to the scores: below 1e-30 it could overflow (1e-30 itself is taken)
+    with pytest.raises(ValueError, match="softmax_scale must be at least 1e-30; got 1e-31"):
+        mbs_attention(*qkv(device), CYCLIC, (5, 5, 10), softmax_scale=1e-31)
+    TritonMBSAttnKernel(CYCLIC, (5, 5, 10), softmax_scale=1e-30)
     with pytest.raises(TypeError, match="softmax_scale must be a positive float or None"):
         mbs_attention(*qkv(device), CYCLIC, (5, 5, 10), softmax_scale="x")
 

@@ -85,3 +85,12 @@ def test_a_thread_may_nest_calls_on_its_group(one_rank_world):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, LENS, sum(LENS), causal=True))
+
+
+def test_a_bad_softmax_scale_is_refused(one_rank_world):
+    """ContextParallel.attention checks its scale as mbs_attention does (it took any float before)."""
+    cp = ContextParallel(HUB, LENS)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite positive number; got 0.0"):
+        cp.attention(*_inputs(0), softmax_scale=0.0)
+    with pytest.raises(TypeError, match="softmax_scale must be a positive float or None"):
+        cp.attention(*_inputs(0), softmax_scale="x")
