@@ -129,7 +129,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
     mbarrier.wait(kv_bar, 0)

@@ -215,13 +215,14 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
 
 
 @triton.constexpr_function
-def lse_first(MASK_MODE, IS_CAUSAL):
+def lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD):
     """Whether the backward passes put -lse / scale into S's (S^T's) initial value before the matmul
     (:func:`issue_scores`), so that no shared-memory load of lse stands between the matmul's end and the
-    exponentials (the dQ-writer kernel 1.03-1.06x at D=128), rather than subtracting lse after it: every mask but
-    segment codes with the causal flag, whose partial blocks' mask then made ptxas 3.6 and 3.7 spill. The dQ pass,
-    the dK/dV pass and the dQ writer follow the same rule, so that their P agree bit for bit."""
-    return MASK_MODE != MASK_SEGMENTS or not IS_CAUSAL
+    exponentials (the dQ-writer kernel 1.04-1.06x), rather than subtracting lse after it: at head dims up to 128
+    (the D=256 dK/dV kernel, ``gluon.dkdv_d256``, subtracts it after), under every mask but segment codes with the
+    causal flag, whose partial blocks' mask then made ptxas 3.6 and 3.7 spill. The dQ pass follows the same rule
+    as the dK/dV kernels, so that the passes compute P the same way."""
+    return HEAD_DIM_PAD <= 128 and (MASK_MODE != MASK_SEGMENTS or not IS_CAUSAL)
 
 
 @gluon.jit
@@ -238,7 +239,7 @@ def issue_scores(k_tile, q_tile, st0, partial, lse_s, inv_qk_scale, cols: gl.con
 
 @gluon.jit
 def probabilities(st, lse_s, qk_scale, cols: gl.constexpr, LSE_FIRST: gl.constexpr):
-    """P^T = exp2(S^T scale - lse) in float32, of a done S^T from :func:`_issue_scores`."""
+    """P^T = exp2(S^T scale - lse) in float32, of a done S^T from :func:`issue_scores`."""
     if LSE_FIRST:
         pt = gl.exp2(st * qk_scale)
     else:

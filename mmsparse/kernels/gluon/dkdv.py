@@ -188,7 +188,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     mbarrier.wait(kv_bar, 0)
     if total > 0:
         # Step 0: no dK of a previous step to issue.

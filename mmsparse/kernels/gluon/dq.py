@@ -112,7 +112,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     dq = gl.zeros([WG_ROWS, HEAD_DIM_PAD], gl.float32, dq_layout)
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL)
+    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     mbarrier.wait(qdo_bar, 0)
     if n_total > 0:
         # Block 0: its dS alone.
