@@ -2,7 +2,9 @@
 time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same shapes, in one run.
 
 - ``seed`` (B 8, H 16, D 64, segments (50, 375, 500), cyclic): ``host_us_fwd`` and ``host_us_fwd_bwd``, the median
-  host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_nondet`` (the same with
+  host time of one call (no sync; cached lengths), ``host_us_fwd_bwd_one_thread`` (the same with the backward
+  on the calling thread, ``torch.autograd.set_multithreading_enabled(False)``, instead of autograd's thread for the
+  device: what handing the backward to that thread and back costs), ``host_us_fwd_bwd_nondet`` (the same with
   ``deterministic=False``), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
   ``check_lengths=False``), ``host_us_bwd`` (the backward alone, ``autograd.grad`` of a kept forward),
   ``host_us_autograd_floor`` (a forward + backward through one autograd node that only allocates its outputs),
@@ -90,6 +92,13 @@ def host_us(step: Callable[[], Any], device: torch.device, calls: int) -> float:
             _sync(device)
     _sync(device)
     return statistics.median(times) * 1e6
+
+
+def one_thread_host_us(step: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """:func:`host_us` with autograd running backwards on the calling thread (on a GPU it otherwise hands each to a
+    thread of its own for the device and waits for it)."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return host_us(step, device, calls)
 
 
 def wall_ms(step: Callable[[], Any], device: torch.device, calls: int) -> float:
@@ -187,6 +196,7 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
     row: dict[str, float | None] = {
         "host_us_fwd": host_us(lambda: mbs_attention(q.detach(), k.detach(), v.detach(), **kw), device, calls),
         "host_us_fwd_bwd": host_us(fwd_bwd, device, calls),
+        "host_us_fwd_bwd_one_thread": one_thread_host_us(fwd_bwd, device, calls),
         "host_us_fwd_bwd_nondet": host_us(_fwd_bwd(q, k, v, grad, deterministic=False, **kw), device, calls),
     }
     lens = [torch.tensor(shape.seg_lens, device=device) for _ in range(calls + 1)]
@@ -285,7 +295,8 @@ def markdown(record: dict[str, Any]) -> str:
                   f"small_2k: {small['fwd_bwd_ms'] / small['cudnn_dense_fwd_bwd_ms']:.2f}; block compiled / eager: "
                   f"{block['compile_ms'] / block['eager_ms']:.2f}, reduce-overhead / eager: "
                   f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}. Seed host forward + backward "
-                  f"{seed['host_us_fwd_bwd']:.0f} us against {seed['gpu_kernel_ms'] * 1e3:.0f} us of kernels; an "
+                  f"{seed['host_us_fwd_bwd']:.0f} us against {seed['gpu_kernel_ms'] * 1e3:.0f} us of kernels "
+                  f"({seed['host_us_fwd_bwd_one_thread']:.0f} us with the backward on the calling thread); an "
                   f"autograd node that only allocates takes {seed['host_us_autograd_floor']:.0f} us."]
     return "\n".join(lines) + "\n"
 

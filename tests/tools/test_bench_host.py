@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import host
 
@@ -16,13 +17,14 @@ def test_a_cpu_run_writes_the_record(tmp_path):
     record = json.loads((tmp_path / "host.json").read_text())
     assert {"gpu", "torch", "triton", "commit"} <= set(record)
     seed = record["seed"]
-    assert set(seed) == {"host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_nondet", "host_us_fwd_bwd_new_lengths",
-                         "host_us_bwd",
+    assert set(seed) == {"host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_one_thread", "host_us_fwd_bwd_nondet",
+                         "host_us_fwd_bwd_new_lengths", "host_us_bwd",
                          "host_us_autograd_floor", "gpu_kernel_ms", "fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms",
                          "graph_fwd_bwd_ms"}
-    timed = ("host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_nondet", "host_us_fwd_bwd_new_lengths", "host_us_bwd",
-             "host_us_autograd_floor", "fwd_bwd_ms")
+    timed = ("host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_one_thread", "host_us_fwd_bwd_nondet",
+             "host_us_fwd_bwd_new_lengths", "host_us_bwd", "host_us_autograd_floor", "fwd_bwd_ms")
     assert all(seed[k] > 0 for k in timed)
     assert set(record["small_2k"]) == {"fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms"}
     assert set(record["block"]) == {"eager_ms", "compile_ms", "reduce_overhead_ms"} and record["block"]["eager_ms"] > 0
     assert "| seed | host_us_fwd |" in (tmp_path / "host.md").read_text()
+    assert torch.autograd.is_multithreading_enabled()  # the one-thread row leaves autograd's setting as it was
