@@ -74,7 +74,7 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 @gluon.jit
 def _issue_scores(q, k_tile, s_zero, neg_lse, inv_qk_scale, LSE_FIRST: gl.constexpr):
     """Issue S = Q K^T; where ``LSE_FIRST`` (``common.lse_first``) onto -lse / scale, as the dK/dV passes issue S^T,
-    so that the passes' P agree bit for bit."""
+    so that the passes compute P alike."""
     if LSE_FIRST:
         s = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero + gl.expand_dims(neg_lse * inv_qk_scale, 1),
                           is_async=True)
