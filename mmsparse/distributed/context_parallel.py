@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
-from ..checks import check_dropout, check_softmax_scale
+from ..checks import check_dropout, check_qkv, check_softmax_scale
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .fetch import Fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
@@ -133,13 +133,11 @@ class ContextParallel(RankProblem):
             ``[B, Hq, S_local, D]``.
         """
         dropout_p = check_dropout(dropout_p, "dropout_p")
+        check_qkv(q, k, v)  # as mbs_attention checks them: types, dtypes, head dims, GQA groups
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 4 or t.shape[2] != self.local_len:
+            if t.shape[2] != self.local_len:
                 raise ValueError(f"{name} must be [B, H, S_local={self.local_len}, D] (this rank's tokens); got "
                                  f"{tuple(t.shape)}")
-        if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[0] != k.shape[0]:
-            raise ValueError(f"q, k, v must share dtype and batch, k and v one shape; got {q.dtype} "
-                             f"{tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
         if self._lens.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
         softmax_scale = check_softmax_scale(softmax_scale)

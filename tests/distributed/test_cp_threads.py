@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mmsparse.distributed.context_parallel as context_parallel
 from mmsparse import reference_mask
@@ -16,18 +15,6 @@ from mmsparse.distributed import ContextParallel
 from tests.helpers import HUB, check_outputs
 
 LENS = (9, 20, 13)
-
-
-@pytest.fixture
-def one_rank_world():
-    if torch.cuda.is_available():
-        pytest.skip("the CPU/gloo test (the kernels on CPU tensors run through the interpreter); the guard is Python")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 def _inputs(seed: int) -> list[torch.Tensor]:
@@ -85,12 +72,3 @@ def test_a_thread_may_nest_calls_on_its_group(one_rank_world):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, LENS, sum(LENS), causal=True))
-
-
-def test_a_bad_softmax_scale_is_refused(one_rank_world):
-    """ContextParallel.attention checks its scale as mbs_attention does (it took any float before)."""
-    cp = ContextParallel(HUB, LENS)
-    with pytest.raises(ValueError, match="softmax_scale must be a finite positive number; got 0.0"):
-        cp.attention(*_inputs(0), softmax_scale=0.0)
-    with pytest.raises(TypeError, match="softmax_scale must be a positive float or None"):
-        cp.attention(*_inputs(0), softmax_scale="x")
