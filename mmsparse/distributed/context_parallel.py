@@ -207,9 +207,6 @@ class _Attention(torch.autograd.Function):
         pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
         finish, fetched = start_fetch(cp, k, v, seed is not None), []
-        # a one-piece rank starts on its own keys, which lead the gathered ones, while the peers' land
-        split = cp.forward_split(q.device) if seed is None else None
-        early = None if split is None else (split, finish.leading)
 
         def gather() -> tuple[torch.Tensor, torch.Tensor]:
             fetched.extend(finish())
@@ -218,7 +215,7 @@ class _Attention(torch.autograd.Function):
         # The settings are read once, here, and the pieces' launches kept, for the backward (ctx.call).
         call = PiecesCall(current_settings())
         # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
-        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call, early)
+        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call)
         ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         ctx.by_position = seed is not None

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import peer_exchange
-from .fetch import Fetch, leading_tokens, leading_views
+from .fetch import Fetch
 from .peer_memory import PeerMemory, peer_memory
 from .token_runs import chunk_ranges, copy_tokens, message_spans, served_chunks
 from .token_sums import TokenSum
@@ -69,7 +69,7 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
             copy_tokens(gathered, (buffer,), message_spans(plan, from_peer, into, source_first=False))
         return gathered[:, :hkv], gathered[:, hkv:]
 
-    return Fetch(finish, leading_views(gathered, leading_tokens(plan, rank, needed)))
+    return Fetch(finish)
 
 
 def return_kv_grads(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | None,
@@ -98,11 +98,11 @@ def start_return(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | 
     plan, rank = cp.plan, cp.rank
     batch, heads, _, dim = dkv_gathered.shape
     gathered = chunk_ranges(plan, cp.gathered_chunks(by_position))
-    owed = owed_chunks(cp, by_position)
+    lengths = [plan.tokens_of(cp.gathered_chunks(by_position, rank=r)) for r in range(cp.world_size)]
     token_bytes = batch * heads * dim * dkv_gathered.element_size()
-    memory = _peer_memory(cp, dkv_gathered.device, [plan.tokens_of(chunks) * token_bytes for chunks in owed])
+    memory = _peer_memory(cp, dkv_gathered.device, [n * token_bytes for n in lengths])
     if memory is not None:
-        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, by_position, owed)
+        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, by_position, lengths)
     else:
         sends = {}
         for owner in range(cp.world_size):
@@ -131,13 +131,6 @@ def start_return(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | 
         return summed.finish(*ordered[-1]) if ordered else summed.finish()
 
     return finish
-
-
-def owed_chunks(cp: Any, by_position: bool = False) -> list[list[int]]:
-    """Per rank, the chunks it gathered from the others, in its gathered order: those whose dK/dV it returns (a
-    :class:`~.local.RankProblem` or ContextParallel ``cp``)."""
-    plan = cp.plan
-    return [[c for c in cp.gathered_chunks(by_position, rank=r) if plan.owner[c] != r] for r in range(cp.world_size)]
 
 
 def _peer_memory(cp: Any, device: torch.device, sizes: list[int]) -> PeerMemory | None:

@@ -1,11 +1,12 @@
-"""The exchange by peer copies (:mod:`.peer_memory`): each rank writes its K and V (the fetch) or the dK/dV of the
-keys it gathered from its peers (the return) into its slot, meets the peers at a barrier, and copies what it needs
-out of theirs: on GPUs one 2-D copy per run of chunks and batch row, straight into place, by copy engines on a stream
+"""The exchange by peer copies (:mod:`.peer_memory`): each rank writes its K and V (the fetch) or its gathered
+keys' dK/dV (the return) into its slot as they are, meets the peers at a barrier, and copies what it needs out of
+theirs: on GPUs one 2-D copy per run of chunks and batch row, straight into place, by copy engines on a stream
 per peer (no SMs, beside the work that follows), with nothing packed per peer and nothing to unpack. The same
 bytes as point to point, summed in the same order by :mod:`.exchange`, so the same bits."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from ..runtime.arrival import KeysArrival
-from .fetch import Fetch, leading_tokens, leading_views
+from .fetch import Fetch
 from .peer_memory import PeerMemory
 from .token_runs import chunk_ranges, copy_tokens, merged_runs, message_spans, served_chunks
 
@@ -59,41 +60,38 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
         signal = memory.signal_arrival()
         if signal is None:
             return (*finish(), None)
+        # the own chunks' copy above is queued on the current stream, so those keys are there for its kernels
+        present = plan.tokens_of(list(itertools.takewhile(lambda c: plan.owner[c] == rank, needed)))
         return gathered[:, :hkv], gathered[:, hkv:], KeysArrival(*signal, present, memory.wait)
 
-    # the own chunks' copy above is queued on the current stream, so those keys are there for its kernels
-    present = leading_tokens(plan, rank, needed)
-    return Fetch(finish, leading_views(gathered, present), arriving)
+    return Fetch(finish, arriving)
 
 
 def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor, by_position: bool,
-                 owed: list[list[int]]) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+                 lengths: list[int]) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
     """The return's transfer by peer copies: each owner copies its chunks' contributions out of each peer's slot.
-    ``owed[r]``: the chunks rank ``r`` gathered from others, in its gathered order; each rank's slot, reserved for
-    them, holds their dK/dV end to end, ``[B, 2 Hkv, n, D]`` (its own chunks stay out: nobody pulls them). Returns
-    (each peer's contributions to this rank's chunks, in ``served_chunks`` order, once ``wait()`` has returned;
-    ``wait``)."""
+    ``lengths``: every rank's gathered keys; each rank's slot, reserved for them, holds their dK/dV as they are,
+    ``[B, 2 Hkv, S_gathered, D]``. Returns (each peer's contributions to this rank's chunks, in ``served_chunks``
+    order, once ``wait()`` has returned; ``wait``)."""
     plan, rank = cp.plan, cp.rank
     batch, heads, _, dim = dkv_gathered.shape
     token = dim * dkv_gathered.element_size()
     slot = memory.slot()
-    mine = chunk_ranges(plan, cp.gathered_chunks(by_position))
-    outgoing = _view(slot, 0, dkv_gathered.dtype, (batch, heads, plan.tokens_of(owed[rank]), dim))
-    copy_tokens(outgoing, (dkv_gathered,), message_spans(plan, owed[rank], mine))
+    _view(slot, 0, dkv_gathered.dtype, tuple(dkv_gathered.shape)).copy_(dkv_gathered)
     memory.barrier()  # every rank's contributions are in its slot
     received = {}
     for peer in range(cp.world_size):
         served = served_chunks(plan, rank, peer)
         if peer == rank or not served:
             continue
-        where, held = chunk_ranges(plan, owed[peer]), plan.tokens_of(owed[peer])
+        where, held = chunk_ranges(plan, cp.gathered_chunks(by_position, rank=peer)), lengths[peer]
         count = plan.tokens_of(served)
         received[peer] = dkv_gathered.new_empty((batch, heads, count, dim))
         rows = received[peer].view(batch * heads, count, dim)
         for s, d, n in merged_runs(message_spans(plan, served, where)):
             memory.pull(peer, s * token, held * token, rows, d, n)
         cp.bytes_received += count * batch * heads * token
-    cp.bytes_sent += plan.tokens_of(owed[rank]) * batch * heads * token
+    cp.bytes_sent += plan.tokens_of([c for c in plan.needed_kv[rank] if plan.owner[c] != rank]) * batch * heads * token
     return received, memory.wait
 
 

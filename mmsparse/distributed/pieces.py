@@ -82,18 +82,6 @@ def split_by_position(piece: Piece, q_positions: torch.Tensor, k_positions: torc
     return parts
 
 
-def split_keys(piece: Piece, at: int) -> tuple[Piece, Piece]:
-    """``piece`` (no causal test, no window) as two pieces over the same queries: its first ``at`` keys and the
-    rest."""
-    start = piece.k_rows.start
-
-    def part(keys: slice) -> Piece:
-        return Piece(piece.q_rows, slice(start + keys.start, start + keys.stop), piece.local_keys, piece.causal,
-                     _sliced(piece.info, slice(None), keys, 0))
-
-    return part(slice(0, at)), part(slice(at, piece.k_rows.stop - start))
-
-
 def _sliced(info: BitMask | CodeMask, rows: slice, keys: slice, q_start: int) -> BitMask | CodeMask:
     """The mask of ``info``'s query ``rows`` over its ``keys``, its first query at position ``q_start``."""
     start = torch.full_like(info.q_start, q_start)

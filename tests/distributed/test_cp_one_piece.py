@@ -21,12 +21,9 @@ ONE_PIECE = [
 ]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-forward", "split-forward"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ONE_PIECE, ids=lambda c: f"k{len(c[0])}-{c[1]}-H{c[2]}x{c[3]}")
-def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, split, device):
-    """``split``: the forward runs the rank's own keys first and merges (as ContextParallel does); the backward is
-    the one piece's either way."""
+def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, device):
     topology, lens, heads, kv_heads = case
     batch = len(lens) if isinstance(lens, list) else 1
     seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
@@ -50,16 +47,7 @@ def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, s
         def gather(gathered=gathered):
             return k[:, :, gathered], v[:, :, gathered]
 
-        early, parts = None, problem.forward_split(q.device)
-        if parts is None:  # its queries see none of its own keys, or only them
-            assert not all(problem.plan.owner[c] == rank for c in problem.gathered_chunks()[:1]) or all(
-                problem.plan.owner[c] == rank for c in problem.gathered_chunks())
-        elif split:
-            own = parts[0].k_rows.stop
-            assert parts[1].k_rows == slice(own, gathered.numel())
-            assert all(problem.plan.owner[int(p) // problem.plan.chunk] == rank for p in gathered[:own])
-            early = (parts, (k[:, :, gathered[:own]], v[:, :, gathered[:own]]))
-        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather, early=early)
+        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather)
         dq_l, dkv_l, dkv_g = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather)
         assert dkv_l is None and dq_l.dtype == dkv_g.dtype == torch.float16
         out[:, :, index], dq[:, :, index] = o_l, dq_l.float()
@@ -119,58 +107,3 @@ def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch, device):
         assert events == ["dkdv", "return", "dq"]
     else:
         assert events[-1] == "return" and events.count("return") == 1 and events.count("dq") == len(pieces)
-
-
-def test_a_one_piece_forward_starts_on_its_own_keys_before_the_fetch(monkeypatch, device):
-    """With its split, a one-piece rank's forward queues the part over its own keys before it waits for the
-    fetch (``gather``), then the rest; without it, the one piece after the wait. Ranks that are not one piece, or
-    hold no own key among those they gather, have no split."""
-    import mmsparse.distributed.local as local
-
-    events = []
-    forward = local.piece_forward
-
-    def recorded(q, k, v, piece, *args):
-        events.append(("forward", k.shape[2]))
-        return forward(q, k, v, piece, *args)
-
-    monkeypatch.setattr(local, "piece_forward", recorded)
-    problem = RankProblem(CYCLIC, (9, 30, 21), 1, 2, tile=16)
-    seq, gen = 60, torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, seq, 16, generator=gen).to(device, torch.half) for _ in range(3))
-    index, gathered = problem.token_index, problem.gathered_positions()
-    x = [t[:, :, index] for t in (q, k, v)]
-
-    def gather():
-        events.append(("gather", None))
-        return k[:, :, gathered], v[:, :, gathered]
-
-    first, rest = split = problem.forward_split(q.device)
-    own = first.k_rows.stop
-    assert 0 < own < gathered.numel()
-    pieces = problem.pieces(q.device)
-    early = (split, (k[:, :, gathered[:own]], v[:, :, gathered[:own]]))
-    out, lse = forward_pieces(*x, pieces, [None], 0.25, 0.0, gather, early=early)
-    assert events == [("forward", own), ("gather", None), ("forward", gathered.numel() - own)]
-    events.clear()
-    whole_out, whole_lse = forward_pieces(*x, pieces, [None], 0.25, 0.0, gather)
-    assert events == [("gather", None), ("forward", gathered.numel())]
-    torch.testing.assert_close(out.float(), whole_out.float(), atol=2e-3, rtol=0)
-    torch.testing.assert_close(lse, whole_lse, atol=1e-4, rtol=1e-5)
-    assert RankProblem(CYCLIC, (9, 30, 21), 0, 2, causal=True, tile=16).forward_split(q.device) is None
-
-
-def test_the_return_by_peer_copies_holds_only_what_the_peers_pull():
-    """A rank's slot for the return holds the dK/dV of the keys it gathered from its peers, not of its own: at 43k
-    tokens over 2 GPUs (bf16, 8 KV heads of 128) that is what fits within PEER_COPY_MAX_BYTES, so ``auto`` returns
-    by copy engines there instead of NCCL's point to point."""
-    from mmsparse.distributed.exchange import PEER_COPY_MAX_BYTES, owed_chunks
-
-    token_bytes = 1 * 2 * 8 * 128 * 2  # [B 1, K and V of 8 heads, D 128], bf16
-    for rank in range(2):
-        problem = RankProblem(CYCLIC, (2048, 32768, 8192), rank, 2, tile=128)
-        owed = owed_chunks(problem)
-        for r in range(2):
-            assert owed[r] == [c for c in problem.gathered_chunks(rank=r) if problem.plan.owner[c] != r]
-        assert max(problem.plan.tokens_of(c) for c in owed) * token_bytes <= PEER_COPY_MAX_BYTES
-        assert problem.plan.tokens_of(problem.gathered_chunks()) * token_bytes > PEER_COPY_MAX_BYTES
