@@ -24,8 +24,8 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
     """:func:`.exchange.start_fetch` by peer copies. ``lengths``: every rank's local tokens; each rank's slot, reserved
     for them, holds its K then its V, ``[B, Hkv, S_local, D]`` each. The exchange runs on a side stream
     (:meth:`PeerMemory.fork`): its barrier waits for the peers there, not on the current stream. ``first`` is
-    queued on the current stream before it, beside it. Its :meth:`Fetch.arriving` gives the gathered K/V at once,
-    with a :class:`KeysArrival` over the keys after the rank's own leading chunks."""
+    queued on the current stream before it, beside it. Its :meth:`Fetch.arriving` gives the gathered K/V once the
+    barrier is passed, with a :class:`KeysArrival` over the keys after the rank's own leading chunks."""
     plan, rank = cp.plan, cp.rank
     batch, hkv, local_len, dim = k.shape
     token = dim * k.element_size()
@@ -35,14 +35,11 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
     aside = memory.fork()
     if first is not None:
         first()
-    own_copied = None
     with aside:
         own = chunk_ranges(plan, plan.local_chunks[rank])
         copy_tokens(gathered, (k, v), [(own[c][0], into[c][0], plan.chunk_tokens(c))
                                        for c in needed if plan.owner[c] == rank])
         if k.is_cuda:
-            own_copied = torch.cuda.Event()
-            own_copied.record()
             for t in (k, v, gathered):  # made on the current stream, used on the side stream too
                 t.record_stream(torch.cuda.current_stream(k.device))
         slot = memory.slot()
@@ -72,8 +69,9 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
         signal = memory.signal_arrival()
         if signal is None:
             return (*finish(), None)
-        if own_copied is not None:  # the rank's own chunks lead the gathered keys: there for its kernels
-            torch.cuda.current_stream(k.device).wait_event(own_copied)
+        # The own chunks' copy and the barrier are done before the kernels that wait on the flag start: those
+        # kernels may hold every SM while they wait, and the barrier's kernel needs one.
+        memory.join(pulls=False)
         present = leading_tokens(plan, rank, needed)
         return gathered[:, :hkv], gathered[:, hkv:], KeysArrival(*signal, present, memory.join)
 

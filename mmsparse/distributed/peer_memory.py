@@ -173,12 +173,14 @@ class PeerMemory:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self._side)
 
-    def join(self) -> None:
-        """The current stream waits for the work queued in :meth:`fork`'s context and every :meth:`pull` since the
-        last wait."""
+    def join(self, pulls: bool = True) -> None:
+        """The current stream waits for the work queued in :meth:`fork`'s context and (``pulls``) every :meth:`pull`
+        since the last wait. Without the pulls it still waits for the barrier: a kernel that spins until the pulls
+        land (an arrival flag) must not hold the SMs that the barrier's kernel needs."""
         if self.device.type == "cuda" and self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        self.wait()
+        if pulls:
+            self.wait()
 
     def signal_arrival(self) -> tuple[torch.Tensor, int] | None:
         """After this exchange's pulls: ``(flag, epoch)``, an int32 flag on this rank's GPU that a stream memory
