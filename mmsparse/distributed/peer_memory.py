@@ -15,7 +15,6 @@ each group weakly, but a slot opened in the peers can only be freed once they ha
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import tempfile
@@ -88,7 +87,6 @@ class PeerMemory:
         self._token = torch.zeros(1, dtype=torch.int32, device=device)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
-        self._side: torch.cuda.Stream | None = None  # the exchange's own work beside the current stream (fork)
         # Arrival flags (signal_arrival): the int32 flag, the stream that writes it, the last epoch written, and
         # why the driver cannot write it (None: not tried, or it can)
         self._flag: torch.Tensor | None = None
@@ -160,27 +158,6 @@ class PeerMemory:
                             src_pitch, count * width * size, rows, stream.cuda_stream, self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
-
-    def fork(self) -> contextlib.AbstractContextManager[Any]:
-        """A context in which queued work runs on this memory's side stream, after what the current stream has
-        queued before this call and beside what it queues after it (a rank's kernels go on while the exchange
-        waits for its peers at :meth:`barrier`); :meth:`join` makes the current stream wait for it. Off the GPU, work
-        runs in order and the context does nothing."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._side is None:
-            self._side = own_stream(self.device.index)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._side)
-
-    def join(self, pulls: bool = True) -> None:
-        """The current stream waits for the work queued in :meth:`fork`'s context and (``pulls``) every :meth:`pull`
-        since the last wait. Without the pulls it still waits for the barrier: a kernel that spins until the pulls
-        land (an arrival flag) must not hold the SMs that the barrier's kernel needs."""
-        if self.device.type == "cuda" and self._side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        if pulls:
-            self.wait()
 
     def signal_arrival(self) -> tuple[torch.Tensor, int] | None:
         """After this exchange's pulls: ``(flag, epoch)``, an int32 flag on this rank's GPU that a stream memory
