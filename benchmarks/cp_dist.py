@@ -77,6 +77,21 @@ def timed_ms(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int
     return times
 
 
+def back_to_back_ms(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int = 3) -> float:
+    """This rank's time per call of ``fn`` called ``calls`` times back to back, with no sync between calls (the
+    host queues ahead, so the device's own time shows, not the host's), the least of ``rounds`` runs that each
+    start with all ranks at a barrier."""
+    best = float("inf")
+    for _ in range(rounds):
+        barrier(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) * 1e3 / calls)
+    return best
+
+
 def gather_lists(values: Sequence[float], device: torch.device) -> list[list[float]]:
     """Every rank's ``values`` (one length on all ranks), by rank."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)

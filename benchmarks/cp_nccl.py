@@ -15,7 +15,10 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
     bitwise equal;
   - **step time**: forward + backward, the slowest rank's time of each step, median over the steps;
     ``one_gpu_step_ms``: the whole problem's step on one GPU, timed in the same run by every rank on its own GPU at
-    the same time (rank 0's median; every rank's in ``one_gpu_step_ms_ranks``); speedup = one_gpu / step;
+    the same time (rank 0's median; every rank's in ``one_gpu_step_ms_ranks``); speedup = one_gpu / step. Each
+    step starts with the ranks at a barrier and ends with a sync, so the host's time per step counts; ``step_b2b_ms``
+    and ``one_gpu_step_b2b_ms`` time the same steps back to back with no sync between them (the host queues
+    ahead, as in a model whose layers keep the GPU busy: the GPU's own time), ``speedup_b2b`` their ratio;
   - **overlap** (``mmsparse_cp``): the local attention of the rank's pieces alone (``compute_ms``, the gathered K/V
     already there, as ``tools.cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward and
     again for the backward, dK/dV returned), ``hidden_ms`` = compute + exchange - step, and ``hidden_fraction``,
@@ -111,6 +114,12 @@ def _timed(fn, case: CPCase, device: torch.device, args: argparse.Namespace) -> 
     return cp_dist.slowest_rank_ms(cp_dist.timed_ms(fn, device, *_counts(case, args)), device)
 
 
+def _back_to_back(fn, case: CPCase, device: torch.device, args: argparse.Namespace) -> float:
+    """The slowest rank's time per call of ``fn``, called the config's timed steps back to back."""
+    return cp_dist.reduce_value(cp_dist.back_to_back_ms(fn, device, _counts(case, args)[0]), device,
+                                dist.ReduceOp.MAX)
+
+
 def _step_fn(attention, leaves: list[torch.Tensor], dout: torch.Tensor):
     def step() -> torch.Tensor:
         for t in leaves:
@@ -138,6 +147,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     row = _check(step, leaves, p.ref, lambda t: t.index_select(2, index), device)
     sent, received = cp.bytes_sent // 2, cp.bytes_received // 2  # the two checked steps move the same bytes
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
+    row["step_b2b_ms"] = _back_to_back(step, case, device, args)
 
     element = p.q.element_size()
     dkv_element = torch.empty((), dtype=cp.kv_grad_dtype(p.q.dtype)).element_size()
@@ -192,6 +202,7 @@ def run_all_gather(p: Problem, args: argparse.Namespace) -> dict:
     step = _step_fn(ag.attention, leaves, ag.shard(p.dout))
     row = _check(step, leaves, p.ref, ag.shard, device)
     row["step_ms"], row["step_ms_ranks"] = _timed(step, case, device, args)
+    row["step_b2b_ms"] = _back_to_back(step, case, device, args)
     sent, received = ag.bytes_per_rank(case.batch, case.heads_kv, case.head_dim, p.q.element_size())
     row.update(bytes_sent=[sent] * ag.world_size, bytes_received=[received] * ag.world_size)
     return row
@@ -215,7 +226,9 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
     reps, warmup = _counts(case, args)
     single = cp_dist.timed_ms(p.step, device, reps, warmup)  # every rank at once, each on its own GPU
     single_ranks = [statistics.median(r) for r in cp_dist.gather_lists(single, device)]
-    one_gpu = {"one_gpu_step_ms": single_ranks[0], "one_gpu_step_ms_ranks": single_ranks}
+    single_b2b = cp_dist.gather_lists([cp_dist.back_to_back_ms(p.step, device, reps)], device)
+    one_gpu = {"one_gpu_step_ms": single_ranks[0], "one_gpu_step_ms_ranks": single_ranks,
+               "one_gpu_step_b2b_ms": single_b2b[0][0]}
     for t in (p.q, p.k, p.v):
         t.grad = None
     bandwidth = links["send_recv_gbs"] * 1e9
@@ -225,7 +238,8 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
     done[0]["same_bits_as_p2p"] = cp_dist.all_ranks(all(torch.equal(a, b) for a, b in zip(bits[0], bits[2])), device)
     del bits
     for row, result in zip(rows, done):
-        row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"])
+        row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"],
+                   speedup_b2b=one_gpu["one_gpu_step_b2b_ms"] / result["step_b2b_ms"])
         row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES) and row.get(
             "same_bits_as_p2p", True)
     summary, dkv_ratio = rows[0].pop("_summary"), rows[0].pop("_dkv_ratio")

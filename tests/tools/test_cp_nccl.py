@@ -13,6 +13,7 @@ from benchmarks import cp_record
 from tests.helpers import torchrun_on_cpu
 
 ROW_FIELDS = ("config", "gpus", "impl", "speedup", "step_ms", "one_gpu_step_ms", "one_gpu_step_ms_ranks", "gpu",
+              "step_b2b_ms", "one_gpu_step_b2b_ms", "speedup_b2b",
               "torch", "triton", "commit", "nccl", "out_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "repeatable",
               "correct", "bytes_sent", "bytes_received")
 CP_FIELDS = ("model_speedup", "model_speedup_overlap", "compute_ms", "exchange_ms", "hidden_ms", "plan_bytes_sent",
@@ -38,6 +39,7 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
         assert row["correct"] and row["repeatable"] and row["commit"] == "test-commit"
         assert max(row[f"{n}_rel_l2"] for n in ("out", "dq", "dk", "dv")) <= 1e-4
         assert row["speedup"] == pytest.approx(row["one_gpu_step_ms"] / row["step_ms"])
+        assert row["speedup_b2b"] == pytest.approx(row["one_gpu_step_b2b_ms"] / row["step_b2b_ms"])
         assert row["nccl"]["NCCL_NVLS_ENABLE"] == "0"
     cp, kept = rows[0], rows[1]
     assert cp["same_bits_as_p2p"] and rows[2]["bytes_match"]
