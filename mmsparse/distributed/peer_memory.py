@@ -149,16 +149,16 @@ class PeerMemory:
         stream, index = torch.cuda.current_stream(self.device).cuda_stream, self.device.index
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
         for peer in peers:
-            write_value_on_stream(self._theirs[0][peer] + self._flag(self.rank), self._barriers, stream, index)
+            write_value_on_stream(self._theirs[0][peer] + self._flag_offset(self.rank), self._barriers, stream, index)
         for peer in peers:
-            wait_value_on_stream(self._mine[0].address + self._flag(peer), self._barriers, stream, index)
+            wait_value_on_stream(self._mine[0].address + self._flag_offset(peer), self._barriers, stream, index)
 
     @property
     def barrier_takes_sm(self) -> bool:
         """Whether :meth:`barrier` runs a kernel (NCCL's all-reduce) rather than stream memory operations."""
         return not self._stream_barrier or torch.cuda.is_current_stream_capturing()
 
-    def _flag(self, rank: int) -> int:
+    def _flag_offset(self, rank: int) -> int:
         """The byte offset, in a GPU's first slot, of ``rank``'s barrier flag."""
         return self.capacity + _FLAG_BYTES * rank
 
@@ -289,8 +289,8 @@ class PeerMemory:
             stream, index = torch.cuda.current_stream(self.device).cuda_stream, self.device.index
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    write_value_on_stream(self._theirs[0][peer] + self._flag(self.rank), 0, stream, index)
-            wait_value_on_stream(self._mine[0].address + self._flag(self.rank), 0, stream, index)
+                    write_value_on_stream(self._theirs[0][peer] + self._flag_offset(self.rank), 0, stream, index)
+            wait_value_on_stream(self._mine[0].address + self._flag_offset(self.rank), 0, stream, index)
             torch.cuda.synchronize(self.device)
 
         failed: list[Any] = [None] * self.world_size
