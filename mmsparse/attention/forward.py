@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from ..kernels.constants import DOT_NATIVE, DOT_TF32X3, DOT_UPCAST
-from ..kernels.tl.forward import attention_combine_pair_tl, attention_combine_tl, attention_fwd_tl
+from ..kernels.tl.forward import attention_combine_tl, attention_fwd_tl
 from ..mask.blocks import cdiv
 from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
@@ -18,7 +18,6 @@ from .kernel_args import LaunchArgs
 from .plan import CallPlan, ForwardPass
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
-_COMBINE_PAIR = FastKernel(attention_combine_pair_tl)
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
@@ -136,21 +135,4 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype)
                                              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
                                              BR=_COMBINE_ROWS)
     return out, lse
-
-
-def combine_pair(first: tuple[torch.Tensor, torch.Tensor],
-                 second: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`combine_partials` of two results ``(out [*rows, D], lse [*rows])`` as attention returns them (out in
-    its dtype, lse +inf where no key was seen), read as they are. Returns ``(out, lse)`` in the first's dtype."""
-    (out_a, lse_a), (out_b, lse_b) = first, second
-    rows, head_dim = out_a.shape[:-1], out_a.shape[-1]
-    n_rows = math.prod(rows)
-    out = torch.empty_like(out_a, memory_format=torch.contiguous_format)
-    lse = torch.empty(rows, dtype=torch.float32, device=out_a.device)
-    _COMBINE_PAIR[(cdiv(n_rows, _COMBINE_ROWS),)](out_a.contiguous(), lse_a.contiguous(), out_b.contiguous(),
-                                                  lse_b.contiguous(), out, lse, n_rows, HEAD_DIM=head_dim,
-                                                  HEAD_DIM_PAD=head_dim_pad(head_dim), BR=_COMBINE_ROWS)
-    return out, lse
-
-
 _LOG2E = math.log2(math.e)

@@ -31,7 +31,7 @@ from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .fetch import Fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .one_thread import one_thread_on
-from .pieces import PiecesCall, piece_forward, piece_seeds
+from .pieces import PiecesCall, piece_seeds
 
 
 class ContextParallel(RankProblem):
@@ -206,23 +206,16 @@ class _Attention(torch.autograd.Function):
                 seed: torch.Tensor | None):
         pieces = cp.pieces(q.device, by_position=seed is not None)
         seeds = [None] * len(pieces) if seed is None else piece_seeds(pieces, seed)
-        # The settings are read once, here, and the pieces' launches kept, for the backward (ctx.call).
-        call = PiecesCall(current_settings())
-        # A one-piece rank runs its own keys while the exchange is in flight, then the fetched ones, and merges.
-        split, first = cp.forward_split(q.device) if seed is None else None, []
-
-        def own_keys() -> None:
-            first.append(piece_forward(q, k, v, split[0], scale, dropout_p, None, call))
-
-        finish, fetched = start_fetch(cp, k, v, seed is not None, own_keys if split else None), []
+        finish, fetched = start_fetch(cp, k, v, seed is not None), []
 
         def gather() -> tuple[torch.Tensor, torch.Tensor]:
             fetched.extend(finish())
             return fetched[0], fetched[1]
 
+        # The settings are read once, here, and the pieces' launches kept, for the backward (ctx.call).
+        call = PiecesCall(current_settings())
         # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
-        early = (split[1], first[0]) if split else None
-        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call, early)
+        out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call)
         ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         ctx.by_position = seed is not None

@@ -32,20 +32,18 @@ TRANSPORTS = ("auto", "p2p", "peer_copy")
 # rate and the slots would hold memory that the step wants.
 PEER_COPY_MAX_BYTES = 128 * 2**20
 
-def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = False,
-                first: Callable[[], None] | None = None) -> Fetch:
+def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = False) -> Fetch:
     """Start fetching K and V of the chunks this rank needs: each owner serves each rank just the chunks that
     rank's queries see (the plan's ``needed_kv``). Returns a :class:`.fetch.Fetch`: called, it waits for the
     exchange (this rank's part in it included) and gives the gathered K and V in
     ``cp.gathered_chunks(by_position)``' order; by peer copies its ``arriving()`` gives them with the keys still
-    landing. ``first``: work for the current stream that does not read the fetched keys, queued as early as the
-    transport lets it run beside the exchange."""
+    landing."""
     plan, rank = cp.plan, cp.rank
     lengths = [plan.tokens_of(chunks) for chunks in plan.local_chunks]
     token_bytes = k.shape[0] * 2 * k.shape[1] * k.shape[3] * k.element_size()
     memory = _peer_memory(cp, k.device, [n * token_bytes for n in lengths])
     if memory is not None:
-        return peer_exchange.start_fetch(cp, memory, k, v, by_position, lengths, first)
+        return peer_exchange.start_fetch(cp, memory, k, v, by_position, lengths)
     batch, hkv, _, dim = k.shape
     mine = chunk_ranges(plan, plan.local_chunks[rank])
     sends = {}
@@ -58,8 +56,6 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
     recv_shapes = {peer: (batch, 2 * hkv, plan.tokens_of(served_chunks(plan, peer, rank)), dim)
                    for peer in range(cp.world_size)}
     received, wait = _post_p2p(cp, sends, recv_shapes, k)
-    if first is not None:  # after the sends are packed: NCCL waits for what the current stream queued before
-        first()
     needed = cp.gathered_chunks(by_position)
     into = chunk_ranges(plan, needed)
     gathered = k.new_empty((batch, 2 * hkv, plan.tokens_of(needed), dim))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from ..runtime.arrival import KeysArrival
-from .plan import ContextParallelPlan
 
 Arriving = Callable[[], tuple[torch.Tensor, torch.Tensor, KeysArrival | None]]
 
@@ -28,9 +26,3 @@ class Fetch:
         if self._arriving is None:
             return (*self._finish(), None)
         return self._arriving()
-
-
-def leading_tokens(plan: ContextParallelPlan, rank: int, gathered_chunks: Sequence[int]) -> int:
-    """How many of the gathered keys are ``rank``'s own chunks at their front (a one-piece rank holds its own
-    first: :meth:`.local.RankProblem.gathered_chunks`)."""
-    return plan.tokens_of(list(itertools.takewhile(lambda c: plan.owner[c] == rank, gathered_chunks)))

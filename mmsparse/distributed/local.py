@@ -19,7 +19,7 @@ from ..mask.info import BitMask, CodeMask
 from ..mask.segment_codes import token_codes
 from ..mask.topology import CAUSAL, FULL, NONE, Topology, token_bits_torch, validate_seg_lens
 from ..runtime.launch import stream_key
-from .fetch import Arriving, leading_tokens
+from .fetch import Arriving
 from .pieces import (
     Piece,
     PiecesCall,
@@ -34,8 +34,6 @@ from .plan import ContextParallelPlan, plan_context_parallel
 from .token_runs import chunk_ranges, served_chunks
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
-# The second piece of a one-piece rank's forward split, and the (out, lse) of the first
-EarlyPart = tuple[Piece, tuple[torch.Tensor, torch.Tensor]]
 # (dK/dV of the rank's own keys or None, dK/dV of the gathered keys) -> None, as backward_pieces queues them
 KVGrads = Callable[[torch.Tensor | None, torch.Tensor], None]
 
@@ -91,15 +89,13 @@ class RankProblem:
         self._bits: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
-        self._forward_splits: dict[Any, tuple[Piece, Piece] | None] = {}
         self._contribution_rows: dict[Any, ContributionRows] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
         # rebuilt on first use.
         state = self.__dict__.copy()
-        for cache in ("_bits", "_pieces", "_dropout_pieces", "_forward_splits", "_contribution_rows"):
-            state[cache] = {}
+        state["_bits"], state["_pieces"], state["_dropout_pieces"], state["_contribution_rows"] = {}, {}, {}, {}
         return state
 
     @property
@@ -151,30 +147,6 @@ class RankProblem:
         """This rank's pieces (see :mod:`.pieces`), built once per device and stream; ``by_position``: cut into
         runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
-
-    def forward_split(self, device: torch.device) -> tuple[Piece, Piece] | None:
-        """Where the rank is one piece (:meth:`one_piece`), its forward as two pieces over every local query: the
-        rank's own keys, read from its own K/V (the keys its queries do not see are masked there), and the keys it
-        gathers from its peers, which follow its own in the gathered keys. The first runs while the second's keys
-        land; the two merge by log-sum-exp (the backward keeps the one piece: it needs only the merged out and
-        lse). None where the rank is not one piece, or its queries see none of its own keys or only them. Built once
-        per device."""
-        key = _where(device)
-        if key not in self._forward_splits:
-            pieces = self._local_pieces(device) if self.one_piece() else []
-            own = leading_tokens(self.plan, self.rank, self.gathered_chunks())
-            split = None
-            if len(pieces) == 1 and 0 < own < pieces[0].k_rows.stop:
-                row_bits, col_bits = self._token_bits(device)
-                local = self._index.to(device)
-                rows = slice(0, self.local_len)
-                fetched = self.gathered_positions().to(device)[own:]
-                split = (make_piece(rows, rows, True, False, row_bits[:, local], col_bits[:, local],
-                                    self.topology.num_segments),
-                         make_piece(rows, slice(own, pieces[0].k_rows.stop), False, False, row_bits[:, local],
-                                    col_bits[:, fetched], self.topology.num_segments))
-            self._forward_splits[key] = split
-        return self._forward_splits[key]
 
     def contribution_rows(self, by_position: bool, device: torch.device) -> ContributionRows:
         """Where each of this rank's local tokens finds its dK/dV contributions (:class:`ContributionRows`), built
@@ -342,8 +314,8 @@ def check_causal(causal: Any) -> None:
 
 
 def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece], seeds: list[Any],
-                   scale: float, dropout_p: float, gather: Gather, call: PiecesCall | None = None,
-                   early: EarlyPart | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, dropout_p: float, gather: Gather,
+                   call: PiecesCall | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank's forward: (out ``[B, Hq, S_local, D]``, lse float32 ``[B, Hq, S_local]``, log2 units).
 
     Args:
@@ -353,18 +325,11 @@ def forward_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: li
             (in a real run it waits for the exchange, which those pieces overlap).
         call: the settings the pieces run with and, filled here, their launches, for :func:`backward_pieces`
             (None: this thread's settings now, and the launches are not kept).
-        early: for one piece without dropout, the second piece of :meth:`RankProblem.forward_split` and the
-            (out, lse) of the first, already queued (beside the exchange): the rank's result is their merge.
     """
     call = PiecesCall() if call is None else call
     if _whole(pieces, q.shape[2]):  # one piece over every row: its result is the rank's, nothing to merge
         k_g, v_g = gather()
         (piece,), (seed,) = pieces, seeds
-        if early is not None and seed is None:
-            rest, first = early
-            keys = rest.k_rows
-            return merge(*zip(first, piece_forward(q, k_g[:, :, keys], v_g[:, :, keys], rest, scale, dropout_p,
-                                                   None, call)))
         return piece_forward(q, k_g[:, :, piece.k_rows], v_g[:, :, piece.k_rows], piece, scale, dropout_p, seed, call)
     # The merge keeps the pieces' order, so the result does not depend on which finished first.
     done = {id(p): piece_forward(q[:, :, p.q_rows], k[:, :, p.k_rows], v[:, :, p.k_rows], p, scale, dropout_p, s,

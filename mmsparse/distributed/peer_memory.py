@@ -15,7 +15,6 @@ each group weakly, but a slot opened in the peers can only be freed once they ha
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import tempfile
@@ -27,21 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.cuda_driver import (
-    CudaDriverError,
-    copy_rows_on_stream,
-    driver,
-    wait_value_on_stream,
-    write_value_on_stream,
-)
+from ..runtime.cuda_driver import CudaDriverError, copy_rows_on_stream, driver, write_value_on_stream
 from ..runtime.ipc_memory import SharedBlock, close_block, open_block
 from ..runtime.streams import own_stream
 
 MAX_PITCH = 2**31 - 1  # bytes between the rows of a 2-D copy, at most (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
 _SLOT_ALIGN = 1 << 20  # slots grow in whole MiB, so a little more next time does not reopen them
-# Past each GPU slot's bytes, one uint32 flag per rank for the barrier by stream memory operations: rank r sets
-# its flag in every peer's first slot to the barrier's count, and waits until the peers' flags in its own reach it.
-_FLAG_BYTES = 4
 _MEMORIES: dict[tuple[int, torch.device], PeerMemory] = {}
 _MEMORIES_LOCK = threading.Lock()
 
@@ -95,11 +85,8 @@ class PeerMemory:
         self._theirs: list[list[Any]] = []  # per slot, per rank: an address (GPU) or a tensor (CPU); None: this rank
         self._turn = self._current = 0
         self._token = torch.zeros(1, dtype=torch.int32, device=device)
-        self._stream_barrier = False  # every rank's driver writes and waits on the flags (decided at each growth)
-        self._barriers = 0  # barriers by flags so far: the count the next one writes, less one
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pulling: list[torch.cuda.Stream] = []
-        self._side: torch.cuda.Stream | None = None  # the exchange's own work beside the current stream (fork)
         # Arrival flags (signal_arrival): the int32 flag, the stream that writes it, the last epoch written, and
         # why the driver cannot write it (None: not tried, or it can)
         self._flag: torch.Tensor | None = None
@@ -139,28 +126,8 @@ class PeerMemory:
 
     def barrier(self) -> None:
         """Every rank's writes so far (in its current stream's order) are done before this rank's current stream
-        goes on. On GPUs by stream memory operations on flags in the slots (:attr:`barrier_takes_sm` False: no
-        kernel, no SM, so it may wait beside kernels that hold every SM); else, and in a CUDA-graph capture (a
-        replay would repeat the count), an all-reduce of one integer, whose kernel needs an SM."""
-        if self.barrier_takes_sm:
-            dist.all_reduce(self._token, group=self.group)
-            return
-        self._barriers += 1
-        stream, index = torch.cuda.current_stream(self.device).cuda_stream, self.device.index
-        peers = [peer for peer in range(self.world_size) if peer != self.rank]
-        for peer in peers:
-            write_value_on_stream(self._theirs[0][peer] + self._flag_offset(self.rank), self._barriers, stream, index)
-        for peer in peers:
-            wait_value_on_stream(self._mine[0].address + self._flag_offset(peer), self._barriers, stream, index)
-
-    @property
-    def barrier_takes_sm(self) -> bool:
-        """Whether :meth:`barrier` runs a kernel (NCCL's all-reduce) rather than stream memory operations."""
-        return not self._stream_barrier or torch.cuda.is_current_stream_capturing()
-
-    def _flag_offset(self, rank: int) -> int:
-        """The byte offset, in a GPU's first slot, of ``rank``'s barrier flag."""
-        return self.capacity + _FLAG_BYTES * rank
+        goes on: an all-reduce of one integer."""
+        dist.all_reduce(self._token, group=self.group)
 
     def pull(self, peer: int, src_offset: int, src_pitch: int, dst: torch.Tensor, dst_start: int,
              count: int) -> None:
@@ -191,27 +158,6 @@ class PeerMemory:
                             src_pitch, count * width * size, rows, stream.cuda_stream, self.device.index)
         dst.record_stream(stream)  # its memory stays this stream's until the copy is done
         self._pulling.append(stream)
-
-    def fork(self) -> contextlib.AbstractContextManager[Any]:
-        """A context in which queued work runs on this memory's side stream, after what the current stream has
-        queued before this call and beside what it queues after it (a rank's kernels go on while the exchange
-        waits for its peers at :meth:`barrier`); :meth:`join` makes the current stream wait for it. Off the GPU, work
-        runs in order and the context does nothing."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._side is None:
-            self._side = own_stream(self.device.index)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._side)
-
-    def join(self, pulls: bool = True) -> None:
-        """The current stream waits for the work queued in :meth:`fork`'s context and (``pulls``) every :meth:`pull`
-        since the last wait. Without the pulls it still waits for the barrier: a kernel that spins until the pulls
-        land (an arrival flag) must not hold the SMs that the barrier's kernel needs."""
-        if self.device.type == "cuda" and self._side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        if pulls:
-            self.wait()
 
     def signal_arrival(self) -> tuple[torch.Tensor, int] | None:
         """After this exchange's pulls: ``(flag, epoch)``, an int32 flag on this rank's GPU that a stream memory
@@ -253,8 +199,6 @@ class PeerMemory:
         mine: list[Any] = []
         shared: list[Any] = []
         made = _attempt(lambda: self._make(capacity, mine, shared))
-        if cuda:
-            torch.cuda.synchronize(self.device)  # the flags' zeros land before any peer can write them
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, (shared, made), group=self.group)
         theirs: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
@@ -269,7 +213,6 @@ class PeerMemory:
                 os.unlink(path)  # every rank has mapped the files, or given up on them: their names can go
         if failed is None:
             self._replace(capacity, mine, theirs)
-            self._stream_barrier = cuda and self._all_ranks_can_flag()
         else:
             self._drop(theirs, mine)
             self.reason = f"a rank could not make or open the shared slots: {failed}"
@@ -279,23 +222,6 @@ class PeerMemory:
         made its device idle, so that once every rank meets the others no rank reads them any more."""
         self._drop(self._theirs, self._mine)
         self._mine, self._theirs, self.capacity = mine, theirs, capacity
-        self._stream_barrier = False
-
-    def _all_ranks_can_flag(self) -> bool:
-        """Whether every rank's driver writes a peer's barrier flag and waits on its own (a collective): each rank
-        writes 0 to its flag in each peer's slot (all zero already) and waits for 0 on its own."""
-
-        def flag_zeros() -> None:
-            stream, index = torch.cuda.current_stream(self.device).cuda_stream, self.device.index
-            for peer in range(self.world_size):
-                if peer != self.rank:
-                    write_value_on_stream(self._theirs[0][peer] + self._flag_offset(self.rank), 0, stream, index)
-            wait_value_on_stream(self._mine[0].address + self._flag_offset(self.rank), 0, stream, index)
-            torch.cuda.synchronize(self.device)
-
-        failed: list[Any] = [None] * self.world_size
-        dist.all_gather_object(failed, _attempt(flag_zeros), group=self.group)
-        return all(f is None for f in failed)
 
     def _drop(self, theirs: list[list[Any]], mine: list[Any]) -> None:
         """Close the views ``theirs`` of the peers' slots, then, once every rank has closed its own, free ``mine``
@@ -313,8 +239,7 @@ class PeerMemory:
     def _make(self, capacity: int, mine: list[Any], shared: list[Any]) -> None:
         for _ in range(2):
             if self.device.type == "cuda":
-                mine.append(SharedBlock(self.device, capacity + _FLAG_BYTES * self.world_size))
-                mine[-1].tensor[capacity:].zero_()  # the barrier flags start at 0 (synchronised before shared)
+                mine.append(SharedBlock(self.device, capacity))
                 shared.append(mine[-1].handle)
             else:
                 shared.append(_shared_file())

@@ -29,7 +29,7 @@ from ..attention.backward import ExchangeHooks
 from ..attention.call import CallLaunch
 from ..attention.config import Settings, current_settings
 from ..attention.custom_ops import TracedCall, attention_backward, attention_forward
-from ..attention.forward import combine_pair, combine_partials
+from ..attention.forward import combine_partials
 from ..mask.info import BitMask, CodeMask
 
 
@@ -143,8 +143,6 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
     and lse = +inf."""
     if len(outs) == 1:
         return outs[0], lses[0]
-    if len(outs) == 2:  # the same sums, read as they are
-        return combine_pair((outs[0], lses[0]), (outs[1], lses[1]))
     parts = torch.stack([o.float() for o in outs])
     part_lses = torch.stack(lses)
     # a piece marks a row that sees nothing with +inf, a split of the forward with -inf

@@ -119,25 +119,14 @@ def copy_rows_on_stream(dst: int, dst_pitch: int, src: int, src_pitch: int, widt
 
 
 def write_value_on_stream(address: int, value: int, stream: int, device_index: int) -> None:
-    """Write the 32-bit ``value`` at device ``address`` (this GPU's memory, or a peer's that this context has
-    opened) on ``stream``, once what is queued on it before is done and visible, with no kernel: a stream memory
-    operation (``cuStreamWriteValue32``), which takes no SM, so a kernel may wait for it while holding every SM.
-    Raises :class:`CudaDriverError` where the driver has no such call."""
-    _stream_memop("cuStreamWriteValue32_v2", address, value, stream, device_index)  # flags 0: after earlier writes
-
-
-def wait_value_on_stream(address: int, value: int, stream: int, device_index: int) -> None:
-    """Make ``stream`` wait until the 32-bit value at device ``address`` is at least ``value`` (unsigned), with no
-    kernel (``cuStreamWaitValue32``, no SM taken while it waits). Raises :class:`CudaDriverError` where the driver
-    has no such call."""
-    _stream_memop("cuStreamWaitValue32_v2", address, value, stream, device_index)  # flags 0: CU_STREAM_WAIT_VALUE_GEQ
-
-
-def _stream_memop(name: str, address: int, value: int, stream: int, device_index: int) -> None:
+    """Write the 32-bit ``value`` at device ``address`` on ``stream``, once what is queued on it before is done and
+    visible, with no kernel: a stream memory operation (``cuStreamWriteValue32``), which takes no SM, so a kernel
+    may wait for it while holding every SM. Raises :class:`CudaDriverError` where the driver has no such call."""
     lib = driver()
-    memop = getattr(lib, name, None) if lib is not None else None
-    if memop is None:
-        raise CudaDriverError(f"this CUDA driver has no {name}")
-    memop.argtypes, memop.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint], ctypes.c_int
+    write = getattr(lib, "cuStreamWriteValue32_v2", None) if lib is not None else None
+    if write is None:
+        raise CudaDriverError("this CUDA driver has no cuStreamWriteValue32_v2")
+    write.argtypes, write.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint], ctypes.c_int
     bind_context(device_index)
-    call(name, ctypes.c_void_p(stream), ctypes.c_uint64(address), ctypes.c_uint32(value), ctypes.c_uint(0))
+    call("cuStreamWriteValue32_v2", ctypes.c_void_p(stream), ctypes.c_uint64(address), ctypes.c_uint32(value),
+         ctypes.c_uint(0))  # flags 0: ordered after the stream's earlier writes

@@ -11,7 +11,6 @@ import torch
 from mmsparse import reference_mask
 from mmsparse.distributed import RankProblem
 from mmsparse.distributed.local import backward_pieces, forward_pieces
-from mmsparse.distributed.pieces import PiecesCall, piece_forward
 from tests.helpers import CYCLIC, HUB, check_outputs, record_backward_passes
 
 ONE_PIECE = [
@@ -22,12 +21,9 @@ ONE_PIECE = [
 ]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-forward", "split-forward"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ONE_PIECE, ids=lambda c: f"k{len(c[0])}-{c[1]}-H{c[2]}x{c[3]}")
-def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, split, device):
-    """``split``: each rank's forward as ContextParallel runs it, its own keys (from its own K/V) and then the
-    fetched ones, merged; the backward is the one piece's either way."""
+def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, device):
     topology, lens, heads, kv_heads = case
     batch = len(lens) if isinstance(lens, list) else 1
     seq = max(sum(r) for r in (lens if isinstance(lens, list) else [lens]))
@@ -51,16 +47,7 @@ def test_one_piece_ranks_give_exact_gradients_in_the_inputs_dtype(case, world, s
         def gather(gathered=gathered):
             return k[:, :, gathered], v[:, :, gathered]
 
-        early, parts = None, problem.forward_split(q.device)
-        own = [c for c in problem.gathered_chunks() if problem.plan.owner[c] == rank]
-        if parts is None:  # its queries see none of its own keys, or only them
-            assert len(own) in (0, len(problem.gathered_chunks()))
-        elif split:
-            assert parts[0].local_keys and parts[0].k_rows == slice(0, problem.local_len)
-            assert parts[1].k_rows.stop == gathered.numel()
-            assert all(problem.plan.owner[int(p) // problem.plan.chunk] != rank for p in gathered[parts[1].k_rows])
-            early = (parts[1], piece_forward(*x[:3], parts[0], 16**-0.5, 0.0, None, PiecesCall()))
-        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather, early=early)
+        o_l, lse_l = forward_pieces(*x[:3], pieces, [None], 16**-0.5, 0.0, gather)
         dq_l, dkv_l, dkv_g = backward_pieces(x[3], *x[:3], o_l, lse_l, pieces, [None], 16**-0.5, 0.0, gather)
         assert dkv_l is None and dq_l.dtype == dkv_g.dtype == torch.float16
         out[:, :, index], dq[:, :, index] = o_l, dq_l.float()
@@ -120,40 +107,3 @@ def test_the_return_starts_before_the_dq_pass(one_piece, monkeypatch, device):
         assert events == ["dkdv", "return", "dq"]
     else:
         assert events[-1] == "return" and events.count("return") == 1 and events.count("dq") == len(pieces)
-
-
-def test_a_fetch_queues_the_own_keys_forward_before_its_barrier(device):
-    """A one-piece rank's forward over its own keys (``first``) is queued on the current stream before the fetch
-    meets its peers and copies from them, which it does on a side stream (``PeerMemory.fork``): the forward runs
-    while the rank waits at the barrier and the keys land."""
-    import contextlib
-
-    from mmsparse.distributed import peer_exchange
-
-    events = []
-
-    class Memory:  # the calls peer_exchange makes, recorded
-        def fork(self):
-            events.append("fork")
-            return contextlib.nullcontext()
-
-        def slot(self):
-            return torch.zeros(1 << 16, dtype=torch.uint8, device=device)
-
-        def barrier(self):
-            events.append("barrier")
-
-        def pull(self, *args):
-            events.append("pull")
-
-        def join(self):
-            events.append("join")
-
-    problem = RankProblem(CYCLIC, (9, 30, 21), 1, 2, tile=16)
-    problem.bytes_sent = problem.bytes_received = 0  # as ContextParallel counts them
-    k = torch.randn(1, 1, problem.local_len, 16, device=device)
-    lengths = [problem.plan.tokens_of(chunks) for chunks in problem.plan.local_chunks]
-    fetch = peer_exchange.start_fetch(problem, Memory(), k, k, False, lengths, lambda: events.append("first"))
-    assert events[:3] == ["fork", "first", "barrier"] and set(events[3:]) == {"pull"}
-    fetch()
-    assert events[-1] == "join"

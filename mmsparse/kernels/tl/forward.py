@@ -187,32 +187,3 @@ def attention_combine_tl(
     w_safe = tl.where(empty, 1.0, w_sum)
     tl.store(LSE + offs_r, tl.where(empty, float("inf"), m_base + tl.math.log2(w_safe)), mask=in_r)
     store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def attention_combine_pair_tl(
-    O_A, LSE_A, O_B, LSE_B, O, LSE, n_rows,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
-):
-    """Merge two partial results over disjoint key sets as they are, ``[n_rows, D]`` in any dtype with their lse
-    (log2 units, +inf where a part saw no key), A then B: attention_combine_tl's arithmetic, without the float32
-    copies and the stack of the parts."""
-    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit: rows * HEAD_DIM may pass 2^31
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    in_r = offs_r < n_rows
-    lse_a = tl.load(LSE_A + offs_r, mask=in_r, other=float("inf"))
-    lse_b = tl.load(LSE_B + offs_r, mask=in_r, other=float("inf"))
-    lse_a = tl.where(lse_a == float("inf"), float("-inf"), lse_a)
-    lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
-    m = tl.maximum(tl.maximum(tl.full([BR], float("-inf"), tl.float32), lse_a), lse_b)
-    m_base = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.math.exp2(lse_a - m_base)
-    w_b = tl.math.exp2(lse_b - m_base)
-    acc = tl.zeros([BR, HEAD_DIM_PAD], tl.float32)
-    acc += w_a[:, None] * load_rows(O_A, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
-    acc += w_b[:, None] * load_rows(O_B, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
-    w_sum = tl.zeros([BR], tl.float32) + w_a + w_b
-    empty = w_sum == 0.0
-    w_safe = tl.where(empty, 1.0, w_sum)
-    tl.store(LSE + offs_r, tl.where(empty, float("inf"), m_base + tl.math.log2(w_safe)), mask=in_r)
-    store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
