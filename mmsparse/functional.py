@@ -13,6 +13,7 @@ from .attention.call import clear_op_launches
 from .attention.config import current_settings
 from .attention.dropout import new_dropout_seed
 from .attention.plan import plan_attention
+from .attention.resolved import clear_resolved_ops
 from .checks import (
     check_deterministic,
     check_dropout,
@@ -38,6 +39,7 @@ def clear_caches() -> None:
     clear_kept()
     plan_attention.cache_clear()
     clear_op_launches()
+    clear_resolved_ops()
     clear_scratch()
 
 

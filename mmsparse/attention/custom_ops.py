@@ -23,15 +23,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..mask.blocks import cdiv
+from ..mask.blocks import BlockLists, cdiv
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
 from ..mask.kept import kept_lists
 from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
 from .forward import kernel_layout, read_in_place
-from .kernel_args import mask_launch_args
+from .kernel_args import LaunchArgs, mask_launch_args
 from .plan import CallPlan, call_plan_from_text, plan_call
+from .resolved import keep_resolved, op_call_key, resolved_op
 
 OP_VERSION = 6  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
 
@@ -197,34 +198,45 @@ _lists_op = _define(f"lists_v{OP_VERSION}(Tensor[] mask, str plan, SymInt block_
 
 
 def _op_lists(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],
-              host_values: list[int]) -> list[torch.Tensor]:
-    """The (counts, indices) of each tile an op reads: its ``lists`` argument (the graph's ``lists`` ops), or,
-    where the mask is made of ``host_values``, the kept lists of those values (:mod:`mmsparse.mask.kept`: built
-    once, so a repeated step builds none), else built here from the mask tensors (a CUDA-graph capture that
-    cannot read kept lists keeps what it builds to itself)."""
+              host_values: list[int]) -> tuple[list[torch.Tensor], list[BlockLists] | None]:
+    """The (counts, indices) of each tile an op reads, and the kept lists among them (None where some were built
+    here): its ``lists`` argument (the graph's ``lists`` ops), or, where the mask is made of ``host_values``, the
+    kept lists of those values (:mod:`mmsparse.mask.kept`: built once, so a repeated step builds none), else built
+    here from the mask tensors (a CUDA-graph capture that cannot read kept lists keeps what it builds to itself)."""
     if lists:
-        return lists
+        return lists, []
     info = None
-    found = []
+    found: list[torch.Tensor] = []
+    kept: list[BlockLists] | None = []
     for tile in tiles:
-        kept = kept_lists(tuple(host_values), mask[0].device, tile)
-        if kept is None:
+        tile_lists = kept_lists(tuple(host_values), mask[0].device, tile)
+        if tile_lists is None:
             info = info or mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments,
                                                     values.window)
-            kept = info.lists(*tile, values.compact_bytes, compact=False)
-        found += [kept.counts, kept.indices]
-    return found
+            tile_lists, kept = info.lists(*tile, values.compact_bytes, compact=False), None
+        elif kept is not None:
+            kept.append(tile_lists)
+        found += [tile_lists.counts, tile_lists.indices]
+    return found, kept
 
 
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], lists: list[torch.Tensor],
     seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    values = call_plan_from_text(plan)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    counts, indices = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
-    args = mask_launch_args(mask, values.mode, counts, indices, values.window)
-    return forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)(q, k, v, seed, args)
+    key = op_call_key("fwd", plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
+    op = resolved_op(key)
+    found = op.lists(lists) if op is not None else None
+    if op is None or found is None:
+        values = call_plan_from_text(plan)
+        found, kept = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
+        args = mask_launch_args(mask, values.mode, found[0], found[1], values.window)
+        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)
+        keep_resolved(key, values, launch, kept)
+        return launch(q, k, v, seed, args)
+    args = mask_launch_args(mask, op.plan.mode, found[0], found[1], op.plan.window)
+    return op.launch(q, k, v, seed, args)
 
 
 def _fwd_fake(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
@@ -242,14 +254,29 @@ def _bwd_impl(
     mask: list[torch.Tensor], lists: list[torch.Tensor], seed: torch.Tensor | None, softmax_scale: float,
     dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values = call_plan_from_text(plan)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    passes = [values.dkdv] + ([values.dq] if values.dq is not None else [])
-    lists = _op_lists(mask, values, [step.lists for step in passes], lists, host_values)
+    key = op_call_key("bwd", plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
+    op = resolved_op(key)
+    found = op.lists(lists) if op is not None else None
+    if op is None or found is None:
+        values = call_plan_from_text(plan)
+        passes = [values.dkdv] + ([values.dq] if values.dq is not None else [])
+        found, kept = _op_lists(mask, values, [step.lists for step in passes], lists, host_values)
+        dkdv, dq = _pass_args(mask, values, found)
+        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
+        keep_resolved(key, values, launch, kept)
+    else:
+        values, launch = op.plan, op.launch
+        dkdv, dq = _pass_args(mask, values, found)
+    return launch(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv, dq)
+
+
+def _pass_args(mask: list[torch.Tensor], values: CallPlan,
+               lists: list[torch.Tensor]) -> tuple[LaunchArgs, LaunchArgs | None]:
+    """The mask arguments of the dK/dV pass and of the dQ pass (None in the one pass) over their tiles' lists."""
     dkdv = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
     dq = mask_launch_args(mask, values.mode, lists[2], lists[3], values.window) if values.dq is not None else None
-    launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
-    return launch(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv, dq)
+    return dkdv, dq
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):

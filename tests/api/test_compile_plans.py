@@ -7,11 +7,13 @@ The eager twin is tests/kernels/test_launch_reuse.py::test_a_repeated_call_plans
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mmsparse import mbs_attention, reference_attention, reference_mask
+from mmsparse import clear_caches, mbs_attention, reference_attention, reference_mask
 from mmsparse.attention import call, custom_ops
 from mmsparse.mask import info as info_module
 from mmsparse.mask.info import MaskInfo
@@ -168,3 +170,62 @@ def test_a_compiled_layer_step_builds_nothing_after_the_first(device, counts):
     assert counts == {"plans": 0, "prepares": 0, "builds": 0}, counts
     for got in grads[1:]:
         torch.testing.assert_close(got, grads[0], rtol=1e-5, atol=1e-5)
+
+
+RESOLVERS = ("kept_lists", "call_plan_from_text", "forward_launch_of", "backward_launch_of")
+
+
+@pytest.fixture
+def resolving(monkeypatch):
+    """Calls, outside tracing, of what an op call resolves: kept lists, the plan's text, and the launches' keys."""
+    seen = dict.fromkeys(RESOLVERS, 0)
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            if not torch.compiler.is_compiling():
+                seen[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in RESOLVERS:
+        monkeypatch.setattr(custom_ops, name, counting(name, getattr(custom_ops, name)))
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
+def test_a_repeated_compiled_step_resolves_each_op_call_by_one_lookup(device, resolving, deterministic):
+    """From the second step, each op call finds its plan, kept lists and launch in one entry: nothing of them is
+    looked up again. Each step is checked against the float64 reference."""
+    torch._dynamo.reset()
+    clear_caches()  # no entry from an earlier test of the same shapes: the first step resolves its calls
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS, deterministic=deterministic),
+                             fullgraph=True, backend="aot_eager")
+    q, k, v, grad_out = _inputs(sum(LENS), device, 3)
+    mask = reference_mask(HUB, LENS, sum(LENS))
+    _step(compiled, q, k, v, grad_out)
+    assert resolving["kept_lists"] > 0, resolving  # the first step resolved its calls
+    for _ in range(2):
+        for key in resolving:
+            resolving[key] = 0
+        out = _step(compiled, q, k, v, grad_out)
+        assert resolving == dict.fromkeys(RESOLVERS, 0), resolving
+        check_outputs(q, k, v, out, grad_out, mask)
+
+
+def test_a_resolved_op_call_keeps_no_mask_alive(device, resolving):
+    """An entry holds the kept lists weakly: once the kept masks let them go, the next step resolves its calls
+    again (new lists, built once) and stays exact."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS, causal=True), fullgraph=True,
+                             backend="aot_eager")
+    q, k, v, grad_out = _inputs(sum(LENS), device, 4)
+    mask = reference_mask(HUB, LENS, sum(LENS), causal=True)
+    _step(compiled, q, k, v, grad_out)
+    clear_kept()
+    gc.collect()
+    for key in resolving:
+        resolving[key] = 0
+    out = _step(compiled, q, k, v, grad_out)
+    assert resolving["kept_lists"] > 0, resolving
+    check_outputs(q, k, v, out, grad_out, mask)

@@ -1,0 +1,87 @@
+"""A traced op call resolved once per kind of call: the custom ops' one lookup on a repeated step.
+
+Each call of a compiled graph's forward or backward op would otherwise parse its plan's text, find each tile's kept
+block lists (:mod:`mmsparse.mask.kept`: a lock, the mask's key and the reading stream) and key its launch on the
+plan, shapes and the mask arguments' integers: on an H200 host the backward op took ~220 us more than eager's
+backward, which reads all of that from the call's mask. A :class:`ResolvedOp` keeps what those steps found, under
+a key of everything each of them was keyed on (:func:`op_call_key`): the plan's text, the mask's host values, the
+reading stream, the scalars, the seed's alignment, and each tensor's shape, strides, dtype and alignment. What a
+launch reads from a call (pointers, descriptors, the mask arguments) is still made from the live tensors every
+call. Kept lists are held by weak reference: an entry never keeps a mask alive that the kept masks let go.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..mask.blocks import BlockLists
+from ..runtime.launch import stream_key
+from ..runtime.recent import RecentlyUsed
+from .plan import CallPlan
+
+MAX_RESOLVED = 256
+
+
+@dataclass(frozen=True)
+class ResolvedOp:
+    """One kind of op call: its frozen plan, its launch (``ForwardLaunch`` or ``BackwardLaunch``) and the kept lists
+    of the tiles it reads, in the plan's order (empty where the graph passes the lists)."""
+
+    plan: CallPlan
+    launch: Any
+    kept: tuple[weakref.ref[BlockLists], ...]
+
+    def lists(self, passed: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """(counts, indices) of each tile: ``passed`` (the graph's lists ops) where the entry keeps none, else the
+        kept lists; None where a kept mask has let its lists go since (the caller resolves the call again)."""
+        if not self.kept:
+            return passed
+        found = []
+        for ref in self.kept:
+            lists = ref()
+            if lists is None:
+                return None
+            found += [lists.counts, lists.indices]
+        return found
+
+
+_RESOLVED: RecentlyUsed[ResolvedOp] = RecentlyUsed(MAX_RESOLVED)
+
+
+def op_call_key(op: str, plan: str, host_values: list[int], layouts: tuple[torch.Tensor, ...], mask: list[torch.Tensor],
+                lists: list[torch.Tensor], seed: torch.Tensor | None, scalars: tuple[float, float]) -> tuple | None:
+    """The key of an op call's :class:`ResolvedOp`; None during a CUDA-graph capture, whose reads of kept lists
+    go through :func:`mmsparse.mask.kept.kept_lists` (it ties them to the graph). ``op``: which op (the forward's
+    and the backward's calls of one kind share every other part). ``layouts``: the tensors whose shapes and strides
+    the launch reads (q, k, v laid out for the kernels)."""
+    device = layouts[0].device
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        reader: Any = stream_key(device)  # kept lists are ready on the streams that waited for them
+    else:
+        reader = device
+    return (op, plan, tuple(host_values), reader, scalars, None if seed is None else seed.data_ptr() & 15,
+            *[(t.shape, t.stride(), t.dtype) for t in layouts],
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in mask],
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in lists])
+
+
+def resolved_op(key: tuple | None) -> ResolvedOp | None:
+    return None if key is None else _RESOLVED.get(key)
+
+
+def keep_resolved(key: tuple | None, plan: CallPlan, launch: Any, kept: list[BlockLists] | None) -> None:
+    """Keep a resolved call under ``key`` (not during a capture; nor where some lists were built from the graph's
+    tensors, ``kept`` None)."""
+    if key is not None and kept is not None:
+        _RESOLVED.store(key, ResolvedOp(plan, launch, tuple(weakref.ref(lists) for lists in kept)))
+
+
+def clear_resolved_ops() -> None:
+    """Forget every resolved op call (``clear_caches``)."""
+    _RESOLVED.clear()
