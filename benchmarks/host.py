@@ -14,7 +14,9 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
 - ``small_2k`` (B 4, H 16, D 128, segments (256, 1024, 768), hub): ``fwd_bwd_ms``, ``cudnn_dense_fwd_bwd_ms``;
 - ``block`` (two ``MultimodalSelfAttention`` layers at the seed's lengths, E 1024, H 16, B 8, bf16): forward +
   backward ``eager_ms``, ``compile_ms`` (``torch.compile``), ``reduce_overhead_ms``
-  (``torch.compile(mode="reduce-overhead")``), taking turns in 5 rounds (:func:`interleaved_ms`).
+  (``torch.compile(mode="reduce-overhead")``), and the same block with dense SDPA in place of mmsparse (the
+  layers' ``attention`` overridden: torch's own eager and compiled step on that host, ``sdpa_eager_ms``,
+  ``sdpa_compile_ms``), taking turns in 5 rounds (:func:`interleaved_ms`).
 
     python -m benchmarks.host                  # GPU: benchmarks/results/<gpu>/host.{json,md}
     python -m benchmarks.host --device cpu --out DIR   # CPU smoke run (the interpreter; tiny shapes, no cuDNN,
@@ -233,27 +235,42 @@ def small_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int
     }
 
 
+class _DenseBlockLayer(MultimodalSelfAttention):
+    """The block's layer with dense SDPA for its attention (same projections and layout): what the host costs torch
+    alone."""
+
+    def attention(self, q, k, v, seg_lens, causal):  # type: ignore[override]
+        return F.scaled_dot_product_attention(q, k, v)
+
+
 def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, calls: int, embed_dim: int,
               heads: int, batch: int) -> dict[str, float | None]:
-    torch.manual_seed(0)
-    layers = torch.nn.Sequential(*(MultimodalSelfAttention(embed_dim, heads, CYCLIC, seg_lens, device=device,
-                                                           dtype=dtype) for _ in range(2)))
+    def two_layers(layer: type[MultimodalSelfAttention]) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(layer(embed_dim, heads, CYCLIC, seg_lens, device=device, dtype=dtype)
+                                     for _ in range(2)))
+
+    layers, dense = two_layers(MultimodalSelfAttention), two_layers(_DenseBlockLayer)
     x = torch.randn(batch, sum(seg_lens), embed_dim, device=device, dtype=dtype, requires_grad=True)
 
-    def stepper(model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    def stepper(layers: torch.nn.Module, model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        params = list(layers.parameters())
+
         def step() -> None:
             x.grad = None
-            for p in layers.parameters():
+            for p in params:
                 p.grad = None
             model(x).sum().backward()
 
         return step
 
     if device.type != "cuda":
-        return {"eager_ms": wall_ms(stepper(layers), device, calls), "compile_ms": None, "reduce_overhead_ms": None}
+        return {"eager_ms": wall_ms(stepper(layers, layers), device, calls), "compile_ms": None,
+                "reduce_overhead_ms": None, "sdpa_eager_ms": None, "sdpa_compile_ms": None}
     torch._dynamo.reset()
-    steps = {"eager_ms": stepper(layers), "compile_ms": stepper(torch.compile(layers)),
-             "reduce_overhead_ms": stepper(torch.compile(layers, mode="reduce-overhead"))}
+    steps = {"eager_ms": stepper(layers, layers), "compile_ms": stepper(layers, torch.compile(layers)),
+             "reduce_overhead_ms": stepper(layers, torch.compile(layers, mode="reduce-overhead")),
+             "sdpa_eager_ms": stepper(dense, dense), "sdpa_compile_ms": stepper(dense, torch.compile(dense))}
     return interleaved_ms(steps, device)
 
 
@@ -293,7 +310,8 @@ def markdown(record: dict[str, Any]) -> str:
         seed_ratio = seed["fwd_bwd_ms"] / seed["cudnn_dense_fwd_bwd_ms"]
         lines += ["", f"Seed forward + backward / dense cuDNN: {seed_ratio:.2f}; "
                   f"small_2k: {small['fwd_bwd_ms'] / small['cudnn_dense_fwd_bwd_ms']:.2f}; block compiled / eager: "
-                  f"{block['compile_ms'] / block['eager_ms']:.2f}, reduce-overhead / eager: "
+                  f"{block['compile_ms'] / block['eager_ms']:.2f} (with dense SDPA: "
+                  f"{block['sdpa_compile_ms'] / block['sdpa_eager_ms']:.2f}), reduce-overhead / eager: "
                   f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}. Seed host forward + backward "
                   f"{seed['host_us_fwd_bwd']:.0f} us against {seed['gpu_kernel_ms'] * 1e3:.0f} us of kernels "
                   f"({seed['host_us_fwd_bwd_one_thread']:.0f} us with the backward on the calling thread); an "

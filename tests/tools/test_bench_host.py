@@ -25,6 +25,7 @@ def test_a_cpu_run_writes_the_record(tmp_path):
              "host_us_fwd_bwd_new_lengths", "host_us_bwd", "host_us_autograd_floor", "fwd_bwd_ms")
     assert all(seed[k] > 0 for k in timed)
     assert set(record["small_2k"]) == {"fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms"}
-    assert set(record["block"]) == {"eager_ms", "compile_ms", "reduce_overhead_ms"} and record["block"]["eager_ms"] > 0
+    assert set(record["block"]) == {"eager_ms", "compile_ms", "reduce_overhead_ms", "sdpa_eager_ms",
+                                    "sdpa_compile_ms"} and record["block"]["eager_ms"] > 0
     assert "| seed | host_us_fwd |" in (tmp_path / "host.md").read_text()
     assert torch.autograd.is_multithreading_enabled()  # the one-thread row leaves autograd's setting as it was
