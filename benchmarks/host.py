@@ -8,6 +8,8 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
   ``deterministic=False``), ``host_us_fwd_bwd_new_lengths`` (device lengths new every call,
   ``check_lengths=False``), ``host_us_bwd`` (the backward alone, ``autograd.grad`` of a kept forward),
   ``host_us_autograd_floor`` (a forward + backward through one autograd node that only allocates its outputs),
+  ``host_us_fwd_op`` and ``host_us_bwd_op`` (one call of the forward and of the backward custom op as a compiled
+  graph makes it: the lengths host values, q, k, v and dO strided as a layer's projections give them),
   ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
   ``fwd_bwd_ms`` (do_bench: what a loop of calls takes), ``cudnn_dense_fwd_bwd_ms`` (SDPA's cuDNN backend, no
   mask), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
@@ -191,6 +193,31 @@ def _dense_cudnn(q, k, v, grad) -> Callable[[], None]:
     return step
 
 
+def op_calls(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float]:
+    """Host time of one call of the compiled graph's forward op and of its backward op (:func:`host_us`), called as a
+    traced graph calls them: the plan's text, the mask's kernel tensors and host values, q, k, v and dO views of
+    ``[B, S, H * D]`` projections."""
+    from mmsparse.attention import custom_ops
+    from mmsparse.attention.config import current_settings
+    from mmsparse.mask.build import build_mask_info, host_values_key
+
+    batch, heads, seq, head_dim = shape.batch, shape.heads, shape.seq, shape.head_dim
+    q, k, v, grad = (torch.randn(batch, seq, heads * head_dim, device=device, dtype=dtype)
+                     .view(batch, seq, heads, head_dim).transpose(1, 2) for _ in range(4))
+    info = build_mask_info(shape.topology, shape.seg_lens, seq, seq, False, device)
+    host_values = host_values_key(shape.topology, list(shape.seg_lens), seq, seq, False, False, None)
+    scale = head_dim**-0.5
+    plan = custom_ops.traced_plan(q, k, info, scale, 0.0, True, current_settings()).text
+    mask = list(info.kernel_tensors())
+    out, lse = custom_ops._fwd_op(q, k, v, mask, [], None, scale, 0.0, plan, host_values)
+    return {
+        "host_us_fwd_op": host_us(lambda: custom_ops._fwd_op(q, k, v, mask, [], None, scale, 0.0, plan, host_values),
+                                  device, calls),
+        "host_us_bwd_op": host_us(lambda: custom_ops._bwd_op(grad, q, k, v, out, lse, mask, [], None, scale, 0.0, plan,
+                                                             host_values), device, calls),
+    }
+
+
 def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float | None]:
     q, k, v, grad = _inputs(shape, device, dtype)
     kw = dict(topology=shape.topology, seg_lens=shape.seg_lens)
@@ -222,6 +249,7 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
 
     row["host_us_bwd"] = host_us(backward_only, device, calls)
     row["host_us_autograd_floor"] = host_us(_autograd_floor(q, k, v, grad), device, calls)
+    row.update(op_calls(shape, device, dtype, calls))
     return row
 
 

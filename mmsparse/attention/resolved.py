@@ -2,12 +2,12 @@
 
 Each call of a compiled graph's forward or backward op would otherwise parse its plan's text, find each tile's kept
 block lists (:mod:`mmsparse.mask.kept`: a lock, the mask's key and the reading stream) and key its launch on the
-plan, shapes and the mask arguments' integers: on an H200 host the backward op took ~220 us more than eager's
-backward, which reads all of that from the call's mask. A :class:`ResolvedOp` keeps what those steps found, under
-a key of everything each of them was keyed on (:func:`op_call_key`): the plan's text, the mask's host values, the
-reading stream, the scalars, the seed's alignment, and each tensor's shape, strides, dtype and alignment. What a
-launch reads from a call (pointers, descriptors, the mask arguments) is still made from the live tensors every
-call. Kept lists are held by weak reference: an entry never keeps a mask alive that the kept masks let go.
+plan, shapes and the mask arguments' integers, where eager reads all of that from the call's mask. A
+:class:`ResolvedOp` keeps what those steps found, under a key of everything each of them was keyed on
+(:func:`op_call_key`): the plan's text, the mask's host values, the reading stream, the scalars, the seed's
+alignment, and each tensor's shape, strides, dtype and alignment. What a launch reads from a call (pointers,
+descriptors, the mask arguments) is still made from the live tensors every call. Kept lists are held by weak
+reference: an entry never keeps a mask alive that the kept masks let go.
 """
 
 from __future__ import annotations
