@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 
 from .segment_codes import MAX_DOCS
+from .traced_ints import traced_int_row
 
 SegLens = Union[Sequence[int], torch.Tensor]  # one sample's k lengths
 SegLensArg = Union[Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # shared k lengths, or per sample [B, k]
@@ -186,6 +187,8 @@ def lens_tensor(
             if torch.compiler.is_compiling():  # no values: see validate_seg_lens
                 raise ValueError(f"sum(seg_lens) differs from the positions of k/v; {fix}")
             raise ValueError(f"sum(seg_lens) = {sum(lens)} ({lens}) but k/v have {seq_len} positions; {fix}")
+        if torch.compiler.is_compiling():  # equal lengths, equal graph nodes (one mask for every layer)
+            return traced_int_row(lens, torch.int32, device)[None]
         return torch.tensor([lens], dtype=torch.int32, device=device)
     return torch.tensor(check_rows(seg_lens, k, seq_len), dtype=torch.int32, device=device)
 

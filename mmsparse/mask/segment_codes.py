@@ -48,7 +48,9 @@ def token_codes(seg_lens: torch.Tensor, num_segments: int, seq_len: int, packed:
     runs = lens.shape[1]
     r = torch.arange(runs + 1, device=dev, dtype=torch.int64)
     run_codes = ((r // k) << SEG_BITS) | (r % k) if packed else r.clamp(max=k)
-    run_codes[runs] = pad_code(k)  # searchsorted gives `runs` past the last end
+    # searchsorted gives `runs` past the last end. No in-place write: traced, equal lengths then make equal graph
+    # nodes, which layers over the same lengths share
+    run_codes = torch.where(r == runs, pad_code(k), run_codes)
     ends = torch.cumsum(lens, dim=-1)
     pos = torch.arange(seq_len, device=dev, dtype=torch.int64).expand(lens.shape[0], seq_len)
     run = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)

@@ -24,6 +24,7 @@ import torch
 from ..kernels.constants import CAUSAL, FULL, NONE
 from ..runtime.capture import keep_while_captured
 from .lengths import SegLens, validate_seg_lens
+from .traced_ints import MAX_POINTWISE_VALUES, traced_int_row
 
 __all__ = [  # validate_seg_lens and SegLens live in mmsparse.mask.lengths; importing them from here still works
     "CAUSAL", "FULL", "MAX_BIT_SEGMENTS", "MAX_SEGMENTS", "NONE", "SegLens", "Topology", "count_allowed_pairs",
@@ -120,9 +121,12 @@ class Topology:
     def pair_table(self, device: torch.device) -> torch.Tensor:
         """int8 ``[k + 1, k + 1]`` pair types on ``device``, with a last row and column of NONE for padding, kept
         per device (see :mod:`mmsparse.mask.segment_codes`)."""
+        k = self.num_segments
+        if torch.compiler.is_compiling() and self.rows is not None and (k + 1) ** 2 <= MAX_POINTWISE_VALUES:
+            padded = [v for row in self.rows for v in (*row, NONE)] + [NONE] * (k + 1)
+            return traced_int_row(padded, torch.int8, device).view(k + 1, k + 1)  # equal for equal topologies
         table = None if torch.compiler.is_compiling() else self._pair_tables.get(device)
         if table is None:
-            k = self.num_segments
             table = torch.zeros((k + 1, k + 1), dtype=torch.int8, device=self.types.device)
             table[:k, :k] = self.types
             table = table.to(device)
@@ -162,8 +166,9 @@ class Topology:
     def bit_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 ``[k + 1]`` row and column bits per segment index on ``device`` (index k: padding, 0). Kept per
         device, so that building metadata for new lengths copies nothing from the host (no sync)."""
-        if torch.compiler.is_compiling():  # traced: constants in the graph, never cached tensors
-            return _bit_table(self._row_bits, device), _bit_table(self._col_bits, device)
+        if torch.compiler.is_compiling():  # traced: made in the graph (equal for equal topologies), never cached
+            return (traced_int_row([*self._row_bits, 0], torch.int32, device),
+                    traced_int_row([*self._col_bits, 0], torch.int32, device))
         tables = self._tables.get(device)
         if tables is None:  # the first one kept wins: one pair per device, one readers set
             tables = self._tables.setdefault(device, (_bit_table(self._row_bits, device),

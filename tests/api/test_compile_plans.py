@@ -229,3 +229,32 @@ def test_a_resolved_op_call_keeps_no_mask_alive(device, resolving):
     out = _step(compiled, q, k, v, grad_out)
     assert resolving["kept_lists"] > 0, resolving
     check_outputs(q, k, v, out, grad_out, mask)
+
+
+@pytest.mark.parametrize("topology", ["bits", "codes"])
+def test_every_layer_of_a_compiled_step_reads_one_mask(device, topology):
+    """Layers over the same lengths and topology build one mask a step: their forward ops take the same mask
+    tensors of the traced graph (the lengths and tables are made of graph ops, which AOTAutograd's CSE merges,
+    not of one constant per layer). Without that each layer rebuilt the mask, a few small launches each. The
+    step's output and input gradient match eager's."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    matrix = HUB if topology == "bits" else [[2, 1, 1], [1, 2, 0], [1, 0, 2]]  # CAUSAL pairs: segment codes
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(MultimodalSelfAttention(32, 2, matrix, LENS, device=device) for _ in range(3)))
+    x = torch.randn(1, sum(LENS), 32, device=device, requires_grad=True)
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(layers, fullgraph=True, backend=backend)
+    results = []
+    for model in (layers, compiled):
+        x.grad = None
+        out = model(x)
+        out.sum().backward()
+        results.append((out.detach(), x.grad.clone()))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    (graph,) = backend.fw_graphs
+    calls = [node for node in graph.graph.nodes if node.target is torch.ops.mmsparse.fwd_v6.default]
+    assert len(calls) == 3
+    masks = [tuple(node.args[3]) for node in calls]
+    assert masks[1] == masks[0] and masks[2] == masks[0], masks
