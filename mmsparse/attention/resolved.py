@@ -72,6 +72,7 @@ def op_call_key(op: str, plan: str, host_values: list[int], layouts: tuple[torch
 
 
 def resolved_op(key: tuple | None) -> ResolvedOp | None:
+    """The call kept under ``key`` (None: not kept, or no key during a capture)."""
     return None if key is None else _RESOLVED.get(key)
 
 
