@@ -18,7 +18,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime: launches with little host work, stream keys, scratch for device-side descriptors",
      ["mmsparse.runtime"]),
     ("checks: the arguments' types and ranges, the sizes one launch takes", ["mmsparse.checks"]),
-    ("mask: lengths and segment codes", ["mmsparse.mask.lengths", "mmsparse.mask.segment_codes"]),
+    ("mask: lengths and segment codes, small int tensors of traced calls", [
+        "mmsparse.mask.lengths", "mmsparse.mask.segment_codes", "mmsparse.mask.traced_ints"]),
     ("mask: topology and the torch block classification", [
         "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
     ]),
