@@ -234,9 +234,10 @@ def _fwd_impl(
         args = mask_launch_args(mask, values.mode, found[0], found[1], values.window)
         launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)
         keep_resolved(key, values, launch, kept)
-        return launch(q, k, v, seed, args)
-    args = mask_launch_args(mask, op.plan.mode, found[0], found[1], op.plan.window)
-    return op.launch(q, k, v, seed, args)
+    else:
+        launch = op.launch
+        args = mask_launch_args(mask, op.plan.mode, found[0], found[1], op.plan.window)
+    return launch(q, k, v, seed, args)
 
 
 def _fwd_fake(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
