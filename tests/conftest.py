@@ -17,9 +17,9 @@ Where the tests are (they mirror the package; no test file sits at the root of t
   stress/       the stress tools themselves (fuzz, sanitize, soak, shared_gpu, cold_runs; README.md there) and
                 their CPU smoke tests, marked ``stress``
 helpers.py holds what several modules share (topologies, cases, the float64 checks), poison.py the NaN-poisoned
-``torch.empty`` (shared with the stress tools), interpreter.py the interpreter mapped once per launch and without
-the overflow checks it discards (child_site/ gives the processes the tests start the same); no test module imports
-another."""
+``torch.empty``, ``empty_strided`` and ``empty_like`` (shared with the stress tools), interpreter.py the interpreter
+mapped once per launch and without the overflow checks it discards (child_site/ gives the processes the tests start
+the same); no test module imports another."""
 
 import os
 
@@ -44,7 +44,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.fixture(scope="session", autouse=True)
 def poison_empty():
-    """Every ``torch.empty`` of the test session is NaN-poisoned (``tests/poison.py``)."""
+    """Every ``torch.empty``, ``empty_strided`` and ``empty_like`` of the test session is NaN-poisoned
+    (``tests/poison.py``)."""
     with poisoned_empty():
         yield
 

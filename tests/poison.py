@@ -35,12 +35,17 @@ def poisoned(empty: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return wrapper
 
 
+_EMPTY_FACTORIES = ("empty", "empty_strided", "empty_like")  # the launchers allocate their outputs with these
+
+
 @contextlib.contextmanager
 def poisoned_empty() -> Iterator[None]:
-    """Within it every ``torch.empty`` is :func:`poisoned`; the launchers allocate their outputs with it."""
-    original = torch.empty
-    torch.empty = poisoned(original)
+    """Within it every ``torch.empty``, ``torch.empty_strided`` and ``torch.empty_like`` is :func:`poisoned`."""
+    originals = {name: getattr(torch, name) for name in _EMPTY_FACTORIES}
+    for name, original in originals.items():
+        setattr(torch, name, poisoned(original))
     try:
         yield
     finally:
-        torch.empty = original
+        for name, original in originals.items():
+            setattr(torch, name, original)

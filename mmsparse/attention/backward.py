@@ -22,7 +22,7 @@ from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import own_stream
 from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
-from .forward import _LOG2E, aligned_copy, dot_mode
+from .forward import _LOG2E, dot_mode, kernel_layout, output_strides
 from .kernel_args import LaunchArgs
 from .plan import AttentionPlan, CallPlan
 
@@ -61,11 +61,12 @@ class BackwardLaunch:
         self.use_tma, self.softmax_scale, self.dropout_p = call_plan.use_tma, softmax_scale, dropout_p
         self.qk_scale = softmax_scale * _LOG2E
         self.q_shape, self.kv_shape = q.shape, (batch, num_kv_heads, seq_k, head_dim)
-        self.n_rows = batch * num_heads * seq_q
-        self.delta_grid = (cdiv(self.n_rows, 64),)
+        self.seq_q = seq_q
+        self.delta_grid = (cdiv(seq_q, 64), batch * num_heads)
         self.plan = plan
         self.one_pass = plan.dq is None
-        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64, ZERO_DQ=self.one_pass)
+        self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
+                                     ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
         self.dkdv_d256 = d_pad > GLUON_DKDV_MAX_HEAD_DIM
         tile = plan.dkdv.tile
@@ -82,42 +83,46 @@ class BackwardLaunch:
         self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
                                     num_warps=tile.num_warps, num_stages=tile.num_stages)
-        # the relaunches after each kernel's first launch, per layout of (q, k, v): strides specialise a launch
+        # the relaunches after each kernel's first launch, per layout of (q, k, v, out, dO): strides specialise a
+        # launch; with them each layout's gradient strides (:class:`_Layout`)
         self._bound: dict[tuple[int, ...], dict[str, Any]] = {}
 
     def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs, dq_mask: LaunchArgs | None,
                  hooks: ExchangeHooks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)``, contiguous, in the inputs' dtypes (dk, dv summed over each GQA group), of the call's
-        q, k, v (laid out by :func:`kernel_layout`), its outputs, ``do`` (contiguous), dropout seed and the mask
+        """``(dq, dk, dv)`` in the inputs' dtypes and layouts (``forward.output_like``; dk, dv summed over each GQA
+        group), of the call's q, k, v and ``do`` (laid out by :func:`kernel_layout`), its outputs, dropout seed and
+        the mask
         arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
         before, on the current stream. ``hooks``: a context-parallel rank's exchange beside the passes
         (:class:`ExchangeHooks`); the passes then run one after the other on the current stream, dK/dV first."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
             ensure_tma_allocator(self.device)
-        out, lse = saved_layout(out), saved_layout(lse)
+        out, lse = kernel_layout(out), saved_layout(lse)
         seed = seed if seed is not None else lse  # never read without dropout
-        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3])
         bound = self._bound.get(strides)
         if bound is None:
             if len(self._bound) >= _MAX_LAYOUTS:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
-            bound = self._bound[strides] = {}
+            bound = self._bound[strides] = {"layout": _Layout(q, k, v)}
+        layout = bound["layout"]
         delta = torch.empty(lse.shape, dtype=torch.float32, device=self.device)
         dq_sum = None
         if self.one_pass:
             _alert_not_deterministic()
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
-        launch_bound(_DELTA, self.delta_grid, (out, do, delta, dq_sum if self.one_pass else delta, self.n_rows),
+        launch_bound(_DELTA, self.delta_grid,
+                     (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *strides[9:]),
                      self.delta_constexprs, bound, "delta")
-        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides), bound)
+        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides[:9], strides[12:]), layout, bound)
         if hooks is not None:
             return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
             dk, dv = passes.dkdv(dkdv_mask, dq_sum)
-            return self._one_pass_dq(dq_sum), dk, dv
+            return self._one_pass_dq(dq_sum, layout), dk, dv
         main, side = _streams(self.device) if self.plan.side_stream else (None, None)
-        dq = self._new_dq()  # on the current stream: its memory is that stream's
+        dq = layout.new_dq(self)  # on the current stream: its memory is that stream's
         if side is not None:
             side.wait_stream(main)  # delta, the block lists and the inputs are ready
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -142,8 +147,8 @@ class BackwardLaunch:
         if hooks.after_dkdv is not None:
             hooks.after_dkdv(dk, dv)
         if self.one_pass:
-            return self._one_pass_dq(dq_sum), dk, dv
-        return passes.dq(dq_mask, self._new_dq()), dk, dv
+            return self._one_pass_dq(dq_sum, passes.layout), dk, dv
+        return passes.dq(dq_mask, passes.layout.new_dq(self)), dk, dv
 
     def _takes_landing_keys(self) -> bool:
         """The dK/dV pass can start before every key has landed: the Gluon dK/dV kernel of the two passes (head
@@ -151,12 +156,31 @@ class BackwardLaunch:
         dkdv = self.plan.dkdv
         return dkdv.gluon and not dkdv.dq_writer and not self.dkdv_d256 and not self.one_pass
 
-    def _new_dq(self) -> torch.Tensor:
-        return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+    def _one_pass_dq(self, dq_sum: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        """dQ in q's dtype and layout from the one pass's float32 sum (contiguous; queued after its kernel on the
+        current stream)."""
+        if self.dtype == torch.float32 and layout.dq == dq_sum.stride():
+            return dq_sum
+        dq = layout.new_dq(self)
+        dq.copy_(dq_sum)
+        return dq
 
-    def _one_pass_dq(self, dq_sum: torch.Tensor) -> torch.Tensor:
-        """dQ in q's dtype from the one pass's float32 sum (queued after its kernel on the current stream)."""
-        return dq_sum if self.dtype == torch.float32 else dq_sum.to(self.dtype)
+
+class _Layout:
+    """The strides of one layout's gradients: each follows its input's (``forward.output_like``), worked out once
+    per layout of the saved q, k, v."""
+
+    __slots__ = ("dq", "dk", "dv")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.dq, self.dk, self.dv = output_strides(q), output_strides(k), output_strides(v)
+
+    def new_dq(self, launch: BackwardLaunch) -> torch.Tensor:
+        return torch.empty_strided(launch.q_shape, self.dq, dtype=launch.dtype, device=launch.device)
+
+    def new_dk_dv(self, launch: BackwardLaunch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty_strided(launch.kv_shape, self.dk, dtype=k.dtype, device=launch.device),
+                torch.empty_strided(launch.kv_shape, self.dv, dtype=v.dtype, device=launch.device))
 
 
 @dataclass(frozen=True)
@@ -174,23 +198,25 @@ class ExchangeHooks:
 
 class _Passes:
     """The dQ and dK/dV passes of one backward call, launched on the current stream: the call's launch, its
-    tensors (``(do, q, k, v, lse, delta, seed, strides)``) and its relaunches (``bound``)."""
+    tensors (``(do, q, k, v, lse, delta, seed, q/k/v strides, dO's strides)``), its gradients' layout and its
+    relaunches (``bound``)."""
 
-    def __init__(self, launch: BackwardLaunch, tensors: tuple, bound: dict[str, Any]) -> None:
-        self.launch, self.tensors, self.bound = launch, tensors, bound
+    def __init__(self, launch: BackwardLaunch, tensors: tuple, layout: _Layout, bound: dict[str, Any]) -> None:
+        self.launch, self.tensors, self.layout, self.bound = launch, tensors, layout, bound
 
     def dq(self, mask: LaunchArgs, dq: torch.Tensor) -> torch.Tensor:
         """The dQ pass, into ``dq`` (the inputs' dtype); returns it."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides = self.tensors
+        do, q, k, v, lse, delta, seed, strides, do_strides = self.tensors
         if launch.plan.dq.gluon:
             _gluon().run_dq(q, k, v, do, lse, delta, dq, mask, launch.mode, launch.causal, launch.qk_scale,
                             launch.softmax_scale, launch.plan.dq.tile, launch.has_window, bound=bound)
         else:
             mask_tensors, mask_scalars = mask
             launch_bound(_DQ, launch.dq_grid,
-                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *mask_scalars,
-                          launch.qk_scale, launch.softmax_scale, launch.dropout_p),
+                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *do_strides,
+                          *self.layout.dq[:3], *mask_scalars, launch.qk_scale, launch.softmax_scale,
+                          launch.dropout_p),
                          launch.dq_constexprs, bound, "dq")
         return dq
 
@@ -199,10 +225,9 @@ class _Passes:
         """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there.
         ``arrival``: the keys past ``arrival.present`` are still landing (the Gluon dK/dV kernel only)."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides = self.tensors
+        do, q, k, v, lse, delta, seed, strides, do_strides = self.tensors
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
-        dk = torch.empty(launch.kv_shape, dtype=k.dtype, device=launch.device)
-        dv = torch.empty(launch.kv_shape, dtype=v.dtype, device=launch.device)
+        dk, dv = self.layout.new_dk_dv(launch, k, v)
         if plan.dkdv.dq_writer:
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
                                        launch.has_window, bound=bound)
@@ -216,21 +241,23 @@ class _Passes:
             mask_tensors, mask_scalars = mask
             dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, launch.dkdv_grid,
-                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *mask_scalars,
-                          launch.qk_scale, launch.softmax_scale, launch.dropout_p),
+                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *do_strides,
+                          *self.layout.dk[:3], *self.layout.dv[:3], *mask_scalars, launch.qk_scale,
+                          launch.softmax_scale, launch.dropout_p),
                          launch.dkdv_constexprs, bound, "dkdv")
         return dk, dv
 
 
-_MAX_LAYOUTS = 8  # layouts of one call's saved q, k, v whose relaunches are kept (plain and offloaded: 2)
+_MAX_LAYOUTS = 8  # layouts of one call's saved q, k, v, out and its dO whose relaunches are kept (offloaded: 2)
 
 
-def saved_layout(t: torch.Tensor) -> torch.Tensor:
-    """A saved output (out, lse) as the kernels read it: contiguous on a 16-byte aligned base. The forward made
-    it so, but a saved-tensor hook may hand back another layout or a view into a buffer of its own."""
-    if t.is_contiguous() and not t.data_ptr() & 15:
-        return t
-    return aligned_copy(t)
+def saved_layout(lse: torch.Tensor) -> torch.Tensor:
+    """The saved lse as the kernels read it: contiguous on a 16-byte aligned base. The forward made it so, but a
+    saved-tensor hook may hand back another layout or a view into a buffer of its own. (The saved out is read at
+    its strides: :func:`kernel_layout`.)"""
+    if lse.is_contiguous() and not lse.data_ptr() & 15:
+        return lse
+    return lse.clone(memory_format=torch.contiguous_format)
 
 
 def _alert_not_deterministic() -> None:

@@ -1,6 +1,6 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.lists_v6``, ``.fwd_v6`` and ``.bwd_v6`` (registered here, with fake implementations) make the
+``torch.ops.mmsparse.lists_v7``, ``.fwd_v7`` and ``.bwd_v7`` (registered here, with fake implementations) make the
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
 text, by value (an exported program runs with its own plan in any process). Where the topology and lengths are host
@@ -29,12 +29,12 @@ from ..mask.kept import kept_lists
 from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
-from .forward import kernel_layout, read_in_place
+from .forward import kernel_layout, output_like, read_in_place
 from .kernel_args import LaunchArgs, mask_launch_args
 from .plan import CallPlan, call_plan_from_text, plan_call
 from .resolved import keep_resolved, op_call_key, resolved_op
 
-OP_VERSION = 6  # bump with any change to the ops' signatures (tests/api/test_compile.py pins them)
+OP_VERSION = 7  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
 
 
 @dataclass
@@ -150,7 +150,7 @@ def attention_backward(
     if not isinstance(launch, CallLaunch):
         config = kernel_config(q.shape[-1], q.dtype, q.device, settings)
         launch = call_launch(q, k, v, info, softmax_scale, dropout_p, seed, deterministic, config)
-    return launch.run_backward(info, kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, hooks)
+    return launch.run_backward(info, kernel_layout(grad_out), q, k, v, out, lse, seed, hooks)
 
 
 def _list_shape(mask: list[torch.Tensor], block_m: int, block_n: int, by_key: bool) -> tuple[int, int, int]:
@@ -241,8 +241,8 @@ def _fwd_impl(
 
 
 def _fwd_fake(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
-    batch, heads, seq_q, head_dim = q.shape
-    return q.new_empty((batch, heads, seq_q, head_dim)), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    batch, heads, seq_q, _ = q.shape
+    return output_like(q), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
 
 
 _fwd_op = _define(f"fwd_v{OP_VERSION}(Tensor q, Tensor k, Tensor v, Tensor[] mask, Tensor[] lists, Tensor? seed, "
@@ -269,7 +269,7 @@ def _bwd_impl(
     else:
         values, launch = op.plan, op.launch
         dkdv, dq = _pass_args(mask, values, found)
-    return launch(kernel_layout(grad_out.contiguous()), q, k, v, out, lse, seed, dkdv, dq)
+    return launch(kernel_layout(grad_out), q, k, v, out, lse, seed, dkdv, dq)
 
 
 def _pass_args(mask: list[torch.Tensor], values: CallPlan,
@@ -281,7 +281,7 @@ def _pass_args(mask: list[torch.Tensor], values: CallPlan,
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return output_like(q), output_like(k), output_like(v)
 
 
 _bwd_op = _define(f"bwd_v{OP_VERSION}(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "

@@ -21,8 +21,9 @@ _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples of 8
-    elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy."""
+    """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples
+    of 8 elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy,
+    in ``t``'s memory order where that can be read in place (:func:`output_like`)."""
     return t if read_in_place(t) else aligned_copy(t)
 
 
@@ -33,8 +34,30 @@ def read_in_place(t: torch.Tensor) -> bool:
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements in a new contiguous tensor (torch's allocations are 16-byte aligned)."""
-    return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
+    """``t``'s elements in a new tensor that the kernels read in place (:func:`output_like`: torch's allocations
+    are 16-byte aligned)."""
+    copy = output_like(t)
+    copy.copy_(t)
+    return copy
+
+
+def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new 4-D tensor of ``t``'s shape (and dtype, unless given) that the kernels write and read in place: in
+    ``t``'s memory order (as ``torch.empty_like`` lays it out, dense) where that keeps the head dim unit-stride and
+    the other strides multiples of 8 elements, else contiguous. Outputs and gradients follow their inputs' layout
+    this way, as SDPA's do: q, k, v seen as ``[B, H, S, D]`` in a ``[B, S, H, D]`` buffer (a layer's projections)
+    give out, dq, dk and dv of that layout, whose transpose back to ``[B, S, H * D]`` is a view, not a copy. A
+    function of ``t``'s shape and strides alone, so a traced op's fake outputs are laid out alike."""
+    new = torch.empty_like(t, dtype=dtype)
+    s = new.stride()
+    if s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0:
+        return new
+    return torch.empty(t.shape, dtype=new.dtype, device=t.device)
+
+
+def output_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of :func:`output_like` of ``t``, worked out without allocating (once per launch)."""
+    return output_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()
 
 
 def dot_mode(q: torch.Tensor) -> int:
@@ -60,6 +83,8 @@ class ForwardLaunch:
         self.mode, self.causal, self.has_window = plan.mode, plan.causal, plan.window is not None
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
+        # out follows q's layout: a function of q's strides, which key this launch
+        self.out_strides = output_strides(q)
         n_splits = self.n_splits = forward.n_splits
         self.qk_scale_log2 = softmax_scale * _LOG2E
         d_pad = head_dim_pad(head_dim)
@@ -67,7 +92,13 @@ class ForwardLaunch:
         if self.gluon:  # the Gluon launcher works out its own grid and constexprs
             return
         key_blocks = cdiv(k.shape[2], tile.block_n)
-        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+        # The kernel writes out (split partials: float32 [n_splits, B, H, S, D], contiguous) at these strides
+        if n_splits == 1:
+            o_strides = (*self.out_strides[:3], 0)
+        else:
+            per_head = seq_q * head_dim
+            o_strides = (num_heads * per_head, per_head, head_dim, batch * num_heads * per_head)
+        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides)
         self.tail = (self.qk_scale_log2, dropout_p, n_splits, cdiv(key_blocks, n_splits))
         self.grid = (forward.row_blocks * n_splits, forward.bh_programs)
         self.constexprs = dict(
@@ -78,7 +109,7 @@ class ForwardLaunch:
         )
         n_rows = batch * num_heads * seq_q
         self.combine_grid = (cdiv(n_rows, _COMBINE_ROWS),)
-        self.combine_args = (n_rows, n_splits)
+        self.combine_args = (n_rows, n_splits, num_heads, seq_q)
         self.combine_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS)
         self._fwd: Callable[..., None] | None = None  # the bound launches, after the first call
         self._combine: Callable[..., None] | None = None
@@ -91,7 +122,7 @@ class ForwardLaunch:
             ensure_tma_allocator(self.device)
         if self.gluon:
             return _hopper_forward(q, k, v, self, mask)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         o_dst, lse_dst = out, lse
         if self.n_splits > 1:
@@ -104,7 +135,7 @@ class ForwardLaunch:
         else:
             self._fwd = _FWD.bind(self.grid, args, self.constexprs)
         if self.n_splits > 1:
-            args = (o_dst, lse_dst, out, lse, *self.combine_args)
+            args = (o_dst, lse_dst, out, lse, *self.combine_args, *self.out_strides[:3])
             if self._combine is not None:
                 self._combine(*args)
             else:
@@ -116,8 +147,8 @@ def _hopper_forward(q, k, v, launch: ForwardLaunch, mask: LaunchArgs):
     """The Gluon Hopper forward (the plan chose it: the tile has one, no dropout, no split key lists)."""
     from . import gluon_launch  # imports Gluon: reached only where dispatch.hopper_gluon_available said yes
 
-    return gluon_launch.run_forward(q, k, v, mask, launch.mode, launch.causal,
-                                    launch.qk_scale_log2, launch.tile, launch.has_window, bound=launch.bound)
+    return gluon_launch.run_forward(q, k, v, mask, launch.mode, launch.causal, launch.qk_scale_log2, launch.tile,
+                                    launch.has_window, bound=launch.bound, out_strides=launch.out_strides)
 
 
 _COMBINE_ROWS = 16
@@ -131,8 +162,9 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype)
     n_rows = math.prod(rows)
     out = torch.empty((*rows, head_dim), dtype=dtype, device=outs.device)
     lse = torch.empty(rows, dtype=torch.float32, device=outs.device)
+    # out is contiguous: its rows as one head of one sample
     _COMBINE[(cdiv(n_rows, _COMBINE_ROWS),)](outs.contiguous(), lses.contiguous(), out, lse, n_rows, outs.shape[0],
-                                             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-                                             BR=_COMBINE_ROWS)
+                                             1, n_rows, 0, 0, head_dim, HEAD_DIM=head_dim,
+                                             HEAD_DIM_PAD=head_dim_pad(head_dim), BR=_COMBINE_ROWS)
     return out, lse
 _LOG2E = math.log2(math.e)

@@ -21,6 +21,7 @@ from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
 from .config import Tile, head_dim_pad
+from .forward import output_strides
 from .host_tma import box_descriptor, head_rows_descriptor
 from .kernel_args import LaunchArgs
 
@@ -39,16 +40,19 @@ _DQ_WRITER = FastKernel(attention_bwd_dq_writer_gluon)
 def run_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
+    out_strides: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``forward.ForwardLaunch`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
-    that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 in log2 units)``.
-    ``bound``: as :func:`run_dq`'s."""
+    that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype and layout, lse [B, Hq, Sq] float32 in log2
+    units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``forward.output_strides(q)``, if the caller has
+    them."""
     batch, num_heads, seq_q, head_dim = q.shape
     s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,
                                                          PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns]))
     mask_tensors, mask_scalars = mask
-    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty_strided(q.shape, output_strides(q) if out_strides is None else out_strides, dtype=q.dtype,
+                              device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
     pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
     launch_bound(
@@ -65,11 +69,11 @@ def run_dq(
     dq: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float, softmax_scale: float,
     tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
 ) -> None:
-    """Write dQ into ``dq`` (contiguous ``[B, Hq, Sq, D]``, q's dtype) as the tl dQ kernel computes it
-    without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read; no ping-pong), over the mask
-    arguments ``mask`` of that tile. ``do`` must be contiguous. The caller allocates dq, so that it belongs to the
-    caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for launches that specialise
-    alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
+    """Write dQ into ``dq`` (``[B, Hq, Sq, D]``, q's dtype, any layout the kernels take) as the tl dQ kernel
+    computes it without dropout, at ``tile`` (block_m 128; block_n and gluon_stages are read; no ping-pong), over
+    the mask arguments ``mask`` of that tile. ``do``: any layout the kernels take, as q's. The caller allocates dq,
+    so that it belongs to the caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for
+    launches that specialise alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
     s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ"))
     mask_tensors, mask_scalars = mask
     pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
@@ -88,7 +92,8 @@ def run_dkdv(
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
     bound: dict[str, Any] | None = None, arrival: KeysArrival | None = None,
 ) -> None:
-    """Write dK and dV (contiguous ``[B, Hkv, Sk, D]``, summed over each GQA group) into ``dk_dv`` as
+    """Write dK and dV (``[B, Hkv, Sk, D]``, any layout the kernels take, summed over each GQA group) into
+    ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
     least 2) are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added

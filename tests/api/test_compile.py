@@ -133,11 +133,12 @@ def test_fullgraph_carries_deterministic_to_the_backward(backend, device, monkey
 
 def test_the_ops_signatures_match_their_version():
     """Inductor's cache of compiled graphs does not key on a custom op's schema: a changed signature under an old
-    name would be called with a cached graph's old arguments. Changing the arguments below means bumping
+    name would be called with a cached graph's old arguments (and a changed layout of its outputs would be read at
+    the old strides). Changing the arguments below, or the layout of the outputs, means bumping
     mmsparse.attention.custom_ops.OP_VERSION, and these lists with it."""
     from mmsparse.attention.custom_ops import OP_VERSION
 
-    assert OP_VERSION == 6
+    assert OP_VERSION == 7
     names = {op: [a.name for a in getattr(torch.ops.mmsparse, f"{op}_v{OP_VERSION}").default._schema.arguments]
              for op in ("lists", "fwd", "bwd")}
     assert names == {

@@ -254,7 +254,7 @@ def test_every_layer_of_a_compiled_step_reads_one_mask(device, topology):
         results.append((out.detach(), x.grad.clone()))
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
     (graph,) = backend.fw_graphs
-    calls = [node for node in graph.graph.nodes if node.target is torch.ops.mmsparse.fwd_v6.default]
+    calls = [node for node in graph.graph.nodes if node.target is torch.ops.mmsparse.fwd_v7.default]
     assert len(calls) == 3
     masks = [tuple(node.args[3]) for node in calls]
     assert masks[1] == masks[0] and masks[2] == masks[0], masks

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..constants import DYNAMIC_ARGS
+from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
 from ..lists import block_id
 from .common import (
     dot,
@@ -27,32 +27,49 @@ from .common import (
 )
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def attention_delta_tl(O, DO, DELTA, DQ_SUM, n_rows, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+@triton.jit
+def _io_strides(stride_b, stride_h, stride_row):
+    """The launcher's guarantee for one of dO's, O's or a gradient's strides, as :func:`hint_strides` for q, k,
+    v: multiples of 8 elements."""
+    return tl.multiple_of(stride_b, 8), tl.multiple_of(stride_h, 8), tl.multiple_of(stride_row, 8)
+
+
+@triton.jit(do_not_specialize=["seq_q", *IO_STRIDE_ARGS])
+def attention_delta_tl(O, DO, DELTA, DQ_SUM, seq_q, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
+                       stride_dom, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        BR: tl.constexpr, ZERO_DQ: tl.constexpr = False):
-    """delta = rowsum(dO * O) of ``n_rows`` contiguous rows. ``ZERO_DQ``: also zero the same rows of the one-pass
-    backward's float32 dQ accumulator ``DQ_SUM`` (``[n_rows, HEAD_DIM]``, contiguous), which a launch of its own
-    would otherwise do: a small call is bound by host work."""
-    # 64-bit rows: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
-    # gives a wrong delta, hence wrong dq and dk, with no error.
-    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    """delta = rowsum(dO * O) of BR query rows of one (batch, head) a program, O and dO at their strides (an
+    output follows its input's layout; dO is read as autograd hands it over), delta ``[B, H, Sq]`` contiguous.
+    ``ZERO_DQ``: also zero the same rows of the one-pass backward's float32 dQ accumulator ``DQ_SUM`` (``[B, H, Sq,
+    HEAD_DIM]``, contiguous), which a launch of its own would otherwise do: a small call is bound by host work."""
+    stride_ob, stride_oh, stride_om = _io_strides(stride_ob, stride_oh, stride_om)
+    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
+    pid_bh = tl.program_id(1)
+    b64, h64 = (pid_bh // NUM_HEADS).to(tl.int64), (pid_bh % NUM_HEADS).to(tl.int64)
+    # 64-bit bases: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
+    # gives a wrong delta, hence wrong dq and dk, with no error. Offsets inside a tile stay 32-bit.
+    row0 = tl.program_id(0) * BR
+    offs_r = tl.arange(0, BR)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o = load_rows(O, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
-    do = load_rows(DO, offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM, True).to(tl.float32)
-    tl.store(DELTA + offs_r, tl.sum(o * do, 1), mask=offs_r < n_rows)
+    o_base = O + b64 * stride_ob + h64 * stride_oh + row0.to(tl.int64) * stride_om
+    do_base = DO + b64 * stride_dob + h64 * stride_doh + row0.to(tl.int64) * stride_dom
+    o = load_rows(o_base, offs_r, stride_om, offs_d, seq_q - row0, HEAD_DIM, True).to(tl.float32)
+    do = load_rows(do_base, offs_r, stride_dom, offs_d, seq_q - row0, HEAD_DIM, True).to(tl.float32)
+    rows = pid_bh.to(tl.int64) * seq_q + row0  # this tile's first row of delta (and of DQ_SUM)
+    inside = offs_r < seq_q - row0
+    tl.store(DELTA + rows + offs_r, tl.sum(o * do, 1), mask=inside)
     if ZERO_DQ:
-        inside = (offs_r < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.store(DQ_SUM + offs_r[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BR, HEAD_DIM_PAD], tl.float32),
-                 mask=inside)
+        tl.store(DQ_SUM + rows * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :],
+                 tl.zeros([BR, HEAD_DIM_PAD], tl.float32), mask=inside[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, dq_ptr, stride_qm, idx_ptr, start,
-    stop, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, sm_scale, seed,
-    bh, dropout_p, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr,
+    dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, lse_ptr, delta_ptr, dq_ptr, stride_qm, stride_dom,
+    idx_ptr, start, stop, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale,
+    sm_scale, seed, bh, dropout_p, BM: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks idx[start:stop]. Tiles are transposed: [BN, BM].
     ``ONE_PASS``: also add each query block's dQ contribution into the float32 rows at ``dq_ptr`` (this head's
@@ -61,7 +78,7 @@ def _dkdv_tiles(
         m_blk = block_id(idx_ptr, it)
         offs_m = m_blk * BM + offs_m0
         b_q = load_block(q_src, m_blk * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
-        b_do = load_block(do_src, m_blk * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
+        b_do = load_block(do_src, m_blk * BM, offs_m, stride_dom, offs_d, seq_q, HEAD_DIM, True, USE_TMA)  # [BM, D]
         # Rows past the end get lse = +inf, hence p = 0.
         lse = tl.load(lse_ptr + offs_m, mask=offs_m < seq_q, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < seq_q, other=0.0)
@@ -104,20 +121,21 @@ def _kv_sources(K, V, b64, hk64, stride_kb, stride_kh, stride_kn, stride_vb, str
 
 
 @triton.jit
-def _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_TMA: tl.constexpr):
-    """The Q and dO sources of one (sample, query head), both passes': q at its strides from a 64-bit base, dO
-    contiguous from its first row ``row0`` (64-bit)."""
-    q_src = make_source(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, seq_q, stride_qm, BM, HEAD_DIM,
-                        HEAD_DIM_PAD, USE_TMA)
-    do_src = make_source(DO + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+def _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, seq_q,
+                  BM: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_TMA: tl.constexpr):
+    """The Q and dO sources of one (sample, query head), both passes': each at its strides from a 64-bit base."""
+    h64 = h.to(tl.int64)
+    q_src = make_source(Q + b64 * stride_qb + h64 * stride_qh, seq_q, stride_qm, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+    do_src = make_source(DO + b64 * stride_dob + h64 * stride_doh, seq_q, stride_dom, BM, HEAD_DIM, HEAD_DIM_PAD,
+                         USE_TMA)
     return q_src, do_src
 
 
-@triton.jit(do_not_specialize=DYNAMIC_ARGS)
+@triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -125,8 +143,12 @@ def attention_dkdv_tl(
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_PASS: tl.constexpr = False,
 ):
-    """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group); with ``ONE_PASS`` also dQ's
-    contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, zeroed by the launcher (unused otherwise)."""
+    """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group, at their strides); with
+    ``ONE_PASS`` also dQ's contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, contiguous, zeroed by the
+    launcher (unused otherwise)."""
+    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
+    stride_dkb, stride_dkh, stride_dkn = _io_strides(stride_dkb, stride_dkh, stride_dkn)
+    stride_dvb, stride_dvh, stride_dvn = _io_strides(stride_dvb, stride_dvh, stride_dvn)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_n = tl.program_id(0)
@@ -152,27 +174,29 @@ def attention_dkdv_tl(
         h = hk * GROUP + g
         bh = b * NUM_HEADS + h
         row0 = bh.to(tl.int64) * seq_q
-        q_src, do_src = _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM, HEAD_DIM,
-                                      HEAD_DIM_PAD, USE_TMA)
-        dq_ptr = DQ + row0 * HEAD_DIM  # 64-bit base: B * Hq * Sq * D passes 2^31, as do's does
+        q_src, do_src = _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                                      stride_dom, seq_q, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        dq_ptr = DQ + row0 * HEAD_DIM  # 64-bit base: B * Hq * Sq * D passes 2^31
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
-            idx_ptr, 0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
-            qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+            stride_dom, idx_ptr, 0, n_full, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
+            window, qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
             HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, offs_n, offs_m0, offs_d, q_src, do_src, LSE + row0, DELTA + row0, dq_ptr, stride_qm,
-            idx_ptr, n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start,
-            window, qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
-            HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
+            stride_dom, idx_ptr, n_full, n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q,
+            seq_k, q_start, window, qk_scale, sm_scale, seed, bh, dropout_p, BM, HEAD_DIM, True, MASK_MODE,
+            IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA, ONE_PASS,
         )
-    out_row0 = pid_bh.to(tl.int64) * seq_k * HEAD_DIM
-    dk_dst = make_source(DK + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    dv_dst = make_source(DV + out_row0, seq_k, HEAD_DIM, BN, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    store_block(dk_dst, pid_n * BN, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM,
-                USE_TMA)
-    store_block(dv_dst, pid_n * BN, dv.to(DV.dtype.element_ty), offs_n, HEAD_DIM, offs_d, seq_k, HEAD_DIM, USE_TMA)
+    hk64 = hk.to(tl.int64)
+    dk_dst = make_source(DK + b64 * stride_dkb + hk64 * stride_dkh, seq_k, stride_dkn, BN, HEAD_DIM, HEAD_DIM_PAD,
+                         USE_TMA)
+    dv_dst = make_source(DV + b64 * stride_dvb + hk64 * stride_dvh, seq_k, stride_dvn, BN, HEAD_DIM, HEAD_DIM_PAD,
+                         USE_TMA)
+    store_block(dk_dst, pid_n * BN, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, stride_dkn, offs_d, seq_k,
+                HEAD_DIM, USE_TMA)
+    store_block(dv_dst, pid_n * BN, dv.to(DV.dtype.element_ty), offs_n, stride_dvn, offs_d, seq_k, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
@@ -204,16 +228,20 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=DYNAMIC_ARGS)
+@triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """dQ of one query block, dO and dQ at their strides."""
+    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
+    stride_dqb, stride_dqh, stride_dqm = _io_strides(stride_dqb, stride_dqh, stride_dqm)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_m = tl.program_id(0)
@@ -225,10 +253,10 @@ def attention_dq_tl(
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row0 = pid_bh.to(tl.int64) * seq_q
-    q_src, do_src = _q_do_sources(Q, DO, b64, h, row0, stride_qb, stride_qh, stride_qm, seq_q, BM, HEAD_DIM,
-                                  HEAD_DIM_PAD, USE_TMA)
+    q_src, do_src = _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                  seq_q, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
-    b_do = load_block(do_src, pid_m * BM, offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
+    b_do = load_block(do_src, pid_m * BM, offs_m, stride_dom, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
@@ -249,6 +277,7 @@ def attention_dq_tl(
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale,
         seed, pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
     )
-    dq_dst = make_source(DQ + row0 * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
-    store_block(dq_dst, pid_m * BM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
-                USE_TMA)
+    dq_dst = make_source(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh, seq_q, stride_dqm, BM, HEAD_DIM,
+                         HEAD_DIM_PAD, USE_TMA)
+    store_block(dq_dst, pid_m * BM, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, stride_dqm, offs_d, seq_q,
+                HEAD_DIM, USE_TMA)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..constants import DYNAMIC_ARGS
+from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
 from ..lists import block_id
 from .common import (
     dot,
@@ -18,10 +18,10 @@ from .common import (
     pair_mask,
     program_setup,
     store_block,
-    store_rows,
 )
 
-_FWD_DYNAMIC = [*DYNAMIC_ARGS, "n_splits", "split_len"]  # (an int arg equal to 1 would otherwise be a constant)
+# (an int arg equal to 1 would otherwise be a constant)
+_FWD_DYNAMIC = [*DYNAMIC_ARGS, *IO_STRIDE_ARGS, "n_splits", "split_len"]
 
 
 @triton.jit
@@ -64,6 +64,7 @@ def _fwd_tiles(
 def attention_fwd_tl(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om, stride_os,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, dropout_p, n_splits, split_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -77,7 +78,12 @@ def attention_fwd_tl(
 
     PACK_GQA (decoding with GQA, GROUP * seq_q <= BM): one program per (split, batch * kv head) instead; row r of
     its tile is query r % seq_q of the group's query head r // seq_q, so each K/V tile is read once for the
-    whole group rather than once per query head."""
+    whole group rather than once per query head.
+
+    O is written at its strides (``stride_os`` between splits' partials), which need not be q's: an output follows
+    its input's layout (``forward.output_like``)."""
+    stride_ob, stride_oh, stride_om, stride_os = (tl.multiple_of(stride_ob, 8), tl.multiple_of(stride_oh, 8),
+                                                  tl.multiple_of(stride_om, 8), tl.multiple_of(stride_os, 8))
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     split = tl.program_id(0) % n_splits
@@ -97,8 +103,10 @@ def attention_fwd_tl(
         q_rows = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m.to(tl.int64) * stride_qm
         in_d = offs_d < HEAD_DIM
         b_q = tl.load(q_rows[:, None] + offs_d[None, :], mask=in_group[:, None] & in_d[None, :], other=0.0)
-        # Output rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
+        # lse rows: split s of row (batch*head, query) at (s * B * H + batch*head) * seq_q + query.
         out_rows = (split * tl.num_programs(1) * GROUP + bh).to(tl.int64) * seq_q + offs_m
+        o_rows = (O + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                  + offs_m.to(tl.int64) * stride_om)
         bh_rows = bh[:, None]
     else:
         b = pid_bh // NUM_HEADS
@@ -150,23 +158,25 @@ def attention_fwd_tl(
     lse = tl.where(empty, tl.where(n_splits > 1, float("-inf"), float("inf")), m_i * qk_scale + tl.math.log2(l_safe))
     if PACK_GQA:
         tl.store(LSE + out_rows, lse, mask=in_group)
-        tl.store(O + out_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+        tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=in_group[:, None] & in_d[None, :])
     else:
         tl.store(LSE + out_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
-        o_dst = make_source(O + out_bh.to(tl.int64) * seq_q * HEAD_DIM, seq_q, HEAD_DIM, BM, HEAD_DIM, HEAD_DIM_PAD,
-                            USE_TMA)
-        store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, HEAD_DIM, offs_d, seq_q, HEAD_DIM,
+        o_ptr = O + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        o_dst = make_source(o_ptr, seq_q, stride_om, BM, HEAD_DIM, HEAD_DIM_PAD, USE_TMA)
+        store_block(o_dst, pid_m * BM, out.to(O.dtype.element_ty), offs_m, stride_om, offs_d, seq_q, HEAD_DIM,
                     USE_TMA)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+@triton.jit(do_not_specialize=["n_rows", "n_splits", "heads", "seq", "stride_ob", "stride_oh", "stride_om"])
 def attention_combine_tl(
-    O_PART, LSE_PART, O, LSE, n_rows, n_splits,
+    O_PART, LSE_PART, O, LSE, n_rows, n_splits, heads, seq, stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
 ):
     """Merge the fp32 partials of n_splits forward splits, [n_splits, n_rows, D] and [n_splits, n_rows], in split
-    order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s)."""
+    order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s). Row r of the partials is
+    row r % seq of head (r // seq) % heads of sample r // (seq * heads) in O, at O's strides (an output follows its
+    input's layout); LSE is contiguous."""
     offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit: rows * HEAD_DIM may pass 2^31
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     in_r = offs_r < n_rows
@@ -186,4 +196,7 @@ def attention_combine_tl(
     empty = w_sum == 0.0
     w_safe = tl.where(empty, 1.0, w_sum)
     tl.store(LSE + offs_r, tl.where(empty, float("inf"), m_base + tl.math.log2(w_safe)), mask=in_r)
-    store_rows(O, (acc / w_safe[:, None]).to(O.dtype.element_ty), offs_r, HEAD_DIM, offs_d, n_rows, HEAD_DIM)
+    bh = offs_r // seq
+    o_rows = (bh // heads) * stride_ob + (bh % heads) * stride_oh + (offs_r % seq) * stride_om  # 64-bit: offs_r's
+    tl.store(O + o_rows[:, None] + offs_d[None, :], (acc / w_safe[:, None]).to(O.dtype.element_ty),
+             mask=in_r[:, None] & (offs_d < HEAD_DIM)[None, :])
