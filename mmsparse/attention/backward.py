@@ -22,8 +22,9 @@ from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import own_stream
 from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
-from .forward import _LOG2E, dot_mode, kernel_layout, output_strides
+from .forward import _LOG2E, dot_mode
 from .kernel_args import LaunchArgs
+from .layouts import kernel_layout, output_strides
 from .plan import AttentionPlan, CallPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
@@ -89,8 +90,8 @@ class BackwardLaunch:
 
     def __call__(self, do, q, k, v, out, lse, seed, dkdv_mask: LaunchArgs, dq_mask: LaunchArgs | None,
                  hooks: ExchangeHooks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the inputs' dtypes and layouts (``forward.output_like``; dk, dv summed over each GQA
-        group), of the call's q, k, v and ``do`` (laid out by :func:`kernel_layout`), its outputs, dropout seed and
+        """``(dq, dk, dv)`` in the inputs' dtypes and layouts (``layouts.output_like``; dk, dv summed over each GQA
+        group), of the call's q, k, v and ``do`` (laid out by ``layouts.kernel_layout``), its outputs, dropout seed and
         the mask
         arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
         before, on the current stream. ``hooks``: a context-parallel rank's exchange beside the passes
@@ -167,7 +168,7 @@ class BackwardLaunch:
 
 
 class _Layout:
-    """The strides of one layout's gradients: each follows its input's (``forward.output_like``), worked out once
+    """The strides of one layout's gradients: each follows its input's (``layouts.output_like``), worked out once
     per layout of the saved q, k, v."""
 
     __slots__ = ("dq", "dk", "dv")
@@ -254,7 +255,7 @@ _MAX_LAYOUTS = 8  # layouts of one call's saved q, k, v, out and its dO whose re
 def saved_layout(lse: torch.Tensor) -> torch.Tensor:
     """The saved lse as the kernels read it: contiguous on a 16-byte aligned base. The forward made it so, but a
     saved-tensor hook may hand back another layout or a view into a buffer of its own. (The saved out is read at
-    its strides: :func:`kernel_layout`.)"""
+    its strides: ``layouts.kernel_layout``.)"""
     if lse.is_contiguous() and not lse.data_ptr() & 15:
         return lse
     return lse.clone(memory_format=torch.contiguous_format)

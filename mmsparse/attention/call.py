@@ -61,7 +61,7 @@ class CallLaunch:
 
     def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of the call's q, k, v (laid out by ``forward.kernel_layout``) and seed."""
+        """``(out, lse)`` of the call's q, k, v (laid out by ``layouts.kernel_layout``) and seed."""
         return self.forward(q, k, v, seed, self._forward_mask)
 
     def run_backward(self, info: MaskInfo, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -81,7 +81,7 @@ class CallLaunch:
 
 def call_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: MaskInfo, softmax_scale: float,
                 dropout_p: float, seed: torch.Tensor | None, deterministic: bool, config: KernelConfig) -> CallLaunch:
-    """The :class:`CallLaunch` of these arguments (q, k, v laid out by ``forward.kernel_layout``), made on first
+    """The :class:`CallLaunch` of these arguments (q, k, v laid out by ``layouts.kernel_layout``), made on first
     use and kept on the mask."""
     # id(config): the launch holds the config, so the id stays its own while the launch is kept. The seed's
     # alignment: a launch specialises on it (pieces of a context-parallel call take rows of one seed tensor).
@@ -128,7 +128,7 @@ def forward_launch_of(plan: str | CallPlan, q: torch.Tensor, k: torch.Tensor, v:
                       dropout_p: float, seed: torch.Tensor | None, mask: LaunchArgs,
                       shaped: AttentionPlan | None = None) -> ForwardLaunch:
     """The forward launch of a frozen plan (its text, as the custom ops carry it, or the plan) at these arguments
-    (q, k, v laid out by ``forward.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use
+    (q, k, v laid out by ``layouts.kernel_layout``; ``mask``: the forward tile's mask arguments), made on first use
     and kept. ``shaped``: the plan at these shapes, where the caller has it (else worked out on a miss)."""
     key = (plan, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, softmax_scale, dropout_p,
            None if seed is None else seed.data_ptr() & 15, _mask_key(mask))
@@ -164,7 +164,7 @@ def mbs_attn_fwd(
     """The forward alone, for tools and tests: ``(out [B, Hq, Sq, D], lse [B, Hq, Sq] float32, log2 units)``.
 
     Args:
-        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``; last dim contiguous (``forward.kernel_layout``).
+        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]``; last dim contiguous (``layouts.kernel_layout``).
         info: the mask; softmax_scale: multiplies q.k.
         dropout_p, seed: dropout probability and the int64 ``[3]`` seed (key, query and key position offsets).
         config: the call's tiles and thresholds (None: :func:`kernel_config` of this thread's settings now).

@@ -29,8 +29,8 @@ from ..mask.kept import kept_lists
 from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
-from .forward import kernel_layout, output_like, read_in_place
 from .kernel_args import LaunchArgs, mask_launch_args
+from .layouts import kernel_layout, output_like, read_in_place
 from .plan import CallPlan, call_plan_from_text, plan_call
 from .resolved import keep_resolved, op_call_key, resolved_op
 

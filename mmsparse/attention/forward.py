@@ -15,49 +15,10 @@ from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
 from .config import head_dim_pad
 from .kernel_args import LaunchArgs
+from .layouts import output_strides
 from .plan import CallPlan, ForwardPass
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
-
-
-def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t``: 4-D. The kernels take any strides whose head dim is unit-stride and whose other strides are multiples
-    of 8 elements on a 16-byte aligned base (every ordinary layout of a tensor with such a head dim); else one copy,
-    in ``t``'s memory order where that can be read in place (:func:`output_like`)."""
-    return t if read_in_place(t) else aligned_copy(t)
-
-
-def read_in_place(t: torch.Tensor) -> bool:
-    """The kernels read 4-D ``t`` as it is (:func:`kernel_layout` copies nothing)."""
-    s = t.stride()
-    return s[3] == 1 and not (s[0] | s[1] | s[2]) & 7 and not t.data_ptr() & 15
-
-
-def aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements in a new tensor that the kernels read in place (:func:`output_like`: torch's allocations
-    are 16-byte aligned)."""
-    copy = output_like(t)
-    copy.copy_(t)
-    return copy
-
-
-def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new 4-D tensor of ``t``'s shape (and dtype, unless given) that the kernels write and read in place: in
-    ``t``'s memory order (as ``torch.empty_like`` lays it out, dense) where that keeps the head dim unit-stride and
-    the other strides multiples of 8 elements, else contiguous. Outputs and gradients follow their inputs' layout
-    this way, as SDPA's do: q, k, v seen as ``[B, H, S, D]`` in a ``[B, S, H, D]`` buffer (a layer's projections)
-    give out, dq, dk and dv of that layout, whose transpose back to ``[B, S, H * D]`` is a view, not a copy. A
-    function of ``t``'s shape and strides alone, so a traced op's fake outputs are laid out alike."""
-    new = torch.empty_like(t, dtype=dtype)
-    s = new.stride()
-    if s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0:
-        return new
-    return torch.empty(t.shape, dtype=new.dtype, device=t.device)
-
-
-def output_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides of :func:`output_like` of ``t``, worked out without allocating (once per launch)."""
-    return output_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()
 
 
 def dot_mode(q: torch.Tensor) -> int:
@@ -115,7 +76,7 @@ class ForwardLaunch:
         self._combine: Callable[..., None] | None = None
 
     def __call__(self, q, k, v, seed: torch.Tensor | None, mask: LaunchArgs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of the call's q, k, v (laid out by :func:`kernel_layout`), dropout seed and the mask
+        """``(out, lse)`` of the call's q, k, v (laid out by ``layouts.kernel_layout``), dropout seed and the mask
         arguments of the forward's tile (:func:`mmsparse.attention.kernel_args.mask_launch_args`), whose integers
         the caller keys this launch on."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's), not per launch

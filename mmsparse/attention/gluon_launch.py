@@ -21,9 +21,9 @@ from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
 from .config import Tile, head_dim_pad
-from .forward import output_strides
 from .host_tma import box_descriptor, head_rows_descriptor
 from .kernel_args import LaunchArgs
+from .layouts import output_strides
 
 # Registers per thread at launch, for the 9 warps of a CTA (two consumer warpgroups and the producer) before the
 # partitions set their own (kernels.gluon.common.WORKER_REGS): 168 x 288 threads fit an SM's 64K.
@@ -45,7 +45,7 @@ def run_forward(
     """The forward of ``forward.ForwardLaunch`` without dropout or splits (qk_scale_log2 = softmax scale * log2(e)),
     at ``tile`` (block_m 128; block_n, gluon_stages, pingpong and turns are read), over the mask arguments ``mask`` of
     that tile (mask mode ``mode``): ``(out [B, Hq, Sq, D] in q's dtype and layout, lse [B, Hq, Sq] float32 in log2
-    units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``forward.output_strides(q)``, if the caller has
+    units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``layouts.output_strides(q)``, if the caller has
     them."""
     batch, num_heads, seq_q, head_dim = q.shape
     s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,

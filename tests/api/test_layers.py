@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("mask: the mask of a call and its block lists per tile", ["mmsparse.mask.info", "mmsparse.mask"]),
     ("mask: a call's mask built from its arguments, cached by value", ["mmsparse.mask.build"]),
     ("mask: masks of host values kept for traced graphs", ["mmsparse.mask.kept"]),
-    ("attention: tiles, Gluon availability, TMA descriptors, the dropout seed and the mask for tests", [
-        "mmsparse.attention.dispatch", "mmsparse.attention.config",
+    ("attention: tiles, Gluon availability, tensor layouts, TMA descriptors, the dropout seed and the mask for tests", [
+        "mmsparse.attention.dispatch", "mmsparse.attention.config", "mmsparse.attention.layouts",
         "mmsparse.attention.host_tma", "mmsparse.attention.dropout",
     ]),
     ("attention: the plan", ["mmsparse.attention.plan"]),

@@ -152,7 +152,7 @@ def test_non_contiguous_inputs(device):
 def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
     """Unit head-dim stride, other strides multiples of 8 elements, a 16-byte aligned base: passed as is; else one
     contiguous copy."""
-    from mmsparse.attention.forward import kernel_layout
+    from mmsparse.attention.layouts import kernel_layout
 
     x = torch.randn(2, 3, 5, 16)
     for view in (x, torch.randn(2, 5, 3, 16).transpose(1, 2), x[..., :8]):

@@ -1,7 +1,7 @@
 """Outputs and gradients in their inputs' layout, and dO read as autograd hands it over.
 
 A layer's q, k and v are ``[B, H, S, D]`` views of ``[B, S, H, D]`` buffers (its projections), and it turns the
-output back into ``[B, S, H * D]``. With out, dq, dk and dv laid out as their inputs (``forward.output_like``) and dO
+output back into ``[B, S, H * D]``. With out, dq, dk and dv laid out as their inputs (``layouts.output_like``) and dO
 read at its strides, those transposes are views, as they are around SDPA; else each layer's step copies out, dO,
 dq, dk and dv once more (five kernels a layer, eager and compiled alike)."""
 

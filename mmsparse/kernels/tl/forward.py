@@ -81,7 +81,7 @@ def attention_fwd_tl(
     whole group rather than once per query head.
 
     O is written at its strides (``stride_os`` between splits' partials), which need not be q's: an output follows
-    its input's layout (``forward.output_like``)."""
+    its input's layout (``layouts.output_like``)."""
     stride_ob, stride_oh, stride_om, stride_os = (tl.multiple_of(stride_ob, 8), tl.multiple_of(stride_oh, 8),
                                                   tl.multiple_of(stride_om, 8), tl.multiple_of(stride_os, 8))
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
