@@ -24,7 +24,7 @@ from ..runtime.streams import own_stream
 from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
 from .forward import _LOG2E, dot_mode
 from .kernel_args import LaunchArgs
-from .layouts import kernel_layout, output_strides
+from .layouts import in_eights, kernel_layout, output_strides
 from .plan import AttentionPlan, CallPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
@@ -105,7 +105,7 @@ class BackwardLaunch:
         if bound is None:
             if len(self._bound) >= _MAX_LAYOUTS:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
-            bound = self._bound[strides] = {"layout": _Layout(q, k, v)}
+            bound = self._bound[strides] = {"layout": _Layout(q, k, v, strides[9:12], strides[12:])}
         layout = bound["layout"]
         delta = torch.empty(lse.shape, dtype=torch.float32, device=self.device)
         dq_sum = None
@@ -114,9 +114,9 @@ class BackwardLaunch:
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
         launch_bound(_DELTA, self.delta_grid,
-                     (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *strides[9:]),
+                     (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *layout.out8, *layout.do8),
                      self.delta_constexprs, bound, "delta")
-        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides[:9], strides[12:]), layout, bound)
+        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides[:9]), layout, bound)
         if hooks is not None:
             return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
@@ -168,13 +168,17 @@ class BackwardLaunch:
 
 
 class _Layout:
-    """The strides of one layout's gradients: each follows its input's (``layouts.output_like``), worked out once
-    per layout of the saved q, k, v."""
+    """What one layout of the saved q, k, v, out and of dO gives, worked out once: the gradients' strides (each
+    follows its input's, ``layouts.output_like``) and the tl kernels' output and dO strides in units of 8 elements
+    (``layouts.in_eights``)."""
 
-    __slots__ = ("dq", "dk", "dv")
+    __slots__ = ("dq", "dk", "dv", "out8", "do8", "dq8", "dk8", "dv8")
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: tuple[int, ...],
+                 do_strides: tuple[int, ...]) -> None:
         self.dq, self.dk, self.dv = output_strides(q), output_strides(k), output_strides(v)
+        self.out8, self.do8 = in_eights(out_strides), in_eights(do_strides)
+        self.dq8, self.dk8, self.dv8 = (in_eights(s[:3]) for s in (self.dq, self.dk, self.dv))
 
     def new_dq(self, launch: BackwardLaunch) -> torch.Tensor:
         return torch.empty_strided(launch.q_shape, self.dq, dtype=launch.dtype, device=launch.device)
@@ -199,7 +203,7 @@ class ExchangeHooks:
 
 class _Passes:
     """The dQ and dK/dV passes of one backward call, launched on the current stream: the call's launch, its
-    tensors (``(do, q, k, v, lse, delta, seed, q/k/v strides, dO's strides)``), its gradients' layout and its
+    tensors (``(do, q, k, v, lse, delta, seed, q/k/v strides)``), its layout (:class:`_Layout`) and its
     relaunches (``bound``)."""
 
     def __init__(self, launch: BackwardLaunch, tensors: tuple, layout: _Layout, bound: dict[str, Any]) -> None:
@@ -208,16 +212,15 @@ class _Passes:
     def dq(self, mask: LaunchArgs, dq: torch.Tensor) -> torch.Tensor:
         """The dQ pass, into ``dq`` (the inputs' dtype); returns it."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides, do_strides = self.tensors
+        do, q, k, v, lse, delta, seed, strides = self.tensors
         if launch.plan.dq.gluon:
             _gluon().run_dq(q, k, v, do, lse, delta, dq, mask, launch.mode, launch.causal, launch.qk_scale,
                             launch.softmax_scale, launch.plan.dq.tile, launch.has_window, bound=bound)
         else:
             mask_tensors, mask_scalars = mask
             launch_bound(_DQ, launch.dq_grid,
-                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *do_strides,
-                          *self.layout.dq[:3], *mask_scalars, launch.qk_scale, launch.softmax_scale,
-                          launch.dropout_p),
+                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *self.layout.do8,
+                          *self.layout.dq8, *mask_scalars, launch.qk_scale, launch.softmax_scale, launch.dropout_p),
                          launch.dq_constexprs, bound, "dq")
         return dq
 
@@ -226,7 +229,7 @@ class _Passes:
         """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there.
         ``arrival``: the keys past ``arrival.present`` are still landing (the Gluon dK/dV kernel only)."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides, do_strides = self.tensors
+        do, q, k, v, lse, delta, seed, strides = self.tensors
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
         dk, dv = self.layout.new_dk_dv(launch, k, v)
         if plan.dkdv.dq_writer:
@@ -242,8 +245,8 @@ class _Passes:
             mask_tensors, mask_scalars = mask
             dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, launch.dkdv_grid,
-                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *do_strides,
-                          *self.layout.dk[:3], *self.layout.dv[:3], *mask_scalars, launch.qk_scale,
+                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *self.layout.do8,
+                          *self.layout.dk8, *self.layout.dv8, *mask_scalars, launch.qk_scale,
                           launch.softmax_scale, launch.dropout_p),
                          launch.dkdv_constexprs, bound, "dkdv")
         return dk, dv

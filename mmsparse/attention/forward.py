@@ -15,7 +15,7 @@ from ..runtime.launch import FastKernel
 from ..runtime.scratch import ensure_tma_allocator
 from .config import head_dim_pad
 from .kernel_args import LaunchArgs
-from .layouts import output_strides
+from .layouts import in_eights, output_strides
 from .plan import CallPlan, ForwardPass
 
 _FWD, _COMBINE = FastKernel(attention_fwd_tl), FastKernel(attention_combine_tl)
@@ -59,7 +59,7 @@ class ForwardLaunch:
         else:
             per_head = seq_q * head_dim
             o_strides = (num_heads * per_head, per_head, head_dim, batch * num_heads * per_head)
-        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides)
+        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *in_eights(o_strides))
         self.tail = (self.qk_scale_log2, dropout_p, n_splits, cdiv(key_blocks, n_splits))
         self.grid = (forward.row_blocks * n_splits, forward.bh_programs)
         self.constexprs = dict(
@@ -96,7 +96,7 @@ class ForwardLaunch:
         else:
             self._fwd = _FWD.bind(self.grid, args, self.constexprs)
         if self.n_splits > 1:
-            args = (o_dst, lse_dst, out, lse, *self.combine_args, *self.out_strides[:3])
+            args = (o_dst, lse_dst, out, lse, *self.combine_args, *in_eights(self.out_strides[:3]))
             if self._combine is not None:
                 self._combine(*args)
             else:
@@ -125,7 +125,7 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype)
     lse = torch.empty(rows, dtype=torch.float32, device=outs.device)
     # out is contiguous: its rows as one head of one sample
     _COMBINE[(cdiv(n_rows, _COMBINE_ROWS),)](outs.contiguous(), lses.contiguous(), out, lse, n_rows, outs.shape[0],
-                                             1, n_rows, 0, 0, head_dim, HEAD_DIM=head_dim,
+                                             1, n_rows, 0, 0, head_dim // 8, HEAD_DIM=head_dim,
                                              HEAD_DIM_PAD=head_dim_pad(head_dim), BR=_COMBINE_ROWS)
     return out, lse
 _LOG2E = math.log2(math.e)

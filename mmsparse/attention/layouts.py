@@ -41,6 +41,12 @@ def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     return torch.empty(t.shape, dtype=new.dtype, device=t.device)
 
 
+def in_eights(strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides in units of 8 elements, as the tl kernels take those of their outputs and of dO
+    (``kernels.tl.common.element_strides``); each is a multiple of 8 (:func:`read_in_place`, :func:`output_like`)."""
+    return tuple(s // 8 for s in strides)
+
+
 def output_strides(t: torch.Tensor) -> tuple[int, ...]:
     """The strides of :func:`output_like` of ``t``, worked out without allocating (once per launch)."""
     return output_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()

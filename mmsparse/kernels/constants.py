@@ -38,8 +38,8 @@ DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
                 "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
                 "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window", "arrival_epoch",
                 "own_blocks"]
-# The tl kernels' output and dO strides (outputs follow their inputs' layout, dO is read as autograd hands it over):
-# never specialised on either, as the inputs' strides.
-IO_STRIDE_ARGS = ["stride_ob", "stride_oh", "stride_om", "stride_os", "stride_dob", "stride_doh", "stride_dom",
-                  "stride_dqb", "stride_dqh", "stride_dqm", "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb",
-                  "stride_dvh", "stride_dvn"]
+# The tl kernels' output and dO strides, in units of 8 elements (outputs follow their inputs' layout, dO is read as
+# autograd hands it over; tl.common.element_strides): never specialised on, as the inputs' strides.
+IO_STRIDE_ARGS = ["stride_ob8", "stride_oh8", "stride_om8", "stride_os8", "stride_dob8", "stride_doh8", "stride_dom8",
+                  "stride_dqb8", "stride_dqh8", "stride_dqm8", "stride_dkb8", "stride_dkh8", "stride_dkn8",
+                  "stride_dvb8", "stride_dvh8", "stride_dvn8"]

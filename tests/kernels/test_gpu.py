@@ -116,8 +116,8 @@ def test_fast_launch_keys_on_alignment():
         o, do = o_buf[offset : offset + rows * d], do_buf[offset : offset + rows * d]
         delta = torch.full((rows,), float("nan"), device=dev)
         before = launch.fast_launches
-        delta_launch[(2, 1)](o, do, delta, delta, rows, 0, 0, d, 0, 0, d, NUM_HEADS=1, HEAD_DIM=d, HEAD_DIM_PAD=d,
-                             BR=64)  # one (batch, head) of 100 rows
+        delta_launch[(2, 1)](o, do, delta, delta, rows, 0, 0, d // 8, 0, 0, d // 8, NUM_HEADS=1, HEAD_DIM=d,
+                             HEAD_DIM_PAD=d, BR=64)  # one (batch, head) of 100 rows; strides in 8s
         fast.append(launch.fast_launches - before)
         torch.testing.assert_close(delta, (o.view(rows, d).double() * do.view(rows, d).double()).sum(1).float())
     assert fast == [0, 1, 0, 1, 1]

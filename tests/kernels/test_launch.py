@@ -37,7 +37,7 @@ def test_unknown_argument_kinds_are_never_cached():
 
 def test_constexpr_tail_is_in_parameter_order_whatever_the_keyword_order():
     kernel = launch.FastKernel(attention_delta_tl)
-    args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), 4, 0, 96, 24, 0, 96, 24)
+    args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), 4, 0, 12, 3, 0, 12, 3)
     tail = kernel._constexpr_tail(args, {"BR": 64, "HEAD_DIM_PAD": 32, "HEAD_DIM": 24, "NUM_HEADS": 1,
                                          "num_warps": 4})
     assert tail == (1, 24, 32, 64, False)  # NUM_HEADS, HEAD_DIM, HEAD_DIM_PAD, BR, ZERO_DQ (its default); no options

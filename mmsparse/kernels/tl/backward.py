@@ -17,6 +17,7 @@ from ..lists import block_id
 from .common import (
     dot,
     dropout_keep,
+    element_strides,
     hint_strides,
     load_block,
     load_rows,
@@ -27,23 +28,17 @@ from .common import (
 )
 
 
-@triton.jit
-def _io_strides(stride_b, stride_h, stride_row):
-    """The launcher's guarantee for one of dO's, O's or a gradient's strides, as :func:`hint_strides` for q, k,
-    v: multiples of 8 elements."""
-    return tl.multiple_of(stride_b, 8), tl.multiple_of(stride_h, 8), tl.multiple_of(stride_row, 8)
-
-
 @triton.jit(do_not_specialize=["seq_q", *IO_STRIDE_ARGS])
-def attention_delta_tl(O, DO, DELTA, DQ_SUM, seq_q, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
-                       stride_dom, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+def attention_delta_tl(O, DO, DELTA, DQ_SUM, seq_q, stride_ob8, stride_oh8, stride_om8, stride_dob8, stride_doh8,
+                       stride_dom8, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        BR: tl.constexpr, ZERO_DQ: tl.constexpr = False):
-    """delta = rowsum(dO * O) of BR query rows of one (batch, head) a program, O and dO at their strides (an
-    output follows its input's layout; dO is read as autograd hands it over), delta ``[B, H, Sq]`` contiguous.
+    """delta = rowsum(dO * O) of BR query rows of one (batch, head) a program, O and dO at their strides (in units
+    of 8 elements: an output follows its input's layout; dO is read as autograd hands it over), delta ``[B, H, Sq]``
+    contiguous.
     ``ZERO_DQ``: also zero the same rows of the one-pass backward's float32 dQ accumulator ``DQ_SUM`` (``[B, H, Sq,
     HEAD_DIM]``, contiguous), which a launch of its own would otherwise do: a small call is bound by host work."""
-    stride_ob, stride_oh, stride_om = _io_strides(stride_ob, stride_oh, stride_om)
-    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
+    stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
+    stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     pid_bh = tl.program_id(1)
     b64, h64 = (pid_bh // NUM_HEADS).to(tl.int64), (pid_bh % NUM_HEADS).to(tl.int64)
     # 64-bit bases: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
@@ -135,7 +130,7 @@ def _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, st
 def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_dob8, stride_doh8, stride_dom8, stride_dkb8, stride_dkh8, stride_dkn8, stride_dvb8, stride_dvh8, stride_dvn8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -145,10 +140,10 @@ def attention_dkdv_tl(
 ):
     """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group, at their strides); with
     ``ONE_PASS`` also dQ's contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, contiguous, zeroed by the
-    launcher (unused otherwise)."""
-    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
-    stride_dkb, stride_dkh, stride_dkn = _io_strides(stride_dkb, stride_dkh, stride_dkn)
-    stride_dvb, stride_dvh, stride_dvn = _io_strides(stride_dvb, stride_dvh, stride_dvn)
+    launcher (unused otherwise). dO's, dK's and dV's strides come in units of 8 elements."""
+    stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
+    stride_dkb, stride_dkh, stride_dkn = element_strides(stride_dkb8, stride_dkh8, stride_dkn8)
+    stride_dvb, stride_dvh, stride_dvn = element_strides(stride_dvb8, stride_dvh8, stride_dvn8)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_n = tl.program_id(0)
@@ -232,16 +227,16 @@ def _dq_tiles(
 def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_dob8, stride_doh8, stride_dom8, stride_dqb8, stride_dqh8, stride_dqm8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """dQ of one query block, dO and dQ at their strides."""
-    stride_dob, stride_doh, stride_dom = _io_strides(stride_dob, stride_doh, stride_dom)
-    stride_dqb, stride_dqh, stride_dqm = _io_strides(stride_dqb, stride_dqh, stride_dqm)
+    """dQ of one query block, dO and dQ at their strides (in units of 8 elements)."""
+    stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
+    stride_dqb, stride_dqh, stride_dqm = element_strides(stride_dqb8, stride_dqh8, stride_dqm8)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     pid_m = tl.program_id(0)

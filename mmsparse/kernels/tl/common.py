@@ -34,6 +34,15 @@ def hint_strides(stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_k
 
 
 @triton.jit
+def element_strides(stride_b8, stride_h8, stride_row8):
+    """A tensor's batch, head and row strides, passed in units of 8 elements (``attention.layouts.in_eights``), in
+    elements, 64-bit (a batch stride passes 2^31). Multiplied by a constant here, Triton knows them to be multiples
+    of 8 and vectorises the loads and stores at them in every version; a ``tl.multiple_of`` hint on a runtime stride
+    is lost (Triton 3.6 loads such a tile one element at a time)."""
+    return stride_b8.to(tl.int64) * 8, stride_h8.to(tl.int64) * 8, stride_row8.to(tl.int64) * 8
+
+
+@triton.jit
 def pair_mask(
     offs_q,
     offs_k,

@@ -11,6 +11,7 @@ from ..lists import block_id
 from .common import (
     dot,
     dropout_keep,
+    element_strides,
     hint_strides,
     load_block,
     load_rows,
@@ -64,7 +65,7 @@ def _fwd_tiles(
 def attention_fwd_tl(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om, stride_os,
+    stride_ob8, stride_oh8, stride_om8, stride_os8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, dropout_p, n_splits, split_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -80,10 +81,10 @@ def attention_fwd_tl(
     its tile is query r % seq_q of the group's query head r // seq_q, so each K/V tile is read once for the
     whole group rather than once per query head.
 
-    O is written at its strides (``stride_os`` between splits' partials), which need not be q's: an output follows
-    its input's layout (``layouts.output_like``)."""
-    stride_ob, stride_oh, stride_om, stride_os = (tl.multiple_of(stride_ob, 8), tl.multiple_of(stride_oh, 8),
-                                                  tl.multiple_of(stride_om, 8), tl.multiple_of(stride_os, 8))
+    O is written at its strides (in units of 8 elements; ``stride_os8`` between splits' partials), which need not be
+    q's: an output follows its input's layout (``layouts.output_like``)."""
+    stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
+    stride_os = stride_os8.to(tl.int64) * 8
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
     split = tl.program_id(0) % n_splits
@@ -168,15 +169,16 @@ def attention_fwd_tl(
                     USE_TMA)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_splits", "heads", "seq", "stride_ob", "stride_oh", "stride_om"])
+@triton.jit(do_not_specialize=["n_rows", "n_splits", "heads", "seq", "stride_ob8", "stride_oh8", "stride_om8"])
 def attention_combine_tl(
-    O_PART, LSE_PART, O, LSE, n_rows, n_splits, heads, seq, stride_ob, stride_oh, stride_om,
+    O_PART, LSE_PART, O, LSE, n_rows, n_splits, heads, seq, stride_ob8, stride_oh8, stride_om8,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BR: tl.constexpr,
 ):
     """Merge the fp32 partials of n_splits forward splits, [n_splits, n_rows, D] and [n_splits, n_rows], in split
     order (deterministic): out = sum_s 2^(lse_s - lse) out_s, lse = log2(sum_s 2^lse_s). Row r of the partials is
-    row r % seq of head (r // seq) % heads of sample r // (seq * heads) in O, at O's strides (an output follows its
-    input's layout); LSE is contiguous."""
+    row r % seq of head (r // seq) % heads of sample r // (seq * heads) in O, at O's strides (in units of 8
+    elements; an output follows its input's layout); LSE is contiguous."""
+    stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
     offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit: rows * HEAD_DIM may pass 2^31
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     in_r = offs_r < n_rows
