@@ -105,7 +105,7 @@ class BackwardLaunch:
         if bound is None:
             if len(self._bound) >= _MAX_LAYOUTS:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
-            bound = self._bound[strides] = {"layout": _Layout(q, k, v, strides[9:12], strides[12:])}
+            bound = self._bound[strides] = {"layout": _Layout(q, k, v, strides)}
         layout = bound["layout"]
         delta = torch.empty(lse.shape, dtype=torch.float32, device=self.device)
         dq_sum = None
@@ -116,7 +116,7 @@ class BackwardLaunch:
         launch_bound(_DELTA, self.delta_grid,
                      (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *layout.out8, *layout.do8),
                      self.delta_constexprs, bound, "delta")
-        passes = _Passes(self, (do, q, k, v, lse, delta, seed, strides[:9]), layout, bound)
+        passes = _Passes(self, (do, q, k, v, lse, delta, seed), layout, bound)
         if hooks is not None:
             return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
@@ -169,15 +169,14 @@ class BackwardLaunch:
 
 class _Layout:
     """What one layout of the saved q, k, v, out and of dO gives, worked out once: the gradients' strides (each
-    follows its input's, ``layouts.output_like``) and the tl kernels' output and dO strides in units of 8 elements
-    (``layouts.in_eights``)."""
+    follows its input's, ``layouts.output_like``) and the strides the tl kernels take, in units of 8 elements
+    (``layouts.in_eights``). ``strides``: q's, k's, v's, out's and dO's batch, head and row strides."""
 
-    __slots__ = ("dq", "dk", "dv", "out8", "do8", "dq8", "dk8", "dv8")
+    __slots__ = ("dq", "dk", "dv", "qkv8", "out8", "do8", "dq8", "dk8", "dv8")
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: tuple[int, ...],
-                 do_strides: tuple[int, ...]) -> None:
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, strides: tuple[int, ...]) -> None:
         self.dq, self.dk, self.dv = output_strides(q), output_strides(k), output_strides(v)
-        self.out8, self.do8 = in_eights(out_strides), in_eights(do_strides)
+        self.qkv8, self.out8, self.do8 = in_eights(strides[:9]), in_eights(strides[9:12]), in_eights(strides[12:])
         self.dq8, self.dk8, self.dv8 = (in_eights(s[:3]) for s in (self.dq, self.dk, self.dv))
 
     def new_dq(self, launch: BackwardLaunch) -> torch.Tensor:
@@ -203,7 +202,7 @@ class ExchangeHooks:
 
 class _Passes:
     """The dQ and dK/dV passes of one backward call, launched on the current stream: the call's launch, its
-    tensors (``(do, q, k, v, lse, delta, seed, q/k/v strides)``), its layout (:class:`_Layout`) and its
+    tensors (``(do, q, k, v, lse, delta, seed)``), its layout (:class:`_Layout`) and its
     relaunches (``bound``)."""
 
     def __init__(self, launch: BackwardLaunch, tensors: tuple, layout: _Layout, bound: dict[str, Any]) -> None:
@@ -212,15 +211,16 @@ class _Passes:
     def dq(self, mask: LaunchArgs, dq: torch.Tensor) -> torch.Tensor:
         """The dQ pass, into ``dq`` (the inputs' dtype); returns it."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides = self.tensors
+        do, q, k, v, lse, delta, seed = self.tensors
+        layout = self.layout
         if launch.plan.dq.gluon:
             _gluon().run_dq(q, k, v, do, lse, delta, dq, mask, launch.mode, launch.causal, launch.qk_scale,
                             launch.softmax_scale, launch.plan.dq.tile, launch.has_window, bound=bound)
         else:
             mask_tensors, mask_scalars = mask
             launch_bound(_DQ, launch.dq_grid,
-                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *strides, *self.layout.do8,
-                          *self.layout.dq8, *mask_scalars, launch.qk_scale, launch.softmax_scale, launch.dropout_p),
+                         (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *layout.qkv8, *layout.do8, *layout.dq8,
+                          *mask_scalars, launch.qk_scale, launch.softmax_scale, launch.dropout_p),
                          launch.dq_constexprs, bound, "dq")
         return dq
 
@@ -229,7 +229,8 @@ class _Passes:
         """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there.
         ``arrival``: the keys past ``arrival.present`` are still landing (the Gluon dK/dV kernel only)."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed, strides = self.tensors
+        do, q, k, v, lse, delta, seed = self.tensors
+        layout = self.layout
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
         dk, dv = self.layout.new_dk_dv(launch, k, v)
         if plan.dkdv.dq_writer:
@@ -245,9 +246,9 @@ class _Passes:
             mask_tensors, mask_scalars = mask
             dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS
             launch_bound(_DKDV, launch.dkdv_grid,
-                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *strides, *self.layout.do8,
-                          *self.layout.dk8, *self.layout.dv8, *mask_scalars, launch.qk_scale,
-                          launch.softmax_scale, launch.dropout_p),
+                         (q, k, v, do, lse, delta, dk, dv, dq_arg, *mask_tensors, seed, *layout.qkv8, *layout.do8,
+                          *layout.dk8, *layout.dv8, *mask_scalars, launch.qk_scale, launch.softmax_scale,
+                          launch.dropout_p),
                          launch.dkdv_constexprs, bound, "dkdv")
         return dk, dv
 

@@ -59,7 +59,7 @@ class ForwardLaunch:
         else:
             per_head = seq_q * head_dim
             o_strides = (num_heads * per_head, per_head, head_dim, batch * num_heads * per_head)
-        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *in_eights(o_strides))
+        self.strides = in_eights((*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides))
         self.tail = (self.qk_scale_log2, dropout_p, n_splits, cdiv(key_blocks, n_splits))
         self.grid = (forward.row_blocks * n_splits, forward.bh_programs)
         self.constexprs = dict(

@@ -33,13 +33,14 @@ LISTS_COUNT = 1
 LISTS_WRITE = 2
 
 # Sequence lengths, offsets and batch/head strides change with every new length, and the sliding window with the
-# model: the attention kernels never specialise on them, so a new length or window reuses the compiled kernel.
-DYNAMIC_ARGS = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
-                "stride_vh", "stride_vn", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
+# model: the attention kernels never specialise on them, so a new length or window reuses the compiled kernel. (The
+# tl kernels take q's, k's and v's strides in units of 8 elements: tl.common.element_strides.)
+DYNAMIC_ARGS = ["stride_qb8", "stride_qh8", "stride_qm8", "stride_kb8", "stride_kh8", "stride_kn8", "stride_vb8",
+                "stride_vh8", "stride_vn8", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
                 "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window", "arrival_epoch",
                 "own_blocks"]
-# The tl kernels' output and dO strides, in units of 8 elements (outputs follow their inputs' layout, dO is read as
-# autograd hands it over; tl.common.element_strides): never specialised on, as the inputs' strides.
+# The tl kernels' output and dO strides, in units of 8 elements as q's, k's and v's (outputs follow their inputs'
+# layout, dO is read as autograd hands it over; tl.common.element_strides): never specialised on either.
 IO_STRIDE_ARGS = ["stride_ob8", "stride_oh8", "stride_om8", "stride_os8", "stride_dob8", "stride_doh8", "stride_dom8",
                   "stride_dqb8", "stride_dqh8", "stride_dqm8", "stride_dkb8", "stride_dkh8", "stride_dkn8",
                   "stride_dvb8", "stride_dvh8", "stride_dvn8"]

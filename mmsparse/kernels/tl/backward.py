@@ -18,7 +18,6 @@ from .common import (
     dot,
     dropout_keep,
     element_strides,
-    hint_strides,
     load_block,
     load_rows,
     make_source,
@@ -129,7 +128,7 @@ def _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, st
 @triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dkdv_tl(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_dob8, stride_doh8, stride_dom8, stride_dkb8, stride_dkh8, stride_dkn8, stride_dvb8, stride_dvh8, stride_dvn8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
@@ -144,8 +143,9 @@ def attention_dkdv_tl(
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dkb, stride_dkh, stride_dkn = element_strides(stride_dkb8, stride_dkh8, stride_dkn8)
     stride_dvb, stride_dvh, stride_dvn = element_strides(stride_dvb8, stride_dvh8, stride_dvn8)
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
+    stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
+    stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -226,7 +226,7 @@ def _dq_tiles(
 @triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dq_tl(
     Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_dob8, stride_doh8, stride_dom8, stride_dqb8, stride_dqh8, stride_dqm8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
@@ -237,8 +237,9 @@ def attention_dq_tl(
     """dQ of one query block, dO and dQ at their strides (in units of 8 elements)."""
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dqb, stride_dqh, stride_dqm = element_strides(stride_dqb8, stride_dqh8, stride_dqm8)
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
+    stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
+    stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // NUM_HEADS

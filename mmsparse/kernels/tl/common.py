@@ -25,20 +25,12 @@ def dot(a, b, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
-def hint_strides(stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn):
-    """The launcher guarantees q/k/v strides are multiples of 8 elements (head dims are). Saying so keeps the
-    loads vectorised even though these strides are not specialised on (a new length must not recompile)."""
-    return (tl.multiple_of(stride_qb, 8), tl.multiple_of(stride_qh, 8), tl.multiple_of(stride_qm, 8),
-            tl.multiple_of(stride_kb, 8), tl.multiple_of(stride_kh, 8), tl.multiple_of(stride_kn, 8),
-            tl.multiple_of(stride_vb, 8), tl.multiple_of(stride_vh, 8), tl.multiple_of(stride_vn, 8))
-
-
-@triton.jit
 def element_strides(stride_b8, stride_h8, stride_row8):
-    """A tensor's batch, head and row strides, passed in units of 8 elements (``attention.layouts.in_eights``), in
-    elements, 64-bit (a batch stride passes 2^31). Multiplied by a constant here, Triton knows them to be multiples
-    of 8 and vectorises the loads and stores at them in every version; a ``tl.multiple_of`` hint on a runtime stride
-    is lost (Triton 3.6 loads such a tile one element at a time)."""
+    """A tensor's batch, head and row strides, passed in units of 8 elements (``attention.layouts.in_eights``; the
+    launchers guarantee multiples of 8: head dims are), in elements, 64-bit (a batch stride passes 2^31). Multiplied
+    by a constant here, Triton knows them to be multiples of 8 and vectorises the loads and stores at them in every
+    version, though they are not specialised on (a new length must not recompile); a ``tl.multiple_of`` hint on a
+    runtime stride is lost (Triton 3.6 and 3.9 load such a tile one element at a time)."""
     return stride_b8.to(tl.int64) * 8, stride_h8.to(tl.int64) * 8, stride_row8.to(tl.int64) * 8
 
 

@@ -12,7 +12,6 @@ from .common import (
     dot,
     dropout_keep,
     element_strides,
-    hint_strides,
     load_block,
     load_rows,
     make_source,
@@ -64,7 +63,7 @@ def _fwd_tiles(
 @triton.jit(do_not_specialize=_FWD_DYNAMIC)
 def attention_fwd_tl(
     Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_ob8, stride_oh8, stride_om8, stride_os8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, dropout_p, n_splits, split_len,
@@ -85,8 +84,9 @@ def attention_fwd_tl(
     q's: an output follows its input's layout (``layouts.output_like``)."""
     stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
     stride_os = stride_os8.to(tl.int64) * 8
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn = hint_strides(
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+    stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
+    stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
+    stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     split = tl.program_id(0) % n_splits
     pid_m = tl.program_id(0) // n_splits
     pid_bh = tl.program_id(1)
