@@ -92,8 +92,7 @@ class BackwardLaunch:
                  hooks: ExchangeHooks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in the inputs' dtypes and layouts (``layouts.output_like``; dk, dv summed over each GQA
         group), of the call's q, k, v and ``do`` (laid out by ``layouts.kernel_layout``), its outputs, dropout seed and
-        the mask
-        arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
+        the mask arguments of the dK/dV and the dQ passes' tiles (``dq_mask`` None for the one pass), over lists built
         before, on the current stream. ``hooks``: a context-parallel rank's exchange beside the passes
         (:class:`ExchangeHooks`); the passes then run one after the other on the current stream, dK/dV first."""
         if self.use_tma:  # every call: Triton's allocator is per thread (autograd's, a recompute's)
@@ -232,7 +231,7 @@ class _Passes:
         do, q, k, v, lse, delta, seed = self.tensors
         layout = self.layout
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
-        dk, dv = self.layout.new_dk_dv(launch, k, v)
+        dk, dv = layout.new_dk_dv(launch, k, v)
         if plan.dkdv.dq_writer:
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
                                        launch.has_window, bound=bound)

@@ -70,7 +70,7 @@ class ForwardLaunch:
         )
         n_rows = batch * num_heads * seq_q
         self.combine_grid = (cdiv(n_rows, _COMBINE_ROWS),)
-        self.combine_args = (n_rows, n_splits, num_heads, seq_q)
+        self.combine_args = (n_rows, n_splits, num_heads, seq_q, *in_eights(self.out_strides[:3]))
         self.combine_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=_COMBINE_ROWS)
         self._fwd: Callable[..., None] | None = None  # the bound launches, after the first call
         self._combine: Callable[..., None] | None = None
@@ -96,7 +96,7 @@ class ForwardLaunch:
         else:
             self._fwd = _FWD.bind(self.grid, args, self.constexprs)
         if self.n_splits > 1:
-            args = (o_dst, lse_dst, out, lse, *self.combine_args, *in_eights(self.out_strides[:3]))
+            args = (o_dst, lse_dst, out, lse, *self.combine_args)
             if self._combine is not None:
                 self._combine(*args)
             else:

@@ -92,15 +92,14 @@ def run_dkdv(
     softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
     bound: dict[str, Any] | None = None, arrival: KeysArrival | None = None,
 ) -> None:
-    """Write dK and dV (``[B, Hkv, Sk, D]``, any layout the kernels take, summed over each GQA group) into
-    ``dk_dv`` as
-    the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at
-    least 2) are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a
-    zeroed contiguous float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added
-    into it, by TMA bulk reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3
-    stages, not 4: ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s. ``arrival`` (not with the one
-    pass): keys past ``arrival.present`` are still landing; their key blocks wait in the kernel for its flag, after
-    the blocks of the keys already there."""
+    """Write dK and dV (``[B, Hkv, Sk, D]``, any layout the kernels take, summed over each GQA group) into ``dk_dv`` as
+    the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at least 2)
+    are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a zeroed contiguous
+    float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added into it, by TMA bulk
+    reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3 stages, not 4:
+    ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s. ``arrival`` (not with the one pass): keys past
+    ``arrival.present`` are still landing; their key blocks wait in the kernel for its flag, after the blocks of the
+    keys already there."""
     # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had; the
     # one-pass variant and the arrival one are launches of their own (other compile keys).
     flags = dict(ONE_PASS=True) if dq_sum is not None else dict(WAIT_ARRIVAL=True) if arrival is not None else {}

@@ -27,18 +27,18 @@ def aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new 4-D tensor of ``t``'s shape (and dtype, unless given) that the kernels write and read in place: in
+def output_like(t: torch.Tensor) -> torch.Tensor:
+    """A new 4-D tensor of ``t``'s shape and dtype that the kernels write and read in place: in
     ``t``'s memory order (as ``torch.empty_like`` lays it out, dense) where that keeps the head dim unit-stride and
     the other strides multiples of 8 elements, else contiguous. Outputs and gradients follow their inputs' layout
     this way, as SDPA's do: q, k, v seen as ``[B, H, S, D]`` in a ``[B, S, H, D]`` buffer (a layer's projections)
     give out, dq, dk and dv of that layout, whose transpose back to ``[B, S, H * D]`` is a view, not a copy. A
     function of ``t``'s shape and strides alone, so a traced op's fake outputs are laid out alike."""
-    new = torch.empty_like(t, dtype=dtype)
+    new = torch.empty_like(t)
     s = new.stride()
     if s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0:
         return new
-    return torch.empty(t.shape, dtype=new.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def in_eights(strides: tuple[int, ...]) -> tuple[int, ...]:

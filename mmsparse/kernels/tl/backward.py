@@ -31,17 +31,17 @@ from .common import (
 def attention_delta_tl(O, DO, DELTA, DQ_SUM, seq_q, stride_ob8, stride_oh8, stride_om8, stride_dob8, stride_doh8,
                        stride_dom8, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        BR: tl.constexpr, ZERO_DQ: tl.constexpr = False):
-    """delta = rowsum(dO * O) of BR query rows of one (batch, head) a program, O and dO at their strides (in units
-    of 8 elements: an output follows its input's layout; dO is read as autograd hands it over), delta ``[B, H, Sq]``
-    contiguous.
-    ``ZERO_DQ``: also zero the same rows of the one-pass backward's float32 dQ accumulator ``DQ_SUM`` (``[B, H, Sq,
-    HEAD_DIM]``, contiguous), which a launch of its own would otherwise do: a small call is bound by host work."""
+    """delta = rowsum(dO * O) of BR query rows of one (batch, head) a program, O and dO at their strides (in units of 8
+    elements: an output follows its input's layout; dO is read as autograd hands it over), delta ``[B, H, Sq]``
+    contiguous. ``ZERO_DQ``: also zero the same rows of the one-pass backward's float32 dQ accumulator ``DQ_SUM`` (``[B,
+    H, Sq, HEAD_DIM]``, contiguous), which a launch of its own would otherwise do: a small call is bound by host
+    work."""
     stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     pid_bh = tl.program_id(1)
     b64, h64 = (pid_bh // NUM_HEADS).to(tl.int64), (pid_bh % NUM_HEADS).to(tl.int64)
-    # 64-bit bases: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
-    # gives a wrong delta, hence wrong dq and dk, with no error. Offsets inside a tile stay 32-bit.
+    # 64-bit offsets: B * H * S rows times HEAD_DIM passes 2^31 (B=4, H=32, S=144k, D=128), and a wrapped offset
+    # gives a wrong delta, hence wrong dq and dk, with no error.
     row0 = tl.program_id(0) * BR
     offs_r = tl.arange(0, BR)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -139,7 +139,7 @@ def attention_dkdv_tl(
 ):
     """dK, dV of one key block (``[B, Hkv, Sk, D]``, summed over the GQA group, at their strides); with
     ``ONE_PASS`` also dQ's contributions, added into DQ: float32 ``[B, Hq, Sq, D]``, contiguous, zeroed by the
-    launcher (unused otherwise). dO's, dK's and dV's strides come in units of 8 elements."""
+    launcher (unused otherwise). Every stride comes in units of 8 elements (:func:`element_strides`)."""
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dkb, stride_dkh, stride_dkn = element_strides(stride_dkb8, stride_dkh8, stride_dkn8)
     stride_dvb, stride_dvh, stride_dvn = element_strides(stride_dvb8, stride_dvh8, stride_dvn8)
@@ -234,7 +234,8 @@ def attention_dq_tl(
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """dQ of one query block, dO and dQ at their strides (in units of 8 elements)."""
+    """dQ of one query block, dO and dQ at their strides. Every stride comes in units of 8 elements
+    (:func:`element_strides`)."""
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dqb, stride_dqh, stride_dqm = element_strides(stride_dqb8, stride_dqh8, stride_dqm8)
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)

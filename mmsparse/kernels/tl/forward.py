@@ -80,8 +80,8 @@ def attention_fwd_tl(
     its tile is query r % seq_q of the group's query head r // seq_q, so each K/V tile is read once for the
     whole group rather than once per query head.
 
-    O is written at its strides (in units of 8 elements; ``stride_os8`` between splits' partials), which need not be
-    q's: an output follows its input's layout (``layouts.output_like``)."""
+    O is written at its strides (``stride_os8`` between splits' partials), which need not be q's: an output follows
+    its input's layout (``layouts.output_like``). Every stride comes in units of 8 elements (``element_strides``)."""
     stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
     stride_os = stride_os8.to(tl.int64) * 8
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
