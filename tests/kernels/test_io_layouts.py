@@ -191,3 +191,25 @@ def test_hopper_kernels_follow_the_inputs_layout(head_dim, deterministic):
     assert kernels["forward"] == "gluon" and kernels["dkdv"].startswith("gluon"), kernels
     grad_out = torch.randn(2, seq, 8, head_dim, device=cuda).to(torch.bfloat16).transpose(1, 2)
     _check(q, k, v, CYCLIC, lens, grad_out, seq, deterministic=deterministic)
+
+
+def test_flash_attn_packed_layout_comes_back_contiguous(device):
+    """``mbs_attention_varlen`` over flash-attn's ``[total, H, D]`` returns ``[total, H, D]`` contiguous, as
+    ``flash_attn_varlen_func`` does, and gradients of that layout; the values as for ``[1, H, total, D]``."""
+    from mmsparse import mbs_attention_varlen
+
+    lens = [[5, 12, 20], [3, 9, 11]]
+    total = sum(map(sum, lens))
+    q, k, v = (torch.randn(total, heads, 16, device=device).to(torch.bfloat16).requires_grad_()
+               for heads in (4, 2, 2))
+    grad_out = torch.randn(total, 4, 16, device=device).to(torch.bfloat16)
+    out = mbs_attention_varlen(q, k, v, CYCLIC, lens)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert out.shape == (total, 4, 16) and out.is_contiguous()
+    assert all(g.is_contiguous() for g in grads)
+    views = [t.detach().permute(1, 0, 2).unsqueeze(0).requires_grad_() for t in (q, k, v)]
+    out_bhsd = mbs_attention_varlen(*views, CYCLIC, lens)
+    grads_bhsd = torch.autograd.grad(out_bhsd, views, grad_out.permute(1, 0, 2).unsqueeze(0))
+    torch.testing.assert_close(out, out_bhsd[0].permute(1, 0, 2), rtol=0, atol=0)
+    for got, want in zip(grads, grads_bhsd):
+        torch.testing.assert_close(got, want[0].permute(1, 0, 2), rtol=0, atol=0)
