@@ -125,8 +125,9 @@ def piece_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    call: PiecesCall, hooks: ExchangeHooks | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, against the merged out and lse of its query rows, with the forward's settings
-    and launches (``call``). ``hooks``: the rank's exchange beside the piece's backward (``attention_backward``'s)."""
-    return attention_backward(do, q, k, v, out.contiguous(), lse.contiguous(), piece.info, scale, dropout_p, seed,
+    and launches (``call``). ``hooks``: the rank's exchange beside the piece's backward (``attention_backward``'s).
+    The kernels read ``out`` at its strides, a slice of the rank's rows included; ``lse`` is made contiguous."""
+    return attention_backward(do, q, k, v, out, lse.contiguous(), piece.info, scale, dropout_p, seed,
                               settings=call.settings, launch=call.launches.get(id(piece)), hooks=hooks)
 
 
