@@ -220,24 +220,42 @@ def _op_lists(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], 
     return found, kept
 
 
+def _resolve(op: str, plan: str, host_values: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: list[torch.Tensor], lists: list[torch.Tensor], seed: torch.Tensor | None, softmax_scale: float,
+             dropout_p: float) -> tuple[CallPlan, Any, list[torch.Tensor]]:
+    """An op call's frozen plan, launch and tiles' lists (``op``: "fwd" or "bwd"): found by one lookup where this
+    kind of call was resolved before (:mod:`mmsparse.attention.resolved`), else worked out and kept."""
+    key = op_call_key(op, plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
+    found = resolved_op(key)
+    found_lists = found.lists(lists) if found is not None else None
+    if found is not None and found_lists is not None:
+        return found.plan, found.launch, found_lists
+    values = call_plan_from_text(plan)
+    if op == "fwd":
+        found_lists, kept = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
+        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed,
+                                   _forward_args(mask, values, found_lists))
+    else:
+        passes = [step.lists for step in (values.dkdv, values.dq) if step is not None]
+        found_lists, kept = _op_lists(mask, values, passes, lists, host_values)
+        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed,
+                                    _pass_args(mask, values, found_lists))
+    keep_resolved(key, values, launch, kept)
+    return values, launch, found_lists
+
+
+def _forward_args(mask: list[torch.Tensor], values: CallPlan, lists: list[torch.Tensor]) -> LaunchArgs:
+    """The mask arguments of the forward's tile over its lists."""
+    return mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
+
+
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: list[torch.Tensor], lists: list[torch.Tensor],
     seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    key = op_call_key("fwd", plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
-    op = resolved_op(key)
-    found = op.lists(lists) if op is not None else None
-    if op is None or found is None:
-        values = call_plan_from_text(plan)
-        found, kept = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
-        args = mask_launch_args(mask, values.mode, found[0], found[1], values.window)
-        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args)
-        keep_resolved(key, values, launch, kept)
-    else:
-        launch = op.launch
-        args = mask_launch_args(mask, op.plan.mode, found[0], found[1], op.plan.window)
-    return launch(q, k, v, seed, args)
+    values, launch, found = _resolve("fwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
+    return launch(q, k, v, seed, _forward_args(mask, values, found))
 
 
 def _fwd_fake(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
@@ -256,19 +274,8 @@ def _bwd_impl(
     dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    key = op_call_key("bwd", plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
-    op = resolved_op(key)
-    found = op.lists(lists) if op is not None else None
-    if op is None or found is None:
-        values = call_plan_from_text(plan)
-        passes = [values.dkdv] + ([values.dq] if values.dq is not None else [])
-        found, kept = _op_lists(mask, values, [step.lists for step in passes], lists, host_values)
-        dkdv, dq = _pass_args(mask, values, found)
-        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, (dkdv, dq))
-        keep_resolved(key, values, launch, kept)
-    else:
-        values, launch = op.plan, op.launch
-        dkdv, dq = _pass_args(mask, values, found)
+    values, launch, found = _resolve("bwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
+    dkdv, dq = _pass_args(mask, values, found)
     return launch(kernel_layout(grad_out), q, k, v, out, lse, seed, dkdv, dq)
 
 
