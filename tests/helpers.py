@@ -3,6 +3,7 @@ verbose closeness checks. (Fixtures live in tests/conftest.py.)"""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 import subprocess
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmsparse import mbs_attention, reference_attention, reference_mask
 from mmsparse.nn import MultimodalSelfAttention
@@ -140,12 +142,26 @@ def forward_backward(q, k, v, grad_out, **kw):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def check_outputs(q, k, v, out, grad_out, mask, softmax_scale=None, **kw):
-    """Compare out and q/k/v .grad (after out.backward(grad_out)) with float64 and plain-torch references."""
+def check_outputs(q, k, v, out, grad_out, mask, softmax_scale=None, *, grads=None, **kw):
+    """Compare out and q/k/v .grad (after out.backward(grad_out)) with float64 and plain-torch references.
+    ``grads``: (dq, dk, dv) to check instead of the leaves' .grad (e.g. ``torch.autograd.grad``'s, as returned)."""
     exact = reference_grads(q, k, v, mask, grad_out, softmax_scale, torch.float64, **kw)
     plain = reference_grads(q, k, v, mask, grad_out, softmax_scale, q.dtype, **kw)
-    for i, (name, actual) in enumerate((("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))):
+    dq, dk, dv = grads if grads is not None else (q.grad, k.grad, v.grad)
+    for i, (name, actual) in enumerate((("out", out), ("dq", dq), ("dk", dk), ("dv", dv))):
         assert_calibrated(name, actual, exact[i], plain[i], q.dtype)
+
+
+class TorchOps(TorchDispatchMode):
+    """Counts the torch ops dispatched while it is on (``ops``: the overload's name -> calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def check_against_reference(q, k, v, topology, seg_lens, causal=False, softmax_scale=None, window=None, **kw):

@@ -14,11 +14,12 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mmsparse import mbs_attention
 from mmsparse.runtime import launch
 from mmsparse.runtime.launch import interpreter_active
+from tests.helpers import TorchOps
 
 pytestmark = pytest.mark.skipif(not interpreter_active(), reason="counts the interpreter's launches (CPU)")
 
@@ -31,18 +32,6 @@ ATTENTION_KERNELS = {"attention_fwd_tl": 1, "attention_combine_tl": 1, "attentio
 # lse and the split forward's partial out and lse, delta; out, dq, dk, dv at their inputs' strides. autograd's two
 # detaches of the saved outputs are its own.
 STEADY_OPS = {"aten.empty.memory_format": 4, "aten.empty_strided.default": 4, "aten.detach.default": 2}
-
-
-class _TorchOps(TorchDispatchMode):
-    """Counts the torch ops dispatched while it is on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -71,7 +60,7 @@ def plain_empty(monkeypatch):
 
 def _step(q, k, v, grad_out, seg_lens, launches) -> collections.Counter[str]:
     launches.clear()
-    with _TorchOps() as mode:
+    with TorchOps() as mode:
         out = mbs_attention(q, k, v, TOPOLOGY, seg_lens)
         torch.autograd.grad(out, (q, k, v), grad_out)
     return mode.ops
@@ -111,7 +100,7 @@ def test_the_one_pass_backward_zeroes_its_dq_sum_in_the_delta_kernel(launches):
     q, k, v, grad_out = _inputs(2)
     for _ in range(3):
         launches.clear()
-        with _TorchOps() as mode:
+        with TorchOps() as mode:
             out = mbs_attention(q, k, v, TOPOLOGY, LENGTHS, deterministic=False)
             torch.autograd.grad(out, (q, k, v), grad_out)
     assert dict(launches) == {name: 1 for name in ATTENTION_KERNELS if name != "attention_dq_tl"}
