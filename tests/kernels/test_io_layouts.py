@@ -77,6 +77,20 @@ def test_outputs_and_gradients_follow_the_inputs_layout(layout, deterministic, d
     _check(q, k, v, CYCLIC, LENS, grad_out, seq, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two_passes", "one_pass"])
+@pytest.mark.parametrize("seq_q", [61, 40], ids=["self", "fewer_queries"])
+def test_layer_layout_edges(seq_q, deterministic, device):
+    """A layer's layout at a head dim that is no power of two (40, columns past it padded in the tiles: a store
+    past it would land in the next head of a [B, S, H, D] row), a zero-length segment, a segment whose rows attend
+    nothing, ragged ends, GQA 4 / 2, and fewer queries than keys (the last ones)."""
+    lens = (0, 30, 22, 9)
+    topo = [[1, 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
+    q = _views("bshd", 2, 4, 2, seq_q, seq_q, 40, torch.bfloat16, device)[0]
+    _, k, v = _views("bshd", 2, 4, 2, 61, 61, 40, torch.bfloat16, device)
+    grad_out = torch.randn(2, seq_q, 4, 40, device=device).to(torch.bfloat16).transpose(1, 2)
+    _check(q, k, v, topo, lens, grad_out, 61, deterministic=deterministic)
+
+
 def test_float32_one_pass_gradient_in_a_layer_layout(device):
     """float32's one pass may hand back its float32 dQ sum itself, which is contiguous: only where q is."""
     seq = sum(LENS)
