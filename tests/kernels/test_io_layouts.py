@@ -140,27 +140,20 @@ def test_a_layer_step_copies_no_attention_input_or_output(device):
 def test_a_compiled_layer_graph_copies_nothing_around_the_ops(device):
     """Compiled, the ops' fake outputs are laid out as the real ones (Inductor checks each extern output's strides),
     so AOTAutograd's forward and backward graphs hold no clone around them; the step equals eager's."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = {}
-
-    def keep(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     layer = _layer(device)
     x = torch.randn(2, sum(LENS), 32, device=device, requires_grad=True)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(layer, backend=backend)
     out = compiled(x)
     out.sum().backward()
     grad = x.grad
-    for name, gm in graphs.items():
+    assert backend.fw_graphs and backend.bw_graphs
+    for gm in (*backend.fw_graphs, *backend.bw_graphs):
         clones = [n for n in gm.graph.nodes if n.op == "call_function" and "clone" in str(n.target)]
-        assert not clones, (name, clones)
+        assert not clones, clones
     x.grad = None
     eager = layer(x)
     eager.sum().backward()
