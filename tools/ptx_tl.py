@@ -44,6 +44,7 @@ CASES = [
     Case("bf16-D128-bits-causal-dropout", 128, "bfloat16", "bits", causal=True, dropout=True),
     Case("bf16-D64-codes-window-dropout", 64, "bfloat16", "codes", window=True, dropout=True, group=1),
     Case("bf16-D64-codes-causal-short", 64, "bfloat16", "codes", causal=True),
+    Case("bf16-D64-bits-short", 64, "bfloat16", "bits"),  # the seed's: its tl dQ pass computes P as Gluon's dK/dV
     Case("bf16-D128-dense-decode", 128, "bfloat16", "dense", seq_q=8, group=4),
     Case("fp32-D128-bits", 128, "float32", "bits", group=1),
     Case("fp16-D96-codes-pointers", 96, "float16", "codes", causal=True, gluon=False, use_tma=False),

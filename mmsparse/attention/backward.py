@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.rules import lse_in_scores
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
@@ -29,6 +30,13 @@ from .plan import AttentionPlan, CallPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
+
+
+def dq_pass_lse_first(dkdv_gluon: bool, mask_mode: int, causal: bool, head_dim_pad: int) -> bool:
+    """Whether the tl dQ pass computes P with -lse / scale in S's initial value (``rules.lse_in_scores``): where the
+    dK/dV pass beside it is the Gluon kernel, which does. Both passes then round dS to the input dtype from the same
+    P, and the one pass (the Gluon dQ writer) agrees with them up to the order of float32 adds."""
+    return dkdv_gluon and lse_in_scores(mask_mode, causal, head_dim_pad)
 
 class BackwardLaunch:
     """Everything about one planned backward except the tensors, worked out once per call kind, at its first
@@ -78,8 +86,10 @@ class BackwardLaunch:
         if plan.dq is not None and not plan.dq.gluon:
             dq_tile = plan.dq.tile
             self.dq_grid = (cdiv(seq_q, dq_tile.block_m), batch * num_heads)
+            lse_first = dq_pass_lse_first(plan.dkdv.gluon, self.mode, self.causal, d_pad)
             self.dq_constexprs = dict(NUM_HEADS=num_heads, GROUP=group, BM=dq_tile.block_m, BN=dq_tile.block_n,
-                                      **flags, num_warps=dq_tile.num_warps, num_stages=dq_tile.num_stages)
+                                      **flags, LSE_FIRST=lse_first, num_warps=dq_tile.num_warps,
+                                      num_stages=dq_tile.num_stages)
         self.dkdv_grid = (cdiv(seq_k, tile.block_n), batch * num_kv_heads)
         self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,

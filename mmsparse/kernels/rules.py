@@ -1,6 +1,6 @@
-"""The token-mask rule: which (query, key) pairs of a tile are allowed. Written once, in operators and builtins
-that both dialects share: a Gluon kernel that calls these ``triton.jit`` functions compiles them with Gluon's
-semantics, so the tensors keep the caller's layouts."""
+"""The rules both kernel dialects follow, written once: which (query, key) pairs of a tile are allowed (in operators
+and builtins that both share: a Gluon kernel that calls these ``triton.jit`` functions compiles them with Gluon's
+semantics, so the tensors keep the caller's layouts), and how the backward passes compute P."""
 
 from __future__ import annotations
 
@@ -49,3 +49,19 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
     if HAS_WINDOW:
         allowed = allowed & (offs_k > q_start + offs_q - window)
     return allowed
+
+# A kernel calls the rule below with its constexprs and the host with the launch's values; Triton before 3.4 has no
+# constexpr functions (no Gluon kernel runs there), and the host call is a plain call
+_constexpr_function = getattr(triton, "constexpr_function", lambda fn: fn)
+
+
+@_constexpr_function
+def lse_in_scores(mask_mode: int, causal: bool, head_dim_pad: int) -> bool:
+    """Whether the backward passes put -lse / scale into S's (S^T's) initial value before the matmul and take
+    p = exp2(S scale), rather than p = exp2(S scale - lse) after it: so that no load of lse stands between the
+    matmul's end and the exponentials (the Gluon dQ-writer kernel 1.04-1.06x). At head dims up to 128 (the D=256
+    dK/dV kernel, ``gluon.dkdv_d256``, subtracts it after), under every mask but segment codes with the causal flag,
+    whose partial blocks' mask then made ptxas 3.6 and 3.7 spill. The two forms round apart in float32, and dS is
+    rounded to the input dtype from P: a dQ pass computes P as its dK/dV pass does (a tl dQ pass beside the Gluon
+    dK/dV one takes the Gluon passes' form), so the two passes, and the one pass, agree on dS."""
+    return head_dim_pad <= 128 and (mask_mode != MASK_SEGMENTS or not causal)

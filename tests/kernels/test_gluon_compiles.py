@@ -9,7 +9,7 @@ crashed (misaligned address, illegal memory access) or hung. The variant count i
 a variant uses are initialised (the forward's turn mbarriers only with PINGPONG and ``turns="mbarrier"``). The
 forward's consumer loops are counted too (``tests/kernels/ptx_loops.py``): the mbarrier arrives per key block of each
 turn scheme; and the dK/dV kernels' PTX is read for a shared-memory load between a matmul's wait and the
-exponentials (lse belongs in S^T's initial value, ``common.lse_first``).
+exponentials (lse belongs in S^T's initial value, ``rules.lse_in_scores``).
 
 The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs
 of short samples, the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
@@ -450,16 +450,16 @@ def test_named_turns_fence_each_turns_matmuls(ptx_dir, variant):
 def _lse_first(variant: Variant) -> bool:
     from mmsparse.attention.config import head_dim_pad
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
-    from mmsparse.kernels.gluon.common import lse_first
+    from mmsparse.kernels.rules import lse_in_scores
 
     mode = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}[variant.mask]
-    return lse_first(mode, variant.causal, head_dim_pad(variant.head_dim))
+    return lse_in_scores(mode, variant.causal, head_dim_pad(variant.head_dim))
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer") and _lse_first(v)],
                          ids=lambda v: v.name)
 def test_lse_is_in_the_scores_before_their_matmul(ptx_dir, variant):
-    """Where ``common.lse_first`` holds, the dK/dV kernels issue S^T onto -lse / scale: no shared-memory load (of
+    """Where ``rules.lse_in_scores`` holds, the dK/dV kernels issue S^T onto -lse / scale: no shared-memory load (of
     lse) stands between a matmul's wait and the exponentials that follow it (the dQ-writer kernel ran 1.04-1.06x
     faster once that load moved before the matmul)."""
     from tests.kernels.ptx_loops import shared_loads_before_exponentials

@@ -11,7 +11,7 @@ Partitions of one CTA (128 keys, ``[B, Hkv]`` x key blocks, as ``gluon.dkdv``):
   MMA warpgroup) and issues the TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor``) into dQ.
 
 A step of MMA warpgroup w (FlashAttention-4's ``mma_one_m_block`` with ``SdP_swapAB`` and RS dK/dV matmuls): issue
-S^T = K_w Q^T (onto -lse / scale, and the mask bias in a partial block: ``common.lse_first``) and dP^T = V_w dO^T;
+S^T = K_w Q^T (onto -lse / scale, and the mask bias in a partial block: ``rules.lse_in_scores``) and dP^T = V_w dO^T;
 P^T = exp2(S^T scale) once S^T is done; dV += P^T dO with P^T in registers (RS); dS^T = P^T (dP^T - delta) once
 dP^T is done; stage dS^T in the warpgroup's shared tile and meet the other warpgroup there (``_DS_FULL``); issue
 dQ[:, w D/2 : (w+1) D/2] = dS K over both warpgroups' keys (both staged tiles, SS) and dK += dS^T Q with dS^T in
@@ -49,7 +49,7 @@ barriers                              < 200               < 200               < 
 
 The numerics are ``gluon.dkdv``'s, and the ``tl`` one-pass kernel's (``tl.backward._dkdv_tiles``) but for the
 order of one float32 add: p in float32, the token mask (0 or -inf) and -lse / scale as S^T's initial value (where
-``common.lse_first`` holds: p = exp2((S^T - lse / scale) scale) rather than exp2(S^T scale - lse)), dV from p
+``rules.lse_in_scores`` holds: p = exp2((S^T - lse / scale) scale) rather than exp2(S^T scale - lse)), dV from p
 rounded to the input dtype, dS rounded to the input
 dtype, dK and dQ times the softmax scale. No dropout: that stays with the ``tl`` kernel. Not deterministic: the
 reduce-adds of the key blocks into one dQ tile land in any order.
@@ -68,12 +68,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
+from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
     invalidate_ring,
     issue_scores,
     key_step_zero,
-    lse_first,
     opaque_zero,
     probabilities,
     scores_init,
@@ -129,7 +129,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
+    LSE_FIRST: gl.constexpr = lse_in_scores(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
     mbarrier.wait(kv_bar, 0)

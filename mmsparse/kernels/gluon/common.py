@@ -17,12 +17,11 @@ partitions); PTX allows that only after the barrier is invalidated.
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from ..constants import MASK_DENSE, MASK_SEGMENTS
+from ..constants import MASK_DENSE
 from ..lists import block_id
 from ..rules import allowed_pairs
 
@@ -214,15 +213,6 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
     return st0, partial
 
 
-@triton.constexpr_function
-def lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD):
-    """Whether the backward passes put -lse / scale into S's (S^T's) initial value before the matmul
-    (:func:`issue_scores`), so that no shared-memory load of lse stands between the matmul's end and the
-    exponentials (the dQ-writer kernel 1.04-1.06x), rather than subtracting lse after it: at head dims up to 128
-    (the D=256 dK/dV kernel, ``gluon.dkdv_d256``, subtracts it after), under every mask but segment codes with the
-    causal flag, whose partial blocks' mask then made ptxas 3.6 and 3.7 spill. The dQ pass follows the same rule
-    as the dK/dV kernels, so that the passes compute P the same way."""
-    return HEAD_DIM_PAD <= 128 and (MASK_MODE != MASK_SEGMENTS or not IS_CAUSAL)
 
 
 @gluon.jit

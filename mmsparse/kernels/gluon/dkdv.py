@@ -11,7 +11,7 @@ dV += P^T_i dO_i; waits for dP^T_i and dK_{i-1}, releases stage i-1, and forms d
 thus held for two steps: at least 2 stages. The numerics are those of the ``tl`` dK/dV kernel
 (``tl.backward._dkdv_tiles``), save that a partial block's token mask is the initial value of S^T (0 or -inf, from
 query indices and bits the producer stores per stage) rather than a where() on P^T: p = 0 all the same where the
-scores and lse are finite and the scale positive; and that where ``common.lse_first`` holds -lse / scale is part of
+scores and lse are finite and the scale positive; and that where ``rules.lse_in_scores`` holds -lse / scale is part of
 that initial value too (p = exp2((S^T - lse / scale) scale): no load of lse waits between the matmul and the
 exponentials). The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
+from ..rules import lse_in_scores
 from .common import (
     WORKER_REGS,
     WORKER_WARPS,
@@ -47,7 +48,6 @@ from .common import (
     issue_scores,
     key_step_zero,
     load_resident_halves,
-    lse_first,
     probabilities,
     scores_init,
     thread_barrier,
@@ -188,7 +188,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
+    LSE_FIRST: gl.constexpr = lse_in_scores(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     mbarrier.wait(kv_bar, 0)
     if total > 0:
         # Step 0: no dK of a previous step to issue.

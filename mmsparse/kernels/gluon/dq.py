@@ -7,7 +7,7 @@ asynchronous, and forms dS_j while that last matmul runs, so the exponentials ov
 warpgroup (the ``tl`` dQ kernel alternates between them).
 
 The numerics are the ``tl`` dQ kernel's (``tl.backward._dq_tiles``): p = exp2(s * scale - lse) with the exact token
-mask in partial blocks only (save that where ``common.lse_first`` says so, -lse / scale is S's initial value, as in
+mask in partial blocks only (save that where ``rules.lse_in_scores`` says so, -lse / scale is S's initial value, as in
 the dK/dV passes), dS = p (dP - delta), dQ scaled by the softmax scale at the end. No dropout: that stays
 with the ``tl`` kernel. Called only where ``mmsparse.attention.dispatch.hopper_gluon_available`` allows.
 """
@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
 from ..lists import block_id
+from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
     WORKER_REGS,
@@ -36,7 +37,6 @@ from .common import (
     init_barriers,
     invalidate_barriers,
     load_resident_halves,
-    lse_first,
     masked_scores,
     program_lists,
     resident_tile,
@@ -73,7 +73,7 @@ def _score_grads(s, dp, neg_lse, delta, masked, offs_m, q_bits, n_blk, mask_args
 
 @gluon.jit
 def _issue_scores(q, k_tile, s_zero, neg_lse, inv_qk_scale, LSE_FIRST: gl.constexpr):
-    """Issue S = Q K^T; where ``LSE_FIRST`` (``common.lse_first``) onto -lse / scale, as the dK/dV passes issue S^T,
+    """Issue S = Q K^T; where ``LSE_FIRST`` (``rules.lse_in_scores``) onto -lse / scale, as the dK/dV passes issue S^T,
     so that the passes compute P alike."""
     if LSE_FIRST:
         s = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero + gl.expand_dims(neg_lse * inv_qk_scale, 1),
@@ -112,7 +112,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
     dq = gl.zeros([WG_ROWS, HEAD_DIM_PAD], gl.float32, dq_layout)
     s_zero = gl.zeros([WG_ROWS, BN], gl.float32, s_layout)
     inv_qk_scale = 1.0 / qk_scale
-    LSE_FIRST: gl.constexpr = lse_first(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
+    LSE_FIRST: gl.constexpr = lse_in_scores(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     mbarrier.wait(qdo_bar, 0)
     if n_total > 0:
         # Block 0: its dS alone.

@@ -16,6 +16,7 @@ from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
 from ..lists import block_id
 from .common import (
     dot,
+    dot_onto,
     dropout_keep,
     element_strides,
     load_block,
@@ -200,17 +201,26 @@ def _dq_tiles(
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, bh, dropout_p,
     BN: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, LSE_FIRST: tl.constexpr,
 ):
-    """Accumulate dQ of one query block over key blocks idx[start:stop]."""
+    """Accumulate dQ of one query block over key blocks idx[start:stop]. ``LSE_FIRST``: P as the Gluon passes
+    compute it (``rules.lse_in_scores``), S onto -lse / scale, else exp2(S scale - lse)."""
+    if LSE_FIRST:
+        s_init = tl.zeros([lse.shape[0], BN], tl.float32) - (lse * (1.0 / qk_scale))[:, None]
     for it in range(start, stop):
         n_blk = block_id(idx_ptr, it)
         offs_n = n_blk * BN + offs_n0
         b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
-        b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores
+        if LSE_FIRST:
+            b_s = dot_onto(b_q, tl.trans(b_k), s_init, DOT_MODE)  # [BM, BN] scores less lse / scale
+        else:
+            b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores
         b_dp = dot(b_do, tl.trans(b_v), DOT_MODE)  # [BM, BN], before the exponentials as in the dK/dV pass
-        b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
+        if LSE_FIRST:
+            b_p = tl.math.exp2(b_s * qk_scale)
+        else:
+            b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -lse[:, None]))  # explicit FMA: see the forward
         if MASKED:
             allowed = pair_mask(offs_m[:, None], offs_n[None, :], q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q,
                                 seq_q, seq_k, q_start, window, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
@@ -232,10 +242,10 @@ def attention_dq_tl(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, LSE_FIRST: tl.constexpr = False,
 ):
     """dQ of one query block, dO and dQ at their strides. Every stride comes in units of 8 elements
-    (:func:`element_strides`)."""
+    (:func:`element_strides`). ``LSE_FIRST``: P computed as the Gluon dK/dV pass beside it does (:func:`_dq_tiles`)."""
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dqb, stride_dqh, stride_dqm = element_strides(stride_dqb8, stride_dqh8, stride_dqm8)
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
@@ -267,12 +277,13 @@ def attention_dq_tl(
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, 0, n_full,
         q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale, seed, pid_bh,
-        dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        dropout_p, BN, HEAD_DIM, False, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA, LSE_FIRST,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, lse, delta, offs_m, offs_n0, offs_d, k_src, v_src, stride_kn, stride_vn, idx_ptr, n_full,
         n_full + n_part, q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window, qk_scale,
         seed, pid_bh, dropout_p, BN, HEAD_DIM, True, MASK_MODE, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, DOT_MODE, USE_TMA,
+        LSE_FIRST,
     )
     dq_dst = make_source(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh, seq_q, stride_dqm, BM, HEAD_DIM,
                          HEAD_DIM_PAD, USE_TMA)

@@ -25,6 +25,18 @@ def dot(a, b, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
+def dot_onto(a, b, acc, DOT_MODE: tl.constexpr):
+    """acc + a @ b, fp32, as :func:`dot`: the matmul accumulates onto ``acc`` (an initial value it starts from, as a
+    Hopper wgmma does, not a sum added after it)."""
+    if DOT_MODE == _DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+    elif DOT_MODE == _DOT_TF32X3:
+        return tl.dot(a, b, acc=acc, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, acc=acc)
+
+
+@triton.jit
 def element_strides(stride_b8, stride_h8, stride_row8):
     """A tensor's batch, head and row strides, passed in units of 8 elements (``attention.layouts.in_eights``; the
     launchers guarantee multiples of 8: head dims are), in elements, 64-bit (a batch stride passes 2^31). Multiplied
