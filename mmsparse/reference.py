@@ -112,6 +112,7 @@ def reference_group_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, allowed: MaskRows,
     rows: torch.Tensor, cols: torch.Tensor, softmax_scale: float | None = None, dtype: torch.dtype = torch.float32,
     chunk: int = 2048, keep: KeepRows | None = None, dropout_p: float = 0.0,
+    delta_from: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same attention as :func:`reference_attention`, for problems too large for an S x S tensor: one sample
     and one GQA group, on sampled rows, a chunk of queries at a time (memory O(chunk * Sk)). Output and dq need
@@ -123,6 +124,9 @@ def reference_group_rows(
         rows: query rows (int64 ``[R]``, ascending, distinct) whose output and dq are wanted; cols: key rows
             (``[C]``, may be empty) whose dk and dv are wanted.
         keep, dropout_p: optional dropout keep mask, per head and query rows.
+        delta_from: the dtype the output is stored in before the backward reads it: delta = rowsum(dO * O) from O
+            rounded to it, as a FlashAttention-style backward computes delta from the stored output (None: from O
+            as computed).
 
     Returns:
         ``(out [G, R, D], dq [G, R, D], dk [C, D], dv [C, D])`` in ``dtype``; dk, dv summed over the group.
@@ -155,7 +159,8 @@ def reference_group_rows(
             else:
                 p_out = p
             o = p_out @ vd
-            ds = p * (dp - (doc * o).sum(-1, keepdim=True))  # delta = rowsum(dO * O)
+            stored = o if delta_from is None else o.to(delta_from).to(dtype)
+            ds = p * (dp - (doc * stored).sum(-1, keepdim=True))  # delta = rowsum(dO * O)
             if cols.numel():
                 dv += p_out[:, cols].T @ doc
                 dk += (ds[:, cols].T @ qc) * scale
