@@ -31,12 +31,12 @@ from .plan import AttentionPlan, CallPlan
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
 
-
 def dq_pass_lse_first(dkdv_gluon: bool, mask_mode: int, causal: bool, head_dim_pad: int) -> bool:
     """Whether the tl dQ pass computes P with -lse / scale in S's initial value (``rules.lse_in_scores``): where the
     dK/dV pass beside it is the Gluon kernel, which does. Both passes then round dS to the input dtype from the same
     P, and the one pass (the Gluon dQ writer) agrees with them up to the order of float32 adds."""
     return dkdv_gluon and lse_in_scores(mask_mode, causal, head_dim_pad)
+
 
 class BackwardLaunch:
     """Everything about one planned backward except the tensors, worked out once per call kind, at its first

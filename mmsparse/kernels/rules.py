@@ -50,6 +50,7 @@ def allowed_pairs(offs_q, offs_k, q_val, k_val, mask_ptr, stride_mask_q, seq_q, 
         allowed = allowed & (offs_k > q_start + offs_q - window)
     return allowed
 
+
 # A kernel calls the rule below with its constexprs and the host with the launch's values; Triton before 3.4 has no
 # constexpr functions (no Gluon kernel runs there), and the host call is a plain call
 _constexpr_function = getattr(triton, "constexpr_function", lambda fn: fn)

@@ -666,8 +666,8 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, plains: list[torch.Te
     rms_tol = SLACK * rms_plain + FLOOR[dtype] * widen * scale / 4
     if err.max().item() > max_tol or rms > rms_tol:
         rel = (a - e).norm().item() / max(e.norm().item(), 1e-30)
-        return (f"max err {err.max().item():.2e} (tol {max_tol:.1e}), rms err {rms:.2e} (tol {rms_tol:.1e}; plain "
-                f"{dtype} {rms_plain:.1e}), rel L2 {rel:.2e}")
+        return (f"max err {err.max().item():.2e} (tol {max_tol:.1e}), rms err {rms:.2e} (tol {rms_tol:.1e}; error "
+                f"models' {dtype} {rms_plain:.1e}), rel L2 {rel:.2e}")
     return ""
 
 

@@ -213,8 +213,6 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
     return st0, partial
 
 
-
-
 @gluon.jit
 def issue_scores(k_tile, q_tile, st0, partial, lse_s, inv_qk_scale, cols: gl.constexpr, LSE_FIRST: gl.constexpr):
     """Issue S^T = K Q^T onto ``st0`` (the mask's bias in a partial block, else zeros: ``common.scores_init``),
