@@ -263,11 +263,18 @@ def test_one_pass_agrees_with_two_passes(dtype, device):
         assert ((a - b).abs() <= tol).all(), f"{name}: max diff {(a - b).abs().max().item():.3e} (scale {scale:.3e})"
 
 
+# (topology, seg_lens, causal, window): a hub with the causal flag; a segment that sees nothing (its rows' lse is
+# -inf, their P must still be 0) with a window
+P_FORM_MASKS = {"hub-causal": (HUB, (15, 33, 22), True, None), "silent-window": (FOUR, (15, 20, 22, 13), False, 9)}
+
+
+@pytest.mark.parametrize("mask", P_FORM_MASKS)
 @pytest.mark.parametrize("lse_first", [False, True], ids=["fma", "lse-in-scores"])
-def test_tl_dq_pass_computes_p_either_way(lse_first, monkeypatch, device):
+def test_tl_dq_pass_computes_p_either_way(lse_first, mask, monkeypatch, device):
     """The tl dQ pass computes P as the dK/dV pass beside it does (``backward.dq_pass_lse_first``): with -lse / scale
     as S's initial value beside the Gluon dK/dV kernel (forced here, where the CPU has none), else exp2(S scale -
-    lse). Out and all three gradients against float64 in bf16, with partial blocks, rows past a block's end and GQA."""
+    lse). Out and all three gradients against float64 in bf16, with partial blocks, rows past a block's end, rows
+    that see nothing and GQA."""
     monkeypatch.setattr(backward, "dq_pass_lse_first", lambda *args: lse_first)
     launched = []
     made = backward.BackwardLaunch.__init__
@@ -278,13 +285,14 @@ def test_tl_dq_pass_computes_p_either_way(lse_first, monkeypatch, device):
 
     monkeypatch.setattr(backward.BackwardLaunch, "__init__", spy)
     clear_caches()  # launches made before were made without the patch
-    lens, seq = (15, 33, 22), 70
+    topology, lens, causal, window = P_FORM_MASKS[mask]
+    seq = sum(lens)
     q, k, v = make_qkv(2, 4, 2, seq, seq, 40, torch.bfloat16, device, torch.Generator().manual_seed(21))
     grad_out = torch.randn(2, 4, seq, 40, generator=torch.Generator().manual_seed(22)).to(device, torch.bfloat16)
-    out = mbs_attention(q, k, v, HUB, lens, causal=True)
+    out = mbs_attention(q, k, v, topology, lens, causal=causal, window=window)
     out.backward(grad_out)
     assert launched == [lse_first]
-    check_outputs(q, k, v, out.detach(), grad_out, reference_mask(HUB, lens, seq, causal=True))
+    check_outputs(q, k, v, out.detach(), grad_out, reference_mask(topology, lens, seq, causal=causal, window=window))
 
 
 def test_plan_of_the_one_pass_backward(device):
