@@ -65,6 +65,9 @@ def compile_ptx(name: str, out: Path, jit_fn, args: tuple, kwargs: dict) -> None
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    from mmsparse.runtime import launch
+
+    kwargs = {**getattr(launch, "PINNED_OPTIONS", {}), **kwargs}  # as the tree's FastKernel launches it
     target = GPUTarget(*TARGET)
     backend = make_backend(target)
     binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)

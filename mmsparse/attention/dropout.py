@@ -7,6 +7,7 @@ import torch
 import triton
 
 from ..kernels.tl.dropout import dropout_keep_mask_kernel
+from ..runtime.launch import PINNED_OPTIONS
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
@@ -40,7 +41,7 @@ def dropout_keep_rows(
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
     dropout_keep_mask_kernel[grid](seed, out, q_start, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
-                                   BN=32)
+                                   BN=32, **PINNED_OPTIONS)
     return out.bool()
 
 

@@ -34,6 +34,10 @@ _MISS = object()
 _knobs = getattr(triton, "knobs", None)
 fast_launches = 0  # counted for the tests: launches that skipped Triton's binding
 _INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time, from any thread
+# Compile options every launch passes: FP fusion (a * b + c as one FMA), Triton's default so far, which the kernels'
+# numerics (the tl and Gluon passes computing P alike) and speed assume. Triton 3.9 warns that 3.10 turns the default
+# off; asked for, it stays on in every version (the interpreter drops the option).
+PINNED_OPTIONS: dict[str, Any] = {"enable_fp_fusion": True}
 
 
 def _arg_key(arg: Any) -> Any:
@@ -104,7 +108,8 @@ class FastKernel:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         """Launch; return the cache entry ``(compiled kernel, constexpr tail)`` that launched or was stored, None
-        when the launch went through Triton without one."""
+        when the launch went through Triton without one. :data:`PINNED_OPTIONS` go with ``kwargs``."""
+        kwargs = {**PINNED_OPTIONS, **kwargs}
         if not self._enabled:
             if self._interpreted:
                 with _INTERPRETER_LOCK:

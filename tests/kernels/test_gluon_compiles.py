@@ -485,6 +485,9 @@ def _compile_launch(name: str, out: Path, kernel, args, kwargs) -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
+    from mmsparse.runtime.launch import PINNED_OPTIONS
+
+    kwargs = {**PINNED_OPTIONS, **kwargs}  # as FastKernel launches it
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)

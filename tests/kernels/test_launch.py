@@ -84,3 +84,15 @@ def test_the_launch_device_comes_from_a_tensor_or_a_descriptor_base():
     if torch.cuda.is_available():
         on_gpu = torch.empty(4, device="cuda")
         assert launch._launch_device(on_gpu) == on_gpu.device.index
+
+
+def test_every_launch_asks_for_fp_fusion(monkeypatch):
+    """FP fusion is asked for at every launch (Triton 3.10 turns its default off; 3.9 warns), on a cache miss and
+    when the interpreter runs the kernel alike, unless a launch asks otherwise."""
+    kernel = launch.FastKernel(attention_delta_tl)
+    seen: list[dict] = []
+    monkeypatch.setattr(kernel.fn, "run", lambda *args, **kwargs: seen.append(kwargs))
+    first = torch.zeros(8, device="cuda" if torch.cuda.is_available() else "cpu")
+    kernel[(1,)](first, 2, NUM_HEADS=1)
+    kernel[(1,)](first, 2, NUM_HEADS=1, enable_fp_fusion=False)
+    assert [kw.get("enable_fp_fusion") for kw in seen] == [True, False]
