@@ -16,7 +16,6 @@ from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
 from ..lists import block_id
 from .common import (
     dot,
-    dot_onto,
     dropout_keep,
     element_strides,
     load_block,
@@ -213,7 +212,7 @@ def _dq_tiles(
         b_k = load_block(k_src, n_blk * BN, offs_n, stride_kn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         b_v = load_block(v_src, n_blk * BN, offs_n, stride_vn, offs_d, seq_k, HEAD_DIM, MASKED, USE_TMA)  # [BN, D]
         if LSE_FIRST:
-            b_s = dot_onto(b_q, tl.trans(b_k), s_init, DOT_MODE)  # [BM, BN] scores less lse / scale
+            b_s = dot(b_q, tl.trans(b_k), DOT_MODE, s_init)  # [BM, BN] scores less lse / scale
         else:
             b_s = dot(b_q, tl.trans(b_k), DOT_MODE)  # [BM, BN] raw scores
         b_dp = dot(b_do, tl.trans(b_v), DOT_MODE)  # [BM, BN], before the exponentials as in the dK/dV pass

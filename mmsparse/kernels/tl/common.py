@@ -14,20 +14,10 @@ _DOT_TF32X3 = tl.constexpr(DOT_TF32X3)
 
 
 @triton.jit
-def dot(a, b, DOT_MODE: tl.constexpr):
-    """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (``constants.DOT_*``)."""
-    if DOT_MODE == _DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT_MODE == _DOT_TF32X3:
-        return tl.dot(a, b, input_precision="tf32x3")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def dot_onto(a, b, acc, DOT_MODE: tl.constexpr):
-    """acc + a @ b, fp32, as :func:`dot`: the matmul accumulates onto ``acc`` (an initial value it starts from, as a
-    Hopper wgmma does, not a sum added after it)."""
+def dot(a, b, DOT_MODE: tl.constexpr, acc=None):
+    """a @ b with fp32 accumulation, in the precision mode chosen by the launcher (``constants.DOT_*``). ``acc``: an
+    initial value the matmul accumulates onto (acc + a @ b, as a Hopper wgmma starts from it, not a sum added
+    after it)."""
     if DOT_MODE == _DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
     elif DOT_MODE == _DOT_TF32X3:
