@@ -5,8 +5,10 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
 ``NVSHMEM_DISABLE_NVLS=1``, each only where the environment does not set it already). Per run:
 
 - **links**: all-gather bus bandwidth at 256 MiB a rank, send/recv from rank 0 to rank 1 (:mod:`.cp_links`);
-- per config (:mod:`.cp_cases`) and impl (``mmsparse_cp``: ``ContextParallel``; ``mmsparse_cp_keep``: the same
-  with ``keep_fetched_kv=True``, no second fetch in the backward; ``mmsparse_cp_p2p``: the same with
+- per config (:mod:`.cp_cases`) and impl (``mmsparse_cp``: ``ContextParallel`` with its defaults, which keep the
+  fetched K/V for the backward below ``KEEP_FETCHED_MAX_BYTES``; ``mmsparse_cp_keep``: the same with
+  ``keep_fetched_kv=True``, no second fetch in the backward; ``mmsparse_cp_refetch``: ``keep_fetched_kv=False``,
+  the backward fetches again; ``mmsparse_cp_p2p``: the defaults with
   ``transport="p2p"``, NCCL's point to point where ``auto`` takes peer copies (``same_bits_as_p2p`` on the
   ``mmsparse_cp`` row: out and every gradient bitwise equal across the two); ``all_gather``: contiguous shards, K/V
   all-gathered, :mod:`.cp_allgather`):
@@ -20,9 +22,9 @@ NVLink multicast is turned off before NCCL starts (``NCCL_NVLS_ENABLE=0``, ``TOR
     and ``one_gpu_step_b2b_ms`` time the same steps back to back with no sync between them (the host queues
     ahead, as in a model whose layers keep the GPU busy: the GPU's own time), ``speedup_b2b`` their ratio;
   - **overlap** (``mmsparse_cp``): the local attention of the rank's pieces alone (``compute_ms``, the gathered K/V
-    already there, as ``tools.cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward and
-    again for the backward, dK/dV returned), ``hidden_ms`` = compute + exchange - step, and ``hidden_fraction``,
-    its share of the exchange;
+    already there, as ``tools.cp_local`` times it), the exchange alone (``exchange_ms``: K/V fetched for the forward
+    and again for the backward unless the call keeps it, dK/dV returned), ``hidden_ms`` = compute + exchange - step,
+    and ``hidden_fraction``, its share of the exchange;
   - **bytes** each rank sent and received in one step (``ContextParallel.bytes_sent`` / ``bytes_received``) against
     the plan's prediction (:func:`.cp_traffic.rank_bytes`); the all-gather baseline's are computed;
   - **model**: :func:`.cp_traffic.predicted_speedup` from this run's one-GPU step and send/recv bandwidth;
@@ -136,11 +138,12 @@ def _step_fn(attention, leaves: list[torch.Tensor], dout: torch.Tensor):
     return step
 
 
-def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fetched_kv: bool = False,
+def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fetched_kv: bool | str = "auto",
                  transport: str = "auto") -> dict:
-    """The ``mmsparse_cp`` row of a config (without its one-GPU fields); ``mmsparse_cp_keep`` with
-    ``keep_fetched_kv``: the K/V fetched in the forward kept for the backward, and ``mmsparse_cp_p2p`` with
-    ``transport`` "p2p" (their step, check and bytes only)."""
+    """The ``mmsparse_cp`` row of a config (without its one-GPU fields); ``mmsparse_cp_keep`` and
+    ``mmsparse_cp_refetch`` with ``keep_fetched_kv`` True and False (the K/V fetched in the forward kept for the
+    backward, or fetched again), and ``mmsparse_cp_p2p`` with ``transport`` "p2p" (their step, check and bytes
+    only)."""
     case, device = p.case, p.device
     cp = ContextParallel(case.topology, case.seg_lens, causal=case.causal, keep_fetched_kv=keep_fetched_kv,
                          transport=transport)
@@ -157,17 +160,19 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     element = p.q.element_size()
     dkv_element = torch.empty((), dtype=cp.kv_grad_dtype(p.q.dtype)).element_size()
     kv_token, dkv_token = (case.batch * 2 * case.heads_kv * case.head_dim * n for n in (element, dkv_element))
-    fetches = 1 if keep_fetched_kv else 2
+    kept = cp.keeps_fetched_kv(leaves[1])
+    fetches = 1 if kept else 2
     plan = [rank_bytes(cp.plan.summary(1), r, kv_token, dkv_token, fetches) for r in range(cp.world_size)]
     measured = cp_dist.gather_lists([sent, received], device)
     row.update(
         bytes_sent=[int(m[0]) for m in measured], bytes_received=[int(m[1]) for m in measured],
         plan_bytes_sent=[s for s, _ in plan], plan_bytes_received=[r for _, r in plan],
         chunk=cp.plan.chunk, imbalance=cp.plan.imbalance(), model_bandwidth_gbs=bandwidth / 1e9,
+        kept_fetched_kv=kept,
     )
     row["bytes_match"] = (row["bytes_sent"], row["bytes_received"]) == (row["plan_bytes_sent"],
                                                                          row["plan_bytes_received"])
-    if keep_fetched_kv or transport != "auto":
+    if keep_fetched_kv != "auto" or transport != "auto":
         return row
 
     q, k, v = (t.detach() for t in leaves)
@@ -186,8 +191,8 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
                         device=device)
 
     def exchange() -> None:
-        cp.fetch_kv(k, v)
-        cp.fetch_kv(k, v)
+        for _ in range(fetches):
+            cp.fetch_kv(k, v)
         cp.return_kv_grads(dkv_g, dkv_l)
 
     row["compute_ms"], row["compute_ms_ranks"] = _timed(compute, case, device, args)
@@ -196,6 +201,7 @@ def run_mmsparse(p: Problem, args: argparse.Namespace, bandwidth: float, keep_fe
     row["hidden_fraction"] = row["hidden_ms"] / row["exchange_ms"] if row["exchange_ms"] > 0 else None
     row["_summary"] = cp.plan.summary(kv_token)  # for the model, once the one-GPU time is known
     row["_dkv_ratio"] = dkv_element / element
+    row["_fetches"] = fetches
     return row
 
 
@@ -215,8 +221,8 @@ def run_all_gather(p: Problem, args: argparse.Namespace) -> dict:
 
 def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, links: dict,
              base: dict) -> list[dict]:
-    """The config's rows: ``mmsparse_cp``, ``mmsparse_cp_keep``, ``mmsparse_cp_p2p`` and ``all_gather``, or one
-    skipped row."""
+    """The config's rows: ``mmsparse_cp``, ``mmsparse_cp_keep``, ``mmsparse_cp_refetch``, ``mmsparse_cp_p2p`` and
+    ``all_gather``, or one skipped row."""
     world = dist.get_world_size()
     rows = [{**base, "config": case.name, "gpus": world, "impl": impl, "layout": case.layout,
              "seq_len": case.seq_len, "shape": case.describe()} for impl in IMPLS]
@@ -238,18 +244,19 @@ def run_case(case: CPCase, device: torch.device, dtype: torch.dtype, args: argpa
         t.grad = None
     bandwidth = links["send_recv_gbs"] * 1e9
     done = [run_mmsparse(p, args, bandwidth), run_mmsparse(p, args, bandwidth, keep_fetched_kv=True),
+            run_mmsparse(p, args, bandwidth, keep_fetched_kv=False),
             run_mmsparse(p, args, bandwidth, transport="p2p"), run_all_gather(p, args)]
     bits = [row.pop("_bits") for row in done]
-    done[0]["same_bits_as_p2p"] = cp_dist.all_ranks(all(torch.equal(a, b) for a, b in zip(bits[0], bits[2])), device)
+    done[0]["same_bits_as_p2p"] = cp_dist.all_ranks(all(torch.equal(a, b) for a, b in zip(bits[0], bits[3])), device)
     del bits
     for row, result in zip(rows, done):
         row.update(result, **one_gpu, speedup=one_gpu["one_gpu_step_ms"] / result["step_ms"],
                    speedup_b2b=one_gpu["one_gpu_step_b2b_ms"] / result["step_b2b_ms"])
         row["correct"] = all(row[f"{n}_rel_l2"] <= args.tolerance for n in NAMES) and row.get(
             "same_bits_as_p2p", True)
-    summary, dkv_ratio = rows[0].pop("_summary"), rows[0].pop("_dkv_ratio")
+    summary, dkv_ratio, fetches = (rows[0].pop(key) for key in ("_summary", "_dkv_ratio", "_fetches"))
     rows[0]["model_speedup"], rows[0]["model_speedup_overlap"] = predicted_speedup(
-        summary, one_gpu["one_gpu_step_ms"] / 1e3, links["send_recv_gbs"] * 1e9, dkv_ratio)
+        summary, one_gpu["one_gpu_step_ms"] / 1e3, links["send_recv_gbs"] * 1e9, dkv_ratio, fetches)
     if device.type == "cuda":
         peak = cp_dist.reduce_value(torch.cuda.max_memory_allocated(device), device, dist.ReduceOp.MAX)
         for row in rows:

@@ -19,7 +19,7 @@ from .report import fmt, write_record
 
 TOPIC = "cp_nccl"
 SECTIONS = {"rows": ("config", "gpus"), "links": ("gpus",), "dropout": ("config", "gpus")}  # merge keys
-IMPLS = ("mmsparse_cp", "mmsparse_cp_keep", "mmsparse_cp_p2p", "all_gather")
+IMPLS = ("mmsparse_cp", "mmsparse_cp_keep", "mmsparse_cp_refetch", "mmsparse_cp_p2p", "all_gather")
 
 
 def merge(folder: Path, new: dict[str, list[dict]], commit: str) -> dict[str, list[dict]]:
@@ -103,7 +103,8 @@ def markdown(record: dict[str, list[dict]]) -> str:
     lines += ["", "Forward + backward step. `one-GPU ms`: the whole problem on one GPU in the same run; speedup = "
               "one-GPU / step; model: `cp_model` from this run's one-GPU step and send/recv bandwidth (exchange not "
               "overlapped / fully hidden). compute: the rank's pieces alone, the gathered K/V already there; "
-              "exchange: K/V fetched twice and dK/dV returned, no compute; hidden = compute + exchange - step "
+              "exchange: K/V fetched as the step fetches it (twice, once where it keeps the fetched K/V) and dK/dV "
+              "returned, no compute; hidden = compute + exchange - step "
               "(slowest rank each). Each step starts at a barrier and ends with a sync, so the host's time counts; "
               "`back to back`: the same steps with no sync between them (the GPU's own time), and its speedup.", "",
               "| config | GPUs | impl | step ms | one-GPU ms | speedup | back to back ms / one-GPU ms | speedup | "

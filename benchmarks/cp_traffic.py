@@ -5,22 +5,23 @@ tabulates them for the long-sequence layouts."""
 from __future__ import annotations
 
 
-def exchange_bytes(summary: dict, dkv_ratio: float = 2.0) -> float:
+def exchange_bytes(summary: dict, dkv_ratio: float = 2.0, fetches: int = 2) -> float:
     """Bytes over one direction of the busiest rank's link in a forward and backward step. Inbound: the K/V it
-    fetches, twice, and the dK/dV of its own chunks coming back at ``dkv_ratio`` times the bytes of what it serves
-    (2: float32 for half-precision inputs; 1 where every rank's attention is one piece and the return travels in
-    the inputs' dtype, ``ContextParallel.kv_grad_dtype``); outbound mirrors it."""
-    return max(max(2 * recv + dkv_ratio * sent, 2 * sent + dkv_ratio * recv)
+    fetches, ``fetches`` times (1 where the call keeps the fetched K/V for the backward), and the dK/dV of its own
+    chunks coming back at ``dkv_ratio`` times the bytes of what it serves (2: float32 for half-precision inputs; 1
+    where every rank's attention is one piece and the return travels in the inputs' dtype,
+    ``ContextParallel.kv_grad_dtype``); outbound mirrors it."""
+    return max(max(fetches * recv + dkv_ratio * sent, fetches * sent + dkv_ratio * recv)
                for recv, sent in zip(summary["recv_bytes"], summary["sent_bytes"]))
 
 
 def predicted_speedup(summary: dict, one_gpu_s: float, bandwidth: float,
-                      dkv_ratio: float = 2.0) -> tuple[float, float]:
+                      dkv_ratio: float = 2.0, fetches: int = 2) -> tuple[float, float]:
     """(exchange not overlapped, fully overlapped) speedup over one GPU that runs every live pair in
     ``one_gpu_s``: the busiest rank's share of that time, and the exchange (:func:`exchange_bytes`) at
     ``bandwidth`` bytes/s per direction."""
     compute = one_gpu_s * max(summary["live_pairs"]) / sum(summary["live_pairs"])
-    moved = exchange_bytes(summary, dkv_ratio) / bandwidth
+    moved = exchange_bytes(summary, dkv_ratio, fetches) / bandwidth
     return one_gpu_s / (compute + moved), one_gpu_s / max(compute, moved)
 
 

@@ -12,8 +12,8 @@ runs the pieces of :mod:`.pieces` (those over its own chunks while the fetch is 
 and runs them, for any rank), and merges them by log-sum-exp in a fixed order; the backward sends each dK/dV
 contribution to the chunk's owner, which sums them in a fixed order (its own while the peers' are in flight,
 then the peers' in rank order): deterministic, no atomics. Only O(S / P) state
-is saved per rank by default: fetched K/V is fetched again in the backward, unless ``keep_fetched_kv`` trades its
-memory for that second exchange.
+is saved per rank where the sequence is long: fetched K/V is fetched again in the backward there; below
+:data:`KEEP_FETCHED_MAX_BYTES` of gathered K/V a call keeps it for the backward (``keep_fetched_kv``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ from .local import RankProblem, backward_pieces, check_causal, forward_pieces
 from .one_thread import one_thread_on
 from .pieces import PiecesCall, piece_seeds
 
+# The most gathered K/V (the largest rank's, one call) that ``keep_fetched_kv="auto"`` holds from forward to
+# backward. At 43k tokens on 4 H200s (168 MiB) keeping it makes the step 1.25x faster, on 2 1.01x; at 256k (GiBs)
+# the attention hides the second fetch and keeping gains nothing (benchmarks/results/h200/cp_nccl.md).
+KEEP_FETCHED_MAX_BYTES = 256 * 2**20
+
 
 class ContextParallel(RankProblem):
     """Context parallelism for one topology and set of lengths over a process group.
@@ -48,10 +53,12 @@ class ContextParallel(RankProblem):
         window: a sliding window, as in ``mbs_attention`` (key position > query position - window): a rank
             fetches and runs only the key chunks its queries' windows reach.
         keep_fetched_kv: keep the K/V fetched in the forward until the backward instead of fetching it again
-            there: one exchange fewer per step, for the fetched keys' memory (``[B, 2 Hkv, S_gathered, D]`` per
-            call, up to the whole sequence's K/V) held from forward to backward. Off by default: the saved state
-            then stays O(S / P). Worth it where the exchange, not the attention, bounds the step (tens of
-            thousands of tokens on a fast link).
+            there: one exchange fewer per step, for the gathered keys' memory (``[B, 2 Hkv, S_gathered, D]`` per
+            call, up to the whole sequence's K/V) held from forward to backward. ``"auto"`` (default) keeps it
+            where the largest rank's gathered K/V of the call is at most :data:`KEEP_FETCHED_MAX_BYTES` (256
+            MiB), where the exchange, not the attention, bounds the step (tens of thousands of tokens: at 43k on
+            4 H200s the step is 1.25x faster kept); past it the attention hides the second fetch and the saved
+            state stays O(S / P). True or False decides alone.
         transport: how the exchange moves K/V and dK/dV: ``"p2p"``, the group's point to point (NCCL, gloo);
             ``"peer_copy"``, each rank copying what it needs straight out of its peers' memory (CUDA IPC and copy
             engines between the GPUs of one host, no SMs; shared memory between CPU processes of one host), which
@@ -63,10 +70,11 @@ class ContextParallel(RankProblem):
 
     def __init__(self, topology: Any, seg_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  causal: bool = False, group: Any = None, chunk: int | None = None,
-                 window: int | None = None, keep_fetched_kv: bool = False, transport: str = "auto") -> None:
+                 window: int | None = None, keep_fetched_kv: bool | str = "auto",
+                 transport: str = "auto") -> None:
         check_causal(causal)
-        if not isinstance(keep_fetched_kv, bool):
-            raise TypeError(f"keep_fetched_kv must be a bool; got {type(keep_fetched_kv).__name__}")
+        if not isinstance(keep_fetched_kv, bool) and keep_fetched_kv != "auto":
+            raise TypeError(f"keep_fetched_kv must be True, False or 'auto'; got {keep_fetched_kv!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}")
         self.keep_fetched_kv, self.transport = keep_fetched_kv, transport
@@ -104,6 +112,14 @@ class ContextParallel(RankProblem):
             state.get("_group_ranks"))
         state["_group"] = None
         return state
+
+    def keeps_fetched_kv(self, k: torch.Tensor) -> bool:
+        """Whether a call on keys like ``k`` (this rank's, ``[B, Hkv, S_local, D]``) keeps its fetched K/V for the
+        backward. Every rank answers alike, or a rank would wait in a fetch that its peers skip: the rule reads
+        the largest rank's gathered K/V, never this rank's own."""
+        if self.keep_fetched_kv != "auto":
+            return self.keep_fetched_kv
+        return self.most_gathered_kv_bytes(k) <= KEEP_FETCHED_MAX_BYTES
 
     def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
@@ -216,7 +232,7 @@ class _Attention(torch.autograd.Function):
         call = PiecesCall(current_settings())
         # The pieces over this rank's own keys run while the exchange is in flight; the others after it.
         out, lse = forward_pieces(q, k, v, pieces, seeds, scale, dropout_p, gather, call)
-        ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keep_fetched_kv else ()))
+        ctx.save_for_backward(q, k, v, out, lse, *(fetched if cp.keeps_fetched_kv(k) else ()))
         ctx.cp, ctx.scale, ctx.dropout_p, ctx.pieces, ctx.seeds = cp, scale, dropout_p, pieces, seeds
         ctx.by_position = seed is not None
         ctx.call = call

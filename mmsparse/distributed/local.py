@@ -124,6 +124,12 @@ class RankProblem:
         owners = [rank, *(r for r in range(self.world_size) if r != rank)]
         return tuple(c for r in owners for c in needed if self.plan.owner[c] == r)
 
+    def most_gathered_kv_bytes(self, k: torch.Tensor) -> int:
+        """Bytes of the gathered K and V of the rank that gathers the most keys, for keys shaped and typed like
+        ``k`` (``[B, Hkv, ., D]``): the same on every rank, whichever rank asks."""
+        most = max(self.plan.tokens_of(chunks) for chunks in self.plan.needed_kv)
+        return 2 * k.shape[0] * k.shape[1] * most * k.shape[3] * k.element_size()
+
     def gathered_positions(self, by_position: bool = False) -> torch.Tensor:
         """int64 positions of the keys this rank gathers (its own among them), in :meth:`gathered_chunks`' order
         (the pieces' order for ``by_position``)."""

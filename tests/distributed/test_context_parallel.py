@@ -4,8 +4,9 @@ Each world size is spawned once and runs its cases inside (two ranks all of them
 shards full inputs, runs ``cp.attention`` forward and backward on each rank, puts the gradients back together, and
 checks them (once, on the group's rank 0: every rank holds the same whole tensors) against the float64 reference and
 the single-process ``mbs_attention``. With dropout the reference is the single-process call with the same seed: the
-ranks draw the bits of the same global positions. In a sample of the cases (``KEPT_BY_WORLD``) a second run keeps the
-fetched K/V for the backward (``keep_fetched_kv``) and must be bitwise equal to the first on every rank.
+ranks draw the bits of the same global positions. At these sizes the default keeps the fetched K/V for the
+backward; in a sample of the cases (``REFETCH_BY_WORLD``) a second run fetches it again (``keep_fetched_kv=False``)
+and must be bitwise equal to the first on every rank.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ CASES = [
 ]
 
 
-def _run_case(rank: int, world: int, case, group=None, kept_run: bool = True) -> None:
+def _run_case(rank: int, world: int, case, group=None, refetch_run: bool = True) -> None:
     from mmsparse import mbs_attention, reference_mask
     from mmsparse.distributed import ContextParallel
 
@@ -66,17 +67,19 @@ def _run_case(rank: int, world: int, case, group=None, kept_run: bool = True) ->
         return cp.unshard(o_l.detach()), grads
 
     out, grads = run()
-    if kept_run:
-        # The second run keeps the forward's fetched K/V for the backward: the same kernels on the same keys, so a
-        # repeatable run gives the same bits whether the backward fetches again or not.
-        kept = ContextParallel(topology, lens, causal=causal, group=group, window=window, keep_fetched_kv=True)
-        out2, grads2 = run(kept)
+    # At these sizes the default ("auto") keeps the forward's fetched K/V for the backward
+    assert cp.keeps_fetched_kv(k), "the gathered K/V here is far below KEEP_FETCHED_MAX_BYTES"
+    if refetch_run:
+        # The second run fetches the K/V again in the backward: the same kernels on the same keys, so a repeatable
+        # run gives the same bits whether the backward fetches again or not.
+        again = ContextParallel(topology, lens, causal=causal, group=group, window=window, keep_fetched_kv=False)
+        out2, grads2 = run(again)
         for a, b in zip((out, *grads), (out2, *grads2)):
-            assert torch.equal(a, b), "a second run (keeping the fetched K/V) must be bitwise equal to the first"
-        # One fetch fewer: the difference is the K/V of one fetch, > 0 where this rank needs another rank's keys.
+            assert torch.equal(a, b), "a second run (fetching the K/V again) must be bitwise equal to the first"
+        # One fetch more: the difference is the K/V of one fetch, > 0 where this rank needs another rank's keys.
         remote = any(cp.plan.owner[c] != cp.rank for c in cp.plan.needed_kv[cp.rank])
-        assert kept.bytes_received < cp.bytes_received if remote else kept.bytes_received == cp.bytes_received, (
-            "with keep_fetched_kv the backward must not fetch again")
+        assert cp.bytes_received < again.bytes_received if remote else cp.bytes_received == again.bytes_received, (
+            "with the fetched K/V kept the backward must not fetch again; without, it must")
     if cp.rank != 0:  # out and the gradients are the whole tensors on every rank (gathered, summed): one check
         return
 
@@ -158,11 +161,12 @@ def _check_fsdp2(mesh) -> None:
 # Two ranks run every case; three and four ranks (each case costs more processes on the same CPUs) run a sample
 # that keeps each feature: per-sample lengths, pair types (codes), dropout and windows, a segment seeing nothing.
 CASES_BY_WORLD = {2: range(len(CASES)), 3: (2, 5, 8, 10), 4: (0, 3, 11)}
-# The cases that also run a second time, keeping the fetched K/V (the backward reuses the forward's gathered
-# tensors whatever the mask; it costs a second build of every list): on two ranks bits with per-sample lengths,
+# The cases that also run a second time with keep_fetched_kv=False (the default keeps the fetched K/V at these
+# sizes; the backward fetching again must give the same bits whatever the mask; it costs a second build of every
+# list): on two ranks bits with per-sample lengths,
 # GQA and fp16, where one rank needs no remote keys (2), segment codes with dropout (8), a window with dropout (11);
 # on three ranks case 2 (a rank with no remote keys beside two that fetch from two peers); on four ranks case 11.
-KEPT_BY_WORLD = {2: (2, 8, 11), 3: (2,), 4: (11,)}
+REFETCH_BY_WORLD = {2: (2, 8, 11), 3: (2,), 4: (11,)}
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
@@ -170,12 +174,12 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     try:
         _check_unshard(rank, world)
         for index in CASES_BY_WORLD[world]:
-            _run_case(rank, world, CASES[index], kept_run=index in KEPT_BY_WORLD[world])
+            _run_case(rank, world, CASES[index], refetch_run=index in REFETCH_BY_WORLD[world])
         if world == 4:  # context parallel x data parallel: the CP group is one dim of a 2-D mesh
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-            _run_case(rank, world, CASES[1], group=mesh["cp"], kept_run=False)
+            _run_case(rank, world, CASES[1], group=mesh["cp"], refetch_run=False)
             _check_fsdp2(mesh)
     finally:
         dist.destroy_process_group()

@@ -29,6 +29,8 @@ def test_the_exchange_counts_what_the_busiest_rank_fetches_and_serves():
     # dK/dV of what it fetched (10), is then below its inbound (2 * 10 + 4)
     assert exchange_bytes(summary, dkv_ratio=1) == 2 * 10 + 4
     assert exchange_bytes({"recv_bytes": [1], "sent_bytes": [10]}, dkv_ratio=1) == 2 * 10 + 1
+    # the fetched K/V kept for the backward: fetched once; rank 0's outbound (4 + 2 * 10) now outweighs its inbound
+    assert exchange_bytes(summary, fetches=1) == 4 + 2 * 10
 
 
 def test_compute_follows_the_flops_of_a_live_pair():

@@ -31,6 +31,7 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
     rows = record["rows"]
     assert [(r["config"], r["gpus"], r["impl"]) for r in rows] == [("tiny_hub_causal", 2, "mmsparse_cp"),
                                                                      ("tiny_hub_causal", 2, "mmsparse_cp_keep"),
+                                                                     ("tiny_hub_causal", 2, "mmsparse_cp_refetch"),
                                                                      ("tiny_hub_causal", 2, "mmsparse_cp_p2p"),
                                                                      ("tiny_hub_causal", 2, "all_gather")]
     for row in rows:
@@ -41,11 +42,14 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
         assert row["speedup"] == pytest.approx(row["one_gpu_step_ms"] / row["step_ms"])
         assert row["speedup_b2b"] == pytest.approx(row["one_gpu_step_b2b_ms"] / row["step_b2b_ms"])
         assert row["nccl"]["NCCL_NVLS_ENABLE"] == "0"
-    cp, kept = rows[0], rows[1]
-    assert cp["same_bits_as_p2p"] and rows[2]["bytes_match"]
+    cp, kept, refetch = rows[0], rows[1], rows[2]
+    assert cp["same_bits_as_p2p"] and rows[3]["bytes_match"]
     assert cp["bytes_match"] and min(cp["bytes_sent"]) > 0, "the ranks exchange exactly what the plan says"
-    assert kept["bytes_match"] and sum(kept["bytes_received"]) < sum(cp["bytes_received"]), (
+    assert kept["bytes_match"] and sum(kept["bytes_received"]) < sum(refetch["bytes_received"]), (
         "keeping the fetched K/V saves the backward's fetch, as planned")
+    assert cp["kept_fetched_kv"] and cp["bytes_received"] == kept["bytes_received"], (
+        "a tiny config is far below KEEP_FETCHED_MAX_BYTES: the default keeps the fetched K/V")
+    assert refetch["bytes_match"] and not refetch["kept_fetched_kv"]
     assert cp["hidden_ms"] == pytest.approx(cp["compute_ms"] + cp["exchange_ms"] - cp["step_ms"])
     links = record["links"]
     assert len(links) == 1 and links[0]["all_gather_busbw_gbs"] > 0 and links[0]["send_recv_gbs"] > 0
