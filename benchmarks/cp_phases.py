@@ -212,6 +212,16 @@ def measure_phases(case: CPCase, device: torch.device, dtype: torch.dtype, reps:
     return rows
 
 
+def kept_rows(path: Path, commit: str, rows: list[dict]) -> list[dict]:
+    """The rows of the record at ``path`` that a run of the same commit keeps: those of the (config, GPUs) it did
+    not measure. A run on 2 GPUs and one on 4 fill one record; another commit's rows go."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    measured = {(r["config"], r["gpus"]) for r in rows}
+    return [r for r in old.get("rows", []) if old.get("commit") == commit and (r["config"], r["gpus"]) not in measured]
+
+
 def table(rows: list[dict]) -> str:
     """The rows as markdown, one line per (config, GPUs, phase)."""
     def num(x: float | None, fmt: str) -> str:
@@ -260,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         out = args.out or record_dir(env["gpu"], "cp_phases")
         out.mkdir(parents=True, exist_ok=True)
-        record = {**env, "nccl": nccl_env, "dtype": str(dtype).removeprefix("torch."), "reps": reps, "rows": rows}
+        record = {**env, "nccl": nccl_env, "dtype": str(dtype).removeprefix("torch."), "reps": reps,
+                  "rows": kept_rows(out / "cp_phases.json", env["commit"], rows) + rows}
         (out / "cp_phases.json").write_text(json.dumps(record, indent=1))
-        head = (f"Run: {env['gpu']}, torch {env['torch']}, commit {env['commit']}, {world} ranks, "
+        head = (f"Run: {env['gpu']}, torch {env['torch']}, commit {env['commit']}, "
                 f"{record['dtype']}; {nccl_env}; medians of {reps} calls, each from a barrier, the slowest rank's "
                 "time.\n\n")
-        (out / "cp_phases.md").write_text(head + table(rows))
+        (out / "cp_phases.md").write_text(head + table(record["rows"]))
         print(table(rows), end="", flush=True)
         log(f"wrote {out / 'cp_phases.json'} and its .md")
     cp_dist.barrier(device)
