@@ -44,7 +44,7 @@ from mmsparse.distributed import ContextParallel
 from . import cp_dist
 from .cp_cases import ALL_CASES, CPCase, case_names
 from .env import environment, record_dir
-from .report import log
+from .report import log, same_commit_rows
 
 PHASES = ("fetch", "return")  # a step runs the fetch twice (once with keep_fetched_kv) and the return once
 WAYS = ("p2p", "all_gather", "copy_engine")
@@ -212,16 +212,6 @@ def measure_phases(case: CPCase, device: torch.device, dtype: torch.dtype, reps:
     return rows
 
 
-def kept_rows(path: Path, commit: str, rows: list[dict]) -> list[dict]:
-    """The rows of the record at ``path`` that a run of the same commit keeps: those of the (config, GPUs) it did
-    not measure. A run on 2 GPUs and one on 4 fill one record; another commit's rows go."""
-    if not path.exists():
-        return []
-    old = json.loads(path.read_text())
-    measured = {(r["config"], r["gpus"]) for r in rows}
-    return [r for r in old.get("rows", []) if old.get("commit") == commit and (r["config"], r["gpus"]) not in measured]
-
-
 def table(rows: list[dict]) -> str:
     """The rows as markdown, one line per (config, GPUs, phase)."""
     def num(x: float | None, fmt: str) -> str:
@@ -271,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or record_dir(env["gpu"], "cp_phases")
         out.mkdir(parents=True, exist_ok=True)
         record = {**env, "nccl": nccl_env, "dtype": str(dtype).removeprefix("torch."), "reps": reps,
-                  "rows": kept_rows(out / "cp_phases.json", env["commit"], rows) + rows}
+                  "rows": same_commit_rows(out / "cp_phases.json", env["commit"], rows) + rows}
         (out / "cp_phases.json").write_text(json.dumps(record, indent=1))
         head = (f"Run: {env['gpu']}, torch {env['torch']}, commit {env['commit']}, "
                 f"{record['dtype']}; {nccl_env}; medians of {reps} calls, each from a barrier, the slowest rank's "

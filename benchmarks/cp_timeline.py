@@ -54,7 +54,7 @@ from .arguments import at_least_one
 from .cp_cases import ALL_CASES, CPCase, case_names
 from .devices import sync
 from .env import environment, record_dir
-from .report import log, write_record
+from .report import log, same_commit_rows, write_record
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's GPU activities (not gpu_user_annotation)
 KINDS = ("exchange", "compute", "copy")
@@ -359,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         out = args.out or record_dir(env["gpu"], "cp_timeline")
         out.mkdir(parents=True, exist_ok=True)
-        record = {**env, "nccl": nccl_env, "dtype": str(dtype).removeprefix("torch."), "gpus": world,
+        rows = same_commit_rows(out / "cp_timeline.json", env["commit"], rows) + rows
+        record = {**env, "nccl": nccl_env, "dtype": str(dtype).removeprefix("torch."),
                   "keep_fetched_kv": args.keep_fetched_kv, "steps": steps, "warmup": warmup, "rows": rows}
-        head = (f"Run: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, {world} "
-                f"ranks, {record['dtype']}; {nccl_env}; keep_fetched_kv {args.keep_fetched_kv}; {steps} profiled "
+        head = (f"Run: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
+                f"{record['dtype']}; {nccl_env}; keep_fetched_kv {args.keep_fetched_kv}; {steps} profiled "
                 "steps back to back.\n\n")
         body = table(rows)
         path = write_record(out, "cp_timeline", record, head + body)

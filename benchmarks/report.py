@@ -50,6 +50,16 @@ def write_record(folder: Path, topic: str, data: Any, table: str) -> Path:
     return path
 
 
+def same_commit_rows(path: Path, commit: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the record at ``path`` that a run of the same ``commit`` keeps: those of the (config, GPUs) it
+    did not measure. Runs on 2 and on 4 GPUs fill one record; another commit's rows go."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    measured = {(r["config"], r["gpus"]) for r in rows}
+    return [r for r in old.get("rows", []) if old.get("commit") == commit and (r["config"], r["gpus"]) not in measured]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Console
 

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.cp_phases import PHASES, WAYS, kept_rows, message_bytes
+from benchmarks.cp_phases import PHASES, WAYS, message_bytes
+from benchmarks.report import same_commit_rows
 from tests.helpers import torchrun_on_cpu
 
 
@@ -46,9 +47,9 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
 
 def test_runs_on_two_gpu_counts_fill_one_record(tmp_path):
     path = tmp_path / "cp_phases.json"
-    assert kept_rows(path, "a", []) == []
+    assert same_commit_rows(path, "a", []) == []
     rows = [{"config": c, "gpus": g, "phase": p} for c, g in (("x", 2), ("x", 4), ("y", 2)) for p in PHASES]
     path.write_text(json.dumps({"commit": "a", "rows": rows}))
     new = [{"config": "x", "gpus": 4, "phase": p} for p in PHASES]
-    assert kept_rows(path, "a", new) == [r for r in rows if (r["config"], r["gpus"]) != ("x", 4)]
-    assert kept_rows(path, "b", new) == [], "another commit's rows go"
+    assert same_commit_rows(path, "a", new) == [r for r in rows if (r["config"], r["gpus"]) != ("x", 4)]
+    assert same_commit_rows(path, "b", new) == [], "another commit's rows go"
