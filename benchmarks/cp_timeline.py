@@ -18,7 +18,10 @@ peer); the events that fill the exchange-alone time, the longest events, the lon
 either side, and every memcpy and memset by stream with its kind (to check the rules above on a new machine).
 Stream memory operations (the peer copies' arrival flags) and waits are no event of the trace: a wait shows as idle
 time or as the gap before the event it held back. ``host_ms``: the host's time to queue a step (to the last step's
-return, before the sync; the profiler's own overhead included); ``wall_ms``: the same to the end of the sync.
+return, before the sync; the profiler's own overhead included); ``wall_ms``: the same to the end of the sync;
+``host_plain_ms``: queueing the same steps with no profiler; then the same steps under cProfile: the host's
+functions of most own time, and mmsparse's of most time with their callees (where a rank's host time goes, when a
+slower host makes the others wait at the exchange's barrier).
 
 NVLink multicast is off, as in :mod:`.cp_nccl`. Writes ``DIR/cp_timeline.{json,md}`` (default
 ``benchmarks/results/<gpu>/``): one row per (config, GPUs, rank), and the slowest rank's lists. Without CUDA (or with
@@ -34,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import cProfile
 import json
 import os
+import pstats
 import tempfile
 import time
 from collections import defaultdict
@@ -60,6 +65,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's GPU activ
 KINDS = ("exchange", "compute", "copy")
 TOP = 8  # events listed by exchange-alone time and by total time
 GAPS = 5  # idle gaps listed
+HOST_TOP = 12  # host functions listed by own time and by mmsparse's cumulative time
 KEEP = {"auto": None, "true": True, "false": False}  # None: the constructor's default
 
 Interval = tuple[float, float]
@@ -279,11 +285,39 @@ def profile_steps(case: CPCase, device: torch.device, dtype: torch.dtype, keep: 
     row = {"config": case.name, "gpus": dist.get_world_size(), "rank": dist.get_rank(),
            "keeps_fetched_kv": cp.keeps_fetched_kv(k), "host_ms": (queued - t0) * 1e3 / steps,
            "wall_ms": (done - t0) * 1e3 / steps, **summarize(events, steps)}
-    return row
+    return {**row, **host_time(step, device, steps)}
 
 
-COLUMNS = ("step_ms", "host_ms", "busy_ms", "compute_ms", "exchange_ms", "exchange_alone_ms", "compute_alone_ms",
-           "overlap_ms", "idle_ms")
+def host_time(step: Callable[[], None], device: torch.device, steps: int) -> dict[str, Any]:
+    """The host's time a step with no torch profiler (``host_plain_ms``: queueing ``steps`` steps back to back), and
+    where it goes under cProfile: the functions of most own time (``host_self``) and mmsparse's functions of most
+    time with their callees (``host_mmsparse``), in ms a step."""
+    cp_dist.barrier(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    queued = time.perf_counter()
+    sync(device)
+    cp_dist.barrier(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    sync(device)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
+
+    def ranked(index: int, keep: Callable[[str], bool]) -> list[dict[str, Any]]:
+        chosen = sorted((v[index], f) for f, v in stats.items() if keep(f[0]))[::-1][:HOST_TOP]
+        return [{"function": f"{Path(f[0]).name}:{f[1]}({f[2]})" if f[1] else f[2], "ms": t * 1e3 / steps,
+                 "calls": stats[f][0] / steps} for t, f in chosen]
+
+    return {"host_plain_ms": (queued - t0) * 1e3 / steps, "host_self": ranked(2, lambda _: True),
+            "host_mmsparse": ranked(3, lambda path: f"{os.sep}mmsparse{os.sep}" in path)}
+
+
+COLUMNS = ("step_ms", "host_ms", "host_plain_ms", "busy_ms", "compute_ms", "exchange_ms", "exchange_alone_ms",
+           "compute_alone_ms", "overlap_ms", "idle_ms")
 
 
 def _short(name: str, width: int = 90) -> str:
@@ -293,15 +327,15 @@ def _short(name: str, width: int = 90) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as markdown, one line per (config, GPUs, rank), then the slowest rank's lists of each config."""
-    lines = ["| config | GPUs | rank | keeps K/V | step ms | host ms | busy | compute | exchange | exchange alone | "
-             "compute alone | overlap | idle |",
+    lines = ["| config | GPUs | rank | keeps K/V | step ms | host ms | host ms, no profiler | busy | compute | "
+             "exchange | exchange alone | compute alone | overlap | idle |",
              "|---|---:|---:|---|" + "---:|" * len(COLUMNS)]
     for r in rows:
         lines.append(f"| {r['config']} | {r['gpus']} | {r['rank']} | {r['keeps_fetched_kv']} | "
                      + " | ".join(f"{r[c]:.3f}" for c in COLUMNS) + " |")
     lines.append("")
     lines.append("Times in ms a step; step: first GPU event to last over the steps; host: the host's time to queue a "
-                 "step.")
+                 "step, under the profiler and without it.")
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[r["config"], r["gpus"]].append(r)
@@ -320,6 +354,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines += ["", "memcpys and memsets (ms a step):", ""]
         lines += [f"- `{c['name']}` on stream {c['stream']} ({c['kind']}): {c['ms']:.3f} ms, {c['events']:g} a step"
                   for c in worst["copies"]] or ["- none"]
+        for key, title in (("host_self", "the host's functions of most own time, under cProfile"),
+                           ("host_mmsparse", "mmsparse's functions of most time with their callees, under cProfile")):
+            lines += ["", f"{title} (ms a step):", ""]
+            lines += [f"- `{_short(h['function'])}`: {h['ms']:.3f} ms, {h['calls']:g} calls a step"
+                      for h in worst.get(key, [])] or ["- none"]
     return "\n".join(lines) + "\n"
 
 

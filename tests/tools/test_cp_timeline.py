@@ -126,7 +126,11 @@ def test_two_processes_over_gloo_fill_the_record(tmp_path):
             assert row[field] == 0, field
         assert row["exchange_alone_top"] == row["top"] == row["idle_gaps"] == []
         assert isinstance(row["keeps_fetched_kv"], bool)
+        # the host's own time, and where it goes: the attention's entry point among mmsparse's functions
+        assert row["host_plain_ms"] > 0 and row["host_self"]
+        assert any("(attention)" in h["function"] and h["calls"] == 1 for h in row["host_mmsparse"])
     table = (tmp_path / "cp_timeline.md").read_text()
-    assert "| config | GPUs | rank | keeps K/V | step ms | host ms | busy |" in table
+    assert "| config | GPUs | rank | keeps K/V | step ms | host ms | host ms, no profiler | busy |" in table
+    assert "mmsparse's functions of most time with their callees" in table
     assert "| tiny_cyclic | 2 | 0 |" in table and "| tiny_cyclic | 2 | 1 |" in table
 
