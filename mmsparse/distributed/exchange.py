@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import peer_exchange
 from .fetch import Fetch
 from .peer_memory import PeerMemory, peer_memory
-from .token_runs import chunk_ranges, copy_tokens, message_spans, served_chunks
+from .token_runs import copy_tokens
 from .token_sums import TokenSum
 
 TRANSPORTS = ("auto", "p2p", "peer_copy")
@@ -38,35 +38,26 @@ def start_fetch(cp: Any, k: torch.Tensor, v: torch.Tensor, by_position: bool = F
     exchange (this rank's part in it included) and gives the gathered K and V in
     ``cp.gathered_chunks(by_position)``' order; by peer copies its ``arriving()`` gives them with the keys still
     landing."""
-    plan, rank = cp.plan, cp.rank
-    lengths = [plan.tokens_of(chunks) for chunks in plan.local_chunks]
+    routes = cp.routes(by_position)
     token_bytes = k.shape[0] * 2 * k.shape[1] * k.shape[3] * k.element_size()
-    memory = _peer_memory(cp, k.device, [n * token_bytes for n in lengths])
+    memory = _peer_memory(cp, k.device, [n * token_bytes for n in routes.local_lengths])
     if memory is not None:
-        return peer_exchange.start_fetch(cp, memory, k, v, by_position, lengths)
+        return peer_exchange.start_fetch(cp, memory, k, v, routes)
     batch, hkv, _, dim = k.shape
-    mine = chunk_ranges(plan, plan.local_chunks[rank])
     sends = {}
-    for peer in range(cp.world_size):
-        wanted = served_chunks(plan, rank, peer)
-        if peer != rank and wanted:
-            # K and V packed into one message, [B, 2 Hkv, n, D], straight from the rank's own tensors
-            sends[peer] = k.new_empty((batch, 2 * hkv, plan.tokens_of(wanted), dim))
-            copy_tokens(sends[peer], (k, v), message_spans(plan, wanted, mine))
-    recv_shapes = {peer: (batch, 2 * hkv, plan.tokens_of(served_chunks(plan, peer, rank)), dim)
-                   for peer in range(cp.world_size)}
+    for peer, message in routes.fetch_sends.items():
+        # K and V packed into one message, [B, 2 Hkv, n, D], straight from the rank's own tensors
+        sends[peer] = k.new_empty((batch, 2 * hkv, message.tokens, dim))
+        copy_tokens(sends[peer], (k, v), message.spans)
+    recv_shapes = {peer: (batch, 2 * hkv, m.tokens, dim) for peer, m in routes.fetch_receives.items()}
     received, wait = _post_p2p(cp, sends, recv_shapes, k)
-    needed = cp.gathered_chunks(by_position)
-    into = chunk_ranges(plan, needed)
-    gathered = k.new_empty((batch, 2 * hkv, plan.tokens_of(needed), dim))
-    copy_tokens(gathered, (k, v), [(mine[c][0], into[c][0], plan.chunk_tokens(c))
-                                   for c in needed if plan.owner[c] == rank])
+    gathered = k.new_empty((batch, 2 * hkv, routes.gathered, dim))
+    copy_tokens(gathered, (k, v), routes.own)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
         wait()
         for peer, buffer in received.items():
-            from_peer = [c for c in needed if plan.owner[c] == peer]
-            copy_tokens(gathered, (buffer,), message_spans(plan, from_peer, into, source_first=False))
+            copy_tokens(gathered, (buffer,), routes.fetch_receives[peer].spans)
         return gathered[:, :hkv], gathered[:, hkv:]
 
     return Fetch(finish)
@@ -95,23 +86,18 @@ def start_return(cp: Any, dkv_gathered: torch.Tensor, dkv_local: torch.Tensor | 
             raise ValueError(f"dK/dV of the gathered keys is {dkv_gathered.dtype}, but this plan returns it in "
                              f"{wire} (cp.kv_grad_dtype): pass it in that dtype")
         dkv_gathered = dkv_gathered.to(wire)  # float32 from the inputs' dtype: exact
-    plan, rank = cp.plan, cp.rank
+    routes = cp.routes(by_position)
     batch, heads, _, dim = dkv_gathered.shape
-    gathered = chunk_ranges(plan, cp.gathered_chunks(by_position))
-    lengths = [plan.tokens_of(cp.gathered_chunks(by_position, rank=r)) for r in range(cp.world_size)]
     token_bytes = batch * heads * dim * dkv_gathered.element_size()
-    memory = _peer_memory(cp, dkv_gathered.device, [n * token_bytes for n in lengths])
+    memory = _peer_memory(cp, dkv_gathered.device, [n * token_bytes for n in routes.gathered_lengths])
     if memory is not None:
-        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, by_position, lengths)
+        received, wait = peer_exchange.start_return(cp, memory, dkv_gathered, routes)
     else:
         sends = {}
-        for owner in range(cp.world_size):
-            owed = served_chunks(plan, owner, rank)  # what that owner served this rank
-            if owner != rank and owed:
-                sends[owner] = dkv_gathered.new_empty((batch, heads, plan.tokens_of(owed), dim))
-                copy_tokens(sends[owner], (dkv_gathered,), message_spans(plan, owed, gathered))
-        recv_shapes = {peer: (batch, heads, plan.tokens_of(served_chunks(plan, rank, peer)), dim)
-                       for peer in range(cp.world_size)}
+        for owner, message in routes.return_sends.items():  # what each owner served this rank
+            sends[owner] = dkv_gathered.new_empty((batch, heads, message.tokens, dim))
+            copy_tokens(sends[owner], (dkv_gathered,), message.spans)
+        recv_shapes = {peer: (batch, heads, tokens, dim) for peer, tokens in routes.served.items()}
         received, wait = _post_p2p(cp, sends, recv_shapes, dkv_gathered)
     # The rank's own contributions are summed while the peers' are in flight, then each peer's in rank order: one
     # fixed order, so a run repeats bit for bit (and both transports give the same bits).

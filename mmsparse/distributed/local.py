@@ -31,6 +31,7 @@ from .pieces import (
     split_by_position,
 )
 from .plan import ContextParallelPlan, plan_context_parallel
+from .routes import Routes, plan_routes
 from .token_runs import chunk_ranges, served_chunks
 
 Gather = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (k, v) of the gathered keys (gathered_chunks() order)
@@ -90,6 +91,7 @@ class RankProblem:
         self._pieces: dict[Any, tuple[list[Piece], torch.Tensor]] = {}
         self._dropout_pieces: dict[Any, list[Piece]] = {}
         self._contribution_rows: dict[Any, ContributionRows] = {}
+        self._routes: dict[bool, Routes] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The token bits and pieces are per-device caches (their masks' kernel arguments are not picklable):
@@ -127,7 +129,7 @@ class RankProblem:
     def most_gathered_kv_bytes(self, k: torch.Tensor) -> int:
         """Bytes of the gathered K and V of the rank that gathers the most keys, for keys shaped and typed like
         ``k`` (``[B, Hkv, ., D]``): the same on every rank, whichever rank asks."""
-        most = max(self.plan.tokens_of(chunks) for chunks in self.plan.needed_kv)
+        most = max(self.routes().gathered_lengths)
         return 2 * k.shape[0] * k.shape[1] * most * k.shape[3] * k.element_size()
 
     def gathered_positions(self, by_position: bool = False) -> torch.Tensor:
@@ -153,6 +155,13 @@ class RankProblem:
         """This rank's pieces (see :mod:`.pieces`), built once per device and stream; ``by_position``: cut into
         runs of consecutive positions, as dropout needs."""
         return self._pieces_by_position(device) if by_position else self._local_pieces(device)
+
+    def routes(self, by_position: bool = False) -> Routes:
+        """Where each chunk's tokens travel in this rank's exchanges (:mod:`.routes`), worked out once per key
+        order."""
+        if by_position not in self._routes:
+            self._routes[by_position] = plan_routes(self, by_position)
+        return self._routes[by_position]
 
     def contribution_rows(self, by_position: bool, device: torch.device) -> ContributionRows:
         """Where each of this rank's local tokens finds its dK/dV contributions (:class:`ContributionRows`), built

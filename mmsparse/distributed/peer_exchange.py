@@ -6,7 +6,6 @@ bytes as point to point, summed in the same order by :mod:`.exchange`, so the sa
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,15 +15,15 @@ import torch
 from ..runtime.arrival import KeysArrival
 from .fetch import Fetch
 from .peer_memory import PeerMemory
-from .token_runs import chunk_ranges, copy_tokens, merged_runs, message_spans, served_chunks
+from .routes import Routes
+from .token_runs import copy_tokens
 
 
-def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, by_position: bool,
-                lengths: list[int]) -> Fetch:
-    """:func:`.exchange.start_fetch` by peer copies. ``lengths``: every rank's local tokens; each rank's slot, reserved
-    for them, holds its K then its V, ``[B, Hkv, S_local, D]`` each. Its :meth:`Fetch.arriving` gives the gathered
-    K/V at once, with a :class:`KeysArrival` over the keys after the rank's own leading chunks."""
-    plan, rank = cp.plan, cp.rank
+def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, routes: Routes) -> Fetch:
+    """:func:`.exchange.start_fetch` by peer copies, along ``routes`` (the call's key order). Each rank's slot,
+    reserved for ``routes.local_lengths``, holds its K then its V, ``[B, Hkv, S_local, D]`` each. Its
+    :meth:`Fetch.arriving` gives the gathered K/V at once, with a :class:`KeysArrival` over the keys after the rank's
+    own leading chunks."""
     batch, hkv, local_len, dim = k.shape
     token = dim * k.element_size()
     slot = memory.slot()
@@ -32,25 +31,17 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
     _view(slot, 0, k.dtype, k.shape).copy_(k)
     _view(slot, half, v.dtype, v.shape).copy_(v)
     memory.barrier()  # every rank's K/V is in its slot
-    needed = cp.gathered_chunks(by_position)
-    into = chunk_ranges(plan, needed)
-    gathered = k.new_empty((batch, 2 * hkv, plan.tokens_of(needed), dim))
-    for peer in range(cp.world_size):
-        from_peer = [c for c in needed if plan.owner[c] == peer]
-        if peer == rank or not from_peer:
-            continue
-        where, held = chunk_ranges(plan, plan.local_chunks[peer]), lengths[peer]
-        for s, d, n in merged_runs([(where[c][0], into[c][0], plan.chunk_tokens(c)) for c in from_peer]):
+    gathered = k.new_empty((batch, 2 * hkv, routes.gathered, dim))
+    for peer, message in routes.fetch_pulls.items():
+        held = routes.local_lengths[peer]
+        for s, d, n in message.spans:
             for b in range(batch):
                 for part in range(2):  # K, then V
                     offset = ((part * batch + b) * hkv * held + s) * token
                     memory.pull(peer, offset, held * token, gathered[b, part * hkv : (part + 1) * hkv], d, n)
-        cp.bytes_received += plan.tokens_of(from_peer) * 2 * batch * hkv * token
-    cp.bytes_sent += sum(plan.tokens_of(served_chunks(plan, rank, peer)) for peer in range(cp.world_size)
-                         if peer != rank) * 2 * batch * hkv * token
-    own = chunk_ranges(plan, plan.local_chunks[rank])
-    copy_tokens(gathered, (k, v), [(own[c][0], into[c][0], plan.chunk_tokens(c))
-                                   for c in needed if plan.owner[c] == rank])
+        cp.bytes_received += message.tokens * 2 * batch * hkv * token
+    cp.bytes_sent += sum(routes.served.values()) * 2 * batch * hkv * token
+    copy_tokens(gathered, (k, v), routes.own)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
         memory.wait()
@@ -61,37 +52,31 @@ def start_fetch(cp: Any, memory: PeerMemory, k: torch.Tensor, v: torch.Tensor, b
         if signal is None:
             return (*finish(), None)
         # the own chunks' copy above is queued on the current stream, so those keys are there for its kernels
-        present = plan.tokens_of(list(itertools.takewhile(lambda c: plan.owner[c] == rank, needed)))
-        return gathered[:, :hkv], gathered[:, hkv:], KeysArrival(*signal, present, memory.wait)
+        return gathered[:, :hkv], gathered[:, hkv:], KeysArrival(*signal, routes.present, memory.wait)
 
     return Fetch(finish, arriving)
 
 
-def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor, by_position: bool,
-                 lengths: list[int]) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
-    """The return's transfer by peer copies: each owner copies its chunks' contributions out of each peer's slot.
-    ``lengths``: every rank's gathered keys; each rank's slot, reserved for them, holds their dK/dV as they are,
-    ``[B, 2 Hkv, S_gathered, D]``. Returns (each peer's contributions to this rank's chunks, in ``served_chunks``
-    order, once ``wait()`` has returned; ``wait``)."""
-    plan, rank = cp.plan, cp.rank
+def start_return(cp: Any, memory: PeerMemory, dkv_gathered: torch.Tensor,
+                 routes: Routes) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+    """The return's transfer by peer copies, along ``routes``: each owner copies its chunks' contributions out of
+    each peer's slot. Each rank's slot, reserved for ``routes.gathered_lengths``, holds its gathered keys' dK/dV as
+    they are, ``[B, 2 Hkv, S_gathered, D]``. Returns (each peer's contributions to this rank's chunks, in
+    ``served_chunks`` order, once ``wait()`` has returned; ``wait``)."""
     batch, heads, _, dim = dkv_gathered.shape
     token = dim * dkv_gathered.element_size()
     slot = memory.slot()
     _view(slot, 0, dkv_gathered.dtype, tuple(dkv_gathered.shape)).copy_(dkv_gathered)
     memory.barrier()  # every rank's contributions are in its slot
     received = {}
-    for peer in range(cp.world_size):
-        served = served_chunks(plan, rank, peer)
-        if peer == rank or not served:
-            continue
-        where, held = chunk_ranges(plan, cp.gathered_chunks(by_position, rank=peer)), lengths[peer]
-        count = plan.tokens_of(served)
-        received[peer] = dkv_gathered.new_empty((batch, heads, count, dim))
-        rows = received[peer].view(batch * heads, count, dim)
-        for s, d, n in merged_runs(message_spans(plan, served, where)):
+    for peer, message in routes.return_pulls.items():
+        held = routes.gathered_lengths[peer]
+        received[peer] = dkv_gathered.new_empty((batch, heads, message.tokens, dim))
+        rows = received[peer].view(batch * heads, message.tokens, dim)
+        for s, d, n in message.spans:
             memory.pull(peer, s * token, held * token, rows, d, n)
-        cp.bytes_received += count * batch * heads * token
-    cp.bytes_sent += plan.tokens_of([c for c in plan.needed_kv[rank] if plan.owner[c] != rank]) * batch * heads * token
+        cp.bytes_received += message.tokens * batch * heads * token
+    cp.bytes_sent += routes.fetched * batch * heads * token
     return received, memory.wait
 
 
