@@ -34,7 +34,7 @@ from .one_thread import one_thread_on
 from .pieces import PiecesCall, piece_seeds
 
 # The most gathered K/V (the largest rank's, one call) that ``keep_fetched_kv="auto"`` holds from forward to
-# backward. At 43k tokens on 4 H200s (168 MiB) keeping it makes the step 1.25x faster, on 2 1.01x; at 256k (GiBs)
+# backward. At 43k tokens on 4 H200s (168 MiB) keeping it makes the step 1.18x faster, on 2 1.02x; at 256k (500 MiB)
 # the attention hides the second fetch and keeping gains nothing (benchmarks/results/h200/cp_nccl.md).
 KEEP_FETCHED_MAX_BYTES = 256 * 2**20
 
@@ -57,7 +57,7 @@ class ContextParallel(RankProblem):
             call, up to the whole sequence's K/V) held from forward to backward. ``"auto"`` (default) keeps it
             where the largest rank's gathered K/V of the call is at most :data:`KEEP_FETCHED_MAX_BYTES` (256
             MiB), where the exchange, not the attention, bounds the step (tens of thousands of tokens: at 43k on
-            4 H200s the step is 1.25x faster kept); past it the attention hides the second fetch and the saved
+            4 H200s the step is 1.18x faster kept); past it the attention hides the second fetch and the saved
             state stays O(S / P). True or False decides alone.
         transport: how the exchange moves K/V and dK/dV: ``"p2p"``, the group's point to point (NCCL, gloo);
             ``"peer_copy"``, each rank copying what it needs straight out of its peers' memory (CUDA IPC and copy
