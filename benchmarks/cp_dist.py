@@ -52,6 +52,19 @@ def start(device_arg: str | None = None, timeout_s: float = 300) -> torch.device
     return device
 
 
+def start_ranks(tool: str, device_arg: str | None = None) -> tuple[dict[str, str], torch.device, torch.dtype]:
+    """A multi-GPU tool's start: NVLink multicast off (:data:`MULTICAST_OFF`, before NCCL starts), the process group
+    (:func:`start`), and its dtype (bf16 on GPUs, float32 on the CPU). Returns (the NCCL settings in force, the
+    device, the dtype); a SystemExit that says how to launch ``tool`` (``benchmarks.<tool>``) with fewer than 2
+    ranks."""
+    nccl_env = set_environment(MULTICAST_OFF)
+    device = start(device_arg)
+    if dist.get_world_size() < 2:
+        dist.destroy_process_group()
+        raise SystemExit(f"{tool} needs 2 ranks or more: torchrun --nproc-per-node N -m benchmarks.{tool}")
+    return nccl_env, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def barrier(device: torch.device) -> None:
     """Every rank here, and its device idle."""
     sync(device)

@@ -287,14 +287,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    nccl_env = cp_dist.set_environment(cp_dist.MULTICAST_OFF)  # before NCCL starts
-    device = cp_dist.start(args.device)
+    nccl_env, device, dtype = cp_dist.start_ranks("cp_nccl", args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2:
-        dist.destroy_process_group()
-        raise SystemExit("cp_nccl needs 2 ranks or more: torchrun --nproc-per-node N -m benchmarks.cp_nccl")
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
     args.tolerance = 2e-2 if cuda else 1e-4  # relative L2 against the single-GPU call
     names = args.configs or (list(CASES) if cuda else ["tiny_hub_causal"])
     env = environment(device)

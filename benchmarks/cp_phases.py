@@ -244,14 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed calls of each measurement (default 20 on "
                         "GPUs, 1 on CPU)")
     args = parser.parse_args(argv)
-    nccl_env = cp_dist.set_environment(cp_dist.MULTICAST_OFF)  # before NCCL starts
-    device = cp_dist.start(args.device)
-    world = dist.get_world_size()
-    if world < 2:
-        dist.destroy_process_group()
-        raise SystemExit("cp_phases needs 2 ranks or more: torchrun --nproc-per-node N -m benchmarks.cp_phases")
+    nccl_env, device, dtype = cp_dist.start_ranks("cp_phases", args.device)
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
     reps = args.reps or (20 if cuda else 1)
     env = environment(device)
     rows = []

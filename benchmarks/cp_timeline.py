@@ -378,14 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                         "benchmarks/results/<gpu>/)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when there is one")
     args = parser.parse_args(argv)
-    nccl_env = cp_dist.set_environment(cp_dist.MULTICAST_OFF)  # before NCCL starts
-    device = cp_dist.start(args.device)
+    nccl_env, device, dtype = cp_dist.start_ranks("cp_timeline", args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2:
-        dist.destroy_process_group()
-        raise SystemExit("cp_timeline needs 2 ranks or more: torchrun --nproc-per-node N -m benchmarks.cp_timeline")
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
     steps = args.steps or (5 if cuda else 1)
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     env = environment(device)
