@@ -28,6 +28,7 @@ import torch
 import triton
 
 from ..kernels.tl.token_bits import token_bits_kernel
+from .tma_args import DescriptorLaunch
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISS = object()
@@ -96,7 +97,7 @@ class FastKernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self._cache: dict[tuple, tuple[Any, tuple]] = {}
+        self._cache: dict[tuple, tuple[Any, tuple, DescriptorLaunch | None]] = {}
         self._signature = inspect.signature(fn.fn)  # fn.fn: the kernel's Python function
         self._params = list(self._signature.parameters)
         # A compiling JITFunction (not the interpreter) in a Triton with launch hooks in knobs (>= 3.4).
@@ -107,8 +108,10 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        """Launch; return the cache entry ``(compiled kernel, constexpr tail)`` that launched or was stored, None
-        when the launch went through Triton without one. :data:`PINNED_OPTIONS` go with ``kwargs``."""
+        """Launch; return the cache entry ``(compiled kernel, constexpr tail, descriptor launch)`` that launched or
+        was stored, None when the launch went through Triton without one. The descriptor launch
+        (:class:`mmsparse.runtime.tma_args.DescriptorLaunch`) is None where the kernel takes no host TMA descriptor.
+        :data:`PINNED_OPTIONS` go with ``kwargs``."""
         kwargs = {**PINNED_OPTIONS, **kwargs}
         if not self._enabled:
             if self._interpreted:
@@ -129,7 +132,7 @@ class FastKernel:
         if hit is None:
             compiled = self.fn[grid](*args, **kwargs)
             if _MISS not in key and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                hit = self._cache[key] = (compiled, self._constexpr_tail(args, kwargs))
+                hit = self._cache[key] = (compiled, self._constexpr_tail(args, kwargs), DescriptorLaunch.of(compiled))
             return hit
         _run_direct(hit, (*grid, 1, 1), device, args)
         return hit
@@ -180,11 +183,15 @@ def launch_bound(kernel: FastKernel, grid: tuple[int, ...], args: tuple, kwargs:
 
 
 def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple) -> None:
-    """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream."""
+    """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream (host TMA
+    descriptors through the entry's :class:`DescriptorLaunch`, encoded once per value)."""
     global fast_launches
-    compiled, tail = entry
-    compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *tail)
+    compiled, tail, descriptors = entry
+    if descriptors is not None:
+        descriptors(compiled, grid3, _current_stream(device), args, tail)
+    else:
+        compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
     fast_launches += 1
 
 

@@ -1,0 +1,148 @@
+"""Host TMA descriptors encoded once per value (mmsparse.runtime.tma_args), against the installed Triton's own launcher
+wrapper: Triton's ``CudaLauncher.__call__`` and ``wrap_handle_tensordesc`` run as they are, around a C launcher and a
+driver encode function that only record what they are given. No GPU needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from mmsparse.runtime import tma_args
+from mmsparse.runtime.tma_args import DescriptorLaunch
+
+nvidia_driver = pytest.importorskip("triton.backends.nvidia.driver")
+
+SIGNATURE = {"X": "*fp32", "QD": "tensordesc<bf16[1, 1, 64, 64]>", "n": "i32",
+             "OD": "tensordesc<fp32[1, 64, 32]>", "scale": "fp32", "BM": "constexpr"}
+METAS = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[1, 1, 64, 64], fp4_padded=False),
+         dict(swizzle=2, elem_size=4, elem_type=7, block_size=[1, 64, 32], fp4_padded=False)]
+
+
+class _Encoder:
+    """The driver's utilities, recording each encode: a map is the tuple of what it was made from."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _fill(self, *values):
+        self.calls += 1
+        return ("map", *[tuple(v) if isinstance(v, (list, tuple, torch.Size)) else v for v in values])
+
+    fill_tma_descriptor = fill_tma_descriptor_tiled = _fill
+
+
+class _Driver:
+    def __init__(self) -> None:
+        self.utils = _Encoder()
+
+
+class _Metadata:
+    tensordesc_meta = METAS
+
+
+class _Source:
+    signature = SIGNATURE
+
+
+class _Compiled:
+    """What DescriptorLaunch reads of a CompiledKernel, with the installed Triton's launcher object."""
+
+    def __init__(self, recorded: list) -> None:
+        def c_launch(*args):  # Triton's C launcher: record its arguments, sequences as lists
+            recorded.append([list(a) if isinstance(a, (list, tuple)) else a for a in args])
+
+        run = object.__new__(nvidia_driver.CudaLauncher)  # its __call__ as Triton has it, no C module built
+        run.launch = nvidia_driver.wrap_handle_tensordesc(c_launch, SIGNATURE, METAS)
+        run.num_ctas, run.launch_cooperative_grid, run.launch_pdl, run.gsan_enabled = 1, False, False, False
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+        run.arg_annotations, run.kernel_signature = "annotations", "kernel signature"
+        self.run, self.src, self.metadata = run, _Source(), _Metadata()
+        self.function, self.packed_metadata = 1234, ("packed",)
+
+
+@pytest.fixture
+def encoder(monkeypatch):
+    driver = _Driver()
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver)  # put back after the test, whatever it was
+    return driver.utils
+
+
+def _descriptors(q: torch.Tensor, o: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor  # the fields the launcher reads are the same
+
+    qd = object.__new__(TensorDescriptor)
+    qd.base, qd.shape, qd.strides, qd.block_shape, qd.padding = q, q.shape, q.stride(), [1, 1, 64, 64], "zero"
+    od = object.__new__(TensorDescriptor)
+    od.base, od.shape, od.strides, od.block_shape, od.padding = o, (6, 100, 32), o.stride()[1:], [1, 64, 32], "zero"
+    return qd, od
+
+
+def _args(q: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> tuple:
+    qd, od = _descriptors(q, o)
+    return (x, qd, 77, od, 0.5)
+
+
+def test_the_launcher_gets_what_tritons_wrapper_would_give_it(encoder):
+    """Every launcher argument, the encoded maps among them, equals what Triton's own wrapper passes."""
+    x = torch.randn(4)
+    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
+    o = torch.randn(2, 3, 100, 32)
+    tritons, ours = [], []
+    _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
+    compiled = _Compiled(ours)
+    launch = DescriptorLaunch.of(compiled)
+    assert launch is not None
+    launch(compiled, (2, 6, 1), 99, _args(q, o, x), (64,))
+    assert ours == tritons
+    flat = str(ours)
+    assert str(q.data_ptr()) in flat and str(o.data_ptr()) in flat  # the maps hold the live bases
+
+
+def test_equal_descriptors_are_encoded_once_and_new_values_again(encoder):
+    x = torch.randn(4)
+    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
+    o = torch.randn(2, 3, 100, 32)
+    recorded = []
+    compiled = _Compiled(recorded)
+    launch = DescriptorLaunch.of(compiled)
+    before = tma_args.encodings
+    for _ in range(3):
+        launch(compiled, (2, 6, 1), 99, _args(q, o, x), (64,))
+    assert encoder.calls == 2 and tma_args.encodings - before == 2
+    assert recorded[0] == recorded[1] == recorded[2]
+    q2 = q.clone()  # another base address: its own map
+    launch(compiled, (2, 6, 1), 99, _args(q2, o, x), (64,))
+    assert encoder.calls == 3
+    assert recorded[3] != recorded[0]
+    strided = torch.randn(2, 100, 3, 64).to(torch.bfloat16).transpose(1, 2)  # same shape, other strides
+    launch(compiled, (2, 6, 1), 99, _args(strided, o, x), (64,))
+    assert encoder.calls == 4
+    tritons = []
+    for q_now in (q2, strided):
+        _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q_now, o, x), 64)
+    assert recorded[3:] == tritons
+
+
+def test_a_full_position_starts_again(encoder, monkeypatch):
+    monkeypatch.setattr(tma_args, "MAX_ENCODED_PER_ARGUMENT", 2)
+    x, o = torch.randn(4), torch.randn(2, 3, 100, 32)
+    qs = [torch.randn(2, 3, 100, 64).to(torch.bfloat16) for _ in range(3)]
+    compiled = _Compiled([])
+    launch = DescriptorLaunch.of(compiled)
+    for q in qs:
+        launch(compiled, (2, 6, 1), 99, _args(q, o, x), (64,))
+    assert [len(cache) for cache in launch._encoded] == [1, 1]  # the third q found the position full and cleared it
+
+
+def test_kernels_it_does_not_know_keep_tritons_path():
+    compiled = _Compiled([])
+    compiled.run.launch = lambda *args: None  # no wrapper: a kernel without descriptors
+    assert DescriptorLaunch.of(compiled) is None
+    compiled = _Compiled([])
+    compiled.metadata = type("M", (), {"tensordesc_meta": None})()  # descriptors the kernel decomposes itself
+    assert DescriptorLaunch.of(compiled) is None
+    compiled = _Compiled([])
+    compiled.metadata = type("M", (), {"tensordesc_meta": [dict(METAS[0], is_im2col=True), METAS[1]]})()
+    assert DescriptorLaunch.of(compiled) is None
