@@ -4,9 +4,9 @@ head: never on the attention path, which regenerates it tile by tile)."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.tl.dropout import dropout_keep_mask_kernel
+from ..mask.blocks import cdiv
 from ..runtime.launch import PINNED_OPTIONS
 
 
@@ -39,7 +39,7 @@ def dropout_keep_rows(
     if seed.numel() == 1:  # a bare Philox key: offsets 0
         seed = torch.cat([seed.reshape(1), seed.new_zeros(2)])
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
-    grid = (triton.cdiv(rows, 32), triton.cdiv(seq_k, 32), count)
+    grid = (cdiv(rows, 32), cdiv(seq_k, 32), count)
     dropout_keep_mask_kernel[grid](seed, out, q_start, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
                                    BN=32, **PINNED_OPTIONS)
     return out.bool()

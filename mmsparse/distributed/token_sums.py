@@ -7,10 +7,9 @@ step at 43k on 2 H200s)."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.tl.token_sums import add_token_rows_kernel
-from ..mask.blocks import cdiv
+from ..mask.blocks import cdiv, next_power_of_2
 from ..runtime.launch import FastKernel
 
 _BLOCK = 64  # tokens a program: [64, D] float32 in registers
@@ -57,5 +56,5 @@ class TokenSum:
         acc = self._acc if self._acc is not None else out
         _ADD[(cdiv(n_tokens, _BLOCK), batch * heads)](
             acc, source.contiguous(), index, out, n_tokens, source.shape[2],
-            WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width), BLOCK=_BLOCK, FIRST=first, LAST=last,
+            WIDTH=width, WIDTH_PAD=next_power_of_2(width), BLOCK=_BLOCK, FIRST=first, LAST=last,
         )

@@ -24,12 +24,11 @@ metadata is O(S) plus the lists.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.tl.code_lists import code_runs_kernel, run_summary_kernel, segment_lists_kernel
 from ..runtime.launch import FastKernel
 from .bit_lists import COMPACT_BYTES, kernel_window, no_launch, write_lists
-from .blocks import BlockLists, cdiv
+from .blocks import BlockLists, cdiv, next_power_of_2
 
 # Tokens a step of the runs kernel (one program per row walks the row): 64k tokens in 16 steps.
 _RUN_CHUNK_GPU, _RUN_CHUNK_INTERPRETER = 4096, 1024
@@ -63,7 +62,7 @@ def block_summary(codes: torch.Tensor, run: torch.Tensor, block: int) -> torch.T
         codes = codes.contiguous()
     n = cdiv(seq, block)
     out = torch.empty((bsz, n, 4), dtype=torch.int32, device=codes.device)
-    g = max(1, min(_SUMMARY_TOKENS // block, triton.next_power_of_2(n)))
+    g = max(1, min(_SUMMARY_TOKENS // block, next_power_of_2(n)))
     _SUMMARY[(cdiv(n, g), bsz)](codes, run, out, codes.stride(0), run.stride(0), out.stride(0), seq, n,
                                 BLOCK=block, G=g)
     return out
@@ -120,8 +119,8 @@ def build_segment_lists(
         return write_lists(no_launch, mask_batch, n_r, n_c, dev)
     q_sum, k_sum = q_runs.summary(block_m), k_runs.summary(block_n)
     fit = dev.type != "cuda" if fit is None else fit
-    br = 4 if not fit else min(64, triton.next_power_of_2(n_r))
-    cb = 64 if not fit else min(256, triton.next_power_of_2(n_c))
+    br = 4 if not fit else min(64, next_power_of_2(n_r))
+    cb = 64 if not fit else min(256, next_power_of_2(n_c))
     shared_k = k_runs.codes.shape[0] == 1
 
     def launch(phase: int, counts: torch.Tensor, indices: torch.Tensor) -> None:

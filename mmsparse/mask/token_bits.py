@@ -5,12 +5,11 @@ that host work, not by the GPU)."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.tl.token_bits import token_bits_kernel
 from ..runtime.launch import FastKernel
 from .bit_lists import kernels_run_on
-from .blocks import cdiv
+from .blocks import cdiv, next_power_of_2
 from .topology import Topology, token_bits_torch
 
 _TOKENS = 1024  # tokens per program
@@ -35,6 +34,6 @@ def launch_token_bits(topology: Topology, seg_lens: torch.Tensor, seq_len: int) 
         k = topology.num_segments
         _TOKEN_BITS[(rows, cdiv(seq_len, _TOKENS))](
             lens, row_table, col_table, row_bits, col_bits, lens.stride(0), seq_len,
-            K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=_TOKENS,
+            K=k, KP=max(2, next_power_of_2(k)), BLOCK=_TOKENS,
         )
     return row_bits, col_bits

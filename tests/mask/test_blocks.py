@@ -111,3 +111,13 @@ def test_per_sample_query_positions_match_dense_reduction(seed):
     dense = reference_mask(topo, lens, seq_k, seq_q, q_start=starts)
     for got, want in zip(info.classes(bm, bn), classify_blocks_from_mask(dense, bm, bn, causal, starts)):
         assert torch.equal(got, want)
+
+
+def test_next_power_of_2_is_tritons():
+    """The host helper the mask builders size their programs with gives what ``triton.next_power_of_2`` gives."""
+    import triton
+
+    from mmsparse.mask.blocks import next_power_of_2
+
+    for n in [*range(-3, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**31 + 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
