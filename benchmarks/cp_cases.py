@@ -16,6 +16,7 @@ CPU through Triton's interpreter: a check that the tools work, not a measurement
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from .arguments import names_in
@@ -131,3 +132,14 @@ TINY_DROPOUT_CASE = CPCase("tiny_pairs_dropout", PAIRS5, (9, 14, 11, 12, 10), Fa
 ALL_CASES: dict[str, CPCase] = {**CASES, **TINY}
 # --configs of the context-parallel tools: names of ALL_CASES
 case_names = names_in(ALL_CASES)
+
+
+def rank_tool_parser(tool: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of the context-parallel tool ``benchmarks.<tool>`` (run under torchrun), described by its
+    docstring's first paragraph, with ``--configs``: names of :data:`ALL_CASES`."""
+    parser = argparse.ArgumentParser(prog=f"torchrun --nproc-per-node N -m benchmarks.{tool}",
+                                     description=doc.split("\n\n")[0])
+    parser.add_argument("--configs", type=case_names, default=None,
+                        help="comma-separated context-parallel configs (default: mm43k_cyclic on GPUs, tiny_cyclic "
+                             "on CPU)")
+    return parser

@@ -29,7 +29,6 @@ that the tool works, its times mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,7 @@ import mmsparse  # before triton: without CUDA it turns on Triton's interpreter 
 from mmsparse.distributed import ContextParallel
 
 from . import cp_dist
-from .cp_cases import ALL_CASES, CPCase, case_names
+from .cp_cases import ALL_CASES, CPCase, rank_tool_parser
 from .env import environment, record_dir
 from .report import log, same_commit_rows
 
@@ -233,11 +232,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m benchmarks.cp_phases",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=case_names, default=None,
-                        help="comma-separated context-parallel configs (default: mm43k_cyclic on GPUs, tiny_cyclic "
-                             "on CPU)")
+    parser = rank_tool_parser("cp_phases", __doc__)
     parser.add_argument("--out", type=Path, default=None, help="folder of cp_phases.{json,md} (default: "
                         "benchmarks/results/<gpu>/)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when there is one")

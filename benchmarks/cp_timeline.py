@@ -35,7 +35,6 @@ check that the tool works.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import cProfile
 import json
@@ -56,7 +55,7 @@ from mmsparse.distributed import ContextParallel, release_peer_memory
 
 from . import cp_dist
 from .arguments import at_least_one
-from .cp_cases import ALL_CASES, CPCase, case_names
+from .cp_cases import ALL_CASES, CPCase, rank_tool_parser
 from .devices import sync
 from .env import environment, record_dir
 from .report import log, same_commit_rows, write_record
@@ -363,11 +362,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m benchmarks.cp_timeline",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=case_names, default=None,
-                        help="comma-separated context-parallel configs (default: mm43k_cyclic on GPUs, tiny_cyclic "
-                             "on CPU)")
+    parser = rank_tool_parser("cp_timeline", __doc__)
     parser.add_argument("--keep-fetched-kv", choices=tuple(KEEP), default="auto",
                         help="ContextParallel's keep_fetched_kv (default auto: the constructor's default)")
     parser.add_argument("--steps", type=at_least_one, default=None, help="profiled steps (default 5 on GPUs, 1 on "
