@@ -469,12 +469,13 @@ def test_lse_is_in_the_scores_before_their_matmul(ptx_dir, variant):
     assert shared_loads_before_exponentials(ptx) == 0, variant.name
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv" and v.head_dim <= 128 and not v.one_pass
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer") and not v.one_pass
                                      and not v.arrival], ids=lambda v: v.name)
 def test_dkdv_steps_divide_no_integer(ptx_dir, variant):
-    """The two-pass dK/dV kernel walks its list entries by a counter, not ``i % n_total``: a remainder by a runtime
-    value is an integer division a step (``MUFU.RCP`` and its fix-up in the SASS, about 2.5% of the D=64 pass's warp
-    stall samples on an H200; the backward ran 1.003-1.032x without it)."""
+    """The dK/dV kernels (two-pass, D=256 and the dQ writer's) walk their list entries by a counter
+    (``common.next_entry``), not ``i % n_total``: a remainder by a runtime value is an integer division a step
+    (``MUFU.RCP`` and its fix-up in the SASS, about 2.5% of the D=64 pass's warp stall samples on an H200; the
+    two-pass backward ran 1.003-1.032x without it)."""
     ptx = _compiled(ptx_dir, variant, ".ptx").read_text()
     divisions = re.findall(r"\b(?:rem|div)\.[su](?:32|64)\b", ptx)
     assert not divisions, f"{variant.name}: {len(divisions)} integer divisions"

@@ -71,16 +71,18 @@ from ..lists import block_id
 from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
+    count_slot,
     invalidate_ring,
     issue_scores,
     key_step_zero,
+    next_entry,
     opaque_zero,
     probabilities,
     scores_init,
     thread_barrier,
     tma_atomic_add,
 )
-from .dkdv import WG_KEYS, count_slot, key_block_producer
+from .dkdv import WG_KEYS, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
 
@@ -132,11 +134,12 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     LSE_FIRST: gl.constexpr = lse_in_scores(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
+    it = -1  # next_entry's predecessor of entry 0
     mbarrier.wait(kv_bar, 0)
     for i in range(total):
         # Nothing in flight on entry.
         stage, phase = count_slot(stage, phase, STAGES)
-        it = i % n_total
+        it = next_entry(it, n_total, GROUP)
         mbarrier.wait(ready.index(stage), phase)
         if BM > WG_ROWS:
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale,

@@ -214,6 +214,30 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
 
 
 @gluon.jit
+def count_slot(stage, phase, STAGES: gl.constexpr):
+    """The ring stage after ``stage`` and the parity of its ready barrier (``phase``: the parity of ``stage``'s).
+    Counted rather than taken as ``i % STAGES`` where STAGES is not a power of two (``COUNTED`` in ``gluon.dkdv``'s
+    consumer): from the remainder of i, LLVM's loop strength reduction builds the stage's shared addresses as a
+    multiple of i minus a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``)
+    cannot bound; a counter modulo STAGES it can. A power of two keeps the mask and shift of i (the counters are then
+    dead and dropped: the loop compiles as before)."""
+    stage = (stage + 1) % STAGES
+    return stage, phase ^ (stage == 0).to(gl.int32)
+
+
+@gluon.jit
+def next_entry(it, n_total, GROUP: gl.constexpr):
+    """Step i's list entry, ``i % n_total``, from step i-1's (-1 before step 0): counted rather than divided. A
+    remainder by the runtime list length is an integer division every step (``MUFU.RCP`` and its fix-up in the SASS:
+    about 2.5% of the D=64 dK/dV pass's warp stall samples on an H200). With one head a group the steps are the
+    entries."""
+    it = it + 1
+    if GROUP > 1:
+        it = gl.where(it == n_total, 0, it)
+    return it
+
+
+@gluon.jit
 def issue_scores(k_tile, q_tile, st0, partial, lse_s, inv_qk_scale, cols: gl.constexpr, LSE_FIRST: gl.constexpr):
     """Issue S^T = K Q^T onto ``st0`` (the mask's bias in a partial block, else zeros: ``common.scores_init``),
     -lse / scale added to it first where ``LSE_FIRST`` (``lse_s``: the stage's lse row)."""

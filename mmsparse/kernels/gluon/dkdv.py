@@ -44,10 +44,12 @@ from .common import (
     WORKER_REGS,
     WORKER_WARPS,
     box,
+    count_slot,
     invalidate_ring,
     issue_scores,
     key_step_zero,
     load_resident_halves,
+    next_entry,
     probabilities,
     scores_init,
     thread_barrier,
@@ -123,29 +125,6 @@ def _drain_step(dv, pt_op, dst, i, row0, dq_head, sm_scale, dq_bufs, WG: gl.cons
 
 
 @gluon.jit
-def _count_slot(stage, phase, STAGES: gl.constexpr):
-    """The ring stage after ``stage`` and the parity of its ready barrier (``phase``: the parity of ``stage``'s).
-    Counted rather than taken as ``i % STAGES`` where STAGES is not a power of two (``COUNTED`` in the consumer):
-    from the remainder of i, LLVM's loop strength reduction builds the stage's shared addresses as a multiple of i
-    minus a multiple of ``i // STAGES``, which the tests' PTX reader (``tests/kernels/ptx_barriers.py``) cannot
-    bound; a counter modulo STAGES it can. A power of two keeps the mask and shift of i (the counters are then dead
-    and dropped: the loop compiles as before)."""
-    stage = (stage + 1) % STAGES
-    return stage, phase ^ (stage == 0).to(gl.int32)
-
-
-@gluon.jit
-def _next_entry(it, n_total, GROUP: gl.constexpr):
-    """Step i's list entry, ``i % n_total``, from step i-1's: counted rather than divided. A remainder by the runtime
-    list length is an integer division every step (``MUFU.RCP`` and its fix-up in the SASS: about 2.5% of the D=64
-    dK/dV pass's warp stall samples on an H200). With one head a group the steps are the entries."""
-    it = it + 1
-    if GROUP > 1:
-        it = gl.where(it == n_total, 0, it)
-    return it
-
-
-@gluon.jit
 def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
     """The first query row of step ``it``'s list entry (only ONE_PASS reads it: the block's dQ rows)."""
     if ONE_PASS:
@@ -184,7 +163,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    COUNTED: gl.constexpr = STAGES & (STAGES - 1) != 0  # the ring's stage and phase counted (_count_slot)
+    COUNTED: gl.constexpr = STAGES & (STAGES - 1) != 0  # the ring's stage and phase counted (common.count_slot)
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     k_bits = offs_n  # a stand-in: only the bit and code masks read them
@@ -222,16 +201,16 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
                                 WG, BM, ONE_PASS, HEAD_DIM_PAD)
         stage = 0
         phase = 0
-        it = 0
+        it = 0  # step 0's entry
         for i in range(1, total):
             # Nothing in flight on entry. Stage i-1 (Q_{i-1} for dK_{i-1}) is held until dK_{i-1} is done.
             if COUNTED:
                 prev = stage
-                stage, phase = _count_slot(stage, phase, STAGES)
+                stage, phase = count_slot(stage, phase, STAGES)
             else:
                 stage = i % STAGES
                 prev = (i - 1) % STAGES
-            it = _next_entry(it, n_total, GROUP)
+            it = next_entry(it, n_total, GROUP)
             mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                         mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
@@ -369,6 +348,5 @@ def attention_dkdv_gluon(
         invalidate_ring(ds_bars, 2)
 
 
-# Shared with the warp-specialised one-pass backward (gluon.bwd_dq_writer): the same producer and ring counter.
+# Shared with the warp-specialised one-pass backward (gluon.bwd_dq_writer): the same producer.
 key_block_producer = _producer
-count_slot = _count_slot

@@ -47,6 +47,7 @@ from .common import (
     WORKER_WARPS,
     box,
     invalidate_ring,
+    next_entry,
     resident_tile,
     scores_init,
     thread_barrier,
@@ -116,10 +117,11 @@ def _scores_warpgroup(buffers, barriers, idx_ptr, n_full, n_total, col0, mask_ar
     dv = gl.zeros([_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([_KEYS, BM], gl.float32, st_layout)
     total = GROUP * n_total
+    it = -1  # next_entry's predecessor of entry 0
     mbarrier.wait(kv_bar, 0)
     for i in range(total):
         stage = i % STAGES
-        it = i % n_total
+        it = next_entry(it, n_total, GROUP)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
                                    mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
