@@ -704,6 +704,20 @@ GLUON_D256_DKDV_ENABLED = True
 HOPPER_SHARED_BYTES = 227 * 1024
 _GLUON_SHARED_SLACK = 1024
 GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's note says why)
+# Query rows a step of the D <= 128 Gluon dK/dV kernel (kernels/gluon/dkdv.py: S^T of a warpgroup's 64 keys by
+# them, one wgmma). 128 rows a step, each step whole rather than pipelined (at D=64 the pipeline's registers
+# spilled there), ran 0.87-1.06x its backward (docs/performance.md) and was removed.
+GLUON_WG_ROWS = 64
+
+
+def dkdv_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> int:
+    """The shared memory of the D <= 128 Gluon dK/dV kernel's tiles at ``tile``: K and V of its 128 keys, the
+    stages of Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and with
+    ``one_pass`` both warpgroups' dS^T tiles and their float32 dQ staging halves."""
+    keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
+    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
+    dq_tiles = keys * rows * itemsize + rows * d_pad * 4 if one_pass else 0
+    return 2 * keys * row_bytes + stages + dq_tiles
 
 
 def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsize: int = 2) -> int:
@@ -745,6 +759,13 @@ def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str 
         if tile.block_n != GLUON_BLOCK:
             return (f"the Gluon dK/dV kernel at head dims up to {GLUON_DKDV_MAX_HEAD_DIM} takes {GLUON_BLOCK} keys a "
                     f"block; got {tile} at head dim {d_pad}")
+        if tile.block_m != GLUON_WG_ROWS:
+            return (f"the Gluon dK/dV kernel at head dims up to {GLUON_DKDV_MAX_HEAD_DIM} takes {GLUON_WG_ROWS} query "
+                    f"rows a step; got {tile} at head dim {d_pad}")
+        need = dkdv_shared_bytes(tile, d_pad, itemsize, one_pass) + _GLUON_SHARED_SLACK
+        if need > HOPPER_SHARED_BYTES:
+            return (f"the Gluon dK/dV kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "
+                    f"has {HOPPER_SHARED_BYTES}: fewer stages or query rows")
         return None
     if d_pad > GLUON_D256_HEAD_DIM:
         return f"no Gluon dK/dV kernel runs head dim {d_pad}"

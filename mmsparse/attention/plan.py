@@ -72,8 +72,7 @@ class AttentionPlan:
         """Raise ValueError where a pass this plan runs as its Gluon kernel cannot run at ``head_dim`` with inputs
         of ``itemsize`` bytes (:func:`mmsparse.attention.config.gluon_tile_problem`): a config made for another
         head dim (``use_tuning``) is refused with the reason before anything compiles."""
-        dkdv = "dq_writer" if self.dkdv.dq_writer else "dkdv"
-        check_passes((("fwd", self.forward), ("dq", self.dq), (dkdv, self.dkdv)), head_dim, itemsize)
+        check_passes((("fwd", self.forward), ("dq", self.dq), ("dkdv", self.dkdv)), head_dim, itemsize)
 
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
@@ -258,8 +257,11 @@ def attention_plan_of(plan: CallPlan, batch: int, num_heads: int, num_kv_heads: 
 
 
 def check_passes(passes: tuple, head_dim: int, itemsize: int) -> None:
-    """:meth:`AttentionPlan.check_head_dim` of ``(kind, pass or None)`` pairs."""
+    """:meth:`AttentionPlan.check_head_dim` of ``(kind, pass or None)`` pairs; a "dkdv" pass that is the dQ-writer
+    kernel is checked as that kernel."""
     for kind, step in passes:
+        if kind == "dkdv" and step is not None and step.dq_writer:
+            kind = "dq_writer"
         problem = step is not None and step.gluon and gluon_tile_problem(
             kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
         if problem:

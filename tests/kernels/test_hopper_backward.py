@@ -58,6 +58,26 @@ def test_against_float64(case, gluon_calls):
     assert sorted(gluon_calls) == ["dkdv", "dq"]
 
 
+def test_dkdv_tiles_are_checked_as_their_kernels():
+    """The D <= 128 Gluon dK/dV kernel takes 64 query rows a step and as many stages as a CTA's shared memory holds;
+    the dQ-writer one pass, planned as the dK/dV pass, is checked as its own kernel (128 query rows a step at D=64
+    over longer key lists): said when the call is planned, not found at the launch."""
+    from mmsparse.attention.plan import BackwardPass, check_passes
+
+    tile = config._GLUON_DKDV[64]
+    assert config.gluon_tile_problem("dkdv", tile, 64) is None
+    assert "query rows" in config.gluon_tile_problem("dkdv", replace(tile, block_m=128), 64)
+    assert "query rows" in config.gluon_tile_problem("dkdv", replace(tile, block_m=32), 128, one_pass=True)
+    assert "shared memory" in config.gluon_tile_problem("dkdv", replace(config._GLUON_DKDV[128], gluon_stages=5), 128)
+    assert config.gluon_tile_problem("dkdv", replace(tile, gluon_stages=8), 64) is None  # 172,032 B at D=64
+    writer = BackwardPass(config.GLUON_DQ_WRITER_LONG[64], True, True, one_pass=True, dq_writer=True)
+    check_passes((("dkdv", writer),), 64, 2)
+    with pytest.raises(ValueError, match="dQ-writer kernel .* shared memory"):  # 237,568 B of 232,448
+        check_passes((("dkdv", replace(writer, tile=replace(writer.tile, gluon_stages=4))),), 64, 2)
+    with pytest.raises(ValueError, match="query rows"):
+        check_passes((("dkdv", replace(writer, dq_writer=False, tile=replace(tile, block_m=128))),), 64, 2)
+
+
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
@@ -114,9 +134,11 @@ def test_a_failing_gluon_pass_raises(failing, monkeypatch, device):
     monkeypatch.setattr(gluon_launch, f"run_{failing}", broken)  # no other way to fail
     base = kernel_config(32, torch.float32, device)
     gluon = {"dkdv": "bwd_dkdv", "dq": "bwd_dq"}[failing]
-    # the Gluon kernel's fixed block: 128 keys in dK/dV, 128 query rows in dQ (KernelConfig refuses other tiles)
-    fixed = {"bwd_dkdv": "block_n", "bwd_dq": "block_m"}[gluon]
-    cfg = replace(base, **{gluon: replace(getattr(base, gluon), gluon_stages=2, **{fixed: config.GLUON_BLOCK})})
+    # the Gluon kernel's fixed block: 128 keys and 64 query rows a step in dK/dV, 128 query rows in dQ (KernelConfig
+    # and the plan refuse other tiles)
+    fixed = {"bwd_dkdv": {"block_n": config.GLUON_BLOCK, "block_m": config.GLUON_WG_ROWS},
+             "bwd_dq": {"block_m": config.GLUON_BLOCK}}[gluon]
+    cfg = replace(base, **{gluon: replace(getattr(base, gluon), gluon_stages=2, **fixed)})
     q, k, v = make_qkv(2, 4, 2, 60, 60, 32, torch.float32, device)
     with use_tuning(cfg):
         for _ in range(2):
