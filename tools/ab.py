@@ -2,6 +2,7 @@
 
     python -m tools.ab --base REF                       # every benchmark config, 5 rounds
     python -m tools.ab --base REF --configs seed,mm13k_hub --rounds 9 --out ab.json
+    python -m tools.ab --base REF --configs mm13k_hub --nondet    # deterministic=False's backward
     python -m tools.ab --base DIR                       # a tree exported before (no .git needed here)
     python -m tools.ab --export REF DIR                 # write that tree: REF's files and DIR/.commit
 
@@ -92,6 +93,7 @@ class Worker:
     def __init__(self, tree: Tree, args: argparse.Namespace) -> None:
         cmd = [sys.executable, str(WORKER), "--tree", str(tree.path), "--device", args.device, "--warmup",
                str(args.warmup), "--rep", str(args.rep), "--cpu-reps", str(args.cpu_reps)]
+        cmd += ["--nondet"] if args.nondet else []
         self.tree = tree
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=tempfile.gettempdir())
@@ -211,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time in ms (default 100)")
     p.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--nondet", action="store_true",
+                   help="time deterministic=False (the one-pass backward); dQ, added in any order, is not compared")
     p.add_argument("--export", nargs=2, metavar=("REF", "DIR"), help="only export REF's files into DIR, and exit")
     args = p.parse_args(argv)
     if not args.export and not args.base:
@@ -254,11 +258,14 @@ def main(argv: list[str] | None = None) -> int:
             info = {side: side_workers[0].info for side, side_workers in sides.items()}
     summary = verdict(rows)
     table = markdown(rows, summary, info["base"], info["new"])
+    if args.nondet:
+        table = ("deterministic=False: the one-pass backward; out, dK and dV compared, dQ not (added in any "
+                 "order).\n\n" + table)
     print("\n" + table, end="")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {"base": info["base"], "new": info["new"], "device": args.device, "rounds": args.rounds,
-                  "workers": args.workers,
+                  "workers": args.workers, "deterministic": not args.nondet,
                   "configs": rows, "summary": summary}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(table)

@@ -54,7 +54,8 @@ def digest(t: Any) -> str:
 class Side:
     """The inputs of every prepared config and the call that times them."""
 
-    def __init__(self, mmsparse: Any, device: str, warmup: int, rep: int, cpu_reps: int) -> None:
+    def __init__(self, mmsparse: Any, device: str, warmup: int, rep: int, cpu_reps: int,
+                 deterministic: bool = True) -> None:
         import torch
 
         from benchmarks.configs import ALL_CONFIGS
@@ -64,13 +65,14 @@ class Side:
         self.device = torch.device(device)
         self.timing = Timing(self.device, warmup, rep, cpu_warmup=1, cpu_reps=cpu_reps)
         self.cases: dict[str, tuple[Any, ...]] = {}
+        self.deterministic = deterministic
         if self.device.type == "cpu":
             torch.set_num_threads(1)  # tiny ops: OpenMP threads mostly spin against each other
 
     def call(self, name: str) -> Any:
         from benchmarks.baselines import mmsparse_fn  # mbs_attention, or mbs_attention_varlen for a pack
 
-        return mmsparse_fn(self.configs[name], self.device)
+        return mmsparse_fn(self.configs[name], self.device, self.deterministic)
 
     def prepare(self, name: str) -> dict[str, Any]:
         """Make the config's seeded inputs, run forward + backward once (compiles), and digest the results."""
@@ -80,6 +82,8 @@ class Side:
         out = self.call(name)(q, k, v)
         out.backward(dout)
         digests = {"out": digest(out), "dq": digest(q.grad), "dk": digest(k.grad), "dv": digest(v.grad)}
+        if not self.deterministic:
+            del digests["dq"]  # the one pass adds dQ in any order: its bits differ from run to run
         q.grad = k.grad = v.grad = None
         self.cases[name] = (q, k, v, dout)
         return {"digests": digests}
@@ -115,13 +119,14 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--rep", type=int, required=True)
     ap.add_argument("--cpu-reps", type=int, default=3)
+    ap.add_argument("--nondet", action="store_true", help="call with deterministic=False")
     args = ap.parse_args()
     here = Path(__file__).resolve().parent  # run as a script, its folder leads sys.path: its modules must not
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]  # shadow anything by bare name
     replies = _protocol_stream()
     try:
         mmsparse = _import_mmsparse(args.tree)
-        side = Side(mmsparse, args.device, args.warmup, args.rep, args.cpu_reps)
+        side = Side(mmsparse, args.device, args.warmup, args.rep, args.cpu_reps, not args.nondet)
         from benchmarks.env import versions
 
         ready = {"mmsparse": str(Path(mmsparse.__file__).resolve().parent), **versions(side.device)}

@@ -13,6 +13,7 @@ many keys.
     python -m tools.one_pass --sides two-pass,dq-writer --configs mm13k_hub_d64
     python -m tools.one_pass --sides two-pass,dq-writer-s3,dq-writer-s5 --configs mm13k_hub --head-dim 64
     python -m tools.one_pass --sides two-pass,dq-writer,dq-writer-m128-s3 --configs transfusion_16k --head-dim 64
+    python -m tools.one_pass --sides two-pass,two-pass-s3,two-pass-s5 --configs mm13k_hub_d64
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -55,35 +56,52 @@ CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
 # name: the deterministic argument; the first side given is the baseline of the others
 SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False}
 # The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only); "dq-writer-m<M>-s<N>" runs it
-# at M-query blocks and N stages instead of its table's (either part may be left out: a sweep of one of them).
+# at M-query blocks and N stages instead of its table's (either part may be left out: a sweep of one of them), and
+# "two-pass-m<M>-s<N>" the two passes with the dK/dV pass's tile so changed.
 WRITER_SIDES = ("dq-writer",)
-_WRITER_TILE = re.compile(r"(dq-writer)(?:-m(\d+))?(?:-s(\d+))?")
+_SIDE_TILE = re.compile(r"(dq-writer|two-pass)(?:-m(\d+))?(?:-s(\d+))?")
 
 
 def side_kind(side: str) -> str:
-    """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-m<M>-s<N>"."""
-    found = _WRITER_TILE.fullmatch(side)
+    """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-m<M>-s<N>" (and "two-pass" for
+    "two-pass-m<M>-s<N>")."""
+    found = _SIDE_TILE.fullmatch(side)
     return found.group(1) if found else side
 
 
 def side_stages(side: str) -> int | None:
-    """The stage count a "dq-writer-s<N>" side asks for (None: the table's)."""
-    found = _WRITER_TILE.fullmatch(side)
+    """The stage count a "dq-writer-s<N>" or "two-pass-s<N>" side asks for (None: the table's)."""
+    found = _SIDE_TILE.fullmatch(side)
     return int(found.group(3)) if found and found.group(3) else None
 
 
 def side_block_m(side: str) -> int | None:
-    """The query rows a block of a "dq-writer-m<M>" side asks for (None: the table's)."""
-    found = _WRITER_TILE.fullmatch(side)
+    """The query rows a block of a "dq-writer-m<M>" or "two-pass-m<M>" side asks for (None: the table's)."""
+    found = _SIDE_TILE.fullmatch(side)
     return int(found.group(2)) if found and found.group(2) else None
+
+
+def gluon_dkdv_side(side: str) -> bool:
+    """Whether a side is the two passes at a dK/dV tile of its own ("two-pass-m<M>-s<N>"), a Gluon kernel's."""
+    found = _SIDE_TILE.fullmatch(side)
+    return bool(found and found.group(1) == "two-pass" and (found.group(2) or found.group(3)))
 
 
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
     table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
-    length where it names them); None for the two passes (the device's own); the one-pass side the device's config
+    length where it names them); None for the two passes (the device's own), or the device's config with the side's
+    dK/dV query rows and stages; the one-pass side the device's config
     without the dQ writer (the one pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is
     the default)."""
+    stages, block_m = side_stages(side), side_block_m(side)
+    if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
+        dkdv = cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv
+        dkdv = replace(dkdv, gluon_stages=stages or dkdv.gluon_stages, block_m=block_m or dkdv.block_m)
+        problem = gluon_tile_problem("dkdv", dkdv, head_dim_pad(cfg.head_dim), dtype.itemsize)
+        if problem is not None:
+            raise ValueError(f"side {side}: {problem}")
+        return replace(kernel_config(cfg.head_dim, dtype, device), bwd_dkdv=dkdv)
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
             return None
@@ -91,7 +109,6 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
-    stages, block_m = side_stages(side), side_block_m(side)
     if stages is not None or block_m is not None:
         writer = replace(writer, gluon_stages=stages or writer.gluon_stages, block_m=block_m or writer.block_m)
         problem = gluon_tile_problem("dq_writer", writer, head_dim_pad(cfg.head_dim), dtype.itemsize)
@@ -236,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     names = config_names(ap, args.configs)
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side_kind(side) not in SIDES for side in sides):
-        ap.error(f"--sides takes two or more of {', '.join(SIDES)} (or dq-writer-s<N>: at N stages), the baseline "
-                 f"first; got {args.sides!r}")
+        ap.error(f"--sides takes two or more of {', '.join(SIDES)} (or dq-writer-m<M>-s<N>, two-pass-m<M>-s<N>: at M "
+                 f"query rows and N stages), the baseline first; got {args.sides!r}")
     if args.head_dim is not None and args.head_dim < 1:
         ap.error(f"--head-dim takes a positive head dim; got {args.head_dim}")
-    if not cuda and any(side_kind(side) in WRITER_SIDES for side in sides):
-        ap.error(f"the {', '.join(WRITER_SIDES)} side runs a Gluon kernel: it needs a Hopper GPU")
+    if not cuda and any(side_kind(side) in WRITER_SIDES or gluon_dkdv_side(side) for side in sides):
+        ap.error(f"the {', '.join(WRITER_SIDES)} and two-pass-m<M>-s<N> sides run Gluon kernels: they need a Hopper "
+                 "GPU")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timing = Timing(device, warmup=25 if cuda else 0, rep=100 if cuda else 0, cpu_warmup=1, cpu_reps=1,

@@ -70,3 +70,32 @@ def test_ab_runs_against_head(tmp_path):
     if unchanged:  # the same kernels on the same seeded inputs
         assert row["bit_equal"] is True
     assert "verdict" in out.with_suffix(".md").read_text()
+
+
+
+def test_nondet_side_digests_all_but_dq():
+    """--nondet: each side's worker calls deterministic=False and digests out, dK and dV, not dQ (the one pass adds
+    it in any order, so its bits may differ between two runs of one tree)."""
+    import torch
+
+    import mmsparse
+    from tools.ab import parse_args
+    from tools.ab_worker import Side
+
+    assert parse_args(["--base", "HEAD", "--nondet"]).nondet and not parse_args(["--base", "HEAD"]).nondet
+    calls = []
+    real = mmsparse.mbs_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    mmsparse.mbs_attention = spy
+    threads = torch.get_num_threads()  # a CPU side takes one thread
+    try:
+        side = Side(mmsparse, "cpu", 0, 0, 1, deterministic=False)
+        assert set(side.prepare("tiny_ab")["digests"]) == {"out", "dk", "dv"}
+    finally:
+        mmsparse.mbs_attention = real
+        torch.set_num_threads(threads)
+    assert calls == [False]

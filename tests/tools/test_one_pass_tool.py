@@ -89,7 +89,7 @@ def test_dq_writer_stage_sides_and_head_dim(tmp_path):
 
     assert one_pass.side_kind("dq-writer-s5") == "dq-writer" and one_pass.side_stages("dq-writer-s5") == 5
     assert one_pass.side_block_m("dq-writer-s5") is None
-    assert one_pass.side_kind("two-pass-s5") == "two-pass-s5"  # not a side: main refuses it
+    assert one_pass.side_kind("one-pass-s5") == "one-pass-s5"  # not a side: main refuses it
     assert one_pass.side_kind("dq-writer-s5-m128") == "dq-writer-s5-m128"  # rows before stages only
     cfg = ALL_CONFIGS["mm13k_hub_d64"]
     config = one_pass.side_config(cfg, "dq-writer-s6", torch.device("cpu"), torch.bfloat16)
@@ -105,7 +105,7 @@ def test_dq_writer_stage_sides_and_head_dim(tmp_path):
     out = tmp_path / "one_pass.json"
     args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
     with pytest.raises(SystemExit):
-        one_pass.main([*args, "--sides", "two-pass,two-pass-s5"])
+        one_pass.main([*args, "--sides", "two-pass,one-pass-s5"])
     assert one_pass.main([*args, "--sides", "two-pass,one-pass", "--head-dim", "24"]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["config"] == "tiny_ab_d24" and row["one-pass_check"] == "ok"
@@ -121,3 +121,27 @@ def test_a_windowed_config_is_called_with_its_window(tmp_path, device):
                           "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["two-pass_check"] == "ok" and row["one-pass_check"] == "ok", row
+
+
+def test_two_pass_tile_sides():
+    """"two-pass-m<M>-s<N>" runs the two passes with the Gluon dK/dV kernel at M query rows a step and N stages,
+    refused where the kernel cannot take the tile; a Gluon kernel, so a CPU run refuses the side."""
+    import torch
+
+    from benchmarks.configs import ALL_CONFIGS
+    from mmsparse.attention.config import _GLUON_DKDV
+
+    d64, d128 = ALL_CONFIGS["mm13k_hub_d64"], ALL_CONFIGS["mm13k_hub"]
+    assert one_pass.side_kind("two-pass-m64-s3") == "two-pass" and one_pass.gluon_dkdv_side("two-pass-m64-s3")
+    assert not one_pass.gluon_dkdv_side("two-pass") and not one_pass.gluon_dkdv_side("dq-writer-s3")
+    config = one_pass.side_config(d64, "two-pass-s3", torch.device("cpu"), torch.bfloat16)
+    assert config.bwd_dkdv == replace(_GLUON_DKDV[64], gluon_stages=3)
+    config = one_pass.side_config(d128, "two-pass-m64-s3", torch.device("cpu"), torch.bfloat16)
+    assert config.bwd_dkdv == replace(_GLUON_DKDV[128], gluon_stages=3)
+    with pytest.raises(ValueError, match="query rows"):  # the kernel's 64 rows a step
+        one_pass.side_config(d64, "two-pass-m128", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):  # 235,520 B of 232,448
+        one_pass.side_config(d128, "two-pass-s5", torch.device("cpu"), torch.bfloat16)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,two-pass-s3"])
