@@ -49,11 +49,17 @@ def run_child(tree: Tree, device: str, calls: int, pin: str | None) -> dict[str,
     return json.loads(lines[-1])
 
 
-def measure(trees: dict[str, Tree], device: str, calls: int, rounds: int, pin: str | None) -> list[dict[str, Any]]:
-    """``rounds`` rounds; in each, every side once unpinned and once pinned (``pin``), the sides in turns."""
+def measure(trees: dict[str, Tree], device: str, calls: int, rounds: int, pin: str | None,
+            warmup: int = 1) -> list[dict[str, Any]]:
+    """``rounds`` rounds; in each, every side once unpinned and once pinned (``pin``), the sides in turns. First
+    ``warmup`` unpinned processes of each side whose figures are dropped: on an H200 host the run's first process
+    read 1.3-2.2x the host time of every later one, pinned or not (``benchmarks/results/h200/host_ab.md``)."""
     runs = []
     modes = [None] if pin is None else [None, pin]
     order = list(trees)
+    for _ in range(warmup):
+        for side in order:
+            run_child(trees[side], device, calls, None)
     for r in range(rounds):
         first = r % 2
         for side in order[first:] + order[:first]:
@@ -104,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=at_least_one, default=2, help="rounds (default 2)")
     p.add_argument("--calls", type=at_least_one, default=300, help="calls a figure's median is taken over")
     p.add_argument("--pin", default="5", help="the CPU of the pinned runs (taskset -c), or 'none' (default 5)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="processes of each side run first and dropped (default 1: a run's first process is slow)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
     p.add_argument("--out", type=Path, default=None, help="write host_ab.json and host_ab.md into this folder")
     args = p.parse_args(argv)
@@ -125,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                  "new": resolve_tree(args.new, Path(scratch) / "new")}
         print(f"host A/B on {device}: base {trees['base'].label}, new {trees['new'].label}; {args.rounds} rounds",
               flush=True)
-        runs = measure(trees, device, args.calls, args.rounds, args.pin)
+        runs = measure(trees, device, args.calls, args.rounds, args.pin, args.warmup)
     rows = summarize(runs)
     record = {**versions(torch.device(device)), "base": trees["base"].label, "new": trees["new"].label,
-              "device": device, "rounds": args.rounds, "calls": args.calls, "pin": args.pin, "rows": rows,
+              "device": device, "rounds": args.rounds, "warmup": args.warmup, "calls": args.calls, "pin": args.pin,
+              "rows": rows,
               "runs": runs}
     table = markdown(rows, record)
     print("\n" + table, end="")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers import REPO
+from tools import host_ab
 from tools.host_ab import summarize
 
 
@@ -38,7 +39,7 @@ def test_host_ab_runs_against_an_exported_tree(tmp_path):
     subprocess.run(["cp", "-r", str(REPO / "mmsparse"), str(base / "mmsparse")], check=True)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "tools.host_ab", "--base", str(base), "--device", "cpu", "--calls", "2",
-           "--rounds", "1", "--pin", "none", "--out", str(out)]
+           "--rounds", "1", "--pin", "none", "--warmup", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "host_ab.json").read_text())
@@ -49,3 +50,18 @@ def test_host_ab_runs_against_an_exported_tree(tmp_path):
                        "small_2k_fwd_bwd_one_thread", "seed_fwd_op", "seed_bwd_op"}
     assert all(row["base_us"] > 0 and row["new_us"] > 0 for row in record["rows"])
     assert "| seed_bwd_op | no |" in (out / "host_ab.md").read_text()
+
+
+def test_warmup_processes_are_run_first_and_dropped(monkeypatch):
+    """A run's first process is slow on a GPU host: ``warmup`` unpinned processes of each side run before the
+    rounds and none of their figures enter a median."""
+    calls = []
+
+    def child(tree, device, calls_, pin):
+        calls.append((tree, pin))
+        return {"mmsparse": tree, "figures": {"seed_fwd": 1000.0 if len(calls) <= 2 else 10.0}}
+
+    monkeypatch.setattr(host_ab, "run_child", child)
+    runs = host_ab.measure({"base": "b", "new": "n"}, "cpu", 3, rounds=2, pin="5", warmup=1)
+    assert calls[:2] == [("b", None), ("n", None)] and len(calls) == 2 + 2 * 2 * 2
+    assert len(runs) == 8 and all(run["figures"]["seed_fwd"] == 10.0 for run in runs)
