@@ -91,9 +91,8 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
     table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
     length where it names them); None for the two passes (the device's own), or the device's config with the side's
-    dK/dV query rows and stages; the one-pass side the device's config
-    without the dQ writer (the one pass it runs then: the bulk one at D=128, the tl one at D=64, where the writer is
-    the default)."""
+    dK/dV query rows and stages; the one-pass side the device's config without the dQ writer (the one pass it runs
+    then: the bulk one at D=128, the tl one at D=64, where the writer is the default)."""
     stages, block_m = side_stages(side), side_block_m(side)
     if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
         dkdv = cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv
