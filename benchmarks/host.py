@@ -28,6 +28,7 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -218,6 +219,22 @@ def op_calls(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
     }
 
 
+def new_lengths_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, shape: Shape,
+                     calls: int) -> Callable[[], None]:
+    """Forward + backward with the shape's lengths as a new device tensor every call (``check_lengths=False``): the
+    mask and its lists are built in the call. Enough tensors, made now, for two timings of ``calls`` calls and
+    their warm-up."""
+    lens = [torch.tensor(shape.seg_lens, device=q.device) for _ in range(calls + 1)]
+    fresh = itertools.cycle(lens)
+
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        mbs_attention(q, k, v, shape.topology, next(fresh), check_lengths=False).backward(grad)
+
+    return step
+
+
 def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float | None]:
     q, k, v, grad = _inputs(shape, device, dtype)
     kw = dict(topology=shape.topology, seg_lens=shape.seg_lens)
@@ -228,15 +245,7 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
         "host_us_fwd_bwd_one_thread": one_thread_host_us(fwd_bwd, device, calls),
         "host_us_fwd_bwd_nondet": host_us(_fwd_bwd(q, k, v, grad, deterministic=False, **kw), device, calls),
     }
-    lens = [torch.tensor(shape.seg_lens, device=device) for _ in range(calls + 1)]
-    fresh = iter(lens * 2)  # a new device tensor every call: the mask is built in the call
-
-    def new_lengths() -> None:
-        for t in (q, k, v):
-            t.grad = None
-        mbs_attention(q, k, v, shape.topology, next(fresh), check_lengths=False).backward(grad)
-
-    row["host_us_fwd_bwd_new_lengths"] = host_us(new_lengths, device, calls)
+    row["host_us_fwd_bwd_new_lengths"] = host_us(new_lengths_step(q, k, v, grad, shape, calls), q.device, calls)
     row["fwd_bwd_ms"] = wall_ms(fwd_bwd, device, calls)
     cuda = device.type == "cuda"
     row["gpu_kernel_ms"] = gpu_kernel_ms(fwd_bwd) if cuda else None

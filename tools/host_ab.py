@@ -11,7 +11,8 @@ new process (``tools/host_ab_child.py``: mmsparse from its tree, the harness of 
 turns in each round (the side that goes first alternating), and every process runs twice: unpinned, and pinned to
 one core with ``taskset`` (both threads on it), where the spread shrinks to a few percent. The figures are
 ``benchmarks.host``'s: the seed's and small_2k's forward, forward + backward on autograd's device thread and on the
-calling thread, and one call of the compiled graph's forward and backward ops at the seed. The ratio is base / new of
+calling thread, the seed's forward + backward with new device lengths every call (the mask built in the call), and
+one call of the compiled graph's forward and backward ops at the seed. The ratio is base / new of
 the medians over rounds (> 1: the new tree takes less host time). Writes ``DIR/host_ab.{json,md}`` with ``--out``.
 """
 

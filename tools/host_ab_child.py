@@ -17,10 +17,20 @@ BENCH_ROOT = Path(__file__).resolve().parent.parent  # the checkout whose harnes
 
 def host_figures(device_name: str, calls: int) -> dict[str, float]:
     """The seed's and small_2k's forward, forward + backward (on autograd's device thread and on the calling
-    thread), and one call of the compiled graph's forward and backward ops at the seed (``benchmarks.host``)."""
+    thread), the seed's forward + backward with new device lengths every call (both threads), and one call of the
+    compiled graph's forward and backward ops at the seed (``benchmarks.host``)."""
     import torch
 
-    from benchmarks.host import CPU_SHAPES, GPU_SHAPES, _fwd_bwd, _inputs, host_us, one_thread_host_us, op_calls
+    from benchmarks.host import (
+        CPU_SHAPES,
+        GPU_SHAPES,
+        _fwd_bwd,
+        _inputs,
+        host_us,
+        new_lengths_step,
+        one_thread_host_us,
+        op_calls,
+    )
     from mmsparse import mbs_attention
 
     device = torch.device(device_name)
@@ -34,9 +44,15 @@ def host_figures(device_name: str, calls: int) -> dict[str, float]:
         step = _fwd_bwd(q, k, v, grad, **kw)
         for _ in range(3):
             step()
-        return {f"{name}_fwd": host_us(lambda: mbs_attention(q.detach(), k.detach(), v.detach(), **kw), device, calls),
-                f"{name}_fwd_bwd": host_us(step, device, calls),
-                f"{name}_fwd_bwd_one_thread": one_thread_host_us(step, device, calls)}
+        figures = {f"{name}_fwd": host_us(lambda: mbs_attention(q.detach(), k.detach(), v.detach(), **kw), device,
+                                           calls),
+                   f"{name}_fwd_bwd": host_us(step, device, calls),
+                   f"{name}_fwd_bwd_one_thread": one_thread_host_us(step, device, calls)}
+        if name == "seed":  # the mask and its lists built in every call
+            new_lengths = new_lengths_step(q, k, v, grad, shape, calls)
+            figures["seed_fwd_bwd_new_lengths"] = host_us(new_lengths, device, calls)
+            figures["seed_fwd_bwd_new_lengths_one_thread"] = one_thread_host_us(new_lengths, device, calls)
+        return figures
 
     figures = {**shape_figures("seed"), **shape_figures("small_2k")}
     ops = op_calls(shapes["seed"], device, dtype, calls)

@@ -46,7 +46,8 @@ def test_host_ab_runs_against_an_exported_tree(tmp_path):
     sources = {run["side"]: Path(run["mmsparse"]) for run in record["runs"]}
     assert sources == {"base": (base / "mmsparse").resolve(), "new": REPO / "mmsparse"}
     figures = {row["figure"] for row in record["rows"]}
-    assert figures == {"seed_fwd", "seed_fwd_bwd", "seed_fwd_bwd_one_thread", "small_2k_fwd", "small_2k_fwd_bwd",
+    assert figures == {"seed_fwd", "seed_fwd_bwd", "seed_fwd_bwd_one_thread", "seed_fwd_bwd_new_lengths",
+                       "seed_fwd_bwd_new_lengths_one_thread", "small_2k_fwd", "small_2k_fwd_bwd",
                        "small_2k_fwd_bwd_one_thread", "seed_fwd_op", "seed_bwd_op"}
     assert all(row["base_us"] > 0 and row["new_us"] > 0 for row in record["rows"])
     assert "| seed_bwd_op | no |" in (out / "host_ab.md").read_text()
