@@ -22,9 +22,7 @@ count are left unwritten.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -49,40 +47,27 @@ COMPACT_BYTES = 32 << 20
 _INT32_MAX = 2**31 - 1
 
 
-def packs_lists(mask_batch: int, n_r: int, n_c: int, compact: bool | None = None,
-                compact_bytes: int = COMPACT_BYTES) -> bool:
-    """Whether lists of ``n_r`` rows and ``n_c`` columns are packed (``compact``, by default when their fixed slots
-    would take more than ``compact_bytes``)."""
-    if compact is not None:
-        return compact
-    return mask_batch * n_r * n_c * index_dtype(n_c, False).itemsize > compact_bytes
-
-
 def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], mask_batch: int, n_r: int, n_c: int,
-                device: torch.device, compact: bool | None = None, compact_bytes: int = COMPACT_BYTES,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockLists:
+                device: torch.device, compact: bool | None = None, compact_bytes: int = COMPACT_BYTES) -> BlockLists:
     """Allocate and fill :class:`BlockLists` of ``mask_batch`` samples, ``n_r`` rows and ``n_c`` columns through a list
     kernel: ``launch(phase, counts, indices)`` runs it once (``kernels.constants.LISTS_*``).
 
     compact: pack the lists (count, scan, read the total back, write); default: when fixed slots would take more
-    than ``compact_bytes``. ``out``: the fixed-slot lists' counts and indices, allocated already
-    (:func:`reserve_lists`; not for packed lists, whose size is read back).
+    than ``compact_bytes``.
     """
     fixed = index_dtype(n_c, False)
+    counts = torch.empty((mask_batch, n_r, 3), dtype=torch.int32, device=device)
     if n_r == 0 or n_c == 0:
-        counts = torch.zeros((mask_batch, n_r, 3), dtype=torch.int32, device=device)
-        return BlockLists(counts, torch.empty((mask_batch, 0), dtype=fixed, device=device))
-    compact = packs_lists(mask_batch, n_r, n_c, compact, compact_bytes)
+        return BlockLists(counts.zero_(), torch.empty((mask_batch, 0), dtype=fixed, device=device))
+    if compact is None:
+        compact = mask_batch * n_r * n_c * fixed.itemsize > compact_bytes
     dtype = index_dtype(n_c, compact)
     if not compact:
         if n_r * n_c > _INT32_MAX:
             raise ValueError(f"{n_r} x {n_c} tiles of fixed-slot block lists pass 2^31 entries: build them compact")
-        counts, indices = out if out is not None else (
-            torch.empty((mask_batch, n_r, 3), dtype=torch.int32, device=device),
-            torch.empty((mask_batch, n_r * n_c), dtype=dtype, device=device))
+        indices = torch.empty((mask_batch, n_r * n_c), dtype=dtype, device=device)
         launch(LISTS_DENSE, counts, indices)
         return BlockLists(counts, indices)
-    counts = torch.empty((mask_batch, n_r, 3), dtype=torch.int32, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"block lists of {n_r} x {n_c} tiles are packed, which reads their length back to the "
                            "host: build the mask before capturing the CUDA graph (call it once first, or "
@@ -129,7 +114,6 @@ def build_block_lists(
     compact: bool | None = None,
     compact_bytes: int = COMPACT_BYTES,
     window: int | None = None,
-    reserved: dict[tuple, Any] | None = None,
 ) -> BlockLists:
     """Block lists of a topology mask at tile ``block_m`` x ``block_n``.
 
@@ -146,8 +130,6 @@ def build_block_lists(
             the dQ lists of one tile share them: one launch and one allocation fewer).
         compact: packed (CSR) lists or fixed slots; default by size, above ``compact_bytes`` (:func:`write_lists`).
         window: also require key position > query position - window (None: no window).
-        reserved: :func:`reserve_lists`' views, which this build writes its summary and fixed-slot lists into where
-            they hold this tile's (instead of allocating its own).
 
     Returns:
         :class:`BlockLists` with R = NQ rows of NK columns, or NK rows of NQ when by_key, on the input device.
@@ -166,17 +148,15 @@ def build_block_lists(
     if n_r == 0 or n_c == 0:
         return write_lists(no_launch, mask_batch, n_r, n_c, dev)
 
-    k, w = _segment_lanes(num_segments), summary_width(num_segments, causal, window)
-    reserved = reserved or {}
+    k = max(2, 1 << (num_segments - 1).bit_length())  # segments rounded up to a power of two
+    w = (3 + k if causal else 2) + (2 if window is not None else 0)  # a window adds each block's first/last position
     interpret = dev.type != "cuda"
     elems = tile_elems or (_INTERPRETER_TILE if interpret else _GPU_TILE)
     gq, gk, cb, br = _program_sizes(n_q, n_k, n_r, n_c, block_m, block_n, k, causal, elems,
                                     interpret if fit is None else fit)
     summary = None if summaries is None else summaries.get((block_m, block_n))
     if summary is None:
-        summary = reserved.get(("summary", block_m, block_n))
-        if summary is None:
-            summary = torch.empty((mask_batch, n_q + n_k, w), dtype=torch.int32, device=dev)
+        summary = torch.empty((mask_batch, n_q + n_k, w), dtype=torch.int32, device=dev)
         _SUMMARY[(max(cdiv(n_q, gq), cdiv(n_k, gk)), mask_batch)](
             q_bits, k_bits, q_start, summary,
             q_bits.stride(0) if q_bits.shape[0] > 1 else 0, k_bits.stride(0) if k_bits.shape[0] > 1 else 0,
@@ -194,56 +174,7 @@ def build_block_lists(
             BY_KEY=by_key, PHASE=phase,
         )
 
-    out = reserved.get((block_m, block_n, by_key))
-    return write_lists(launch, mask_batch, n_r, n_c, dev, compact, compact_bytes, out)
-
-
-def _segment_lanes(num_segments: int) -> int:
-    """The segments a summary keeps a word for (causal): rounded up to a power of two, at least 2."""
-    return max(2, 1 << (num_segments - 1).bit_length())
-
-
-def summary_width(num_segments: int, causal: bool, window: int | None) -> int:
-    """int32 words of a block's summary: its bits and flags, a word per segment when causal, and a window's first
-    and last position."""
-    return (3 + _segment_lanes(num_segments) if causal else 2) + (2 if window is not None else 0)
-
-
-_ALIGN = 4  # int32 words: each reserved view starts on 16 bytes
-
-
-def reserve_lists(q_bits: torch.Tensor, k_bits: torch.Tensor, num_segments: int, causal: bool, window: int | None,
-                  tiles: list[tuple[int, int, bool]], summaries: dict[tuple[int, int], torch.Tensor],
-                  compact_bytes: int = COMPACT_BYTES) -> dict[tuple, Any]:
-    """One int32 allocation for what building ``tiles``' lists of this mask would allocate apiece: the block
-    summaries not in ``summaries`` (key ``("summary", block_m, block_n)``) and each tile's fixed-slot counts and
-    indices (key ``(block_m, block_n, by_key)``: the pair), as views of it, for :func:`build_block_lists`'
-    ``reserved``. A mask whose length changes every call builds every list anew, and each allocation costs that
-    call host time (several microseconds). Packed lists (sized by a read-back) and empty ones are left out."""
-    mask_batch, seq_q, seq_k = q_bits.shape[0], q_bits.shape[1], k_bits.shape[1]
-    width = summary_width(num_segments, causal, window)
-    shapes: dict[tuple, tuple[tuple[int, ...], ...]] = {}
-    for block_m, block_n, by_key in tiles:
-        n_q, n_k = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
-        n_r, n_c = (n_k, n_q) if by_key else (n_q, n_k)
-        if n_r == 0 or n_c == 0 or packs_lists(mask_batch, n_r, n_c, None, compact_bytes) or n_r * n_c > _INT32_MAX:
-            continue
-        if (block_m, block_n) not in summaries:
-            shapes[("summary", block_m, block_n)] = ((mask_batch, n_q + n_k, width),)
-        shapes[(block_m, block_n, by_key)] = ((mask_batch, n_r, 3), (mask_batch, n_r * n_c))
-    sizes = {key: [cdiv(math.prod(shape), _ALIGN) * _ALIGN for shape in parts] for key, parts in shapes.items()}
-    if not sizes:
-        return {}
-    pool = torch.empty(sum(sum(parts) for parts in sizes.values()), dtype=torch.int32, device=q_bits.device)
-    views: dict[tuple, Any] = {}
-    at = 0
-    for key, parts in shapes.items():
-        made = []
-        for shape, size in zip(parts, sizes[key]):
-            made.append(pool[at:at + math.prod(shape)].view(shape))
-            at += size
-        views[key] = made[0] if key[0] == "summary" else tuple(made)
-    return views
+    return write_lists(launch, mask_batch, n_r, n_c, dev, compact, compact_bytes)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -13,13 +13,11 @@ attention kernels' signatures: :mod:`mmsparse.attention.kernel_args` turns a mas
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
 from ..runtime.launch import stream_key
-from .bit_lists import COMPACT_BYTES, build_block_lists, kernels_run_on, reserve_lists
+from .bit_lists import COMPACT_BYTES, build_block_lists, kernels_run_on
 from .blocks import BlockLists, classify_blocks_from_bits, classify_blocks_from_mask, lists_from_classes, pool_classes
 from .cache import CACHE
 from .code_blocks import classify_blocks_from_codes
@@ -93,16 +91,10 @@ class MaskInfo:
         raise NotImplementedError
 
     def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
-                     compact: bool | None = None, reserved: dict[tuple, Any] | None = None) -> BlockLists | None:
+                     compact: bool | None = None) -> BlockLists | None:
         """The block lists built on the device straight from the token-level tensors, or None where they come
-        from :meth:`classes` (dense masks; CPU tensors without Triton's interpreter). ``reserved``:
-        :meth:`_reserve`'s views to build into."""
+        from :meth:`classes` (dense masks; CPU tensors without Triton's interpreter)."""
         return None
-
-    def _reserve(self, tiles: list[TileKey], compact_bytes: int) -> dict[tuple, Any]:
-        """One allocation for what building ``tiles``' lists allocates, as views its builder takes
-        (:func:`mmsparse.mask.bit_lists.reserve_lists`); {} where the builder allocates its own."""
-        return {}
 
     # shared --------------------------------------------------------------------------------------------------------
 
@@ -190,14 +182,9 @@ class MaskInfo:
         interpreter: reduced from :meth:`classes` in torch. ``compact_bytes``: above it a bit mask's lists take
         the compact layout (:func:`mmsparse.mask.bit_lists.build_block_lists`); ``compact`` False: fixed slots
         whatever their size (lists whose size must follow from the shapes alone: a traced graph's)."""
-        return self._lists_at((block_m, block_n, by_key), compact_bytes, compact)
-
-    def _lists_at(self, key: TileKey, compact_bytes: int, compact: bool | None,
-                  reserved: dict[tuple, Any] | None = None) -> BlockLists:
-        """:meth:`lists` at ``key``, built into ``reserved``'s views where they hold it (:meth:`prepare`)."""
-        block_m, block_n, by_key = key
+        key = (block_m, block_n, by_key)
         if key not in self._lists and kernels_run_on(self.device):
-            built = self._build_lists(block_m, block_n, by_key, compact_bytes, compact, reserved)
+            built = self._build_lists(block_m, block_n, by_key, compact_bytes, compact)
             if built is not None:
                 self._lists[key] = built
                 self._grew()
@@ -228,11 +215,8 @@ class MaskInfo:
         if isinstance(self, DenseMask) or not kernels_run_on(self.device):  # the lists come from classes()
             for block_m, block_n, _ in sorted(tiles, key=lambda k: k[0] * k[1]):  # finest first: the rest pool it
                 self.classes(block_m, block_n)
-            reserved = {}
-        else:  # one allocation for every list built here: a mask of new lengths each call builds them all
-            reserved = self._reserve([t for t in dict.fromkeys(tiles) if t not in self._lists], compact_bytes)
-        for tile in tiles:
-            self._lists_at(tile, compact_bytes, None, reserved)
+        for block_m, block_n, by_key in tiles:
+            self.lists(block_m, block_n, by_key, compact_bytes)
         return self
 
 
@@ -284,14 +268,10 @@ class BitMask(MaskInfo):
                                          self.q_start, self.window)
 
     def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
-                     compact: bool | None = None, reserved: dict[tuple, Any] | None = None) -> BlockLists:
+                     compact: bool | None = None) -> BlockLists:
         return build_block_lists(self.q_bits, self.k_bits, self.num_segments, block_m, block_n, self.causal,
                                  self.q_start, by_key, summaries=self._summaries, compact=compact,
-                                 compact_bytes=compact_bytes, window=self.window, reserved=reserved)
-
-    def _reserve(self, tiles: list[TileKey], compact_bytes: int) -> dict[tuple, Any]:
-        return reserve_lists(self.q_bits, self.k_bits, self.num_segments, self.causal, self.window, tiles,
-                             self._summaries, compact_bytes)
+                                 compact_bytes=compact_bytes, window=self.window)
 
 
 class CodeMask(MaskInfo):
@@ -344,7 +324,7 @@ class CodeMask(MaskInfo):
                                           self.q_start, self.window)
 
     def _build_lists(self, block_m: int, block_n: int, by_key: bool, compact_bytes: int,
-                     compact: bool | None = None, reserved: dict[tuple, Any] | None = None) -> BlockLists:
+                     compact: bool | None = None) -> BlockLists:
         if self._runs is None:
             k_codes = self.k_codes if self.k_codes.stride(0) != 0 else self.k_codes[:1]
             q_runs = CodeRuns(self.q_codes)

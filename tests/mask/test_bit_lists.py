@@ -177,40 +177,6 @@ def test_mask_info_lists_come_from_the_kernels(device, monkeypatch):
     assert len(calls) == 2 * len(TILES)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_prepared_lists_share_one_allocation(seed, device):
-    """MaskInfo.prepare builds every tile's fixed-slot lists, and the summaries they need, into views of one
-    allocation (a mask of new lengths each call builds them all): the lists equal the reference's row by row;
-    lists already built, packed lists and the token-level tensors keep their own storage."""
-    rng = random.Random(seed)
-    info, k = _random_info(rng, device)
-    tiles = [(32, 16, False), (16, 32, True), (32, 16, True), (64, 64, False)]
-    if seed % 2:
-        info.lists(16, 32, True)  # built before: prepare leaves it be
-    before = info.lists_built(16, 32, True)
-    info.prepare(tiles, compact_bytes=1 << 30)
-    for tile in tiles:
-        _assert_same(info.built_lists(*tile), _reference(info.q_bits, info.k_bits, k, *tile[:2], info.causal,
-                                                         info.q_start, tile[2]))
-    storage = {(t, part): getattr(info.built_lists(*t), part).untyped_storage().data_ptr()
-               for t in tiles for part in ("counts", "indices") if getattr(info.built_lists(*t), part).numel()}
-    fresh = {ptr for (tile, _), ptr in storage.items() if before is None or tile != (16, 32, True)}
-    assert len(fresh) <= 1, storage  # every list prepare built, in one allocation
-    if before is not None:
-        assert info.built_lists(16, 32, True) is before and before.counts.untyped_storage().data_ptr() not in fresh
-    built_here = [(32, 16), (64, 64)] + ([(16, 32)] if before is None else [])
-    assert {info._summaries[tile].untyped_storage().data_ptr() for tile in built_here} <= fresh
-    assert info.q_bits.untyped_storage().data_ptr() not in fresh
-    packed = MaskInfo.from_topology(Topology([[1, 1], [1, 1]]), torch.tensor([[40, 60]], device=device), 100, 100, True)
-    packed.prepare([(16, 16, False), (32, 32, False)], compact_bytes=32)  # 7 x 7 and 4 x 4 int32 slots: packed
-    ptrs = {packed.built_lists(16, 16).indices.untyped_storage().data_ptr(),
-            packed.built_lists(32, 32).indices.untyped_storage().data_ptr()}
-    assert len(ptrs) == 2
-    for bm, bn in ((16, 16), (32, 32)):
-        _assert_same(packed.built_lists(bm, bn), _reference(packed.q_bits, packed.k_bits, 2, bm, bn, True,
-                                                            packed.q_start, False), packed=True)
-
-
 @pytest.mark.gpu
 def test_packed_lists_refuse_cuda_graph_capture():
     """Packed lists read their length back to the host, which a CUDA graph cannot replay: a clear error during
