@@ -710,32 +710,35 @@ GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's
 GLUON_WG_ROWS = 64
 
 
-def dkdv_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> int:
-    """The shared memory of the D <= 128 Gluon dK/dV kernel's tiles at ``tile``: K and V of its 128 keys, the
-    stages of Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and with
-    ``one_pass`` both warpgroups' dS^T tiles and their float32 dQ staging halves."""
+def _key_block_bytes(tile: Tile, d_pad: int, itemsize: int) -> int:
+    """What every Gluon dK/dV kernel holds in shared memory at ``tile``: K and V of its ``block_n`` keys, and the
+    stages of Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows."""
     keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
-    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
-    dq_tiles = keys * rows * itemsize + rows * d_pad * 4 if one_pass else 0
-    return 2 * keys * row_bytes + stages + dq_tiles
+    return 2 * keys * row_bytes + tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
+
+
+def _dq_tiles_bytes(tile: Tile, d_pad: int, itemsize: int) -> int:
+    """A one pass's dQ tiles: both warpgroups' dS^T tiles and the float32 ``[block_m, d_pad]`` dQ staging."""
+    return tile.block_n * tile.block_m * itemsize + tile.block_m * d_pad * 4
+
+
+def dkdv_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> int:
+    """The shared memory of the D <= 128 Gluon dK/dV kernel's tiles at ``tile``: :func:`_key_block_bytes`, and with
+    ``one_pass`` both warpgroups' dS^T tiles and their float32 dQ staging halves."""
+    return _key_block_bytes(tile, d_pad, itemsize) + (_dq_tiles_bytes(tile, d_pad, itemsize) if one_pass else 0)
 
 
 def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsize: int = 2) -> int:
-    """The shared memory of the D=256 Gluon dK/dV kernel's tiles at ``tile``: K and V of its 64 keys, the stages of
-    Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows, and the P^T tile (float32)
-    one consumer warpgroup hands the other."""
-    keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
-    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
-    return 2 * keys * row_bytes + stages + keys * rows * 4
+    """The shared memory of the D=256 Gluon dK/dV kernel's tiles at ``tile``: :func:`_key_block_bytes` of its 64
+    keys, and the P^T tile (float32) one consumer warpgroup hands the other."""
+    return _key_block_bytes(tile, d_pad, itemsize) + tile.block_n * tile.block_m * 4
 
 
 def dq_writer_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2) -> int:
-    """The shared memory of the dQ-writer kernel's tiles at ``tile`` (its module docstring has the table): K and V of
-    its 128 keys, the stages of Q and dO (``block_m`` rows) with their lse, delta, query-index and query-bit rows,
-    both MMA warpgroups' dS^T tiles and the float32 ``[block_m, d_pad]`` dQ staging buffer."""
-    keys, rows, row_bytes = tile.block_n, tile.block_m, itemsize * d_pad
-    stages = tile.gluon_stages * (2 * rows * row_bytes + 4 * rows * 4)
-    return 2 * keys * row_bytes + stages + keys * rows * itemsize + rows * d_pad * 4
+    """The shared memory of the dQ-writer kernel's tiles at ``tile`` (its module docstring has the table):
+    :func:`_key_block_bytes` of its 128 keys, both MMA warpgroups' dS^T tiles and the float32 ``[block_m, d_pad]``
+    dQ staging buffer."""
+    return _key_block_bytes(tile, d_pad, itemsize) + _dq_tiles_bytes(tile, d_pad, itemsize)
 
 
 def _dq_writer_problem(tile: Tile, d_pad: int, itemsize: int) -> str | None:

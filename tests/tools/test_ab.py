@@ -72,7 +72,7 @@ def test_ab_runs_against_head(tmp_path):
     assert "verdict" in out.with_suffix(".md").read_text()
 
 
-def test_nondet_side_digests_all_but_dq():
+def test_nondet_side_digests_all_but_dq(monkeypatch):
     """--nondet: each side's worker calls deterministic=False and digests out, dK and dV, not dQ (the one pass adds
     it in any order, so its bits may differ between two runs of one tree)."""
     import torch
@@ -89,12 +89,11 @@ def test_nondet_side_digests_all_but_dq():
         calls.append(kwargs.get("deterministic"))
         return real(*args, **kwargs)
 
-    mmsparse.mbs_attention = spy
+    monkeypatch.setattr(mmsparse, "mbs_attention", spy)
     threads = torch.get_num_threads()  # a CPU side takes one thread
     try:
         side = Side(mmsparse, "cpu", 0, 0, 1, deterministic=False)
         assert set(side.prepare("tiny_ab")["digests"]) == {"out", "dk", "dv"}
     finally:
-        mmsparse.mbs_attention = real
         torch.set_num_threads(threads)
     assert calls == [False]

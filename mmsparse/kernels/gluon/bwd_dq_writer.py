@@ -30,7 +30,7 @@ The MMA warpgroups never wait for a reduce-add: the writer waits for each half t
 (``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
 after it filled the half.
 
-Shared memory a CTA (bytes; ``fused_bwd_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
+Shared memory a CTA (bytes; ``dq_writer_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
 may take 232,448 on an H100 or H200):
 
 ====================================  ==================  ==================  ==================
