@@ -49,10 +49,12 @@ class Loop:
 
 
 def triton_binary(name: str) -> Path:
-    """``ptxas`` or ``nvdisasm`` as the installed Triton ships it."""
-    import triton
+    """``ptxas`` (the one Triton assembles sm_90 kernels with: Triton 3.9 ships two, and its PTX needs the newer) or
+    ``nvdisasm``, as the installed Triton ships and configures them."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    path = Path(triton.__file__).resolve().parent / "backends" / "nvidia" / "bin" / name
+    path = Path(get_ptxas(90).path if name == "ptxas" else getattr(knobs.nvidia, name).path)
     if not path.exists():
         raise SystemExit(f"{path} not found: this Triton ships no {name} (an NVIDIA wheel of Triton 3.x does)")
     return path
