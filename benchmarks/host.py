@@ -222,8 +222,8 @@ def op_calls(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
 def new_lengths_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, shape: Shape,
                      calls: int) -> Callable[[], None]:
     """Forward + backward with the shape's lengths as a new device tensor every call (``check_lengths=False``): the
-    mask and its lists are built in the call. Enough tensors, made now, for two timings of ``calls`` calls and
-    their warm-up."""
+    mask and its lists are built in the call. ``calls + 1`` tensors, made now and taken in turn: none comes back
+    within one timing of ``calls`` calls and its warm-up."""
     lens = [torch.tensor(shape.seg_lens, device=q.device) for _ in range(calls + 1)]
     fresh = itertools.cycle(lens)
 

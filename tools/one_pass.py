@@ -44,6 +44,7 @@ from benchmarks.timing import Timing, time_passes
 from mmsparse.attention.config import (
     EVERY_LENGTH,
     KernelConfig,
+    Tile,
     cuda_kernel_config,
     gluon_tile_problem,
     head_dim_pad,
@@ -93,13 +94,8 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     length where it names them); None for the two passes (the device's own), or the device's config with the side's
     dK/dV query rows and stages; the one-pass side the device's config without the dQ writer (the one pass it runs
     then: the bulk one at D=128, the tl one at D=64, where the writer is the default)."""
-    stages, block_m = side_stages(side), side_block_m(side)
     if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
-        dkdv = cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv
-        dkdv = replace(dkdv, gluon_stages=stages or dkdv.gluon_stages, block_m=block_m or dkdv.block_m)
-        problem = gluon_tile_problem("dkdv", dkdv, head_dim_pad(cfg.head_dim), dtype.itemsize)
-        if problem is not None:
-            raise ValueError(f"side {side}: {problem}")
+        dkdv = _side_tile(cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv, "dkdv", side, cfg.head_dim, dtype)
         return replace(kernel_config(cfg.head_dim, dtype, device), bwd_dkdv=dkdv)
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
@@ -108,14 +104,22 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
-    if stages is not None or block_m is not None:
-        writer = replace(writer, gluon_stages=stages or writer.gluon_stages, block_m=block_m or writer.block_m)
-        problem = gluon_tile_problem("dq_writer", writer, head_dim_pad(cfg.head_dim), dtype.itemsize)
-        if problem is not None:
-            raise ValueError(f"side {side}: {problem}")
+    if side_stages(side) is not None or side_block_m(side) is not None:
+        writer = _side_tile(writer, "dq_writer", side, cfg.head_dim, dtype)
         # the side's tile at every length (the table's longer-call tile would take over there)
         return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer, gluon_dq_writer_long=None)
     return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer)
+
+
+def _side_tile(tile: Tile, kind: str, side: str, head_dim: int, dtype: torch.dtype) -> Tile:
+    """``tile`` with the query rows and stages the side names (``-m<M>``, ``-s<N>``), refused with the reason where
+    the Gluon kernel of ``kind`` cannot run it (``gluon_tile_problem``)."""
+    stages, block_m = side_stages(side), side_block_m(side)
+    tile = replace(tile, gluon_stages=stages or tile.gluon_stages, block_m=block_m or tile.block_m)
+    problem = gluon_tile_problem(kind, tile, head_dim_pad(head_dim), dtype.itemsize)
+    if problem is not None:
+        raise ValueError(f"side {side}: {problem}")
+    return tile
 
 
 def attention_fn(cfg: BenchConfig, side: str, config: KernelConfig | None = None) -> TensorFn:
