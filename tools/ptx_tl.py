@@ -89,7 +89,7 @@ class _Compile:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.bind(grid, args, kwargs)
 
-    def bind(self, grid, args, kwargs):
+    def bind(self, grid, args, kwargs, boxes=()):
         name = f"{self.current['case']}-{self.kernel}"
         if self.only in name and not (self.out / f"{name}.ptx").exists():
             compile_ptx(name, self.out, self.fn, args, kwargs)
@@ -102,7 +102,7 @@ class _Skip:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
-    def bind(self, grid, args, kwargs):
+    def bind(self, grid, args, kwargs, boxes=()):
         return None
 
 

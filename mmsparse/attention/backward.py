@@ -83,6 +83,9 @@ class BackwardLaunch:
                      HAS_WINDOW=self.has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
                      USE_TMA=self.use_tma)
         group = num_heads // num_kv_heads
+        # The tl dQ pass computes delta itself where it runs before the dK/dV pass on one stream: no side stream,
+        # no context-parallel exchange (whose dK/dV pass goes first: see __call__)
+        self.dq_owns_delta = plan.dq is not None and not plan.dq.gluon and not plan.side_stream
         if plan.dq is not None and not plan.dq.gluon:
             dq_tile = plan.dq.tile
             self.dq_grid = (cdiv(seq_q, dq_tile.block_m), batch * num_heads)
@@ -90,6 +93,7 @@ class BackwardLaunch:
             self.dq_constexprs = dict(NUM_HEADS=num_heads, GROUP=group, BM=dq_tile.block_m, BN=dq_tile.block_n,
                                       **flags, LSE_FIRST=lse_first, num_warps=dq_tile.num_warps,
                                       num_stages=dq_tile.num_stages)
+            self.dq_own_delta_constexprs = dict(self.dq_constexprs, OWN_DELTA=True)
         self.dkdv_grid = (cdiv(seq_k, tile.block_n), batch * num_kv_heads)
         self.dkdv_constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BM=tile.block_m,
                                     BN=tile.block_n, **flags, ONE_PASS=self.one_pass,
@@ -122,10 +126,12 @@ class BackwardLaunch:
             _alert_not_deterministic()
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
-        launch_bound(_DELTA, self.delta_grid,
-                     (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *layout.out8, *layout.do8),
-                     self.delta_constexprs, bound, "delta")
-        passes = _Passes(self, (do, q, k, v, lse, delta, seed), layout, bound)
+        own_delta = self.dq_owns_delta and hooks is None
+        if not own_delta:
+            launch_bound(_DELTA, self.delta_grid,
+                         (out, do, delta, dq_sum if self.one_pass else delta, self.seq_q, *layout.out8, *layout.do8),
+                         self.delta_constexprs, bound, "delta")
+        passes = _Passes(self, (do, q, k, v, lse, delta, seed, out), layout, bound, own_delta)
         if hooks is not None:
             return self._beside_exchange(passes, hooks, dkdv_mask, dq_mask, dq_sum)
         if self.one_pass:
@@ -211,26 +217,31 @@ class ExchangeHooks:
 
 class _Passes:
     """The dQ and dK/dV passes of one backward call, launched on the current stream: the call's launch, its
-    tensors (``(do, q, k, v, lse, delta, seed)``), its layout (:class:`_Layout`) and its
-    relaunches (``bound``)."""
+    tensors (``(do, q, k, v, lse, delta, seed, out)``), its layout (:class:`_Layout`) and its
+    relaunches (``bound``). ``own_delta``: the tl dQ pass computes delta (``BackwardLaunch.dq_owns_delta``) and
+    runs first."""
 
-    def __init__(self, launch: BackwardLaunch, tensors: tuple, layout: _Layout, bound: dict[str, Any]) -> None:
+    def __init__(self, launch: BackwardLaunch, tensors: tuple, layout: _Layout, bound: dict[str, Any],
+                 own_delta: bool = False) -> None:
         self.launch, self.tensors, self.layout, self.bound = launch, tensors, layout, bound
+        self.own_delta = own_delta
 
     def dq(self, mask: LaunchArgs, dq: torch.Tensor) -> torch.Tensor:
         """The dQ pass, into ``dq`` (the inputs' dtype); returns it."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed = self.tensors
+        do, q, k, v, lse, delta, seed, out = self.tensors
         layout = self.layout
         if launch.plan.dq.gluon:
             _gluon().run_dq(q, k, v, do, lse, delta, dq, mask, launch.mode, launch.causal, launch.qk_scale,
                             launch.softmax_scale, launch.plan.dq.tile, launch.has_window, bound=bound)
         else:
             mask_tensors, mask_scalars = mask
+            constexprs, name = ((launch.dq_own_delta_constexprs, "dq-own-delta") if self.own_delta
+                                else (launch.dq_constexprs, "dq"))
             launch_bound(_DQ, launch.dq_grid,
                          (q, k, v, do, lse, delta, dq, *mask_tensors, seed, *layout.qkv8, *layout.do8, *layout.dq8,
-                          *mask_scalars, launch.qk_scale, launch.softmax_scale, launch.dropout_p),
-                         launch.dq_constexprs, bound, "dq")
+                          *mask_scalars, launch.qk_scale, launch.softmax_scale, launch.dropout_p, out, *layout.out8),
+                         constexprs, bound, name)
         return dq
 
     def dkdv(self, mask: LaunchArgs, dq_sum: torch.Tensor | None,
@@ -238,7 +249,7 @@ class _Passes:
         """The dK/dV pass: (dK, dV) in the inputs' dtypes; with ``dq_sum`` (the one pass) it also adds dQ there.
         ``arrival``: the keys past ``arrival.present`` are still landing (the Gluon dK/dV kernel only)."""
         launch, bound = self.launch, self.bound
-        do, q, k, v, lse, delta, seed = self.tensors
+        do, q, k, v, lse, delta, seed, _ = self.tensors
         layout = self.layout
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
         dk, dv = layout.new_dk_dv(launch, k, v)

@@ -20,8 +20,9 @@ from ..kernels.gluon.forward import attention_fwd_gluon
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
+from ..runtime.tma_args import Boxes
 from .config import Tile, head_dim_pad
-from .host_tma import box_descriptor, head_rows_descriptor
+from .host_tma import HostBox
 from .kernel_args import LaunchArgs
 from .layouts import output_strides
 
@@ -48,19 +49,14 @@ def run_forward(
     units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``layouts.output_strides(q)``, if the caller has
     them."""
     batch, num_heads, seq_q, head_dim = q.shape
-    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,
+    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None, 3,
                                                          PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns]))
     mask_tensors, mask_scalars = mask
     out = torch.empty_strided(q.shape, output_strides(q) if out_strides is None else out_strides, dtype=q.dtype,
                               device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
-    launch_bound(
-        _FWD, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(out, q_rows, pad), lse, *mask_tensors, *mask_scalars, qk_scale_log2),
-        s.constexprs, bound, "forward",
-    )
+    launch_bound(_FWD, s.grid, (q, k, v, out, lse, *mask_tensors, *mask_scalars, qk_scale_log2), s.constexprs, bound,
+                 "forward", s.boxes)
     return out, lse
 
 
@@ -74,16 +70,10 @@ def run_dq(
     the mask arguments ``mask`` of that tile. ``do``: any layout the kernels take, as q's. The caller allocates dq,
     so that it belongs to the caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for
     launches that specialise alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
-    s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ"))
+    s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ", out_at=6))
     mask_tensors, mask_scalars = mask
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
-    launch_bound(
-        _DQ, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(do, q_rows, pad), lse, delta, box_descriptor(dq, q_rows, pad), *mask_tensors, *mask_scalars,
-         qk_scale_log2, softmax_scale),
-        s.constexprs, bound, "dq",
-    )
+    launch_bound(_DQ, s.grid, (q, k, v, do, lse, delta, dq, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
+                 s.constexprs, bound, "dq", s.boxes)
 
 
 def run_dkdv(
@@ -105,9 +95,8 @@ def run_dkdv(
     flags = dict(ONE_PASS=True) if dq_sum is not None else dict(WAIT_ARRIVAL=True) if arrival is not None else {}
     name = "dkdv" + ("-one-pass" if dq_sum is not None else "-arrival" if arrival is not None else "")
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, BLOCK_N, WG_KEYS.value, "dK/dV", mode, causal,
-                                                  has_window, **flags))
-    # each consumer warpgroup reduces half of a block's columns
-    dq_arg = delta if dq_sum is None else head_rows_descriptor(dq_sum, s.q_rows, s.pad // 2)
+                                                  has_window, dq_sum is not None, **flags))
+    dq_arg = delta if dq_sum is None else dq_sum
     # (flag, epoch, key blocks already there); unread without WAIT_ARRIVAL (delta stands in)
     landing = (delta, 0, 0) if arrival is None else (arrival.flag, arrival.epoch, arrival.present // BLOCK_N)
     _launch_by_key(_DKDV, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_arg), mask, qk_scale_log2, softmax_scale,
@@ -140,51 +129,60 @@ def run_bwd_dq_writer(
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
     ``bound``: as :func:`run_dq`'s."""
     s = _setup_of(bound, "bwd_dq_writer", lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value,
-                                                             "one-pass", mode, causal, has_window))
-    _launch_by_key(_DQ_WRITER, "bwd_dq_writer", s, (q, k, v, do, *dk_dv),
-                   (lse, delta, head_rows_descriptor(dq_sum, s.q_rows, s.pad // 2)), mask, qk_scale_log2,
+                                                             "one-pass", mode, causal, has_window, True))
+    _launch_by_key(_DQ_WRITER, "bwd_dq_writer", s, (q, k, v, do, *dk_dv), (lse, delta, dq_sum), mask, qk_scale_log2,
                    softmax_scale, bound)
 
 
 class _Setup(NamedTuple):
     """What a Gluon launch works out from its shapes, tile and flags alone, once per launch owner (``bound``): the
-    grid, the padded head dim, the rows of its Q-side and K-side descriptor boxes, and the constexprs. The
-    descriptors themselves are made from each call's live tensors (they hold a pointer and strides)."""
+    grid, the boxes of its descriptor arguments by position, and the constexprs. The launch passes the live
+    tensors at those positions (a descriptor holds a pointer and strides: made, or found encoded, from the tensor
+    of each call: ``runtime.tma_args``)."""
 
     grid: tuple[int, int]
-    pad: int
-    q_rows: int
-    kv_rows: int
+    boxes: Boxes
     constexprs: dict[str, Any]
 
 
 def _query_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, mode: int, causal: bool, has_window: bool,
-                 no_pingpong: str | None, **flags: Any) -> _Setup:
-    """The setup of a launch by query block (the forward, dQ): a CTA per 128 query rows of a (batch, head).
-    ``no_pingpong``: the pass's name where it takes no ping-pong turns; ``flags``: its own constexprs."""
+                 no_pingpong: str | None, out_at: int, **flags: Any) -> _Setup:
+    """The setup of a launch by query block (the forward, dQ): a CTA per 128 query rows of a (batch, head); its
+    arguments start with the descriptors of q, k, v and a Q-side one (out, dO), and ``out_at`` is the position of
+    its output's (the forward's out at 3, dQ at 6). ``no_pingpong``: the pass's name where it takes no ping-pong
+    turns; ``flags``: its own constexprs."""
     batch, num_heads, seq_q, head_dim = q.shape
     _check_rows(tile.block_m, BLOCK_M)
     if no_pingpong is not None:
         _check_no_pingpong(tile, no_pingpong)
     pad = head_dim_pad(head_dim)
+    q_box, kv_box = HostBox(WG_ROWS.value, pad), HostBox(tile.block_n, pad)
+    boxes = tuple(sorted({0: q_box, 1: kv_box, 2: kv_box, 3: q_box, out_at: q_box}.items()))
     return _Setup(
-        (cdiv(seq_q, BLOCK_M), batch * num_heads), pad, WG_ROWS.value, tile.block_n,
+        (cdiv(seq_q, BLOCK_M), batch * num_heads), boxes,
         dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,
              STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window, **flags,
              num_warps=4, maxnreg=_LAUNCH_REGS))
 
 
 def _key_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, block_n: int, kv_rows: int, name: str, mode: int,
-               causal: bool, has_window: bool, **flags: Any) -> _Setup:
+               causal: bool, has_window: bool, dq_sum: bool = False, **flags: Any) -> _Setup:
     """The setup of a launch by key block (the dK/dV kernels, the dQ writer): a CTA per ``block_n`` keys of a
-    (batch, KV head), K-side boxes of ``kv_rows`` rows; ``flags``: the kernel's own constexprs."""
+    (batch, KV head); its arguments start with the descriptors of q, k, v, dO, dK and dV (K-side boxes of
+    ``kv_rows`` rows), then lse and delta; with ``dq_sum``, dQ's float32 sum follows as a ``[B * Hq, Sq, D]``
+    descriptor whose box is one consumer warpgroup's half of a block's columns. ``flags``: the kernel's own
+    constexprs."""
     batch, num_heads, _, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     _check_rows(tile.block_n, block_n)
     _check_no_pingpong(tile, name)
     pad = head_dim_pad(head_dim)
+    q_box, kv_box = HostBox(tile.block_m, pad), HostBox(kv_rows, pad)
+    boxes = tuple(enumerate((q_box, kv_box, kv_box, q_box, kv_box, kv_box)))
+    if dq_sum:
+        boxes += ((8, HostBox(tile.block_m, pad // 2, head_rows=True)),)
     return _Setup(
-        (cdiv(seq_k, block_n), batch * num_kv_heads), pad, tile.block_m, kv_rows,
+        (cdiv(seq_k, block_n), batch * num_kv_heads), boxes,
         dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=pad,
              BM=tile.block_m, STAGES=tile.gluon_stages, MASK_MODE=mode, IS_CAUSAL=causal, HAS_WINDOW=has_window,
              num_warps=4, maxnreg=_LAUNCH_REGS, **flags))
@@ -193,19 +191,11 @@ def _key_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, block_n: int, kv_ro
 def _launch_by_key(kernel: FastKernel, name: str, s: _Setup, tensors: tuple[torch.Tensor, ...], middle: tuple,
                    mask: LaunchArgs, qk_scale_log2: float, softmax_scale: float,
                    bound: dict[str, Any] | None, tail: tuple = ()) -> None:
-    """Launch a kernel by key block: descriptors of ``tensors`` (q, k, v, dO, dK, dV, made from the live tensors),
-    then ``middle`` (lse, delta, the kernel's own), the mask arguments, the two scales and ``tail`` (the kernel's
-    own)."""
-    q, k, v, do, dk, dv = tensors
-    pad, q_rows, kv_rows = s.pad, s.q_rows, s.kv_rows
+    """Launch a kernel by key block: ``tensors`` (q, k, v, dO, dK, dV, taken as descriptors), then ``middle``
+    (lse, delta, the kernel's own), the mask arguments, the two scales and ``tail`` (the kernel's own)."""
     mask_tensors, mask_scalars = mask
-    launch_bound(
-        kernel, s.grid,
-        (box_descriptor(q, q_rows, pad), box_descriptor(k, kv_rows, pad), box_descriptor(v, kv_rows, pad),
-         box_descriptor(do, q_rows, pad), box_descriptor(dk, kv_rows, pad), box_descriptor(dv, kv_rows, pad),
-         *middle, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale, *tail),
-        s.constexprs, bound, name,
-    )
+    launch_bound(kernel, s.grid, (*tensors, *middle, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale, *tail),
+                 s.constexprs, bound, name, s.boxes)
 
 
 def _setup_of(bound: dict[str, Any] | None, name: str, make: Callable[[], _Setup]) -> _Setup:

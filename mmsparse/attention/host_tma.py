@@ -11,6 +11,7 @@ a tile never touches the next head's rows.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -60,3 +61,19 @@ def head_rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescri
     desc.layout = _box_layout(rows, width, t.dtype, 3)
     desc.padding = "zero"
     return desc
+
+
+class HostBox(NamedTuple):
+    """The box of a kernel's descriptor argument (``runtime.tma_args.Box``): ``rows`` x ``width``, over the tensor
+    as ``[B, H, S, D]`` (:func:`box_descriptor`) or, with ``head_rows``, as ``[B * H, S, D]``
+    (:func:`head_rows_descriptor`). A launcher passes the tensor and this box; the descriptor is made only where a
+    launch needs one (a new value, or a launch through Triton)."""
+
+    rows: int
+    width: int
+    head_rows: bool = False
+
+    def describe(self, t: torch.Tensor) -> TensorDescriptor:
+        if self.head_rows:
+            return head_rows_descriptor(t, self.rows, self.width)
+        return box_descriptor(t, self.rows, self.width)

@@ -28,7 +28,7 @@ import torch
 import triton
 
 from ..kernels.tl.token_bits import token_bits_kernel
-from .tma_args import DescriptorLaunch
+from .tma_args import Boxes, DescriptorLaunch
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISS = object()
@@ -137,23 +137,26 @@ class FastKernel:
         _run_direct(hit, (*grid, 1, 1), device, args)
         return hit
 
-    def bind(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Callable[..., None] | None:
+    def bind(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any],
+             boxes: Boxes = ()) -> Callable[..., None] | None:
         """Launch, then return ``relaunch(*new_args)``: the same compiled kernel on the same grid, device and
         constexprs, called straight through its launcher. The caller promises that ``new_args`` specialise as
         ``args`` did (same dtypes, tensors 16-byte aligned, integers alike), e.g. by keying what it binds on the
-        shapes and strides the integers come from. None where launches go through Triton (the interpreter, a
-        launch hook, an argument kind not keyed); a relaunch under a launch hook or from another current device
-        goes through :meth:`launch`."""
-        hit = self.launch(grid, args, kwargs)
+        shapes and strides the integers come from. ``boxes``: the positions where ``args`` (and every
+        ``new_args``) hold a tensor that the kernel takes as a host TMA descriptor, each with the box that
+        describes it (:func:`described`); a relaunch makes no descriptor object (:class:`DescriptorLaunch` encodes
+        from the tensor). None where launches go through Triton (the interpreter, a launch hook, an argument kind
+        not keyed); a relaunch under a launch hook or from another current device goes through :meth:`launch`."""
+        hit = self.launch(grid, described(args, boxes), kwargs)
         if hit is None:
             return None
         target, grid3 = _launch_device(args[0]), (*grid, 1, 1)
 
         def relaunch(*new_args: Any) -> None:
             if torch.cuda.current_device() == target and not _hooks_set():
-                _run_direct(hit, grid3, target, new_args)
+                _run_direct(hit, grid3, target, new_args, boxes)
             else:
-                self.launch(grid, new_args, kwargs)
+                self.launch(grid, described(new_args, boxes), kwargs)
 
         return relaunch
 
@@ -166,32 +169,45 @@ class FastKernel:
 
 
 def launch_bound(kernel: FastKernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any],
-                 bound: dict[str, Callable[..., None]] | None, name: str) -> None:
+                 bound: dict[str, Callable[..., None]] | None, name: str, boxes: Boxes = ()) -> None:
     """Launch ``kernel``; with ``bound``, through the relaunch kept there under ``name`` (made by the first launch:
     :meth:`FastKernel.bind`). The caller keeps one ``bound`` per set of launches that specialise alike (same
-    dtypes, alignment, integers and constexprs), e.g. per key of shapes and strides."""
+    dtypes, alignment, integers and constexprs), e.g. per key of shapes and strides, and passes the same
+    ``boxes`` (tensors taken as host TMA descriptors: :meth:`FastKernel.bind`) with every launch of a name."""
     if bound is None:
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*described(args, boxes), **kwargs)
         return
     relaunch = bound.get(name)
     if relaunch is not None:
         relaunch(*args)
         return
-    relaunch = kernel.bind(grid, args, kwargs)
+    relaunch = kernel.bind(grid, args, kwargs, boxes)
     if relaunch is not None:
         bound[name] = relaunch
 
 
-def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple) -> None:
+def described(args: tuple, boxes: Boxes) -> tuple:
+    """``args`` with the tensor at each position of ``boxes`` replaced by its host TMA descriptor
+    (``box.describe(tensor)``), as Triton takes them."""
+    if not boxes:
+        return args
+    found = list(args)
+    for position, box in boxes:
+        found[position] = box.describe(found[position])
+    return tuple(found)
+
+
+def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple, boxes: Boxes = ()) -> None:
     """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream (host TMA
-    descriptors through the entry's :class:`DescriptorLaunch`, encoded once per value)."""
+    descriptors, or the tensors at ``boxes``, through the entry's :class:`DescriptorLaunch`, encoded once per
+    value)."""
     global fast_launches
     compiled, tail, descriptors = entry
     if descriptors is not None:
-        descriptors(compiled, grid3, _current_stream(device), args, tail)
+        descriptors(compiled, grid3, _current_stream(device), args, tail, boxes)
     else:
         compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+                     compiled.packed_metadata, None, None, None, *described(args, boxes), *tail)
     fast_launches += 1
 
 

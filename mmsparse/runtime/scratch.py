@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
+
+try:  # once: this runs before every launch (an import statement in the function costs ~1 us a call)
+    from triton.runtime import _allocation
+except ImportError:  # a Triton without it: the call below raises where it is needed
+    _allocation = None
 
 
 def ensure_tma_allocator(device: torch.device) -> None:
@@ -12,9 +19,8 @@ def ensure_tma_allocator(device: torch.device) -> None:
     autograd engine's, a user's worker) needs its own: call this before every launch, not once."""
     if device.type != "cuda":
         return
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+    allocation = _allocation or importlib.import_module("triton.runtime._allocation")
+    if allocation._allocator.get() is allocation._NULL_ALLOCATOR:
         triton.set_allocator(_torch_scratch)
 
 

@@ -147,11 +147,11 @@ class _Launches:
 
         return run
 
-    def bind(self, grid, args, kwargs):
+    def bind(self, grid, args, kwargs, boxes=()):
         """As FastKernel.bind, each launch and relaunch recorded."""
         one_pass = kwargs.get("ONE_PASS", False)
         self.log.append((self.name, one_pass))
-        relaunch = self.kernel.bind(grid, args, kwargs)
+        relaunch = self.kernel.bind(grid, args, kwargs, boxes)
         if relaunch is None:
             return None
 

@@ -96,14 +96,14 @@ def _main(out: Path) -> None:
 
             return launch
 
-        def bind(self, grid, args, kwargs):  # as FastKernel.bind where launches go through Triton
+        def bind(self, grid, args, kwargs, boxes=()):  # as FastKernel.bind where launches go through Triton
             self[grid](*args, **kwargs)
 
     class Skip:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-        def bind(self, grid, args, kwargs):
+        def bind(self, grid, args, kwargs, boxes=()):
             return None
 
     from mmsparse.attention import backward

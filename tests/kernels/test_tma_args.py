@@ -4,6 +4,8 @@ driver encode function that only record what they are given. No GPU needed."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import triton
@@ -146,3 +148,47 @@ def test_kernels_it_does_not_know_keep_tritons_path():
     compiled = _Compiled([])
     compiled.metadata = type("M", (), {"tensordesc_meta": [dict(METAS[0], is_im2col=True), METAS[1]]})()
     assert DescriptorLaunch.of(compiled) is None
+
+
+class _TestBox(NamedTuple):
+    """A box as the launchers pass them (``runtime.tma_args.Box``): q's as it is stored, o's seen as [B * H, S, D]."""
+
+    of: str
+
+    def describe(self, t: torch.Tensor):
+        return _descriptors(t, t)[0 if self.of == "q" else 1]
+
+
+BOXES = ((1, _TestBox("q")), (3, _TestBox("o")))
+
+
+def test_tensors_with_boxes_launch_as_their_descriptors_do(encoder):
+    """Tensors at the descriptor positions with their boxes: the launcher gets what Triton's wrapper gives it for
+    the descriptors, each value is encoded once, and a new address, shape or strides is encoded again."""
+    x = torch.randn(4)
+    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
+    o = torch.randn(2, 3, 100, 32)
+    tritons, ours = [], []
+    _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
+    compiled = _Compiled(ours)
+    launch = DescriptorLaunch.of(compiled)
+    before = encoder.calls
+    for _ in range(3):
+        launch(compiled, (2, 6, 1), 99, (x, q, 77, o, 0.5), (64,), BOXES)
+    assert ours == tritons * 3 and encoder.calls - before == 2
+    strided = torch.randn(2, 100, 3, 64).to(torch.bfloat16).transpose(1, 2)  # same shape, other strides
+    for q_now in (q.clone(), strided):
+        _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q_now, o, x), 64)
+        before = encoder.calls
+        launch(compiled, (2, 6, 1), 99, (x, q_now, 77, o, 0.5), (64,), BOXES)
+        assert encoder.calls - before == 1  # q's map only
+    assert ours[3:] == tritons[1:]
+
+
+def test_boxes_at_other_positions_than_the_kernels_descriptors_are_refused(encoder):
+    x, q, o = torch.randn(4), torch.randn(2, 3, 100, 64).to(torch.bfloat16), torch.randn(2, 3, 100, 32)
+    compiled = _Compiled([])
+    launch = DescriptorLaunch.of(compiled)
+    for boxes in (BOXES[:1], ((0, BOXES[0][1]), BOXES[1]), (*BOXES, (4, BOXES[1][1]))):
+        with pytest.raises(ValueError, match=r"descriptors at \[1, 3\]"):
+            launch(compiled, (2, 6, 1), 99, (x, q, 77, o, 0.5), (64,), boxes)

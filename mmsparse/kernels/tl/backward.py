@@ -238,13 +238,17 @@ def attention_dq_tl(
     stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_dob8, stride_doh8, stride_dom8, stride_dqb8, stride_dqh8, stride_dqm8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, dropout_p, O, stride_ob8, stride_oh8,
+    stride_om8, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_TMA: tl.constexpr, LSE_FIRST: tl.constexpr = False,
+    OWN_DELTA: tl.constexpr = False,
 ):
     """dQ of one query block, dO and dQ at their strides. Every stride comes in units of 8 elements
-    (:func:`element_strides`). ``LSE_FIRST``: P computed as the Gluon dK/dV pass beside it does (:func:`_dq_tiles`)."""
+    (:func:`element_strides`). ``LSE_FIRST``: P computed as the Gluon dK/dV pass beside it does (:func:`_dq_tiles`).
+    ``OWN_DELTA``: this block's delta = rowsum(dO * O) is computed here from O (at its strides) as
+    :func:`attention_delta_tl` does, and written to DELTA for a dK/dV pass that runs after this one on the stream
+    (a launch fewer: a small call is bound by host work); else DELTA is read and O unread."""
     stride_dob, stride_doh, stride_dom = element_strides(stride_dob8, stride_doh8, stride_dom8)
     stride_dqb, stride_dqh, stride_dqm = element_strides(stride_dqb8, stride_dqh8, stride_dqm8)
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
@@ -264,7 +268,14 @@ def attention_dq_tl(
     b_q = load_block(q_src, pid_m * BM, offs_m, stride_qm, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     b_do = load_block(do_src, pid_m * BM, offs_m, stride_dom, offs_d, seq_q, HEAD_DIM, True, USE_TMA)
     lse = tl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-    delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+    if OWN_DELTA:
+        stride_ob, stride_oh, stride_om = element_strides(stride_ob8, stride_oh8, stride_om8)
+        o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + (pid_m * BM).to(tl.int64) * stride_om
+        b_o = load_rows(o_base, tl.arange(0, BM), stride_om, offs_d, seq_q - pid_m * BM, HEAD_DIM, True)
+        delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # rows past seq_q: zeros of both
+        tl.store(DELTA + row0 + offs_m, delta, mask=offs_m < seq_q)
+    else:
+        delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
 
     n_full, n_part, idx_ptr, q_bits_ptr, k_bits_ptr, mask_ptr, seed, q_start = program_setup(
         b, pid_m, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, stride_cnt_b, stride_idx_b,
