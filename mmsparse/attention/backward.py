@@ -1,8 +1,8 @@
-"""The backward passes' launcher, one per call, made at its first backward: delta = rowsum(dO * O), then dQ and
-dK/dV, each as its Gluon kernel on Hopper where the tile has one and as its tl kernel elsewhere, with the same
-numerics; or, with ``deterministic=False``, the one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ
-into a float32 accumulator by atomics (or, where the config has ``gluon_dq_writer``, the warp-specialised Gluon
-one-pass kernel with a dQ writer warp does)."""
+"""The backward passes' launcher, one per call, made at its first backward: delta = rowsum(dO * O) (computed by the
+tl dQ pass itself where it runs first on one stream), then dQ and dK/dV, each as its Gluon kernel on Hopper where
+the tile has one and as its tl kernel elsewhere, with the same numerics; or, with ``deterministic=False``, the
+one-pass backward: the dK/dV kernel (Gluon or tl) also adds dQ into a float32 accumulator by atomics (or, where
+the config has ``gluon_dq_writer``, the warp-specialised Gluon one-pass kernel with a dQ writer warp does)."""
 
 from __future__ import annotations
 

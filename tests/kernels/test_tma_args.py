@@ -86,13 +86,18 @@ def _args(q: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> tuple:
     return (x, qd, 77, od, 0.5)
 
 
+def _tritons_launch(recorded: list, q: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> None:
+    """A launch through Triton's own wrapper, its C launcher's arguments recorded."""
+    _Compiled(recorded).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
+
+
 def test_the_launcher_gets_what_tritons_wrapper_would_give_it(encoder):
     """Every launcher argument, the encoded maps among them, equals what Triton's own wrapper passes."""
     x = torch.randn(4)
     q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
     o = torch.randn(2, 3, 100, 32)
     tritons, ours = [], []
-    _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
+    _tritons_launch(tritons, q, o, x)
     compiled = _Compiled(ours)
     launch = DescriptorLaunch.of(compiled)
     assert launch is not None
@@ -123,7 +128,7 @@ def test_equal_descriptors_are_encoded_once_and_new_values_again(encoder):
     assert encoder.calls == 4
     tritons = []
     for q_now in (q2, strided):
-        _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q_now, o, x), 64)
+        _tritons_launch(tritons, q_now, o, x)
     assert recorded[3:] == tritons
 
 
@@ -169,7 +174,7 @@ def test_tensors_with_boxes_launch_as_their_descriptors_do(encoder):
     q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
     o = torch.randn(2, 3, 100, 32)
     tritons, ours = [], []
-    _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
+    _tritons_launch(tritons, q, o, x)
     compiled = _Compiled(ours)
     launch = DescriptorLaunch.of(compiled)
     before = encoder.calls
@@ -178,7 +183,7 @@ def test_tensors_with_boxes_launch_as_their_descriptors_do(encoder):
     assert ours == tritons * 3 and encoder.calls - before == 2
     strided = torch.randn(2, 100, 3, 64).to(torch.bfloat16).transpose(1, 2)  # same shape, other strides
     for q_now in (q.clone(), strided):
-        _Compiled(tritons).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q_now, o, x), 64)
+        _tritons_launch(tritons, q_now, o, x)
         before = encoder.calls
         launch(compiled, (2, 6, 1), 99, (x, q_now, 77, o, 0.5), (64,), BOXES)
         assert encoder.calls - before == 1  # q's map only
