@@ -25,6 +25,8 @@ def test_each_pinning_gets_its_own_medians_and_ratio():
     unpinned = rows[("seed_fwd_bwd", False)]
     assert (unpinned["base_us"], unpinned["new_us"]) == (350.0, 250.0)  # medians over rounds, not the first run
     assert unpinned["ratio"] == 350.0 / 250.0 and unpinned["base_each_us"] == [400.0, 300.0, 350.0]
+    assert (unpinned["base_fastest_us"], unpinned["new_fastest_us"]) == (300.0, 200.0)
+    assert unpinned["fastest_ratio"] == 300.0 / 200.0
     pinned = rows[("seed_fwd_bwd", True)]
     assert pinned["ratio"] == 240.0 / 220.0 and pinned["new_each_us"] == [220.0]
     assert rows[("seed_fwd", True)]["base_us"] == 60.0
