@@ -12,7 +12,8 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
   graph makes it: the lengths host values, q, k, v and dO strided as a layer's projections give them),
   ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
   ``fwd_bwd_ms`` (do_bench: what a loop of calls takes), ``cudnn_dense_fwd_bwd_ms`` (SDPA's cuDNN backend, no
-  mask), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
+  mask) and ``cudnn_gpu_kernel_ms`` (its kernels' GPU time: what the seed's step could reach if no host work
+  showed), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
 - ``small_2k`` (B 4, H 16, D 128, segments (256, 1024, 768), hub): ``fwd_bwd_ms``, ``cudnn_dense_fwd_bwd_ms``;
 - ``block`` (two ``MultimodalSelfAttention`` layers at the seed's lengths, E 1024, H 16, B 8, bf16): forward +
   backward ``eager_ms``, ``compile_ms`` (``torch.compile``), ``reduce_overhead_ms``
@@ -250,6 +251,7 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
     cuda = device.type == "cuda"
     row["gpu_kernel_ms"] = gpu_kernel_ms(fwd_bwd) if cuda else None
     row["cudnn_dense_fwd_bwd_ms"] = wall_ms(_dense_cudnn(q, k, v, grad), device, calls) if cuda else None
+    row["cudnn_gpu_kernel_ms"] = gpu_kernel_ms(_dense_cudnn(q, k, v, grad)) if cuda else None
     row["graph_fwd_bwd_ms"] = graph_ms(fwd_bwd) if cuda else None
     out = mbs_attention(q, k, v, **kw)  # after the capture: a kept graph's backward is not captured
 
@@ -352,7 +354,8 @@ def markdown(record: dict[str, Any]) -> str:
                   f"{block['reduce_overhead_ms'] / block['eager_ms']:.2f}. Seed host forward + backward "
                   f"{seed['host_us_fwd_bwd']:.0f} us against {seed['gpu_kernel_ms'] * 1e3:.0f} us of kernels "
                   f"({seed['host_us_fwd_bwd_one_thread']:.0f} us with the backward on the calling thread); an "
-                  f"autograd node that only allocates takes {seed['host_us_autograd_floor']:.0f} us."]
+                  f"autograd node that only allocates takes {seed['host_us_autograd_floor']:.0f} us. Dense cuDNN's "
+                  f"step runs {seed['cudnn_gpu_kernel_ms'] * 1e3:.0f} us of kernels."]
     return "\n".join(lines) + "\n"
 
 
