@@ -49,7 +49,7 @@ def run_forward(
     units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``layouts.output_strides(q)``, if the caller has
     them."""
     batch, num_heads, seq_q, head_dim = q.shape
-    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None, 3,
+    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,
                                                          PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns]))
     mask_tensors, mask_scalars = mask
     out = torch.empty_strided(q.shape, output_strides(q) if out_strides is None else out_strides, dtype=q.dtype,
@@ -70,7 +70,7 @@ def run_dq(
     the mask arguments ``mask`` of that tile. ``do``: any layout the kernels take, as q's. The caller allocates dq,
     so that it belongs to the caller's stream when this runs on a side stream. ``bound``: the caller's relaunches for
     launches that specialise alike (:func:`mmsparse.runtime.launch.launch_bound`)."""
-    s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ", out_at=6))
+    s = _setup_of(bound, "dq", lambda: _query_setup(q, k, tile, mode, causal, has_window, "dQ", dq_at=6))
     mask_tensors, mask_scalars = mask
     launch_bound(_DQ, s.grid, (q, k, v, do, lse, delta, dq, *mask_tensors, *mask_scalars, qk_scale_log2, softmax_scale),
                  s.constexprs, bound, "dq", s.boxes)
@@ -146,10 +146,10 @@ class _Setup(NamedTuple):
 
 
 def _query_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, mode: int, causal: bool, has_window: bool,
-                 no_pingpong: str | None, out_at: int, **flags: Any) -> _Setup:
+                 no_pingpong: str | None, dq_at: int | None = None, **flags: Any) -> _Setup:
     """The setup of a launch by query block (the forward, dQ): a CTA per 128 query rows of a (batch, head); its
-    arguments start with the descriptors of q, k, v and a Q-side one (out, dO), and ``out_at`` is the position of
-    its output's (the forward's out at 3, dQ at 6). ``no_pingpong``: the pass's name where it takes no ping-pong
+    arguments start with the descriptors of q, k, v and a Q-side one (the forward's out, dQ's dO), and ``dq_at``
+    is the position of dQ's own (None: the forward). ``no_pingpong``: the pass's name where it takes no ping-pong
     turns; ``flags``: its own constexprs."""
     batch, num_heads, seq_q, head_dim = q.shape
     _check_rows(tile.block_m, BLOCK_M)
@@ -157,7 +157,9 @@ def _query_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, mode: int, causal
         _check_no_pingpong(tile, no_pingpong)
     pad = head_dim_pad(head_dim)
     q_box, kv_box = HostBox(WG_ROWS.value, pad), HostBox(tile.block_n, pad)
-    boxes = tuple(sorted({0: q_box, 1: kv_box, 2: kv_box, 3: q_box, out_at: q_box}.items()))
+    boxes: Boxes = ((0, q_box), (1, kv_box), (2, kv_box), (3, q_box))
+    if dq_at is not None:
+        boxes += ((dq_at, q_box),)
     return _Setup(
         (cdiv(seq_q, BLOCK_M), batch * num_heads), boxes,
         dict(NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM_PAD=pad, BN=tile.block_n,

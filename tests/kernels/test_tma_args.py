@@ -86,6 +86,11 @@ def _args(q: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> tuple:
     return (x, qd, 77, od, 0.5)
 
 
+def _tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, q, o): a plain pointer argument, and the tensors of the two descriptor positions."""
+    return torch.randn(4), torch.randn(2, 3, 100, 64).to(torch.bfloat16), torch.randn(2, 3, 100, 32)
+
+
 def _tritons_launch(recorded: list, q: torch.Tensor, o: torch.Tensor, x: torch.Tensor) -> None:
     """A launch through Triton's own wrapper, its C launcher's arguments recorded."""
     _Compiled(recorded).run(2, 6, 1, 99, 1234, ("packed",), None, None, None, *_args(q, o, x), 64)
@@ -93,9 +98,7 @@ def _tritons_launch(recorded: list, q: torch.Tensor, o: torch.Tensor, x: torch.T
 
 def test_the_launcher_gets_what_tritons_wrapper_would_give_it(encoder):
     """Every launcher argument, the encoded maps among them, equals what Triton's own wrapper passes."""
-    x = torch.randn(4)
-    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
-    o = torch.randn(2, 3, 100, 32)
+    x, q, o = _tensors()
     tritons, ours = [], []
     _tritons_launch(tritons, q, o, x)
     compiled = _Compiled(ours)
@@ -108,9 +111,7 @@ def test_the_launcher_gets_what_tritons_wrapper_would_give_it(encoder):
 
 
 def test_equal_descriptors_are_encoded_once_and_new_values_again(encoder):
-    x = torch.randn(4)
-    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
-    o = torch.randn(2, 3, 100, 32)
+    x, q, o = _tensors()
     recorded = []
     compiled = _Compiled(recorded)
     launch = DescriptorLaunch.of(compiled)
@@ -170,9 +171,7 @@ BOXES = ((1, _TestBox("q")), (3, _TestBox("o")))
 def test_tensors_with_boxes_launch_as_their_descriptors_do(encoder):
     """Tensors at the descriptor positions with their boxes: the launcher gets what Triton's wrapper gives it for
     the descriptors, each value is encoded once, and a new address, shape or strides is encoded again."""
-    x = torch.randn(4)
-    q = torch.randn(2, 3, 100, 64).to(torch.bfloat16)
-    o = torch.randn(2, 3, 100, 32)
+    x, q, o = _tensors()
     tritons, ours = [], []
     _tritons_launch(tritons, q, o, x)
     compiled = _Compiled(ours)
@@ -191,7 +190,7 @@ def test_tensors_with_boxes_launch_as_their_descriptors_do(encoder):
 
 
 def test_boxes_at_other_positions_than_the_kernels_descriptors_are_refused(encoder):
-    x, q, o = torch.randn(4), torch.randn(2, 3, 100, 64).to(torch.bfloat16), torch.randn(2, 3, 100, 32)
+    x, q, o = _tensors()
     compiled = _Compiled([])
     launch = DescriptorLaunch.of(compiled)
     for boxes in (BOXES[:1], ((0, BOXES[0][1]), BOXES[1]), (*BOXES, (4, BOXES[1][1]))):
