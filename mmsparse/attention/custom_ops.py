@@ -4,10 +4,11 @@
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
 text, by value (an exported program runs with its own plan in any process). Where the topology and lengths are host
-values (``MaskInfo.host_values``), the forward and backward ops read the kept block lists of those values
-(:mod:`mmsparse.mask.kept`), so a repeated step builds none; otherwise each tile's lists come from one ``lists`` op,
-whose outputs the forward and the backward ops both read. The lists take fixed slots, sized from the shapes (the
-packed layout's size is data: a graph cannot know it).
+values (``MaskInfo.host_values``), the forward and backward ops take no mask tensor: they read the kept mask of
+those values, its tensors and block lists (:mod:`mmsparse.mask.kept`), so a repeated step builds nothing and the
+graph makes no mask; otherwise the ops take the mask's tensors, made in the graph, and each tile's lists come from
+one ``lists`` op, whose outputs the forward and the backward ops both read. The lists take fixed slots, sized from
+the shapes (the packed layout's size is data: a graph cannot know it).
 
 The ops' names carry the version of their signature (:data:`OP_VERSION`): Inductor's on-disk cache of compiled
 graphs does not key on a custom op's schema, so a graph cached by an older mmsparse would call a changed op with its
@@ -18,21 +19,22 @@ host-bound call feels), planned once per call kind and kept on the mask (:mod:`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
-from ..mask.blocks import BlockLists, cdiv
+from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
-from ..mask.kept import kept_lists
+from ..mask.kept import kept_mask
 from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
-from .kernel_args import LaunchArgs, mask_launch_args
+from .kernel_args import LaunchArgs, kernel_args, mask_launch_args
 from .layouts import kernel_layout, output_like, read_in_place
 from .plan import CallPlan, call_plan_from_text, plan_call
-from .resolved import keep_resolved, op_call_key, resolved_op
+from .resolved import ResolvedOp, keep_resolved, op_call_key, resolved_op
 
 OP_VERSION = 7  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
 
@@ -41,7 +43,7 @@ OP_VERSION = 7  # bump with any change to the ops' signatures or outputs' layout
 class TracedCall:
     """What a traced call's backward reads of its forward: the frozen plan (and its text), the mask's kernel
     tensors, the block lists built so far, by tile, and the mask's host values (``MaskInfo.host_values``: the ops
-    then read kept lists, :func:`_op_lists`; empty for a length tensor)."""
+    then read the kept mask, :func:`_op_mask_args`, and take no mask tensor or list; empty for a length tensor)."""
 
     plan: CallPlan
     text: str
@@ -51,7 +53,10 @@ class TracedCall:
 
     @classmethod
     def of(cls, plan: CallPlan, info: MaskInfo) -> TracedCall:
-        return cls(plan, plan.text, list(info.kernel_tensors()), {}, info.host_values or [])
+        host_values = info.host_values or []
+        # of host values, the ops read the kept mask: the graph's own mask tensors go unused, and the compiler
+        # drops the ops that would make them
+        return cls(plan, plan.text, [] if host_values else list(info.kernel_tensors()), {}, host_values)
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
         """(counts, indices) of each tile in turn: those built before, and one ``lists`` op for each other tile (a
@@ -197,56 +202,49 @@ _lists_op = _define(f"lists_v{OP_VERSION}(Tensor[] mask, str plan, SymInt block_
                     "-> (Tensor, Tensor)", _lists_impl, _lists_fake)
 
 
-def _op_lists(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],
-              host_values: list[int]) -> tuple[list[torch.Tensor], list[BlockLists] | None]:
-    """The (counts, indices) of each tile an op reads, and the kept lists among them (None where some were built
-    here): its ``lists`` argument (the graph's ``lists`` ops), or, where the mask is made of ``host_values``, the
-    kept lists of those values (:mod:`mmsparse.mask.kept`: built once, so a repeated step builds none), else built
-    here from the mask tensors (a CUDA-graph capture that cannot read kept lists keeps what it builds to itself)."""
-    if lists:
-        return lists, []
-    info = None
-    found: list[torch.Tensor] = []
-    kept: list[BlockLists] | None = []
-    for tile in tiles:
-        tile_lists = kept_lists(tuple(host_values), mask[0].device, tile)
-        if tile_lists is None:
-            info = info or mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments,
-                                                    values.window)
-            tile_lists, kept = info.lists(*tile, values.compact_bytes, compact=False), None
-        elif kept is not None:
-            kept.append(tile_lists)
-        found += [tile_lists.counts, tile_lists.indices]
-    return found, kept
+def _op_mask_args(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],
+                  host_values: list[int], device: torch.device) -> tuple[list[LaunchArgs], MaskInfo | None]:
+    """The mask arguments of each tile an op reads, and the kept mask they come from (None where they do not):
+    where the mask is made of ``host_values``, the kept mask of those values (:mod:`mmsparse.mask.kept`: built
+    once, so a repeated step builds nothing), as an eager call reads its own mask; else the op's ``mask`` tensors
+    over its ``lists`` argument (the graph's ``lists`` ops), in the tiles' order."""
+    if not host_values:
+        return [mask_launch_args(mask, values.mode, lists[2 * i], lists[2 * i + 1], values.window)
+                for i in range(len(tiles))], None
+    info = kept_mask(tuple(host_values), device, tiles)
+    if info is None:
+        raise RuntimeError(
+            "mmsparse: this CUDA graph capture runs a compiled attention step whose mask was never built outside "
+            "a capture. Run the step once before capturing it (a warm-up, as torch.compile(mode='reduce-overhead') "
+            "does): the capture then reads the mask built there")
+    args = kernel_args(info)
+    return [args.tile(*tile) for tile in tiles], info
 
 
 def _resolve(op: str, plan: str, host_values: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: list[torch.Tensor], lists: list[torch.Tensor], seed: torch.Tensor | None, softmax_scale: float,
-             dropout_p: float) -> tuple[CallPlan, Any, list[torch.Tensor]]:
-    """An op call's frozen plan, launch and tiles' lists (``op``: "fwd" or "bwd"): found by one lookup where this
-    kind of call was resolved before (:mod:`mmsparse.attention.resolved`), else worked out and kept."""
+             dropout_p: float) -> tuple[Any, list[LaunchArgs]]:
+    """An op call's launch and the mask arguments of each tile it reads (``op``: "fwd", one tile, or "bwd", the
+    dK/dV pass's and the dQ pass's): found by one lookup where this kind of call was resolved before
+    (:mod:`mmsparse.attention.resolved`), else worked out and kept."""
     key = op_call_key(op, plan, host_values, (q, k, v), mask, lists, seed, (softmax_scale, dropout_p))
     found = resolved_op(key)
-    found_lists = found.lists(lists) if found is not None else None
-    if found is not None and found_lists is not None:
-        return found.plan, found.launch, found_lists
+    args = found.mask_args(mask, lists) if found is not None else None
+    if args is not None:
+        return found.launch, args
     values = call_plan_from_text(plan)
     if op == "fwd":
-        found_lists, kept = _op_lists(mask, values, values.list_tiles(backward=False), lists, host_values)
-        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed,
-                                   _forward_args(mask, values, found_lists))
+        tiles = values.list_tiles(backward=False)
     else:
-        passes = [step.lists for step in (values.dkdv, values.dq) if step is not None]
-        found_lists, kept = _op_lists(mask, values, passes, lists, host_values)
-        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed,
-                                    _pass_args(mask, values, found_lists))
-    keep_resolved(key, values, launch, kept)
-    return values, launch, found_lists
-
-
-def _forward_args(mask: list[torch.Tensor], values: CallPlan, lists: list[torch.Tensor]) -> LaunchArgs:
-    """The mask arguments of the forward's tile over its lists."""
-    return mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
+        tiles = [step.lists for step in (values.dkdv, values.dq) if step is not None]
+    args, kept = _op_mask_args(mask, values, tiles, lists, host_values, q.device)
+    if op == "fwd":
+        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args[0])
+    else:
+        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, _pass_args(args))
+    keep_resolved(key, ResolvedOp(launch, tuple(tiles), values.mode, values.window,
+                                  None if kept is None else weakref.ref(kept)))
+    return launch, args
 
 
 def _fwd_impl(
@@ -254,8 +252,8 @@ def _fwd_impl(
     seed: torch.Tensor | None, softmax_scale: float, dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    values, launch, found = _resolve("fwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
-    return launch(q, k, v, seed, _forward_args(mask, values, found))
+    launch, args = _resolve("fwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
+    return launch(q, k, v, seed, args[0])
 
 
 def _fwd_fake(q, k, v, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):
@@ -274,17 +272,13 @@ def _bwd_impl(
     dropout_p: float, plan: str, host_values: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    values, launch, found = _resolve("bwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
-    dkdv, dq = _pass_args(mask, values, found)
-    return launch(kernel_layout(grad_out), q, k, v, out, lse, seed, dkdv, dq)
+    launch, args = _resolve("bwd", plan, host_values, q, k, v, mask, lists, seed, softmax_scale, dropout_p)
+    return launch(kernel_layout(grad_out), q, k, v, out, lse, seed, *_pass_args(args))
 
 
-def _pass_args(mask: list[torch.Tensor], values: CallPlan,
-               lists: list[torch.Tensor]) -> tuple[LaunchArgs, LaunchArgs | None]:
-    """The mask arguments of the dK/dV pass and of the dQ pass (None in the one pass) over their tiles' lists."""
-    dkdv = mask_launch_args(mask, values.mode, lists[0], lists[1], values.window)
-    dq = mask_launch_args(mask, values.mode, lists[2], lists[3], values.window) if values.dq is not None else None
-    return dkdv, dq
+def _pass_args(args: list[LaunchArgs]) -> tuple[LaunchArgs, LaunchArgs | None]:
+    """The mask arguments of the dK/dV pass and of the dQ pass (None in the one pass), in the plan's order."""
+    return args[0], args[1] if len(args) > 1 else None
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, mask, lists, seed, softmax_scale, dropout_p, plan, host_values):

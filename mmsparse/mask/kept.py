@@ -1,17 +1,20 @@
 """Masks of host values, kept for traced graphs: a compiled step whose topology and lengths are host values builds
-its block lists once per process, not at every step.
+its mask and block lists once per process, not at every step.
 
-A traced call hands its ``lists`` op the values its mask is made of, as flat ints (``MaskInfo.host_values``, from
-:func:`mmsparse.mask.build.host_values_key`; a graph may hold the lengths as symbols, which the op then reads as
-numbers). The op finds the mask of those values here, built when first asked for, and the tile's lists with it.
+A traced call hands its custom ops the values its mask is made of, as flat ints (``MaskInfo.host_values``, from
+:func:`mmsparse.mask.build.host_values_key`; a graph may hold the lengths as symbols, which the ops then read as
+numbers), and no mask tensor. The ops find the mask of those values here (:func:`kept_mask`), built when first asked
+for, and read its token-level tensors and its tiles' lists as an eager call reads its own mask's: the graph builds
+no mask at all, where it would otherwise make the mask's tensors at every step (a few small launches, and the host
+work of their allocations).
 
 A kept mask outlives the call that built it and is read on any stream, so it is built on a stream and a thread of
 mmsparse's own, never the caller's: under ``torch.compile(mode="reduce-overhead")`` the warm-up allocates all of
 the calling thread's memory from a CUDA graph's private pool, whose blocks the graph reuses (and checks). Each
 reading stream waits for the builds once, and the tensors are recorded on it, so that their memory is not handed
-out again while it still reads them. During a capture only lists built before it are read, and the graph keeps
-them alive (:func:`mmsparse.runtime.capture.keep_while_captured`); the others are built in the capture from the
-graph's tensors.
+out again while it still reads them. A capture reads a mask kept before it, as the mask cache's captured masks do
+(``torch.cuda.graph`` synchronises before capturing, so what was built is complete), and the graph keeps it alive
+(:func:`mmsparse.runtime.capture.keep_while_captured`); nothing is built in a capture.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from ..runtime.capture import keep_while_captured
 from ..runtime.launch import stream_key, stream_of
 from ..runtime.recent import RecentlyUsed
 from ..runtime.streams import own_stream
-from .blocks import BlockLists
 from .build import make_mask_info
 from .info import MaskInfo, TileKey
 from .topology import Topology
@@ -48,31 +50,31 @@ _BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
 _BUILDER: ThreadPoolExecutor | None = None
 
 
-def kept_lists(key: tuple[int, ...], device: torch.device, tile: TileKey) -> BlockLists | None:
-    """The fixed-slot block lists at ``tile`` of the mask of ``key`` (``MaskInfo.host_values``) on ``device``,
-    ready to read on the current stream; built and kept on first use. None during a CUDA-graph capture where
-    they were not built, and read on this stream, before it."""
+def kept_mask(key: tuple[int, ...], device: torch.device, tiles: list[TileKey]) -> MaskInfo | None:
+    """The mask of ``key`` (``MaskInfo.host_values``) on ``device``, with its fixed-slot block lists at every tile
+    of ``tiles`` built, all of it ready to read on the current stream: its token-level tensors and tables
+    (``kernel_tensors``) and those lists. Built and kept on first use. During a CUDA-graph capture: the mask as kept
+    before it, held for the graph's life, or None where it or one of the lists was not built before it (nothing is
+    built in a capture)."""
     if device.type != "cuda":
         kept = _KEPT.get((key, device)) or _KEPT.store((key, device), _Kept(_mask_of(key, device)))
-        return kept.info.lists(*tile, compact=False)
-    reader = stream_key(device)
+        for tile in tiles:
+            kept.info.lists(*tile, compact=False)
+        return kept.info
     if torch.cuda.is_current_stream_capturing():
         kept = _KEPT.get((key, device))
-        lists = None if kept is None or reader not in kept.readers else kept.info.lists_built(*tile)
-        if lists is not None:
-            keep_while_captured(device, kept.info)
-        return lists
+        if kept is None or any(kept.info.lists_built(*tile) is None for tile in tiles):
+            return None
+        keep_while_captured(device, kept.info)
+        return kept.info
+    reader = stream_key(device)
     with _LOCK:
         kept = _KEPT.get((key, device))
-        if kept is None or kept.info.lists_built(*tile) is None:
-            kept = _build(key, device, tile, kept)
-        if reader not in kept.readers:
-            stream = stream_of(reader)
-            stream.wait_stream(_build_stream(device))
-            for tensor in kept.info.held_tensors():
-                tensor.record_stream(stream)
-            kept.readers.add(reader)
-    return kept.info.lists_built(*tile)
+        for tile in tiles:
+            if kept is None or kept.info.lists_built(*tile) is None:
+                kept = _build(key, device, tile, kept)
+        _ready_on(kept, reader)
+    return kept.info
 
 
 def clear_kept() -> None:
@@ -96,6 +98,18 @@ def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kep
     made = _builder().submit(run).result()
     made.readers.clear()
     return made if kept is not None else _KEPT.store((key, device), made)
+
+
+def _ready_on(kept: _Kept, reader: Any) -> None:
+    """Make what ``kept`` holds readable on the stream ``reader`` (a ``stream_key``): it waits for every build so
+    far, once, and the tensors are recorded on it. Called under the lock."""
+    if reader in kept.readers:
+        return
+    stream = stream_of(reader)
+    stream.wait_stream(_build_stream(kept.info.device))
+    for tensor in kept.info.held_tensors():
+        tensor.record_stream(stream)
+    kept.readers.add(reader)
 
 
 def _builder() -> ThreadPoolExecutor:

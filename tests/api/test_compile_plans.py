@@ -172,12 +172,13 @@ def test_a_compiled_layer_step_builds_nothing_after_the_first(device, counts):
         torch.testing.assert_close(got, grads[0], rtol=1e-5, atol=1e-5)
 
 
-RESOLVERS = ("kept_lists", "call_plan_from_text", "forward_launch_of", "backward_launch_of")
+RESOLVERS = ("kept_mask", "call_plan_from_text", "forward_launch_of", "backward_launch_of")
 
 
 @pytest.fixture
 def resolving(monkeypatch):
-    """Calls, outside tracing, of what an op call resolves: kept lists, the plan's text, and the launches' keys."""
+    """Calls, outside tracing, of what an op call resolves: the kept mask, the plan's text, and the launches'
+    keys."""
     seen = dict.fromkeys(RESOLVERS, 0)
 
     def counting(name, original):
@@ -195,7 +196,7 @@ def resolving(monkeypatch):
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
 def test_a_repeated_compiled_step_resolves_each_op_call_by_one_lookup(device, resolving, deterministic):
-    """From the second step, each op call finds its plan, kept lists and launch in one entry: nothing of them is
+    """From the second step, each op call finds its plan, kept mask and launch in one entry: nothing of them is
     looked up again. Each step is checked against the float64 reference."""
     torch._dynamo.reset()
     clear_caches()  # no entry from an earlier test of the same shapes: the first step resolves its calls
@@ -204,7 +205,7 @@ def test_a_repeated_compiled_step_resolves_each_op_call_by_one_lookup(device, re
     q, k, v, grad_out = _inputs(sum(LENS), device, 3)
     mask = reference_mask(HUB, LENS, sum(LENS))
     _step(compiled, q, k, v, grad_out)
-    assert resolving["kept_lists"] > 0, resolving  # the first step resolved its calls
+    assert resolving["kept_mask"] > 0, resolving  # the first step resolved its calls
     for _ in range(2):
         for key in resolving:
             resolving[key] = 0
@@ -214,8 +215,8 @@ def test_a_repeated_compiled_step_resolves_each_op_call_by_one_lookup(device, re
 
 
 def test_a_resolved_op_call_keeps_no_mask_alive(device, resolving):
-    """An entry holds the kept lists weakly: once the kept masks let them go, the next step resolves its calls
-    again (new lists, built once) and stays exact."""
+    """An entry holds the kept mask weakly: once the kept masks let it go, the next step resolves its calls
+    again (a new mask and lists, built once) and stays exact."""
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS, causal=True), fullgraph=True,
                              backend="aot_eager")
@@ -227,16 +228,16 @@ def test_a_resolved_op_call_keeps_no_mask_alive(device, resolving):
     for key in resolving:
         resolving[key] = 0
     out = _step(compiled, q, k, v, grad_out)
-    assert resolving["kept_lists"] > 0, resolving
+    assert resolving["kept_mask"] > 0, resolving
     check_outputs(q, k, v, out, grad_out, mask)
 
 
 @pytest.mark.parametrize("topology", ["bits", "codes"])
-def test_every_layer_of_a_compiled_step_reads_one_mask(device, topology):
-    """Layers over the same lengths and topology build one mask a step: their forward ops take the same mask
-    tensors of the traced graph (the lengths and tables are made of graph ops, which AOTAutograd's CSE merges,
-    not of one constant per layer). Without that each layer rebuilt the mask, a few small launches each. The
-    step's output and input gradient match eager's."""
+def test_a_compiled_step_over_host_lengths_makes_no_mask(device, topology):
+    """Layers over host lengths read the kept mask of those values in their ops, its tensors as well as its lists:
+    the traced graphs hand the ops no mask tensor and make none (the graph made the mask's lengths, tables and
+    token bits or codes every step, a few small launches, only for ops that read kept lists). The step's output
+    and input gradient match eager's."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     matrix = HUB if topology == "bits" else [[2, 1, 1], [1, 2, 0], [1, 0, 2]]  # CAUSAL pairs: segment codes
@@ -253,8 +254,12 @@ def test_every_layer_of_a_compiled_step_reads_one_mask(device, topology):
         out.sum().backward()
         results.append((out.detach(), x.grad.clone()))
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
-    (graph,) = backend.fw_graphs
-    calls = [node for node in graph.graph.nodes if node.target is torch.ops.mmsparse.fwd_v7.default]
-    assert len(calls) == 3
-    masks = [tuple(node.args[3]) for node in calls]
-    assert masks[1] == masks[0] and masks[2] == masks[0], masks
+    (forward,), (backward,) = backend.fw_graphs, backend.bw_graphs
+    ops = {torch.ops.mmsparse.fwd_v7.default: forward, torch.ops.mmsparse.bwd_v7.default: backward}
+    for op, graph in ops.items():
+        calls = [node for node in graph.graph.nodes if node.target is op]
+        assert len(calls) == 3
+        assert all(list(node.args[3 if op is torch.ops.mmsparse.fwd_v7.default else 6]) == [] for node in calls)
+    mask_ops = {torch.ops.aten.cumsum.default, torch.ops.aten.searchsorted.Tensor, torch.ops.aten.full.default}
+    made = [node.target for graph in ops.values() for node in graph.graph.nodes if node.target in mask_ops]
+    assert not made, made
