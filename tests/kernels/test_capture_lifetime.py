@@ -24,11 +24,17 @@ SEQ = sum(LENS)
 
 
 def _step(q, k, v, lens, grad_out):
-    """(out, dq, dk, dv) of one call, detached: a kept autograd graph would keep the leaves' gradient
-    accumulators on the stream they were made on, which a later capture on another stream cannot use."""
+    """(out, dq, dk, dv) of one call at ``lens``."""
+    return _step_with(lambda q, k, v: mbs_attention(q, k, v, HUB, lens, check_lengths=False), q, k, v, grad_out)
+
+
+def _step_with(attention, q, k, v, grad_out):
+    """(out, dq, dk, dv) of one call of ``attention(q, k, v)``, detached: a kept autograd graph would keep the
+    leaves' gradient accumulators on the stream they were made on, which a later capture on another stream cannot
+    use."""
     for t in (q, k, v):
         t.grad = None
-    out = mbs_attention(q, k, v, HUB, lens, check_lengths=False)
+    out = attention(q, k, v)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -74,6 +80,54 @@ def test_a_capture_replays_exactly_after_clear_caches(lengths):
     while capture.kept_count() >= kept and time.monotonic() < deadline:
         time.sleep(0.01)
     assert capture.kept_count() < kept, "what the capture kept outlived its graph"
+
+
+def test_a_compiled_capture_reads_the_kept_mask_and_replays_exactly_after_clear_caches():
+    """A compiled step over host lengths reads the kept mask of those lengths in its ops (the graph makes none):
+    the capture reads the one kept before it, holds it, and replays exactly after ``clear_caches()`` drops the
+    kept masks."""
+    dev = torch.device("cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS), fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, dev, gen)
+    grad_out = torch.randn(q.shape, generator=gen).to(dev, torch.bfloat16)
+    expected = [t.clone() for t in _step_with(compiled, q, k, v, grad_out)]  # compiles; builds the kept mask
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _step_with(compiled, q, k, v, grad_out)
+    clear_caches()
+    gc.collect()
+    junk = _overwrite_freed_memory()
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"replayed {name} after clear_caches differs")
+    del junk
+
+
+def test_a_compiled_capture_without_a_kept_mask_says_to_warm_up():
+    """Nothing is built in a capture: a compiled step whose kept mask was dropped before the capture raises a
+    RuntimeError that says to run the step once outside the capture, not a capture error from inside."""
+    dev = torch.device("cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS), fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, dev, gen)
+    grad_out = torch.randn(q.shape, generator=gen).to(dev, torch.bfloat16)
+    _step_with(compiled, q, k, v, grad_out)  # compiled outside the capture
+    clear_caches()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="Run the step once before capturing it"):
+        with torch.cuda.graph(graph):
+            _step_with(compiled, q, k, v, grad_out)
+    torch.cuda.synchronize()
+    assert len(_step_with(compiled, q, k, v, grad_out)) == 4  # the next eager step builds it again
+
 
 
 def test_side_streams_are_none_of_the_pools_streams():
