@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -28,6 +29,7 @@ def ensure_tma_allocator(device: torch.device) -> None:
 # so the next launch may overwrite what the previous one read, and a launch skips an allocation (~10 us host).
 # A CUDA graph gets private scratch: its replays may run beside eager work on any stream.
 _SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
+_ALLOCATOR: ThreadPoolExecutor | None = None
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -36,9 +38,27 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
         return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < size:
-        buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
-        _SCRATCH[key] = buf
+        buf = _SCRATCH[key] = _kept_buffer(size, key)
     return buf
+
+
+def _kept_buffer(size: int, key: tuple[int, int | None]) -> torch.Tensor:
+    """A buffer of ``size`` bytes from the device's own pool, tied to the launch's stream (``key``: device, raw
+    stream handle), allocated on a thread of its own: under ``torch.compile(mode="reduce-overhead")`` the warm-up
+    routes every allocation of the calling thread to a CUDA graph's private pool, which may hold only what the
+    graph tracks (a kept buffer there fails its check, and the graph would hand its memory out again)."""
+    global _ALLOCATOR
+    if _ALLOCATOR is None:
+        _ALLOCATOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmsparse-scratch")
+    device, handle = key
+
+    def allocate() -> torch.Tensor:
+        stream = (torch.cuda.ExternalStream(handle, device=device) if handle
+                  else torch.cuda.default_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
+
+    return _ALLOCATOR.submit(allocate).result()
 
 
 def clear_scratch() -> None:
