@@ -287,14 +287,18 @@ class _DenseBlockLayer(MultimodalSelfAttention):
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, calls: int, embed_dim: int,
-              heads: int, batch: int) -> dict[str, float | None]:
+def block_steps(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, embed_dim: int, heads: int,
+                batch: int) -> tuple[dict[str, Callable[[], None]], Callable[[], list[float]]]:
+    """The block's steps by mode (eager only off the GPU) and a checksum of its compiled step (its output's and its
+    input gradient's absolute sums in float64; the eager step's where nothing compiles): equal checksums across two
+    trees mean equal outputs and gradients."""
     def two_layers(layer: type[MultimodalSelfAttention]) -> torch.nn.Module:
         torch.manual_seed(0)
         return torch.nn.Sequential(*(layer(embed_dim, heads, CYCLIC, seg_lens, device=device, dtype=dtype)
                                      for _ in range(2)))
 
     layers, dense = two_layers(MultimodalSelfAttention), two_layers(_DenseBlockLayer)
+    torch.manual_seed(1)
     x = torch.randn(batch, sum(seg_lens), embed_dim, device=device, dtype=dtype, requires_grad=True)
 
     def stepper(layers: torch.nn.Module, model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
@@ -309,12 +313,28 @@ def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtyp
         return step
 
     if device.type != "cuda":
-        return {"eager_ms": wall_ms(stepper(layers, layers), device, calls), "compile_ms": None,
-                "reduce_overhead_ms": None, "sdpa_eager_ms": None, "sdpa_compile_ms": None}
+        return {"eager_ms": stepper(layers, layers)}, lambda: _checksum(layers, x)
     torch._dynamo.reset()
-    steps = {"eager_ms": stepper(layers, layers), "compile_ms": stepper(layers, torch.compile(layers)),
+    compiled = torch.compile(layers)
+    steps = {"eager_ms": stepper(layers, layers), "compile_ms": stepper(layers, compiled),
              "reduce_overhead_ms": stepper(layers, torch.compile(layers, mode="reduce-overhead")),
              "sdpa_eager_ms": stepper(dense, dense), "sdpa_compile_ms": stepper(dense, torch.compile(dense))}
+    return steps, lambda: _checksum(compiled, x)
+
+
+def _checksum(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> list[float]:
+    x.grad = None
+    out = model(x)
+    out.sum().backward()
+    return [float(out.detach().double().abs().sum()), float(x.grad.double().abs().sum())]
+
+
+def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, calls: int, embed_dim: int,
+              heads: int, batch: int) -> dict[str, float | None]:
+    steps, _ = block_steps(seg_lens, device, dtype, embed_dim, heads, batch)
+    if device.type != "cuda":
+        return {"eager_ms": wall_ms(steps["eager_ms"], device, calls), "compile_ms": None,
+                "reduce_overhead_ms": None, "sdpa_eager_ms": None, "sdpa_compile_ms": None}
     return interleaved_ms(steps, device)
 
 

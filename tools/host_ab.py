@@ -38,9 +38,10 @@ CHILD = Path(__file__).resolve().parent / "host_ab_child.py"
 TOPIC = "host_ab"
 
 
-def run_child(tree: Tree, device: str, calls: int, pin: str | None) -> dict[str, Any]:
-    """One fresh process's figures (``host_ab_child``), pinned to CPU ``pin`` when given."""
-    cmd = [sys.executable, str(CHILD), "--tree", str(tree.path), "--device", device, "--calls", str(calls)]
+def run_child(tree: Tree, device: str, calls: int, pin: str | None, *extra: str) -> dict[str, Any]:
+    """One fresh process's figures (``host_ab_child``, with ``extra`` arguments), pinned to CPU ``pin`` when
+    given."""
+    cmd = [sys.executable, str(CHILD), "--tree", str(tree.path), "--device", device, "--calls", str(calls), *extra]
     if pin is not None:
         cmd = ["taskset", "-c", pin, *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())

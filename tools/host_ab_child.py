@@ -1,4 +1,5 @@
-"""One process of a host A/B (``tools.host_ab``): mmsparse from one tree, the host figures of ``benchmarks.host``.
+"""One process of a host A/B (``tools.host_ab``, ``tools.block_ab``): mmsparse from one tree, the host figures of
+``benchmarks.host`` (or, with ``--block``, its two-layer block's step in each mode and a checksum of its output).
 
 Started by the parent as ``python <this file> --tree DIR --device D --calls N``, never imported. It imports mmsparse
 from ``--tree`` first and only then this checkout's ``benchmarks`` package (as ``tools.ab_worker`` does), so that the
@@ -60,11 +61,29 @@ def host_figures(device_name: str, calls: int) -> dict[str, float]:
     return figures
 
 
+def block_figures(device_name: str, calls: int) -> tuple[dict[str, float], list[float]]:
+    """The two-layer block's step in µs per mode (``benchmarks.host.block_steps``: eager, and on a GPU compiled,
+    reduce-overhead and dense SDPA's eager and compiled, by turns in 5 rounds), and the compiled step's checksum."""
+    import torch
+
+    from benchmarks.host import BLOCK_CPU, BLOCK_GPU, CPU_SHAPES, GPU_SHAPES, block_steps, interleaved_ms
+
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    shapes, sizes = (GPU_SHAPES, BLOCK_GPU) if cuda else (CPU_SHAPES, BLOCK_CPU)
+    steps, checksum = block_steps(shapes["seed"].seg_lens, device, torch.bfloat16 if cuda else torch.float32,
+                                  **sizes)
+    sums = checksum()
+    times = interleaved_ms(steps, device, calls=calls)
+    return {f"block_{name.removesuffix('_ms')}_us": ms * 1e3 for name, ms in times.items()}, sums
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tree", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--block", action="store_true", help="the block's step instead of the host figures")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree))
     import mmsparse  # before triton: on a machine without CUDA it turns on Triton's interpreter
@@ -73,7 +92,12 @@ def main() -> int:
     if args.tree.resolve() not in where.parents:
         raise SystemExit(f"mmsparse came from {where}, not from {args.tree}")
     sys.path.insert(0, str(BENCH_ROOT))  # after mmsparse is cached: only the harness comes from here
-    print(json.dumps({"mmsparse": str(where.parent), "figures": host_figures(args.device, args.calls)}), flush=True)
+    if args.block:
+        figures, sums = block_figures(args.device, args.calls)
+        print(json.dumps({"mmsparse": str(where.parent), "figures": figures, "sums": sums}), flush=True)
+    else:
+        print(json.dumps({"mmsparse": str(where.parent), "figures": host_figures(args.device, args.calls)}),
+              flush=True)
     return 0
 
 
