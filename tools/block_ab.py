@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.arguments import at_least_one
-from benchmarks.report import write_record
 
 from .ab import resolve_tree
-from .host_ab import run_child
+from .host_ab import add_side_arguments, report, run_child
 
 TOPIC = "block_ab"
 RATIOS = (("compile", "eager"), ("reduce_overhead", "eager"), ("sdpa_compile", "sdpa_eager"))
@@ -64,11 +63,8 @@ def markdown(runs: list[dict[str, Any]], record: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.block_ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="git ref, or a folder holding mmsparse/")
-    p.add_argument("--new", default=None, help="git ref or folder (default: this working tree)")
-    p.add_argument("--rounds", type=at_least_one, default=2, help="rounds (default 2)")
+    add_side_arguments(p)
     p.add_argument("--calls", type=at_least_one, default=50, help="steps a mode's mean is taken over, per turn")
-    p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
     p.add_argument("--out", type=Path, default=None, help="write block_ab.json and block_ab.md into this folder")
     return p.parse_args(argv)
 
@@ -96,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": device, "rounds": args.rounds, "calls": args.calls, "figures": figures,
               "ratios": list(process_ratios(runs[0]["figures"])),
               "checksums_equal": all(run["sums"] == runs[0]["sums"] for run in runs), "runs": runs}
-    table = markdown(runs, record)
-    print("\n" + table, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {write_record(args.out, TOPIC, record, table)}")
+    report(args.out, TOPIC, record, markdown(runs, record))
     return 0
 
 

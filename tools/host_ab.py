@@ -108,17 +108,22 @@ def markdown(rows: list[dict[str, Any]], record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.host_ab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_side_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments every A/B of fresh processes takes: the two sides, the rounds and the device."""
     p.add_argument("--base", required=True, help="git ref, or a folder holding mmsparse/")
     p.add_argument("--new", default=None, help="git ref or folder (default: this working tree)")
     p.add_argument("--rounds", type=at_least_one, default=2, help="rounds (default 2)")
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.host_ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_side_arguments(p)
     p.add_argument("--calls", type=at_least_one, default=300, help="calls a figure's median is taken over")
     p.add_argument("--pin", default="5", help="the CPU of the pinned runs (taskset -c), or 'none' (default 5)")
     p.add_argument("--warmup", type=int, default=1,
                    help="processes of each side run first and dropped (default 1: a run's first process is slow)")
-    p.add_argument("--device", default=None, help="default cuda when available, else cpu (Triton's interpreter)")
     p.add_argument("--out", type=Path, default=None, help="write host_ab.json and host_ab.md into this folder")
     args = p.parse_args(argv)
     args.pin = None if args.pin == "none" else args.pin
@@ -145,12 +150,16 @@ def main(argv: list[str] | None = None) -> int:
               "device": device, "rounds": args.rounds, "warmup": args.warmup, "calls": args.calls, "pin": args.pin,
               "rows": rows,
               "runs": runs}
-    table = markdown(rows, record)
-    print("\n" + table, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {write_record(args.out, TOPIC, record, table)}")
+    report(args.out, TOPIC, record, markdown(rows, record))
     return 0
+
+
+def report(out: Path | None, topic: str, record: dict[str, Any], table: str) -> None:
+    """Print ``table``; with ``out``, write the record there (``topic``.json and .md)."""
+    print("\n" + table, end="")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {write_record(out, topic, record, table)}")
 
 
 if __name__ == "__main__":

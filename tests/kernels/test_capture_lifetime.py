@@ -47,6 +47,21 @@ def _overwrite_freed_memory():
     return junk
 
 
+def _replay_after_clear_caches(graph, captured, expected):
+    """``clear_caches()``, the freed memory overwritten, the captured outputs poisoned: the replay must give
+    ``expected`` bit for bit."""
+    clear_caches()
+    gc.collect()
+    junk = _overwrite_freed_memory()
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"replayed {name} after clear_caches differs")
+    del junk
+
+
 @pytest.mark.parametrize("lengths", ["host", "device"], ids=["cached-mask", "mask-built-in-capture"])
 def test_a_capture_replays_exactly_after_clear_caches(lengths):
     """Host lengths: the capture reads the cached mask (token tensors, block lists). Device lengths: the mask is
@@ -61,16 +76,8 @@ def test_a_capture_replays_exactly_after_clear_caches(lengths):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = _step(q, k, v, lens, grad_out)
-    clear_caches()
-    gc.collect()
-    junk = _overwrite_freed_memory()
-    for t in captured:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"replayed {name} after clear_caches differs")
-    del junk, captured
+    _replay_after_clear_caches(graph, captured, expected)
+    del captured
     kept = capture.kept_count()
     assert kept > 0, "the capture kept nothing of what it reads"
     del graph
@@ -82,43 +89,33 @@ def test_a_capture_replays_exactly_after_clear_caches(lengths):
     assert capture.kept_count() < kept, "what the capture kept outlived its graph"
 
 
+def _compiled_step_inputs(seed: int):
+    """A compiled attention over host lengths (traced afresh) and its inputs and output gradient."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS), fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, torch.device("cuda"), gen)
+    return compiled, q, k, v, torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16)
+
+
 def test_a_compiled_capture_reads_the_kept_mask_and_replays_exactly_after_clear_caches():
     """A compiled step over host lengths reads the kept mask of those lengths in its ops (the graph makes none):
     the capture reads the one kept before it, holds it, and replays exactly after ``clear_caches()`` drops the
     kept masks."""
-    dev = torch.device("cuda")
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS), fullgraph=True, backend="aot_eager")
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, dev, gen)
-    grad_out = torch.randn(q.shape, generator=gen).to(dev, torch.bfloat16)
+    compiled, q, k, v, grad_out = _compiled_step_inputs(3)
     expected = [t.clone() for t in _step_with(compiled, q, k, v, grad_out)]  # compiles; builds the kept mask
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = _step_with(compiled, q, k, v, grad_out)
-    clear_caches()
-    gc.collect()
-    junk = _overwrite_freed_memory()
-    for t in captured:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"replayed {name} after clear_caches differs")
-    del junk
+    _replay_after_clear_caches(graph, captured, expected)
 
 
 def test_a_compiled_capture_without_a_kept_mask_says_to_warm_up():
     """Nothing is built in a capture: a compiled step whose kept mask was dropped before the capture raises a
     RuntimeError that says to run the step once outside the capture, not a capture error from inside."""
-    dev = torch.device("cuda")
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, LENS), fullgraph=True, backend="aot_eager")
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = make_qkv(1, 4, 2, SEQ, SEQ, 64, torch.bfloat16, dev, gen)
-    grad_out = torch.randn(q.shape, generator=gen).to(dev, torch.bfloat16)
-    _step_with(compiled, q, k, v, grad_out)  # compiled outside the capture
+    compiled, q, k, v, grad_out = _compiled_step_inputs(4)
+    expected = [t.clone() for t in _step_with(compiled, q, k, v, grad_out)]  # compiled outside the capture
     clear_caches()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -126,8 +123,8 @@ def test_a_compiled_capture_without_a_kept_mask_says_to_warm_up():
         with torch.cuda.graph(graph):
             _step_with(compiled, q, k, v, grad_out)
     torch.cuda.synchronize()
-    assert len(_step_with(compiled, q, k, v, grad_out)) == 4  # the next eager step builds it again
-
+    for got, want in zip(_step_with(compiled, q, k, v, grad_out), expected):  # the next step builds it again
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_side_streams_are_none_of_the_pools_streams():
