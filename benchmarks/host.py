@@ -339,11 +339,12 @@ def block_row(seg_lens: tuple[int, ...], device: torch.device, dtype: torch.dtyp
 
 
 def interleaved_ms(steps: dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
-                   calls: int = 50) -> dict[str, float | None]:
+                   calls: int = 50, warmup: int = 10) -> dict[str, float | None]:
     """Median over ``rounds`` of each step's mean time in ms over ``calls`` calls, the steps taking turns in each
-    round (a host-bound step's time drifts with the machine: turns keep the ratios fair)."""
+    round (a host-bound step's time drifts with the machine: turns keep the ratios fair), after ``warmup`` calls of
+    each (they compile, warm up and capture)."""
     for step in steps.values():
-        for _ in range(10):  # compiles, warms up and captures
+        for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
