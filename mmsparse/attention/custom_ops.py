@@ -233,15 +233,12 @@ def _resolve(op: str, plan: str, host_values: list[int], q: torch.Tensor, k: tor
     if args is not None:
         return found.launch, args
     values = call_plan_from_text(plan)
-    if op == "fwd":
-        tiles = values.list_tiles(backward=False)
-    else:
-        tiles = [step.lists for step in (values.dkdv, values.dq) if step is not None]
+    forward = op == "fwd"
+    tiles = (values.list_tiles(backward=False) if forward
+             else [step.lists for step in (values.dkdv, values.dq) if step is not None])
     args, kept = _op_mask_args(mask, values, tiles, lists, host_values, q.device)
-    if op == "fwd":
-        launch = forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args[0])
-    else:
-        launch = backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, _pass_args(args))
+    launch = (forward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, args[0]) if forward
+              else backward_launch_of(plan, q, k, v, softmax_scale, dropout_p, seed, _pass_args(args)))
     keep_resolved(key, ResolvedOp(launch, tuple(tiles), values.mode, values.window,
                                   None if kept is None else weakref.ref(kept)))
     return launch, args

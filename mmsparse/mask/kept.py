@@ -20,13 +20,13 @@ out again while it still reads them. A capture reads a mask kept before it, as t
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ..runtime.capture import keep_while_captured
 from ..runtime.launch import stream_key, stream_of
+from ..runtime.own_thread import on_own_thread
 from ..runtime.recent import RecentlyUsed
 from ..runtime.streams import own_stream
 from .build import make_mask_info
@@ -47,7 +47,6 @@ class _Kept:
 _KEPT: RecentlyUsed[_Kept] = RecentlyUsed(MAX_KEPT)
 _LOCK = threading.Lock()
 _BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
-_BUILDER: ThreadPoolExecutor | None = None
 
 
 def kept_mask(key: tuple[int, ...], device: torch.device, tiles: list[TileKey]) -> MaskInfo | None:
@@ -70,9 +69,9 @@ def kept_mask(key: tuple[int, ...], device: torch.device, tiles: list[TileKey]) 
     reader = stream_key(device)
     with _LOCK:
         kept = _KEPT.get((key, device))
-        for tile in tiles:
-            if kept is None or kept.info.lists_built(*tile) is None:
-                kept = _build(key, device, tile, kept)
+        missing = [tile for tile in tiles if kept is None or kept.info.lists_built(*tile) is None]
+        if missing:
+            kept = _build(key, device, missing, kept)
         _ready_on(kept, reader)
     return kept.info
 
@@ -82,20 +81,21 @@ def clear_kept() -> None:
     _KEPT.clear()
 
 
-def _build(key: tuple[int, ...], device: torch.device, tile: TileKey, kept: _Kept | None) -> _Kept:
-    """Build the mask (unless ``kept``) and its lists at ``tile`` on mmsparse's build stream, after the caller's
-    work so far, from a thread of mmsparse's own: a CUDA graph's warm-up routes every allocation of the calling
-    thread to the graph's pool, whatever the stream. Every reader waits for it again."""
+def _build(key: tuple[int, ...], device: torch.device, tiles: list[TileKey], kept: _Kept | None) -> _Kept:
+    """Build the mask (unless ``kept``) and its lists at ``tiles`` on mmsparse's build stream, after the caller's
+    work so far, on mmsparse's own thread (:mod:`mmsparse.runtime.own_thread`: a CUDA graph's warm-up routes every
+    allocation of the calling thread to the graph's pool, whatever the stream). Every reader waits for it again."""
     build = _build_stream(device)
     build.wait_stream(torch.cuda.current_stream(device))
 
     def run() -> _Kept:
         with torch.cuda.device(device), torch.cuda.stream(build):
             made = kept if kept is not None else _Kept(_mask_of(key, device))
-            made.info.lists(*tile, compact=False)
+            for tile in tiles:
+                made.info.lists(*tile, compact=False)
         return made
 
-    made = _builder().submit(run).result()
+    made = on_own_thread(run)
     made.readers.clear()
     return made if kept is not None else _KEPT.store((key, device), made)
 
@@ -110,13 +110,6 @@ def _ready_on(kept: _Kept, reader: Any) -> None:
     for tensor in kept.info.held_tensors():
         tensor.record_stream(stream)
     kept.readers.add(reader)
-
-
-def _builder() -> ThreadPoolExecutor:
-    global _BUILDER
-    if _BUILDER is None:
-        _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmsparse-kept-masks")
-    return _BUILDER
 
 
 def _build_stream(device: torch.device) -> torch.cuda.Stream:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
+
+from .own_thread import on_own_thread
 
 try:  # once: this runs before every launch (an import statement in the function costs ~1 us a call)
     from triton.runtime import _allocation
@@ -29,7 +30,6 @@ def ensure_tma_allocator(device: torch.device) -> None:
 # so the next launch may overwrite what the previous one read, and a launch skips an allocation (~10 us host).
 # A CUDA graph gets private scratch: its replays may run beside eager work on any stream.
 _SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
-_ALLOCATOR: ThreadPoolExecutor | None = None
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -44,12 +44,9 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
 
 def _kept_buffer(size: int, key: tuple[int, int | None]) -> torch.Tensor:
     """A buffer of ``size`` bytes from the device's own pool, tied to the launch's stream (``key``: device, raw
-    stream handle), allocated on a thread of its own: under ``torch.compile(mode="reduce-overhead")`` the warm-up
-    routes every allocation of the calling thread to a CUDA graph's private pool, which may hold only what the
-    graph tracks (a kept buffer there fails its check, and the graph would hand its memory out again)."""
-    global _ALLOCATOR
-    if _ALLOCATOR is None:
-        _ALLOCATOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmsparse-scratch")
+    stream handle), allocated on mmsparse's own thread (:mod:`.own_thread`: not in a CUDA graph's pool while
+    ``reduce-overhead`` warms up, where a kept buffer fails the graph's check and its memory would be handed out
+    again)."""
     device, handle = key
 
     def allocate() -> torch.Tensor:
@@ -58,7 +55,7 @@ def _kept_buffer(size: int, key: tuple[int, int | None]) -> torch.Tensor:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
 
-    return _ALLOCATOR.submit(allocate).result()
+    return on_own_thread(allocate)
 
 
 def clear_scratch() -> None:
