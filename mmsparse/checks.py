@@ -14,29 +14,34 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise a ValueError/TypeError naming the problem when q, k, v cannot go to the kernels."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32"
-                            + (FLOAT64_HINT if t.dtype == torch.float64 else ""))
+    if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4
+            and q.dtype == k.dtype == v.dtype and q.dtype in SUPPORTED_DTYPES):  # else: which argument is wrong
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32"
+                                + (FLOAT64_HINT if t.dtype == torch.float64 else ""))
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype} (cast them first)")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and not interpreter_active():
-        raise ValueError(
-            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton/mmsparse, "
-            "or move q, k, v to a CUDA device"
-        )
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {q.device}: use CUDA tensors (or CPU with TRITON_INTERPRET=1)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    device = q.device
+    if not (device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {device}, {k.device}, {v.device}")
+    if device.type != "cuda":
+        if device.type != "cpu":
+            raise ValueError(f"unsupported device {device}: use CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+        if not interpreter_active():
+            raise ValueError(
+                "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton/mmsparse, "
+                "or move q, k, v to a CUDA device"
+            )
+    k_shape = k.shape
+    if k_shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k_shape)} and {tuple(v.shape)}")
     bq, hq, sq, d = q.shape
-    bk, hk, sk, dk = k.shape
+    bk, hk, sk, dk = k_shape
     if bq != bk:
         raise ValueError(f"batch sizes differ: q has {bq}, k/v have {bk}")
     if d != dk:
@@ -115,6 +120,8 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 def check_dropout(value: Any, name: str = "dropout") -> float:
     """A dropout probability as a float in [0, 1): a TypeError for anything but a real number (a bool or a string
     included), a ValueError outside the range."""
+    if type(value) is float and 0.0 <= value < 1.0:  # the common case
+        return value
     numpy_float = type(value).__module__ == "numpy" and "float" in type(value).__name__
     if isinstance(value, bool) or not (isinstance(value, (int, float)) or numpy_float):
         raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__} {value!r}")

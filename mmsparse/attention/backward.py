@@ -6,7 +6,6 @@ the config has ``gluon_dq_writer``, the warp-specialised Gluon one-pass kernel w
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 from dataclasses import dataclass
@@ -70,6 +69,8 @@ class BackwardLaunch:
         self.use_tma, self.softmax_scale, self.dropout_p = call_plan.use_tma, softmax_scale, dropout_p
         self.qk_scale = softmax_scale * _LOG2E
         self.q_shape, self.kv_shape = q.shape, (batch, num_kv_heads, seq_k, head_dim)
+        # delta's shape and contiguous strides (lse's): empty_strided costs less host than empty
+        self.delta_shape, self.delta_strides = (batch, num_heads, seq_q), (num_heads * seq_q, seq_q, 1)
         self.seq_q = seq_q
         self.delta_grid = (cdiv(seq_q, 64), batch * num_heads)
         self.plan = plan
@@ -120,7 +121,7 @@ class BackwardLaunch:
                 self._bound.clear()  # relaunches are remade at the next launch of each layout: only host time
             bound = self._bound[strides] = {"layout": _Layout(q, k, v, strides)}
         layout = bound["layout"]
-        delta = torch.empty(lse.shape, dtype=torch.float32, device=self.device)
+        delta = torch.empty_strided(self.delta_shape, self.delta_strides, dtype=torch.float32, device=self.device)
         dq_sum = None
         if self.one_pass:
             _alert_not_deterministic()
@@ -137,15 +138,17 @@ class BackwardLaunch:
         if self.one_pass:
             dk, dv = passes.dkdv(dkdv_mask, dq_sum)
             return self._one_pass_dq(dq_sum, layout), dk, dv
-        main, side = _streams(self.device) if self.plan.side_stream else (None, None)
         dq = layout.new_dq(self)  # on the current stream: its memory is that stream's
-        if side is not None:
-            side.wait_stream(main)  # delta, the block lists and the inputs are ready
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if not self.plan.side_stream:
+            passes.dq(dq_mask, dq)
+            dk, dv = passes.dkdv(dkdv_mask, None)
+            return dq, dk, dv
+        main, side = _streams(self.device)
+        side.wait_stream(main)  # delta, the block lists and the inputs are ready
+        with torch.cuda.stream(side):
             passes.dq(dq_mask, dq)
         dk, dv = passes.dkdv(dkdv_mask, None)
-        if side is not None:
-            main.wait_stream(side)
+        main.wait_stream(side)
         return dq, dk, dv
 
     def _beside_exchange(self, passes: _Passes, hooks: ExchangeHooks, dkdv_mask: LaunchArgs,

@@ -44,6 +44,7 @@ class ForwardLaunch:
         self.mode, self.causal, self.has_window = plan.mode, plan.causal, plan.window is not None
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = (batch, num_heads, seq_q, head_dim), (batch, num_heads, seq_q)
+        self.lse_strides = (num_heads * seq_q, seq_q, 1)  # contiguous (empty_strided costs less host than empty)
         # out follows q's layout: a function of q's strides, which key this launch
         self.out_strides = output_strides(q)
         n_splits = self.n_splits = forward.n_splits
@@ -84,7 +85,7 @@ class ForwardLaunch:
         if self.gluon:
             return _hopper_forward(q, k, v, self, mask)
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        lse = torch.empty_strided(self.lse_shape, self.lse_strides, dtype=torch.float32, device=self.device)
         o_dst, lse_dst = out, lse
         if self.n_splits > 1:
             o_dst = torch.empty((self.n_splits, *self.out_shape), dtype=torch.float32, device=self.device)

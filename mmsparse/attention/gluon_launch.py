@@ -54,7 +54,8 @@ def run_forward(
     mask_tensors, mask_scalars = mask
     out = torch.empty_strided(q.shape, output_strides(q) if out_strides is None else out_strides, dtype=q.dtype,
                               device=q.device)
-    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty_strided((batch, num_heads, seq_q), (num_heads * seq_q, seq_q, 1), dtype=torch.float32,
+                              device=q.device)
     launch_bound(_FWD, s.grid, (q, k, v, out, lse, *mask_tensors, *mask_scalars, qk_scale_log2), s.constexprs, bound,
                  "forward", s.boxes)
     return out, lse

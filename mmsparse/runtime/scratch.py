@@ -28,18 +28,24 @@ def ensure_tma_allocator(device: torch.device) -> None:
 
 # One scratch buffer per (device, stream), grown when a launch needs more: kernels on one stream run in order,
 # so the next launch may overwrite what the previous one read, and a launch skips an allocation (~10 us host).
-# A CUDA graph gets private scratch: its replays may run beside eager work on any stream.
-_SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
+# A CUDA graph gets private scratch: its replays may run beside eager work on any stream. Kept as (buffer, its
+# address): the launcher takes the address as it is, where a tensor costs it a data_ptr call and a driver query.
+_SCRATCH: dict[tuple[int, int | None], tuple[torch.Tensor, int]] = {}
+# The current CUDA device without torch.cuda.current_device()'s lazy-init check: this runs inside a launch
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    key = (torch.cuda.current_device(), stream)
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor | int:
+    """Triton's allocator: a buffer of ``size`` bytes for a launch on ``stream``, the kept one's address, or a new
+    tensor in a CUDA-graph capture (Triton holds it for the launch; the graph's pool keeps its memory)."""
+    key = (_current_device(), stream)
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _SCRATCH[key] = _kept_buffer(size, key)
-    return buf
+    kept = _SCRATCH.get(key)
+    if kept is None or kept[0].numel() < size:
+        buf = _kept_buffer(size, key)
+        kept = _SCRATCH[key] = (buf, buf.data_ptr())
+    return kept[1]
 
 
 def _kept_buffer(size: int, key: tuple[int, int | None]) -> torch.Tensor:
