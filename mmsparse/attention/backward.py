@@ -139,11 +139,11 @@ class BackwardLaunch:
             dk, dv = passes.dkdv(dkdv_mask, dq_sum)
             return self._one_pass_dq(dq_sum, layout), dk, dv
         dq = layout.new_dq(self)  # on the current stream: its memory is that stream's
-        if not self.plan.side_stream:
+        main, side = _streams(self.device) if self.plan.side_stream else (None, None)
+        if side is None:
             passes.dq(dq_mask, dq)
             dk, dv = passes.dkdv(dkdv_mask, None)
             return dq, dk, dv
-        main, side = _streams(self.device)
         side.wait_stream(main)  # delta, the block lists and the inputs are ready
         with torch.cuda.stream(side):
             passes.dq(dq_mask, dq)
