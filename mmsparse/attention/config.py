@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..mask.bit_lists import COMPACT_BYTES
-from ..runtime.hash_once import hash_once
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
@@ -26,7 +25,6 @@ EVERY_LENGTH = 1 << 62  # a key-count threshold no call reaches: the path runs a
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys")
 
 
-@hash_once
 @dataclass(frozen=True)
 class Tile:
     block_m: int  # query rows per tile
@@ -60,7 +58,6 @@ class Tile:
         return self.gluon_stages > 0
 
 
-@hash_once
 @dataclass(frozen=True)
 class KernelConfig:
     fwd: Tile
@@ -413,7 +410,6 @@ def wide_dkdv_tile(shared_bytes: int, tma: bool) -> Tile:
     return WIDE_DKDV_TILES[-1][1]
 
 
-@hash_once
 @dataclass(frozen=True)
 class Settings:
     """What ``use_config`` and ``use_tuning`` set for one thread's calls: tiles (None: the device's table),

@@ -16,11 +16,9 @@ import torch
 
 from ..mask.blocks import cdiv
 from ..mask.info import TileKey
-from ..runtime.hash_once import hash_once
 from .config import KernelConfig, Tile, cuda_index, gluon_tile_problem, head_dim_pad
 
 
-@hash_once
 @dataclass(frozen=True)
 class ForwardPass:
     """The forward's launch: ``tile`` (its block lists), the Gluon or the tl kernel, and the grid's shape."""
@@ -39,7 +37,6 @@ class ForwardPass:
         return (self.tile.block_m, self.tile.block_n, False)
 
 
-@hash_once
 @dataclass(frozen=True)
 class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
@@ -58,7 +55,6 @@ class BackwardPass:
         return (self.tile.block_m, self.tile.block_n, self.by_key)
 
 
-@hash_once
 @dataclass(frozen=True)
 class AttentionPlan:
     forward: ForwardPass
@@ -154,7 +150,6 @@ def forward_pass(tile: Tile, decode_max_q: int, batch: int, num_heads: int, num_
                        row_blocks, bh_programs, n_splits)
 
 
-@hash_once
 @dataclass(frozen=True)
 class CallPlan:
     """The frozen plan of one call, everything about it that its lengths do not change: each pass's tile and
