@@ -35,9 +35,9 @@ _MISS = object()
 _knobs = getattr(triton, "knobs", None)
 fast_launches = 0  # counted for the tests: launches that skipped Triton's binding
 _INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time, from any thread
-# The current CUDA device without torch.cuda.current_device()'s lazy-init check (a relaunch runs after a launch
-# initialised CUDA); torch.cuda.current_device where the binding is absent (a CPU build)
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# The current CUDA device without torch.cuda.current_device()'s lazy-init check, for code that runs inside or after a
+# launch (CUDA is initialised); torch.cuda.current_device where the binding is absent (a CPU build)
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # Compile options every launch passes: FP fusion (a * b + c as one FMA), Triton's default so far, which the kernels'
 # numerics (the tl and Gluon passes computing P alike) and speed assume. Triton 3.9 warns that 3.10 turns the default
 # off; asked for, it stays on in every version (the interpreter drops the option).
@@ -156,7 +156,7 @@ class FastKernel:
         target, grid3 = _launch_device(args[0]), (*grid, 1, 1)
 
         def relaunch(*new_args: Any) -> None:
-            if _current_device() == target and not _hooks_set():
+            if current_device() == target and not _hooks_set():
                 _run_direct(hit, grid3, target, new_args, boxes)
             else:
                 self.launch(grid, described(new_args, boxes), kwargs)

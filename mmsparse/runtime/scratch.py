@@ -7,6 +7,7 @@ import importlib
 import torch
 import triton
 
+from .launch import current_device
 from .own_thread import on_own_thread
 
 try:  # once: this runs before every launch (an import statement in the function costs ~1 us a call)
@@ -31,14 +32,12 @@ def ensure_tma_allocator(device: torch.device) -> None:
 # A CUDA graph gets private scratch: its replays may run beside eager work on any stream. Kept as (buffer, its
 # address): the launcher takes the address as it is, where a tensor costs it a data_ptr call and a driver query.
 _SCRATCH: dict[tuple[int, int | None], tuple[torch.Tensor, int]] = {}
-# The current CUDA device without torch.cuda.current_device()'s lazy-init check: this runs inside a launch
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor | int:
     """Triton's allocator: a buffer of ``size`` bytes for a launch on ``stream``, the kept one's address, or a new
     tensor in a CUDA-graph capture (Triton holds it for the launch; the graph's pool keeps its memory)."""
-    key = (_current_device(), stream)
+    key = (current_device(), stream)
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", key[0]))
     kept = _SCRATCH.get(key)
