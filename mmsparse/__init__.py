@@ -46,6 +46,8 @@ _use_interpreter_without_cuda()
 from . import tuning  # noqa: E402
 from .attention.config import use_config  # noqa: E402
 from .functional import clear_caches, mbs_attention, mbs_attention_varlen  # noqa: E402
+from .mask.build import prepare_mask  # noqa: E402
+from .mask.prepared import PreparedMask  # noqa: E402
 from .mask.topology import CAUSAL, FULL, NONE, Topology, generate_interlaced_mask  # noqa: E402
 from .picture import TileMap, tile_map, tile_picture  # noqa: E402
 from .qkv_module import TritonMBSAttnKernel  # noqa: E402
@@ -57,6 +59,7 @@ __all__ = [
     "CAUSAL",
     "FULL",
     "NONE",
+    "PreparedMask",
     "TileMap",
     "Topology",
     "TritonMBSAttnKernel",
@@ -66,6 +69,7 @@ __all__ = [
     "interpreter_active",
     "mbs_attention",
     "mbs_attention_varlen",
+    "prepare_mask",
     "reference_attention",
     "reference_mask",
     "reference_packed_mask",

@@ -91,7 +91,9 @@ def mbs_attention(
             seg_lens, or attn_mask.
         seg_lens: k lengths summing to S, or per-sample ``[B, k]`` (list of B tuples or an int tensor, on the CPU
             or q's device), each row summing to at most S; the rest of a row is padding (never attended; its
-            queries output 0). A generator is read once; anything else (one int, a string) is a TypeError.
+            queries output 0). A generator is read once; anything else (one int, a string) is a TypeError. Or a
+            :class:`~mmsparse.PreparedMask` (:func:`mmsparse.prepare_mask`): a mask built once for the calls
+            that pass it, e.g. every layer of a step over the same device lengths.
         causal: also require key position <= query position.
         dropout_p: attention dropout probability (pass 0.0 in eval mode).
         softmax_scale: default ``1/sqrt(D)``; a finite number of at least 1e-30.
@@ -157,7 +159,8 @@ def mbs_attention_varlen(
             k, v: the same layout with Hkv heads.
         topology: k x k pair types (0/1/2) shared by the samples.
         seg_lens: ``[N, k]`` per-sample lengths (list of N rows or an int tensor, e.g. on the GPU), summing to
-            ``total``; zero-length segments are fine.
+            ``total``; zero-length segments are fine. Or a :class:`~mmsparse.PreparedMask` prepared with
+            ``packed=True``.
         causal: causal within each sample (positions are the packed ones, so this is per-sample causal).
         check_lengths: validate a device tensor of lengths (one host sync). Host lengths (lists) are validated
             once and the mask is cached by value, as in :func:`mbs_attention`; a tensor builds it every call.

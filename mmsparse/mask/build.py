@@ -13,6 +13,7 @@ from .cache import CACHE
 from .info import MaskInfo
 from .keys import value_key
 from .lengths import SegLensArg, lens_tensor, packed_lens_tensor, q_start_tensor, seg_lens_argument
+from .prepared import PreparedMask
 from .topology import Topology
 
 
@@ -28,7 +29,9 @@ def build_mask_info(
     skips reading a device length tensor back to the host (no sync; invalid lengths then go unreported).
     ``packed``: seg_lens are ``[N, k]`` samples laid end to end in one sequence. ``window``: a sliding window
     (:func:`check_window`). Every entry point's lengths come through here (:func:`seg_lens_argument` refuses what
-    cannot be lengths)."""
+    cannot be lengths); a :class:`PreparedMask` in their place is checked against the call and used as it is."""
+    if isinstance(seg_lens, PreparedMask):
+        return seg_lens.for_call(topology_of(topology), seq_q, seq_k, causal, device, q_start, packed, window)
     seg_lens = seg_lens_argument(seg_lens, device=device)
     if causal is not True and causal is not False:
         causal = check_flag("causal", causal)
@@ -42,7 +45,7 @@ def build_mask_info(
         hit = CACHE.mask(key)
         if hit is not None:
             return hit
-    info = make_mask_info(_as_topology(topology, topo_key), seg_lens, seq_q, seq_k, causal, device, check_lengths,
+    info = make_mask_info(topology_of(topology, topo_key), seg_lens, seq_q, seq_k, causal, device, check_lengths,
                           q_start, packed, window)
     if torch.compiler.is_compiling() and q_start is None:  # traced: the lists ops may read kept lists
         rows = topo_key.rows if isinstance(topo_key, Topology) else topo_key[1] if topo_key[0] == "value" else None
@@ -103,7 +106,7 @@ def make_mask_info(
     return MaskInfo.from_segments(topology, lens, seq_q, seq_k, causal, q_start, window=window)
 
 
-def _as_topology(topology: Any, key: Any = None) -> Topology:
+def topology_of(topology: Any, key: Any = None) -> Topology:
     """The validated Topology of a user's matrix; list/tuple matrices are validated once and kept (with their
     per-device bit tables), so that a call with a new length tensor builds only the lengths' part. ``key``: the
     matrix's :func:`_topology_key`, when the caller has it already."""
@@ -188,7 +191,8 @@ def topology_mask(
     """The mask of a topology and lengths for checked q ``[B, Hq, Sq, D]`` and k ``[B, Hkv, S, D]`` (cached as
     :func:`build_mask_info` caches). A length error says so when k looks like ``[B, S, H, D]``; a mask with one row
     per sample must have as many rows as q has samples."""
-    seg_lens = seg_lens_argument(seg_lens, device=q.device)  # here too: a generator is read once, for the hint too
+    if not isinstance(seg_lens, PreparedMask):  # here too: a generator is read once, for the hint too
+        seg_lens = seg_lens_argument(seg_lens, device=q.device)
     try:
         info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start,
                                window=window)
@@ -201,3 +205,55 @@ def topology_mask(
         raise ValueError(f"per-sample seg_lens has {count(info.batch, 'row')} but the batch has "
                          f"{count(q.shape[0], 'sample')}")
     return info
+
+def prepare_mask(
+    topology: Any, seg_lens: SegLensArg, seq_len: int, *, q_len: int | None = None, causal: bool = False,
+    window: int | None = None, q_start: torch.Tensor | Sequence[int] | None = None, packed: bool = False,
+    device: torch.device | str | None = None, check_lengths: bool = True,
+) -> PreparedMask:
+    """Build a mask once, for every call that passes it as ``seg_lens`` (every layer of a step).
+
+    Args:
+        topology: k x k pair types, in any form :func:`mmsparse.mbs_attention` takes.
+        seg_lens: lengths in any form :func:`mmsparse.mbs_attention` takes (``[N, k]`` packed samples with
+            ``packed=True``); typically a device tensor, new each step.
+        seq_len: the key positions S (k/v's dim 2; the packed total with ``packed=True``).
+        q_len: the queries (q's dim 2, the last ``q_len`` positions unless ``q_start``); default ``seq_len``.
+        causal, window, q_start: as :func:`mmsparse.mbs_attention`'s; the calls must pass the same causal and
+            window (checked) and no q_start.
+        packed: the lengths are ``[N, k]`` samples laid end to end, for :func:`mmsparse.mbs_attention_varlen`.
+        device: where the calls' tensors are (default: a length tensor's device, else the current CUDA device, else
+            the CPU).
+        check_lengths: validate a device tensor of lengths (one host sync), as the calls would.
+
+    Returns:
+        :class:`PreparedMask`.
+    """
+    if torch.compiler.is_compiling():
+        raise ValueError("prepare_mask is for eager calls: under torch.compile pass the lengths to the calls")
+    q_len = seq_len if q_len is None else q_len
+    for name, value in (("seq_len", seq_len), ("q_len", q_len)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int (positions); got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be positive; got {value}")
+    if q_len > seq_len or (packed and q_len != seq_len):
+        raise ValueError(f"q_len ({q_len}) must be at most seq_len ({seq_len}), and equal to it with packed=True")
+    if device is None:
+        device = (seg_lens.device if isinstance(seg_lens, torch.Tensor) and seg_lens.device.type != "cpu"
+                  else torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device}: this machine has no CUDA device (pass device='cpu' for the "
+                             "interpreter)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    causal, packed = check_flag("causal", causal), check_flag("packed", packed)
+    if isinstance(seg_lens, PreparedMask):
+        raise TypeError("seg_lens is a prepared mask already: pass it to the calls")
+    topo = topology_of(topology)
+    info = build_mask_info(topo, seg_lens, q_len, seq_len, causal, device, check_lengths, q_start, packed=packed,
+                           window=window)
+    return PreparedMask(info, topo, packed)
