@@ -197,7 +197,7 @@ def topology_mask(
         info = build_mask_info(topology, seg_lens, q.shape[2], k.shape[2], causal, q.device, check_lengths, q_start,
                                window=window)
     except ValueError as e:  # checked only on failure: the common path pays nothing for the hint
-        hint = layout_hint(k, seg_lens)
+        hint = None if isinstance(seg_lens, PreparedMask) else layout_hint(k, seg_lens)
         if hint is None:
             raise
         raise ValueError(f"{e}. {hint}") from None
