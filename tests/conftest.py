@@ -1,5 +1,5 @@
 """Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
-NaN-poisoned outputs, the ``device`` fixture, and the skips of the ``gpu``, ``hopper``, ``large`` and ``interpreter``
+NaN-poisoned outputs, the ``device`` and ``launches`` fixtures, and the skips of the ``gpu``, ``hopper``, ``large`` and ``interpreter``
 markers.
 
 Where the tests are (they mirror the package; no test file sits at the root of tests/):
@@ -21,6 +21,7 @@ helpers.py holds what several modules share (topologies, cases, the float64 chec
 mapped once per launch and without the overflow checks it discards (child_site/ gives the processes the tests start
 the same); no test module imports another."""
 
+import collections
 import os
 
 import torch
@@ -53,6 +54,26 @@ def poison_empty():
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Kernel name -> launches, counted at FastKernel.launch (through the interpreter every launch goes there; on a
+    GPU bound relaunches skip it); the launch itself runs with no torch dispatch mode on."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from mmsparse.runtime import launch
+
+    counted: collections.Counter[str] = collections.Counter()
+    real = launch.FastKernel.launch
+
+    def counting(self, grid, args, kwargs):
+        counted[self.fn.fn.__name__] += 1
+        with _disable_current_modes():
+            return real(self, grid, args, kwargs)
+
+    monkeypatch.setattr(launch.FastKernel, "launch", counting)
+    return counted
 
 
 def _on_hopper() -> bool:

@@ -206,6 +206,7 @@ def topology_mask(
                          f"{count(q.shape[0], 'sample')}")
     return info
 
+
 def prepare_mask(
     topology: Any, seg_lens: SegLensArg, seq_len: int, *, q_len: int | None = None, causal: bool = False,
     window: int | None = None, q_start: torch.Tensor | Sequence[int] | None = None, packed: bool = False,

@@ -14,10 +14,8 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from mmsparse import mbs_attention
-from mmsparse.runtime import launch
 from mmsparse.runtime.launch import interpreter_active
 from tests.helpers import TorchOps
 
@@ -32,21 +30,6 @@ ATTENTION_KERNELS = {"attention_fwd_tl": 1, "attention_combine_tl": 1, "attentio
 # The split forward's partial out and lse; out, dq, dk, dv at their inputs' strides, and lse and delta contiguous.
 # autograd's two detaches of the saved outputs are its own.
 STEADY_OPS = {"aten.empty.memory_format": 2, "aten.empty_strided.default": 6, "aten.detach.default": 2}
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Kernel name -> launches, counted at FastKernel.launch; the launch itself runs with no dispatch mode on."""
-    counted: collections.Counter[str] = collections.Counter()
-    real = launch.FastKernel.launch
-
-    def counting(self, grid, args, kwargs):
-        counted[self.fn.fn.__name__] += 1
-        with _disable_current_modes():
-            return real(self, grid, args, kwargs)
-
-    monkeypatch.setattr(launch.FastKernel, "launch", counting)
-    return counted
 
 
 @pytest.fixture(autouse=True)

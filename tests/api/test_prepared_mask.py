@@ -5,11 +5,8 @@ refused with a ValueError that says what differs; a compiled call refuses it wit
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 import mmsparse
 from mmsparse import (
@@ -22,7 +19,6 @@ from mmsparse import (
     reference_packed_mask,
 )
 from mmsparse.nn import MultimodalSelfAttention
-from mmsparse.runtime import launch
 from mmsparse.runtime.launch import interpreter_active
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
 
@@ -77,21 +73,6 @@ def test_layers_take_it_as_they_take_lengths(device):
     for run in (lambda s: layer(x, seg_lens=s), lambda s: kernel(q, k, v, seg_lens=s)):
         got, want = run(mask), run(lens)
         assert torch.equal(got, want)
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Kernel name -> launches, counted at FastKernel.launch (through the interpreter every launch goes there)."""
-    counted: collections.Counter[str] = collections.Counter()
-    real = launch.FastKernel.launch
-
-    def counting(self, grid, args, kwargs):
-        counted[self.fn.fn.__name__] += 1
-        with _disable_current_modes():
-            return real(self, grid, args, kwargs)
-
-    monkeypatch.setattr(launch.FastKernel, "launch", counting)
-    return counted
 
 
 @pytest.mark.skipif(not interpreter_active(), reason="counts the interpreter's launches (CPU)")
