@@ -1,6 +1,6 @@
 """Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
-NaN-poisoned outputs, the ``device`` and ``launches`` fixtures, and the skips of the ``gpu``, ``hopper``, ``large`` and ``interpreter``
-markers.
+NaN-poisoned outputs, the ``device`` and ``launches`` fixtures, and the skips of the ``gpu``, ``hopper``,
+``large`` and ``interpreter`` markers.
 
 Where the tests are (they mirror the package; no test file sits at the root of tests/):
   mask/         mmsparse/mask: lengths, segment codes, the torch tile classes, the list builders and token bits
