@@ -27,6 +27,7 @@ from .mask.cache import CACHE
 from .mask.info import MaskInfo
 from .mask.kept import clear_kept
 from .mask.lengths import SegLensArg
+from .mask.prepared import PreparedMask
 from .runtime.scratch import clear_scratch
 
 
@@ -69,7 +70,7 @@ def mbs_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     topology: Any = None,
-    seg_lens: SegLensArg | None = None,
+    seg_lens: SegLensArg | PreparedMask | None = None,
     causal: bool = False,
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
@@ -141,7 +142,7 @@ def mbs_attention_varlen(
     k: torch.Tensor,
     v: torch.Tensor,
     topology: Any,
-    seg_lens: SegLensArg,
+    seg_lens: SegLensArg | PreparedMask,
     causal: bool = False,
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,

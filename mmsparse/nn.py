@@ -29,6 +29,7 @@ from .checks import (
 )
 from .functional import mbs_attention
 from .mask.lengths import SegLensArg, clip_seg_lens, valid_lens_from_padding, validate_seg_lens
+from .mask.prepared import PreparedMask
 from .mask.topology import Topology
 
 __all__ = [  # clip_seg_lens and valid_lens_from_padding live in mmsparse.mask.lengths; importing them from here works
@@ -93,7 +94,8 @@ class _MBSAttentionCore(nn.Module):
             raise TypeError(f"the input has dtype {x.dtype} but the module's weights are {weight.dtype}: cast {fix}")
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None, causal: bool
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | PreparedMask | None,
+        causal: bool,
     ) -> torch.Tensor:
         """q: ``[B, S, Hq*D]``, k, v: ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``."""
         s = q.shape[1]
@@ -111,7 +113,7 @@ class _MBSAttentionCore(nn.Module):
         return rearrange(out, "b h s d -> b s (h d)")
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg, causal: bool
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | PreparedMask, causal: bool
     ) -> torch.Tensor:
         """The attention step alone: q ``[B, Hq, S, D]``, k, v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``.
 
@@ -149,7 +151,8 @@ class MultimodalSelfAttention(_MBSAttentionCore):
 
     ``forward(x, seg_lens=None)``: x ``[B, S, E]`` -> ``[B, S, E]``. ``seg_lens`` overrides the default for one call:
     k lengths summing to S, or per-sample ``[B, k]`` rows summing to at most S (the tail of a row is padding; its
-    outputs are the output projection's bias).
+    outputs are the output projection's bias), or a :class:`~mmsparse.PreparedMask` of the layer's topology,
+    ``causal`` and ``window`` (:func:`mmsparse.prepare_mask`: one mask for every layer of a step).
     """
 
     def __init__(
@@ -182,7 +185,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
 
-    def forward(self, x: torch.Tensor, seg_lens: SegLensArg | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seg_lens: SegLensArg | PreparedMask | None = None) -> torch.Tensor:
         """x: ``[B, S, E]`` -> ``[B, S, E]``; seg_lens: optional lengths for this call (see the class docstring)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected input [batch, seq, {self.embed_dim}]; got shape {tuple(x.shape)}")

@@ -26,6 +26,7 @@ from .mask.build import build_mask_info, make_mask_info, topology_mask
 from .mask.cache import MaskCache
 from .mask.info import MaskInfo
 from .mask.lengths import SegLensArg, validate_seg_lens
+from .mask.prepared import PreparedMask
 from .mask.topology import Topology, generate_interlaced_mask
 
 
@@ -207,7 +208,7 @@ class TritonMBSAttnKernel(nn.Module):
         return info
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: SegLensArg | PreparedMask | None = None,
         check_lengths: bool = True,
     ) -> torch.Tensor:
         """q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, S, D]``. ``seg_lens`` overrides the module's lengths for this
