@@ -13,7 +13,10 @@ time eager, CUDA-graphed and compiled, beside dense cuDNN attention of the same 
   ``gpu_kernel_ms`` (the kernels' GPU time in one forward + backward, from the profiler),
   ``fwd_bwd_ms`` (do_bench: what a loop of calls takes), ``cudnn_dense_fwd_bwd_ms`` (SDPA's cuDNN backend, no
   mask) and ``cudnn_gpu_kernel_ms`` (its kernels' GPU time: what the seed's step could reach if no host work
-  showed), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed);
+  showed), ``graph_fwd_bwd_ms`` (a CUDA graph of the forward + backward, replayed), and a step of four calls (four
+  layers) over device lengths new every step, ``layers_new_lengths_ms`` with the lengths given to every call (each
+  builds the mask) and ``layers_prepared_ms`` with one ``mmsparse.prepare_mask`` a step given to every call
+  (do_bench, side by side; None with an mmsparse without it);
 - ``small_2k`` (B 4, H 16, D 128, segments (256, 1024, 768), hub): ``fwd_bwd_ms``, ``cudnn_dense_fwd_bwd_ms``;
 - ``block`` (two ``MultimodalSelfAttention`` layers at the seed's lengths, E 1024, H 16, B 8, bf16): forward +
   backward ``eager_ms``, ``compile_ms`` (``torch.compile``), ``reduce_overhead_ms``
@@ -241,6 +244,29 @@ def new_lengths_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: to
     return step
 
 
+def layers_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, shape: Shape,
+                 layers: int = 4) -> dict[str, Callable[[], None]]:
+    """A step of ``layers`` calls (the layers of a model) over device lengths new every step (``check_lengths=False``,
+    a few tensors taken in turn: a tensor's mask is never kept, so each is as new as any): ``layers_new_lengths_ms``
+    gives the lengths to every call, ``layers_prepared_ms`` one ``prepare_mask`` of them a step (absent with an
+    mmsparse without it: the A/B tools run this harness over older trees)."""
+    lens = itertools.cycle([torch.tensor(shape.seg_lens, device=q.device) for _ in range(8)])
+    prepare = getattr(mmsparse, "prepare_mask", None)
+
+    def step(prepared: bool) -> None:
+        lengths = next(lens)
+        seg = prepare(shape.topology, lengths, shape.seq, check_lengths=False) if prepared else lengths
+        for t in (q, k, v):
+            t.grad = None
+        outs = [mbs_attention(q, k, v, shape.topology, seg, check_lengths=False) for _ in range(layers)]
+        torch.stack(outs).sum(0).backward(grad)
+
+    steps = {"layers_new_lengths_ms": lambda: step(False)}
+    if prepare is not None:
+        steps["layers_prepared_ms"] = lambda: step(True)
+    return steps
+
+
 def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int) -> dict[str, float | None]:
     q, k, v, grad = _inputs(shape, device, dtype)
     kw = dict(topology=shape.topology, seg_lens=shape.seg_lens)
@@ -252,6 +278,9 @@ def seed_row(shape: Shape, device: torch.device, dtype: torch.dtype, calls: int)
         "host_us_fwd_bwd_nondet": host_us(_fwd_bwd(q, k, v, grad, deterministic=False, **kw), device, calls),
     }
     row["host_us_fwd_bwd_new_lengths"] = host_us(new_lengths_step(q, k, v, grad, shape, calls), q.device, calls)
+    layer_steps = layers_steps(q, k, v, grad, shape)
+    for name in ("layers_new_lengths_ms", "layers_prepared_ms"):
+        row[name] = wall_ms(layer_steps[name], device, calls) if name in layer_steps else None
     row["fwd_bwd_ms"] = wall_ms(fwd_bwd, device, calls)
     cuda = device.type == "cuda"
     row["gpu_kernel_ms"] = gpu_kernel_ms(fwd_bwd) if cuda else None
@@ -382,6 +411,10 @@ def markdown(record: dict[str, Any]) -> str:
                   f"({seed['host_us_fwd_bwd_one_thread']:.0f} us with the backward on the calling thread); an "
                   f"autograd node that only allocates takes {seed['host_us_autograd_floor']:.0f} us. Dense cuDNN's "
                   f"step runs {seed['cudnn_gpu_kernel_ms'] * 1e3:.0f} us of kernels."]
+        if seed.get("layers_prepared_ms"):
+            lines[-1] += (f" Four calls over new device lengths: a mask prepared once a step "
+                          f"{seed['layers_new_lengths_ms'] / seed['layers_prepared_ms']:.2f}x faster than the "
+                          "lengths given to every call.")
     return "\n".join(lines) + "\n"
 
 

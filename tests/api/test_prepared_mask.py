@@ -50,6 +50,18 @@ def test_decoding_queries_and_a_window(device):
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, LENS, S, 16, window=24))
 
 
+def test_queries_placed_by_q_start(device):
+    """Decoding over caches of different lengths: the queries' positions are the mask's, the call passes none."""
+    q_start = [40, 20]
+    q, k, v = make_qkv(2, 2, 1, 4, S, 16, torch.float32, device)
+    mask = prepare_mask(HUB, LENS, S, q_len=4, q_start=q_start, causal=True, device=device)
+    out = mbs_attention(q, k, v, HUB, mask, causal=True)
+    assert torch.equal(out, mbs_attention(q, k, v, HUB, LENS, causal=True, q_start=q_start))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, LENS, S, 4, causal=True, q_start=q_start))
+
+
 def test_packed_samples_for_varlen(device):
     lens = [(3, 20, 9), (0, 17, 4), (6, 1, 0)]
     total = sum(map(sum, lens))

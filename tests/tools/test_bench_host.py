@@ -20,10 +20,11 @@ def test_a_cpu_run_writes_the_record(tmp_path):
     assert set(seed) == {"host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_one_thread", "host_us_fwd_bwd_nondet",
                          "host_us_fwd_bwd_new_lengths", "host_us_bwd",
                          "host_us_autograd_floor", "gpu_kernel_ms", "fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms",
-                         "cudnn_gpu_kernel_ms", "graph_fwd_bwd_ms", "host_us_fwd_op", "host_us_bwd_op"}
+                         "cudnn_gpu_kernel_ms", "graph_fwd_bwd_ms", "host_us_fwd_op", "host_us_bwd_op",
+                         "layers_new_lengths_ms", "layers_prepared_ms"}
     timed = ("host_us_fwd", "host_us_fwd_bwd", "host_us_fwd_bwd_one_thread", "host_us_fwd_bwd_nondet",
              "host_us_fwd_bwd_new_lengths", "host_us_bwd", "host_us_autograd_floor", "fwd_bwd_ms", "host_us_fwd_op",
-             "host_us_bwd_op")
+             "host_us_bwd_op", "layers_new_lengths_ms", "layers_prepared_ms")
     assert all(seed[k] > 0 for k in timed)
     assert set(record["small_2k"]) == {"fwd_bwd_ms", "cudnn_dense_fwd_bwd_ms"}
     assert set(record["block"]) == {"eager_ms", "compile_ms", "reduce_overhead_ms", "sdpa_eager_ms",
