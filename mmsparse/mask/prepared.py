@@ -89,6 +89,10 @@ class PreparedMask:
                              "the same topology, or prepare a mask for this one")
         return self._streams.get()
 
+    def __reduce__(self) -> Any:
+        raise TypeError("a PreparedMask holds device tensors and built lists for the process that prepared it and is "
+                        "not pickled or copied: prepare one where it is used (mmsparse.prepare_mask)")
+
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
         packed = ", packed=True" if self.packed else ""

@@ -5,6 +5,9 @@ refused with a ValueError that says what differs; a compiled call refuses it wit
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -132,6 +135,9 @@ def test_a_call_it_was_not_prepared_for_is_refused(device):
             prepare_mask(HUB, LENS, bad)
     with pytest.raises(ValueError, match="q_len"):
         prepare_mask(HUB, LENS, S, q_len=61)
+    for copy_of in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="prepare one where it is used"):
+            copy_of(mask)
 
 
 def test_a_compiled_call_refuses_it_and_says_to_pass_the_lengths(device):
