@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -169,3 +170,58 @@ def test_another_stream_reads_its_own_copy():
         out.backward(grad_out)
     torch.cuda.current_stream().wait_stream(side)
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, LENS, S, causal=True))
+
+
+def test_threads_share_one_mask(device):
+    """Four threads, each a layer with its own q, k, v, give one freshly prepared mask at once (its lists built by
+    whichever comes first): each gets, bit for bit, what it gets alone with the lengths."""
+    lens = torch.tensor(LENS, device=device)
+    inputs = [make_qkv(2, 2, 1, S, S, 16, torch.float32, device, torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def run(qkv, seg_lens):
+        q, k, v = (t.detach().requires_grad_() for t in qkv)
+        out = mbs_attention(q, k, v, HUB, seg_lens, causal=True)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    expected = [run(qkv, lens) for qkv in inputs]
+    mask = prepare_mask(HUB, lens, S, causal=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda qkv: run(qkv, mask), inputs))
+    for mine, alone in zip(got, expected):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), mine, alone):
+            assert torch.equal(a, b), f"{name} differs from the lengths' call"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_captured_step_replays_over_a_prepared_mask():
+    """A capture of forward + backward over a prepared mask (prepared and used once before, on the default stream)
+    replays bit-equal to an eager step over the same mask at the new inputs."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    mask = prepare_mask(HUB, torch.tensor(LENS, device=device), S, causal=True, check_lengths=False)
+    q, k, v = make_qkv(2, 4, 2, S, S, 64, torch.bfloat16, device, gen)
+    grad_out = torch.randn(q.shape, generator=gen).to(device, torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        out = mbs_attention(q, k, v, HUB, mask, causal=True)
+        out.backward(grad_out)
+        return out
+
+    step()  # compiles the kernels and builds the lists
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured_grads = [t.grad for t in (q, k, v)]
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.add_(0.25)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [captured.clone(), *(g.clone() for g in captured_grads)]
+    fresh = step()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), replayed, [fresh, q.grad, k.grad, v.grad]):
+        assert torch.equal(got, want), f"replayed {name} differs from an eager step"
