@@ -152,6 +152,21 @@ def check_outputs(q, k, v, out, grad_out, mask, softmax_scale=None, *, grads=Non
         assert_calibrated(name, actual, exact[i], plain[i], q.dtype)
 
 
+def assert_replay_matches_eager(graph, captured: torch.Tensor, leaves: tuple, step) -> None:
+    """``graph`` captured ``captured = step()`` (a forward + backward that sets the ``leaves``' ``.grad``): with the
+    leaves changed in place, its replay gives, bit for bit, the output and gradients of an eager ``step()``."""
+    captured_grads = [t.grad for t in leaves]
+    with torch.no_grad():
+        for t in leaves:
+            t.add_(0.25)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [captured.clone(), *(g.clone() for g in captured_grads)]
+    fresh = step()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), replayed, [fresh, *(t.grad for t in leaves)]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"replayed {name} differs from an eager call")
+
+
 class TorchOps(TorchDispatchMode):
     """Counts the torch ops dispatched while it is on (``ops``: the overload's name -> calls)."""
 
