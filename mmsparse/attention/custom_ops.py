@@ -1,6 +1,6 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.lists_v7``, ``.fwd_v7`` and ``.bwd_v7`` (registered here, with fake implementations) make the
+``torch.ops.mmsparse.lists_v8``, ``.fwd_v8`` and ``.bwd_v8`` (registered here, with fake implementations) make the
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
 text, by value (an exported program runs with its own plan in any process). Where the topology and lengths are host
@@ -31,12 +31,12 @@ from ..mask.kept import kept_mask
 from .backward import ExchangeHooks
 from .call import CallLaunch, backward_launch_of, call_launch, forward_launch_of
 from .config import Settings, current_settings, kernel_config
-from .kernel_args import LaunchArgs, kernel_args, mask_launch_args
+from .kernel_args import LaunchArgs, kernel_args, traced_mask_args
 from .layouts import kernel_layout, output_like, read_in_place
 from .plan import CallPlan, call_plan_from_text, plan_call
 from .resolved import ResolvedOp, keep_resolved, op_call_key, resolved_op
 
-OP_VERSION = 7  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
+OP_VERSION = 8  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
 
 
 @dataclass
@@ -59,9 +59,9 @@ class TracedCall:
         return cls(plan, plan.text, [] if host_values else list(info.kernel_tensors()), {}, host_values)
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
-        """(counts, indices) of each tile in turn: those built before, and one ``lists`` op for each other tile (a
-        traced backward may not change what its forward made: a dict of its own). Empty where the mask is of host
-        values: the ops read kept lists."""
+        """(counts, indices, order) of each tile in turn: those built before, and one ``lists`` op for each other
+        tile (a traced backward may not change what its forward made: a dict of its own). Empty where the mask is
+        of host values: the ops read kept lists."""
         if self.host_values:
             return []
         built = dict(self.lists)
@@ -185,21 +185,22 @@ def _define(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> 
 
 
 def _lists_impl(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int,
-                by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                by_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
     info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
     lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
-    return lists.counts, lists.indices
+    return lists.counts, lists.indices, lists.order
 
 
 def _lists_fake(mask, plan, block_m, block_n, by_key):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
     counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
-    return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)
+    return (counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32),
+            mask[0].new_empty((batch * rows,), dtype=torch.int32))
 
 
 _lists_op = _define(f"lists_v{OP_VERSION}(Tensor[] mask, str plan, SymInt block_m, SymInt block_n, bool by_key) "
-                    "-> (Tensor, Tensor)", _lists_impl, _lists_fake)
+                    "-> (Tensor, Tensor, Tensor)", _lists_impl, _lists_fake)
 
 
 def _op_mask_args(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],
@@ -209,8 +210,7 @@ def _op_mask_args(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKe
     once, so a repeated step builds nothing), as an eager call reads its own mask; else the op's ``mask`` tensors
     over its ``lists`` argument (the graph's ``lists`` ops), in the tiles' order."""
     if not host_values:
-        return [mask_launch_args(mask, values.mode, lists[2 * i], lists[2 * i + 1], values.window)
-                for i in range(len(tiles))], None
+        return traced_mask_args(mask, values.mode, lists, values.window, len(tiles)), None
     info = kept_mask(tuple(host_values), device, tiles)
     if info is None:
         raise RuntimeError(

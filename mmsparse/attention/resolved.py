@@ -21,7 +21,7 @@ import torch
 from ..mask.info import MaskInfo, TileKey
 from ..runtime.launch import stream_key
 from ..runtime.recent import RecentlyUsed
-from .kernel_args import LaunchArgs, kernel_args, mask_launch_args
+from .kernel_args import LaunchArgs, kernel_args, traced_mask_args
 
 MAX_RESOLVED = 256
 
@@ -43,8 +43,7 @@ class ResolvedOp:
         op's ``mask`` and ``lists`` tensors; None where a kept mask has been let go since (the caller resolves the
         call again)."""
         if self.kept is None:
-            return [mask_launch_args(mask, self.mode, lists[2 * i], lists[2 * i + 1], self.window)
-                    for i in range(len(self.tiles))]
+            return traced_mask_args(mask, self.mode, lists, self.window, len(self.tiles))
         info = self.kept()
         if info is None:
             return None

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .list_order import longest_first
+
 _FAR = 1 << 40  # a position no token has
 
 
@@ -53,11 +55,14 @@ class BlockLists:
         indices: int16 or int32 (:func:`index_dtype`) ``[Bm, L]``: column block ids. Either every row owns C
             slots (``start = r * C``, nothing read back to the host), or the lists are packed end to end (CSR:
             live tiles only), which large masks use to keep the metadata small.
+        order: int32 ``[Bm * R]``: the rows ``b * R + r`` longest list first (:mod:`mmsparse.mask.list_order`),
+            the order in which a kernel's programs take them.
     Bm is 1 when the whole batch shares the lists.
     """
 
     counts: torch.Tensor
     indices: torch.Tensor
+    order: torch.Tensor
 
     def padded(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(counts [Bm, R, 2], ids [Bm, R, columns])`` with each row's ids in slots ``0 .. full + partial - 1``
@@ -77,8 +82,8 @@ def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
     indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(mask_batch, rows * cols)
     starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(mask_batch, rows) * cols
-    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32)
-    return BlockLists(counts.contiguous(), indices.contiguous())
+    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32).contiguous()
+    return BlockLists(counts, indices.contiguous(), longest_first(counts))
 
 
 def _bits_to_flags(bits: torch.Tensor, num_segments: int) -> torch.Tensor:

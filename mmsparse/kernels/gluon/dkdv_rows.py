@@ -10,25 +10,28 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..constants import MASK_DENSE
-from ..lists import block_id
+from ..lists import block_id, ordered_program
 from .common import box, program_lists, thread_barrier, tma_load
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
 @gluon.jit
-def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-                    stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
+def key_block_lists(COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
+                    stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
                     NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False):
-    """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``program_id(0)`` (``KEYS``
-    keys from ``col0``) of batch ``b`` and KV head ``hk`` (``program_id(1)`` = b * NUM_KV_HEADS + hk), and its list
-    (``common.program_lists``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that the
-    first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at the
-    launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
+    """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``blk`` (``KEYS`` keys from
+    ``col0``) of batch ``b`` and KV head ``hk`` (``bh`` = b * NUM_KV_HEADS + hk), and its list
+    (``common.program_lists``), where ``(blk, bh)`` is the program's entry in the lists' launch order, longest list
+    first (``lists.ordered_program``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that
+    the first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at
+    the launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
+    else:
+        pid_n, pid_bh = ordered_program(ORDER, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b == 0)
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     n_full, n_total, idx_ptr, mask_args = program_lists(

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_MBARRIER, TURNS_NAMED_RELEASE
-from ..lists import block_id
+from ..lists import block_id, ordered_program
 from .common import (
     FIRST_FREE_BARRIER_ID,
     WG_ROWS,
@@ -194,12 +194,14 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
-              HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr):
+def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, order_args,
+              BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+              NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
-    turn n_total the last P V alone."""
+    turn n_total the last P V alone. ``order_args``: the launch order and whether the lists are shared (the
+    program's (b, h) is found again from them for the output's store)."""
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
@@ -272,14 +274,15 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
-    pid_bh = gl.program_id(1)  # (b, h) recomputed here, not held across the loop
+    order, shared = order_args  # (b, h) found again here, not held across the loop
+    _, pid_bh = ordered_program(order, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS, shared)
     tma_store(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_fwd_gluon(
-    q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
@@ -291,8 +294,8 @@ def attention_fwd_gluon(
     past the head dim as zeros and drops writes there. ``TURNS`` (read with PINGPONG): how the warpgroups take
     turns, ``constants.TURNS_*``."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_m, pid_bh = ordered_program(ORDER, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
+                                    stride_cnt_b == 0)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     dtype: gl.constexpr = q_desc.dtype
@@ -325,10 +328,12 @@ def attention_fwd_gluon(
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
-            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
-                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
+            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
+                         (ORDER, stride_cnt_b == 0), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                         PINGPONG, TURNS, NUM_HEADS)),
+            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
+                         (ORDER, stride_cnt_b == 0), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                         PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, v_apart)),
         ],

@@ -1,0 +1,94 @@
+"""The launch order over block lists (mmsparse.mask.list_order): longest list first, and the programs' mapping to it
+(kernels.lists.ordered_program), against plain Python."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mmsparse import Topology
+from mmsparse.kernels.lists import ordered_program
+from mmsparse.mask import list_order
+from mmsparse.mask.build import build_mask_info
+from mmsparse.mask.list_order import longest_first
+
+
+def _python_order(counts: torch.Tensor) -> list[int]:
+    lengths = (counts[..., 0] + counts[..., 1]).flatten().tolist()
+    return sorted(range(len(lengths)), key=lambda e: (-lengths[e], e))
+
+
+def _random_counts(rng: random.Random, batch: int, rows: int, device: torch.device) -> torch.Tensor:
+    top = rng.choice([1, 3, 40])  # few distinct lengths: many ties
+    full = torch.tensor([[rng.randint(0, top) for _ in range(rows)] for _ in range(batch)], dtype=torch.int32)
+    partial = torch.tensor([[rng.randint(0, top) for _ in range(rows)] for _ in range(batch)], dtype=torch.int32)
+    starts = torch.arange(rows, dtype=torch.int32).expand(batch, rows) * 7
+    return torch.stack([full, partial, starts], -1).contiguous().to(device)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_entries_come_longest_first_ties_in_order(seed, device):
+    rng = random.Random(seed)
+    # past one program's entries and one chunk of the others (interpreter: 256 and 1024), with several samples
+    batch, rows = rng.choice([(1, 1), (1, 300), (3, 500), (2, 1100)])
+    counts = _random_counts(rng, batch, rows, device)
+    order = longest_first(counts)
+    assert order.dtype == torch.int32 and order.device == counts.device and order.shape == (batch * rows,)
+    assert order.tolist() == _python_order(counts.cpu())
+
+
+def test_the_torch_order_is_the_kernels(monkeypatch):
+    counts = _random_counts(random.Random(7), 2, 300, torch.device("cpu"))
+    by_kernel = longest_first(counts)
+    monkeypatch.setattr(list_order, "interpreter_active", lambda: False)
+    assert torch.equal(longest_first(counts), by_kernel)
+
+
+def test_no_entries(device):
+    assert longest_first(torch.zeros((1, 0, 3), dtype=torch.int32, device=device)).shape == (0,)
+
+
+@triton.jit
+def _programs_kernel(ORDER, OUT, heads, shared):
+    blk, bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, shared)
+    linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    tl.store(OUT + 2 * linear, blk)
+    tl.store(OUT + 2 * linear + 1, bh)
+
+
+def _launch_order(order: torch.Tensor, blocks: int, batch: int, heads: int, shared: bool) -> list[tuple[int, int]]:
+    out = torch.full((blocks * batch * heads, 2), -1, dtype=torch.int32, device=order.device)
+    _programs_kernel[(blocks, batch * heads)](order, out, heads, shared)
+    return [tuple(pair) for pair in out.tolist()]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_programs_take_the_entries_in_order_every_head_in_turn(shared, device):
+    """Program p (launch order: block fastest) takes entry order[p // heads per entry], every (block, batch * head)
+    exactly once: shared lists take each block for every batch and head in turn, a sample's lists for its heads."""
+    batch, heads, blocks = 3, 2, 5
+    counts = _random_counts(random.Random(3), 1 if shared else batch, blocks, device)
+    order = longest_first(counts)
+    got = _launch_order(order, blocks, batch, heads, shared)
+    per_entry = batch * heads if shared else heads
+    want = []
+    for entry in order.tolist():
+        sample, block = divmod(entry, blocks)
+        want += [(block, sample * per_entry + j) for j in range(per_entry)]
+    assert got == want
+    assert sorted(got) == sorted((blk, bh) for blk in range(blocks) for bh in range(batch * heads))
+
+
+def test_a_masks_lists_carry_their_order(device):
+    """Every tile's lists built for a mask (Triton's list kernels here, torch's reduction of the tile classes on a
+    plain CPU) hold the order of their own counts: the hub's key blocks of its vision segment come first."""
+    topology = Topology([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
+    info = build_mask_info(topology, [64, 192, 128], 384, 384, False, device)
+    for by_key in (False, True):
+        lists = info.lists(32, 64, by_key)
+        assert lists.order.tolist() == _python_order(lists.counts.cpu())
+    assert info.lists(32, 64, True).order.tolist()[:1] == [0]  # the text keys: every query sees them
