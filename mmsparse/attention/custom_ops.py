@@ -48,7 +48,7 @@ class TracedCall:
     plan: CallPlan
     text: str
     mask: list[torch.Tensor]
-    lists: dict[TileKey, tuple[torch.Tensor, torch.Tensor]]
+    lists: dict[TileKey, tuple[torch.Tensor, ...]]  # (counts, indices, order)
     host_values: list[int] = field(default_factory=list)
 
     @classmethod
@@ -116,7 +116,7 @@ def attention_forward(
         key = plan.list_tiles(backward=False)[0]
         lists = call.tile_lists([key])
         if lists:
-            call.lists[key] = (lists[0], lists[1])
+            call.lists[key] = tuple(lists)
         out, lse = _fwd_op(q, k, v, call.mask, lists, seed, softmax_scale, dropout_p, call.text, call.host_values)
         return out, lse, call
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)

@@ -20,8 +20,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checks: the arguments' types and ranges, the sizes one launch takes", ["mmsparse.checks"]),
     ("mask: lengths and segment codes, small int tensors of traced calls", [
         "mmsparse.mask.lengths", "mmsparse.mask.segment_codes", "mmsparse.mask.traced_ints"]),
-    ("mask: topology and the torch block classification", [
-        "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks",
+    ("mask: topology, the torch block classification and the lists' launch order", [
+        "mmsparse.mask.topology", "mmsparse.mask.blocks", "mmsparse.mask.code_blocks", "mmsparse.mask.list_order",
     ]),
     ("mask: the builders' launchers", [
         "mmsparse.mask.token_bits", "mmsparse.mask.bit_lists", "mmsparse.mask.code_lists",
