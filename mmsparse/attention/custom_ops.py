@@ -196,7 +196,7 @@ def _lists_fake(mask, plan, block_m, block_n, by_key):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
     counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
     return (counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32),
-            mask[0].new_empty((batch * rows,), dtype=torch.int32))
+            mask[0].new_empty((batch, rows), dtype=torch.int32))
 
 
 _lists_op = _define(f"lists_v{OP_VERSION}(Tensor[] mask, str plan, SymInt block_m, SymInt block_n, bool by_key) "

@@ -13,16 +13,36 @@ def block_id(idx_ptr, it):
     return tl.load(idx_ptr + it).to(tl.int32)
 
 
+# The bytes of the rows a section of heads reads that L2 should hold at once (FlashAttention-3's tile scheduler
+# keeps 32 MB of an H100's 50 MB for K and V).
+_L2_BYTES = tl.constexpr(32 << 20)
+
+
 @triton.jit
-def ordered_program(ORDER, blk, bh, n_blocks, heads, shared):
-    """``(row block, batch * head)`` of the program at ``(blk, bh)`` of an ``[n_blocks, B * heads]`` grid, longest
-    list first (:mod:`mmsparse.mask.list_order`): the programs, in launch order (``blk`` fastest), take the entries
-    of ``ORDER`` (``sample * n_blocks + row block``, longest list first) one after another, each for all of its
-    heads in turn: ``heads`` of its sample, or every batch and head where the lists are ``shared`` by the batch."""
-    per_entry = heads
+def heads_in_l2(rows, ROW_BYTES: tl.constexpr):
+    """How many heads at a time keep the rows every program of a head reads (``rows`` of ``ROW_BYTES`` each: K and
+    V for the forward and the dQ pass, a group's Q and dO for the dK/dV pass) within L2's share: at least 1."""
+    return tl.maximum((_L2_BYTES // ROW_BYTES) // tl.maximum(rows, 1), 1)
+
+
+@triton.jit
+def ordered_program(ORDER, blk, bh, n_blocks, heads, shared, section):
+    """``(row block, batch * head)`` of the program at ``(blk, bh)`` of an ``[n_blocks, B * heads]`` grid, in launch
+    order (``blk`` fastest), longest list first (:mod:`mmsparse.mask.list_order`). Each sample's heads (``heads``;
+    all of the batch's where the lists are ``shared``) go ``section`` at a time (:func:`heads_in_l2`): within a
+    section the programs take the sample's rows in ``ORDER``'s order (int32 ``[Bm, n_blocks]``), each row for every
+    head of the section in turn."""
+    per_sample = heads
     if shared:
-        per_entry = tl.num_programs(1)
+        per_sample = tl.num_programs(1)
     linear = blk + bh * n_blocks
-    entry = tl.load(ORDER + linear // per_entry)
-    sample = entry // n_blocks
-    return entry - sample * n_blocks, sample * per_entry + linear % per_entry
+    sample = linear // (n_blocks * per_sample)
+    rest = linear - sample * (n_blocks * per_sample)
+    first = rest // (n_blocks * section) * section  # the section's first head
+    width = tl.minimum(section, per_sample - first)
+    in_section = rest - first * n_blocks
+    row_start = sample * n_blocks
+    if shared:
+        row_start = 0
+    row = tl.load(ORDER + row_start + in_section // width)
+    return row, sample * per_sample + first + in_section % width

@@ -55,8 +55,8 @@ class BlockLists:
         indices: int16 or int32 (:func:`index_dtype`) ``[Bm, L]``: column block ids. Either every row owns C
             slots (``start = r * C``, nothing read back to the host), or the lists are packed end to end (CSR:
             live tiles only), which large masks use to keep the metadata small.
-        order: int32 ``[Bm * R]``: the rows ``b * R + r`` longest list first (:mod:`mmsparse.mask.list_order`),
-            the order in which a kernel's programs take them.
+        order: int32 ``[Bm, R]``: each sample's rows, longest list first (:mod:`mmsparse.mask.list_order`): the
+            order in which a kernel's programs take them.
     Bm is 1 when the whole batch shares the lists.
     """
 

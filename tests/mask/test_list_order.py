@@ -1,5 +1,5 @@
-"""The launch order over block lists (mmsparse.mask.list_order): longest list first, and the programs' mapping to it
-(kernels.lists.ordered_program), against plain Python."""
+"""The launch order over block lists (mmsparse.mask.list_order): each sample's rows longest list first, and the
+programs' mapping to it, heads a section at a time (kernels.lists.ordered_program), against plain Python."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.list_order import longest_first
 
 
-def _python_order(counts: torch.Tensor) -> list[int]:
-    lengths = (counts[..., 0] + counts[..., 1]).flatten().tolist()
-    return sorted(range(len(lengths)), key=lambda e: (-lengths[e], e))
+def _python_order(counts: torch.Tensor) -> list[list[int]]:
+    lengths = (counts[..., 0] + counts[..., 1]).tolist()
+    return [sorted(range(len(row)), key=lambda r: (-row[r], r)) for row in lengths]
 
 
 def _random_counts(rng: random.Random, batch: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_entries_come_longest_first_ties_in_order(seed, device):
     batch, rows = rng.choice([(1, 1), (1, 300), (3, 500), (2, 1100)])
     counts = _random_counts(rng, batch, rows, device)
     order = longest_first(counts)
-    assert order.dtype == torch.int32 and order.device == counts.device and order.shape == (batch * rows,)
+    assert order.dtype == torch.int32 and order.device == counts.device and order.shape == (batch, rows)
     assert order.tolist() == _python_order(counts.cpu())
 
 
@@ -49,36 +49,40 @@ def test_the_torch_order_is_the_kernels(monkeypatch):
 
 
 def test_no_entries(device):
-    assert longest_first(torch.zeros((1, 0, 3), dtype=torch.int32, device=device)).shape == (0,)
+    assert longest_first(torch.zeros((2, 0, 3), dtype=torch.int32, device=device)).shape == (2, 0)
 
 
 @triton.jit
-def _programs_kernel(ORDER, OUT, heads, shared):
-    blk, bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, shared)
+def _programs_kernel(ORDER, OUT, heads, shared, section):
+    blk, bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, shared, section)
     linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     tl.store(OUT + 2 * linear, blk)
     tl.store(OUT + 2 * linear + 1, bh)
 
 
-def _launch_order(order: torch.Tensor, blocks: int, batch: int, heads: int, shared: bool) -> list[tuple[int, int]]:
+def _launch_order(order: torch.Tensor, blocks: int, batch: int, heads: int, shared: bool,
+                  section: int) -> list[tuple[int, int]]:
     out = torch.full((blocks * batch * heads, 2), -1, dtype=torch.int32, device=order.device)
-    _programs_kernel[(blocks, batch * heads)](order, out, heads, shared)
+    _programs_kernel[(blocks, batch * heads)](order, out, heads, shared, section)
     return [tuple(pair) for pair in out.tolist()]
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_programs_take_the_entries_in_order_every_head_in_turn(shared, device):
-    """Program p (launch order: block fastest) takes entry order[p // heads per entry], every (block, batch * head)
-    exactly once: shared lists take each block for every batch and head in turn, a sample's lists for its heads."""
-    batch, heads, blocks = 3, 2, 5
+@pytest.mark.parametrize("section", [1, 2, 4, 100])
+def test_programs_take_each_samples_rows_in_order_a_section_of_heads_at_a_time(shared, section, device):
+    """Program p (launch order: block fastest) takes, within its sample and its section of heads, the row
+    order[sample][i], every head of the section in turn; every (block, batch * head) exactly once. Shared lists
+    take the batch's heads as one sample's; a section of 4 over 3 heads (or 6) ends with a narrower one."""
+    batch, heads, blocks = 2, 3, 5
     counts = _random_counts(random.Random(3), 1 if shared else batch, blocks, device)
-    order = longest_first(counts)
-    got = _launch_order(order, blocks, batch, heads, shared)
-    per_entry = batch * heads if shared else heads
+    order = longest_first(counts).tolist()
+    got = _launch_order(longest_first(counts), blocks, batch, heads, shared, section)
+    samples, per_sample = (1, batch * heads) if shared else (batch, heads)
     want = []
-    for entry in order.tolist():
-        sample, block = divmod(entry, blocks)
-        want += [(block, sample * per_entry + j) for j in range(per_entry)]
+    for sample in range(samples):
+        for first in range(0, per_sample, section):
+            width = min(section, per_sample - first)
+            want += [(row, sample * per_sample + first + j) for row in order[sample] for j in range(width)]
     assert got == want
     assert sorted(got) == sorted((blk, bh) for blk in range(blocks) for bh in range(batch * heads))
 
@@ -91,4 +95,4 @@ def test_a_masks_lists_carry_their_order(device):
     for by_key in (False, True):
         lists = info.lists(32, 64, by_key)
         assert lists.order.tolist() == _python_order(lists.counts.cpu())
-    assert info.lists(32, 64, True).order.tolist()[:1] == [0]  # the text keys: every query sees them
+    assert info.lists(32, 64, True).order[0, 0].item() == 0  # the text keys: every query sees them

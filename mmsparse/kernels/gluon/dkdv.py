@@ -288,7 +288,7 @@ def attention_dkdv_gluon(
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
         COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
         stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
-        own_blocks, WAIT_ARRIVAL)
+        GROUP * HEAD_DIM_PAD, own_blocks, WAIT_ARRIVAL)
     arrival = (ARRIVAL, arrival_epoch, col0 >= own_blocks * 2 * WG_KEYS)  # a block with a key past the own ones
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

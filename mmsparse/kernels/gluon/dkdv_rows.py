@@ -10,7 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..constants import MASK_DENSE
-from ..lists import block_id, ordered_program
+from ..lists import block_id, heads_in_l2, ordered_program
 from .common import box, program_lists, thread_barrier, tma_load
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -19,11 +19,13 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 @gluon.jit
 def key_block_lists(COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
                     stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
-                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False):
+                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, QUERY_COLUMNS: gl.constexpr, own_blocks=0,
+                    OWN_FIRST: gl.constexpr = False):
     """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``blk`` (``KEYS`` keys from
     ``col0``) of batch ``b`` and KV head ``hk`` (``bh`` = b * NUM_KV_HEADS + hk), and its list
     (``common.program_lists``), where ``(blk, bh)`` is the program's entry in the lists' launch order, longest list
-    first (``lists.ordered_program``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that
+    first (``lists.ordered_program``; a program reads Q and dO of its group, ``QUERY_COLUMNS`` wide together,
+    bf16). With ``OWN_FIRST`` the programs take the key blocks in launch order so that
     the first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at
     the launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
     pid_n = gl.program_id(0)
@@ -31,7 +33,8 @@ def key_block_lists(COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, strid
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
     else:
-        pid_n, pid_bh = ordered_program(ORDER, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b == 0)
+        pid_n, pid_bh = ordered_program(ORDER, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b == 0,
+                                        heads_in_l2(seq_q, 4 * QUERY_COLUMNS))
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     n_full, n_total, idx_ptr, mask_args = program_lists(

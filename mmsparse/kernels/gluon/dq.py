@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id, ordered_program
+from ..lists import block_id, heads_in_l2, ordered_program
 from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
@@ -165,7 +165,7 @@ def attention_dq_gluon(
     HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's S and dP are issued")
     pid_m, pid_bh = ordered_program(ORDER, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b == 0)
+                                    stride_cnt_b == 0, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     bh_rows = pid_bh.to(gl.int64) * seq_q

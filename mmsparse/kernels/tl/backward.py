@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
-from ..lists import block_id, ordered_program
+from ..lists import block_id, heads_in_l2, ordered_program
 from .common import (
     dot,
     dropout_keep,
@@ -147,7 +147,7 @@ def attention_dkdv_tl(
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     pid_n, pid_bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_KV_HEADS,
-                                    stride_cnt_b == 0)
+                                    stride_cnt_b == 0, heads_in_l2(seq_q, 4 * HEAD_DIM_PAD * GROUP))
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     b64 = b.to(tl.int64)
@@ -255,7 +255,7 @@ def attention_dq_tl(
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     pid_m, pid_bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b == 0)
+                                    stride_cnt_b == 0, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     b64 = b.to(tl.int64)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
-from ..lists import block_id, ordered_program
+from ..lists import block_id, heads_in_l2, ordered_program
 from .common import (
     dot,
     dropout_keep,
@@ -90,7 +90,8 @@ def attention_fwd_tl(
     split = tl.program_id(0) % n_splits
     heads = NUM_HEADS // GROUP if PACK_GQA else NUM_HEADS  # per sample along the grid's second axis
     pid_m, pid_bh = ordered_program(ORDER, tl.program_id(0) // n_splits, tl.program_id(1),
-                                    tl.num_programs(0) // n_splits, heads, stride_cnt_b == 0)
+                                    tl.num_programs(0) // n_splits, heads, stride_cnt_b == 0,
+                                    heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if PACK_GQA:
