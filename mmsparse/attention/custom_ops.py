@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.constants import COUNT_WORDS
 from ..mask.blocks import cdiv
 from ..mask.info import MaskInfo, TileKey, mask_from_kernel_tensors
 from ..mask.kept import kept_mask
@@ -48,7 +49,7 @@ class TracedCall:
     plan: CallPlan
     text: str
     mask: list[torch.Tensor]
-    lists: dict[TileKey, tuple[torch.Tensor, ...]]  # (counts, indices, order)
+    lists: dict[TileKey, tuple[torch.Tensor, torch.Tensor]]
     host_values: list[int] = field(default_factory=list)
 
     @classmethod
@@ -59,9 +60,9 @@ class TracedCall:
         return cls(plan, plan.text, [] if host_values else list(info.kernel_tensors()), {}, host_values)
 
     def tile_lists(self, keys: list[TileKey]) -> list[torch.Tensor]:
-        """(counts, indices, order) of each tile in turn: those built before, and one ``lists`` op for each other
-        tile (a traced backward may not change what its forward made: a dict of its own). Empty where the mask is
-        of host values: the ops read kept lists."""
+        """(counts, indices) of each tile in turn: those built before, and one ``lists`` op for each other tile (a
+        traced backward may not change what its forward made: a dict of its own). Empty where the mask is of host
+        values: the ops read kept lists."""
         if self.host_values:
             return []
         built = dict(self.lists)
@@ -116,7 +117,7 @@ def attention_forward(
         key = plan.list_tiles(backward=False)[0]
         lists = call.tile_lists([key])
         if lists:
-            call.lists[key] = tuple(lists)
+            call.lists[key] = (lists[0], lists[1])
         out, lse = _fwd_op(q, k, v, call.mask, lists, seed, softmax_scale, dropout_p, call.text, call.host_values)
         return out, lse, call
     return _forward(q, k, v, info, softmax_scale, dropout_p, seed, settings, deterministic)
@@ -185,22 +186,21 @@ def _define(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> 
 
 
 def _lists_impl(mask: list[torch.Tensor], plan: str, block_m: int, block_n: int,
-                by_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
     values = call_plan_from_text(plan)
     info = mask_from_kernel_tensors(mask, values.mode, values.causal, values.num_segments, values.window)
     lists = info.lists(block_m, block_n, by_key, values.compact_bytes, compact=False)
-    return lists.counts, lists.indices, lists.order
+    return lists.counts, lists.indices
 
 
 def _lists_fake(mask, plan, block_m, block_n, by_key):
     batch, rows, cols = _list_shape(mask, block_m, block_n, by_key)
-    counts = mask[0].new_empty((batch, rows, 3), dtype=torch.int32)
-    return (counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32),
-            mask[0].new_empty((batch, rows), dtype=torch.int32))
+    counts = mask[0].new_empty((batch, rows, COUNT_WORDS), dtype=torch.int32)
+    return counts, mask[0].new_empty((batch, rows * cols), dtype=torch.int32)
 
 
 _lists_op = _define(f"lists_v{OP_VERSION}(Tensor[] mask, str plan, SymInt block_m, SymInt block_n, bool by_key) "
-                    "-> (Tensor, Tensor, Tensor)", _lists_impl, _lists_fake)
+                    "-> (Tensor, Tensor)", _lists_impl, _lists_fake)
 
 
 def _op_mask_args(mask: list[torch.Tensor], values: CallPlan, tiles: list[TileKey], lists: list[torch.Tensor],

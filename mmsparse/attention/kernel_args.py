@@ -2,9 +2,9 @@
 
 Every tl and Gluon attention kernel takes, after its q/k/v/output pointers, the same mask arguments:
 
-    tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER (segment codes: Q_BITS/K_BITS hold the codes, MASK the
-             pair table and stride_mask_q its row stride; ORDER the lists' rows longest first, the order in which
-             the programs take them: ``mask.list_order``)
+    tensors: Q_BITS, K_BITS, MASK, COUNTS, INDICES (segment codes: Q_BITS/K_BITS hold the codes, MASK the pair
+             table and stride_mask_q its row stride; COUNTS also the order in which the programs take the rows:
+             ``mask.list_order``)
     scalars: stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
              seq_q, seq_k, Q_START (the first-query positions, int32 [1 or Bm]), stride_qstart_b, window (the
              sliding window, read only by the HAS_WINDOW variants; 0 without one)
@@ -29,7 +29,7 @@ from .config import KernelConfig
 from .plan import plan_attention
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
-LIST_TENSORS = 3  # a tile's lists as the custom ops pass them: counts, indices, order
+LIST_TENSORS = 2  # a tile's lists as the custom ops pass them: counts, indices
 # Per mask: the distinct calls (shapes, strides, dtype, scale, dropout, determinism, tiles) whose launches are kept.
 # A launch holds host objects only (the lists are the mask's): room for dynamic batching's batch sizes costs little.
 MAX_CALLS = 64
@@ -71,12 +71,12 @@ class KernelArgs:
         info = self.info
         lists = info.built_lists(block_m, block_n, by_key)
         args = self._tiles[key] = mask_launch_args(info.kernel_tensors(), info.mode, lists.counts, lists.indices,
-                                                   lists.order, info.window)
+                                                   info.window)
         return args
 
 
 def mask_launch_args(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], mode: int, counts: torch.Tensor,
-                     indices: torch.Tensor, order: torch.Tensor, window: int | None) -> LaunchArgs:
+                     indices: torch.Tensor, window: int | None) -> LaunchArgs:
     """The mask arguments of one tile, in the order of the module docstring, from a mask's kernel tensors
     (``MaskInfo.kernel_tensors``: three tensors and the first-query positions) and that tile's lists. A batch
     stride of 0 shares one mask (or list) across the batch; tensors a mode does not read are stand-ins."""
@@ -94,7 +94,7 @@ def mask_launch_args(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], mod
         seq_q, seq_k = first.shape[1], second.shape[1]
     list_strides = (0 if shared else counts.stride(0), 0 if shared else indices.stride(0))
     q_start_stride = 0 if q_start.shape[0] == 1 else q_start.stride(0)
-    return ((*mask, counts, indices, order),
+    return ((*mask, counts, indices),
             (*mask_strides, *list_strides, seq_q, seq_k, q_start, q_start_stride, kernel_window(window)))
 
 

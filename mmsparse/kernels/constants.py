@@ -25,6 +25,11 @@ DOT_NATIVE = 0  # fp16/bf16 tensor cores with fp32 accumulation
 DOT_UPCAST = 1  # fp32 operands in IEEE: the CPU interpreter mishandles bf16 dots; bf16 products are exact in fp32
 DOT_TF32X3 = 2  # fp32 inputs on the GPU: three tf32 products give fp32 accuracy (plain tf32 gives ~1e-3)
 
+# Words per row block in block lists' counts (mmsparse.mask.blocks.BlockLists): its full and partial blocks, where
+# its list starts, and the row block that takes this row's slot in the launch order (longest list first:
+# mmsparse.mask.list_order), which the kernels read in place of their program's own row.
+COUNT_WORDS = 4
+
 # What one launch of a block-list builder does (``PHASE``; mmsparse.mask.bit_lists.write_lists): LISTS_DENSE
 # counts and writes each row's list at r * C; LISTS_COUNT only counts (full, partial); LISTS_WRITE writes each
 # row's list at the start the host put in the counts.

@@ -6,6 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .constants import COUNT_WORDS
+
+WORDS_PER_ROW = tl.constexpr(COUNT_WORDS)  # of a list's counts: full, partial, start, the launch order's row
+
 
 @triton.jit
 def block_id(idx_ptr, it):
@@ -26,14 +30,14 @@ def heads_in_l2(rows, ROW_BYTES: tl.constexpr):
 
 
 @triton.jit
-def ordered_program(ORDER, blk, bh, n_blocks, heads, shared, section):
+def ordered_program(COUNTS, blk, bh, n_blocks, heads, stride_cnt_b, section):
     """``(row block, batch * head)`` of the program at ``(blk, bh)`` of an ``[n_blocks, B * heads]`` grid, in launch
     order (``blk`` fastest), longest list first (:mod:`mmsparse.mask.list_order`). Each sample's heads (``heads``;
-    all of the batch's where the lists are ``shared``) go ``section`` at a time (:func:`heads_in_l2`): within a
-    section the programs take the sample's rows in ``ORDER``'s order (int32 ``[Bm, n_blocks]``), each row for every
-    head of the section in turn."""
+    all of the batch's where the lists are shared, ``stride_cnt_b`` 0) go ``section`` at a time
+    (:func:`heads_in_l2`): within a section the programs take the sample's rows in the order its counts' fourth
+    words give, each row for every head of the section in turn."""
     per_sample = heads
-    if shared:
+    if stride_cnt_b == 0:
         per_sample = tl.num_programs(1)
     linear = blk + bh * n_blocks
     sample = linear // (n_blocks * per_sample)
@@ -41,8 +45,5 @@ def ordered_program(ORDER, blk, bh, n_blocks, heads, shared, section):
     first = rest // (n_blocks * section) * section  # the section's first head
     width = tl.minimum(section, per_sample - first)
     in_section = rest - first * n_blocks
-    row_start = sample * n_blocks
-    if shared:
-        row_start = 0
-    row = tl.load(ORDER + row_start + in_section // width)
-    return row, sample * per_sample + first + in_section % width
+    slot = COUNTS + sample.to(tl.int64) * stride_cnt_b + (in_section // width) * WORDS_PER_ROW
+    return tl.load(slot + 3), sample * per_sample + first + in_section % width

@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels.constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
+from ..kernels.constants import COUNT_WORDS, LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
 from ..kernels.tl.bit_lists import block_lists_kernel, block_summary_kernel
 from ..runtime.launch import FastKernel, interpreter_active
 from .blocks import BlockLists, cdiv, index_dtype
-from .list_order import longest_first
+from .list_order import write_launch_order
 
 # Elements of the largest tile a program holds (e.g. [BR, CB, K]): modest on a GPU (registers), large in the
 # interpreter, where every tile op is one numpy call and fewer, larger programs are much faster.
@@ -57,10 +57,11 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], mask_
     than ``compact_bytes``.
     """
     fixed = index_dtype(n_c, False)
-    counts = torch.empty((mask_batch, n_r, 3), dtype=torch.int32, device=device)
+    counts = torch.empty((mask_batch, n_r, COUNT_WORDS), dtype=torch.int32, device=device)
     if n_r == 0 or n_c == 0:
         counts.zero_()
-        return BlockLists(counts, torch.empty((mask_batch, 0), dtype=fixed, device=device), longest_first(counts))
+        write_launch_order(counts)
+        return BlockLists(counts, torch.empty((mask_batch, 0), dtype=fixed, device=device))
     if compact is None:
         compact = mask_batch * n_r * n_c * fixed.itemsize > compact_bytes
     dtype = index_dtype(n_c, compact)
@@ -69,7 +70,8 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], mask_
             raise ValueError(f"{n_r} x {n_c} tiles of fixed-slot block lists pass 2^31 entries: build them compact")
         indices = torch.empty((mask_batch, n_r * n_c), dtype=dtype, device=device)
         launch(LISTS_DENSE, counts, indices)
-        return BlockLists(counts, indices, longest_first(counts))
+        write_launch_order(counts)
+        return BlockLists(counts, indices)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"block lists of {n_r} x {n_c} tiles are packed, which reads their length back to the "
                            "host: build the mask before capturing the CUDA graph (call it once first, or "
@@ -83,7 +85,8 @@ def write_lists(launch: Callable[[int, torch.Tensor, torch.Tensor], None], mask_
         raise ValueError(f"a sample's block lists hold {total} tiles, past 2^31: use larger tiles or shorter samples")
     indices = torch.empty((mask_batch, max(total, 1)), dtype=dtype, device=device)
     launch(LISTS_WRITE, counts, indices)
-    return BlockLists(counts, indices, longest_first(counts))
+    write_launch_order(counts)
+    return BlockLists(counts, indices)
 
 
 def kernel_window(window: int | None) -> int:

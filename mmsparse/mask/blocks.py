@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .list_order import longest_first
+from .list_order import write_launch_order
 
 _FAR = 1 << 40  # a position no token has
 
@@ -50,19 +50,18 @@ class BlockLists:
     """Per row block, the column blocks to visit: FULL ones first, then PARTIAL ones.
 
     Attributes:
-        counts: int32 ``[Bm, R, 3]``: (number of full, number of partial, start) of each row block; its list is
-            ``indices[b, start : start + full + partial]``.
+        counts: int32 ``[Bm, R, 4]`` (``kernels.constants.COUNT_WORDS``): (number of full, number of partial,
+            start) of each row block, its list ``indices[b, start : start + full + partial]``; and in the fourth
+            word, the launch order: row i holds the row block with the sample's i-th longest list
+            (:mod:`mmsparse.mask.list_order`), the one a kernel's i-th program of a head takes.
         indices: int16 or int32 (:func:`index_dtype`) ``[Bm, L]``: column block ids. Either every row owns C
             slots (``start = r * C``, nothing read back to the host), or the lists are packed end to end (CSR:
             live tiles only), which large masks use to keep the metadata small.
-        order: int32 ``[Bm, R]``: each sample's rows, longest list first (:mod:`mmsparse.mask.list_order`): the
-            order in which a kernel's programs take them.
     Bm is 1 when the whole batch shares the lists.
     """
 
     counts: torch.Tensor
     indices: torch.Tensor
-    order: torch.Tensor
 
     def padded(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(counts [Bm, R, 2], ids [Bm, R, columns])`` with each row's ids in slots ``0 .. full + partial - 1``
@@ -82,8 +81,9 @@ def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
     indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(mask_batch, rows * cols)
     starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(mask_batch, rows) * cols
-    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts], dim=-1).to(torch.int32).contiguous()
-    return BlockLists(counts, indices.contiguous(), longest_first(counts))
+    counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts, starts], dim=-1).to(torch.int32).contiguous()
+    write_launch_order(counts)
+    return BlockLists(counts, indices.contiguous())
 
 
 def _bits_to_flags(bits: torch.Tensor, num_segments: int) -> torch.Tensor:

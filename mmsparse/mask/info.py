@@ -141,7 +141,7 @@ class MaskInfo:
         """Every device tensor the mask holds now: token-level, summaries, tile classes and block lists."""
         held = [*self.tensors(), *self._held()]
         held += [t for pair in list(self._classes.values()) for t in pair]
-        return held + [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices, lists.order)]
+        return held + [t for lists in list(self._lists.values()) for t in (lists.counts, lists.indices)]
 
     @property
     def nbytes(self) -> int:

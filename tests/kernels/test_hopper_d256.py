@@ -29,6 +29,7 @@ from mmsparse.attention.config import (
 )
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.plan import plan_attention
+from mmsparse.kernels.constants import COUNT_WORDS
 from tests.helpers import (
     CYCLIC,
     FOUR,
@@ -395,5 +396,5 @@ def test_backward_dispatches_the_d256_dkdv_launcher(monkeypatch, device):
     (mask, planned), = calls
     assert planned == tile
     mask_tensors, mask_scalars = mask
-    counts = mask_tensors[3]  # COUNTS: each key block's (full, partial, start): 150 keys, 3 blocks of 64
-    assert counts.reshape(counts.shape[0], -1, 3).shape[1] == 3
+    counts = mask_tensors[3]  # COUNTS: each key block's (full, partial, start, order): 150 keys, 3 blocks of 64
+    assert counts.reshape(counts.shape[0], -1, COUNT_WORDS).shape[1] == 3

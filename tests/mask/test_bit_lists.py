@@ -34,6 +34,8 @@ def _assert_same(got: BlockLists, want: BlockLists, packed: bool = False) -> Non
     assert torch.equal(got_counts, want_counts), f"counts differ at {diff}"
     bad = got_ids != want_ids
     assert not bad.any(), f"indices differ at {bad.nonzero()[:5].tolist()}"
+    lengths = want_counts.sum(-1).tolist()  # the launch order: each sample's rows longest list first, ties by row
+    assert got.counts[..., 3].tolist() == [sorted(range(len(row)), key=lambda r: (-row[r], r)) for row in lengths]
 
 
 def _check(q_bits, k_bits, k, tile, causal, past, tile_elems=None, fit=None) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmsparse import Topology, generate_interlaced_mask, reference_mask
+from mmsparse.kernels.constants import COUNT_WORDS
 from mmsparse.mask.blocks import classify_blocks_from_mask, lists_from_classes
 from mmsparse.mask.info import MaskInfo
 from tests.helpers import CYCLIC, RING
@@ -51,7 +52,7 @@ def test_lists_put_full_blocks_first():
     live = torch.tensor([[[True, True, False, True, True]]])
     full = torch.tensor([[[False, True, False, False, True]]])
     lists = lists_from_classes(live, full)
-    assert lists.counts.tolist() == [[[2, 2, 0]]]  # (full, partial, start)
+    assert lists.counts.tolist() == [[[2, 2, 0, 0]]]  # (full, partial, start, the launch order's row)
     assert lists.indices[0, :4].tolist() == [1, 4, 0, 3]
     assert lists.indices.dtype == torch.int32  # fixed slots: int32 ids
 
@@ -76,7 +77,7 @@ def test_long_sequence_metadata_needs_no_square_memory():
     info = MaskInfo.from_topology(Topology(CYCLIC), lens, 400_000, 400_000, True)
     lists = info.lists(512, 512)
     assert time.process_time() - start < 30
-    assert lists.counts.shape == (1, 782, 3) and lists.indices.numel() <= 782 * 782
+    assert lists.counts.shape == (1, 782, COUNT_WORDS) and lists.indices.numel() <= 782 * 782
     # segment 1 (vision, rows 20k..320k) sees only audio (320k..400k), which lies after it: causal leaves nothing
     row_block = 100_000 // 512
     assert lists.counts[0, row_block, :2].tolist() == [0, 0]

@@ -1,5 +1,6 @@
-"""The launch order over block lists (mmsparse.mask.list_order): each sample's rows longest list first, and the
-programs' mapping to it, heads a section at a time (kernels.lists.ordered_program), against plain Python."""
+"""The launch order over block lists (mmsparse.mask.list_order): each sample's rows longest list first, in the
+fourth word of the lists' counts, and the programs' mapping to it, heads a section at a time
+(kernels.lists.ordered_program), against plain Python."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mmsparse import Topology
 from mmsparse.kernels.lists import ordered_program
 from mmsparse.mask import list_order
 from mmsparse.mask.build import build_mask_info
-from mmsparse.mask.list_order import longest_first
+from mmsparse.mask.list_order import write_launch_order
 
 
 def _python_order(counts: torch.Tensor) -> list[list[int]]:
@@ -27,7 +28,16 @@ def _random_counts(rng: random.Random, batch: int, rows: int, device: torch.devi
     full = torch.tensor([[rng.randint(0, top) for _ in range(rows)] for _ in range(batch)], dtype=torch.int32)
     partial = torch.tensor([[rng.randint(0, top) for _ in range(rows)] for _ in range(batch)], dtype=torch.int32)
     starts = torch.arange(rows, dtype=torch.int32).expand(batch, rows) * 7
-    return torch.stack([full, partial, starts], -1).contiguous().to(device)
+    unwritten = torch.full((batch, rows), -5, dtype=torch.int32)
+    return torch.stack([full, partial, starts, unwritten], -1).contiguous().to(device)
+
+
+def _ordered(counts: torch.Tensor) -> torch.Tensor:
+    """``counts`` with the launch order written, the other words as they were."""
+    before = counts.clone()
+    write_launch_order(counts)
+    assert torch.equal(counts[..., :3], before[..., :3])
+    return counts
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -35,35 +45,34 @@ def test_entries_come_longest_first_ties_in_order(seed, device):
     rng = random.Random(seed)
     # past one program's entries and one chunk of the others (interpreter: 256 and 1024), with several samples
     batch, rows = rng.choice([(1, 1), (1, 300), (3, 500), (2, 1100)])
-    counts = _random_counts(rng, batch, rows, device)
-    order = longest_first(counts)
-    assert order.dtype == torch.int32 and order.device == counts.device and order.shape == (batch, rows)
-    assert order.tolist() == _python_order(counts.cpu())
+    counts = _ordered(_random_counts(rng, batch, rows, device))
+    assert counts[..., 3].tolist() == _python_order(counts.cpu())
 
 
 def test_the_torch_order_is_the_kernels(monkeypatch):
-    counts = _random_counts(random.Random(7), 2, 300, torch.device("cpu"))
-    by_kernel = longest_first(counts)
+    by_kernel = _ordered(_random_counts(random.Random(7), 2, 300, torch.device("cpu")))
     monkeypatch.setattr(list_order, "interpreter_active", lambda: False)
-    assert torch.equal(longest_first(counts), by_kernel)
+    by_torch = _random_counts(random.Random(7), 2, 300, torch.device("cpu"))
+    assert torch.equal(_ordered(by_torch), by_kernel)
 
 
-def test_no_entries(device):
-    assert longest_first(torch.zeros((2, 0, 3), dtype=torch.int32, device=device)).shape == (2, 0)
+def test_no_rows(device):
+    write_launch_order(torch.zeros((2, 0, 4), dtype=torch.int32, device=device))
 
 
 @triton.jit
-def _programs_kernel(ORDER, OUT, heads, shared, section):
-    blk, bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, shared, section)
+def _programs_kernel(COUNTS, OUT, heads, stride_cnt_b, section):
+    blk, bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, stride_cnt_b,
+                              section)
     linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     tl.store(OUT + 2 * linear, blk)
     tl.store(OUT + 2 * linear + 1, bh)
 
 
-def _launch_order(order: torch.Tensor, blocks: int, batch: int, heads: int, shared: bool,
-                  section: int) -> list[tuple[int, int]]:
-    out = torch.full((blocks * batch * heads, 2), -1, dtype=torch.int32, device=order.device)
-    _programs_kernel[(blocks, batch * heads)](order, out, heads, shared, section)
+def _launch_order(counts: torch.Tensor, blocks: int, batch: int, heads: int, section: int) -> list[tuple[int, int]]:
+    out = torch.full((blocks * batch * heads, 2), -1, dtype=torch.int32, device=counts.device)
+    shared = counts.shape[0] == 1
+    _programs_kernel[(blocks, batch * heads)](counts, out, heads, 0 if shared else counts.stride(0), section)
     return [tuple(pair) for pair in out.tolist()]
 
 
@@ -74,9 +83,9 @@ def test_programs_take_each_samples_rows_in_order_a_section_of_heads_at_a_time(s
     order[sample][i], every head of the section in turn; every (block, batch * head) exactly once. Shared lists
     take the batch's heads as one sample's; a section of 4 over 3 heads (or 6) ends with a narrower one."""
     batch, heads, blocks = 2, 3, 5
-    counts = _random_counts(random.Random(3), 1 if shared else batch, blocks, device)
-    order = longest_first(counts).tolist()
-    got = _launch_order(longest_first(counts), blocks, batch, heads, shared, section)
+    counts = _ordered(_random_counts(random.Random(3), 1 if shared else batch, blocks, device))
+    order = counts[..., 3].tolist()
+    got = _launch_order(counts, blocks, batch, heads, section)
     samples, per_sample = (1, batch * heads) if shared else (batch, heads)
     want = []
     for sample in range(samples):
@@ -89,10 +98,10 @@ def test_programs_take_each_samples_rows_in_order_a_section_of_heads_at_a_time(s
 
 def test_a_masks_lists_carry_their_order(device):
     """Every tile's lists built for a mask (Triton's list kernels here, torch's reduction of the tile classes on a
-    plain CPU) hold the order of their own counts: the hub's key blocks of its vision segment come first."""
+    plain CPU) hold the order of their own counts: the hub's text keys, which every query sees, come first."""
     topology = Topology([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
     info = build_mask_info(topology, [64, 192, 128], 384, 384, False, device)
     for by_key in (False, True):
-        lists = info.lists(32, 64, by_key)
-        assert lists.order.tolist() == _python_order(lists.counts.cpu())
-    assert info.lists(32, 64, True).order[0, 0].item() == 0  # the text keys: every query sees them
+        counts = info.lists(32, 64, by_key).counts
+        assert counts.shape[-1] == 4 and counts[..., 3].tolist() == _python_order(counts.cpu())
+    assert info.lists(32, 64, True).counts[0, 0, 3].item() == 0  # the text keys: every query sees them

@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from ..constants import MASK_DENSE
-from ..lists import block_id
+from ..lists import WORDS_PER_ROW, block_id
 from ..rules import allowed_pairs
 
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
@@ -156,7 +156,7 @@ def program_lists(b, blk, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride
     n_total, idx_ptr, mask_args)`` for batch b; the list of row (or key) block blk starts with its n_full full
     blocks."""
     b64 = b.to(gl.int64)  # B samples' lists of up to 2^31 entries each
-    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * 3
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + blk * WORDS_PER_ROW
     n_full = gl.load(cnt_ptr)
     n_total = n_full + gl.load(cnt_ptr + 1)
     idx_ptr = INDICES + b64 * stride_idx_b + gl.load(cnt_ptr + 2)  # the list starts at counts' third word

@@ -268,7 +268,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, ARRIVAL, arrival_epoch, own_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
@@ -286,7 +286,7 @@ def attention_dkdv_gluon(
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
-        COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
         stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
         GROUP * HEAD_DIM_PAD, own_blocks, WAIT_ARRIVAL)
     arrival = (ARRIVAL, arrival_epoch, col0 >= own_blocks * 2 * WG_KEYS)  # a block with a key past the own ones

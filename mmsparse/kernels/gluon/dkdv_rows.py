@@ -17,7 +17,7 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
 @gluon.jit
-def key_block_lists(COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
+def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
                     stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
                     NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, QUERY_COLUMNS: gl.constexpr, own_blocks=0,
                     OWN_FIRST: gl.constexpr = False):
@@ -33,7 +33,7 @@ def key_block_lists(COUNTS, INDICES, ORDER, Q_BITS, K_BITS, MASK, Q_START, strid
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
     else:
-        pid_n, pid_bh = ordered_program(ORDER, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b == 0,
+        pid_n, pid_bh = ordered_program(COUNTS, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b,
                                         heads_in_l2(seq_q, 4 * QUERY_COLUMNS))
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS

@@ -154,7 +154,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dq_gluon(
-    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER,
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dq_desc, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
@@ -164,8 +164,8 @@ def attention_dq_gluon(
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
     HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's S and dP are issued")
-    pid_m, pid_bh = ordered_program(ORDER, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b == 0, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_m, pid_bh = ordered_program(COUNTS, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
+                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     bh_rows = pid_bh.to(gl.int64) * seq_q

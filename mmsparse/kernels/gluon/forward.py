@@ -200,8 +200,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
               NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
-    turn n_total the last P V alone. ``order_args``: the launch order, whether the lists are shared and the
-    keys (the program's (b, h) is found again from them for the output's store)."""
+    turn n_total the last P V alone. ``order_args``: the lists' counts (their launch order), their batch
+    stride and the keys (the program's (b, h) is found again from them for the output's store)."""
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
@@ -274,8 +274,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
-    order, shared, seq_k = order_args  # (b, h) found again here, not held across the loop
-    _, pid_bh = ordered_program(order, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS, shared,
+    counts, stride_cnt_b, seq_k = order_args  # (b, h) found again here, not held across the loop
+    _, pid_bh = ordered_program(counts, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS, stride_cnt_b,
                                 heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     tma_store(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
@@ -283,7 +283,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_fwd_gluon(
-    q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER,
+    q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
@@ -295,8 +295,8 @@ def attention_fwd_gluon(
     past the head dim as zeros and drops writes there. ``TURNS`` (read with PINGPONG): how the warpgroups take
     turns, ``constants.TURNS_*``."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
-    pid_m, pid_bh = ordered_program(ORDER, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b == 0, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_m, pid_bh = ordered_program(COUNTS, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
+                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     dtype: gl.constexpr = q_desc.dtype
@@ -330,10 +330,10 @@ def attention_fwd_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
-                         (ORDER, stride_cnt_b == 0, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                         (COUNTS, stride_cnt_b, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
                          PINGPONG, TURNS, NUM_HEADS)),
             (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
-                         (ORDER, stride_cnt_b == 0, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                         (COUNTS, stride_cnt_b, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
                          PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, v_apart)),

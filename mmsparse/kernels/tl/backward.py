@@ -127,7 +127,7 @@ def _q_do_sources(Q, DO, b64, h, stride_qb, stride_qh, stride_qm, stride_dob, st
 
 @triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dkdv_tl(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_dob8, stride_doh8, stride_dom8, stride_dkb8, stride_dkh8, stride_dkn8, stride_dvb8, stride_dvh8, stride_dvn8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
@@ -146,8 +146,8 @@ def attention_dkdv_tl(
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
-    pid_n, pid_bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_KV_HEADS,
-                                    stride_cnt_b == 0, heads_in_l2(seq_q, 4 * HEAD_DIM_PAD * GROUP))
+    pid_n, pid_bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_KV_HEADS,
+                                    stride_cnt_b, heads_in_l2(seq_q, 4 * HEAD_DIM_PAD * GROUP))
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     b64 = b.to(tl.int64)
@@ -234,7 +234,7 @@ def _dq_tiles(
 
 @triton.jit(do_not_specialize=[*DYNAMIC_ARGS, *IO_STRIDE_ARGS])
 def attention_dq_tl(
-    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_dob8, stride_doh8, stride_dom8, stride_dqb8, stride_dqh8, stride_dqm8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
@@ -254,8 +254,8 @@ def attention_dq_tl(
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
-    pid_m, pid_bh = ordered_program(ORDER, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b == 0, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_m, pid_bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_HEADS,
+                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
     b64 = b.to(tl.int64)

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..constants import LISTS_COUNT, LISTS_DENSE, LISTS_WRITE
+from ..lists import WORDS_PER_ROW
 
 _NEG = tl.constexpr(-(2**31) + 1)  # below every position
 _POS = tl.constexpr(2**31 - 1)  # above every position
@@ -184,7 +185,7 @@ def block_lists_kernel(
     if HAS_WINDOW:
         r_span = (tl.load(p_r + W - 2, mask=m_r, other=0)[:, None], tl.load(p_r + W - 1, mask=m_r, other=0)[:, None])
     offs_cb = tl.arange(0, CB)
-    p_cnt = COUNTS + i_b * stride_cb + offs_r * 3
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * WORDS_PER_ROW
     p_idx, n_full = list_rows(p_cnt, INDICES, i_b.to(tl.int64), offs_r, m_r, n_c, stride_ib, PHASE)
 
     n_part = tl.zeros([BR], dtype=tl.int32)

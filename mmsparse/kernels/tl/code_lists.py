@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CAUSAL, SEG_BITS
+from ..lists import WORDS_PER_ROW
 from .bit_lists import PHASE_COUNT, PHASE_WRITE, count_chunk, list_rows, store_chunk, store_counts
 
 _SEG_BITS = tl.constexpr(SEG_BITS)
@@ -139,7 +140,7 @@ def segment_lists_kernel(
     offs_r = i_g * BR + tl.arange(0, BR)
     m_r = offs_r < n_r
     offs_cb = tl.arange(0, CB)
-    p_cnt = COUNTS + i_b * stride_cb + offs_r * 3
+    p_cnt = COUNTS + i_b * stride_cb + offs_r * WORDS_PER_ROW
     p_idx, n_full = list_rows(p_cnt, INDICES, b64, offs_r, m_r, n_c, stride_ib, PHASE)
 
     n_part = tl.zeros([BR], dtype=tl.int32)

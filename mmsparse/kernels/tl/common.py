@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DOT_TF32X3, DOT_UPCAST, MASK_DENSE
+from ..lists import WORDS_PER_ROW
 from ..rules import allowed_pairs
 
 _MASK_DENSE = tl.constexpr(MASK_DENSE)
@@ -118,7 +119,7 @@ def program_setup(b, row, COUNTS, INDICES, Q_BITS, K_BITS, MASK, SEED, Q_START, 
     partial blocks, pointer to its block list, its mask pointers, the dropout seed, the position of the
     sample's first query)."""
     b64 = b.to(tl.int64)  # B samples' lists of up to 2^31 entries each
-    cnt_ptr = COUNTS + b64 * stride_cnt_b + row * 3
+    cnt_ptr = COUNTS + b64 * stride_cnt_b + row * WORDS_PER_ROW
     n_full = tl.load(cnt_ptr)
     n_part = tl.load(cnt_ptr + 1)
     idx_ptr = INDICES + b64 * stride_idx_b + tl.load(cnt_ptr + 2)  # the row's list starts at counts' third word

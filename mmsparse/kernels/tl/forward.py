@@ -62,7 +62,7 @@ def _fwd_tiles(
 
 @triton.jit(do_not_specialize=_FWD_DYNAMIC)
 def attention_fwd_tl(
-    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, ORDER, SEED,
+    Q, K, V, O, LSE, Q_BITS, K_BITS, MASK, COUNTS, INDICES, SEED,
     stride_qb8, stride_qh8, stride_qm8, stride_kb8, stride_kh8, stride_kn8, stride_vb8, stride_vh8, stride_vn8,
     stride_ob8, stride_oh8, stride_om8, stride_os8,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
@@ -89,8 +89,8 @@ def attention_fwd_tl(
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     split = tl.program_id(0) % n_splits
     heads = NUM_HEADS // GROUP if PACK_GQA else NUM_HEADS  # per sample along the grid's second axis
-    pid_m, pid_bh = ordered_program(ORDER, tl.program_id(0) // n_splits, tl.program_id(1),
-                                    tl.num_programs(0) // n_splits, heads, stride_cnt_b == 0,
+    pid_m, pid_bh = ordered_program(COUNTS, tl.program_id(0) // n_splits, tl.program_id(1),
+                                    tl.num_programs(0) // n_splits, heads, stride_cnt_b,
                                     heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
