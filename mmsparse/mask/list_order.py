@@ -14,25 +14,37 @@ from __future__ import annotations
 import torch
 
 from ..kernels.tl.list_order import list_order_kernel
-from ..runtime.launch import FastKernel, interpreter_active
+from ..runtime.launch import FastKernel
 
 _ORDER = FastKernel(list_order_kernel)
 # Rows a program ranks, and the others it compares them with at a time: a [64, 128] tile of comparisons on a GPU
-# (registers); larger in the interpreter, where each tile op is one numpy call.
+# (registers, one compiled kernel for every size). In the interpreter each tile op is one numpy call: tiles as large
+# as the rows, up to 256 x 1024, which compiles nothing there.
 _GPU_SIZES = (64, 128)
-_INTERPRETER_SIZES = (256, 1024)
+_INTERPRETER_MAX = (256, 1024)
+
+
+def _interpreter_sizes(rows: int) -> tuple[int, int]:
+    fit = max(16, 1 << (rows - 1).bit_length())
+    return min(fit, _INTERPRETER_MAX[0]), min(fit, _INTERPRETER_MAX[1])
 
 
 def write_launch_order(counts: torch.Tensor) -> None:
     """Write the launch order into block lists' ``counts`` (int32 ``[Bm, R, 4]``, contiguous): word 3 of row i of a
-    sample is the sample's row with the i-th longest list (full + partial, words 0 and 1), ties in row order. One
-    launch where the list kernels run (CUDA, or Triton's interpreter), torch's stable sort elsewhere; both give the
-    same order."""
-    samples, rows = counts.shape[0], counts.shape[1]
-    if counts.device.type == "cuda" or interpreter_active():
-        if samples and rows:
-            entries, chunk = _INTERPRETER_SIZES if counts.device.type != "cuda" else _GPU_SIZES
-            _ORDER[(-(-rows // entries), samples)](counts, rows, E=entries, CHUNK=chunk)
+    sample is the sample's row with the i-th longest list (full + partial, words 0 and 1), ties in row order. On a
+    GPU one launch (:func:`rank_rows`); on a CPU torch's stable sort, which gives the same order (through Triton's
+    interpreter the kernel costs milliseconds a build, and builds are many in the CPU tests, which check the two
+    against each other)."""
+    if counts.device.type == "cuda":
+        rank_rows(counts)
         return
     lengths = counts[..., :2].sum(-1, dtype=torch.int64)
     counts[..., 3] = torch.sort(lengths, dim=1, descending=True, stable=True).indices.to(torch.int32)
+
+
+def rank_rows(counts: torch.Tensor) -> None:
+    """:func:`write_launch_order` by ``list_order_kernel``: one launch (CUDA, or Triton's interpreter)."""
+    samples, rows = counts.shape[0], counts.shape[1]
+    if samples and rows:
+        entries, chunk = _GPU_SIZES if counts.device.type == "cuda" else _interpreter_sizes(rows)
+        _ORDER[(-(-rows // entries), samples)](counts, rows, E=entries, CHUNK=chunk)

@@ -13,9 +13,8 @@ import triton.language as tl
 
 from mmsparse import Topology
 from mmsparse.kernels.lists import ordered_program
-from mmsparse.mask import list_order
 from mmsparse.mask.build import build_mask_info
-from mmsparse.mask.list_order import write_launch_order
+from mmsparse.mask.list_order import rank_rows, write_launch_order
 
 
 def _python_order(counts: torch.Tensor) -> list[list[int]]:
@@ -32,10 +31,11 @@ def _random_counts(rng: random.Random, batch: int, rows: int, device: torch.devi
     return torch.stack([full, partial, starts, unwritten], -1).contiguous().to(device)
 
 
-def _ordered(counts: torch.Tensor) -> torch.Tensor:
-    """``counts`` with the launch order written, the other words as they were."""
+def _ordered(counts: torch.Tensor, write=rank_rows) -> torch.Tensor:
+    """``counts`` with the launch order written (by the kernel, on a GPU or through the interpreter), the other
+    words as they were."""
     before = counts.clone()
-    write_launch_order(counts)
+    write(counts)
     assert torch.equal(counts[..., :3], before[..., :3])
     return counts
 
@@ -49,15 +49,17 @@ def test_entries_come_longest_first_ties_in_order(seed, device):
     assert counts[..., 3].tolist() == _python_order(counts.cpu())
 
 
-def test_the_torch_order_is_the_kernels(monkeypatch):
-    by_kernel = _ordered(_random_counts(random.Random(7), 2, 300, torch.device("cpu")))
-    monkeypatch.setattr(list_order, "interpreter_active", lambda: False)
-    by_torch = _random_counts(random.Random(7), 2, 300, torch.device("cpu"))
-    assert torch.equal(_ordered(by_torch), by_kernel)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cpus_order_is_the_kernels(seed):
+    """A CPU mask's lists take torch's sort, a GPU's the kernel: the same order."""
+    rng = random.Random(seed)
+    counts = _random_counts(rng, rng.choice([1, 3]), rng.choice([1, 7, 300]), torch.device("cpu"))
+    assert torch.equal(_ordered(counts.clone(), write_launch_order), _ordered(counts))
 
 
 def test_no_rows(device):
-    write_launch_order(torch.zeros((2, 0, 4), dtype=torch.int32, device=device))
+    for write in (rank_rows, write_launch_order):
+        write(torch.zeros((2, 0, 4), dtype=torch.int32, device=device))
 
 
 @triton.jit
