@@ -81,6 +81,7 @@ def lists_from_classes(live: torch.Tensor, full: torch.Tensor) -> BlockLists:
     rank = (~full).to(torch.int8) + (~live).to(torch.int8)  # 0 full, 1 partial, 2 empty
     indices = torch.argsort(rank, dim=-1, stable=True).to(index_dtype(cols, False)).reshape(mask_batch, rows * cols)
     starts = torch.arange(rows, device=live.device, dtype=torch.int64).expand(mask_batch, rows) * cols
+    # the fourth word, the launch order, is written next
     counts = torch.stack([full.sum(-1), (live & ~full).sum(-1), starts, starts], dim=-1).to(torch.int32).contiguous()
     write_launch_order(counts)
     return BlockLists(counts, indices.contiguous())

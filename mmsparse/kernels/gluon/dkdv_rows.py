@@ -23,11 +23,11 @@ def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits
                     OWN_FIRST: gl.constexpr = False):
     """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``blk`` (``KEYS`` keys from
     ``col0``) of batch ``b`` and KV head ``hk`` (``bh`` = b * NUM_KV_HEADS + hk), and its list
-    (``common.program_lists``), where ``(blk, bh)`` is the program's entry in the lists' launch order, longest list
-    first (``lists.ordered_program``; a program reads Q and dO of its group, ``QUERY_COLUMNS`` wide together,
-    bf16). With ``OWN_FIRST`` the programs take the key blocks in launch order so that
-    the first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at
-    the launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
+    (``common.program_lists``), where ``(blk, bh)`` is the program's place in the lists' launch order, longest list
+    first (``lists.ordered_program``: KV heads go as many at a time as keep their group's Q and dO in L2,
+    ``QUERY_COLUMNS`` columns of both a row). With ``OWN_FIRST`` the programs take the key blocks in launch order
+    so that the first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are
+    present at the launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if OWN_FIRST:
