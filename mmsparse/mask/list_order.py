@@ -1,12 +1,14 @@
 """The order in which the attention kernels' programs take the row blocks of their block lists: longest list first.
 
 A grid runs in waves, and the hardware starts each program as a multiprocessor frees up, in launch order. Launched
-in block order, the long lists of a mask whose long rows come last (the keys every segment sees, the early key
-blocks of a causal mask) finish alone on a few multiprocessors after the rest. Launched longest first, the short
-lists fill the last wave (LPT scheduling, as FlashAttention-3/4's tile schedulers). The order is the fourth word of
-each row of the lists' counts, so the kernels take no argument more; they map their program to a row block through
-it (``kernels.lists.ordered_program``): heads a few at a time, as many as keep the rows they all read in L2, and
-within them each row block for every head in turn.
+in block order, the long lists of a mask whose long rows come last (the keys every segment sees, the query blocks
+at the end of a causal mask) start late and finish alone after the rest. Launched longest first, the short lists
+fill each head's end (LPT scheduling, as FlashAttention-3/4's tile schedulers). The order is the fourth word of each
+row of the lists' counts, so the kernels take no argument more; a program finds its row through it
+(``kernels.lists.ordered_row``). The heads keep their launch order: taken a few at a time, every row of a section
+for each head in turn, the kernels gained as much on an H200 but the derived head held registers that program ids
+do not (a dQ-writer variant spilled); taken all at once, the programs running together read every head's K and V and
+lost L2's reuse (``docs/performance.md``, "Launch order").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launch order over block lists (mmsparse.mask.list_order): each sample's rows longest list first, in the
-fourth word of the lists' counts, and the programs' mapping to it, heads a section at a time
-(kernels.lists.ordered_program), against plain Python."""
+fourth word of the lists' counts, and the programs' rows through it (kernels.lists.ordered_row), against plain
+Python."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mmsparse import Topology
-from mmsparse.kernels.lists import ordered_program
+from mmsparse.kernels.lists import ordered_row
 from mmsparse.mask.build import build_mask_info
 from mmsparse.mask.list_order import rank_rows, write_launch_order
 
@@ -63,39 +63,23 @@ def test_no_rows(device):
 
 
 @triton.jit
-def _programs_kernel(COUNTS, OUT, heads, stride_cnt_b, section):
-    blk, bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), heads, stride_cnt_b,
-                              section)
-    linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-    tl.store(OUT + 2 * linear, blk)
-    tl.store(OUT + 2 * linear + 1, bh)
-
-
-def _launch_order(counts: torch.Tensor, blocks: int, batch: int, heads: int, section: int) -> list[tuple[int, int]]:
-    out = torch.full((blocks * batch * heads, 2), -1, dtype=torch.int32, device=counts.device)
-    shared = counts.shape[0] == 1
-    _programs_kernel[(blocks, batch * heads)](counts, out, heads, 0 if shared else counts.stride(0), section)
-    return [tuple(pair) for pair in out.tolist()]
+def _rows_kernel(COUNTS, OUT, heads, stride_cnt_b):
+    b = tl.program_id(1) // heads
+    tl.store(OUT + tl.program_id(0) + tl.program_id(1) * tl.num_programs(0),
+             ordered_row(COUNTS, tl.program_id(0), b, stride_cnt_b))
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("section", [1, 2, 4, 100])
-def test_programs_take_each_samples_rows_in_order_a_section_of_heads_at_a_time(shared, section, device):
-    """Program p (launch order: block fastest) takes, within its sample and its section of heads, the row
-    order[sample][i], every head of the section in turn; every (block, batch * head) exactly once. Shared lists
-    take the batch's heads as one sample's; a section of 4 over 3 heads (or 6) ends with a narrower one."""
+def test_each_heads_programs_take_their_samples_rows_longest_first(shared, device):
+    """Program (blk, b * heads + h) takes its sample's blk-th longest row (shared lists: the batch's one order), so
+    every head's programs cover every row once."""
     batch, heads, blocks = 2, 3, 5
     counts = _ordered(_random_counts(random.Random(3), 1 if shared else batch, blocks, device))
-    order = counts[..., 3].tolist()
-    got = _launch_order(counts, blocks, batch, heads, section)
-    samples, per_sample = (1, batch * heads) if shared else (batch, heads)
-    want = []
-    for sample in range(samples):
-        for first in range(0, per_sample, section):
-            width = min(section, per_sample - first)
-            want += [(row, sample * per_sample + first + j) for row in order[sample] for j in range(width)]
-    assert got == want
-    assert sorted(got) == sorted((blk, bh) for blk in range(blocks) for bh in range(batch * heads))
+    out = torch.full((batch * heads, blocks), -1, dtype=torch.int32, device=device)
+    _rows_kernel[(blocks, batch * heads)](counts, out, heads, 0 if shared else counts.stride(0))
+    order = _python_order(counts.cpu())
+    assert out.tolist() == [order[0 if shared else bh // heads] for bh in range(batch * heads)]
+    assert all(sorted(row) == list(range(blocks)) for row in out.tolist())
 
 
 def test_a_masks_lists_carry_their_order(device):

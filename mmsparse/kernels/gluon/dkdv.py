@@ -286,9 +286,9 @@ def attention_dkdv_gluon(
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
-        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
-        GROUP * HEAD_DIM_PAD, own_blocks, WAIT_ARRIVAL)
+        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS, own_blocks,
+        WAIT_ARRIVAL)
     arrival = (ARRIVAL, arrival_epoch, col0 >= own_blocks * 2 * WG_KEYS)  # a block with a key past the own ones
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

@@ -203,9 +203,8 @@ def attention_dkdv_d256_gluon(
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KEYS, HEAD_DIM_PAD], dtype)
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
-        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
-        stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, _KEYS,
-        GROUP * HEAD_DIM_PAD)
+        COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, _KEYS)
 
     # [1, keys, D]: resident_tile indexes them through an opaque zero, so their descriptors are not hoisted
     k_smem = gl.allocate_shared_memory(dtype, [1, _KEYS, HEAD_DIM_PAD], kv_layout)

@@ -10,33 +10,30 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..constants import MASK_DENSE
-from ..lists import block_id, heads_in_l2, ordered_program
+from ..lists import block_id, ordered_row
 from .common import box, program_lists, thread_barrier, tma_load
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
 
 @gluon.jit
-def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b,
-                    stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
-                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, QUERY_COLUMNS: gl.constexpr, own_blocks=0,
-                    OWN_FIRST: gl.constexpr = False):
-    """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: key block ``blk`` (``KEYS`` keys from
-    ``col0``) of batch ``b`` and KV head ``hk`` (``bh`` = b * NUM_KV_HEADS + hk), and its list
-    (``common.program_lists``), where ``(blk, bh)`` is the program's place in the lists' launch order, longest list
-    first (``lists.ordered_program``: KV heads go as many at a time as keep their group's Q and dO in L2,
-    ``QUERY_COLUMNS`` columns of both a row). With ``OWN_FIRST`` the programs take the key blocks in launch order
-    so that the first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are
-    present at the launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
+def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
+                    stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
+                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False):
+    """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: of batch ``b`` and KV head ``hk``
+    (``program_id(1)`` = b * NUM_KV_HEADS + hk), key block ``program_id(0)``'s place in the lists' launch order,
+    longest list first (``lists.ordered_row``; ``KEYS`` keys from ``col0``), and its list
+    (``common.program_lists``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that the
+    first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at the
+    launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
-    else:
-        pid_n, pid_bh = ordered_program(COUNTS, pid_n, pid_bh, gl.num_programs(0), NUM_KV_HEADS, stride_cnt_b,
-                                        heads_in_l2(seq_q, 4 * QUERY_COLUMNS))
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
+    if not OWN_FIRST:
+        pid_n = ordered_row(COUNTS, pid_n, b, stride_cnt_b)
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
         stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)

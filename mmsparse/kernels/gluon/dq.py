@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id, heads_in_l2, ordered_program
+from ..lists import block_id, ordered_row
 from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
@@ -164,9 +164,9 @@ def attention_dq_gluon(
     Q, K, V, dO and dQ come as ``host_tma`` descriptors. lse and delta are contiguous ``[B, Hq, Sq]``; tiles are
     HEAD_DIM_PAD wide (TMA zero-fills the columns past the head dim)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's S and dP are issued")
-    pid_m, pid_bh = ordered_program(COUNTS, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
+    pid_m = ordered_row(COUNTS, gl.program_id(0), b, stride_cnt_b)
     h = pid_bh % NUM_HEADS
     bh_rows = pid_bh.to(gl.int64) * seq_q
     dtype: gl.constexpr = q_desc.dtype

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE, TURNS_MBARRIER, TURNS_NAMED_RELEASE
-from ..lists import block_id, heads_in_l2, ordered_program
+from ..lists import block_id, ordered_row
 from .common import (
     FIRST_FREE_BARRIER_ID,
     WG_ROWS,
@@ -194,14 +194,12 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, order_args,
-              BN: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
-              NUM_HEADS: gl.constexpr):
+def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN: gl.constexpr,
+              HEAD_DIM_PAD: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              HAS_WINDOW: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, NUM_HEADS: gl.constexpr):
     """One warpgroup, 64 query rows. Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and does the
     softmax of S_j while the second matmul runs. Its turn (with PINGPONG) is turn j: turn 0 issues S_0 alone,
-    turn n_total the last P V alone. ``order_args``: the lists' counts (their launch order), their batch
-    stride and the keys (the program's (b, h) is found again from them for the output's store)."""
+    turn n_total the last P V alone."""
     q_smem, k_smem, v_smem = buffers
     q_bar, k_ready, v_ready, kv_empty, turn = barriers
     idx_ptr, n_full, n_total, row0 = blocks
@@ -274,9 +272,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(out.to(dtype))  # this warpgroup's Q rows are no longer read: stage the output there
     fence_async_shared()
-    counts, stride_cnt_b, seq_k = order_args  # (b, h) found again here, not held across the loop
-    _, pid_bh = ordered_program(counts, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS, stride_cnt_b,
-                                heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_bh = gl.program_id(1)  # (b, h) recomputed here, not held across the loop
     tma_store(o_desc, [pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, row0 + WG * WG_ROWS, 0], box(q))
     tma.store_wait(0)
 
@@ -295,10 +291,10 @@ def attention_fwd_gluon(
     past the head dim as zeros and drops writes there. ``TURNS`` (read with PINGPONG): how the warpgroups take
     turns, ``constants.TURNS_*``."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until the next block's Q K^T is issued")
-    pid_m, pid_bh = ordered_program(COUNTS, gl.program_id(0), gl.program_id(1), gl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_bh = gl.program_id(1)
     b = pid_bh // NUM_HEADS
     h = pid_bh % NUM_HEADS
+    pid_m = ordered_row(COUNTS, gl.program_id(0), b, stride_cnt_b)
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     lse_ptr = LSE + pid_bh.to(gl.int64) * seq_q
@@ -329,12 +325,10 @@ def attention_fwd_gluon(
     blocks = (idx_ptr, n_full, n_total, row0)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
-                         (COUNTS, stride_cnt_b, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
-                         PINGPONG, TURNS, NUM_HEADS)),
-            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale,
-                         (COUNTS, stride_cnt_b, seq_k), BN, HEAD_DIM_PAD, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
-                         PINGPONG, TURNS, NUM_HEADS)),
+            (_consumer, (0, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
+            (_consumer, (1, buffers, barriers, o_desc, lse_ptr, blocks, mask_args, qk_scale, BN, HEAD_DIM_PAD, STAGES,
+                         MASK_MODE, IS_CAUSAL, HAS_WINDOW, PINGPONG, TURNS, NUM_HEADS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, idx_ptr,
                          n_total, row0, b, h, h // GROUP, BN, STAGES, named_release, v_apart)),
         ],

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
-from ..lists import block_id, heads_in_l2, ordered_program
+from ..lists import block_id, ordered_row
 from .common import (
     dot,
     dropout_keep,
@@ -146,9 +146,9 @@ def attention_dkdv_tl(
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
-    pid_n, pid_bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_KV_HEADS,
-                                    stride_cnt_b, heads_in_l2(seq_q, 4 * HEAD_DIM_PAD * GROUP))
+    pid_bh = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
+    pid_n = ordered_row(COUNTS, tl.program_id(0), b, stride_cnt_b)
     hk = pid_bh % NUM_KV_HEADS
     b64 = b.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -254,9 +254,9 @@ def attention_dq_tl(
     stride_qb, stride_qh, stride_qm = element_strides(stride_qb8, stride_qh8, stride_qm8)
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
-    pid_m, pid_bh = ordered_program(COUNTS, tl.program_id(0), tl.program_id(1), tl.num_programs(0), NUM_HEADS,
-                                    stride_cnt_b, heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_bh = tl.program_id(1)
     b = pid_bh // NUM_HEADS
+    pid_m = ordered_row(COUNTS, tl.program_id(0), b, stride_cnt_b)
     h = pid_bh % NUM_HEADS
     b64 = b.to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DYNAMIC_ARGS, IO_STRIDE_ARGS
-from ..lists import block_id, heads_in_l2, ordered_program
+from ..lists import block_id, ordered_row
 from .common import (
     dot,
     dropout_keep,
@@ -88,10 +88,9 @@ def attention_fwd_tl(
     stride_kb, stride_kh, stride_kn = element_strides(stride_kb8, stride_kh8, stride_kn8)
     stride_vb, stride_vh, stride_vn = element_strides(stride_vb8, stride_vh8, stride_vn8)
     split = tl.program_id(0) % n_splits
+    pid_bh = tl.program_id(1)
     heads = NUM_HEADS // GROUP if PACK_GQA else NUM_HEADS  # per sample along the grid's second axis
-    pid_m, pid_bh = ordered_program(COUNTS, tl.program_id(0) // n_splits, tl.program_id(1),
-                                    tl.num_programs(0) // n_splits, heads, stride_cnt_b,
-                                    heads_in_l2(seq_k, 4 * HEAD_DIM_PAD))
+    pid_m = ordered_row(COUNTS, tl.program_id(0) // n_splits, pid_bh // heads, stride_cnt_b)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if PACK_GQA:
