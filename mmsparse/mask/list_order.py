@@ -5,10 +5,9 @@ in block order, the long lists of a mask whose long rows come last (the keys eve
 at the end of a causal mask) start late and finish alone after the rest. Launched longest first, the short lists
 fill each head's end (LPT scheduling, as FlashAttention-3/4's tile schedulers). The order is the fourth word of each
 row of the lists' counts, so the kernels take no argument more; a program finds its row through it
-(``kernels.lists.ordered_row``). The heads keep their launch order: taken a few at a time, every row of a section
-for each head in turn, the kernels gained as much on an H200 but the derived head held registers that program ids
-do not (a dQ-writer variant spilled); taken all at once, the programs running together read every head's K and V and
-lost L2's reuse (``docs/performance.md``, "Launch order").
+(``kernels.lists.ordered_row``). The heads keep their launch order. Taken all at once instead, the programs running
+together read every head's K and V and lost L2's reuse; taken a few at a time, a head derived from the order held
+registers that a program id does not, and a dQ-writer variant spilled (``docs/performance.md``, "Launch order").
 """
 
 from __future__ import annotations
