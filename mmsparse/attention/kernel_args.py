@@ -29,7 +29,6 @@ from .config import KernelConfig
 from .plan import plan_attention
 
 LaunchArgs = tuple[tuple, tuple]  # (mask tensors, mask scalars) of one tile
-LIST_TENSORS = 2  # a tile's lists as the custom ops pass them: counts, indices
 # Per mask: the distinct calls (shapes, strides, dtype, scale, dropout, determinism, tiles) whose launches are kept.
 # A launch holds host objects only (the lists are the mask's): room for dynamic batching's batch sizes costs little.
 MAX_CALLS = 64
@@ -101,9 +100,8 @@ def mask_launch_args(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], mod
 def traced_mask_args(tensors: list[torch.Tensor], mode: int, lists: list[torch.Tensor], window: int | None,
                      tiles: int) -> list[LaunchArgs]:
     """The mask arguments of ``tiles`` tiles from a custom op's mask tensors and its ``lists`` argument (each
-    tile's :data:`LIST_TENSORS` in turn)."""
-    return [mask_launch_args(tensors, mode, *lists[LIST_TENSORS * i:LIST_TENSORS * (i + 1)], window)
-            for i in range(tiles)]
+    tile's counts and indices in turn)."""
+    return [mask_launch_args(tensors, mode, lists[2 * i], lists[2 * i + 1], window) for i in range(tiles)]
 
 
 def kernel_args(info: MaskInfo) -> KernelArgs:
