@@ -96,3 +96,41 @@ def test_every_launch_asks_for_fp_fusion(monkeypatch):
     kernel[(1,)](first, 2, NUM_HEADS=1)
     kernel[(1,)](first, 2, NUM_HEADS=1, enable_fp_fusion=False)
     assert [kw.get("enable_fp_fusion") for kw in seen] == [True, False]
+
+
+class _RecordingKernel:
+    """A compiled kernel's stand-in: its launcher records the arguments it is called with."""
+
+    function, packed_metadata = 7, None
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.calls.append(args)
+
+
+class _NamedBox:
+    """A box that describes a tensor as a tagged tuple, so a test can see which argument it described."""
+
+    def describe(self, t: torch.Tensor) -> tuple:
+        return ("described", t.data_ptr())
+
+
+def test_a_direct_launch_passes_its_tensors_as_addresses(monkeypatch):
+    """Triton's launcher asks the driver about every tensor argument on every launch (cuPointerGetAttribute) and
+    takes an integer as it is: a launch straight through the launcher passes each tensor's address, and leaves the
+    scalars, None, and the tensors that boxes describe as TMA descriptors."""
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 0)
+    a, b, described = torch.zeros(4), torch.zeros(8, dtype=torch.int32), torch.zeros(16)
+    args, boxes = (a, 3, None, described, b, 0.5), ((3, _NamedBox()),)
+    compiled = _RecordingKernel()
+    entry = (compiled, (64, True), None, launch._pointer_positions(launch.described(args, boxes)))
+    launch._run_direct(entry, (2, 1, 1), 0, args, boxes)
+    launch._run_direct(entry, (2, 1, 1), 0, (b, 4, None, described, a, 1.5), boxes)
+    prefix = (2, 1, 1, 0, 7, None, None, None, None)
+    assert compiled.calls[0] == (*prefix, a.data_ptr(), 3, None, ("described", described.data_ptr()), b.data_ptr(),
+                                 0.5, 64, True)
+    assert compiled.calls[1] == (*prefix, b.data_ptr(), 4, None, ("described", described.data_ptr()), a.data_ptr(),
+                                 1.5, 64, True)
+    assert all(type(x) is not torch.Tensor for call in compiled.calls for x in call)
