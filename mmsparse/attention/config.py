@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..mask.bit_lists import COMPACT_BYTES
+from ..runtime.traced import assume_constant_result
 from .dispatch import hopper_gluon_available
 
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
@@ -500,7 +501,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 _TRACED_CONFIGS: list[KernelConfig] = []
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _traced_config_slot(head_dim_pad: int, dtype: torch.dtype, device_index: int) -> int:
     """The slot in ``_TRACED_CONFIGS`` of :func:`_cached_cuda_config`'s config, run as Python when traced."""
     cfg = _cached_cuda_config(head_dim_pad, dtype, device_index)

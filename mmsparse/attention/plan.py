@@ -16,6 +16,7 @@ import torch
 
 from ..mask.blocks import cdiv
 from ..mask.info import TileKey
+from ..runtime.traced import assume_constant_result
 from .config import KernelConfig, Tile, cuda_index, gluon_tile_problem, head_dim_pad
 
 
@@ -203,7 +204,7 @@ def _plan_text(plan: CallPlan) -> str:
                      *((name, getattr(plan, name)) for name in _PLAN_SCALARS)))
 
 
-@torch.compiler.assume_constant_result  # traced, run as Python on the constants: Dynamo does not trace json
+@assume_constant_result  # traced, run as Python on the constants: Dynamo does not trace json
 def _text_of(pairs: tuple) -> str:
     def value(v: object) -> object:
         if isinstance(v, tuple):
