@@ -55,11 +55,11 @@ GPU_DEFAULT = ("seed", "mm13k_cyclic", "mm13k_hub", "mm13k_hub_causal", "mm13k_h
                "mm43k_cyclic", "pack_64k_x512", "transfusion_16k")
 CPU_DEFAULT = ("tiny_ab", "tiny_hub_causal_gqa", "tiny_pack")
 # name: the deterministic argument; the first side given is the baseline of the others
-SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False}
+SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False, "dq-writer-ordered": True}
 # The sides that run the dQ-writer kernel (a Gluon kernel: on a Hopper GPU only); "dq-writer-m<M>-s<N>" runs it
 # at M-query blocks and N stages instead of its table's (either part may be left out: a sweep of one of them), and
 # "two-pass-m<M>-s<N>" the two passes with the dK/dV pass's tile so changed.
-WRITER_SIDES = ("dq-writer",)
+WRITER_SIDES = ("dq-writer", "dq-writer-ordered")  # "-ordered": deterministic, its adds in order
 _SIDE_TILE = re.compile(r"(dq-writer|two-pass)(?:-m(\d+))?(?:-s(\d+))?")
 
 
@@ -108,7 +108,8 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
         writer = _side_tile(writer, "dq_writer", side, cfg.head_dim, dtype)
         # the side's tile at every length (the table's longer-call tile would take over there)
         return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer, gluon_dq_writer_long=None)
-    return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer)
+    return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer,
+                   ordered_dq_writer=side_kind(side) == "dq-writer-ordered")
 
 
 def _side_tile(tile: Tile, kind: str, side: str, head_dim: int, dtype: torch.dtype) -> Tile:
@@ -183,13 +184,13 @@ def compare_config(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, t
     for side, fn in fns.items():
         res = check(case, Impl(fn), grads=True)
         results[side] = grads(case, fn)
-        one_pass = not SIDES[side_kind(side)]
+        one_pass = not SIDES[side_kind(side)] or side_kind(side) in WRITER_SIDES
         again = grads(case, fn) if one_pass else None
         if one_pass:
             row[f"{side}_tile"] = one_pass_tile(cfg, device, dtype, configs[side])
         row[f"{side}_check"] = res["check"]
         row[f"{side}_grad_rel_err"] = res.get("grad_rel_err")
-        if again is not None:  # run to run: the atomic adds' order
+        if again is not None:  # run to run: the adds' order (none changes where they are ordered)
             row[f"{side}_dq_bits_changed"] = int((results[side][1] != again[1]).sum())
         del again
     base = results[sides[0]]

@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.rules import lse_in_scores
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
+from ..mask.add_order import lists_add_ranks
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
@@ -75,6 +76,9 @@ class BackwardLaunch:
         self.delta_grid = (cdiv(seq_q, 64), batch * num_heads)
         self.plan = plan
         self.one_pass = plan.dq is None
+        # the ordered dQ writer (deterministic): a counter of adds per (batch * head, query block)
+        self.ordered = plan.dkdv.ordered
+        self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
         self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
                                      ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
@@ -123,7 +127,7 @@ class BackwardLaunch:
         layout = bound["layout"]
         delta = torch.empty_strided(self.delta_shape, self.delta_strides, dtype=torch.float32, device=self.device)
         dq_sum = None
-        if self.one_pass:
+        if self.one_pass and not self.ordered:
             _alert_not_deterministic()
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
@@ -257,8 +261,13 @@ class _Passes:
         plan, args = launch.plan, (launch.mode, launch.causal, launch.qk_scale, launch.softmax_scale)
         dk, dv = layout.new_dk_dv(launch, k, v)
         if plan.dkdv.dq_writer:
+            order = None
+            if launch.ordered:
+                counters = torch.zeros(launch.q_shape[0] * launch.q_shape[1] * launch.query_blocks, dtype=torch.int32,
+                                       device=launch.device)
+                order = (counters, lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks), launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
-                                       launch.has_window, bound=bound)
+                                       launch.has_window, bound=bound, order=order)
         elif plan.dkdv.gluon and launch.dkdv_d256:
             _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile,
                                    launch.has_window, bound=bound)

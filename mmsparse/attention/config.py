@@ -104,11 +104,16 @@ class KernelConfig:
     # measured (13k-64k keys at D=64), so by default it runs at every length.
     one_pass_max_keys: int = 2048
     dq_writer_max_keys: int = EVERY_LENGTH
+    # deterministic=True runs the dQ-writer kernel too (where it runs: gluon_dq_writer, no dropout, below
+    # dq_writer_max_keys keys), its adds into each query block in the key blocks' launch order, each waiting for
+    # the one before (mask.add_order), instead of the two passes.
+    ordered_dq_writer: bool = False
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:
             _check_tile(name, getattr(self, name), optional=name in _OPTIONAL_TILES)
         _check_bool("KernelConfig.use_tma", self.use_tma)
+        _check_bool("KernelConfig.ordered_dq_writer", self.ordered_dq_writer)
         for name in THRESHOLDS:
             check_threshold(f"KernelConfig.{name}", name, getattr(self, name))
         for name, rows in _GLUON_ROWS.items():
@@ -203,11 +208,12 @@ class KernelConfig:
         return seq_k < self.one_pass_max_keys
 
     def runs_one_pass(self, seq_k: int, deterministic: bool, dropout: bool = False) -> bool:
-        """The backward over ``seq_k`` keys runs in one pass (dQ added, not owned): only where ``deterministic`` is
+        """The backward over ``seq_k`` keys runs in one pass (dQ added, not owned): where ``deterministic`` is
         False, below ``dq_writer_max_keys`` keys where the one pass is the dQ-writer kernel, else below
-        ``one_pass_max_keys``."""
+        ``one_pass_max_keys``; where it is True, only the dQ-writer kernel with ordered adds
+        (``ordered_dq_writer``), below ``dq_writer_max_keys``."""
         if deterministic:
-            return False
+            return self.ordered_dq_writer and self.one_pass_runs_dq_writer(dropout) and seq_k < self.dq_writer_max_keys
         if self.one_pass_runs_dq_writer(dropout):
             return seq_k < self.dq_writer_max_keys
         return self.one_pass(seq_k)

@@ -122,17 +122,22 @@ def run_bwd_dq_writer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], dq_sum: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, softmax_scale: float, tile: Tile, has_window: bool = False,
-    bound: dict[str, Any] | None = None,
+    bound: dict[str, Any] | None = None, order: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """The one-pass backward by ``kernels.gluon.bwd_dq_writer`` (two MMA warpgroups, a producer warp and a dQ writer
     warp): dK and dV into ``dk_dv`` as :func:`run_dkdv`, and dQ times the softmax scale added into ``dq_sum`` (a
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) by TMA bulk reduce-adds, at ``tile`` (block_n 128; block_m and
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
-    ``bound``: as :func:`run_dq`'s."""
-    s = _setup_of(bound, "bwd_dq_writer", lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value,
-                                                             "one-pass", mode, causal, has_window, True))
-    _launch_by_key(_DQ_WRITER, "bwd_dq_writer", s, (q, k, v, do, *dk_dv), (lse, delta, dq_sum), mask, qk_scale_log2,
-                   softmax_scale, bound)
+    ``order`` (deterministic): ``(counters, ranks, query_blocks)``, a zeroed int32 ``[B * Hq, query_blocks]``
+    and the lists' ``mask.add_order.dq_add_ranks``: the adds into each query block then land in the key blocks'
+    launch order. ``bound``: as :func:`run_dq`'s."""
+    name = "bwd_dq_writer" if order is None else "bwd_dq_writer-ordered"
+    flags = {} if order is None else dict(ORDERED=True)
+    s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value, "one-pass", mode,
+                                                  causal, has_window, True, **flags))
+    tail = (delta, delta, 0) if order is None else order  # unread without ORDERED: delta stands in
+    _launch_by_key(_DQ_WRITER, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_sum), mask, qk_scale_log2,
+                   softmax_scale, bound, tail)
 
 
 class _Setup(NamedTuple):

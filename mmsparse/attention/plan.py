@@ -43,13 +43,15 @@ class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
     dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass.
     ``dq_writer``: that one pass is the warp-specialised Gluon kernel with a dQ writer warp
-    (``kernels/gluon/bwd_dq_writer.py``, ``KernelConfig.gluon_dq_writer``)."""
+    (``kernels/gluon/bwd_dq_writer.py``, ``KernelConfig.gluon_dq_writer``). ``ordered``: its adds into each query
+    block land in a fixed order (deterministic: ``KernelConfig.ordered_dq_writer``)."""
 
     tile: Tile
     gluon: bool
     by_key: bool
     one_pass: bool = False
     dq_writer: bool = False
+    ordered: bool = False
 
     @property
     def lists(self) -> TileKey:
@@ -78,10 +80,12 @@ class AttentionPlan:
     def kernels(self) -> dict[str, str]:
         """Which kernel each pass runs: ``{"forward": "gluon" or "tl" (+ "-split"), "dq": ..., "dkdv": ...}``; the
         one-pass backward has ``"dq": "one-pass"`` (added by the dK/dV kernel), and ``"dkdv": "gluon-dq-writer"`` where
-        that is the dQ-writer kernel."""
+        that is the dQ-writer kernel (``"gluon-dq-writer-ordered"`` with its adds in order: deterministic)."""
         fwd = "gluon" if self.forward.gluon else "tl-split" if self.forward.n_splits > 1 else "tl"
         dq = "one-pass" if self.dq is None else "gluon" if self.dq.gluon else "tl"
-        dkdv = "gluon-dq-writer" if self.dkdv.dq_writer else "gluon" if self.dkdv.gluon else "tl"
+        dkdv = "gluon" if self.dkdv.gluon else "tl"
+        if self.dkdv.dq_writer:
+            dkdv = "gluon-dq-writer-ordered" if self.dkdv.ordered else "gluon-dq-writer"
         return {"forward": fwd, "dq": dq, "dkdv": dkdv}
 
 
@@ -106,7 +110,8 @@ def plan_attention(
             dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.dq_writer_max_keys`` keys
             for the dQ-writer kernel (every length by default), below ``config.one_pass_max_keys`` for the others,
             from where both older one-pass kernels were slower than the two-pass backward on every config measured.
-            True: the two passes (bitwise repeatable).
+            True: the two passes (bitwise repeatable), or where ``config.ordered_dq_writer`` is set the dQ-writer
+            kernel with its adds in order (bitwise repeatable too).
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -126,7 +131,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
     if config.runs_one_pass(seq_k, deterministic, dropout):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
                                 config.one_pass_runs_gluon(dropout), True, one_pass=True,
-                                dq_writer=config.one_pass_runs_dq_writer(dropout))
+                                dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic)
         return None, one_pass, False
     dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
     return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
@@ -198,7 +203,7 @@ def _plan_text(plan: CallPlan) -> str:
 
     def step(p: BackwardPass | None) -> tuple | None:
         return None if p is None else (("tile", tile(p.tile)), ("gluon", p.gluon), ("by_key", p.by_key),
-                                       ("one_pass", p.one_pass), ("dq_writer", p.dq_writer))
+                                       ("one_pass", p.one_pass), ("dq_writer", p.dq_writer), ("ordered", p.ordered))
 
     return _text_of((("forward", tile(plan.forward)), ("dq", step(plan.dq)), ("dkdv", step(plan.dkdv)),
                      *((name, getattr(plan, name)) for name in _PLAN_SCALARS)))
@@ -224,7 +229,7 @@ def call_plan_from_text(text: str) -> CallPlan:
         def pass_of(step: dict | None) -> BackwardPass | None:
             return None if step is None else BackwardPass(Tile(**step["tile"]), bool(step["gluon"]),
                                                           bool(step["by_key"]), bool(step["one_pass"]),
-                                                          bool(step["dq_writer"]))
+                                                          bool(step["dq_writer"]), bool(step["ordered"]))
 
         dkdv = pass_of(value["dkdv"])
         if dkdv is None:

@@ -27,10 +27,10 @@ def test_the_one_pass_docs_say_the_bulk_adds_are_built():
     assert "gluon_one_pass" in (REPO / "docs" / "tuning.md").read_text()
 
 
-# The ordered one-pass backward's names; the files below name them on purpose: the changelog and the performance
+# The retired ordered one-pass backward's names (the tl and bulk kernels' ordered adds; the dQ writer's ordered adds,
+# ``mask.add_order``, are another kernel's); the files below name them on purpose: the changelog and the performance
 # record (what was tried), the usage notes, the message and the test of the removed setting, and this file.
-ORDERED = re.compile(r"\bORDERED\b|add_order|dq_order|dq_add_ranks|visit_slot|ordered_one_pass|ordered-one-pass|"
-                     r"deterministic_backward=")
+ORDERED = re.compile(r"dq_order|visit_slot|ordered_one_pass|ordered-one-pass|deterministic_backward=")
 ORDERED_HISTORY = ("CHANGELOG.md", "docs/performance.md", "docs/usage.md", "mmsparse/attention/config.py",
                    "tests/kernels/test_plan.py", "tests/api/test_stale_names.py")
 

@@ -55,6 +55,7 @@ class Variant:
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
     long: bool = False  # dq_writer only: the tile of longer calls (config.GLUON_DQ_WRITER_LONG, 128 query rows)
     arrival: bool = False  # dkdv only: keys still landing (WAIT_ARRIVAL: a context-parallel rank's fetched keys)
+    ordered: bool = False  # dq_writer only: its adds in the key blocks' launch order (ORDERED: deterministic)
 
     @property
     def name(self) -> str:
@@ -62,6 +63,7 @@ class Variant:
         # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
         kind = "dkdv1p-bulk" if self.one_pass else "dqwriter" if self.kind == "dq_writer" else self.kind
         kind += "-128rows" if self.long else "-arrival" if self.arrival else ""
+        kind += "-ordered" if self.ordered else ""
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -134,6 +136,9 @@ VARIANTS = [
     Variant("dq_writer", 64, "bits", group=1, long=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True),
     Variant("dq_writer", 64, "dense", causal=True, window=True, long=True),
+    # ... and with its adds in order (deterministic=True where config.ordered_dq_writer is set)
+    Variant("dq_writer", 128, "bits", causal=True, ordered=True),
+    Variant("dq_writer", 64, "codes", causal=True, group=4, long=True, ordered=True),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -257,13 +262,18 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
                          ids=lambda v: v.name)
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     """The one-pass kernel adds dQ only by TMA bulk reduce-adds through the ``[B * Hq, Sq, D]`` dQ descriptor (rows
-    past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic."""
+    past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic but,
+    with its adds in order, the counter's: an acquire load before each step's adds, and after them a wait for their
+    writes (not only their reads) before one release add."""
     path = _compiled(ptx_dir, variant, ".ptx")
     ptx = path.read_text()
     assert re.search(BULK_REDUCE_ADD, ptx), f"{variant.name}: no TMA bulk reduce-add in the PTX"
     assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group" in ptx, variant.name
     atomics = re.findall(ANY_GLOBAL_ATOMIC + r"\S*", ptx)
-    assert not atomics, f"{variant.name}: {atomics}"
+    counting = ["red.release.gpu.global.add.s32"] if variant.ordered else []
+    assert atomics == counting, f"{variant.name}: {atomics}"
+    assert ("ld.acquire.gpu.global.b32" in ptx) == variant.ordered, variant.name
+    assert bool(re.search(r"cp\.async\.bulk\.wait_group 0;", ptx)) == variant.ordered, variant.name
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer")], ids=lambda v: v.name)
@@ -538,6 +548,7 @@ def _main(out: Path, only: str = "") -> None:
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.kernel_args import kernel_args
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+    from mmsparse.mask.add_order import lists_add_ranks
     from mmsparse.runtime.arrival import KeysArrival
 
     current = {}
@@ -581,8 +592,14 @@ def _main(out: Path, only: str = "") -> None:
             gluon_launch.run_dq(q, k, v, q.clone(), rows, rows, torch.empty_like(q), *mask, 1.0, 1.0, tile,
                                 variant.window)
         elif variant.kind == "dq_writer":
+            order = None
+            if variant.ordered:
+                counts, indices = mask[0][0][3], mask[0][0][4]
+                query_blocks = -(-seq // tile.block_m)
+                order = (torch.zeros(batch * heads * query_blocks, dtype=torch.int32),
+                         lists_add_ranks(counts, indices, query_blocks), query_blocks)
             gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
-                                           torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window)
+                                           torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window, order=order)
         elif variant.head_dim == 256:
             gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                        *mask, 1.0, 1.0, tile, variant.window)

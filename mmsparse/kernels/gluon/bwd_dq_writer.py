@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id
+from ..lists import WORDS_PER_ROW, block_id
 from ..rules import lse_in_scores
 from .common import (
     WG_ROWS,
@@ -81,6 +81,7 @@ from .common import (
     scores_init,
     thread_barrier,
     tma_atomic_add,
+    wait_for_arrival,
 )
 from .dkdv import WG_KEYS, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
@@ -276,40 +277,65 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
 
 
 @gluon.jit
-def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP: gl.constexpr, BM: gl.constexpr,
-               HEAD_DIM_PAD: gl.constexpr):
+def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, order_args, GROUP: gl.constexpr,
+               BM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, ORDERED: gl.constexpr):
     """Each step's dQ rows (query block ``idx_ptr[it]`` of the group's head g; ``bh0``: the group's first batch *
     Hq + head in the descriptor's ``[B * Hq, Sq, D]``): each MMA warpgroup's half added by one TMA bulk reduce-add
-    once staged, and freed once the reduce has read it."""
+    once staged, and freed once the reduce has read it. ``ORDERED``: the adds into one query block land in the
+    launch order of the key blocks (``order_args``: :func:`_count_add`'s counters, this list's ranks and the
+    query blocks a head)."""
     N: gl.constexpr = HEAD_DIM_PAD // 2
+    counters, rank_ptr, query_blocks = order_args
     i = 0
     for g in range(GROUP):
         for it in range(n_total):
-            row0 = block_id(idx_ptr, it) * BM
+            m = block_id(idx_ptr, it)
+            counter = counters  # read only when ORDERED
+            if ORDERED:
+                counter = counters + (bh0 + g).to(gl.int64) * query_blocks + m
+                wait_for_arrival(counter, gl.load(rank_ptr + it))
             for w in gl.static_range(2):
                 mbarrier.wait(dq_full.index(w), i & 1)
                 half = dq_stage.index(w)
-                tma_atomic_add(dq_desc, [bh0 + g, row0, w * N], half.reshape([1, BM, N]))
+                tma_atomic_add(dq_desc, [bh0 + g, m * BM, w * N], half.reshape([1, BM, N]))
             # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
             tma.store_wait(1)
             mbarrier.arrive(dq_empty.index(0))
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(1))
+            if ORDERED:
+                _count_add(counter)  # once written: the halves were freed once read
             i += 1
+
+
+@gluon.jit
+def _count_add(counter):
+    """Once this warp's bulk reduce-adds have landed in global memory (``cp.async.bulk.wait_group`` without
+    ``.read``: written, not only read from shared memory), count one more add of the query block: a release at
+    GPU scope by lane 0, after every lane (the issuing one among them) has passed the wait and ordered the async
+    proxy's writes before its own (FlashAttention-3's deterministic dQ semaphore)."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred first;\n\t.reg .b32 lane;\n\tcp.async.bulk.wait_group 0;\n\t"
+        "fence.proxy.async.global;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n\t"
+        "setp.eq.u32 first, lane, 0;\n\t@first red.release.gpu.global.add.s32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_bwd_dq_writer_gluon(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
-    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale,
+    seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, COUNTERS, RANKS, query_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    ORDERED: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s with
     ``ONE_PASS``: Q, K, V, dO, dK and dV as ``host_tma`` descriptors, DQ the ``host_tma.head_rows_descriptor``
     (``[B * Hq, Sq, D]``, ``[1, BM, HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the
-    launcher, which dQ times the softmax scale is added into."""
+    launcher, which dQ times the softmax scale is added into. ``ORDERED`` (deterministic): COUNTERS, a zeroed int32
+    ``[B * Hq, query_blocks]``, counts the adds into each query block, and RANKS (``mask.add_order.dq_add_ranks``,
+    the layout of INDICES) gives each list entry its turn; without it neither is read."""
     gl.static_assert(STAGES >= 2, "the producer refills a stage while the MMA warpgroups work on another")
     gl.static_assert(HEAD_DIM_PAD <= 128, "two 64 x D float32 accumulators a warpgroup: D=256 is gluon.dkdv_d256's")
     dtype: gl.constexpr = q_desc.dtype
@@ -349,6 +375,9 @@ def attention_bwd_dq_writer_gluon(
     barriers = (kv_bar, ready, empty, done)
     dq_ring = (ds_smem, ds_bars, dq_stage, dq_full, dq_empty)
     bh0 = b * NUM_HEADS + hk * GROUP  # the group's first head in the dQ descriptor's [B * Hq] rows
+    # the list's ranks sit where its ids do (counts' third word: the list's start)
+    list_start = gl.load(COUNTS + b.to(gl.int64) * stride_cnt_b + (col0 // (2 * WG_KEYS)) * WORDS_PER_ROW + 2)
+    order_args = (COUNTERS, RANKS + b.to(gl.int64) * stride_idx_b + list_start, query_blocks)
     gl.warp_specialize(
         [
             (_mma_warpgroup, (0, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
@@ -358,7 +387,8 @@ def attention_bwd_dq_writer_gluon(
             (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
                                   MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0)),
-            (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, GROUP, BM, HEAD_DIM_PAD)),
+            (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, order_args, GROUP, BM,
+                          HEAD_DIM_PAD, ORDERED)),
         ],
         WORKER_WARPS,
         WORKER_REGS,

@@ -1,0 +1,81 @@
+"""The order in which the key blocks of a by-key pass add into each query block's dQ, fixed so that the adds are
+bitwise repeatable: the launch order (``mask.list_order``). The programs of one (batch, KV head) start in launch
+order, so a program waits only for programs that started before it, which run or have finished: no wait can
+deadlock.
+
+Each entry of a key block's list gets its rank: how many key blocks earlier in the launch order list the same
+query block. The kernel then adds that query block's dQ once its counter reads the rank, and counts one more
+(``kernels.gluon.bwd_dq_writer``). Built from the lists alone, on their device, with no read-back: a sort of the
+lists' entries by (query block, launch position).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .blocks import BlockLists
+
+
+def dq_add_ranks(lists: BlockLists, query_blocks: int) -> torch.Tensor:
+    """int32 ``[Bm, L]``, the layout of ``lists.indices``: at each entry of a key block's list (a query block id
+    below ``query_blocks``), the number of the sample's key blocks before it in the launch order whose lists hold
+    the same query block. Slots past a list's end hold what the sort leaves there; no kernel reads them."""
+    counts, indices = lists.counts.long(), lists.indices
+    samples, rows, slots = counts.shape[0], counts.shape[1], indices.shape[1]
+    device = counts.device
+    if not (samples and rows and slots):
+        return torch.zeros((samples, slots), dtype=torch.int32, device=device)
+    start, length, order = counts[..., 2].contiguous(), counts[..., 0] + counts[..., 1], counts[..., 3]
+    # position[row]: where the row's program stands in the launch order (order[position] = row)
+    places = torch.arange(rows, device=device).expand(samples, rows)
+    position = torch.empty_like(order).scatter_(1, order, places)
+    slot = torch.arange(slots, device=device).expand(samples, slots).contiguous()
+    # the row that owns each slot: starts ascend with the row (fixed slots r * C, or packed end to end)
+    owner = (torch.searchsorted(start, slot, right=True) - 1).clamp_(min=0)
+    live = slot < start.gather(1, owner) + length.gather(1, owner)
+    past = query_blocks * rows  # after every live key
+    key = torch.where(live, indices.long() * rows + position.gather(1, owner), past)
+    sorted_key, by_key = torch.sort(key, dim=1)
+    # each entry's rank: its place in the sorted run of its query block's entries
+    run_start = torch.searchsorted(sorted_key, torch.div(sorted_key, rows, rounding_mode="floor") * rows)
+    ranks = (slot - run_start).to(torch.int32)
+    return torch.empty((samples, slots), dtype=torch.int32, device=device).scatter_(1, by_key, ranks)
+
+
+# The ranks of the lists in use, by the identity of their ids tensor: a mask's lists are written once, before any
+# launch reads them, and never again, so their ranks hold while the tensor lives (a finalizer drops the entry).
+_RANKS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_RANKS_LOCK = threading.Lock()
+
+
+def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int) -> torch.Tensor:
+    """:func:`dq_add_ranks` of the lists ``(counts, indices)``, built on the current stream at their first use and
+    kept while ``indices`` lives (every layer and step of a mask reuses them). A traced graph's lists are new
+    tensors at each step, and their ranks are built at each step; so are those built in a CUDA graph's capture,
+    which its replays write."""
+    key = id(indices)
+    kept = _RANKS.get(key)
+    if kept is not None and kept[0]() is indices and kept[1] == query_blocks:
+        return kept[2]
+    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks)
+    if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
+        return ranks
+    with _RANKS_LOCK:
+        if key not in _RANKS:
+            weakref.finalize(indices, _RANKS.pop, key, None)
+        _RANKS[key] = (weakref.ref(indices), query_blocks, ranks)
+    return ranks
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """A CUDA graph is being captured: the ranks are written only when it replays, so none are kept for eager
+    calls."""
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """A FakeTensor (a graph being traced): nothing of it is kept."""
+    return type(tensor).__name__ == "FakeTensor"

@@ -1,0 +1,175 @@
+"""The dQ-writer kernel with its adds in order (``KernelConfig.ordered_dq_writer``): deterministic=True's backward in
+one pass, the adds into each query block in the key blocks' launch order (``mmsparse.mask.add_order``). Its plan on
+any machine; on an sm_90 GPU the output and all three gradients against float64 on the dQ writer's cases, packed
+lists and packs of samples, and dQ, dK and dV bitwise equal from run to run where the unordered kernel's dQ is not."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from mmsparse import mbs_attention, mbs_attention_varlen, reference_mask
+from mmsparse.attention.config import KernelConfig
+from mmsparse.attention.plan import call_plan_from_text, plan_attention, plan_call
+from mmsparse.kernels.constants import MASK_BITS
+from mmsparse.tuning import use_tuning
+from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
+from tests.kernels.test_hopper_dq_writer import writer_config
+from tests.kernels.test_hopper_one_pass import CASES, _case_id
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+def ordered_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
+    return dataclasses.replace(writer_config(head_dim, dtype), ordered_dq_writer=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The switch and the plan (any machine)
+
+
+def test_deterministic_plans_the_ordered_writer():
+    """With the switch, deterministic=True plans the dQ writer with ordered adds (one pass, no side stream) and
+    deterministic=False the unordered one; with dropout, without the writer's tile or past dq_writer_max_keys the
+    two passes stay."""
+    config = ordered_config(128)
+    plan = plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=True)
+    assert plan.dq is None and plan.dkdv.dq_writer and plan.dkdv.ordered and not plan.side_stream
+    assert plan.kernels()["dkdv"] == "gluon-dq-writer-ordered"
+    unordered = plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=False)
+    assert unordered.dkdv.dq_writer and not unordered.dkdv.ordered
+    assert plan_attention(config, 1, 4, 2, 4096, 4096, CPU, dropout=True, deterministic=True).dq is not None
+    no_writer = dataclasses.replace(config, gluon_dq_writer=None, gluon_dq_writer_long=None)
+    assert plan_attention(no_writer, 1, 4, 2, 4096, 4096, CPU, deterministic=True).dq is not None
+    capped = dataclasses.replace(config, dq_writer_max_keys=4096)
+    assert plan_attention(capped, 1, 4, 2, 4095, 4095, CPU, deterministic=True).dkdv.ordered
+    assert plan_attention(capped, 1, 4, 2, 4096, 4096, CPU, deterministic=True).dq is not None
+    assert not writer_config(128).ordered_dq_writer  # off unless asked for
+
+
+def test_the_plan_text_carries_the_order():
+    """The ops' plan text holds ``ordered``: a traced backward runs the ordered kernel too."""
+    plan = plan_call(ordered_config(64), 3000, 3000, CPU, None, False, True, MASK_BITS, True, None, 3)
+    assert plan.dkdv.ordered and call_plan_from_text(plan.text) == plan
+    unordered = plan_call(ordered_config(64), 3000, 3000, CPU, None, False, False, MASK_BITS, True, None, 3)
+    assert not unordered.dkdv.ordered and call_plan_from_text(unordered.text) == unordered
+
+
+def test_the_switch_is_a_bool():
+    with pytest.raises(TypeError, match="ordered_dq_writer must be True or False"):
+        dataclasses.replace(writer_config(128), ordered_dq_writer=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On an sm_90 GPU
+
+
+@pytest.fixture
+def writer_orders(monkeypatch):
+    """Whether each dQ-writer launch had its adds ordered, and the name of any other Gluon backward launcher that
+    ran."""
+    from mmsparse.attention import gluon_launch
+
+    calls = []
+    real = {name: getattr(gluon_launch, name) for name in ("run_bwd_dq_writer", "run_dkdv", "run_dq")}
+    signature = inspect.signature(real["run_bwd_dq_writer"])
+
+    def spy(name):
+        def launch(*args, **kwargs):
+            if name == "run_bwd_dq_writer":
+                calls.append("ordered" if signature.bind(*args, **kwargs).arguments.get("order") else "unordered")
+            else:
+                calls.append(name)
+            return real[name](*args, **kwargs)
+        return launch
+
+    for name in real:
+        monkeypatch.setattr(gluon_launch, name, spy(name))
+    return calls
+
+
+def _run(q, k, v, config, deterministic=True, **kwargs):
+    with use_tuning(config):
+        out = mbs_attention(q, k, v, deterministic=deterministic, **kwargs)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    return out, grad_out
+
+
+@pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES), ids=_case_id)
+def test_ordered_writer_matches_float64(name, writer_orders):
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
+    seq = sum(lens)
+    seq_q = seq_q or seq
+    q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
+    out, grad_out = _run(q, k, v, ordered_config(head_dim, dtype), topology=topo, seg_lens=lens, causal=causal,
+                         window=window)
+    assert writer_orders == ["ordered"]
+    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ordered_writer_over_packed_lists(head_dim, writer_orders):
+    """Lists packed end to end (compact_bytes 1: every list), per-sample lengths, GQA 4: each sample's ranks."""
+    lens = [(700, 1500, 1001), (2000, 900, 301)]
+    q, k, v = make_qkv(2, 8, 2, 3202, 3202, head_dim, torch.bfloat16, CUDA)
+    config = dataclasses.replace(ordered_config(head_dim), compact_bytes=1)
+    out, grad_out = _run(q, k, v, config, topology=CYCLIC, seg_lens=lens, causal=True)
+    assert writer_orders == ["ordered"]
+    check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, 3202, causal=True))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_ordered_writer_over_a_pack_of_samples(writer_orders):
+    rows = [[300, 200, 100], [50, 700, 0], [129, 257, 513]]
+    seq = sum(map(sum, rows))
+    q, k, v = make_qkv(1, 4, 2, seq, seq, 128, torch.bfloat16, CUDA)
+    with use_tuning(ordered_config(128)):
+        out = mbs_attention_varlen(q, k, v, HUB, rows, causal=True, deterministic=True)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert writer_orders == ["ordered"]
+    mask = torch.block_diag(*(reference_mask(HUB, r, sum(r), causal=True) for r in rows))
+    check_outputs(q, k, v, out, grad_out, mask)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_orders):
+    """Many key blocks add into each query block (6k keys, 8 heads over 2 KV heads, 2 samples: 200+ CTAs, more than
+    the GPU holds at once): dQ, dK and dV are bitwise equal over four backward passes, under
+    torch.use_deterministic_algorithms(True), which the unordered kernel refuses."""
+    lens = (1500, 3000, 1700)
+    seq = sum(lens)
+    q, k, v = make_qkv(2, 8, 2, seq, seq, head_dim, torch.bfloat16, CUDA)
+    grad_out = torch.randn(2, 8, seq, head_dim, device=CUDA, dtype=torch.bfloat16)
+    config = ordered_config(head_dim)
+    runs, outs = [], []
+    with use_tuning(config):
+        torch.use_deterministic_algorithms(True)
+        try:
+            for _ in range(4):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                outs.append(mbs_attention(*leaves, HUB, lens, causal=True))
+                outs[-1].backward(grad_out)
+                runs.append([t.grad for t in leaves])
+            with pytest.raises(RuntimeError, match="not deterministic"):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                mbs_attention(*leaves, HUB, lens, causal=True, deterministic=False).backward(grad_out)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert writer_orders[:4] == ["ordered"] * 4
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), f"{name} changed from run to run"
+    check_outputs(q, k, v, outs[0], grad_out, reference_mask(HUB, lens, seq, causal=True), grads=runs[0])

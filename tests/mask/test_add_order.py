@@ -1,0 +1,86 @@
+"""The ranks that order the dQ writer's adds (``mmsparse.mask.add_order``): for every entry of a key block's list,
+the number of key blocks before it in the launch order whose lists hold the same query block, counted here by a
+walk over the launch order, for lists in fixed slots and packed end to end, shared by the batch and per sample,
+with empty rows; and kept per lists while they live."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from mmsparse.mask.add_order import _RANKS, dq_add_ranks, lists_add_ranks
+from mmsparse.mask.blocks import BlockLists, lists_from_classes
+from mmsparse.mask.build import build_mask_info
+from tests.helpers import HUB
+
+
+def walked_ranks(lists: BlockLists) -> dict[tuple[int, int], int]:
+    """{(sample, slot): rank} by walking each sample's rows in launch order and counting each query block's
+    entries so far."""
+    ranks = {}
+    counts = lists.counts.tolist()
+    indices = lists.indices.tolist()
+    for b, rows in enumerate(counts):
+        seen: dict[int, int] = {}
+        for place in range(len(rows)):
+            full, partial, start, _ = rows[rows[place][3]]
+            for slot in range(start, start + full + partial):
+                block = indices[b][slot]
+                ranks[(b, slot)] = seen.get(block, 0)
+                seen[block] = seen.get(block, 0) + 1
+    return ranks
+
+
+def assert_ranks(lists: BlockLists, query_blocks: int) -> int:
+    ranks = dq_add_ranks(lists, query_blocks)
+    assert ranks.dtype == torch.int32 and ranks.shape == lists.indices.shape
+    expected = walked_ranks(lists)
+    got = {key: int(ranks[key]) for key in expected}
+    assert got == expected
+    return len(expected)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranks_of_random_tile_maps(seed):
+    """Fixed-slot lists of random tile maps, 1-3 samples, rows with empty lists among them."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    samples, rows, cols = rng.randint(1, 3), rng.randint(1, 12), rng.randint(1, 16)
+    live = torch.rand(samples, rows, cols) < 0.5
+    live[:, rng.randrange(rows)] = False  # an empty list
+    full = live & (torch.rand(samples, rows, cols) < 0.5)
+    assert assert_ranks(lists_from_classes(live, full), cols) == int(live.sum())
+
+
+@pytest.mark.parametrize("compact_bytes", [0, 1 << 40], ids=["packed", "fixed-slots"])
+@pytest.mark.parametrize("lens", [(300, 0, 517), [(100, 500, 217), (400, 17, 400)]], ids=["shared", "per-sample"])
+def test_ranks_of_a_masks_key_lists(compact_bytes, lens):
+    """The by-key lists a mask builds for the dQ writer's tile (64 query rows x 128 keys), packed end to end and in
+    fixed slots, shared by the batch and per sample."""
+    info = build_mask_info(HUB, lens, 817, 817, True, torch.device("cpu"))
+    lists = info.lists(64, 128, True, compact_bytes)
+    assert lists.counts.shape[0] == (1 if isinstance(lens, tuple) else 2)
+    assert assert_ranks(lists, -(-817 // 64)) > 0
+
+
+def test_no_rows_or_entries():
+    empty = BlockLists(torch.zeros(1, 0, 4, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32))
+    assert dq_add_ranks(empty, 3).shape == (1, 0)
+    none_live = lists_from_classes(torch.zeros(1, 3, 4, dtype=torch.bool), torch.zeros(1, 3, 4, dtype=torch.bool))
+    assert dq_add_ranks(none_live, 4).shape == none_live.indices.shape
+
+
+def test_ranks_are_kept_while_their_lists_live():
+    live = torch.rand(1, 5, 10) < 0.5
+    lists = lists_from_classes(live, live & (torch.rand(1, 5, 10) < 0.5))
+    first = lists_add_ranks(lists.counts, lists.indices, 10)
+    assert lists_add_ranks(lists.counts, lists.indices, 10) is first
+    assert torch.equal(first, dq_add_ranks(lists, 10))
+    key = id(lists.indices)
+    assert key in _RANKS
+    del lists
+    gc.collect()
+    assert key not in _RANKS
