@@ -127,8 +127,9 @@ class BackwardLaunch:
         layout = bound["layout"]
         delta = torch.empty_strided(self.delta_shape, self.delta_strides, dtype=torch.float32, device=self.device)
         dq_sum = None
-        if self.one_pass and not self.ordered:
-            _alert_not_deterministic()
+        if self.one_pass:
+            if not self.ordered:
+                _alert_not_deterministic()
             # the float32 dQ accumulator, zeroed by the delta kernel (rows no tile reaches stay 0)
             dq_sum = torch.empty(self.q_shape, dtype=torch.float32, device=self.device)
         own_delta = self.dq_owns_delta and hooks is None
