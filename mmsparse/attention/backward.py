@@ -26,7 +26,7 @@ from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
 from .forward import _LOG2E, dot_mode
 from .kernel_args import LaunchArgs
 from .layouts import in_eights, kernel_layout, output_strides
-from .plan import AttentionPlan, CallPlan
+from .plan import AttentionPlan, CallPlan, sm_count
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
@@ -79,6 +79,8 @@ class BackwardLaunch:
         # the ordered dQ writer (deterministic): a counter of adds per (batch * head, query block)
         self.ordered = plan.dkdv.ordered
         self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
+        # its programs that run at once (one a multiprocessor: each takes most of one's shared memory)
+        self.resident = sm_count(q.device) if self.ordered else 1
         self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
                                      ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
@@ -266,7 +268,8 @@ class _Passes:
             if launch.ordered:
                 counters = torch.zeros(launch.q_shape[0] * launch.q_shape[1] * launch.query_blocks, dtype=torch.int32,
                                        device=launch.device)
-                order = (counters, lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks), launch.query_blocks)
+                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks, launch.resident)
+                order = (counters, ranks, launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
                                        launch.has_window, bound=bound, order=order)
         elif plan.dkdv.gluon and launch.dkdv_d256:

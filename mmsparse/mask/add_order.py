@@ -1,12 +1,20 @@
 """The order in which the key blocks of a by-key pass add into each query block's dQ, fixed so that the adds are
-bitwise repeatable: the launch order (``mask.list_order``). The programs of one (batch, KV head) start in launch
-order, so a program waits only for programs that started before it, which run or have finished: no wait can
-deadlock.
+bitwise repeatable, and chosen so that the programs rarely wait for it.
 
-Each entry of a key block's list gets its rank: how many key blocks earlier in the launch order list the same
-query block. The kernel then adds that query block's dQ once its counter reads the rank, and counts one more
-(``kernels.gluon.bwd_dq_writer``). Built from the lists alone, on their device, with no read-back: a sort of the
-lists' entries by (query block, launch position).
+Each entry of a key block's list gets its rank among the entries of all the sample's key blocks that hold the same
+query block; the kernel adds that query block's dQ once its counter reads the rank, and counts one more
+(``kernels.gluon.bwd_dq_writer``). The entries of one query block rank by the step at which their program reaches
+them (the entry's place in its list), then by launch position (``mask.list_order``): programs that step through
+their lists side by side then find each query block's earlier adds done, as FlashAttention-3's deterministic
+causal backward orders its key blocks. A program waits only for entries of earlier steps, or of its own step and
+earlier programs, so the waits form no cycle.
+
+They must also never wait for a program that cannot start. The programs of one (batch, KV head) start in launch
+order, and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program
+waits only for programs of its own group or of earlier ones. Every earlier group has started (the hardware starts
+programs in launch order), and once the programs before its group have finished, its whole group is resident.
+
+Built from the lists alone, on their device, with no read-back: one sort of the lists' entries.
 """
 
 from __future__ import annotations
@@ -19,15 +27,19 @@ import torch
 from .blocks import BlockLists
 
 
-def dq_add_ranks(lists: BlockLists, query_blocks: int) -> torch.Tensor:
+def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int) -> torch.Tensor:
     """int32 ``[Bm, L]``, the layout of ``lists.indices``: at each entry of a key block's list (a query block id
-    below ``query_blocks``), the number of the sample's key blocks before it in the launch order whose lists hold
-    the same query block. Slots past a list's end hold what the sort leaves there; no kernel reads them."""
+    below ``query_blocks``), the number of entries of the sample's other key blocks that hold the same query block
+    and add before it: in an earlier group of ``resident`` programs in launch order, or in the same group at an
+    earlier step, or at the same step by an earlier program. Slots past a list's end hold what the sort leaves
+    there; no kernel reads them."""
     counts, indices = lists.counts.long(), lists.indices
     samples, rows, slots = counts.shape[0], counts.shape[1], indices.shape[1]
     device = counts.device
     if not (samples and rows and slots):
         return torch.zeros((samples, slots), dtype=torch.int32, device=device)
+    if resident < 1:
+        raise ValueError(f"resident is the number of programs a GPU runs at once, at least 1; got {resident}")
     start, length, order = counts[..., 2].contiguous(), counts[..., 0] + counts[..., 1], counts[..., 3]
     # position[row]: where the row's program stands in the launch order (order[position] = row)
     places = torch.arange(rows, device=device).expand(samples, rows)
@@ -35,38 +47,43 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int) -> torch.Tensor:
     slot = torch.arange(slots, device=device).expand(samples, slots).contiguous()
     # the row that owns each slot: starts ascend with the row (fixed slots r * C, or packed end to end)
     owner = (torch.searchsorted(start, slot, right=True) - 1).clamp_(min=0)
-    live = slot < start.gather(1, owner) + length.gather(1, owner)
-    past = query_blocks * rows  # after every live key
-    key = torch.where(live, indices.long() * rows + position.gather(1, owner), past)
+    owner_start = start.gather(1, owner)
+    live = slot < owner_start + length.gather(1, owner)
+    place = position.gather(1, owner)
+    groups = -(-rows // resident)
+    # (query block, group, step, launch position), one number: a list's steps are below query_blocks
+    turn = ((torch.div(place, resident, rounding_mode="floor") * query_blocks + (slot - owner_start)) * rows + place)
+    per_block = groups * query_blocks * rows
+    key = torch.where(live, indices.long() * per_block + turn, query_blocks * per_block)
     sorted_key, by_key = torch.sort(key, dim=1)
     # each entry's rank: its place in the sorted run of its query block's entries
-    run_start = torch.searchsorted(sorted_key, torch.div(sorted_key, rows, rounding_mode="floor") * rows)
+    run_start = torch.searchsorted(sorted_key, torch.div(sorted_key, per_block, rounding_mode="floor") * per_block)
     ranks = (slot - run_start).to(torch.int32)
     return torch.empty((samples, slots), dtype=torch.int32, device=device).scatter_(1, by_key, ranks)
 
 
 # The ranks of the lists in use, by the identity of their ids tensor: a mask's lists are written once, before any
 # launch reads them, and never again, so their ranks hold while the tensor lives (a finalizer drops the entry).
-_RANKS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_RANKS: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 _RANKS_LOCK = threading.Lock()
 
 
-def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int) -> torch.Tensor:
+def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int, resident: int) -> torch.Tensor:
     """:func:`dq_add_ranks` of the lists ``(counts, indices)``, built on the current stream at their first use and
     kept while ``indices`` lives (every layer and step of a mask reuses them). A traced graph's lists are new
     tensors at each step, and their ranks are built at each step; so are those built in a CUDA graph's capture,
     which its replays write."""
     key = id(indices)
     kept = _RANKS.get(key)
-    if kept is not None and kept[0]() is indices and kept[1] == query_blocks:
+    if kept is not None and kept[0]() is indices and kept[1] == (query_blocks, resident):
         return kept[2]
-    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks)
+    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks, resident)
     if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
         return ranks
     with _RANKS_LOCK:
         if key not in _RANKS:
             weakref.finalize(indices, _RANKS.pop, key, None)
-        _RANKS[key] = (weakref.ref(indices), query_blocks, ranks)
+        _RANKS[key] = (weakref.ref(indices), (query_blocks, resident), ranks)
     return ranks
 
 

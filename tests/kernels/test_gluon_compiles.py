@@ -597,7 +597,7 @@ def _main(out: Path, only: str = "") -> None:
                 counts, indices = mask[0][0][3], mask[0][0][4]
                 query_blocks = -(-seq // tile.block_m)
                 order = (torch.zeros(batch * heads * query_blocks, dtype=torch.int32),
-                         lists_add_ranks(counts, indices, query_blocks), query_blocks)
+                         lists_add_ranks(counts, indices, query_blocks, 132), query_blocks)
             gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                            torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window, order=order)
         elif variant.head_dim == 256:

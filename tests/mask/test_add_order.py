@@ -17,27 +17,30 @@ from mmsparse.mask.build import build_mask_info
 from tests.helpers import HUB
 
 
-def walked_ranks(lists: BlockLists) -> dict[tuple[int, int], int]:
-    """{(sample, slot): rank} by walking each sample's rows in launch order and counting each query block's
-    entries so far."""
+def walked_ranks(lists: BlockLists, resident: int) -> dict[tuple[int, int], int]:
+    """{(sample, slot): rank}: each sample's entries walked group of ``resident`` programs by group (in launch
+    order), within a group step by step, within a step program by program, counting each query block's entries so
+    far."""
     ranks = {}
     counts = lists.counts.tolist()
     indices = lists.indices.tolist()
     for b, rows in enumerate(counts):
         seen: dict[int, int] = {}
-        for place in range(len(rows)):
-            full, partial, start, _ = rows[rows[place][3]]
-            for slot in range(start, start + full + partial):
-                block = indices[b][slot]
-                ranks[(b, slot)] = seen.get(block, 0)
-                seen[block] = seen.get(block, 0) + 1
+        for first in range(0, len(rows), resident):
+            group = [rows[rows[place][3]] for place in range(first, min(first + resident, len(rows)))]
+            for step in range(max((full + partial for full, partial, _, _ in group), default=0)):
+                for full, partial, start, _ in group:
+                    if step < full + partial:
+                        block = indices[b][start + step]
+                        ranks[(b, start + step)] = seen.get(block, 0)
+                        seen[block] = seen.get(block, 0) + 1
     return ranks
 
 
-def assert_ranks(lists: BlockLists, query_blocks: int) -> int:
-    ranks = dq_add_ranks(lists, query_blocks)
+def assert_ranks(lists: BlockLists, query_blocks: int, resident: int) -> int:
+    ranks = dq_add_ranks(lists, query_blocks, resident)
     assert ranks.dtype == torch.int32 and ranks.shape == lists.indices.shape
-    expected = walked_ranks(lists)
+    expected = walked_ranks(lists, resident)
     got = {key: int(ranks[key]) for key in expected}
     assert got == expected
     return len(expected)
@@ -52,7 +55,9 @@ def test_ranks_of_random_tile_maps(seed):
     live = torch.rand(samples, rows, cols) < 0.5
     live[:, rng.randrange(rows)] = False  # an empty list
     full = live & (torch.rand(samples, rows, cols) < 0.5)
-    assert assert_ranks(lists_from_classes(live, full), cols) == int(live.sum())
+    lists = lists_from_classes(live, full)
+    for resident in (1, 2, 5, rows):
+        assert assert_ranks(lists, cols, resident) == int(live.sum())
 
 
 @pytest.mark.parametrize("compact_bytes", [0, 1 << 40], ids=["packed", "fixed-slots"])
@@ -63,22 +68,27 @@ def test_ranks_of_a_masks_key_lists(compact_bytes, lens):
     info = build_mask_info(HUB, lens, 817, 817, True, torch.device("cpu"))
     lists = info.lists(64, 128, True, compact_bytes)
     assert lists.counts.shape[0] == (1 if isinstance(lens, tuple) else 2)
-    assert assert_ranks(lists, -(-817 // 64)) > 0
+    for resident in (3, 132):
+        assert assert_ranks(lists, -(-817 // 64), resident) > 0
 
 
 def test_no_rows_or_entries():
     empty = BlockLists(torch.zeros(1, 0, 4, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32))
-    assert dq_add_ranks(empty, 3).shape == (1, 0)
+    assert dq_add_ranks(empty, 3, 132).shape == (1, 0)
     none_live = lists_from_classes(torch.zeros(1, 3, 4, dtype=torch.bool), torch.zeros(1, 3, 4, dtype=torch.bool))
-    assert dq_add_ranks(none_live, 4).shape == none_live.indices.shape
+    assert dq_add_ranks(none_live, 4, 132).shape == none_live.indices.shape
+    with pytest.raises(ValueError, match="resident is the number of programs"):
+        dq_add_ranks(lists_from_classes(torch.ones(1, 3, 4, dtype=torch.bool), torch.ones(1, 3, 4, dtype=torch.bool)),
+                     4, 0)
 
 
 def test_ranks_are_kept_while_their_lists_live():
     live = torch.rand(1, 5, 10) < 0.5
     lists = lists_from_classes(live, live & (torch.rand(1, 5, 10) < 0.5))
-    first = lists_add_ranks(lists.counts, lists.indices, 10)
-    assert lists_add_ranks(lists.counts, lists.indices, 10) is first
-    assert torch.equal(first, dq_add_ranks(lists, 10))
+    first = lists_add_ranks(lists.counts, lists.indices, 10, 4)
+    assert lists_add_ranks(lists.counts, lists.indices, 10, 4) is first
+    assert torch.equal(first, dq_add_ranks(lists, 10, 4))
+    assert torch.equal(lists_add_ranks(lists.counts, lists.indices, 10, 2), dq_add_ranks(lists, 10, 2))
     key = id(lists.indices)
     assert key in _RANKS
     del lists

@@ -105,7 +105,8 @@ _DS_FULL, _DS_READ = gl.constexpr(0), gl.constexpr(1)
 @gluon.jit
 def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale,
                    sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                   MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+                   MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                   HEADS_INNER: gl.constexpr):
     """MMA warpgroup WG, keys col0 + 64 WG ..: dK and dV over every step, and its half of dQ's columns of each step
     handed to the writer (the module's docstring has the order of a step)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
@@ -136,11 +137,15 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
     it = -1  # next_entry's predecessor of entry 0
+    head = GROUP - 1  # with HEADS_INNER: the step's head, before step 0 the last
     mbarrier.wait(kv_bar, 0)
     for i in range(total):
         # Nothing in flight on entry.
         stage, phase = count_slot(stage, phase, STAGES)
-        it = next_entry(it, n_total, GROUP)
+        if HEADS_INNER:
+            it, head = _entry_heads_inner(it, head, GROUP)
+        else:
+            it = next_entry(it, n_total, GROUP)
         mbarrier.wait(ready.index(stage), phase)
         if BM > WG_ROWS:
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale,
@@ -193,6 +198,21 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     fence_async_shared()
     thread_barrier()  # every thread's stores and fence before the one arrival
     mbarrier.arrive(done)
+
+
+@gluon.jit
+def _entry_heads_inner(it, head, GROUP: gl.constexpr):
+    """Step i's (list entry, head) from step i-1's, where every head of an entry takes its step before the next
+    entry's (``HEADS_INNER``): counted, not divided (as :func:`.common.next_entry`)."""
+    head = head + 1
+    if GROUP > 1:
+        wrap = head == GROUP
+        it = gl.where(wrap, it + 1, it)
+        head = gl.where(wrap, 0, head)
+    else:
+        it = it + 1
+        head = 0
+    return it, head
 
 
 @gluon.jit
@@ -282,30 +302,44 @@ def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, orde
     """Each step's dQ rows (query block ``idx_ptr[it]`` of the group's head g; ``bh0``: the group's first batch *
     Hq + head in the descriptor's ``[B * Hq, Sq, D]``): each MMA warpgroup's half added by one TMA bulk reduce-add
     once staged, and freed once the reduce has read it. ``ORDERED``: the adds into one query block land in the
-    launch order of the key blocks (``order_args``: :func:`_count_add`'s counters, this list's ranks and the
-    query blocks a head)."""
-    N: gl.constexpr = HEAD_DIM_PAD // 2
+    order of ``mask.add_order`` (``order_args``: :func:`_count_add`'s counters, this list's ranks and the query
+    blocks a head)."""
     counters, rank_ptr, query_blocks = order_args
-    i = 0
-    for g in range(GROUP):
+    if ORDERED:  # every head of an entry in turn (HEADS_INNER), as the MMA warpgroups take them
         for it in range(n_total):
-            m = block_id(idx_ptr, it)
-            counter = counters  # read only when ORDERED
-            if ORDERED:
-                counter = counters + (bh0 + g).to(gl.int64) * query_blocks + m
-                wait_for_arrival(counter, gl.load(rank_ptr + it))
-            for w in gl.static_range(2):
-                mbarrier.wait(dq_full.index(w), i & 1)
-                half = dq_stage.index(w)
-                tma_atomic_add(dq_desc, [bh0 + g, m * BM, w * N], half.reshape([1, BM, N]))
-            # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
-            tma.store_wait(1)
-            mbarrier.arrive(dq_empty.index(0))
-            tma.store_wait(0)
-            mbarrier.arrive(dq_empty.index(1))
-            if ORDERED:
-                _count_add(counter)  # once written: the halves were freed once read
-            i += 1
+            rank = gl.load(rank_ptr + it)
+            for g in range(GROUP):
+                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, it * GROUP + g,
+                          counters + (bh0 + g).to(gl.int64) * query_blocks, rank, BM, HEAD_DIM_PAD, True)
+    else:
+        for g in range(GROUP):
+            for it in range(n_total):
+                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, g * n_total + it, counters, 0,
+                          BM, HEAD_DIM_PAD, False)
+
+
+@gluon.jit
+def _add_step(dq_desc, bh, dq_stage, dq_full, dq_empty, idx_ptr, it, i, head_counters, rank, BM: gl.constexpr,
+              HEAD_DIM_PAD: gl.constexpr, ORDERED: gl.constexpr):
+    """The writer's step i: list entry ``it``'s query block of head ``bh`` (batch * Hq + head), both halves added
+    once staged and freed once read; with ``ORDERED`` first waited for until its counter (``head_counters`` plus
+    the block) reads ``rank``, and counted once written."""
+    N: gl.constexpr = HEAD_DIM_PAD // 2
+    m = block_id(idx_ptr, it)
+    counter = head_counters + m
+    if ORDERED:
+        wait_for_arrival(counter, rank)
+    for w in gl.static_range(2):
+        mbarrier.wait(dq_full.index(w), i & 1)
+        half = dq_stage.index(w)
+        tma_atomic_add(dq_desc, [bh, m * BM, w * N], half.reshape([1, BM, N]))
+    # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
+    tma.store_wait(1)
+    mbarrier.arrive(dq_empty.index(0))
+    tma.store_wait(0)
+    mbarrier.arrive(dq_empty.index(1))
+    if ORDERED:
+        _count_add(counter)  # once written: the halves were freed once read
 
 
 @gluon.jit
@@ -381,12 +415,12 @@ def attention_bwd_dq_writer_gluon(
     gl.warp_specialize(
         [
             (_mma_warpgroup, (0, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
-                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED)),
             (_mma_warpgroup, (1, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
-                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED)),
             (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
-                                  MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0)),
+                                  MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0, None, False, ORDERED)),
             (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, order_args, GROUP, BM,
                           HEAD_DIM_PAD, ORDERED)),
         ],

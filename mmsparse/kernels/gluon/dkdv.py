@@ -67,12 +67,14 @@ BLOCK_N = 2 * WG_KEYS.value
 @gluon.jit
 def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0, arrival=None, WAIT_ARRIVAL: gl.constexpr = False):
+              MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0, arrival=None, WAIT_ARRIVAL: gl.constexpr = False,
+              HEADS_INNER: gl.constexpr = False):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64); the rows ROW_PART at
-    a time (``dkdv_rows.stage_query_blocks``). With ``WAIT_ARRIVAL``, ``arrival`` is (flag, epoch, whether this
-    key block's keys are still landing): such a block's K and V are loaded once the flag reads the epoch."""
+    a time (``dkdv_rows.stage_query_blocks``; its step order: ``HEADS_INNER``). With ``WAIT_ARRIVAL``, ``arrival``
+    is (flag, epoch, whether this key block's keys are still landing): such a block's K and V are loaded once the
+    flag reads the epoch."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
@@ -84,7 +86,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
     stage_query_blocks(LSE, DELTA, q_desc, do_desc, (q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem),
                        ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr, seq_q, NUM_HEADS, GROUP, BM, STAGES,
-                       MASK_MODE, ROW_PART)
+                       MASK_MODE, ROW_PART, HEADS_INNER)
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)

@@ -84,41 +84,59 @@ def _part(row_smem, part, PART: gl.constexpr, BM: gl.constexpr):
 @gluon.jit
 def stage_query_blocks(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr,
                        seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0):
-    """``stages``: the ring's (q, do, lse, delta, rows, qbits) shared tiles; step ``g * n_total + it`` takes
+                       STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0,
+                       HEADS_INNER: gl.constexpr = False):
+    """``stages``: the ring's (q, do, lse, delta, rows, qbits) shared tiles; step ``g * n_total + it`` (head g of
+    the group, list entry it; with ``HEADS_INNER`` step ``it * GROUP + g``: every head of an entry in turn) takes
     stage ``step % STAGES`` once the consumers have released it (``empty``). ``ROW_PART``: the rows are loaded and
     stored ROW_PART at a time (0: all BM at once), a warp barrier between parts; the first part's lse and delta
     are loaded before the wait for the stage, as whole rows are. At BM = 128 the one warp's whole rows (4
     registers each a lane) spilled at its 24 registers, and so did 64-row parts, whose loads ptxas hoisted above
     the first part's stores without the barrier."""
+    if HEADS_INNER:
+        for it in range(n_total):
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, it * GROUP + g, h,
+                            (b.to(gl.int64) * NUM_HEADS + h) * seq_q, it, b, q_bits_ptr, seq_q, BM, STAGES,
+                            MASK_MODE, ROW_PART)
+    else:
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
+            for it in range(n_total):
+                _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, g * n_total + it, h,
+                            row0, it, b, q_bits_ptr, seq_q, BM, STAGES, MASK_MODE, ROW_PART)
+
+
+@gluon.jit
+def _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, i, h, row0, it, b, q_bits_ptr,
+                seq_q, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr):
+    """Step i of :func:`stage_query_blocks`: head h's rows of list entry it (its lse and delta rows from ``row0``),
+    into stage ``i % STAGES``."""
     q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = stages
     PART: gl.constexpr = BM if ROW_PART == 0 else ROW_PART
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
-        for it in range(n_total):
-            i = g * n_total + it
-            stage = i % STAGES
-            m_blk = block_id(idx_ptr, it)
-            for part in gl.static_range(BM // PART):
-                offs_m = m_blk * BM + part * PART + gl.arange(0, PART, layout=rows)
-                # Rows past the end get lse = +inf, hence p = 0.
-                lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
-                delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
-                if part == 0:
-                    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-                _part(lse_smem.index(stage), part, PART, BM).store(lse)
-                _part(delta_smem.index(stage), part, PART, BM).store(delta)
-                _part(rows_smem.index(stage), part, PART, BM).store(offs_m)
-                if MASK_MODE != _MASK_DENSE:
-                    if it >= n_full:
-                        # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
-                        bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
-                        _part(qbits_smem.index(stage), part, PART, BM).store(bits)
-                if part < BM // PART - 1:
-                    thread_barrier()  # the next part's loads after these stores (bar.warp.sync)
-            # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
-            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
-            tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
+    stage = i % STAGES
+    m_blk = block_id(idx_ptr, it)
+    for part in gl.static_range(BM // PART):
+        offs_m = m_blk * BM + part * PART + gl.arange(0, PART, layout=rows)
+        # Rows past the end get lse = +inf, hence p = 0.
+        lse = gl.load(LSE + row0 + offs_m, mask=offs_m < seq_q, other=float("inf"))
+        delta = gl.load(DELTA + row0 + offs_m, mask=offs_m < seq_q, other=0.0)
+        if part == 0:
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        _part(lse_smem.index(stage), part, PART, BM).store(lse)
+        _part(delta_smem.index(stage), part, PART, BM).store(delta)
+        _part(rows_smem.index(stage), part, PART, BM).store(offs_m)
+        if MASK_MODE != _MASK_DENSE:
+            if it >= n_full:
+                # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
+                bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+                _part(qbits_smem.index(stage), part, PART, BM).store(bits)
+        if part < BM // PART - 1:
+            thread_barrier()  # the next part's loads after these stores (bar.warp.sync)
+    # The arrival (expect) releases these stores to the consumers, which acquire them with the wait on ready.
+    mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma_load(q_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(q_smem.index(stage)))
+    tma_load(do_desc, [b, h, m_blk * BM, 0], ready.index(stage), box(do_smem.index(stage)))
