@@ -27,12 +27,13 @@ import torch
 from .blocks import BlockLists
 
 
-def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int) -> torch.Tensor:
+def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_first: bool = True) -> torch.Tensor:
     """int32 ``[Bm, L]``, the layout of ``lists.indices``: at each entry of a key block's list (a query block id
     below ``query_blocks``), the number of entries of the sample's other key blocks that hold the same query block
     and add before it: in an earlier group of ``resident`` programs in launch order, or in the same group at an
-    earlier step, or at the same step by an earlier program. Slots past a list's end hold what the sort leaves
-    there; no kernel reads them."""
+    earlier step, or at the same step by an earlier program. The launch order is the lists' (longest first) taken
+    backwards where ``shortest_first``, as the ordered dQ writer launches. Slots past a list's end hold what the
+    sort leaves there; no kernel reads them."""
     counts, indices = lists.counts.long(), lists.indices
     samples, rows, slots = counts.shape[0], counts.shape[1], indices.shape[1]
     device = counts.device
@@ -44,6 +45,8 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int) -> torch.T
     # position[row]: where the row's program stands in the launch order (order[position] = row)
     places = torch.arange(rows, device=device).expand(samples, rows)
     position = torch.empty_like(order).scatter_(1, order, places)
+    if shortest_first:
+        position = rows - 1 - position
     slot = torch.arange(slots, device=device).expand(samples, slots).contiguous()
     # the row that owns each slot: starts ascend with the row (fixed slots r * C, or packed end to end)
     owner = (torch.searchsorted(start, slot, right=True) - 1).clamp_(min=0)

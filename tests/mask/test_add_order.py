@@ -17,17 +17,18 @@ from mmsparse.mask.build import build_mask_info
 from tests.helpers import HUB
 
 
-def walked_ranks(lists: BlockLists, resident: int) -> dict[tuple[int, int], int]:
+def walked_ranks(lists: BlockLists, resident: int, shortest_first: bool) -> dict[tuple[int, int], int]:
     """{(sample, slot): rank}: each sample's entries walked group of ``resident`` programs by group (in launch
-    order), within a group step by step, within a step program by program, counting each query block's entries so
-    far."""
+    order: the lists' order, backwards where ``shortest_first``), within a group step by step, within a step
+    program by program, counting each query block's entries so far."""
     ranks = {}
     counts = lists.counts.tolist()
     indices = lists.indices.tolist()
     for b, rows in enumerate(counts):
         seen: dict[int, int] = {}
+        launch = [row for _, _, _, row in rows][::-1 if shortest_first else 1]
         for first in range(0, len(rows), resident):
-            group = [rows[rows[place][3]] for place in range(first, min(first + resident, len(rows)))]
+            group = [rows[row] for row in launch[first:first + resident]]
             for step in range(max((full + partial for full, partial, _, _ in group), default=0)):
                 for full, partial, start, _ in group:
                     if step < full + partial:
@@ -38,11 +39,12 @@ def walked_ranks(lists: BlockLists, resident: int) -> dict[tuple[int, int], int]
 
 
 def assert_ranks(lists: BlockLists, query_blocks: int, resident: int) -> int:
-    ranks = dq_add_ranks(lists, query_blocks, resident)
-    assert ranks.dtype == torch.int32 and ranks.shape == lists.indices.shape
-    expected = walked_ranks(lists, resident)
-    got = {key: int(ranks[key]) for key in expected}
-    assert got == expected
+    for shortest_first in (True, False):
+        ranks = dq_add_ranks(lists, query_blocks, resident, shortest_first)
+        assert ranks.dtype == torch.int32 and ranks.shape == lists.indices.shape
+        expected = walked_ranks(lists, resident, shortest_first)
+        got = {key: int(ranks[key]) for key in expected}
+        assert got == expected
     return len(expected)
 
 

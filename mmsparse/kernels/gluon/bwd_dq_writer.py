@@ -376,7 +376,8 @@ def attention_bwd_dq_writer_gluon(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
         COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
-        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS)
+        stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
+        SHORTEST_FIRST=ORDERED)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

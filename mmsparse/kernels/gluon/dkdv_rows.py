@@ -19,20 +19,24 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 @gluon.jit
 def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
                     stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
-                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False):
+                    NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False,
+                    SHORTEST_FIRST: gl.constexpr = False):
     """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: of batch ``b`` and KV head ``hk``
     (``program_id(1)`` = b * NUM_KV_HEADS + hk), key block ``program_id(0)``'s place in the lists' launch order,
     longest list first (``lists.ordered_row``; ``KEYS`` keys from ``col0``), and its list
     (``common.program_lists``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that the
     first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at the
-    launch, the others are still landing (:func:`.common.wait_for_arrival`)."""
+    launch, the others are still landing (:func:`.common.wait_for_arrival`). With ``SHORTEST_FIRST`` the programs
+    take the launch order backwards: shortest list first (the ordered dQ adds, ``mask.add_order``)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
-    if not OWN_FIRST:
+    if SHORTEST_FIRST:
+        pid_n = ordered_row(COUNTS, gl.num_programs(0) - 1 - pid_n, b, stride_cnt_b)
+    elif not OWN_FIRST:
         pid_n = ordered_row(COUNTS, pid_n, b, stride_cnt_b)
     n_full, n_total, idx_ptr, mask_args = program_lists(
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
