@@ -1,6 +1,6 @@
 """The op boundary: one forward and one backward, and the torch custom ops over them.
 
-``torch.ops.mmsparse.lists_v8``, ``.fwd_v8`` and ``.bwd_v8`` (registered here, with fake implementations) make the
+``torch.ops.mmsparse.lists_v9``, ``.fwd_v9`` and ``.bwd_v9`` (registered here, with fake implementations) make the
 kernels opaque to torch.compile, so ``fullgraph=True`` traces through mmsparse without graph breaks. A traced call
 plans once, when it is traced (:func:`mmsparse.attention.plan.plan_call`): its frozen plan crosses every op as its
 text, by value (an exported program runs with its own plan in any process). Where the topology and lengths are host
@@ -37,7 +37,7 @@ from .layouts import kernel_layout, output_like, read_in_place
 from .plan import CallPlan, call_plan_from_text, plan_call
 from .resolved import ResolvedOp, keep_resolved, op_call_key, resolved_op
 
-OP_VERSION = 8  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
+OP_VERSION = 9  # bump with any change to the ops' signatures or outputs' layouts (tests/api/test_compile.py pins them)
 
 
 @dataclass

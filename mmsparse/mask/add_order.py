@@ -4,14 +4,19 @@ bitwise repeatable, and chosen so that the programs rarely wait for it.
 Each entry of a key block's list gets its rank among the entries of all the sample's key blocks that hold the same
 query block; the kernel adds that query block's dQ once its counter reads the rank, and counts one more
 (``kernels.gluon.bwd_dq_writer``). The entries of one query block rank by the step at which their program reaches
-them (the entry's place in its list), then by launch position (``mask.list_order``): programs that step through
-their lists side by side then find each query block's earlier adds done, as FlashAttention-3's deterministic
-causal backward orders its key blocks. A program waits only for entries of earlier steps, or of its own step and
-earlier programs, so the waits form no cycle.
+them (the entry's place in its list), then by launch position: programs that step through their lists side by side
+find each query block's earlier adds done. A program waits only for entries of earlier steps, or of its own step
+and earlier programs, so the waits form no cycle.
 
-They must also never wait for a program that cannot start. The programs of one (batch, KV head) start in launch
-order, and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program
-waits only for programs of its own group or of earlier ones. Every earlier group has started (the hardware starts
+The ordered kernel launches the programs of each (batch, KV head) shortest list first (the lists' order,
+``mask.list_order``, backwards): under a causal mask a key block's list starts at its own queries, so the key block
+that reaches a query block first is the last one, which then also starts first (FlashAttention-3's deterministic
+causal order). Longest first, the causal rows ran 0.70x the two passes' speed instead of 1.03x, and the others
+1.00-1.03x instead of 0.93-0.98x (``benchmarks/results/h200/ordered_dq_writer.md``).
+
+A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
+and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
+only for programs of its own group or of earlier ones. Every earlier group has started (the hardware starts
 programs in launch order), and once the programs before its group have finished, its whole group is resident.
 
 Built from the lists alone, on their device, with no read-back: one sort of the lists' entries.

@@ -255,11 +255,11 @@ def test_a_compiled_step_over_host_lengths_makes_no_mask(device, topology):
         results.append((out.detach(), x.grad.clone()))
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
     (forward,), (backward,) = backend.fw_graphs, backend.bw_graphs
-    ops = {torch.ops.mmsparse.fwd_v8.default: forward, torch.ops.mmsparse.bwd_v8.default: backward}
+    ops = {torch.ops.mmsparse.fwd_v9.default: forward, torch.ops.mmsparse.bwd_v9.default: backward}
     for op, graph in ops.items():
         calls = [node for node in graph.graph.nodes if node.target is op]
         assert len(calls) == 3
-        assert all(list(node.args[3 if op is torch.ops.mmsparse.fwd_v8.default else 6]) == [] for node in calls)
+        assert all(list(node.args[3 if op is torch.ops.mmsparse.fwd_v9.default else 6]) == [] for node in calls)
     mask_ops = {torch.ops.aten.cumsum.default, torch.ops.aten.searchsorted.Tensor, torch.ops.aten.full.default}
     made = [node.target for graph in ops.values() for node in graph.graph.nodes if node.target in mask_ops]
     assert not made, made
