@@ -11,8 +11,8 @@ and earlier programs, so the waits form no cycle.
 The ordered kernel launches the programs of each (batch, KV head) shortest list first (the lists' order,
 ``mask.list_order``, backwards): under a causal mask a key block's list starts at its own queries, so the key block
 that reaches a query block first is the last one, which then also starts first (FlashAttention-3's deterministic
-causal order). Longest first, the causal rows ran 0.70x the two passes' speed instead of 1.03x, and the others
-1.00-1.03x instead of 0.93-0.98x (``benchmarks/results/h200/ordered_dq_writer.md``).
+causal order). Longest first, the causal hub mask ran 0.70x the two passes' speed instead of 1.03x, and four
+other masks 1.00-1.03x instead of 0.93-0.99x (``benchmarks/results/h200/ordered_dq_writer.md``).
 
 A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
 and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
