@@ -10,7 +10,6 @@ the ring's stages, and agreement with the two passes."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -156,43 +155,23 @@ def test_a_tl_tile_is_refused():
 # On an sm_90 GPU
 
 
-@pytest.fixture
-def writer_calls(monkeypatch):
-    """The tile of each dQ-writer launch, and the name of any other Gluon backward launcher that ran."""
-    from mmsparse.attention import gluon_launch
-
-    calls = []
-    real = {name: getattr(gluon_launch, name) for name in ("run_bwd_dq_writer", "run_dkdv", "run_dq")}
-
-    signature = inspect.signature(real["run_bwd_dq_writer"])
-
-    def spy(name):
-        def launch(*args, **kwargs):
-            if name == "run_bwd_dq_writer":
-                calls.append(signature.bind(*args, **kwargs).arguments["tile"])
-            else:
-                calls.append(name)
-            return real[name](*args, **kwargs)
-        return launch
-
-    for name in real:
-        monkeypatch.setattr(gluon_launch, name, spy(name))
-    return calls
-
-
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
 @pytest.mark.parametrize("name", list(CASES), ids=_case_id)
-def test_dq_writer_matches_float64(name, writer_calls):
+def test_dq_writer_matches_float64(name, ordered, writer_calls):
+    """Each case, deterministic=False (adds in any order) and, with ``ordered_dq_writer``, deterministic=True (adds
+    in order: tests/kernels/test_hopper_ordered_writer.py)."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
-    with use_tuning(writer_config(head_dim, dtype)):
-        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+    with use_tuning(dataclasses.replace(writer_config(head_dim, dtype), ordered_dq_writer=ordered)):
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=ordered)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     assert writer_calls == [GLUON_DQ_WRITER[head_dim_pad(head_dim)]]  # no dQ pass, no other dK/dV kernel
+    assert writer_calls.ordered == [ordered]
     check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
 
 

@@ -1,12 +1,11 @@
 """The dQ-writer kernel with its adds in order (``KernelConfig.ordered_dq_writer``): deterministic=True's backward in
-one pass, the adds into each query block in the key blocks' launch order (``mmsparse.mask.add_order``). Its plan on
-any machine; on an sm_90 GPU the output and all three gradients against float64 on the dQ writer's cases, packed
-lists and packs of samples, and dQ, dK and dV bitwise equal from run to run where the unordered kernel's dQ is not."""
+one pass, the adds into each query block in a fixed order (``mmsparse.mask.add_order``). Its plan on any machine; on
+an sm_90 GPU the output and all three gradients against float64 over packed lists and packs of samples (the dQ
+writer's cases: tests/kernels/test_hopper_dq_writer.py), and dQ, dK and dV bitwise equal from run to run."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
 from tests.kernels.test_hopper_dq_writer import writer_config
-from tests.kernels.test_hopper_one_pass import CASES, _case_id
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -68,30 +66,6 @@ def test_the_switch_is_a_bool():
 # On an sm_90 GPU
 
 
-@pytest.fixture
-def writer_orders(monkeypatch):
-    """Whether each dQ-writer launch had its adds ordered, and the name of any other Gluon backward launcher that
-    ran."""
-    from mmsparse.attention import gluon_launch
-
-    calls = []
-    real = {name: getattr(gluon_launch, name) for name in ("run_bwd_dq_writer", "run_dkdv", "run_dq")}
-    signature = inspect.signature(real["run_bwd_dq_writer"])
-
-    def spy(name):
-        def launch(*args, **kwargs):
-            if name == "run_bwd_dq_writer":
-                calls.append("ordered" if signature.bind(*args, **kwargs).arguments.get("order") else "unordered")
-            else:
-                calls.append(name)
-            return real[name](*args, **kwargs)
-        return launch
-
-    for name in real:
-        monkeypatch.setattr(gluon_launch, name, spy(name))
-    return calls
-
-
 def _run(q, k, v, config, deterministic=True, **kwargs):
     with use_tuning(config):
         out = mbs_attention(q, k, v, deterministic=deterministic, **kwargs)
@@ -100,36 +74,22 @@ def _run(q, k, v, config, deterministic=True, **kwargs):
     return out, grad_out
 
 
-@pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(CASES), ids=_case_id)
-def test_ordered_writer_matches_float64(name, writer_orders):
-    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
-    seq = sum(lens)
-    seq_q = seq_q or seq
-    q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
-    out, grad_out = _run(q, k, v, ordered_config(head_dim, dtype), topology=topo, seg_lens=lens, causal=causal,
-                         window=window)
-    assert writer_orders == ["ordered"]
-    check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
-
-
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_ordered_writer_over_packed_lists(head_dim, writer_orders):
+def test_ordered_writer_over_packed_lists(head_dim, writer_calls):
     """Lists packed end to end (compact_bytes 1: every list), per-sample lengths, GQA 4: each sample's ranks."""
     lens = [(700, 1500, 1001), (2000, 900, 301)]
     q, k, v = make_qkv(2, 8, 2, 3202, 3202, head_dim, torch.bfloat16, CUDA)
     config = dataclasses.replace(ordered_config(head_dim), compact_bytes=1)
     out, grad_out = _run(q, k, v, config, topology=CYCLIC, seg_lens=lens, causal=True)
-    assert writer_orders == ["ordered"]
+    assert writer_calls.ordered == [True] and len(writer_calls) == 1  # no other backward kernel
     check_outputs(q, k, v, out, grad_out, reference_mask(CYCLIC, lens, 3202, causal=True))
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_ordered_writer_over_a_pack_of_samples(writer_orders):
+def test_ordered_writer_over_a_pack_of_samples(writer_calls):
     rows = [[300, 200, 100], [50, 700, 0], [129, 257, 513]]
     seq = sum(map(sum, rows))
     q, k, v = make_qkv(1, 4, 2, seq, seq, 128, torch.bfloat16, CUDA)
@@ -137,7 +97,7 @@ def test_ordered_writer_over_a_pack_of_samples(writer_orders):
         out = mbs_attention_varlen(q, k, v, HUB, rows, causal=True, deterministic=True)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert writer_orders == ["ordered"]
+    assert writer_calls.ordered == [True] and len(writer_calls) == 1  # no other backward kernel
     mask = torch.block_diag(*(reference_mask(HUB, r, sum(r), causal=True)[0] for r in rows))[None]
     check_outputs(q, k, v, out, grad_out, mask)
 
@@ -145,7 +105,7 @@ def test_ordered_writer_over_a_pack_of_samples(writer_orders):
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_orders):
+def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_calls):
     """Many key blocks add into each query block (6k keys, 8 heads over 2 KV heads, 2 samples: 200+ CTAs, more than
     the GPU holds at once): dQ, dK and dV are bitwise equal over four backward passes, under
     torch.use_deterministic_algorithms(True), which the unordered kernel refuses."""
@@ -168,7 +128,7 @@ def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_orders):
                 mbs_attention(*leaves, HUB, lens, causal=True, deterministic=False).backward(grad_out)
         finally:
             torch.use_deterministic_algorithms(False)
-    assert writer_orders[:4] == ["ordered"] * 4
+    assert writer_calls.ordered[:4] == [True] * 4 and len(writer_calls) >= 4
     for run in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
             assert torch.equal(first, again), f"{name} changed from run to run"
