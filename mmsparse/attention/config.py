@@ -105,8 +105,9 @@ class KernelConfig:
     one_pass_max_keys: int = 2048
     dq_writer_max_keys: int = EVERY_LENGTH
     # deterministic=True runs the dQ-writer kernel too (where it runs: gluon_dq_writer, no dropout, below
-    # dq_writer_max_keys keys), its adds into each query block in the key blocks' launch order, each waiting for
-    # the one before (mask.add_order), instead of the two passes.
+    # dq_writer_max_keys keys), its adds into each query block in a fixed order, each waiting for the one before
+    # (mask.add_order), instead of the two passes. Off: it beat them on some masks and lost on most
+    # (docs/performance.md, "Backward").
     ordered_dq_writer: bool = False
 
     def __post_init__(self) -> None:

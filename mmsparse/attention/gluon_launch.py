@@ -129,8 +129,8 @@ def run_bwd_dq_writer(
     zeroed contiguous float32 ``[B, Hq, Sq, D]``) by TMA bulk reduce-adds, at ``tile`` (block_n 128; block_m and
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
     ``order`` (deterministic): ``(counters, ranks, query_blocks)``, a zeroed int32 ``[B * Hq, query_blocks]``
-    and the lists' ``mask.add_order.dq_add_ranks``: the adds into each query block then land in the key blocks'
-    launch order. ``bound``: as :func:`run_dq`'s."""
+    and the lists' ``mask.add_order.dq_add_ranks``: the adds into each query block then land in that fixed order.
+    ``bound``: as :func:`run_dq`'s."""
     name = "bwd_dq_writer" if order is None else "bwd_dq_writer-ordered"
     flags = {} if order is None else dict(ORDERED=True)
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value, "one-pass", mode,

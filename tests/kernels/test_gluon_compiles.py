@@ -140,7 +140,7 @@ VARIANTS = [
     Variant("dq_writer", 128, "bits", causal=True, ordered=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True, ordered=True),
 ]
-ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)\.global\."
+ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)(?:\.[a-z]+)*?\.global\."  # with or without memory-order qualifiers
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
 COMPILE_TIMEOUT_S = 900
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one CTA may take on an H100 or H200

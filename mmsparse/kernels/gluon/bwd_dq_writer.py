@@ -52,7 +52,13 @@ order of one float32 add: p in float32, the token mask (0 or -inf) and -lse / sc
 ``rules.lse_in_scores`` holds: p = exp2((S^T - lse / scale) scale) rather than exp2(S^T scale - lse)), dV from p
 rounded to the input dtype, dS rounded to the input
 dtype, dK and dQ times the softmax scale. No dropout: that stays with the ``tl`` kernel. Not deterministic: the
-reduce-adds of the key blocks into one dQ tile land in any order.
+reduce-adds of the key blocks into one dQ tile land in any order, unless ``ORDERED``.
+
+``ORDERED`` (deterministic=True with ``KernelConfig.ordered_dq_writer``): the adds into each query block land in the
+order of ``mask.add_order``. The writer waits (an acquire load) until the block's counter reads its entry's rank,
+issues the adds, frees the halves once read, waits for the adds to be written and counts one (a release); the MMA
+warpgroups and the producer take every head of a list entry in turn (``HEADS_INNER``: one rank serves a GQA group),
+and the programs start shortest list first (``dkdv_rows.key_block_lists``'s ``SHORTEST_FIRST``).
 """
 from __future__ import annotations
 
@@ -305,17 +311,20 @@ def _dq_writer(dq_desc, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, orde
     order of ``mask.add_order`` (``order_args``: :func:`_count_add`'s counters, this list's ranks and the query
     blocks a head)."""
     counters, rank_ptr, query_blocks = order_args
+    i = 0
     if ORDERED:  # every head of an entry in turn (HEADS_INNER), as the MMA warpgroups take them
         for it in range(n_total):
             rank = gl.load(rank_ptr + it)
             for g in range(GROUP):
-                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, it * GROUP + g,
+                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, i,
                           counters + (bh0 + g).to(gl.int64) * query_blocks, rank, BM, HEAD_DIM_PAD, True)
+                i += 1
     else:
         for g in range(GROUP):
             for it in range(n_total):
-                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, g * n_total + it, counters, 0,
-                          BM, HEAD_DIM_PAD, False)
+                _add_step(dq_desc, bh0 + g, dq_stage, dq_full, dq_empty, idx_ptr, it, i, counters, 0, BM,
+                          HEAD_DIM_PAD, False)
+                i += 1
 
 
 @gluon.jit
@@ -326,20 +335,20 @@ def _add_step(dq_desc, bh, dq_stage, dq_full, dq_empty, idx_ptr, it, i, head_cou
     the block) reads ``rank``, and counted once written."""
     N: gl.constexpr = HEAD_DIM_PAD // 2
     m = block_id(idx_ptr, it)
-    counter = head_counters + m
+    row0 = m * BM
     if ORDERED:
-        wait_for_arrival(counter, rank)
+        wait_for_arrival(head_counters + m, rank)
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w), i & 1)
         half = dq_stage.index(w)
-        tma_atomic_add(dq_desc, [bh, m * BM, w * N], half.reshape([1, BM, N]))
+        tma_atomic_add(dq_desc, [bh, row0, w * N], half.reshape([1, BM, N]))
     # Half 0 is read first (bulk groups complete in order): free it without waiting for half 1.
     tma.store_wait(1)
     mbarrier.arrive(dq_empty.index(0))
     tma.store_wait(0)
     mbarrier.arrive(dq_empty.index(1))
     if ORDERED:
-        _count_add(counter)  # once written: the halves were freed once read
+        _count_add(head_counters + m)  # once written: the halves were freed once read
 
 
 @gluon.jit
@@ -410,9 +419,11 @@ def attention_bwd_dq_writer_gluon(
     barriers = (kv_bar, ready, empty, done)
     dq_ring = (ds_smem, ds_bars, dq_stage, dq_full, dq_empty)
     bh0 = b * NUM_HEADS + hk * GROUP  # the group's first head in the dQ descriptor's [B * Hq] rows
-    # the list's ranks sit where its ids do (counts' third word: the list's start)
-    list_start = gl.load(COUNTS + b.to(gl.int64) * stride_cnt_b + (col0 // (2 * WG_KEYS)) * WORDS_PER_ROW + 2)
-    order_args = (COUNTERS, RANKS + b.to(gl.int64) * stride_idx_b + list_start, query_blocks)
+    order_args = (COUNTERS, RANKS, query_blocks)  # read only when ORDERED
+    if ORDERED:
+        # the list's ranks sit where its ids do (counts' third word: the list's start)
+        list_start = gl.load(COUNTS + b.to(gl.int64) * stride_cnt_b + (col0 // (2 * WG_KEYS)) * WORDS_PER_ROW + 2)
+        order_args = (COUNTERS, RANKS + b.to(gl.int64) * stride_idx_b + list_start, query_blocks)
     gl.warp_specialize(
         [
             (_mma_warpgroup, (0, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
