@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from ..runtime.launch import stream_key
 from .blocks import BlockLists
 
 
@@ -72,7 +73,10 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_f
 
 # The ranks of the lists in use, by the identity of their ids tensor: a mask's lists are written once, before any
 # launch reads them, and never again, so their ranks hold while the tensor lives (a finalizer drops the entry).
-_RANKS: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+# Each entry also holds what else the ranks stand for: the counts tensor, the query blocks, the resident programs
+# and the stream that built them (a mask's lists are read on the stream that built them; a stream that got its own
+# copy of a mask has its own lists).
+_RANKS: dict[int, tuple[weakref.ref, weakref.ref, tuple, torch.Tensor]] = {}
 _RANKS_LOCK = threading.Lock()
 
 
@@ -82,16 +86,17 @@ def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: i
     tensors at each step, and their ranks are built at each step; so are those built in a CUDA graph's capture,
     which its replays write."""
     key = id(indices)
+    wanted = (query_blocks, resident, stream_key(indices.device))
     kept = _RANKS.get(key)
-    if kept is not None and kept[0]() is indices and kept[1] == (query_blocks, resident):
-        return kept[2]
+    if kept is not None and kept[0]() is indices and kept[1]() is counts and kept[2] == wanted:
+        return kept[3]
     ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks, resident)
     if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
         return ranks
     with _RANKS_LOCK:
         if key not in _RANKS:
             weakref.finalize(indices, _RANKS.pop, key, None)
-        _RANKS[key] = (weakref.ref(indices), (query_blocks, resident), ranks)
+        _RANKS[key] = (weakref.ref(indices), weakref.ref(counts), wanted, ranks)
     return ranks
 
 

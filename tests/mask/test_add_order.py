@@ -85,12 +85,18 @@ def test_no_rows_or_entries():
 
 
 def test_ranks_are_kept_while_their_lists_live():
+    torch.manual_seed(0)
     live = torch.rand(1, 5, 10) < 0.5
     lists = lists_from_classes(live, live & (torch.rand(1, 5, 10) < 0.5))
     first = lists_add_ranks(lists.counts, lists.indices, 10, 4)
     assert lists_add_ranks(lists.counts, lists.indices, 10, 4) is first
     assert torch.equal(first, dq_add_ranks(lists, 10, 4))
     assert torch.equal(lists_add_ranks(lists.counts, lists.indices, 10, 2), dq_add_ranks(lists, 10, 2))
+    # other counts over the same ids (another launch order): their own ranks, not the kept ones
+    reordered = lists.counts.clone()
+    reordered[..., 3] = reordered[..., 3].flip(-1)
+    assert torch.equal(lists_add_ranks(reordered, lists.indices, 10, 2),
+                       dq_add_ranks(BlockLists(reordered, lists.indices), 10, 2))
     key = id(lists.indices)
     assert key in _RANKS
     del lists
