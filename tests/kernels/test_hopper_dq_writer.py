@@ -187,36 +187,41 @@ LONG_RUNS = {**{n: CASES[n] for n in CASES if head_dim_pad(CASES[n][7]) in GLUON
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
 @pytest.mark.parametrize("name", list(LONG_RUNS))
-def test_dq_writer_128_rows_matches_float64(name, writer_calls):
-    """The same cases at the 128-row tile (each step's rows in two halves), at every length, and a few of its own."""
+def test_dq_writer_128_rows_matches_float64(name, ordered, writer_calls):
+    """The same cases at the 128-row tile (each step's rows in two halves), at every length, and a few of its own;
+    with its adds unordered and ordered."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = LONG_RUNS[name]
     seq = sum(lens)
     seq_q = seq_q or seq
     q, k, v = make_qkv(batch, heads, kv_heads, seq_q, seq, head_dim, dtype, CUDA)
     tile = GLUON_DQ_WRITER_LONG[head_dim_pad(head_dim)]
-    with use_tuning(dataclasses.replace(writer_config(head_dim, dtype), gluon_dq_writer=tile)):
-        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=False)
+    config = dataclasses.replace(writer_config(head_dim, dtype), gluon_dq_writer=tile, ordered_dq_writer=ordered)
+    with use_tuning(config):
+        out = mbs_attention(q, k, v, topo, lens, causal=causal, window=window, deterministic=ordered)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert writer_calls == [tile]
+    assert writer_calls == [tile] and writer_calls.ordered == [ordered]
     check_outputs(q, k, v, out, grad_out, reference_mask(topo, lens, seq, seq_q, causal, window=window))
 
 
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_writer_dense_mask(head_dim, writer_calls):
-    """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN."""
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_dq_writer_dense_mask(head_dim, ordered, writer_calls):
+    """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN; with the adds
+    unordered and ordered."""
     q, k, v = make_qkv(1, 4, 2, 1100, 1100, head_dim, torch.bfloat16, CUDA)
     mask = torch.rand(1100, 1100, device=CUDA) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    with use_tuning(writer_config(head_dim)):
-        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=False)
+    with use_tuning(dataclasses.replace(writer_config(head_dim), ordered_dq_writer=ordered)):
+        out = mbs_attention(q, k, v, attn_mask=mask, deterministic=ordered)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert writer_calls == [GLUON_DQ_WRITER[head_dim]]
+    assert writer_calls == [GLUON_DQ_WRITER[head_dim]] and writer_calls.ordered == [ordered]
     check_outputs(q, k, v, out, grad_out, mask.cpu())
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
