@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.rules import lse_in_scores
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
-from ..mask.add_order import lists_add_ranks
+from ..mask.add_order import adds_shortest_first, lists_add_ranks
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
@@ -81,6 +81,7 @@ class BackwardLaunch:
         self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
         # its programs that run at once (one a multiprocessor: each takes most of one's shared memory)
         self.resident = sm_count(q.device) if self.ordered else 1
+        self.shortest_first = adds_shortest_first(self.mode, self.causal)  # its launch direction
         self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
                                      ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
@@ -268,10 +269,12 @@ class _Passes:
             if launch.ordered:
                 counters = torch.zeros(launch.q_shape[0] * launch.q_shape[1] * launch.query_blocks, dtype=torch.int32,
                                        device=launch.device)
-                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks, launch.resident)
+                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks, launch.resident,
+                                        launch.shortest_first)
                 order = (counters, ranks, launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
-                                       launch.has_window, bound=bound, order=order)
+                                       launch.has_window, bound=bound, order=order,
+                                       shortest_first=launch.shortest_first)
         elif plan.dkdv.gluon and launch.dkdv_d256:
             _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile,
                                    launch.has_window, bound=bound)

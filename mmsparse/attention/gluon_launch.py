@@ -123,6 +123,7 @@ def run_bwd_dq_writer(
     dk_dv: tuple[torch.Tensor, torch.Tensor], dq_sum: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, softmax_scale: float, tile: Tile, has_window: bool = False,
     bound: dict[str, Any] | None = None, order: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    shortest_first: bool = True,
 ) -> None:
     """The one-pass backward by ``kernels.gluon.bwd_dq_writer`` (two MMA warpgroups, a producer warp and a dQ writer
     warp): dK and dV into ``dk_dv`` as :func:`run_dkdv`, and dQ times the softmax scale added into ``dq_sum`` (a
@@ -130,9 +131,10 @@ def run_bwd_dq_writer(
     gluon_stages are read; ``config.GLUON_DQ_WRITER``), over the mask arguments ``mask`` of that tile, by key.
     ``order`` (deterministic): ``(counters, ranks, query_blocks)``, a zeroed int32 ``[B * Hq, query_blocks]``
     and the lists' ``mask.add_order.dq_add_ranks``: the adds into each query block then land in that fixed order.
+    ``shortest_first``: the direction of the launch order those ranks were made for (read only with ``order``).
     ``bound``: as :func:`run_dq`'s."""
-    name = "bwd_dq_writer" if order is None else "bwd_dq_writer-ordered"
-    flags = {} if order is None else dict(ORDERED=True)
+    name = "bwd_dq_writer" if order is None else f"bwd_dq_writer-ordered-{shortest_first}"
+    flags = {} if order is None else dict(ORDERED=True, SHORTEST_FIRST=shortest_first)
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value, "one-pass", mode,
                                                   causal, has_window, True, **flags))
     tail = (delta, delta, 0) if order is None else order  # unread without ORDERED: delta stands in

@@ -8,11 +8,13 @@ them (the entry's place in its list), then by launch position: programs that ste
 find each query block's earlier adds done. A program waits only for entries of earlier steps, or of its own step
 and earlier programs, so the waits form no cycle.
 
-The ordered kernel launches the programs of each (batch, KV head) shortest list first (the lists' order,
-``mask.list_order``, backwards): under a causal mask a key block's list starts at its own queries, so the key block
-that reaches a query block first is the last one, which then also starts first (FlashAttention-3's deterministic
-causal order). Longest first, the causal hub mask ran 0.70x the two passes' speed instead of 1.03x, and four
-other masks 1.00-1.03x instead of 0.93-0.99x (``benchmarks/results/h200/ordered_dq_writer.md``).
+The launch order depends on the mask (:func:`adds_shortest_first`). Where lists start at their own key block's
+queries (a causal mask, causal pairs), the programs of each (batch, KV head) launch shortest list first
+(the lists' order, ``mask.list_order``, backwards): the key block that reaches a query block first is then the one
+that also starts first (FlashAttention-3's deterministic causal order). Longest first, the causal hub mask ran 0.70x
+the two passes' speed instead of 1.03x. Elsewhere every list starts at the same query block, and the ordered kernel
+launches longest list first, as the unordered one does: four such masks ran 1.00-1.03x the two passes' speed
+instead of 0.93-0.99x shortest first (``benchmarks/results/h200/ordered_dq_writer.md``).
 
 A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
 and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
@@ -29,8 +31,16 @@ import weakref
 
 import torch
 
+from ..kernels.constants import MASK_BITS
 from ..runtime.launch import stream_key
 from .blocks import BlockLists
+
+
+def adds_shortest_first(mode: int, causal: bool) -> bool:
+    """Whether the ordered dQ writer launches a mask's programs shortest list first: unless the mask is a bit mask
+    without the causal flag (``mode`` a ``kernels.constants`` mask mode), where no key block's list starts at its own
+    queries (a window only ends lists earlier). Segment codes mean causal pairs; a dense mask may hold anything."""
+    return causal or mode != MASK_BITS
 
 
 def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_first: bool = True) -> torch.Tensor:
@@ -73,24 +83,25 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_f
 
 # The ranks of the lists in use, by the identity of their ids tensor: a mask's lists are written once, before any
 # launch reads them, and never again, so their ranks hold while the tensor lives (a finalizer drops the entry).
-# Each entry also holds what else the ranks stand for: the counts tensor, the query blocks, the resident programs
-# and the stream that built them (a mask's lists are read on the stream that built them; a stream that got its own
-# copy of a mask has its own lists).
+# Each entry also holds what else the ranks stand for: the counts tensor, the query blocks, the resident programs,
+# the launch direction and the stream that built them (a mask's lists are read on the stream that built them; a
+# stream that got its own copy of a mask has its own lists).
 _RANKS: dict[int, tuple[weakref.ref, weakref.ref, tuple, torch.Tensor]] = {}
 _RANKS_LOCK = threading.Lock()
 
 
-def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int, resident: int) -> torch.Tensor:
-    """:func:`dq_add_ranks` of the lists ``(counts, indices)``, built on the current stream at their first use and
-    kept while ``indices`` lives (every layer and step of a mask reuses them). A traced graph's lists are new
-    tensors at each step, and their ranks are built at each step; so are those built in a CUDA graph's capture,
-    which its replays write."""
+def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int, resident: int,
+                    shortest_first: bool = True) -> torch.Tensor:
+    """:func:`dq_add_ranks` of the lists ``(counts, indices)`` in that launch direction, built on the current stream
+    at their first use and kept while ``indices`` lives (every layer and step of a mask reuses them). A traced
+    graph's lists are new tensors at each step, and their ranks are built at each step; so are those built in a CUDA
+    graph's capture, which its replays write."""
     key = id(indices)
-    wanted = (query_blocks, resident, stream_key(indices.device))
+    wanted = (query_blocks, resident, shortest_first, stream_key(indices.device))
     kept = _RANKS.get(key)
     if kept is not None and kept[0]() is indices and kept[1]() is counts and kept[2] == wanted:
         return kept[3]
-    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks, resident)
+    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks, resident, shortest_first)
     if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
         return ranks
     with _RANKS_LOCK:

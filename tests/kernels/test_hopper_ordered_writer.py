@@ -104,11 +104,13 @@ def test_ordered_writer_over_a_pack_of_samples(writer_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-shortest-first", "full-longest-first"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_calls):
+def test_ordered_writer_is_bitwise_repeatable(head_dim, causal, writer_calls):
     """Many key blocks add into each query block (6k keys, 8 heads over 2 KV heads, 2 samples: 200+ CTAs, more than
     the GPU holds at once): dQ, dK and dV are bitwise equal over four backward passes, under
-    torch.use_deterministic_algorithms(True), which the unordered kernel refuses."""
+    torch.use_deterministic_algorithms(True), which the unordered kernel refuses; in both launch directions (the
+    causal mask's programs shortest list first, the bit mask's without the flag longest first)."""
     lens = (1500, 3000, 1700)
     seq = sum(lens)
     q, k, v = make_qkv(2, 8, 2, seq, seq, head_dim, torch.bfloat16, CUDA)
@@ -120,16 +122,17 @@ def test_ordered_writer_is_bitwise_repeatable(head_dim, writer_calls):
         try:
             for _ in range(4):
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                outs.append(mbs_attention(*leaves, HUB, lens, causal=True))
+                outs.append(mbs_attention(*leaves, HUB, lens, causal=causal))
                 outs[-1].backward(grad_out)
                 runs.append([t.grad for t in leaves])
             with pytest.raises(RuntimeError, match="not deterministic"):
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                mbs_attention(*leaves, HUB, lens, causal=True, deterministic=False).backward(grad_out)
+                mbs_attention(*leaves, HUB, lens, causal=causal, deterministic=False).backward(grad_out)
         finally:
             torch.use_deterministic_algorithms(False)
     assert writer_calls.ordered[:4] == [True] * 4 and len(writer_calls) >= 4
+    assert writer_calls.shortest_first == [causal] * 4
     for run in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
             assert torch.equal(first, again), f"{name} changed from run to run"
-    check_outputs(q, k, v, outs[0], grad_out, reference_mask(HUB, lens, seq, causal=True), grads=runs[0])
+    check_outputs(q, k, v, outs[0], grad_out, reference_mask(HUB, lens, seq, causal=causal), grads=runs[0])

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from mmsparse.mask.add_order import _RANKS, dq_add_ranks, lists_add_ranks
+from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+from mmsparse.mask.add_order import _RANKS, adds_shortest_first, dq_add_ranks, lists_add_ranks
 from mmsparse.mask.blocks import BlockLists, lists_from_classes
 from mmsparse.mask.build import build_mask_info
 from tests.helpers import HUB
@@ -97,8 +98,21 @@ def test_ranks_are_kept_while_their_lists_live():
     reordered[..., 3] = reordered[..., 3].flip(-1)
     assert torch.equal(lists_add_ranks(reordered, lists.indices, 10, 2),
                        dq_add_ranks(BlockLists(reordered, lists.indices), 10, 2))
+    # the other launch direction: its own ranks
+    longest = lists_add_ranks(lists.counts, lists.indices, 10, 2, shortest_first=False)
+    assert torch.equal(longest, dq_add_ranks(lists, 10, 2, shortest_first=False))
+    assert not torch.equal(longest, dq_add_ranks(lists, 10, 2))
     key = id(lists.indices)
     assert key in _RANKS
     del lists
     gc.collect()
     assert key not in _RANKS
+
+
+def test_the_launch_direction_follows_the_mask():
+    """Shortest list first where a key block's list may start at its own queries (the causal flag, segment codes'
+    causal pairs, a dense mask), longest first for a bit mask without the causal flag."""
+    assert not adds_shortest_first(MASK_BITS, False)
+    assert adds_shortest_first(MASK_BITS, True)
+    for mode in (MASK_SEGMENTS, MASK_DENSE):
+        assert adds_shortest_first(mode, False) and adds_shortest_first(mode, True)

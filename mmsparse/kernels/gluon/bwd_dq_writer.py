@@ -58,7 +58,8 @@ reduce-adds of the key blocks into one dQ tile land in any order, unless ``ORDER
 order of ``mask.add_order``. The writer waits (an acquire load) until the block's counter reads its entry's rank,
 issues the adds, frees the halves once read, waits for the adds to be written and counts one (a release); the MMA
 warpgroups and the producer take every head of a list entry in turn (``HEADS_INNER``: one rank serves a GQA group),
-and the programs start shortest list first (``dkdv_rows.key_block_lists``'s ``SHORTEST_FIRST``).
+and the programs start in the ranks' launch order (shortest list first where ``SHORTEST_FIRST``:
+``dkdv_rows.key_block_lists``).
 """
 from __future__ import annotations
 
@@ -371,14 +372,15 @@ def attention_bwd_dq_writer_gluon(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, COUNTERS, RANKS, query_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    ORDERED: gl.constexpr = False,
+    ORDERED: gl.constexpr = False, SHORTEST_FIRST: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s with
     ``ONE_PASS``: Q, K, V, dO, dK and dV as ``host_tma`` descriptors, DQ the ``host_tma.head_rows_descriptor``
     (``[B * Hq, Sq, D]``, ``[1, BM, HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the
     launcher, which dQ times the softmax scale is added into. ``ORDERED`` (deterministic): COUNTERS, a zeroed int32
     ``[B * Hq, query_blocks]``, counts the adds into each query block, and RANKS (``mask.add_order.dq_add_ranks``,
-    the layout of INDICES) gives each list entry its turn; without it neither is read."""
+    the layout of INDICES) gives each list entry its turn; without it neither is read. ``SHORTEST_FIRST``: the
+    programs start shortest list first (``mask.add_order.adds_shortest_first``; the ranks' launch order)."""
     gl.static_assert(STAGES >= 2, "the producer refills a stage while the MMA warpgroups work on another")
     gl.static_assert(HEAD_DIM_PAD <= 128, "two 64 x D float32 accumulators a warpgroup: D=256 is gluon.dkdv_d256's")
     dtype: gl.constexpr = q_desc.dtype
@@ -386,7 +388,7 @@ def attention_bwd_dq_writer_gluon(
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
         COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
         stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
-        SHORTEST_FIRST=ORDERED)
+        SHORTEST_FIRST=SHORTEST_FIRST)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
