@@ -1,6 +1,7 @@
 """``torch.compile(mode="reduce-overhead")`` (CUDA graphs over the compiled graph) on the GPU: the frozen plan's
 list ops and attention ops are captured and replayed, forward and backward, with GQA, per-sample rows and keys past
-SHORT_KEYS (the backward's side stream), each replay against the float64 reference."""
+SHORT_KEYS (the backward's side stream), each replay against the float64 reference; on Hopper also the ordered dQ
+writer (``KernelConfig.ordered_dq_writer``), whose ranks a capture builds and its replays rewrite."""
 
 from __future__ import annotations
 
@@ -9,24 +10,31 @@ import torch
 
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.config import SHORT_KEYS
+from mmsparse.tuning import use_tuning
 from tests.helpers import HUB, check_outputs, make_qkv
+from tests.kernels.test_hopper_ordered_writer import ordered_config
 
 SEQ = SHORT_KEYS + 64
 ROWS = [(300, 1500, 200), (1000, 900, 150)]  # per sample, each at most SEQ tokens; the rest is padding
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "one-pass"])
-def test_reduce_overhead_replays_forward_and_backward(deterministic):
+@pytest.mark.parametrize("deterministic, ordered", [(True, False), (False, False), (True, True)],
+                         ids=["two-pass", "one-pass", "ordered-dq-writer"])
+def test_reduce_overhead_replays_forward_and_backward(deterministic, ordered, writer_calls):
     device = torch.device("cuda")
+    if ordered and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the ordered dQ writer is a Hopper kernel")
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: mbs_attention(q, k, v, HUB, ROWS, deterministic=deterministic),
                              mode="reduce-overhead", fullgraph=True)
     mask = reference_mask(HUB, ROWS, SEQ).to(device)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(4):  # warm-up, capture, replays
-        q, k, v = make_qkv(2, 4, 2, SEQ, SEQ, 64, torch.float16, device, gen)
-        grad_out = torch.randn(q.shape, generator=gen).to(device, torch.float16)
-        out = compiled(q, k, v)
-        out.backward(grad_out)
-        check_outputs(q, k, v, out.clone(), grad_out, mask)
+    with use_tuning(ordered_config(64, torch.float16) if ordered else None):
+        for _ in range(4):  # warm-up, capture, replays
+            q, k, v = make_qkv(2, 4, 2, SEQ, SEQ, 64, torch.float16, device, gen)
+            grad_out = torch.randn(q.shape, generator=gen).to(device, torch.float16)
+            out = compiled(q, k, v)
+            out.backward(grad_out)
+            check_outputs(q, k, v, out.clone(), grad_out, mask)
+    assert (True in writer_calls.ordered) == ordered
