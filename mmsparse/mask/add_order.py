@@ -33,6 +33,8 @@ import torch
 
 from ..kernels.constants import MASK_BITS
 from ..runtime.launch import stream_key
+from ..runtime.own_thread import on_own_thread
+from ..runtime.streams import build_stream
 from .blocks import BlockLists
 
 
@@ -92,22 +94,43 @@ _RANKS_LOCK = threading.Lock()
 
 def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int, resident: int,
                     shortest_first: bool = True) -> torch.Tensor:
-    """:func:`dq_add_ranks` of the lists ``(counts, indices)`` in that launch direction, built on the current stream
-    at their first use and kept while ``indices`` lives (every layer and step of a mask reuses them). A traced
-    graph's lists are new tensors at each step, and their ranks are built at each step; so are those built in a CUDA
-    graph's capture, which its replays write."""
+    """:func:`dq_add_ranks` of the lists ``(counts, indices)`` in that launch direction, built at their first use
+    and kept while ``indices`` lives (every layer and step of a mask reuses them), ready to read on the current
+    stream. A traced graph's lists are new tensors at each step, and their ranks are built at each step; so are
+    those built in a CUDA graph's capture, which its replays write."""
+    if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
+        return dq_add_ranks(BlockLists(counts, indices), query_blocks, resident, shortest_first)
     key = id(indices)
     wanted = (query_blocks, resident, shortest_first, stream_key(indices.device))
     kept = _RANKS.get(key)
     if kept is not None and kept[0]() is indices and kept[1]() is counts and kept[2] == wanted:
         return kept[3]
-    ranks = dq_add_ranks(BlockLists(counts, indices), query_blocks, resident, shortest_first)
-    if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
-        return ranks
+    ranks = _built_apart(BlockLists(counts, indices), query_blocks, resident, shortest_first)
     with _RANKS_LOCK:
         if key not in _RANKS:
             weakref.finalize(indices, _RANKS.pop, key, None)
         _RANKS[key] = (weakref.ref(indices), weakref.ref(counts), wanted, ranks)
+    return ranks
+
+
+def _built_apart(lists: BlockLists, query_blocks: int, resident: int, shortest_first: bool) -> torch.Tensor:
+    """:func:`dq_add_ranks` for keeping, on a GPU built on mmsparse's own thread and build stream after the current
+    stream's work so far, and readable on the current stream: under ``torch.compile(mode="reduce-overhead")`` the
+    warm-up routes every allocation of the calling thread to a CUDA graph's private pool, which must hold nothing
+    that outlives the call (:mod:`mmsparse.runtime.own_thread`)."""
+    device = lists.indices.device
+    if device.type != "cuda":
+        return dq_add_ranks(lists, query_blocks, resident, shortest_first)
+    current, build = torch.cuda.current_stream(device), build_stream(device)
+    build.wait_stream(current)
+
+    def run() -> torch.Tensor:
+        with torch.cuda.device(device), torch.cuda.stream(build):
+            return dq_add_ranks(lists, query_blocks, resident, shortest_first)
+
+    ranks = on_own_thread(run)
+    current.wait_stream(build)
+    ranks.record_stream(current)
     return ranks
 
 

@@ -28,7 +28,7 @@ from ..runtime.capture import keep_while_captured
 from ..runtime.launch import stream_key, stream_of
 from ..runtime.own_thread import on_own_thread
 from ..runtime.recent import RecentlyUsed
-from ..runtime.streams import own_stream
+from ..runtime.streams import build_stream
 from .build import make_mask_info
 from .info import MaskInfo, TileKey
 from .topology import Topology
@@ -46,7 +46,6 @@ class _Kept:
 
 _KEPT: RecentlyUsed[_Kept] = RecentlyUsed(MAX_KEPT)
 _LOCK = threading.Lock()
-_BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def kept_mask(key: tuple[int, ...], device: torch.device, tiles: list[TileKey]) -> MaskInfo | None:
@@ -85,7 +84,7 @@ def _build(key: tuple[int, ...], device: torch.device, tiles: list[TileKey], kep
     """Build the mask (unless ``kept``) and its lists at ``tiles`` on mmsparse's build stream, after the caller's
     work so far, on mmsparse's own thread (:mod:`mmsparse.runtime.own_thread`: a CUDA graph's warm-up routes every
     allocation of the calling thread to the graph's pool, whatever the stream). Every reader waits for it again."""
-    build = _build_stream(device)
+    build = build_stream(device)
     build.wait_stream(torch.cuda.current_stream(device))
 
     def run() -> _Kept:
@@ -106,18 +105,10 @@ def _ready_on(kept: _Kept, reader: Any) -> None:
     if reader in kept.readers:
         return
     stream = stream_of(reader)
-    stream.wait_stream(_build_stream(kept.info.device))
+    stream.wait_stream(build_stream(kept.info.device))
     for tensor in kept.info.held_tensors():
         tensor.record_stream(stream)
     kept.readers.add(reader)
-
-
-def _build_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _BUILD_STREAMS.get(index)
-    if stream is None:
-        stream = _BUILD_STREAMS[index] = own_stream(index)
-    return stream
 
 
 def _mask_of(key: tuple[int, ...], device: torch.device) -> MaskInfo:

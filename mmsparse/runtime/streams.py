@@ -1,4 +1,4 @@
-"""CUDA streams of mmsparse's own, for the backward's concurrent dQ pass.
+"""CUDA streams of mmsparse's own: the backward's concurrent dQ pass, and the builds of what is kept past a call.
 
 ``torch.cuda.Stream()`` hands out streams round-robin from a pool of 32 per device and priority, shared with every
 other user of the process: once a program has drawn more than that (per-request streams, FSDP, other libraries),
@@ -10,6 +10,7 @@ created through the driver, each a stream no one else holds; torch sees them as 
 from __future__ import annotations
 
 import ctypes
+import threading
 import warnings
 
 import torch
@@ -33,3 +34,21 @@ def own_stream(device_index: int) -> torch.cuda.Stream:
         except CudaDriverError as err:
             raise RuntimeError(f"mmsparse could not create a CUDA stream on device {device_index}: {err}") from err
     return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device_index))
+
+
+_BUILD_STREAMS: dict[int, torch.cuda.Stream] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+def build_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for building what mmsparse keeps past a call (kept masks and their lists, the dQ adds'
+    ranks): one for the process, made on first use. Its users make it wait for the caller's stream before a build,
+    and the readers wait for it after."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _BUILD_STREAMS.get(index)
+    if stream is None:
+        with _BUILD_LOCK:
+            stream = _BUILD_STREAMS.get(index)
+            if stream is None:
+                stream = _BUILD_STREAMS[index] = own_stream(index)
+    return stream
