@@ -100,7 +100,7 @@ class FastKernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self._cache: dict[tuple, tuple[Any, tuple, DescriptorLaunch | None, tuple[int, ...]]] = {}
+        self._cache: dict[tuple, tuple[Any, tuple, DescriptorLaunch | None]] = {}
         self._signature = inspect.signature(fn.fn)  # fn.fn: the kernel's Python function
         self._params = list(self._signature.parameters)
         # A compiling JITFunction (not the interpreter) in a Triton with launch hooks in knobs (>= 3.4).
@@ -111,11 +111,10 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        """Launch; return the cache entry ``(compiled kernel, constexpr tail, descriptor launch, pointer
-        positions)`` that launched or was stored, None when the launch went through Triton without one. The
-        descriptor launch (:class:`mmsparse.runtime.tma_args.DescriptorLaunch`) is None where the kernel takes no
-        host TMA descriptor; the pointer positions are where ``args`` holds tensors the kernel takes as pointers
-        (:func:`_run_direct` passes their addresses). :data:`PINNED_OPTIONS` go with ``kwargs``."""
+        """Launch; return the cache entry ``(compiled kernel, constexpr tail, descriptor launch)`` that launched or
+        was stored, None when the launch went through Triton without one. The descriptor launch
+        (:class:`mmsparse.runtime.tma_args.DescriptorLaunch`) is None where the kernel takes no host TMA descriptor.
+        :data:`PINNED_OPTIONS` go with ``kwargs``."""
         kwargs = {**PINNED_OPTIONS, **kwargs}
         if not self._enabled:
             if self._interpreted:
@@ -136,8 +135,7 @@ class FastKernel:
         if hit is None:
             compiled = self.fn[grid](*args, **kwargs)
             if _MISS not in key and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                hit = self._cache[key] = (compiled, self._constexpr_tail(args, kwargs), DescriptorLaunch.of(compiled),
-                                          _pointer_positions(args))
+                hit = self._cache[key] = (compiled, self._constexpr_tail(args, kwargs), DescriptorLaunch.of(compiled))
             return hit
         _run_direct(hit, (*grid, 1, 1), device, args)
         return hit
@@ -202,32 +200,12 @@ def described(args: tuple, boxes: Boxes) -> tuple:
     return tuple(found)
 
 
-def _pointer_positions(args: tuple) -> tuple[int, ...]:
-    """The positions of ``args`` that hold tensors (pointer arguments; a host TMA descriptor is not a tensor)."""
-    return tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
-
-
-def _addresses(args: tuple, positions: tuple[int, ...]) -> tuple | list:
-    """``args`` with the tensor at each of ``positions`` replaced by its address. Triton's launcher takes an integer
-    pointer argument as it is, where for a tensor it calls ``data_ptr`` and then asks the driver
-    (``cuPointerGetAttribute``) whether the address is device memory, on every launch. The callers' tensors are on
-    the launch's device: the attention entry points refuse inputs and masks on another device, and make everything
-    else there."""
-    if not positions:
-        return args
-    found = list(args)
-    for position in positions:
-        found[position] = found[position].data_ptr()
-    return found
-
-
 def _run_direct(entry: tuple, grid3: tuple[int, ...], device: int, args: tuple, boxes: Boxes = ()) -> None:
-    """Call a compiled kernel's launcher with runtime ``args`` (tensors at the entry's pointer positions as their
-    addresses) and its constexpr tail on the current stream (host TMA descriptors, or the tensors at ``boxes``,
-    through the entry's :class:`DescriptorLaunch`, encoded once per value)."""
+    """Call a compiled kernel's launcher with runtime ``args`` and its constexpr tail on the current stream (host TMA
+    descriptors, or the tensors at ``boxes``, through the entry's :class:`DescriptorLaunch`, encoded once per
+    value)."""
     global fast_launches
-    compiled, tail, descriptors, pointers = entry
-    args = _addresses(args, pointers)
+    compiled, tail, descriptors = entry
     if descriptors is not None:
         descriptors(compiled, grid3, _current_stream(device), args, tail, boxes)
     else:
