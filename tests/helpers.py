@@ -237,3 +237,18 @@ def torchrun_on_cpu(module: str, ranks: int, args: list[str], **env: str) -> sub
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def writer_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+    """The H100/H200 config of ``head_dim`` with the dQ-writer kernel on (``KernelConfig.gluon_dq_writer``)."""
+    from mmsparse.attention.config import HOPPER, cuda_kernel_config
+
+    return cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_dq_writer=True)
+
+
+def ordered_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+    """:func:`writer_config` with the dQ writer's adds in order for deterministic calls
+    (``KernelConfig.ordered_dq_writer``)."""
+    import dataclasses
+
+    return dataclasses.replace(writer_config(head_dim, dtype), ordered_dq_writer=True)

@@ -11,8 +11,7 @@ import torch
 from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention.config import SHORT_KEYS
 from mmsparse.tuning import use_tuning
-from tests.helpers import HUB, check_outputs, make_qkv
-from tests.kernels.test_hopper_ordered_writer import ordered_config
+from tests.helpers import HUB, check_outputs, make_qkv, ordered_config
 
 SEQ = SHORT_KEYS + 64
 ROWS = [(300, 1500, 200), (1000, 900, 150)]  # per sample, each at most SEQ tokens; the rest is padding

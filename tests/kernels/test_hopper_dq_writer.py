@@ -20,7 +20,6 @@ from mmsparse.attention.config import (
     GLUON_DQ_WRITER_HEAD_DIMS,
     GLUON_DQ_WRITER_LONG,
     GLUON_ONE_PASS_BULK,
-    HOPPER,
     HOPPER_SHARED_BYTES,
     Tile,
     cuda_kernel_config,
@@ -32,15 +31,10 @@ from mmsparse.attention.config import (
 from mmsparse.attention.plan import plan_attention, plan_call
 from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
-from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
+from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv, writer_config
 from tests.kernels.test_hopper_one_pass import CASES, _case_id
 
 CUDA = torch.device("cuda")
-
-
-def writer_config(head_dim: int, dtype: torch.dtype = torch.bfloat16):
-    """The H100/H200 config of ``head_dim`` with the dQ-writer kernel on."""
-    return cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_dq_writer=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,19 +11,13 @@ import pytest
 import torch
 
 from mmsparse import mbs_attention, mbs_attention_varlen, reference_mask
-from mmsparse.attention.config import KernelConfig
 from mmsparse.attention.plan import call_plan_from_text, plan_attention, plan_call
 from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
-from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv
-from tests.kernels.test_hopper_dq_writer import writer_config
+from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv, ordered_config, writer_config
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
-
-
-def ordered_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
-    return dataclasses.replace(writer_config(head_dim, dtype), ordered_dq_writer=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
