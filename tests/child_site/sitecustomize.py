@@ -24,6 +24,7 @@ def _install_patches() -> None:
         spec.loader.exec_module(module)
         module.patch_once_per_launch()
         module.skip_discarded_overflow_checks()
+        module.table_np_dtypes()
     except Exception:  # noqa: BLE001 (a child that cannot be patched runs unpatched, only slower)
         pass
 

@@ -1,6 +1,7 @@
 """tests/interpreter.py: on a CPU, Triton's interpreter maps triton.language once per launch, not once per nested
 ``@triton.jit`` call, and a kernel with nested calls still computes what torch does; the overflow checks it skips
-are ones the interpreter would discard."""
+are ones the interpreter would discard; its numpy dtypes, looked up in a table built once, are the ones its own
+function gives."""
 
 from __future__ import annotations
 
@@ -89,16 +90,39 @@ def test_the_overflow_checks_skipped_are_the_ones_the_interpreter_discards(monke
     assert _square_of_2_pow_20(monkeypatch, options) == 0
 
 
+def test_the_dtype_table_answers_as_the_interpreter_does():
+    """table_np_dtypes: every dtype triton.language names, alone, as a block's element and pointed to, gets the numpy
+    dtype the interpreter's own function gives (the table holds each of the 18 scalar ones); one it has no numpy
+    type for raises as before."""
+    from triton.runtime import interpreter
+
+    fast = interpreter._get_np_dtype
+    assert getattr(fast, "_table", None), "tests/conftest.py did not install the dtype table"
+    original = fast.original
+    scalars = [v for v in vars(tl).values() if isinstance(v, tl.dtype) and not isinstance(v, tl.pointer_type)]
+    known = [t for t in scalars if t.name != "void"]
+    assert len(known) >= 18 and set(fast._table) == set(known)
+    for t in known:
+        for ty in (t, tl.block_type(t, [4, 8]), tl.pointer_type(t), tl.block_type(tl.pointer_type(t), [4])):
+            assert fast(ty) == original(ty) and fast(ty) is original(ty), ty
+    assert fast(tl.float32) is not fast(tl.bfloat16) and fast(tl.bfloat16) == original(tl.uint16)
+    with pytest.raises(KeyError):
+        original(tl.void)
+    with pytest.raises(KeyError):
+        fast(tl.void)
+
+
 _CHILD = """
 import triton
 from triton.runtime import interpreter
-print(getattr(interpreter._patch_lang, "_once", False), interpreter.interpreter_builder.options.sanitize_overflow)
+print(getattr(interpreter._patch_lang, "_once", False), interpreter.interpreter_builder.options.sanitize_overflow,
+      getattr(interpreter._get_np_dtype, "_table", None) is not None)
 """
 
 
 @pytest.mark.parametrize("interpret", ["1", None], ids=["interpreter", "compiled"])
 def test_processes_the_tests_start_get_the_same_patches(interpret):
-    """tests/child_site: a Python process started from a test with the interpreter on has both patches once triton
+    """tests/child_site: a Python process started from a test with the interpreter on has the patches once triton
     is imported; one started without it is left as it is."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret is not None:
@@ -106,4 +130,4 @@ def test_processes_the_tests_start_get_the_same_patches(interpret):
     result = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     patched = result.stdout.split()
-    assert patched == (["True", "False"] if interpret else ["False", "True"]), result.stdout
+    assert patched == (["True", "False", "True"] if interpret else ["False", "True", "False"]), result.stdout
