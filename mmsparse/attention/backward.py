@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.rules import lse_in_scores
 from ..kernels.tl.backward import attention_delta_tl, attention_dkdv_tl, attention_dq_tl
-from ..mask.add_order import adds_shortest_first, lists_add_ranks, lists_walked
+from ..mask.add_order import adds_shortest_first, lists_add_ranks
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
@@ -269,11 +269,8 @@ class _Passes:
             if launch.ordered:
                 counters = torch.zeros(launch.q_shape[0] * launch.q_shape[1] * launch.query_blocks, dtype=torch.int32,
                                        device=launch.device)
-                counts, indices = mask[0][3], mask[0][4]
-                walked = lists_walked(counts, indices, launch.shortest_first)  # rotated where longest first
-                if walked is not indices:
-                    mask = ((*mask[0][:4], walked, *mask[0][5:]), mask[1])
-                ranks = lists_add_ranks(counts, walked, launch.query_blocks, launch.resident, launch.shortest_first)
+                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks, launch.resident,
+                                        launch.shortest_first)
                 order = (counters, ranks, launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
                                        launch.has_window, bound=bound, order=order,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable
 
 import torch
 
@@ -60,7 +59,18 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_f
         return torch.zeros((samples, slots), dtype=torch.int32, device=device)
     if resident < 1:
         raise ValueError(f"resident is the number of programs a GPU runs at once, at least 1; got {resident}")
-    slot, owner_start, _, _, live, place = _slot_owners(counts, slots, shortest_first)
+    start, length, order = counts[..., 2].contiguous(), counts[..., 0] + counts[..., 1], counts[..., 3]
+    # position[row]: where the row's program stands in the launch order (order[position] = row)
+    places = torch.arange(rows, device=device).expand(samples, rows)
+    position = torch.empty_like(order).scatter_(1, order, places)
+    if shortest_first:
+        position = rows - 1 - position
+    slot = torch.arange(slots, device=device).expand(samples, slots).contiguous()
+    # the row that owns each slot: starts ascend with the row (fixed slots r * C, or packed end to end)
+    owner = (torch.searchsorted(start, slot, right=True) - 1).clamp_(min=0)
+    owner_start = start.gather(1, owner)
+    live = slot < owner_start + length.gather(1, owner)
+    place = position.gather(1, owner)
     groups = -(-rows // resident)
     # (query block, group, step, launch position), one number: a list's steps are below query_blocks
     turn = ((torch.div(place, resident, rounding_mode="floor") * query_blocks + (slot - owner_start)) * rows + place)
@@ -73,60 +83,13 @@ def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_f
     return torch.empty((samples, slots), dtype=torch.int32, device=device).scatter_(1, by_key, ranks)
 
 
-def _slot_owners(counts: torch.Tensor, slots: int, shortest_first: bool) -> tuple[torch.Tensor, ...]:
-    """Per slot of the lists ``[Bm, slots]``: ``(slot, start, full, partial, live, place)``: the slot's index, and
-    of the row whose list holds it, its list's start, full and partial counts, whether the slot is within that
-    list, and the row's program's place in the launch order (the lists' order, backwards where
-    ``shortest_first``). ``counts`` as ``BlockLists.counts``, in int64."""
-    samples, rows = counts.shape[0], counts.shape[1]
-    device = counts.device
-    start, order = counts[..., 2].contiguous(), counts[..., 3]
-    # position[row]: where the row's program stands in the launch order (order[position] = row)
-    places = torch.arange(rows, device=device).expand(samples, rows)
-    position = torch.empty_like(order).scatter_(1, order, places)
-    if shortest_first:
-        position = rows - 1 - position
-    slot = torch.arange(slots, device=device).expand(samples, slots).contiguous()
-    # the row that owns each slot: starts ascend with the row (fixed slots r * C, or packed end to end)
-    owner = (torch.searchsorted(start, slot, right=True) - 1).clamp_(min=0)
-    owner_start = start.gather(1, owner)
-    full, partial = counts[..., 0].gather(1, owner), counts[..., 1].gather(1, owner)
-    live = slot < owner_start + full + partial
-    return slot, owner_start, full, partial, live, position.gather(1, owner)
-
-
-def rotated_lists(lists: BlockLists, shortest_first: bool) -> torch.Tensor:
-    """The ids of ``lists`` (the layout of ``lists.indices``) with each row's full entries, and apart from them its
-    partial ones, rotated to start at the row's place in the launch order (modulo their count): the list the
-    ordered dQ writer walks where its programs launch longest list first. There every key block of a segment may
-    hold the same query blocks; walked in list order, they would reach each at the same step and wait for each
-    other's adds in a chain, one add a program. Rotated, programs side by side reach different query blocks.
-    Slots past a list's end keep their ids."""
-    counts, indices = lists.counts.long(), lists.indices
-    if not indices.numel():
-        return indices
-    slot, start, full, partial, live, place = _slot_owners(counts, indices.shape[1], shortest_first)
-    step = slot - start
-    in_full = step < full
-    # the entry read at each slot: its part's (full or partial) entries, read from the row's place on
-    part_start = torch.where(in_full, start, start + full)
-    part_len = torch.where(in_full, full, partial).clamp(min=1)
-    part_step = torch.where(in_full, step, step - full)
-    source = part_start + torch.remainder(part_step + place, part_len)
-    walked = indices.gather(1, torch.where(live, source, slot))
-    if walked.stride() != indices.stride():  # the kernels read the ids at the lists' strides
-        walked = torch.empty_strided(indices.shape, indices.stride(), dtype=indices.dtype,
-                                     device=indices.device).copy_(walked)
-    return walked
-
-
-# What the ordered dQ writer reads beside the lists in use (their ranks, their rotated ids), by kind and the identity
-# of the lists' ids tensor: a mask's lists are written once, before any launch reads them, and never again, so what
-# is made of them holds while the tensor lives (a finalizer drops the entry). Each entry also holds what else it
-# stands for: the counts tensor, the arguments it was made with and the stream that built it (a mask's lists are
-# read on the stream that built them; a stream that got its own copy of a mask has its own lists).
-_KEPT: dict[tuple[str, int], tuple[weakref.ref, weakref.ref, tuple, torch.Tensor]] = {}
-_KEPT_LOCK = threading.Lock()
+# The ranks of the lists in use, by the identity of their ids tensor: a mask's lists are written once, before any
+# launch reads them, and never again, so their ranks hold while the tensor lives (a finalizer drops the entry).
+# Each entry also holds what else the ranks stand for: the counts tensor, the query blocks, the resident programs,
+# the launch direction and the stream that built them (a mask's lists are read on the stream that built them; a
+# stream that got its own copy of a mask has its own lists).
+_RANKS: dict[int, tuple[weakref.ref, weakref.ref, tuple, torch.Tensor]] = {}
+_RANKS_LOCK = threading.Lock()
 
 
 def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: int, resident: int,
@@ -135,55 +98,40 @@ def lists_add_ranks(counts: torch.Tensor, indices: torch.Tensor, query_blocks: i
     and kept while ``indices`` lives (every layer and step of a mask reuses them), ready to read on the current
     stream. A traced graph's lists are new tensors at each step, and their ranks are built at each step; so are
     those built in a CUDA graph's capture, which its replays write."""
-    return _kept("ranks", counts, indices, (query_blocks, resident, shortest_first),
-                 lambda: dq_add_ranks(BlockLists(counts, indices), query_blocks, resident, shortest_first))
-
-
-def lists_walked(counts: torch.Tensor, indices: torch.Tensor, shortest_first: bool) -> torch.Tensor:
-    """The ids the ordered dQ writer walks for the lists ``(counts, indices)``: ``indices`` where its programs
-    launch shortest list first, else :func:`rotated_lists`, kept as :func:`lists_add_ranks` keeps ranks."""
-    if shortest_first:
-        return indices
-    return _kept("rotated", counts, indices, (), lambda: rotated_lists(BlockLists(counts, indices), False))
-
-
-def _kept(kind: str, counts: torch.Tensor, indices: torch.Tensor, arguments: tuple,
-          make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()``, kept for the lists ``(counts, indices)`` and ``arguments`` while ``indices`` lives; made anew
-    while traced or captured (nothing of a fake tensor or of a capture is kept)."""
     if torch.compiler.is_compiling() or _is_fake(indices) or _capturing(indices):
-        return make()
-    key = (kind, id(indices))
-    wanted = (*arguments, stream_key(indices.device))
-    kept = _KEPT.get(key)
+        return dq_add_ranks(BlockLists(counts, indices), query_blocks, resident, shortest_first)
+    key = id(indices)
+    wanted = (query_blocks, resident, shortest_first, stream_key(indices.device))
+    kept = _RANKS.get(key)
     if kept is not None and kept[0]() is indices and kept[1]() is counts and kept[2] == wanted:
         return kept[3]
-    made = _built_apart(indices.device, make)
-    with _KEPT_LOCK:
-        if key not in _KEPT:
-            weakref.finalize(indices, _KEPT.pop, key, None)
-        _KEPT[key] = (weakref.ref(indices), weakref.ref(counts), wanted, made)
-    return made
+    ranks = _built_apart(BlockLists(counts, indices), query_blocks, resident, shortest_first)
+    with _RANKS_LOCK:
+        if key not in _RANKS:
+            weakref.finalize(indices, _RANKS.pop, key, None)
+        _RANKS[key] = (weakref.ref(indices), weakref.ref(counts), wanted, ranks)
+    return ranks
 
 
-def _built_apart(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()`` for keeping: on a GPU run on mmsparse's own thread and build stream after the current stream's
-    work so far, and readable on the current stream. Under ``torch.compile(mode="reduce-overhead")`` the warm-up
-    routes every allocation of the calling thread to a CUDA graph's private pool, which must hold nothing that
-    outlives the call (:mod:`mmsparse.runtime.own_thread`)."""
+def _built_apart(lists: BlockLists, query_blocks: int, resident: int, shortest_first: bool) -> torch.Tensor:
+    """:func:`dq_add_ranks` for keeping, on a GPU built on mmsparse's own thread and build stream after the current
+    stream's work so far, and readable on the current stream: under ``torch.compile(mode="reduce-overhead")`` the
+    warm-up routes every allocation of the calling thread to a CUDA graph's private pool, which must hold nothing
+    that outlives the call (:mod:`mmsparse.runtime.own_thread`)."""
+    device = lists.indices.device
     if device.type != "cuda":
-        return make()
+        return dq_add_ranks(lists, query_blocks, resident, shortest_first)
     current, build = torch.cuda.current_stream(device), build_stream(device)
     build.wait_stream(current)
 
     def run() -> torch.Tensor:
         with torch.cuda.device(device), torch.cuda.stream(build):
-            return make()
+            return dq_add_ranks(lists, query_blocks, resident, shortest_first)
 
-    made = on_own_thread(run)
+    ranks = on_own_thread(run)
     current.wait_stream(build)
-    made.record_stream(current)
-    return made
+    ranks.record_stream(current)
+    return ranks
 
 
 def _capturing(tensor: torch.Tensor) -> bool:

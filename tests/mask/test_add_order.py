@@ -1,8 +1,7 @@
 """The ranks that order the dQ writer's adds (``mmsparse.mask.add_order``): for every entry of a key block's list,
 the number of key blocks before it in the launch order whose lists hold the same query block, counted here by a
 walk over the launch order, for lists in fixed slots and packed end to end, shared by the batch and per sample,
-with empty rows; and kept per lists while they live. The lists rotated by launch place (longest first) against a
-walk of their own, and the ranks of the rotated lists."""
+with empty rows; and kept per lists while they live."""
 
 from __future__ import annotations
 
@@ -13,14 +12,7 @@ import pytest
 import torch
 
 from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
-from mmsparse.mask.add_order import (
-    _KEPT,
-    adds_shortest_first,
-    dq_add_ranks,
-    lists_add_ranks,
-    lists_walked,
-    rotated_lists,
-)
+from mmsparse.mask.add_order import _RANKS, adds_shortest_first, dq_add_ranks, lists_add_ranks
 from mmsparse.mask.blocks import BlockLists, lists_from_classes
 from mmsparse.mask.build import build_mask_info
 from tests.helpers import HUB
@@ -110,11 +102,11 @@ def test_ranks_are_kept_while_their_lists_live():
     longest = lists_add_ranks(lists.counts, lists.indices, 10, 2, shortest_first=False)
     assert torch.equal(longest, dq_add_ranks(lists, 10, 2, shortest_first=False))
     assert not torch.equal(longest, dq_add_ranks(lists, 10, 2))
-    key = ("ranks", id(lists.indices))
-    assert key in _KEPT
+    key = id(lists.indices)
+    assert key in _RANKS
     del lists
     gc.collect()
-    assert key not in _KEPT
+    assert key not in _RANKS
 
 
 def test_the_launch_direction_follows_the_mask():
@@ -124,45 +116,3 @@ def test_the_launch_direction_follows_the_mask():
     assert adds_shortest_first(MASK_BITS, True)
     for mode in (MASK_SEGMENTS, MASK_DENSE):
         assert adds_shortest_first(mode, False) and adds_shortest_first(mode, True)
-
-
-def walked_rotation(lists: BlockLists) -> dict[tuple[int, int], int]:
-    """{(sample, slot): id} of the rotated lists, walked row by row: the row's program's place p in the launch
-    order (longest list first), its full entries read from entry p % full on, then its partial ones from
-    p % partial on."""
-    walked = {}
-    counts, indices = lists.counts.tolist(), lists.indices.tolist()
-    for b, rows in enumerate(counts):
-        place = {row: p for p, (_, _, _, row) in enumerate(rows)}
-        for r, (full, partial, start, _) in enumerate(rows):
-            for first, n in ((start, full), (start + full, partial)):
-                for j in range(n):
-                    walked[(b, first + j)] = indices[b][first + (j + place[r]) % n]
-    return walked
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_rotated_lists(seed):
-    """Each row's full entries, then its partial ones, each rotated to start at the row's launch place; their
-    ranks are the walk's over the rotated lists."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    samples, rows, cols = rng.randint(1, 3), rng.randint(2, 12), rng.randint(2, 16)
-    live = torch.rand(samples, rows, cols) < 0.6
-    live[:, rng.randrange(rows)] = False
-    lists = lists_from_classes(live, live & (torch.rand(samples, rows, cols) < 0.5))
-    rotated = rotated_lists(lists, shortest_first=False)
-    assert rotated.dtype == lists.indices.dtype and rotated.stride() == lists.indices.stride()
-    expected = walked_rotation(lists)
-    assert {key: int(rotated[key]) for key in expected} == expected
-    assert assert_ranks(BlockLists(lists.counts, rotated), cols, 3) == int(live.sum())
-
-
-def test_walked_lists_are_rotated_only_longest_first_and_kept():
-    info = build_mask_info(HUB, [(100, 500, 217), (400, 17, 400)], 817, 817, False, torch.device("cpu"))
-    lists = info.lists(64, 128, True)
-    assert lists_walked(lists.counts, lists.indices, shortest_first=True) is lists.indices
-    walked = lists_walked(lists.counts, lists.indices, shortest_first=False)
-    assert torch.equal(walked, rotated_lists(lists, shortest_first=False))
-    assert not torch.equal(walked, lists.indices)
-    assert lists_walked(lists.counts, lists.indices, shortest_first=False) is walked
