@@ -366,8 +366,21 @@ TINY: dict[str, BenchConfig] = {
     )
 }
 
+# Packs of longer samples, outside the default run: the tools that compare backward passes take them by name
+# (``tools.one_pass --configs pack_64k_x64``), to see how a choice for pack_64k_x512 holds as samples grow.
+PACK_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        # 64 samples scaled to 65536 tokens (~1k a sample), 16 (~4k a sample); PACK_RANGES, hub, causal per sample
+        BenchConfig("pack_64k_x64", 1, 16, 4, 128, pack_lengths(64, PACK_RANGES, seed=0, total=65536), HUB,
+                    causal=True, packed=True),
+        BenchConfig("pack_64k_x16", 1, 16, 4, 128, pack_lengths(16, PACK_RANGES, seed=0, total=65536), HUB,
+                    causal=True, packed=True),
+    )
+}
+
 GPU_CONFIGS: dict[str, BenchConfig] = {**CONFIGS, **DECODE_CONFIGS, **MASK_CONFIGS}  # ``python -m benchmarks``
-ALL_CONFIGS: dict[str, BenchConfig] = {**GPU_CONFIGS, **TINY}
+ALL_CONFIGS: dict[str, BenchConfig] = {**GPU_CONFIGS, **PACK_CONFIGS, **TINY}
 
 # Names that stand for several configs in ``--configs`` (mixable with config names: ``masks,mm13k_hub_causal``).
 GROUPS: dict[str, tuple[str, ...]] = {
