@@ -89,7 +89,7 @@ def check_deterministic(value: Any) -> bool | None:
     try:
         return check_flag("deterministic", value)
     except TypeError:
-        raise TypeError(f"deterministic must be True (bitwise repeatable two-pass backward), False (one-pass backward, "
+        raise TypeError(f"deterministic must be True (bitwise repeatable backward), False (one-pass backward, "
                         f"dQ by atomic adds) or None (the default of use_config); got {type(value).__name__} "
                         f"{value!r}") from None
 

@@ -146,7 +146,7 @@ class MultimodalSelfAttention(_MBSAttentionCore):
         bias: bias in the q/k/v and output projections.
         window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
             :func:`mmsparse.mbs_attention`); None (default) for none.
-        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (two passes, bitwise
+        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (bitwise
             repeatable), False (one pass, dQ by atomic adds) or None (default: ``use_config``'s, True unless set).
 
     ``forward(x, seg_lens=None)``: x ``[B, S, E]`` -> ``[B, S, E]``. ``seg_lens`` overrides the default for one call:

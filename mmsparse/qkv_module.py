@@ -46,7 +46,7 @@ class TritonMBSAttnKernel(nn.Module):
         names: optional segment names, e.g. ``("text", "vision", "audio")``.
         window: a sliding window: keys at positions greater than the query's minus ``window`` only (as in
             :func:`mmsparse.mbs_attention`); None (default) for none.
-        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (two passes, bitwise
+        deterministic: the backward, as in :func:`mmsparse.mbs_attention`: True (bitwise
             repeatable), False (one pass, dQ by atomic adds) or None (default: ``use_config``'s, True unless set).
 
     ``forward(q, k, v)`` takes ``q [B, Hq, Sq, D]`` and ``k, v [B, Hkv, S, D]`` and returns ``[B, Hq, Sq, D]``.

@@ -311,7 +311,7 @@ def _alert_not_deterministic() -> None:
         return
     message = ("mmsparse's one-pass backward (deterministic=False, or use_config(deterministic=False)) adds dQ with "
                "atomics and is not deterministic, but torch.use_deterministic_algorithms(True) is set: pass "
-               "deterministic=True to the attention call or module for the bitwise repeatable two-pass backward")
+               "deterministic=True to the attention call or module for the bitwise repeatable backward")
     if torch.is_deterministic_algorithms_warn_only_enabled():
         warnings.warn(message, UserWarning, stacklevel=2)
     else:

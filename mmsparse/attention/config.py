@@ -23,7 +23,8 @@ from .dispatch import hopper_gluon_available
 TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
 EVERY_LENGTH = 1 << 62  # a key-count threshold no call reaches: the path runs at every length
 # The KernelConfig fields that switch a path, which use_tuning sets on every call's config.
-THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys")
+THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys",
+              "ordered_samples")
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,12 @@ class KernelConfig:
     dq_writer_max_keys: int = EVERY_LENGTH
     # deterministic=True runs the dQ-writer kernel too (where it runs: gluon_dq_writer, no dropout, below
     # dq_writer_max_keys keys), its adds into each query block in a fixed order, each waiting for the one before
-    # (mask.add_order), instead of the two passes. Off: it beat them on some masks and lost on most
-    # (docs/performance.md, "Backward").
+    # (mask.add_order), instead of the two passes: over packs of samples of at most ordered_samples tokens on
+    # average, or everywhere with ordered_dq_writer. It beat the two passes on packs of 128 and 1,024 tokens a
+    # sample (1.03-1.42x) and lost at 4,096 (0.85-0.92x), lost on the cyclic and transfusion masks and tied on the
+    # hub masks (docs/performance.md, "Backward"); it holds dQ as a float32 sum (1.8x the two passes' peak memory
+    # on a pack).
+    ordered_samples: int = 1024
     ordered_dq_writer: bool = False
 
     def __post_init__(self) -> None:
@@ -208,13 +213,18 @@ class KernelConfig:
         """A backward allowed to be non-deterministic runs in one pass over this many keys."""
         return seq_k < self.one_pass_max_keys
 
-    def runs_one_pass(self, seq_k: int, deterministic: bool, dropout: bool = False) -> bool:
-        """The backward over ``seq_k`` keys runs in one pass (dQ added, not owned): where ``deterministic`` is
-        False, below ``dq_writer_max_keys`` keys where the one pass is the dQ-writer kernel, else below
-        ``one_pass_max_keys``; where it is True, only the dQ-writer kernel with ordered adds
-        (``ordered_dq_writer``), below ``dq_writer_max_keys``."""
+    def runs_one_pass(self, seq_k: int, deterministic: bool, dropout: bool = False,
+                      sample_len: int | None = None) -> bool:
+        """The backward over ``seq_k`` keys (of samples of ``sample_len`` tokens on average in a pack; None: not
+        a pack) runs in one pass (dQ added, not owned): where ``deterministic`` is False, below
+        ``dq_writer_max_keys`` keys where the one pass is the dQ-writer kernel, else below ``one_pass_max_keys``;
+        where it is True, only the dQ-writer kernel with ordered adds, below ``dq_writer_max_keys``, over packs of
+        samples of at most ``ordered_samples`` tokens or, with ``ordered_dq_writer``, any call."""
         if deterministic:
-            return self.ordered_dq_writer and self.one_pass_runs_dq_writer(dropout) and seq_k < self.dq_writer_max_keys
+            # the pack's length last: a traced graph guards on each comparison it makes
+            if not (self.one_pass_runs_dq_writer(dropout) and seq_k < self.dq_writer_max_keys):
+                return False
+            return self.ordered_dq_writer or (sample_len is not None and sample_len <= self.ordered_samples)
         if self.one_pass_runs_dq_writer(dropout):
             return seq_k < self.dq_writer_max_keys
         return self.one_pass(seq_k)
@@ -253,7 +263,8 @@ _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "b
 # The blocks each of those tiles may have (GLUON_BLOCK where not listed).
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
-                    "compact_bytes": "bytes", "one_pass_max_keys": "keys", "dq_writer_max_keys": "keys"}
+                    "compact_bytes": "bytes", "one_pass_max_keys": "keys", "dq_writer_max_keys": "keys",
+                    "ordered_samples": "tokens per sample"}
 
 
 def _check_int(label: str, value: object) -> int:
@@ -819,7 +830,7 @@ def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one
 REMOVED_SETTINGS = {
     "deterministic_backward": "use_config(deterministic_backward=...) was removed along with the ordered one-pass "
                               "backward it selected (0.32-0.47x the speed of the two passes on an H200): "
-                              "deterministic=True, the default, runs the bitwise-repeatable two-pass backward",
+                              "deterministic=True, the default, runs a bitwise-repeatable backward",
 }
 
 
@@ -857,9 +868,9 @@ def use_config(*args: object, deterministic: bool | None = None,
 def use_tuning(config: KernelConfig | None = None, **thresholds: int) -> contextlib.AbstractContextManager[None]:
     """Run the enclosed calls with fixed tiles, ``with use_tuning(KernelConfig(Tile(16, 16), ...)):``, and/or with
     other thresholds on every call's config, ``with use_tuning(short_keys=0):`` (``decode_max_q``, ``short_keys``,
-    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``: ints >= 0). This thread's, as :func:`use_config`'s
-    setting is, and read by a call when its forward runs. Arguments are checked when it is called: a value that
-    cannot run is a TypeError or ValueError naming it, before any block."""
+    ``short_samples``, ``compact_bytes``, ``one_pass_max_keys``, ``dq_writer_max_keys``, ``ordered_samples``: ints >=
+    0). This thread's, as :func:`use_config`'s setting is, and read by a call when its forward runs. Arguments are
+    checked when it is called: a value that cannot run is a TypeError or ValueError naming it, before any block."""
     config, thresholds = _tuning_arguments("use_tuning", config, thresholds)
     return _settings_block(config, thresholds)
 

@@ -110,8 +110,9 @@ def plan_attention(
             dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.dq_writer_max_keys`` keys
             for the dQ-writer kernel (every length by default), below ``config.one_pass_max_keys`` for the others,
             from where both older one-pass kernels were slower than the two-pass backward on every config measured.
-            True: the two passes (bitwise repeatable), or where ``config.ordered_dq_writer`` is set the dQ-writer
-            kernel with its adds in order (bitwise repeatable too).
+            True: the two passes (bitwise repeatable), or the dQ-writer kernel with its adds in order (bitwise
+            repeatable too) where it runs, over packs of samples of at most ``config.ordered_samples`` tokens on
+            average or, with ``config.ordered_dq_writer``, any call.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -128,7 +129,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
     """(dQ pass or None for the one pass, dK/dV pass, side stream) of :func:`plan_attention`: they depend on the
     key count and the samples' length only through the config's thresholds, so a traced call decides them once for
     every length on the same side of those (:func:`plan_call`)."""
-    if config.runs_one_pass(seq_k, deterministic, dropout):
+    if config.runs_one_pass(seq_k, deterministic, dropout, sample_len):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
                                 config.one_pass_runs_gluon(dropout), True, one_pass=True,
                                 dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic)

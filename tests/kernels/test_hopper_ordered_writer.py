@@ -43,6 +43,25 @@ def test_deterministic_plans_the_ordered_writer():
     assert not writer_config(128).ordered_dq_writer  # off unless asked for
 
 
+def test_deterministic_packs_of_short_samples_plan_the_ordered_writer():
+    """Without the switch, deterministic=True plans the ordered dQ writer over packs of samples of at most
+    ordered_samples tokens on average (1,024), and the two passes over longer samples, outside packs, with dropout
+    and with ordered_samples=0."""
+    config = writer_config(128)
+    assert not config.ordered_dq_writer and config.ordered_samples == 1024
+
+    def plan(cfg=config, sample_len=None, dropout=False):
+        return plan_attention(cfg, 1, 16, 4, 65536, 65536, CPU, sample_len, dropout, deterministic=True)
+
+    for sample_len in (128, 1024):
+        assert plan(sample_len=sample_len).dq is None and plan(sample_len=sample_len).dkdv.ordered
+        assert plan(sample_len=sample_len).kernels()["dkdv"] == "gluon-dq-writer-ordered"
+    assert plan(sample_len=1025).dq is not None and plan().dq is not None
+    assert plan(sample_len=128, dropout=True).dq is not None
+    assert plan(dataclasses.replace(config, ordered_samples=0), sample_len=128).dq is not None
+    assert plan_attention(writer_config(64), 1, 4, 4, 8192, 8192, CPU, 512, deterministic=True).dkdv.ordered
+
+
 def test_the_plan_text_carries_the_order():
     """The ops' plan text holds ``ordered``: a traced backward runs the ordered kernel too."""
     plan = plan_call(ordered_config(64), 3000, 3000, CPU, None, False, True, MASK_BITS, True, None, 3)
@@ -83,11 +102,13 @@ def test_ordered_writer_over_packed_lists(head_dim, writer_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_ordered_writer_over_a_pack_of_samples(writer_calls):
+@pytest.mark.parametrize("switch", [True, False], ids=["switch", "default"])
+def test_ordered_writer_over_a_pack_of_samples(switch, writer_calls):
+    """A pack of samples of 749 tokens on average, with the switch and by default (ordered_samples)."""
     rows = [[300, 200, 100], [50, 700, 0], [129, 257, 513]]
     seq = sum(map(sum, rows))
     q, k, v = make_qkv(1, 4, 2, seq, seq, 128, torch.bfloat16, CUDA)
-    with use_tuning(ordered_config(128)):
+    with use_tuning(ordered_config(128) if switch else None):
         out = mbs_attention_varlen(q, k, v, HUB, rows, causal=True, deterministic=True)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
@@ -130,3 +151,18 @@ def test_ordered_writer_is_bitwise_repeatable(head_dim, causal, writer_calls):
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
             assert torch.equal(first, again), f"{name} changed from run to run"
     check_outputs(q, k, v, outs[0], grad_out, reference_mask(HUB, lens, seq, causal=causal), grads=runs[0])
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_a_pack_of_longer_samples_keeps_the_two_passes(writer_calls):
+    """By default a pack of samples of over ordered_samples tokens on average runs the two passes, deterministic."""
+    rows = [[300, 900, 100], [500, 700, 129]]
+    seq = sum(map(sum, rows))
+    q, k, v = make_qkv(1, 4, 2, seq, seq, 128, torch.bfloat16, CUDA)
+    out = mbs_attention_varlen(q, k, v, HUB, rows, causal=True, deterministic=True)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert not writer_calls.ordered and set(writer_calls) == {"run_dkdv", "run_dq"}
+    mask = torch.block_diag(*(reference_mask(HUB, r, sum(r), causal=True)[0] for r in rows))[None]
+    check_outputs(q, k, v, out, grad_out, mask)

@@ -19,7 +19,7 @@ from mmsparse.attention import config, dispatch
 from mmsparse.attention.dropout import dropout_keep_rows, new_dropout_seed
 from mmsparse.mask.topology import Topology, segment_ids
 from mmsparse.reference import reference_group_rows
-from tests.helpers import CYCLIC, HUB
+from tests.helpers import CYCLIC, HUB, ordered_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.large]
 
@@ -271,13 +271,16 @@ def test_dropout_past_2_31():
                    keep_for=keep_for, dropout_p=p, key_groups=1)
 
 
-@pytest.mark.parametrize("layout,head_dim", [("BHSD", 128), ("BSHD", 128), ("BSHD", 64)])
-def test_one_pass_past_2_31(layout, head_dim):
+@pytest.mark.parametrize("layout,head_dim,ordered", [("BHSD", 128, False), ("BSHD", 128, False), ("BSHD", 64, False),
+                                                     ("BSHD", 128, True)])
+def test_one_pass_past_2_31(layout, head_dim, ordered):
     """The one-pass backward (deterministic=False: on Hopper the dQ-writer kernel at D=64 and 128, its default at
-    every length; the tl one elsewhere, forced past its threshold): its float32 dQ
-    accumulator has B * Hq * S * D = 2.36e9 elements, and q as a [B, S, H, D] view puts row * stride_row past 2^31.
-    Atomic adds run in any order, so the check is the float32 reference on the sampled rows and the two-pass
-    result."""
+    every length; the tl one elsewhere, forced past its threshold; ``ordered``: the dQ writer with its adds in order,
+    deterministic=True, on Hopper): its float32 dQ accumulator has B * Hq * S * D = 2.36e9 elements, and q as a
+    [B, S, H, D] view puts row * stride_row past 2^31. Unordered atomic adds run in any order, so the check is the
+    float32 reference on the sampled rows and the two-pass result."""
+    if ordered and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the ordered dQ writer is a Hopper kernel")
     gen = torch.Generator(device="cuda").manual_seed(23)
     seg = (4096, 120000, 20000)
     seq = sum(seg)
@@ -286,8 +289,9 @@ def test_one_pass_past_2_31(layout, head_dim):
          else _randn(4, heads, seq, head_dim, gen=gen))
     do = _randn(4, heads, seq, head_dim, gen=gen)
     k, v = (_randn(4, heads // 4, seq, head_dim, gen=gen) for _ in "kv")
-    with config.use_tuning(one_pass_max_keys=1 << 62):  # the one-pass kernel at this length (not by default)
-        out, grads = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True, deterministic=False)
+    # the one-pass kernel at this length (not by default)
+    with config.use_tuning(ordered_config(head_dim) if ordered else None, one_pass_max_keys=1 << 62):
+        out, grads = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True, deterministic=ordered)
     _check_sampled(q, k, v, do, out, grads, lambda b: _topology_rows(HUB, seg, seq, seq, True), gen)
     del out
     _, grads2 = _run(q, k, v, do, topology=HUB, seg_lens=seg, causal=True)
