@@ -12,9 +12,9 @@ The launch order depends on the mask (:func:`adds_shortest_first`). Where lists 
 queries (a causal mask, causal pairs), the programs of each (batch, KV head) launch shortest list first
 (the lists' order, ``mask.list_order``, backwards): the key block that reaches a query block first is then the one
 that also starts first (FlashAttention-3's deterministic causal order). Longest first, the causal hub mask ran 0.70x
-the two passes' speed instead of 1.03x. Elsewhere every list starts at the same query block, and the ordered kernel
-launches longest list first, as the unordered one does: five such masks ran 0.92-1.03x the two passes' speed
-against 0.89-0.99x shortest first (``benchmarks/results/h200/ordered_dq_writer.md``).
+the two passes' speed instead of 1.03x. Elsewhere no list starts at its own queries, and the ordered kernel launches
+longest list first, as the unordered one does: five such masks ran 0.92-1.03x the two passes' speed against
+0.89-0.99x shortest first (``benchmarks/results/h200/ordered_dq_writer.md``).
 
 A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
 and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
