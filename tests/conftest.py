@@ -18,8 +18,8 @@ Where the tests are (they mirror the package; no test file sits at the root of t
                 their CPU smoke tests, marked ``stress``
 helpers.py holds what several modules share (topologies, cases, the float64 checks), poison.py the NaN-poisoned
 ``torch.empty``, ``empty_strided`` and ``empty_like`` (shared with the stress tools), interpreter.py the interpreter
-mapped once per launch, without the overflow checks it discards and with its dtype table built once (child_site/
-gives the processes the tests start the same); no test module imports another."""
+mapped once per launch, without the overflow checks it discards, with its dtype table built once and bfloat16
+widened by a shift (child_site/ gives the processes the tests start the same); no test module imports another."""
 
 import collections
 import os
@@ -31,7 +31,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.interpreter import patch_once_per_launch, skip_discarded_overflow_checks, table_np_dtypes  # noqa: E402
+from tests.interpreter import (  # noqa: E402
+    patch_once_per_launch,
+    shift_bf16_upcasts,
+    skip_discarded_overflow_checks,
+    table_np_dtypes,
+)
 from tests.poison import poisoned_empty  # noqa: E402
 
 CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
@@ -40,6 +45,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_once_per_launch()
     skip_discarded_overflow_checks()
     table_np_dtypes()
+    shift_bf16_upcasts()
     # every Python process a test starts runs child_site/sitecustomize.py, which patches its interpreter as well
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (CHILD_SITE, os.environ.get("PYTHONPATH"))))
 

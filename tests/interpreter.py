@@ -17,7 +17,14 @@ installed Triton).
 :func:`table_np_dtypes` looks the numpy dtype of a Triton dtype up in a table built once, where the interpreter
 builds its table of 19 dtypes (hashing each) on every call: every splat, cast and masked load asks, about a
 twentieth of an interpreted kernel's time. The table is the interpreter's own answers, and a dtype it does not hold
-goes to the interpreter's function. Nothing else changes: the same kernels run through the same interpreter.
+goes to the interpreter's function.
+
+:func:`shift_bf16_upcasts` widens bfloat16 to float32 by shifting each value's 16 bits into the top of 32, which is
+what a bfloat16 is (float32's sign, exponent and top 7 mantissa bits), where the interpreter takes every value apart
+and puts it back together (``_convert_float``): the upcast of each bfloat16 load was about a fifteenth of a
+bfloat16 kernel test's time. The interpreter's own function does not carry subnormals over exactly, so values with
+one among them still go to it; a test compares the two on all 65,536 bfloat16 values. Nothing else changes: the same
+kernels run through the same interpreter.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from typing import Any
+
+import numpy as np
 
 
 def _language_modules(fn: Any, tl: Any) -> frozenset[int]:
@@ -128,4 +137,34 @@ def table_np_dtypes() -> bool:
     np_dtype._table = table  # type: ignore[attr-defined]
     np_dtype.original = original  # type: ignore[attr-defined]
     interpreter._get_np_dtype = np_dtype
+    return True
+
+
+def shift_bf16_upcasts() -> bool:
+    """Install the shift for bfloat16 -> float32 in the interpreter's float conversion (any other conversion goes to
+    its own function); False (and nothing changed) where this Triton's interpreter has no such function, or it was
+    installed already."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None or getattr(original, "original", None) is not None:
+        return False
+    bf16, fp32, sixteen = tl.bfloat16, tl.float32, np.uint32(16)
+    exponent, mantissa = np.uint16(0x7F80), np.uint16(0x007F)
+
+    def convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
+        """``original(...)``: for bfloat16 bits (uint16) to float32 the bits shifted, a C-ordered array as the
+        original returns; values with any subnormal among them (which the original does not carry over exactly)
+        and every other conversion by the original."""
+        if input_dtype == bf16 and output_dtype == fp32 and getattr(input, "dtype", None) == np.uint16:
+            if not ((input & exponent == 0) & (input & mantissa != 0)).any():
+                out = input.astype(np.uint32, order="C")
+                return np.left_shift(out, sixteen, out=out)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float.original = original  # type: ignore[attr-defined]
+    interpreter._convert_float = convert_float
     return True

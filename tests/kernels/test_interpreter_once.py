@@ -1,7 +1,7 @@
 """tests/interpreter.py: on a CPU, Triton's interpreter maps triton.language once per launch, not once per nested
 ``@triton.jit`` call, and a kernel with nested calls still computes what torch does; the overflow checks it skips
 are ones the interpreter would discard; its numpy dtypes, looked up in a table built once, are the ones its own
-function gives."""
+function gives; bfloat16 widened to float32 by a shift gives its conversion's bits."""
 
 from __future__ import annotations
 
@@ -112,11 +112,41 @@ def test_the_dtype_table_answers_as_the_interpreter_does():
         fast(tl.void)
 
 
+def test_bfloat16_widened_by_a_shift_gives_the_interpreters_bits():
+    """shift_bf16_upcasts: every one of the 65,536 bfloat16 values, widened to float32, has the bits the
+    interpreter's own conversion gives (values with a subnormal among them go to it, which does not widen those
+    exactly, and the tests must see what it gives), in a C-ordered array of the input's shape, strided or 0-d;
+    other conversions are the interpreter's."""
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    fast = interpreter._convert_float
+    original = getattr(fast, "original", None)
+    assert original is not None, "tests/conftest.py did not install the bfloat16 shift"
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    subnormal = ((bits & 0x7F80) == 0) & ((bits & 0x7F) != 0)
+    normal = bits[~subnormal]
+    for rounding in (None, ir.ROUNDING_MODE.RTNE, ir.ROUNDING_MODE.RTZ):
+        for values in (bits, normal):
+            got, want = fast(values, tl.bfloat16, tl.float32, rounding), original(values, tl.bfloat16, tl.float32,
+                                                                                   rounding)
+            assert got.dtype == want.dtype == np.uint32 and np.array_equal(got, want)
+    strided = normal[:4096].reshape(64, 64).T[::2]
+    for values in (strided, np.array(np.uint16(0x3F80))):
+        got, want = fast(values, tl.bfloat16, tl.float32, None), original(values, tl.bfloat16, tl.float32, None)
+        assert type(got) is type(want) and got.shape == want.shape and got.flags.c_contiguous
+        assert np.array_equal(got, want)
+    down = np.array([1.0, -2.5, 3.14159], dtype=np.float32)
+    assert np.array_equal(fast(down, tl.float32, tl.bfloat16, None), original(down, tl.float32, tl.bfloat16, None))
+
+
 _CHILD = """
 import triton
 from triton.runtime import interpreter
 print(getattr(interpreter._patch_lang, "_once", False), interpreter.interpreter_builder.options.sanitize_overflow,
-      getattr(interpreter._get_np_dtype, "_table", None) is not None)
+      getattr(interpreter._get_np_dtype, "_table", None) is not None,
+      getattr(interpreter._convert_float, "original", None) is not None)
 """
 
 
@@ -130,4 +160,5 @@ def test_processes_the_tests_start_get_the_same_patches(interpret):
     result = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     patched = result.stdout.split()
-    assert patched == (["True", "False", "True"] if interpret else ["False", "True", "False"]), result.stdout
+    assert patched == (["True", "False", "True", "True"] if interpret else ["False", "True", "False", "False"]), (
+        result.stdout)
