@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 
 from tests.interpreter import (  # noqa: E402
     patch_once_per_launch,
-    shift_bf16_upcasts,
+    shift_bf16_casts,
     skip_discarded_overflow_checks,
     table_np_dtypes,
 )
@@ -45,7 +45,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_once_per_launch()
     skip_discarded_overflow_checks()
     table_np_dtypes()
-    shift_bf16_upcasts()
+    shift_bf16_casts()
     # every Python process a test starts runs child_site/sitecustomize.py, which patches its interpreter as well
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (CHILD_SITE, os.environ.get("PYTHONPATH"))))
 

@@ -15,15 +15,16 @@ options never do. So the check is off only where it could not fail (a test holds
 installed Triton).
 
 :func:`table_np_dtypes` looks the numpy dtype of a Triton dtype up in a table built once, where the interpreter
-builds its table of 19 dtypes (hashing each) on every call: every splat, cast and masked load asks, about a
+builds its table of 18 dtypes (hashing each) on every call: every splat, cast and masked load asks, about a
 twentieth of an interpreted kernel's time. The table is the interpreter's own answers, and a dtype it does not hold
 goes to the interpreter's function.
 
-:func:`shift_bf16_upcasts` widens bfloat16 to float32 by shifting each value's 16 bits into the top of 32, which is
-what a bfloat16 is (float32's sign, exponent and top 7 mantissa bits), where the interpreter takes every value apart
-and puts it back together (``_convert_float``): the upcast of each bfloat16 load was about a fifteenth of a
-bfloat16 kernel test's time. The interpreter's own function does not carry subnormals over exactly, so values with
-one among them still go to it; a test compares the two on all 65,536 bfloat16 values. Nothing else changes: the same
+:func:`shift_bf16_casts` converts between bfloat16 and float32 by shifting bits, which is what the conversion is
+(a bfloat16 is the top half of a float32: the interpreter's float32 -> bfloat16 cast truncates), where the
+interpreter takes every value apart and puts it back together (``_convert_float``): the conversions of a bfloat16
+kernel's loads and stores were about a tenth of its test's time. The interpreter's own function does not carry
+subnormals, infinities or NaNs over as a shift does, so values with one among them still go to it; a test compares
+the two on all 65,536 bfloat16 values and on float32 values of every exponent. Nothing else changes: the same
 kernels run through the same interpreter.
 """
 
@@ -140,10 +141,10 @@ def table_np_dtypes() -> bool:
     return True
 
 
-def shift_bf16_upcasts() -> bool:
-    """Install the shift for bfloat16 -> float32 in the interpreter's float conversion (any other conversion goes to
-    its own function); False (and nothing changed) where this Triton's interpreter has no such function, or it was
-    installed already."""
+def shift_bf16_casts() -> bool:
+    """Install the shifts for bfloat16 -> float32 and float32 -> bfloat16 in the interpreter's float conversion (any
+    other conversion goes to its own function); False (and nothing changed) where this Triton's interpreter has no
+    such function, or it was installed already."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -153,16 +154,24 @@ def shift_bf16_upcasts() -> bool:
     if original is None or getattr(original, "original", None) is not None:
         return False
     bf16, fp32, sixteen = tl.bfloat16, tl.float32, np.uint32(16)
-    exponent, mantissa = np.uint16(0x7F80), np.uint16(0x007F)
+    bf16_exponent, bf16_mantissa = np.uint16(0x7F80), np.uint16(0x007F)
+    fp32_exponent, fp32_mantissa = np.uint32(0x7F800000), np.uint32(0x007FFFFF)
 
     def convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
-        """``original(...)``: for bfloat16 bits (uint16) to float32 the bits shifted, a C-ordered array as the
-        original returns; values with any subnormal among them (which the original does not carry over exactly)
-        and every other conversion by the original."""
-        if input_dtype == bf16 and output_dtype == fp32 and getattr(input, "dtype", None) == np.uint16:
-            if not ((input & exponent == 0) & (input & mantissa != 0)).any():
+        """``original(...)``, as a C-ordered array of the input's shape: bfloat16 bits (uint16) to float32 shifted
+        up, float32 to bfloat16 without a rounding mode (truncated) shifted down, where no value is a subnormal (nor,
+        going down, an infinity or a NaN); anything else by the original."""
+        dtype = getattr(input, "dtype", None)
+        if input_dtype == bf16 and output_dtype == fp32 and dtype == np.uint16:
+            if not ((input & bf16_exponent == 0) & (input & bf16_mantissa != 0)).any():
                 out = input.astype(np.uint32, order="C")
                 return np.left_shift(out, sixteen, out=out)
+        elif input_dtype == fp32 and output_dtype == bf16 and dtype == np.float32 and rounding_mode is None:
+            bits = np.asarray(input).view(np.uint32)
+            exponent = bits & fp32_exponent
+            if not ((exponent == fp32_exponent) | ((exponent == 0) & (bits & fp32_mantissa != 0))).any():
+                out = np.right_shift(bits, sixteen, out=np.empty(bits.shape, np.uint32))
+                return out.astype(np.uint16, order="C")
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     convert_float.original = original  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ def _install_patches() -> None:
         module.patch_once_per_launch()
         module.skip_discarded_overflow_checks()
         module.table_np_dtypes()
-        module.shift_bf16_upcasts()
+        module.shift_bf16_casts()
     except Exception:  # noqa: BLE001 (a child that cannot be patched runs unpatched, only slower)
         pass
 

@@ -112,33 +112,45 @@ def test_the_dtype_table_answers_as_the_interpreter_does():
         fast(tl.void)
 
 
-def test_bfloat16_widened_by_a_shift_gives_the_interpreters_bits():
-    """shift_bf16_upcasts: every one of the 65,536 bfloat16 values, widened to float32, has the bits the
-    interpreter's own conversion gives (values with a subnormal among them go to it, which does not widen those
-    exactly, and the tests must see what it gives), in a C-ordered array of the input's shape, strided or 0-d;
-    other conversions are the interpreter's."""
+def test_bfloat16_casts_by_shifts_give_the_interpreters_bits():
+    """shift_bf16_casts: every one of the 65,536 bfloat16 values widened to float32, and float32 values of every
+    exponent (and random ones) cut to bfloat16, have the bits the interpreter's own conversion gives (values with a
+    subnormal, an infinity or a NaN among them go to it, which converts those otherwise than a shift, and the tests
+    must see what it gives), in a C-ordered array of the input's shape, strided or 0-d; other conversions, and a
+    cut with a rounding mode, are the interpreter's."""
     import numpy as np
     from triton._C.libtriton import ir
     from triton.runtime import interpreter
 
     fast = interpreter._convert_float
     original = getattr(fast, "original", None)
-    assert original is not None, "tests/conftest.py did not install the bfloat16 shift"
-    bits = np.arange(1 << 16, dtype=np.uint16)
-    subnormal = ((bits & 0x7F80) == 0) & ((bits & 0x7F) != 0)
-    normal = bits[~subnormal]
+    assert original is not None, "tests/conftest.py did not install the bfloat16 shifts"
+
+    def same(values, src, dst, rounding=None):
+        got, want = fast(values, src, dst, rounding), original(values, src, dst, rounding)
+        assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
+        assert got.flags.c_contiguous and np.array_equal(got, want), (src, dst, rounding)
+
+    half = np.arange(1 << 16, dtype=np.uint16)
+    normal = half[~(((half & 0x7F80) == 0) & ((half & 0x7F) != 0))]
     for rounding in (None, ir.ROUNDING_MODE.RTNE, ir.ROUNDING_MODE.RTZ):
-        for values in (bits, normal):
-            got, want = fast(values, tl.bfloat16, tl.float32, rounding), original(values, tl.bfloat16, tl.float32,
-                                                                                   rounding)
-            assert got.dtype == want.dtype == np.uint32 and np.array_equal(got, want)
-    strided = normal[:4096].reshape(64, 64).T[::2]
-    for values in (strided, np.array(np.uint16(0x3F80))):
-        got, want = fast(values, tl.bfloat16, tl.float32, None), original(values, tl.bfloat16, tl.float32, None)
-        assert type(got) is type(want) and got.shape == want.shape and got.flags.c_contiguous
-        assert np.array_equal(got, want)
-    down = np.array([1.0, -2.5, 3.14159], dtype=np.float32)
-    assert np.array_equal(fast(down, tl.float32, tl.bfloat16, None), original(down, tl.float32, tl.bfloat16, None))
+        for values in (half, normal):
+            same(values, tl.bfloat16, tl.float32, rounding)
+    rng = np.random.default_rng(0)
+    mantissas = rng.integers(0, 1 << 23, size=256, dtype=np.uint32)
+    every_exponent = (np.arange(512, dtype=np.uint32)[:, None] << 23 | mantissas[None, :]).reshape(-1)
+    random = rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    for words in (every_exponent, random):
+        exponent = (words >> 23) & 0xFF
+        plain = words[(exponent != 255) & ((exponent != 0) | ((words & 0x7FFFFF) == 0))]
+        for values in (words, plain):
+            same(values.view(np.float32), tl.float32, tl.bfloat16)
+            same(values.view(np.float32), tl.float32, tl.bfloat16, ir.ROUNDING_MODE.RTNE)
+    for values in (normal[:4096].reshape(64, 64).T[::2], np.array(np.uint16(0x3F80))):
+        same(values, tl.bfloat16, tl.float32)
+    for values in (plain[:4096].view(np.float32).reshape(64, 64).T[::2], np.array(np.float32(-2.5))):
+        same(values, tl.float32, tl.bfloat16)
+    same(np.array([1.0, -2.5], dtype=np.float32), tl.float32, tl.float16)
 
 
 _CHILD = """
