@@ -79,7 +79,7 @@ def test_a_repeated_compiled_step_plans_nothing_and_builds_each_tile_once(device
     q, k, v, grad_out = _inputs(sum(LENS), device, 0)
     mask = reference_mask(HUB, LENS, sum(LENS))
     _step(compiled, q, k, v, grad_out)  # traced: planned once, the ops' launches made
-    for _ in range(3):
+    for _ in range(2):  # the first repeat and one after it: each later step takes the same path
         for key in counts:
             counts[key] = 0
         out = _step(compiled, q, k, v, grad_out)
@@ -243,7 +243,8 @@ def test_a_compiled_step_over_host_lengths_makes_no_mask(device, topology):
     matrix = HUB if topology == "bits" else [[2, 1, 1], [1, 2, 0], [1, 0, 2]]  # CAUSAL pairs: segment codes
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*(MultimodalSelfAttention(32, 2, matrix, LENS, device=device) for _ in range(3)))
+    # two layers: the first and one after it (a later layer reads what the second does)
+    layers = torch.nn.Sequential(*(MultimodalSelfAttention(32, 2, matrix, LENS, device=device) for _ in range(2)))
     x = torch.randn(1, sum(LENS), 32, device=device, requires_grad=True)
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(layers, fullgraph=True, backend=backend)
@@ -258,7 +259,7 @@ def test_a_compiled_step_over_host_lengths_makes_no_mask(device, topology):
     ops = {torch.ops.mmsparse.fwd_v9.default: forward, torch.ops.mmsparse.bwd_v9.default: backward}
     for op, graph in ops.items():
         calls = [node for node in graph.graph.nodes if node.target is op]
-        assert len(calls) == 3
+        assert len(calls) == len(layers)
         assert all(list(node.args[3 if op is torch.ops.mmsparse.fwd_v9.default else 6]) == [] for node in calls)
     mask_ops = {torch.ops.aten.cumsum.default, torch.ops.aten.searchsorted.Tensor, torch.ops.aten.full.default}
     made = [node.target for graph in ops.values() for node in graph.graph.nodes if node.target in mask_ops]
