@@ -46,11 +46,14 @@ def test_one_pass_tool_checks_and_compares(tmp_path, capsys, device):
     assert "| tiny_ab | ok / ok | True, " in capsys.readouterr().out
 
 
-def test_one_pass_tool_sides(tmp_path):
+def test_one_pass_tool_sides_and_head_dim(tmp_path):
+    """The first side is the baseline, whichever it is; --head-dim reruns a config at another head dim under its
+    own row name (one run for both)."""
     out = tmp_path / "one_pass.json"
     args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
-    assert one_pass.main([*args, "--sides", "one-pass,two-pass"]) == 0
+    assert one_pass.main([*args, "--sides", "one-pass,two-pass", "--head-dim", "24"]) == 0
     row = json.loads(out.read_text())["rows"][0]
+    assert row["config"] == "tiny_ab_d24"
     assert row["one-pass_check"] == row["two-pass_check"] == "ok"
     assert "two-pass_bwd_speedup" in row and "one-pass_bwd_speedup" not in row  # the first side is the baseline
     with pytest.raises(SystemExit):
@@ -78,10 +81,9 @@ def test_dq_writer_side(tmp_path):
             one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,dq-writer"])
 
 
-def test_dq_writer_stage_sides_and_head_dim(tmp_path):
+def test_dq_writer_stage_sides(tmp_path):
     """"dq-writer-s<N>" runs the dQ-writer kernel at N stages and "dq-writer-m<M>-s<N>" at M query rows a block
-    too, refused where they would not fit a CTA's shared memory; --head-dim reruns a config at another head dim
-    under its own row name."""
+    too, refused where they would not fit a CTA's shared memory; a stage count on another side is refused."""
     import torch
 
     from benchmarks.configs import ALL_CONFIGS
@@ -106,9 +108,6 @@ def test_dq_writer_stage_sides_and_head_dim(tmp_path):
     args = ["--configs", "tiny_ab", "--rounds", "1", "--dtype", "fp32", "--out", str(out)]
     with pytest.raises(SystemExit):
         one_pass.main([*args, "--sides", "two-pass,one-pass-s5"])
-    assert one_pass.main([*args, "--sides", "two-pass,one-pass", "--head-dim", "24"]) == 0
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["config"] == "tiny_ab_d24" and row["one-pass_check"] == "ok"
 
 
 def test_a_windowed_config_is_called_with_its_window(tmp_path, device):
