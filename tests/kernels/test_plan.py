@@ -130,11 +130,11 @@ def test_thresholds_live_in_the_config(device):
 @pytest.mark.parametrize("value", ["ordered_one_pass", "two_pass"])
 def test_the_removed_deterministic_backward_setting_says_what_to_use(value, device):
     """``use_config(deterministic_backward=...)`` chose the ordered one-pass backward, now gone: a TypeError that
-    says so and names ``deterministic=True`` (the two passes, bitwise repeatable), whatever the value; nothing
+    says so and names ``deterministic=True`` (a bitwise repeatable backward), whatever the value; nothing
     of the block runs and the thread's settings stay as they were. The config has no such field either."""
     before = kernel_config(32, torch.float32, device)
     ran = False
-    with pytest.raises(TypeError, match=r"deterministic_backward=.*removed.*deterministic=True.*two-pass"):
+    with pytest.raises(TypeError, match=r"deterministic_backward=.*removed.*deterministic=True.*bitwise-repeatable"):
         with use_config(deterministic_backward=value, short_keys=0):
             ran = True
     assert not ran and kernel_config(32, torch.float32, device) is before

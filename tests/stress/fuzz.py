@@ -696,8 +696,9 @@ def kernel_keys(case: Case, sms: int = H100_SMS) -> frozenset[tuple]:
     plan = plan_attention(cuda_kernel_config(d, DTYPES[case.dtype]), batch, case.heads_q, case.heads_kv,
                           case.seq_q, case.seq_k, GPU, sample_len, drop, sms=sms)
     fwd = plan.forward
-    keys = {("fwd", *attn, fwd.tile, fwd.pack_rows, fwd.gluon), ("dq", *attn, plan.dq.tile),
-            ("dkdv", *attn, case.heads_kv), ("delta", d)}
+    keys = {("fwd", *attn, fwd.tile, fwd.pack_rows, fwd.gluon), ("dkdv", *attn, case.heads_kv), ("delta", d)}
+    # the one pass (a pack of short samples: the ordered dQ writer) has no dQ pass; its dK/dV kernel is its own
+    keys.add(("dq", *attn, plan.dq.tile) if plan.dq is not None else ("one pass", *attn, plan.dkdv.tile))
     if fwd.n_splits > 1:
         keys.add(("combine", d))
     if drop:
