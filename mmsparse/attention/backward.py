@@ -21,7 +21,7 @@ from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
 from ..runtime.scratch import ensure_tma_allocator
-from ..runtime.streams import own_stream
+from ..runtime.streams import kept_own_stream
 from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
 from .forward import _LOG2E, dot_mode
 from .kernel_args import LaunchArgs
@@ -341,10 +341,4 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
     index = cuda_index(device)
     main = torch.cuda.current_stream(index)
     key = (index, main.stream_id)
-    side = _SIDE_STREAMS.get(key)
-    if side is None:
-        with _SIDE_STREAMS_LOCK:
-            side = _SIDE_STREAMS.get(key)
-            if side is None:
-                side = _SIDE_STREAMS[key] = own_stream(index)
-    return main, side
+    return main, kept_own_stream(_SIDE_STREAMS, _SIDE_STREAMS_LOCK, key, index)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+from collections.abc import Hashable
 
 import torch
 
@@ -45,10 +46,16 @@ def build_stream(device: torch.device) -> torch.cuda.Stream:
     ranks): one for the process, made on first use. Its users make it wait for the caller's stream before a build,
     and the readers wait for it after."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _BUILD_STREAMS.get(index)
+    return kept_own_stream(_BUILD_STREAMS, _BUILD_LOCK, index, index)
+
+
+def kept_own_stream(streams: dict, lock: threading.Lock, key: Hashable, device_index: int) -> torch.cuda.Stream:
+    """``streams[key]``: an :func:`own_stream` of the device, made on first use (under ``lock``, so that threads
+    asking at once share one) and kept for the process."""
+    stream = streams.get(key)
     if stream is None:
-        with _BUILD_LOCK:
-            stream = _BUILD_STREAMS.get(index)
+        with lock:
+            stream = streams.get(key)
             if stream is None:
-                stream = _BUILD_STREAMS[index] = own_stream(index)
+                stream = streams[key] = own_stream(device_index)
     return stream

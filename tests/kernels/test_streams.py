@@ -151,3 +151,33 @@ def test_a_stream_copy_is_the_same_mask(kind, device):
     if device.type == "cpu":
         cache = MaskCache()
         assert cache.store_mask("key", info) is info and cache.mask("key") is info
+
+
+def test_a_kept_own_stream_is_made_once_per_key(monkeypatch):
+    """Threads asking for the same key at once (the backward's side stream, the build stream) share the one stream
+    made for it; another key gets its own (any device: the driver call is replaced)."""
+    import threading
+
+    from mmsparse.runtime import streams
+
+    made = []
+
+    def fake_own_stream(device_index):
+        made.append(device_index)
+        return object()
+
+    monkeypatch.setattr(streams, "own_stream", fake_own_stream)
+    kept, lock, got = {}, threading.Lock(), []
+    start = threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        got.append(streams.kept_own_stream(kept, lock, (0, 7), 0))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(stream) for stream in got}) == 1 and made == [0]
+    assert streams.kept_own_stream(kept, lock, (1, 7), 1) is not got[0] and made == [0, 1]
