@@ -33,8 +33,7 @@ import torch
 
 from ..kernels.constants import MASK_BITS
 from ..runtime.launch import stream_key
-from ..runtime.own_thread import on_own_thread
-from ..runtime.streams import build_stream
+from ..runtime.streams import build_stream, on_build_stream
 from .blocks import BlockLists
 
 
@@ -121,15 +120,9 @@ def _built_apart(lists: BlockLists, query_blocks: int, resident: int, shortest_f
     device = lists.indices.device
     if device.type != "cuda":
         return dq_add_ranks(lists, query_blocks, resident, shortest_first)
-    current, build = torch.cuda.current_stream(device), build_stream(device)
-    build.wait_stream(current)
-
-    def run() -> torch.Tensor:
-        with torch.cuda.device(device), torch.cuda.stream(build):
-            return dq_add_ranks(lists, query_blocks, resident, shortest_first)
-
-    ranks = on_own_thread(run)
-    current.wait_stream(build)
+    ranks = on_build_stream(device, lambda: dq_add_ranks(lists, query_blocks, resident, shortest_first))
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(build_stream(device))
     ranks.record_stream(current)
     return ranks
 

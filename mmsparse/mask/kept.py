@@ -26,9 +26,8 @@ import torch
 
 from ..runtime.capture import keep_while_captured
 from ..runtime.launch import stream_key, stream_of
-from ..runtime.own_thread import on_own_thread
 from ..runtime.recent import RecentlyUsed
-from ..runtime.streams import build_stream
+from ..runtime.streams import build_stream, on_build_stream
 from .build import make_mask_info
 from .info import MaskInfo, TileKey
 from .topology import Topology
@@ -84,17 +83,13 @@ def _build(key: tuple[int, ...], device: torch.device, tiles: list[TileKey], kep
     """Build the mask (unless ``kept``) and its lists at ``tiles`` on mmsparse's build stream, after the caller's
     work so far, on mmsparse's own thread (:mod:`mmsparse.runtime.own_thread`: a CUDA graph's warm-up routes every
     allocation of the calling thread to the graph's pool, whatever the stream). Every reader waits for it again."""
-    build = build_stream(device)
-    build.wait_stream(torch.cuda.current_stream(device))
-
     def run() -> _Kept:
-        with torch.cuda.device(device), torch.cuda.stream(build):
-            made = kept if kept is not None else _Kept(_mask_of(key, device))
-            for tile in tiles:
-                made.info.lists(*tile, compact=False)
+        made = kept if kept is not None else _Kept(_mask_of(key, device))
+        for tile in tiles:
+            made.info.lists(*tile, compact=False)
         return made
 
-    made = on_own_thread(run)
+    made = on_build_stream(device, run)
     made.readers.clear()
     return made if kept is not None else _KEPT.store((key, device), made)
 

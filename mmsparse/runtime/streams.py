@@ -12,11 +12,13 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 
 from .cuda_driver import CU_STREAM_NON_BLOCKING, CudaDriverError, bind_context, call, driver
+from .own_thread import on_own_thread
 
 
 def own_stream(device_index: int) -> torch.cuda.Stream:
@@ -59,3 +61,21 @@ def kept_own_stream(streams: dict, lock: threading.Lock, key: Hashable, device_i
             if stream is None:
                 stream = streams[key] = own_stream(device_index)
     return stream
+
+
+T = TypeVar("T")
+
+
+def on_build_stream(device: torch.device, make: Callable[[], T]) -> T:
+    """``make()`` run on mmsparse's own thread (:mod:`mmsparse.runtime.own_thread`) and the device's build stream,
+    after the current stream's work so far: for what is kept past a call, whose memory must come from neither the
+    caller's stream nor, under ``torch.compile(mode="reduce-overhead")``, a CUDA graph's private pool (the warm-up
+    routes every allocation of the calling thread there). Readers make their stream wait for the build stream."""
+    build = build_stream(device)
+    build.wait_stream(torch.cuda.current_stream(device))
+
+    def run() -> T:
+        with torch.cuda.device(device), torch.cuda.stream(build):
+            return make()
+
+    return on_own_thread(run)
