@@ -102,17 +102,28 @@ def skip_discarded_overflow_checks() -> bool:
     return True
 
 
-def table_np_dtypes() -> bool:
-    """Install the table lookup of :func:`_get_np_dtype <triton.runtime.interpreter._get_np_dtype>`; False (and
-    nothing changed) where this Triton's interpreter has no such function, or it was installed already."""
+def _uninstalled(name: str) -> tuple[Any, Any, Any] | None:
+    """``(triton.language, the interpreter module, its function name)`` where this Triton's interpreter has that
+    function and no replacement of ours stands in its place (ours keep the function they replace as ``original``);
+    else None."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
+        return None
+    original = getattr(interpreter, name, None)
+    if original is None or getattr(original, "original", None) is not None:
+        return None
+    return tl, interpreter, original
+
+
+def table_np_dtypes() -> bool:
+    """Install the table lookup of :func:`_get_np_dtype <triton.runtime.interpreter._get_np_dtype>`; False (and
+    nothing changed) where this Triton's interpreter has no such function, or it was installed already."""
+    found = _uninstalled("_get_np_dtype")
+    if found is None:
         return False
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "_table", None) is not None:
-        return False
+    tl, interpreter, original = found
     table = {}
     for value in vars(tl).values():  # the scalar dtypes triton.language names, each as the interpreter maps it
         if isinstance(value, tl.dtype) and not isinstance(value, (tl.pointer_type, tl.block_type)):
@@ -145,14 +156,10 @@ def shift_bf16_casts() -> bool:
     """Install the shifts for bfloat16 -> float32 and float32 -> bfloat16 in the interpreter's float conversion (any
     other conversion goes to its own function); False (and nothing changed) where this Triton's interpreter has no
     such function, or it was installed already."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
+    found = _uninstalled("_convert_float")
+    if found is None:
         return False
-    original = getattr(interpreter, "_convert_float", None)
-    if original is None or getattr(original, "original", None) is not None:
-        return False
+    tl, interpreter, original = found
     bf16, fp32, sixteen = tl.bfloat16, tl.float32, np.uint32(16)
     bf16_exponent, bf16_mantissa = np.uint16(0x7F80), np.uint16(0x007F)
     fp32_exponent, fp32_mantissa = np.uint32(0x7F800000), np.uint32(0x007FFFFF)
