@@ -130,6 +130,8 @@ BAD_THRESHOLDS = {
     "compact_bytes-bool": (dict(compact_bytes=True), TypeError, r"use_tuning\(compact_bytes=\.\.\.\) must be an int"),
     "decode_max_q-none": (dict(decode_max_q=None), TypeError, r"use_tuning\(decode_max_q=\.\.\.\) must be an int"),
     "short_samples-negative": (dict(short_samples=-5), ValueError, r"use_tuning\(short_samples=\.\.\.\).*>= 0"),
+    "ordered_samples-float": (dict(ordered_samples=512.0), TypeError, r"use_tuning\(ordered_samples=\.\.\.\) must be "
+                                                                      r"an int >= 0, a number of tokens per sample"),
 }
 
 
