@@ -1,11 +1,9 @@
-"""The one-pass backward against the default two-pass one, config by config: the one pass (side ``one-pass``: on
-Hopper the Gluon kernel adding dQ by TMA bulk reduce-adds at ``gluon_one_pass``, elsewhere the tl kernel adding it
-by atomics), on Hopper also the warp-specialised one-pass kernel with a dQ writer warp (side ``dq-writer``:
-``kernels/gluon/bwd_dq_writer.py``, D=64's default, turned on here per call at every head dim), each checked
-against the float32 reference, the one-pass sides' gradients against the first side's, their dQ's run-to-run
-differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at
-every length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs the bulk and tl ones only below that
-many keys.
+"""The one-pass backward against the default two-pass one, config by config: the tl one pass (side ``one-pass``: the tl
+dK/dV kernel adding dQ by atomics), on Hopper also the warp-specialised one-pass kernel with a dQ writer warp (side
+``dq-writer``: ``kernels/gluon/bwd_dq_writer.py``, D=64's default, turned on here per call at every head dim), each
+checked against the float32 reference, the one-pass sides' gradients against the first side's, their dQ's run-to-run
+differences, and the backward's time and peak memory of each, in interleaved rounds. The one-pass kernels run at every
+length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs the tl one only below that many keys.
 
     python -m tools.one_pass                                   # the GPU configs below, 5 rounds, every side
     python -m tools.one_pass --configs mm13k_hub,seed --rounds 9 --out /tmp/one_pass.json
@@ -93,7 +91,7 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
     length where it names them); None for the two passes (the device's own), or the device's config with the side's
     dK/dV query rows and stages; the one-pass side the device's config without the dQ writer (the one pass it runs
-    then: the bulk one at D=128, the tl one at D=64, where the writer is the default)."""
+    then: the tl one)."""
     if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
         dkdv = _side_tile(cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv, "dkdv", side, cfg.head_dim, dtype)
         return replace(kernel_config(cfg.head_dim, dtype, device), bwd_dkdv=dkdv)
@@ -152,8 +150,7 @@ def one_pass_tile(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, co
     """The tile the one pass runs at under the current config (or ``config``), as the record shows it."""
     c = config if config is not None else kernel_config(cfg.head_dim, dtype, device)
     x = c.one_pass_kernel_tile(seq_k=cfg.seq_k, sample_len=cfg.seq_k // len(cfg.rows) if cfg.packed else None)
-    kind = " dq-writer" if c.one_pass_runs_dq_writer() else " bulk"
-    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages}{kind}" if x.gluon else " tl")
+    return f"{x.block_m}x{x.block_n}" + (f" gluon s{x.gluon_stages} dq-writer" if x.gluon else " tl")
 
 
 def grads(case: Case, fn: TensorFn) -> tuple[torch.Tensor, ...]:

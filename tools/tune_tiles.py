@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             variants += [replace(base, bwd_dq=tile, bwd_dq_short=None) for tile in tiles]
         one_pass = args.sweep == "one_pass"
         if one_pass:
-            variants.append(base)  # the one-pass backward at the table's tile (Gluon's where bwd_dkdv is Gluon)
+            variants.append(base)  # the one-pass backward at the table's tile (the dQ writer's where it runs)
             tl_dkdv = replace(base.bwd_dkdv, gluon_stages=0)  # so that the plan runs the tl one-pass kernel
             for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
                 variants.append(replace(base, bwd_one_pass=Tile(bm, bn, w, st), bwd_dkdv=tl_dkdv))
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with use_tuning(cfg), use_config(deterministic=deterministic):
                     f, bw = ours(q, k, v, topo, lens, causal)
-                kernel = "gluon" if cfg.one_pass_runs_gluon() else "tl"
+                kernel = "gluon dq-writer" if cfg.one_pass_runs_dq_writer() else "tl"
                 bwd_tiles = (f"dkdv{cfg.bwd_dkdv} dq{cfg.bwd_dq}" if deterministic
                              else f"one-pass {kernel}{cfg.one_pass_kernel_tile()}")
                 print(f"{name:18s} tma={cfg.use_tma} fwd{cfg.fwd} {bwd_tiles}: "

@@ -56,9 +56,9 @@ class BackwardLaunch:
     used on the current one. The current stream waits for the side stream before returning, so callers, CUDA
     graphs and the caching allocator (whose blocks stay with the current stream) see one ordered stream.
 
-    Where the plan has no dQ pass (``deterministic=False``; nor a side stream then): the dK/dV kernel (the Gluon
-    one where the plan has it, else the tl one) also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]``
-    accumulator by atomics, cast to q's dtype at the end."""
+    Where the plan has no dQ pass (``deterministic=False``, or the ordered dQ writer; nor a side stream then): the
+    Gluon dQ-writer kernel where the plan has it (by TMA bulk reduce-adds), else the tl dK/dV kernel (by atomics)
+    also adds dQ into a zeroed float32 ``[B, Hq, Sq, D]`` accumulator, cast to q's dtype at the end."""
 
     def __init__(self, q, k, call_plan: CallPlan, plan: AttentionPlan | CallPlan, softmax_scale: float,
                  dropout_p: float) -> None:
@@ -280,7 +280,7 @@ class _Passes:
                                    launch.has_window, bound=bound)
         elif plan.dkdv.gluon:
             _gluon().run_dkdv(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile, launch.has_window,
-                              dq_sum, bound=bound, arrival=arrival)
+                              bound=bound, arrival=arrival)
         else:
             mask_tensors, mask_scalars = mask
             dq_arg = dk if dq_sum is None else dq_sum  # DQ: unread without ONE_PASS

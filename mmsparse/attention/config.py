@@ -71,17 +71,13 @@ class KernelConfig:
     bwd_dq_short: Tile | None = None  # the dQ pass's tile over fewer than SHORT_KEYS keys, if not bwd_dq
     fwd_short_samples: Tile | None = None  # the forward's tile for packs of samples of <= SHORT_SAMPLES tokens
     # The tl one-pass backward's tile (deterministic=False: the tl dK/dV kernel adds dQ by atomics), if not
-    # bwd_dkdv's; where the Gluon one-pass runs (gluon_one_pass), the tl one runs only with dropout.
+    # bwd_dkdv's; where the dQ-writer kernel runs (gluon_dq_writer), the tl one runs only with dropout.
     # block_n: the key block a program owns; block_m: the query tiles it walks.
     bwd_one_pass: Tile | None = None
-    # The Gluon one-pass backward's tile where bwd_dkdv is a Gluon tile (block_n 128; dQ added by TMA bulk
-    # reduce-adds from float32 staging tiles, 32 KB at D=128: GLUON_ONE_PASS_BULK). None: the tl one-pass runs there
-    # (unless gluon_dq_writer is set).
-    gluon_one_pass: Tile | None = None
     # The warp-specialised one-pass backward's tile (kernels/gluon/bwd_dq_writer.py: two MMA warpgroups, a producer
-    # warp and a dQ writer warp; block_n 128: GLUON_DQ_WRITER). Where set (and no dropout), the one-pass backward
-    # runs it rather than the dK/dV kernel's ONE_PASS variant at gluon_one_pass. None: off (by default at head dims
-    # other than GLUON_DQ_WRITER_HEAD_DIMS).
+    # warp and a dQ writer warp; block_n 128: GLUON_DQ_WRITER). Where set, bwd_dkdv is a Gluon tile and there is no
+    # dropout, the one-pass backward runs it rather than the tl kernel at bwd_one_pass. None: off (by default at head
+    # dims other than GLUON_DQ_WRITER_HEAD_DIMS).
     gluon_dq_writer: Tile | None = None
     # The dQ-writer kernel's tile over short_keys keys or more, except for packs of samples of up to short_samples
     # tokens (GLUON_DQ_WRITER_LONG: 128 query rows a step). None: gluon_dq_writer's everywhere.
@@ -125,7 +121,7 @@ class KernelConfig:
         for name, rows in _GLUON_ROWS.items():
             _check_gluon_rows(name, getattr(self, name), rows)
         backward = {"bwd_dkdv": self.bwd_dkdv, "bwd_dq": self.bwd_dq, "bwd_dq_short": self.bwd_dq_short,
-                    "bwd_one_pass": self.bwd_one_pass, "gluon_one_pass": self.gluon_one_pass,
+                    "bwd_one_pass": self.bwd_one_pass,
                     "gluon_dq_writer": self.gluon_dq_writer, "gluon_dq_writer_long": self.gluon_dq_writer_long,
                     "bwd_dkdv_dropout": self.bwd_dkdv_dropout,
                     "bwd_dq_dropout": self.bwd_dq_dropout}
@@ -138,9 +134,6 @@ class KernelConfig:
             if tile is not None and tile.gluon:
                 raise ValueError(f"KernelConfig.{name} is a tl kernel's tile with dropout, which no Gluon kernel "
                                  f"has: give it gluon_stages=0; got {tile}")
-        if self.gluon_one_pass is not None and not self.gluon_one_pass.gluon:
-            raise ValueError(f"KernelConfig.gluon_one_pass is the Gluon one-pass kernel's tile: it needs gluon_stages "
-                             f"(2 or more); got {self.gluon_one_pass}. None runs the tl one-pass kernel instead")
         for name in ("gluon_dq_writer", "gluon_dq_writer_long"):
             tile = getattr(self, name)
             if tile is not None and not tile.gluon:
@@ -173,26 +166,18 @@ class KernelConfig:
         """The one-pass backward's tile: ``bwd_one_pass``, else ``bwd_dkdv``'s sizes."""
         return self.bwd_one_pass if self.bwd_one_pass is not None else self.bwd_dkdv
 
-    def one_pass_runs_gluon(self, dropout: bool = False) -> bool:
-        """The one-pass backward is a Gluon kernel: the dK/dV kernel's ONE_PASS variant or the dQ-writer kernel
-        (:meth:`one_pass_runs_dq_writer`): the dK/dV pass is Gluon, the config has a Gluon one-pass tile
-        (``gluon_one_pass`` or ``gluon_dq_writer``), and no dropout (no Gluon kernel has it)."""
-        tiles = self.gluon_one_pass is not None or self.gluon_dq_writer is not None
-        return self.bwd_dkdv.gluon and tiles and not dropout
-
     def one_pass_runs_dq_writer(self, dropout: bool = False) -> bool:
-        """The one-pass backward is the warp-specialised dQ-writer kernel (``gluon_dq_writer`` is set)."""
-        return self.gluon_dq_writer is not None and self.one_pass_runs_gluon(dropout)
+        """The one-pass backward is the warp-specialised Gluon dQ-writer kernel, its only Gluon kernel: the config
+        has its tile (``gluon_dq_writer``), the dK/dV pass is Gluon, and no dropout (no Gluon kernel has it)."""
+        return self.gluon_dq_writer is not None and self.bwd_dkdv.gluon and not dropout
 
     def one_pass_kernel_tile(self, dropout: bool = False, seq_k: int | None = None,
                              sample_len: int | None = None) -> Tile:
         """The tile the one-pass backward runs at over ``seq_k`` keys (None: few) and samples of ``sample_len``
-        tokens (None: not a pack): :meth:`dq_writer_tile` where :meth:`one_pass_runs_dq_writer`, else
-        ``gluon_one_pass`` where :meth:`one_pass_runs_gluon`; elsewhere the tl kernel's :meth:`one_pass_tile`."""
+        tokens (None: not a pack): :meth:`dq_writer_tile` where :meth:`one_pass_runs_dq_writer`, elsewhere the tl
+        kernel's :meth:`one_pass_tile`."""
         if self.gluon_dq_writer is not None and self.one_pass_runs_dq_writer(dropout):
             return self.dq_writer_tile(seq_k, sample_len)
-        if self.gluon_one_pass is not None and self.one_pass_runs_gluon(dropout):
-            return self.gluon_one_pass
         return self.one_pass_tile()
 
     def dq_writer_tile(self, seq_k: int | None = None, sample_len: int | None = None) -> Tile | None:
@@ -252,14 +237,14 @@ GLUON_BLOCK = 128
 # (gluon_tile_problem).
 GLUON_D256_DKDV_BLOCK = 64
 _TILE_FIELDS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", "fwd_short", "bwd_dq_short", "fwd_short_samples",
-                "bwd_one_pass", "gluon_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer", "bwd_dq_dropout",
+                "bwd_one_pass", "bwd_dkdv_dropout", "gluon_dq_writer", "bwd_dq_dropout",
                 "gluon_dq_writer_long")
 _OPTIONAL_TILES = frozenset(_TILE_FIELDS[4:])
 # The tiles a Gluon kernel runs where they have gluon_stages, and the dimension its fixed block sets: "block_m"
-# (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_one_pass is the Gluon one's).
+# (query rows) or "block_n" (keys). bwd_one_pass is the tl one-pass kernel's (gluon_dq_writer is the Gluon one's).
 _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "block_m", "decode": "block_m",
-               "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_one_pass": "block_n",
-               "gluon_dq_writer": "block_n", "gluon_dq_writer_long": "block_n"}
+               "bwd_dq": "block_m", "bwd_dq_short": "block_m", "bwd_dkdv": "block_n", "gluon_dq_writer": "block_n",
+               "gluon_dq_writer_long": "block_n"}
 # The blocks each of those tiles may have (GLUON_BLOCK where not listed).
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
@@ -595,8 +580,8 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
     cfg = _cuda_config(d_pad, capability[0] >= 9, shared_bytes)  # no TMA before Hopper
     half = dtype in (torch.float16, torch.bfloat16)
     if half and gluon and gluon_d256 and d_pad == GLUON_D256_HEAD_DIM:
-        # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; dK/dV and both one-pass backwards stay
-        # tl (gluon_one_pass None), and so does every pass with dropout: the forward at these tiles, dQ at the tl
+        # The forward below SHORT_KEYS keys keeps the tl tile, as at D=128; the one-pass backward stays tl (no
+        # gluon_dq_writer), and so does every pass with dropout: the forward at these tiles, dQ at the tl
         # table's (bwd_dq_dropout; 1.05x the backward at the Gluon tile on an H200).
         cfg = replace(cfg, fwd=GLUON_D256["fwd"], fwd_short=cfg.fwd_short or cfg.fwd, bwd_dq=GLUON_D256["dq"],
                       bwd_dq_dropout=cfg.bwd_dq)
@@ -609,11 +594,9 @@ def _cuda_kernel_config(d_pad: int, dtype: torch.dtype, capability: tuple[int, i
             cfg = replace(cfg, bwd_dkdv=GLUON_D256["dkdv"], bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                           bwd_dkdv_dropout=cfg.bwd_dkdv, one_pass_max_keys=0)
     if half and d_pad in _GLUON_FWD and gluon:
-        # The one-pass backward runs the dQ-writer kernel at gluon_dq_writer where set, else the Gluon dK/dV kernel
-        # at gluon_one_pass, its dQ added by TMA bulk reduce-adds (plan.plan_attention); with dropout it is the tl
-        # kernel, which keeps the tl dK/dV tile, whose registers it was written for.
+        # The one-pass backward runs the dQ-writer kernel at gluon_dq_writer where set (plan.plan_attention), else
+        # (and with dropout) the tl kernel, which keeps the tl dK/dV tile, whose registers it was written for.
         cfg = replace(cfg, fwd=_GLUON_FWD[d_pad], fwd_short=cfg.fwd_short or cfg.fwd,
-                      gluon_one_pass=GLUON_ONE_PASS_BULK.get(d_pad),
                       fwd_short_samples=_GLUON_FWD_SHORT_SAMPLES.get(d_pad),
                       bwd_one_pass=cfg.bwd_one_pass or cfg.bwd_dkdv,
                       bwd_dkdv=_GLUON_DKDV[d_pad], bwd_dq=_GLUON_DQ[d_pad],
@@ -659,13 +642,6 @@ _GLUON_DKDV = {
     64: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=4),
 }
-# The Gluon one-pass backward with dQ added by TMA bulk reduce-adds, for KernelConfig.gluon_one_pass: at D=128 its
-# two 32 KB float32 staging tiles fit in shared memory beside 3 stages of Q and dO, not 4. At D=64 the dQ-writer
-# kernel (GLUON_DQ_WRITER_HEAD_DIMS) beat it on every config measured, so it has no D=64 tile; a D=64 config without
-# the writer runs the tl one pass.
-GLUON_ONE_PASS_BULK = {
-    128: replace(_GLUON_DKDV[128], gluon_stages=3),
-}
 # The warp-specialised one-pass backward (kernels/gluon/bwd_dq_writer.py), for KernelConfig.gluon_dq_writer: 128 keys a
 # CTA, 64 query rows a step. A stage is held for one step (every matmul of a step reads it and is waited for in it),
 # so 3 stages give the producer two steps of slack; at D=128 a 4th does not fit beside the dQ staging buffer
@@ -686,11 +662,12 @@ GLUON_DQ_WRITER_LONG = {
     64: Tile(128, 128, num_warps=8, num_stages=2, gluon_stages=3),
 }
 # The head dims (padded) whose deterministic=False backward runs the dQ-writer kernel by default. At D=64 it beat
-# the two passes by 1.02-1.20x at 13k-64k keys, and the bulk one pass by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa)
-# and at the seed (H200, tools.one_pass). At D=128, once its loop no longer spilled under Triton 3.6 and 3.7, it
-# beat the two passes by 1.01-1.33x and the bulk one pass by 1.07-1.36x on every config measured, 925 to 64k keys
-# (0.90-0.98x the two passes while it spilled; benchmarks/results/h200/dq_writer_d128.md).
-# cuda_kernel_config(..., gluon_dq_writer=False) turns it off (tools/one_pass.py's "one-pass" side).
+# the two passes by 1.02-1.20x at 13k-64k keys, and the dK/dV kernel's one-pass variant with bulk dQ adds (since
+# removed) by 1.01-1.03x (pack_64k_x512, mm13k_hub_gqa) and at the seed (H200, tools.one_pass). At D=128, once its
+# loop no longer spilled under Triton 3.6 and 3.7, it beat the two passes by 1.01-1.33x and that variant by
+# 1.07-1.36x on every config measured, 925 to 64k keys (0.90-0.98x the two passes while it spilled;
+# benchmarks/results/h200/dq_writer_d128.md). cuda_kernel_config(..., gluon_dq_writer=False) turns it off: the
+# one pass is then the tl kernel (tools/one_pass.py's "one-pass" side).
 GLUON_DQ_WRITER_HEAD_DIMS = frozenset({64, 128})
 # The Gluon forward and dQ pass at head dims 129-256 (padded to 256: Gemma's), with 128 query rows a CTA, 64 per
 # consumer warpgroup (registers and shared memory: tests/kernels/test_gluon_compiles.py; timings on an H200:
@@ -741,10 +718,9 @@ def _dq_tiles_bytes(tile: Tile, d_pad: int, itemsize: int) -> int:
     return tile.block_n * tile.block_m * itemsize + tile.block_m * d_pad * 4
 
 
-def dkdv_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> int:
-    """The shared memory of the D <= 128 Gluon dK/dV kernel's tiles at ``tile``: :func:`_key_block_bytes`, and with
-    ``one_pass`` both warpgroups' dS^T tiles and their float32 dQ staging halves."""
-    return _key_block_bytes(tile, d_pad, itemsize) + (_dq_tiles_bytes(tile, d_pad, itemsize) if one_pass else 0)
+def dkdv_shared_bytes(tile: Tile, d_pad: int, itemsize: int = 2) -> int:
+    """The shared memory of the D <= 128 Gluon dK/dV kernel's tiles at ``tile``: :func:`_key_block_bytes`."""
+    return _key_block_bytes(tile, d_pad, itemsize)
 
 
 def dkdv_d256_shared_bytes(tile: Tile, d_pad: int = GLUON_D256_HEAD_DIM, itemsize: int = 2) -> int:
@@ -773,10 +749,9 @@ def _dq_writer_problem(tile: Tile, d_pad: int, itemsize: int) -> str | None:
     return None
 
 
-def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str | None:
-    """:func:`gluon_tile_problem` of the dK/dV pass: the D <= 128 kernel (``kernels/gluon/dkdv.py``: 128 keys, with
-    a one-pass variant) up to GLUON_DKDV_MAX_HEAD_DIM, the D=256 one (``dkdv_d256.py``: 64 keys, 64 query rows a
-    step or more, no one pass) past it."""
+def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int) -> str | None:
+    """:func:`gluon_tile_problem` of the dK/dV pass: the D <= 128 kernel (``kernels/gluon/dkdv.py``: 128 keys) up to
+    GLUON_DKDV_MAX_HEAD_DIM, the D=256 one (``dkdv_d256.py``: 64 keys, 64 query rows a step or more) past it."""
     if d_pad <= GLUON_DKDV_MAX_HEAD_DIM:
         if tile.block_n != GLUON_BLOCK:
             return (f"the Gluon dK/dV kernel at head dims up to {GLUON_DKDV_MAX_HEAD_DIM} takes {GLUON_BLOCK} keys a "
@@ -784,16 +759,13 @@ def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str 
         if tile.block_m != GLUON_WG_ROWS:
             return (f"the Gluon dK/dV kernel at head dims up to {GLUON_DKDV_MAX_HEAD_DIM} takes {GLUON_WG_ROWS} query "
                     f"rows a step; got {tile} at head dim {d_pad}")
-        need = dkdv_shared_bytes(tile, d_pad, itemsize, one_pass) + _GLUON_SHARED_SLACK
+        need = dkdv_shared_bytes(tile, d_pad, itemsize) + _GLUON_SHARED_SLACK
         if need > HOPPER_SHARED_BYTES:
             return (f"the Gluon dK/dV kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "
                     f"has {HOPPER_SHARED_BYTES}: fewer stages or query rows")
         return None
     if d_pad > GLUON_D256_HEAD_DIM:
         return f"no Gluon dK/dV kernel runs head dim {d_pad}"
-    if one_pass:
-        return (f"the Gluon dK/dV kernel at head dims {GLUON_DKDV_MAX_HEAD_DIM + 1}-{GLUON_D256_HEAD_DIM} has no "
-                f"one-pass variant (gluon_one_pass must be None there)")
     if tile.block_n != GLUON_D256_DKDV_BLOCK or tile.block_m < 64:
         return (f"the Gluon dK/dV kernel at head dims {GLUON_DKDV_MAX_HEAD_DIM + 1}-{GLUON_D256_HEAD_DIM} takes "
                 f"{GLUON_D256_DKDV_BLOCK} keys a block and 64 query rows a step or more (at {d_pad} the "
@@ -806,15 +778,14 @@ def _dkdv_problem(tile: Tile, d_pad: int, itemsize: int, one_pass: bool) -> str 
     return None
 
 
-def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2, one_pass: bool = False) -> str | None:
-    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq", "dkdv" or "dq_writer"; ``one_pass``: the dK/dV pass
-    adding dQ as well) cannot run ``tile`` at head dim ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of
-    ``itemsize`` bytes, or None where it can: a dK/dV tile that is not its kernel's at that head dim
-    (:func:`_dkdv_problem`), the dQ-writer kernel's past its head dims or shared memory (:func:`_dq_writer_problem`),
-    the forward's Q and the dQ pass's Q and dO (``block_m`` rows, resident) with their K/V stages past a Hopper CTA's
-    shared memory."""
+def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2) -> str | None:
+    """Why the Gluon kernel of pass ``kind`` ("fwd", "dq", "dkdv" or "dq_writer") cannot run ``tile`` at head dim
+    ``d_pad`` (padded: :func:`head_dim_pad`) with inputs of ``itemsize`` bytes, or None where it can: a dK/dV tile
+    that is not its kernel's at that head dim (:func:`_dkdv_problem`), the dQ-writer kernel's past its head dims or
+    shared memory (:func:`_dq_writer_problem`), the forward's Q and the dQ pass's Q and dO (``block_m`` rows,
+    resident) with their K/V stages past a Hopper CTA's shared memory."""
     if kind == "dkdv":
-        return _dkdv_problem(tile, d_pad, itemsize, one_pass)
+        return _dkdv_problem(tile, d_pad, itemsize)
     if kind == "dq_writer":
         return _dq_writer_problem(tile, d_pad, itemsize)
     row_bytes = itemsize * d_pad

@@ -80,28 +80,23 @@ def run_dq(
 def run_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dk_dv: tuple[torch.Tensor, torch.Tensor], mask: LaunchArgs, mode: int, causal: bool, qk_scale_log2: float,
-    softmax_scale: float, tile: Tile, has_window: bool = False, dq_sum: torch.Tensor | None = None,
-    bound: dict[str, Any] | None = None, arrival: KeysArrival | None = None,
+    softmax_scale: float, tile: Tile, has_window: bool = False, bound: dict[str, Any] | None = None,
+    arrival: KeysArrival | None = None,
 ) -> None:
     """Write dK and dV (``[B, Hkv, Sk, D]``, any layout the kernels take, summed over each GQA group) into ``dk_dv`` as
     the tl dK/dV kernel computes them without dropout, at ``tile`` (block_n 128; block_m and gluon_stages (at least 2)
-    are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. With ``dq_sum`` (a zeroed contiguous
-    float32 ``[B, Hq, Sq, D]``) the one-pass variant: dQ, times the softmax scale, is also added into it, by TMA bulk
-    reduce-adds through a descriptor of ``dq_sum`` (at D=128 the staging tiles fit beside 3 stages, not 4:
-    ``config.GLUON_ONE_PASS_BULK``). ``bound``: as :func:`run_dq`'s. ``arrival`` (not with the one pass): keys past
-    ``arrival.present`` are still landing; their key blocks wait in the kernel for its flag, after the blocks of the
-    keys already there."""
-    # Without the one pass the kernel reads no dQ buffer (delta stands in) and keeps the compile key it had; the
-    # one-pass variant and the arrival one are launches of their own (other compile keys).
-    flags = dict(ONE_PASS=True) if dq_sum is not None else dict(WAIT_ARRIVAL=True) if arrival is not None else {}
-    name = "dkdv" + ("-one-pass" if dq_sum is not None else "-arrival" if arrival is not None else "")
+    are read; no ping-pong), over the mask arguments ``mask`` of that tile, by key. ``bound``: as :func:`run_dq`'s.
+    ``arrival``: keys past ``arrival.present`` are still landing; their key blocks wait in the kernel for its flag,
+    after the blocks of the keys already there."""
+    # the arrival variant is a launch of its own (another compile key)
+    flags = dict(WAIT_ARRIVAL=True) if arrival is not None else {}
+    name = "dkdv" + ("-arrival" if arrival is not None else "")
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, BLOCK_N, WG_KEYS.value, "dK/dV", mode, causal,
-                                                  has_window, dq_sum is not None, **flags))
-    dq_arg = delta if dq_sum is None else dq_sum
+                                                  has_window, **flags))
     # (flag, epoch, key blocks already there); unread without WAIT_ARRIVAL (delta stands in)
     landing = (delta, 0, 0) if arrival is None else (arrival.flag, arrival.epoch, arrival.present // BLOCK_N)
-    _launch_by_key(_DKDV, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_arg), mask, qk_scale_log2, softmax_scale,
-                   bound, landing)
+    _launch_by_key(_DKDV, name, s, (q, k, v, do, *dk_dv), (lse, delta), mask, qk_scale_log2, softmax_scale, bound,
+                   landing)
 
 
 def run_dkdv_d256(

@@ -41,10 +41,11 @@ class ForwardPass:
 @dataclass(frozen=True)
 class BackwardPass:
     """One backward pass (dQ: per query block; dK/dV: per key block, ``by_key``) and its kernel. ``one_pass``: the
-    dK/dV pass (Gluon or tl) also adds dQ into a float32 accumulator by atomic adds, and there is no dQ pass.
-    ``dq_writer``: that one pass is the warp-specialised Gluon kernel with a dQ writer warp
-    (``kernels/gluon/bwd_dq_writer.py``, ``KernelConfig.gluon_dq_writer``). ``ordered``: its adds into each query
-    block land in a fixed order (deterministic: ``KernelConfig.ordered_dq_writer``)."""
+    dK/dV pass also adds dQ into a float32 accumulator, and there is no dQ pass. ``dq_writer``: that one pass is the
+    warp-specialised Gluon kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
+    ``KernelConfig.gluon_dq_writer``), the one pass's only Gluon kernel; else it is the tl kernel, adding by atomics.
+    ``ordered``: its adds into each query block land in a fixed order (deterministic:
+    ``KernelConfig.ordered_dq_writer``)."""
 
     tile: Tile
     gluon: bool
@@ -52,6 +53,15 @@ class BackwardPass:
     one_pass: bool = False
     dq_writer: bool = False
     ordered: bool = False
+
+    def __post_init__(self) -> None:
+        # A plan's text crosses the ops and may come from another release: a Gluon one pass that is not the dQ
+        # writer would run the dK/dV kernel, which adds no dQ.
+        if self.one_pass and self.gluon != self.dq_writer:
+            raise ValueError(f"a one-pass backward runs the Gluon dQ-writer kernel or the tl kernel; got gluon="
+                             f"{self.gluon}, dq_writer={self.dq_writer}")
+        if self.dq_writer and not self.one_pass:
+            raise ValueError("the dQ-writer kernel is a one-pass backward: dq_writer needs one_pass")
 
     @property
     def lists(self) -> TileKey:
@@ -105,11 +115,11 @@ def plan_attention(
         sms: the GPU's multiprocessors (None: ``device``'s), for a tool that plans for a GPU it does not run on
             (with :func:`mmsparse.attention.config.cuda_kernel_config`).
         deterministic: False allows the one-pass backward (the dK/dV kernel also adds dQ by atomics, with no dQ
-            pass and no side stream): the Gluon dQ-writer kernel at ``config.gluon_dq_writer`` where set, else the
-            Gluon dK/dV kernel at ``config.gluon_one_pass`` where that pass is Gluon, in either case without
-            dropout, else the tl one at ``config.one_pass_tile()``; planned below ``config.dq_writer_max_keys`` keys
-            for the dQ-writer kernel (every length by default), below ``config.one_pass_max_keys`` for the others,
-            from where both older one-pass kernels were slower than the two-pass backward on every config measured.
+            pass and no side stream): the Gluon dQ-writer kernel at ``config.gluon_dq_writer`` where set and the
+            dK/dV pass is Gluon, without dropout, else the tl one at ``config.one_pass_tile()``; planned below
+            ``config.dq_writer_max_keys`` keys for the dQ-writer kernel (every length by default), below
+            ``config.one_pass_max_keys`` for the tl one, from where it was slower than the two-pass backward on
+            every config measured.
             True: the two passes (bitwise repeatable), or the dQ-writer kernel with its adds in order (bitwise
             repeatable too) where it runs, over packs of samples of at most ``config.ordered_samples`` tokens on
             average or, with ``config.ordered_dq_writer``, any call.
@@ -131,7 +141,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
     every length on the same side of those (:func:`plan_call`)."""
     if config.runs_one_pass(seq_k, deterministic, dropout, sample_len):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
-                                config.one_pass_runs_gluon(dropout), True, one_pass=True,
+                                config.one_pass_runs_dq_writer(dropout), True, one_pass=True,
                                 dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic)
         return None, one_pass, False
     dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
@@ -269,8 +279,8 @@ def check_passes(passes: tuple, head_dim: int, itemsize: int) -> None:
     for kind, step in passes:
         if kind == "dkdv" and step is not None and step.dq_writer:
             kind = "dq_writer"
-        problem = step is not None and step.gluon and gluon_tile_problem(
-            kind, step.tile, head_dim_pad(head_dim), itemsize, one_pass=kind == "dkdv" and step.one_pass)
+        problem = step is not None and step.gluon and gluon_tile_problem(kind, step.tile, head_dim_pad(head_dim),
+                                                                         itemsize)
         if problem:
             raise ValueError(f"mmsparse: {problem}; give this head dim its own tiles (mmsparse.tuning."
                              f"default_config) or a tl tile (gluon_stages=0)")

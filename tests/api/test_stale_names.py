@@ -20,11 +20,19 @@ def test_nothing_names_the_removed_ops_package():
     assert named == [], f"these files name the removed mmsparse.ops: {named}"
 
 
-def test_the_one_pass_docs_say_the_bulk_adds_are_built():
-    """The Gluon one pass adds dQ by TMA bulk reduce-adds (config.GLUON_ONE_PASS_BULK), its only way."""
-    usage = (REPO / "docs" / "usage.md").read_text()
-    assert "is not built yet" not in usage and "GLUON_ONE_PASS_BULK" in usage and "dq_adds" not in usage
-    assert "gluon_one_pass" in (REPO / "docs" / "tuning.md").read_text()
+# The removed one-pass variant of the Gluon dK/dV kernel (dQ by TMA bulk reduce-adds from each warpgroup's staging
+# tile); the changelog and the performance record say what it was and why it went, and the test of its config field
+# names it on purpose.
+BULK = re.compile(r"gluon_one_pass|GLUON_ONE_PASS_BULK|one_pass_runs_gluon|bulk_add_dq|stage_ds\b")
+BULK_HISTORY = ("CHANGELOG.md", "docs/performance.md", "tests/kernels/test_one_pass.py",
+                "tests/api/test_stale_names.py")
+
+
+def test_nothing_names_the_removed_bulk_one_pass():
+    named = [f for f in repo_files()
+             if f.endswith((".py", ".md")) and not f.startswith("benchmarks/results/") and f not in BULK_HISTORY
+             and BULK.search((REPO / f).read_text(errors="replace"))]
+    assert named == [], f"these files name the removed bulk one pass of the Gluon dK/dV kernel: {named}"
 
 
 # The retired ordered one-pass backward's names (the tl and bulk kernels' ordered adds; the dQ writer's ordered adds,

@@ -80,8 +80,8 @@ BAD_CONFIGS = {
     "gluon-dkdv-32-keys": (dict(bwd_dkdv=Tile(64, 32, gluon_stages=4)), ValueError,
                            r"KernelConfig\.bwd_dkdv is a Gluon tile.*128 keys per block \(64 at head dims "
                            r"129-256\).*block_n=32"),
-    "gluon_one_pass-64-keys": (dict(gluon_one_pass=Tile(64, 64, gluon_stages=3)), ValueError,
-                               r"KernelConfig\.gluon_one_pass is a Gluon tile.*128 keys"),
+    "gluon_dq_writer-64-keys": (dict(gluon_dq_writer=Tile(64, 64, gluon_stages=3)), ValueError,
+                                r"KernelConfig\.gluon_dq_writer is a Gluon tile.*128 keys"),
     # Dropout runs the tl kernels only: a Gluon tile for it would be silently ignored
     "gluon-dkdv-dropout": (dict(bwd_dkdv_dropout=Tile(64, 128, gluon_stages=2)), ValueError,
                            r"KernelConfig\.bwd_dkdv_dropout is a tl kernel's tile with dropout.*gluon_stages=0"),
@@ -114,11 +114,11 @@ def test_the_d256_dkdv_block_is_checked_against_the_head_dim_when_planned(device
 
 
 def test_a_gluon_tile_keeps_its_rows_only_where_the_pass_runs_gluon():
-    """The tl one-pass tile never runs the Gluon kernel (gluon_one_pass does): its gluon_stages are not read."""
+    """The tl one-pass tile never runs the Gluon kernel (gluon_dq_writer does): its gluon_stages are not read."""
     KernelConfig(**SMALL, bwd_one_pass=Tile(32, 16, gluon_stages=2))
     KernelConfig(fwd=Tile(128, 64, gluon_stages=3), bwd_dkdv=Tile(32, 128, gluon_stages=2),
                  bwd_dq=Tile(128, 32, gluon_stages=2), decode=Tile(16, 16),
-                 gluon_one_pass=Tile(16, 128, gluon_stages=2))
+                 gluon_dq_writer=Tile(16, 128, gluon_stages=2))
 
 
 BAD_THRESHOLDS = {
@@ -172,7 +172,7 @@ def test_every_table_tile_is_accepted(head_dim, dtype, capability, gluon):
 
 def test_the_module_tables_are_accepted():
     tables = (config._GLUON_FWD, config._GLUON_FWD_SHORT_SAMPLES, config._GLUON_DQ, config._GLUON_DKDV,
-              config.GLUON_ONE_PASS_BULK)
+              config.GLUON_DQ_WRITER, config.GLUON_DQ_WRITER_LONG)
     for tile in itertools.chain.from_iterable(table.values() for table in tables):
         dataclasses.replace(tile)
     dataclasses.replace(config._INTERPRETER)

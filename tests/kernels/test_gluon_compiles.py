@@ -11,16 +11,15 @@ forward's consumer loops are counted too (``tests/kernels/ptx_loops.py``): the m
 turn scheme; and the dK/dV kernels' PTX is read for a shared-memory load between a matmul's wait and the
 exponentials (lse belongs in S^T's initial value, ``rules.lse_in_scores``).
 
-The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs
-of short samples, the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a
-thread, and the D=256 dK/dV kernel at ``GLUON_D256["dkdv"]``, which must not spill at all) over the three mask
-modes (bits, segment codes, a dense mask), causal and not, the forward's ping-pong on and off, with and without a
-sliding window, the one-pass dK/dV kernel (``ONE_PASS``: its dQ adds must be TMA bulk reduce-adds, with no
-atomic at all), and the warp-specialised one-pass kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
-deterministic=False's backward at D=64 and 128: its adds likewise, and no spill at all, under Triton 3.6, 3.7 and
-3.9). ptxas's report of each dK/dV variant must not say that it
-serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces
-the ``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
+The variants are the tiles the config launches (``config.py``: D=64 and D=128, the forward's 128x64 tile for packs of
+short samples, the D=256 forward and dQ candidates ``GLUON_D256``, which must not spill at 240 registers a thread, and
+the D=256 dK/dV kernel at ``GLUON_D256["dkdv"]``, which must not spill at all) over the three mask modes (bits, segment
+codes, a dense mask), causal and not, the forward's ping-pong on and off, with and without a sliding window, and the
+warp-specialised one-pass kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``, deterministic=False's
+backward at D=64 and 128: its dQ adds must be TMA bulk reduce-adds, with no atomic but its ordered variant's counter,
+and no spill at all, under Triton 3.6, 3.7 and 3.9). ptxas's report of each dK/dV variant must not say that it
+serialized the wgmmas (C7512). All compile in one child process without TRITON_INTERPRET (the interpreter replaces the
+``triton.jit`` helpers that the Gluon kernels call), which writes each variant's PTX and ptxas report to a folder.
 Run as a script, ``python tests/kernels/test_gluon_compiles.py DIR [SUBSTRING]`` compiles them all (or those whose
 name contains SUBSTRING) and prints one line a kernel.
 """
@@ -50,7 +49,6 @@ class Variant:
     pingpong: bool | None = None  # the forward's; None: as the config's tile
     window: bool = False  # a sliding window (the kernels' HAS_WINDOW)
     group: int = 2  # query heads per KV head
-    one_pass: bool = False  # dkdv only: the one-pass variant (ONE_PASS) at config.GLUON_ONE_PASS_BULK's tile
     turns: str | None = None  # the forward's Tile.turns; None: as the config's tile
     stages: int | None = None  # the tile's gluon_stages; None: as the config's tile
     long: bool = False  # dq_writer only: the tile of longer calls (config.GLUON_DQ_WRITER_LONG, 128 query rows)
@@ -60,8 +58,7 @@ class Variant:
     @property
     def name(self) -> str:
         pp = "" if self.pingpong is None else ("-pingpong" if self.pingpong else "-no-pingpong")
-        # "bulk": the one pass's dQ adds, as the variants were named when it also had register atomics
-        kind = "dkdv1p-bulk" if self.one_pass else "dqwriter" if self.kind == "dq_writer" else self.kind
+        kind = "dqwriter" if self.kind == "dq_writer" else self.kind
         kind += "-128rows" if self.long else "-arrival" if self.arrival else ""
         kind += "-ordered" if self.ordered else ""
         turns = "" if self.turns is None else f"-{self.turns}"
@@ -103,11 +100,6 @@ VARIANTS = [
     Variant("dq", 128, "codes", window=True),
     Variant("dkdv", 128, "bits", causal=True, window=True),
     Variant("dkdv", 64, "dense", window=True),
-    # The one-pass dK/dV kernel (dQ by TMA bulk reduce-adds; D=128, its one head dim): GQA and not, each mask mode,
-    # causal and a window.
-    Variant("dkdv", 128, "bits", causal=True, one_pass=True),
-    Variant("dkdv", 128, "codes", window=True, group=1, one_pass=True),
-    Variant("dkdv", 128, "dense", group=4, one_pass=True),
     # The dK/dV kernel over keys still landing (a context-parallel rank's fetched keys: WAIT_ARRIVAL), the token
     # bits that rank's one piece has.
     Variant("dkdv", 128, "bits", arrival=True),
@@ -158,14 +150,13 @@ def _tile(variant: Variant):
         GLUON_D256_HEAD_DIM,
         GLUON_DQ_WRITER,
         GLUON_DQ_WRITER_LONG,
-        GLUON_ONE_PASS_BULK,
     )
 
     if variant.head_dim == GLUON_D256_HEAD_DIM:
         tile = GLUON_D256[variant.kind]
     else:
         table = {"fwd": _GLUON_FWD, "fwd_short": _GLUON_FWD_SHORT_SAMPLES, "dq": _GLUON_DQ,
-                 "dkdv": GLUON_ONE_PASS_BULK if variant.one_pass else _GLUON_DKDV,
+                 "dkdv": _GLUON_DKDV,
                  "dq_writer": GLUON_DQ_WRITER_LONG if variant.long else GLUON_DQ_WRITER}
         tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
@@ -176,13 +167,13 @@ def _tile(variant: Variant):
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
     stage (two without ping-pong: K's and V's); dK/dV K and V once, done, ready and release per stage, and
-    with the one pass the dS handshake's two; the forward with ping-pong the two turns. Its named turns and releases
-    (``turns="named_release"``) are hardware barriers, not mbarriers."""
+    the dQ writer's dS handshake and staging halves besides; the forward with ping-pong the two turns. Its named
+    turns and releases (``turns="named_release"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
     if variant.kind == "dkdv" and variant.head_dim == 256:
         return 2 + 2 * tile.gluon_stages + 2  # the hand-over of P^T: staged, read
     if variant.kind == "dkdv":
-        return 2 + 2 * tile.gluon_stages + (2 if variant.one_pass else 0)  # one pass: the dS handshake
+        return 2 + 2 * tile.gluon_stages
     if variant.kind == "dq_writer":
         return 2 + 2 * tile.gluon_stages + 2 + 4  # the dS handshake; each dQ staging half's full and empty
     if variant.kind == "dq":
@@ -257,8 +248,7 @@ def test_barriers_are_invalidated_and_their_bytes_not_reused(ptx_dir, variant):
     assert report.checked > 0  # the shared accesses were read, not skipped
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.one_pass or v.kind == "dq_writer"],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dq_writer"], ids=lambda v: v.name)
 def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
     """The one-pass kernel adds dQ only by TMA bulk reduce-adds through the ``[B * Hq, Sq, D]`` dQ descriptor (rows
     past Sq are dropped per head), waits for them before it reuses the staging tile, and has no global atomic but,
@@ -278,8 +268,7 @@ def test_one_pass_bulk_adds_dq_by_tma_reduce(ptx_dir, variant):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer")], ids=lambda v: v.name)
 def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
     """ptxas did not serialize the dK/dV kernel's wgmmas for want of registers (C7512): the pipeline would be
-    gone; and the kernel fits a Hopper SM's shared memory (the one pass adds a dS^T tile per warpgroup to the
-    4-stage ring). Spills are printed for the record."""
+    gone; and the kernel fits a Hopper SM's shared memory. Spills are printed for the record."""
     path = _compiled(ptx_dir, variant, ".ptxas.txt")
     report = path.read_text()
     assert "Function properties" in report, f"{variant.name}: no ptxas report:\n{report}"
@@ -295,7 +284,7 @@ def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
 D128_DKDV_MAX_SPILL_STORES = 72
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv" and v.head_dim == 128 and not v.one_pass],
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv" and v.head_dim == 128],
                          ids=lambda v: v.name)
 def test_d128_dkdv_spills_at_most_a_few_words(ptx_dir, variant):
     """The deterministic backward's dK/dV pass at D=128 (two 64 x 128 float32 accumulators a warpgroup) spills at most
@@ -478,8 +467,8 @@ def test_lse_is_in_the_scores_before_their_matmul(ptx_dir, variant):
     assert shared_loads_before_exponentials(ptx) == 0, variant.name
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer") and not v.one_pass
-                                     and not v.arrival], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer") and not v.arrival],
+                         ids=lambda v: v.name)
 def test_dkdv_steps_divide_no_integer(ptx_dir, variant):
     """The dK/dV kernels (two-pass, D=256 and the dQ writer's) walk their list entries by a counter
     (``common.next_entry``), not ``i % n_total``: a remainder by a runtime value is an integer division a step
@@ -603,10 +592,9 @@ def _main(out: Path, only: str = "") -> None:
             gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                        *mask, 1.0, 1.0, tile, variant.window)
         else:
-            dq_sum = torch.zeros(q.shape) if variant.one_pass else None
             arrival = KeysArrival(torch.zeros(1, dtype=torch.int32), 3, 256, lambda: None) if variant.arrival else None
             gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), *mask,
-                                  1.0, 1.0, tile, variant.window, dq_sum, arrival=arrival)
+                                  1.0, 1.0, tile, variant.window, arrival=arrival)
 
 
 if __name__ == "__main__":

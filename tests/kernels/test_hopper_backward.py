@@ -67,15 +67,16 @@ def test_dkdv_tiles_are_checked_as_their_kernels():
     tile = config._GLUON_DKDV[64]
     assert config.gluon_tile_problem("dkdv", tile, 64) is None
     assert "query rows" in config.gluon_tile_problem("dkdv", replace(tile, block_m=128), 64)
-    assert "query rows" in config.gluon_tile_problem("dkdv", replace(tile, block_m=32), 128, one_pass=True)
+    assert "query rows" in config.gluon_tile_problem("dkdv", replace(tile, block_m=32), 128)
     assert "shared memory" in config.gluon_tile_problem("dkdv", replace(config._GLUON_DKDV[128], gluon_stages=5), 128)
     assert config.gluon_tile_problem("dkdv", replace(tile, gluon_stages=8), 64) is None  # 172,032 B at D=64
     writer = BackwardPass(config.GLUON_DQ_WRITER_LONG[64], True, True, one_pass=True, dq_writer=True)
     check_passes((("dkdv", writer),), 64, 2)
     with pytest.raises(ValueError, match="dQ-writer kernel .* shared memory"):  # 237,568 B of 232,448
         check_passes((("dkdv", replace(writer, tile=replace(writer.tile, gluon_stages=4))),), 64, 2)
+    two_pass = BackwardPass(replace(tile, block_m=128), True, True)
     with pytest.raises(ValueError, match="query rows"):
-        check_passes((("dkdv", replace(writer, dq_writer=False, tile=replace(tile, block_m=128))),), 64, 2)
+        check_passes((("dkdv", two_pass),), 64, 2)
 
 
 @pytest.mark.hopper

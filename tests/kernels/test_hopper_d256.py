@@ -252,7 +252,7 @@ def test_candidate_config_runs_gluon_forward_and_dq_only():
         for dtype in (torch.bfloat16, torch.float16):
             cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=False)
             assert cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
-            assert cfg.bwd_dkdv == TL_DKDV_D256 and cfg.gluon_one_pass is None
+            assert cfg.bwd_dkdv == TL_DKDV_D256 and cfg.gluon_dq_writer is None
             assert cfg.one_pass_tile() == WIDE_ONE_PASS_TMA
             assert not cfg.fwd_short.gluon and cfg.bwd_dq_short is None and cfg.fwd_short_samples is None
             long = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132)
@@ -292,7 +292,7 @@ def test_gluon_dkdv_switch_plans_the_d256_dkdv_kernel():
         for dtype in (torch.bfloat16, torch.float16):
             cfg = cuda_kernel_config(head_dim, dtype, HOPPER, gluon=True, gluon_d256=True, gluon_d256_dkdv=True)
             assert cfg.bwd_dkdv == tile and cfg.fwd == GLUON_D256["fwd"] and cfg.bwd_dq == GLUON_D256["dq"]
-            assert cfg.gluon_one_pass is None and cfg.one_pass_tile() == WIDE_ONE_PASS_TMA
+            assert cfg.gluon_dq_writer is None and cfg.one_pass_tile() == WIDE_ONE_PASS_TMA
             long = plan_attention(cfg, 1, 16, 4, 16384, 16384, cuda, sms=132)
             assert long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
             assert long.dkdv.tile == tile and (64, 64, True) in long.list_tiles()
@@ -336,20 +336,18 @@ def test_tl_dkdv_tile_past_d128_fits_the_gpus_shared_memory():
 
 
 def test_dkdv_tiles_are_checked_against_the_head_dim():
-    """Each Gluon dK/dV kernel runs its own tiles only: 128 keys up to D=128 (with a one pass), 64 keys and 64 query
-    rows a step or more past it (no one pass, 2 stages of Q and dO within a CTA's shared memory at D=256)."""
+    """Each Gluon dK/dV kernel runs its own tiles only: 128 keys up to D=128, 64 keys and 64 query rows a step or
+    more past it (2 stages of Q and dO within a CTA's shared memory at D=256)."""
     tile = GLUON_D256["dkdv"]
     assert gluon_tile_problem("dkdv", tile, 256) is None
-    assert gluon_tile_problem("dkdv", tile, 256, one_pass=True) is not None  # no one-pass variant
     assert gluon_tile_problem("dkdv", tile, 128) is not None  # the D <= 128 kernel takes 128 keys
     assert gluon_tile_problem("dkdv", tile, 256, itemsize=4) is not None  # float32: twice the shared memory
     assert gluon_tile_problem("dkdv", replace(tile, gluon_stages=3), 256) is not None  # shared memory
     assert gluon_tile_problem("dkdv", replace(tile, block_m=128), 256) is not None
     assert gluon_tile_problem("dkdv", replace(tile, block_m=32), 256) is not None  # S^T is one m64 wgmma
-    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=3), 128, one_pass=True) is None
-    # its dS^T and dQ staging tiles leave room for 3 stages at D=128, not 4 (250,880 B)
-    assert "shared memory" in gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=4), 128, one_pass=True)
-    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=3), 256, one_pass=True) is not None
+    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=4), 128) is None
+    assert "shared memory" in gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=5), 128)
+    assert gluon_tile_problem("dkdv", Tile(64, 128, gluon_stages=3), 256) is not None
 
 
 def test_tiles_a_head_dim_cannot_run_are_refused(device):

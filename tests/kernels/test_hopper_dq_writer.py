@@ -3,9 +3,9 @@ warp and a dQ writer warp), the deterministic=False backward at D=64 by default 
 turned on per config elsewhere (``cuda_kernel_config(..., gluon_dq_writer=True)``): its plan everywhere, and on an
 sm_90 GPU output and all three gradients against the float64 reference.
 
-The GPU tests take the cases of tests/kernels/test_hopper_one_pass.py (bits, segment codes, causal, a window, GQA
-groups 1 and 2, D 64/96/128, ragged lengths) and add a dense mask with an empty row and column, GQA group 4 past
-the ring's stages, and agreement with the two passes."""
+The GPU tests take bits, segment codes, causal, a window, GQA groups 1 and 2, D 64/96/128 and ragged lengths
+(:data:`CASES`), a dense mask with an empty row and column, GQA group 4 past the ring's stages, and agreement with
+the two passes."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from mmsparse import mbs_attention, reference_mask
+from mmsparse import CAUSAL, FULL, NONE, mbs_attention, reference_mask
 from mmsparse.attention.config import (
     GLUON_DQ_WRITER,
     GLUON_DQ_WRITER_HEAD_DIMS,
     GLUON_DQ_WRITER_LONG,
-    GLUON_ONE_PASS_BULK,
     HOPPER_SHARED_BYTES,
     Tile,
     cuda_kernel_config,
@@ -32,9 +31,28 @@ from mmsparse.attention.plan import plan_attention, plan_call
 from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv, writer_config
-from tests.kernels.test_hopper_one_pass import CASES, _case_id
 
 CUDA = torch.device("cuda")
+
+PAIR_TYPES = [[CAUSAL, FULL, NONE], [FULL, CAUSAL, NONE], [CAUSAL, NONE, FULL]]  # the segment-code mask
+
+# name: (topology, seg_lens, causal, batch, heads, kv_heads, seq_q or None, head_dim, dtype, window); fewer than
+# one_pass_max_keys (2048) keys, where the plan runs the one pass by default
+CASES = {
+    "bits-gqa2-D128": (CYCLIC, (300, 1000, 577), False, 1, 4, 2, None, 128, torch.bfloat16, None),
+    "bits-causal-D64-fp16": (HUB, (513, 1049, 431), True, 1, 2, 2, None, 64, torch.float16, None),
+    "codes-gqa2-D128": (PAIR_TYPES, (210, 333, 456), False, 2, 4, 2, None, 128, torch.bfloat16, None),
+    "codes-causal-window-D64": (PAIR_TYPES, (190, 400, 297), True, 1, 3, 1, None, 64, torch.bfloat16, 150),
+    "bits-window-D128-mqa": (HUB, (99, 700, 350), False, 1, 4, 1, None, 128, torch.bfloat16, 200),
+    "bits-D96-fewer-queries": (CYCLIC, (500, 600, 301), True, 1, 2, 1, 333, 96, torch.bfloat16, None),
+    "bits-short": (HUB, (10, 40, 27), False, 1, 1, 1, None, 128, torch.bfloat16, None),
+}
+
+
+def _case_id(name: str) -> str:
+    topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = CASES[name]
+    return (f"{name}-B{batch}-H{heads}x{kv_heads}-Sq{seq_q or sum(lens)}-S{sum(lens)}-D{head_dim}-{str(dtype)[6:]}"
+            f"{'-causal' if causal else ''}{f'-window{window}' if window else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,7 +119,6 @@ def test_switch_plans_the_dq_writer(head_dim):
     cfg = writer_config(head_dim)
     tile = GLUON_DQ_WRITER[head_dim_pad(head_dim)]
     assert cfg.gluon_dq_writer == tile and cfg.one_pass_kernel_tile() == tile
-    assert cfg.gluon_one_pass == GLUON_ONE_PASS_BULK.get(head_dim_pad(head_dim))  # kept at D=128, for comparison
     cpu = torch.device("cpu")
     plan = plan_attention(cfg, 1, 4, 2, 1000, 1000, cpu, sms=132, deterministic=False)
     assert plan.dq is None and plan.dkdv.dq_writer and plan.dkdv.tile == tile

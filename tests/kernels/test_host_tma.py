@@ -59,7 +59,8 @@ def test_head_rows_descriptor_sees_batch_and_heads_as_one_dimension():
 
 
 def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
-    """The three Gluon launchers, with the kernel launch replaced by a recorder: every kernel parameter is given
+    """The Gluon launchers of the forward and the three backward kernels, with the kernel launch replaced by a
+    recorder: every kernel parameter is given
     (positionally or by keyword), the tensors the kernels read through TMA arrive as descriptors with the boxes
     their shared tiles take, and the tiles' stage counts arrive. On a GPU a mismatch would only show as the
     warning of a failed build and a fall-back to the slower tl kernels."""
@@ -79,7 +80,8 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
                 # defaulted flags a variant leaves off: the one pass's and the landing keys' (off in a plain two-pass
                 # launch), the forward's turns
-                optional = {"dkdv": ("ONE_PASS", "WAIT_ARRIVAL"), "fwd": ("TURNS",)}.get(self.name, ())
+                optional = {"dkdv": ("WAIT_ARRIVAL",), "fwd": ("TURNS",),
+                            "dq_writer": ("ORDERED", "SHORTEST_FIRST")}.get(self.name, ())
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
@@ -89,6 +91,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     monkeypatch.setattr(gluon_launch, "_DKDV", Recorder("dkdv", gluon_launch._DKDV.fn))
     monkeypatch.setattr(gluon_launch, "_DQ", Recorder("dq", gluon_launch._DQ.fn))
     monkeypatch.setattr(gluon_launch, "_FWD", Recorder("fwd", gluon_launch._FWD.fn))
+    monkeypatch.setattr(gluon_launch, "_DQ_WRITER", Recorder("dq_writer", gluon_launch._DQ_WRITER.fn))
     batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 300, 96
     q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
     k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16)
@@ -118,7 +121,7 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     assert (dkdv["STAGES"], dq["STAGES"], fwd["STAGES"]) == (4, 4, _GLUON_FWD[128].gluon_stages)
     assert dkdv["HEAD_DIM_PAD"] == dq["HEAD_DIM_PAD"] == fwd["HEAD_DIM_PAD"] == 128
     assert dkdv["GROUP"] == dq["GROUP"] == fwd["GROUP"] == 2
-    assert "ONE_PASS" not in dkdv and "WAIT_ARRIVAL" not in dkdv  # the two-pass variant keeps its compile key
+    assert "WAIT_ARRIVAL" not in dkdv  # the plain variant keeps its compile key
     assert dkdv["own_blocks"] == 0 and dkdv["ARRIVAL"] is dkdv["DELTA"]  # unread there
 
     # Keys still landing: the flag, the fetch's epoch and the key blocks already there (whole 128-key blocks).
@@ -129,24 +132,32 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
                           args.tile(dkdv_t.block_m, dkdv_t.block_n, True), *mask, 1.0, 1.0, dkdv_t,
                           arrival=KeysArrival(flag, 7, 200, lambda: None))
     landing = launched["dkdv"]
-    assert landing["WAIT_ARRIVAL"] and "ONE_PASS" not in landing
+    assert landing["WAIT_ARRIVAL"]
     assert landing["ARRIVAL"] is flag and (landing["arrival_epoch"], landing["own_blocks"]) == (7, 1)
 
-    # The one pass: dQ's float32 sum as a [B * Hq, Sq, D] descriptor whose box is one warpgroup's half of a block's
-    # dQ (TMA bulk reduce-adds).
+    # The one pass (the dQ writer): dQ's float32 sum as a [B * Hq, Sq, D] descriptor whose box is one MMA
+    # warpgroup's half of a block's dQ (TMA bulk reduce-adds); ordered, its counters and ranks.
     from dataclasses import replace
 
-    from mmsparse.attention.config import GLUON_ONE_PASS_BULK
+    from mmsparse.attention.config import GLUON_DQ_WRITER
 
     dq_sum = torch.zeros(batch, heads, seq, head_dim)
-    one_mask = args.tile(dkdv_t.block_m, dkdv_t.block_n, True)
-    bulk_t = GLUON_ONE_PASS_BULK[128]
-    gluon_launch.run_dkdv(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), one_mask,
-                          *mask, 1.0, 1.0, bulk_t, False, dq_sum)
-    bulk = launched["dkdv"]
-    assert bulk["ONE_PASS"] and bulk["STAGES"] == bulk_t.gluon_stages == 3
-    assert bulk["DQ"].base is dq_sum and tuple(bulk["DQ"].shape) == (batch * heads, seq, head_dim)
-    assert bulk["DQ"].block_shape == [1, 64, 64] and bulk["DQ"].layout.element_bitwidth == 32
+    writer_t = GLUON_DQ_WRITER[128]
+    one_mask = args.tile(writer_t.block_m, writer_t.block_n, True)
+    gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), dq_sum,
+                                   one_mask, *mask, 1.0, 1.0, writer_t)
+    writer = launched["dq_writer"]
+    assert "ORDERED" not in writer and writer["STAGES"] == writer_t.gluon_stages == 3
+    assert writer["DQ"].base is dq_sum and tuple(writer["DQ"].shape) == (batch * heads, seq, head_dim)
+    assert writer["DQ"].block_shape == [1, 64, 64] and writer["DQ"].layout.element_bitwidth == 32
+    assert writer["COUNTERS"] is writer["RANKS"] is writer["DELTA"]  # unread without ORDERED
+    counters, ranks = torch.zeros(batch * heads, 5, dtype=torch.int32), torch.zeros(7, dtype=torch.int32)
+    gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), dq_sum,
+                                   one_mask, *mask, 1.0, 1.0, writer_t, order=(counters, ranks, 5),
+                                   shortest_first=False)
+    ordered = launched["dq_writer"]
+    assert ordered["ORDERED"] and ordered["SHORTEST_FIRST"] is False
+    assert ordered["COUNTERS"] is counters and ordered["RANKS"] is ranks and ordered["query_blocks"] == 5
     for run, tile in ((gluon_launch.run_dq, dq_t), (gluon_launch.run_dkdv, dkdv_t)):  # only the forward has turns
         launched.clear()
         outputs = torch.empty_like(q) if run is gluon_launch.run_dq else (torch.empty_like(k), torch.empty_like(v))

@@ -32,7 +32,8 @@ from mmsparse.attention.config import (
 )
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
 from mmsparse.attention.kernel_args import list_tiles
-from mmsparse.attention.plan import plan_attention
+from mmsparse.attention.plan import BackwardPass, call_plan_from_text, plan_attention, plan_call
+from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.nn import MultiheadMBSAttention, MultimodalSelfAttention, replace_attention
 from mmsparse.tuning import use_tuning
 from tests.helpers import CYCLIC, FOUR, HUB, RING, check_outputs, forward_backward, make_qkv
@@ -307,85 +308,63 @@ def test_plan_of_the_one_pass_backward(device):
     assert not two.dkdv.one_pass and two.dq is not None
 
 
-def test_one_pass_runs_the_gluon_kernel_on_hopper_and_the_tl_one_with_dropout():
-    """Where the dK/dV pass is the Gluon kernel at D=128, the one-pass backward is its ONE_PASS variant at the Gluon
-    one-pass tile (dQ by TMA bulk reduce-adds), planned below one_pass_max_keys keys (use_config moves it); from
-    there deterministic=False keeps the two Gluon passes. With dropout (no Gluon kernel has it) it is the tl kernel
-    at the tl dK/dV tile. D=64 runs the dQ-writer kernel (tests/kernels/test_hopper_dq_writer.py), and without it
-    the tl one pass: it has no bulk one-pass tile. D=128 runs the dQ writer by default as well: the bulk one pass
-    is what runs without it."""
-    d64 = cuda_kernel_config(64, torch.bfloat16, gluon_dq_writer=False)
-    assert d64.gluon_one_pass is None and not d64.one_pass_runs_gluon()
-    d64_plan = plan_attention(d64, 4, 16, 4, 1000, 1000, torch.device("cpu"), None, False, sms=132,
-                              deterministic=False)
-    assert d64_plan.dq is None and d64_plan.kernels()["dkdv"] == "tl"
-    head_dim = 128
-    cfg = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
-    assert cfg.bwd_dkdv.gluon
-    tl_tile = cfg.one_pass_tile()
-    assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
-    limit = cfg.one_pass_max_keys
+def test_one_pass_without_the_dq_writer_is_the_tl_kernel():
+    """Where the dK/dV pass is the Gluon kernel (D=64, D=128) but the dQ writer is off, the one-pass backward is the
+    tl kernel at the tl dK/dV tile (dQ by atomics), planned below one_pass_max_keys keys (use_tuning moves it); from
+    there deterministic=False keeps the two Gluon passes. With dropout it is the tl kernel too. The Gluon dK/dV
+    kernel has no one-pass variant: the dQ writer is the one pass's only Gluon kernel."""
+    for head_dim in (64, 128):
+        cfg = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)
+        assert cfg.bwd_dkdv.gluon and not cfg.one_pass_runs_dq_writer()
+        tl_tile = cfg.one_pass_tile()
+        assert not tl_tile.gluon and tl_tile == cuda_kernel_config(head_dim, torch.bfloat16, gluon=False).bwd_dkdv
+        assert cfg.one_pass_kernel_tile() == tl_tile == cfg.one_pass_kernel_tile(dropout=True)
+        limit = cfg.one_pass_max_keys
 
-    def plan(config, seq, dropout=False):
-        return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
-                              deterministic=False)
+        def plan(config, seq, dropout=False):
+            return plan_attention(config, 4, 16, 4, seq, seq, torch.device("cpu"), None, dropout, sms=132,
+                                  deterministic=False)
 
-    one_pass_tile = cfg.gluon_one_pass
-    assert one_pass_tile.gluon
-    short = plan(cfg, limit - 1)
-    assert short.dq is None and short.dkdv.one_pass and short.dkdv.gluon and short.dkdv.tile == one_pass_tile
-    assert short.kernels()["dq"] == "one-pass" and short.kernels()["dkdv"] == "gluon"
-    assert short.list_tiles(forward=False) == [(one_pass_tile.block_m, one_pass_tile.block_n, True)]
-    dropout = plan(cfg, limit - 1, dropout=True)
-    assert dropout.dq is None and not dropout.dkdv.gluon and dropout.dkdv.tile == tl_tile
-    assert dropout.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
-    long = plan(cfg, limit)
-    assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
-    # The lists prepare() builds ahead (e.g. before CUDA-graph capture) are those the planned passes read.
-    assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == short.list_tiles(forward=False)
-    assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
-    forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
-    assert forced.dq is None and forced.dkdv.gluon and forced.dkdv.tile == one_pass_tile
-    with use_tuning(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
-        forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
-    assert forced.dq is None and forced.dkdv.gluon
+        for dropout in (False, True):
+            short = plan(cfg, limit - 1, dropout)
+            assert short.dq is None and short.dkdv.one_pass and not short.dkdv.gluon and short.dkdv.tile == tl_tile
+            assert short.kernels() == {"forward": "tl", "dq": "one-pass", "dkdv": "tl"}
+            assert short.list_tiles(forward=False) == [(tl_tile.block_m, tl_tile.block_n, True)]
+        long = plan(cfg, limit)
+        assert long.dq is not None and long.kernels() == {"forward": "gluon", "dq": "gluon", "dkdv": "gluon"}
+        # The lists prepare() builds ahead (e.g. before CUDA-graph capture) are those the planned passes read.
+        assert list_tiles(cfg, limit - 1, limit - 1, deterministic=False)[1:] == plan(cfg, limit - 1).list_tiles(
+            forward=False)
+        assert list_tiles(cfg, limit, limit, deterministic=False)[1:] == long.list_tiles(forward=False)
+        forced = plan(dataclasses.replace(cfg, one_pass_max_keys=limit + 1), limit)
+        assert forced.dq is None and not forced.dkdv.gluon and forced.dkdv.tile == tl_tile
+        with use_tuning(cfg, one_pass_max_keys=1 << 62):  # as tools/one_pass.py forces it at every length
+            forced = plan(kernel_config(head_dim, torch.bfloat16, torch.device("cpu")), 1 << 16)
+        assert forced.dq is None and not forced.dkdv.gluon
     own = KernelConfig(fwd=Tile(32, 16), bwd_dkdv=Tile(16, 32), bwd_dq=Tile(32, 16), decode=Tile(16, 16),
                        bwd_one_pass=Tile(32, 16))
     assert own.one_pass_tile() == Tile(32, 16)
 
 
-def test_gluon_one_pass_tile():
-    """KernelConfig.gluon_one_pass (GLUON_ONE_PASS_BULK at D=128: dQ by TMA bulk reduce-adds) is the tile the Gluon
-    one pass runs at and builds its lists for; the two-pass dK/dV pass and the tl one pass (dropout) keep theirs;
-    without it the one pass is the tl kernel (the Gluon one adds dQ no other way), and a gluon_one_pass that is not
-    a Gluon tile is refused."""
-    from mmsparse.attention.config import GLUON_ONE_PASS_BULK
-
-    head_dim = 128
-    with_bulk = cuda_kernel_config(head_dim, torch.bfloat16, gluon_dq_writer=False)  # the dQ writer is the default
-    cfg = dataclasses.replace(with_bulk, gluon_one_pass=None)
-    assert cfg.one_pass_kernel_tile() == cfg.one_pass_tile() and not cfg.one_pass_kernel_tile().gluon
-    assert not cfg.one_pass_runs_gluon() and with_bulk.one_pass_runs_gluon()
-    tl_one = plan_attention(cfg, 1, 4, 2, 1000, 1000, torch.device("cpu"), None, False, sms=132, deterministic=False)
-    assert tl_one.dq is None and not tl_one.dkdv.gluon and tl_one.dkdv.tile == cfg.one_pass_tile()
-    with pytest.raises(ValueError, match="gluon_one_pass is the Gluon one-pass kernel's tile"):
-        dataclasses.replace(with_bulk, gluon_one_pass=cfg.one_pass_tile())
-    bulk = GLUON_ONE_PASS_BULK[head_dim]
-    assert with_bulk.gluon_one_pass == bulk
-    assert bulk.gluon and (bulk.block_m, bulk.block_n) == (64, 128)
-    assert bulk.gluon_stages == 3 < cfg.bwd_dkdv.gluon_stages  # 32 KB of staging at D=128
-    assert with_bulk.one_pass_kernel_tile() == bulk
-    assert with_bulk.one_pass_kernel_tile(dropout=True) == cfg.one_pass_tile()
-
-    def plan(config, seq, dropout=False, deterministic=False):
-        return plan_attention(config, 1, 4, 2, seq, seq, torch.device("cpu"), None, dropout, sms=132,
-                              deterministic=deterministic)
-
-    one = plan(with_bulk, 1000)
-    assert one.dq is None and one.dkdv.gluon and one.dkdv.tile == bulk
-    assert list_tiles(with_bulk, 1000, 1000, deterministic=False)[1:] == one.list_tiles(forward=False)
-    assert plan(with_bulk, 1000, deterministic=True).dkdv.tile == cfg.bwd_dkdv
-    assert plan(with_bulk, 1000, dropout=True).dkdv.tile == cfg.one_pass_tile()
+def test_a_gluon_one_pass_is_the_dq_writer():
+    """The Gluon dK/dV kernel's one-pass variant (dQ by TMA bulk reduce-adds) is gone: its config field is an
+    unknown keyword, and a plan (or a plan's text from another release, as a traced graph holds it) with a Gluon one
+    pass that is not the dQ writer is refused rather than run by a kernel that would add no dQ."""
+    cfg = cuda_kernel_config(128, torch.bfloat16)
+    with pytest.raises(TypeError, match="gluon_one_pass"):
+        dataclasses.replace(cfg, gluon_one_pass=cfg.bwd_dkdv)
+    with pytest.raises(ValueError, match="Gluon dQ-writer kernel or the tl kernel"):
+        BackwardPass(cfg.bwd_dkdv, True, True, one_pass=True)
+    with pytest.raises(ValueError, match="Gluon dQ-writer kernel or the tl kernel"):
+        BackwardPass(cfg.one_pass_tile(), False, True, one_pass=True, dq_writer=True)
+    with pytest.raises(ValueError, match="dq_writer needs one_pass"):
+        BackwardPass(cfg.gluon_dq_writer, True, True, dq_writer=True)
+    plan = plan_call(cfg, 1000, 1000, torch.device("cpu"), None, False, False, MASK_BITS, False, None, 3)
+    assert plan.dkdv.dq_writer and call_plan_from_text(plan.text) == plan
+    stale = plan.text.replace('"dq_writer":true', '"dq_writer":false')
+    assert stale != plan.text
+    with pytest.raises(ValueError, match="not the text of an mmsparse call plan.*dQ-writer kernel or the tl kernel"):
+        call_plan_from_text(stale)
 
 
 def test_one_pass_at_its_own_tile_matches_reference(device):

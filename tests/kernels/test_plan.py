@@ -143,7 +143,7 @@ def test_the_removed_deterministic_backward_setting_says_what_to_use(value, devi
     assert not hasattr(KernelConfig, "deterministic_backward")
 
 
-@pytest.mark.parametrize("field", ["bwd_dkdv", "bwd_dq", "bwd_dq_short", "bwd_one_pass", "gluon_one_pass"])
+@pytest.mark.parametrize("field", ["bwd_dkdv", "bwd_dq", "bwd_dq_short", "bwd_one_pass", "gluon_dq_writer"])
 def test_a_backward_tile_with_pingpong_is_refused_when_the_config_is_made(field):
     """Only the Gluon forward takes ping-pong turns: a backward tile asking for them is a ValueError naming the
     field, not a setting silently ignored; forward tiles keep it (the D=128 forward's table tile has it)."""
@@ -173,7 +173,7 @@ def test_an_unknown_turn_scheme_is_refused_when_the_tile_is_made():
 def test_prepared_lists_are_the_plans(dropout, deterministic):
     """kernel_args.list_tiles / prepare (ahead of timing or CUDA-graph capture) name exactly the lists the call's
     plan reads, dropout's tiles too: on Hopper the one-pass backward with dropout runs the tl kernel at
-    bwd_one_pass, not the Gluon one at gluon_one_pass."""
+    bwd_one_pass, not the dQ writer at gluon_dq_writer."""
     cfg = cuda_kernel_config(128, torch.bfloat16)
     cpu = torch.device("cpu")
     plan = plan_attention(cfg, 2, 4, 2, 300, 300, cpu, None, dropout, deterministic=deterministic)

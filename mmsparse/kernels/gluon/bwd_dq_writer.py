@@ -374,8 +374,8 @@ def attention_bwd_dq_writer_gluon(
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
     ORDERED: gl.constexpr = False, SHORTEST_FIRST: gl.constexpr = False,
 ):
-    """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s with
-    ``ONE_PASS``: Q, K, V, dO, dK and dV as ``host_tma`` descriptors, DQ the ``host_tma.head_rows_descriptor``
+    """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s (Q, K, V,
+    dO, dK and dV as ``host_tma`` descriptors), and DQ, the ``host_tma.head_rows_descriptor``
     (``[B * Hq, Sq, D]``, ``[1, BM, HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the
     launcher, which dQ times the softmax scale is added into. ``ORDERED`` (deterministic): COUNTERS, a zeroed int32
     ``[B * Hq, query_blocks]``, counts the adds into each query block, and RANKS (``mask.add_order.dq_add_ranks``,

@@ -16,14 +16,6 @@ that initial value too (p = exp2((S^T - lse / scale) scale): no load of lse wait
 exponentials). The producer also does the final TMA stores of dK and dV (the
 consumers hold no descriptors across their loop). No dropout: that stays with the ``tl`` kernel. Called only where
 ``mmsparse.attention.dispatch.hopper_gluon_available`` allows, like the Gluon forward.
-
-``ONE_PASS`` (the one-pass backward, ``deterministic=False``) also adds dQ: each warpgroup stages dS^T_i in a
-shared tile of its own; once both are staged (a handshake of two barriers per step), warpgroup w computes columns
-[w D/2, (w + 1) D/2) of the block's dQ = dS K over all 128 keys (a fifth matmul per step: A the staged tiles seen
-transposed, B column slices of the K tiles) and adds them into a float32 ``[B, Hq, Sq, D]`` buffer as one TMA bulk
-reduce-add from a float32 staging tile of its own (64 x D/2: 32 KB for both at D=128, which fits beside 3 stages,
-not 4; :mod:`.dq_adds`), asynchronously: it waits for the tile to be read only at the start of the next step's dQ
-work. dK of the next step then reads dS^T_i from the tile rather than from registers. No dQ pass runs.
 """
 from __future__ import annotations
 
@@ -38,7 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..constants import DYNAMIC_ARGS, MASK_DENSE
-from ..lists import block_id
 from ..rules import lse_in_scores
 from .common import (
     WORKER_REGS,
@@ -57,7 +48,6 @@ from .common import (
     wait_for_arrival,
 )
 from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
-from .dq_adds import bulk_add_dq, issue_dq, stage_ds
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -97,65 +87,12 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
 
 
 @gluon.jit
-def _drain_step(dv, pt_op, dst, i, row0, dq_head, sm_scale, dq_bufs, WG: gl.constexpr, BM: gl.constexpr,
-                ONE_PASS: gl.constexpr, HEAD_DIM_PAD: gl.constexpr):
-    """The end of step i: wait for dV += P^T dO. With ``ONE_PASS`` also the step's dQ (:mod:`.dq_adds`): dS^T_i is
-    staged in this warpgroup's tile while dV runs (once both warpgroups' dQ_{i-1} have read the tiles); once dV is
-    done (P^T's operand registers free) and the other warpgroup's dS^T_i is staged too, this warpgroup's half of
-    dQ's columns (rows row0.. of the head ``dq_head``: ``(descriptor, batch * Hq + head)``) is computed, waited for
-    and added by a TMA bulk reduce-add (:func:`bulk_add_dq`) from this warpgroup's staging tile, so that its
-    registers die before the next step's S^T and dP^T come alive and no wgmma is in flight across the loop's back
-    edge. The next step's dK reads dS^T_i from the tile too (no registers held across the step)."""
-    if ONE_PASS:
-        ds_smem, k_smem, ds_bars, dq_stage = dq_bufs
-        # parity 1 on a fresh barrier returns at once: step 0 waits for nothing
-        mbarrier.wait(ds_bars.index(1), (i & 1) ^ 1)
-        # and the previous step's reduce (a whole step of matmuls ago) has read the staging tile
-        stage_ds(dst, ds_smem.index(WG))
-        mbarrier.arrive(ds_bars.index(0))
-        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
-        mbarrier.wait(ds_bars.index(0), i & 1)  # both warpgroups' dS^T_i are staged
-        N: gl.constexpr = HEAD_DIM_PAD // 2
-        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(ds_bars.index(1))  # this warpgroup has read both tiles
-        dq_desc, bh = dq_head
-        bulk_add_dq(dq, dq_stage.index(WG), dq_desc, bh, row0, sm_scale, WG * N)
-    else:
-        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
-    return dv, pt_op
-
-
-@gluon.jit
-def _first_row(idx_ptr, it, BM: gl.constexpr, ONE_PASS: gl.constexpr):
-    """The first query row of step ``it``'s list entry (only ONE_PASS reads it: the block's dQ rows)."""
-    if ONE_PASS:
-        return block_id(idx_ptr, it) * BM
-    return it
-
-
-@gluon.jit
-def _dq_head(dq_head0, i, n_total, GROUP: gl.constexpr, ONE_PASS: gl.constexpr):
-    """The dQ rows of step i's head, the group's head i // n_total: ``dq_head0`` is ``(descriptor, the group's first
-    batch * Hq + head)`` and so is the result (only ONE_PASS reads it)."""
-    if ONE_PASS and GROUP > 1:
-        dq_desc, bh0 = dq_head0
-        return dq_desc, bh0 + i // n_total
-    return dq_head0
-
-
-@gluon.jit
-def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0,
-              qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
-              STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              ONE_PASS: gl.constexpr):
+def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
+              GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+              MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
     sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
-    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
-
-    With ``ONE_PASS`` each step also stages dS^T_i in the warpgroup's tile of ``dq_bufs`` (dS^T tiles, K tiles,
-    the two handshake barriers, the float32 staging tiles) and adds half of dQ's columns into the float32 dQ at
-    ``dq_head0`` (the descriptor and the group's first head's index; :func:`_drain_step`)."""
+    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -173,8 +110,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
-    if ONE_PASS:
-        ds_w = dq_bufs[0].index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
@@ -197,10 +132,8 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         delta = delta_smem.index(0).load(cols)
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        if not ONE_PASS:
-            dst_op = gl.convert_layout(dst, op_layout)
-        dv, pt_op = _drain_step(dv, pt_op, dst, 0, _first_row(idx_ptr, 0, BM, ONE_PASS), dq_head0, sm_scale, dq_bufs,
-                                WG, BM, ONE_PASS, HEAD_DIM_PAD)
+        dst_op = gl.convert_layout(dst, op_layout)
+        dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         stage = 0
         phase = 0
         it = 0  # step 0's entry
@@ -223,43 +156,25 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
             lse_s = lse_smem.index(stage)
             st = issue_scores(k_step, q_smem.index(stage), st0, partial, lse_s, inv_qk_scale, cols, LSE_FIRST)
             dpt = warpgroup_mma(v_step, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            if ONE_PASS:
-                dk = warpgroup_mma(ds_w, q_smem.index(prev), dk, is_async=True)
-            else:
-                dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(prev), dk, is_async=True)
             # wgmma groups complete in order: of S_i, dP_i, dK_{i-1}, the first is done.
             st = warpgroup_mma_wait(2, deps=(st,))
             pt = probabilities(st, lse_s, qk_scale, cols, LSE_FIRST)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             # Of dP_i, dK_{i-1}, dV_i: the first two are done. Stage i-1 is free (dV_{i-1} was drained in step i-1).
-            # With ONE_PASS, dK_{i-1} read dS^T_{i-1} from ds_w: the tile may now take dS^T_i.
-            if ONE_PASS:
-                dpt, dk = warpgroup_mma_wait(1, deps=(dpt, dk))
-            else:
-                dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
+            dpt, dk, dst_op = warpgroup_mma_wait(1, deps=(dpt, dk, dst_op))
             mbarrier.arrive(empty.index(prev))
             delta = delta_smem.index(stage).load(cols)
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-            if not ONE_PASS:
-                dst_op = gl.convert_layout(dst, op_layout)
-            # dV_i (and dQ_i) are drained here rather than in the next step: a wgmma still in flight across the
-            # loop's back edge makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register
-            # resources").
-            dv, pt_op = _drain_step(dv, pt_op, dst, i, _first_row(idx_ptr, it, BM, ONE_PASS),
-                                    _dq_head(dq_head0, i, n_total, GROUP, ONE_PASS), sm_scale, dq_bufs, WG, BM,
-                                    ONE_PASS, HEAD_DIM_PAD)
+            dst_op = gl.convert_layout(dst, op_layout)
+            # dV_i is drained here rather than in the next step: a wgmma still in flight across the loop's back edge
+            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
+            dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         last = stage if COUNTED else (total - 1) % STAGES
-        if ONE_PASS:
-            dk = warpgroup_mma(ds_w, q_smem.index(last), dk, is_async=True)
-            dk, dv, pt_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op))
-        else:
-            dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
-            dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+        dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
+        dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
-        if ONE_PASS:
-            mbarrier.wait(dq_bufs[2].index(1), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
-            tma.store_wait(0)  # the last reduce has read the staging tile before the CTA's shared memory goes
     # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
     k_w.store((dk * sm_scale).to(dtype))
     v_w.store(dv.to(dtype))
@@ -270,20 +185,18 @@ def _consumer(WG: gl.constexpr, buffers, barriers, idx_ptr, n_full, n_total, col
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
 def attention_dkdv_gluon(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_BITS, K_BITS, MASK, COUNTS, INDICES,
     stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q, stride_cnt_b, stride_idx_b,
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, ARRIVAL, arrival_epoch, own_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    ONE_PASS: gl.constexpr = False, WAIT_ARRIVAL: gl.constexpr = False,
+    WAIT_ARRIVAL: gl.constexpr = False,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as the ``tl`` dK/dV kernel's (no dropout), save that
-    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``ONE_PASS`` also dQ's contributions, added by
-    TMA bulk reduce-adds through DQ, the ``host_tma.head_rows_descriptor`` (``[B * Hq, Sq, D]``, ``[1, BM,
-    HEAD_DIM_PAD / 2]`` boxes) of a float32 ``[B, Hq, Sq, D]`` buffer zeroed by the launcher (unread otherwise).
-    With ``WAIT_ARRIVAL`` the keys past the first ``own_blocks`` key blocks are still landing when the kernel starts
-    (a context-parallel rank's fetched keys): the programs of the own blocks run first, and each other program
-    loads its K and V once the int32 at ``ARRIVAL`` reads ``arrival_epoch`` (unread otherwise)."""
+    Q, K, V, dO, dK and dV come as ``host_tma`` descriptors. With ``WAIT_ARRIVAL`` the keys past the first
+    ``own_blocks`` key blocks are still landing when the kernel starts (a context-parallel rank's fetched keys): the
+    programs of the own blocks run first, and each other program loads its K and V once the int32 at ``ARRIVAL``
+    reads ``arrival_epoch`` (unread otherwise)."""
     gl.static_assert(STAGES >= 2, "a stage stays in use until dK of the next step is issued")
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, HEAD_DIM_PAD], dtype)
@@ -297,29 +210,13 @@ def attention_dkdv_gluon(
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = allocate_query_stages(
         dtype, STAGES, BM, HEAD_DIM_PAD, MASK_MODE)
-    if ONE_PASS:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BM], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each warpgroup
-        stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
-        # each warpgroup's half of the block's dQ, read by its TMA reduce
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)
-        dq_head0 = (DQ, b * NUM_HEADS + hk * GROUP)  # the group's first head in the descriptor's [B * Hq] rows
-    else:
-        ds_smem = k_smem  # a stand-in: only ONE_PASS stages dS^T
-        dq_stage = k_smem
-        dq_head0 = DQ
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    # ONE_PASS: both warpgroups' dS^T are staged (0), both have read them for dQ (1)
-    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)  # both consumer warpgroups have staged dK and dV
-    if ONE_PASS:
-        for j in gl.static_range(2):
-            mbarrier.init(ds_bars.index(j), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
@@ -327,13 +224,12 @@ def attention_dkdv_gluon(
 
     buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem)
     barriers = (kv_bar, ready, empty, done)
-    dq_bufs = (ds_smem, k_smem, ds_bars, dq_stage)
     gl.warp_specialize(
         [
-            (_consumer, (0, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS)),
-            (_consumer, (1, buffers, barriers, idx_ptr, n_full, n_total, col0, mask_args, dq_bufs, dq_head0, qk_scale,
-                         sm_scale, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ONE_PASS)),
+            (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale, GROUP,
+                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+            (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale, GROUP,
+                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE, 0, arrival,
                          WAIT_ARRIVAL)),
@@ -346,8 +242,6 @@ def attention_dkdv_gluon(
     mbarrier.invalidate(done)
     invalidate_ring(ready, STAGES)
     invalidate_ring(empty, STAGES)
-    if ONE_PASS:
-        invalidate_ring(ds_bars, 2)
 
 
 # Shared with the warp-specialised one-pass backward (gluon.bwd_dq_writer): the same producer.
