@@ -371,8 +371,10 @@ TINY: dict[str, BenchConfig] = {
 PACK_CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in (
-        # 64 samples scaled to 65536 tokens (~1k a sample), 16 (~4k a sample); PACK_RANGES, hub, causal per sample
+        # 64 samples scaled to 65536 tokens (~1k a sample), 32 (~2k), 16 (~4k); PACK_RANGES, hub, causal per sample
         BenchConfig("pack_64k_x64", 1, 16, 4, 128, pack_lengths(64, PACK_RANGES, seed=0, total=65536), HUB,
+                    causal=True, packed=True),
+        BenchConfig("pack_64k_x32", 1, 16, 4, 128, pack_lengths(32, PACK_RANGES, seed=0, total=65536), HUB,
                     causal=True, packed=True),
         BenchConfig("pack_64k_x16", 1, 16, 4, 128, pack_lengths(16, PACK_RANGES, seed=0, total=65536), HUB,
                     causal=True, packed=True),
