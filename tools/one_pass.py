@@ -89,24 +89,26 @@ def gluon_dkdv_side(side: str) -> bool:
 def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.dtype) -> KernelConfig | None:
     """The config a side runs under: the dQ-writer sides the device's config with ``gluon_dq_writer`` set (the
     table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
-    length where it names them); None for the two passes (the device's own), or the device's config with the side's
-    dK/dV query rows and stages; the one-pass side the device's config without the dQ writer (the one pass it runs
-    then: the tl one)."""
+    length where it names them); for the two passes the device's config (with the side's dK/dV query rows and
+    stages where it names them) without the ordered dQ writer, which is deterministic=True's default over packs of
+    short samples; the one-pass side the device's config without the dQ writer (the one pass it runs then: the tl
+    one)."""
+    device_config = kernel_config(cfg.head_dim, dtype, device)
     if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
         dkdv = _side_tile(cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv, "dkdv", side, cfg.head_dim, dtype)
-        return replace(kernel_config(cfg.head_dim, dtype, device), bwd_dkdv=dkdv)
+        return replace(device_config, bwd_dkdv=dkdv, ordered_samples=0)
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
-            return None
-        return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=None)
+            return replace(device_config, ordered_samples=0)
+        return replace(device_config, gluon_dq_writer=None)
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
         raise ValueError(f"{cfg.name}: no dQ-writer kernel at head dim {cfg.head_dim} in {dtype}")
     if side_stages(side) is not None or side_block_m(side) is not None:
         writer = _side_tile(writer, "dq_writer", side, cfg.head_dim, dtype)
         # the side's tile at every length (the table's longer-call tile would take over there)
-        return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer, gluon_dq_writer_long=None)
-    return replace(kernel_config(cfg.head_dim, dtype, device), gluon_dq_writer=writer,
+        return replace(device_config, gluon_dq_writer=writer, gluon_dq_writer_long=None)
+    return replace(device_config, gluon_dq_writer=writer,
                    ordered_dq_writer=side_kind(side) == "dq-writer-ordered")
 
 

@@ -72,8 +72,7 @@ def test_dq_writer_side(tmp_path):
     cfg = ALL_CONFIGS["mm13k_hub"]
     config = one_pass.side_config(cfg, "dq-writer", torch.device("cpu"), torch.bfloat16)
     assert config.gluon_dq_writer == GLUON_DQ_WRITER[128]
-    assert one_pass.side_config(cfg, "two-pass", torch.device("cpu"), torch.bfloat16) is None  # the device's own
-    # the bulk one pass, also at D=64, whose default one pass is the dQ writer
+    # the tl one pass, also at D=64, whose default one pass is the dQ writer
     d64 = ALL_CONFIGS["mm13k_hub_d64"]
     assert one_pass.side_config(d64, "one-pass", torch.device("cpu"), torch.bfloat16).gluon_dq_writer is None
     if not torch.cuda.is_available():
@@ -144,3 +143,29 @@ def test_two_pass_tile_sides():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             one_pass.main(["--configs", "tiny_ab", "--rounds", "1", "--sides", "two-pass,two-pass-s3"])
+
+
+def test_the_two_pass_side_runs_two_passes_over_packs_of_short_samples(monkeypatch):
+    """deterministic=True's default over a pack of short samples is the ordered dQ writer, not two passes: the
+    two-pass sides turn it off, so that they time what their name says (on an H200's config, as on the GPU)."""
+    import torch
+
+    from benchmarks.configs import ALL_CONFIGS
+    from mmsparse.attention.config import cuda_kernel_config
+    from mmsparse.attention.plan import plan_attention
+
+    monkeypatch.setattr(one_pass, "kernel_config", lambda head_dim, dtype, device: cuda_kernel_config(head_dim, dtype))
+    cfg = ALL_CONFIGS["pack_64k_x512"]
+    sample_len = cfg.seq_k // len(cfg.rows)
+
+    def plan(config):
+        return plan_attention(config, 1, cfg.heads_q, cfg.heads_kv, cfg.seq_k, cfg.seq_k, torch.device("cpu"),
+                              sample_len, sms=132, deterministic=True)
+
+    default = cuda_kernel_config(cfg.head_dim, torch.bfloat16)
+    assert plan(default).dq is None and plan(default).dkdv.ordered  # the default: the ordered dQ writer
+    for side in ("two-pass", "two-pass-s3"):
+        two = plan(one_pass.side_config(cfg, side, torch.device("cuda"), torch.bfloat16))
+        assert two.dq is not None and not two.dkdv.one_pass, side
+    writer = plan(one_pass.side_config(cfg, "dq-writer-ordered", torch.device("cuda"), torch.bfloat16))
+    assert writer.dq is None and writer.dkdv.ordered
