@@ -105,9 +105,9 @@ class KernelConfig:
     # dq_writer_max_keys keys), its adds into each query block in a fixed order, each waiting for the one before
     # (mask.add_order), instead of the two passes: over packs of samples of at most ordered_samples tokens on
     # average, or everywhere with ordered_dq_writer. It beat the two passes on packs of 128 and 1,024 tokens a
-    # sample (1.03-1.42x) and lost at 4,096 (0.85-0.92x), lost on the cyclic and transfusion masks and tied on the
-    # hub masks (docs/performance.md, "Backward"); it holds dQ as a float32 sum (1.8x the two passes' peak memory
-    # on a pack).
+    # sample (1.03-1.42x) and lost at 2,048 (0.90x at D=128, 0.99x at D=64) and 4,096 (0.85-0.92x), lost on the
+    # cyclic and transfusion masks and tied on the hub masks (docs/performance.md, "Backward"); it holds dQ as a
+    # float32 sum (1.8x the two passes' peak memory on a pack).
     ordered_samples: int = 1024
     ordered_dq_writer: bool = False
 
