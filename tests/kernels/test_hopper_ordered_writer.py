@@ -6,6 +6,9 @@ writer's cases: tests/kernels/test_hopper_dq_writer.py), and dQ, dK and dV bitwi
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from mmsparse import mbs_attention, mbs_attention_varlen, reference_mask
 from mmsparse.attention.plan import call_plan_from_text, plan_attention, plan_call
 from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
-from tests.helpers import CYCLIC, HUB, check_outputs, make_qkv, ordered_config, writer_config
+from tests.helpers import CYCLIC, HUB, REPO, check_outputs, make_qkv, ordered_config, writer_config
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -166,3 +169,62 @@ def test_a_pack_of_longer_samples_keeps_the_two_passes(writer_calls):
     assert not writer_calls.ordered and set(writer_calls) == {"run_dkdv", "run_dq"}
     mask = torch.block_diag(*(reference_mask(HUB, r, sum(r), causal=True)[0] for r in rows))[None]
     check_outputs(q, k, v, out, grad_out, mask)
+
+
+# Run in a child with a time limit: a wait in the kernel that never ends would hang the test run, not fail it.
+_BESIDE_OTHER_STREAMS = """
+import torch
+from mmsparse import mbs_attention
+from mmsparse.tuning import use_tuning
+from tests.helpers import HUB, make_qkv, ordered_config
+
+dev = torch.device("cuda")
+lens = (1500, 3000, 1700)
+seq = sum(lens)
+q, k, v = make_qkv(2, 8, 2, seq, seq, 128, torch.bfloat16, dev)
+grad_out = torch.randn(2, 8, seq, 128, device=dev, dtype=torch.bfloat16)
+a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+
+def other_work(stream):
+    with torch.cuda.stream(stream):  # a few ms of matmuls whose programs take every multiprocessor
+        for _ in range(4):
+            a @ a
+
+
+def grads(stream=None, when=None):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if when == "before":
+        other_work(stream)
+    with use_tuning(ordered_config(128)):
+        out = mbs_attention(*leaves, HUB, lens, causal=True)
+    if when == "between":
+        other_work(stream)
+    out.backward(grad_out)
+    if when == "after":  # enqueued while the ordered kernel runs: a high priority stream takes freed SMs first
+        other_work(stream)
+    torch.cuda.synchronize()
+    return [t.grad for t in leaves]
+
+
+alone = grads()
+for priority in (0, -1):  # the default, and the highest priority
+    stream = torch.cuda.Stream(priority=priority)
+    for when in ("before", "between", "after"):
+        for name, first, again in zip(("dq", "dk", "dv"), alone, grads(stream, when)):
+            assert torch.equal(first, again), (name, priority, when)
+print("ok")
+"""
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_ordered_writer_beside_kernels_on_other_streams():
+    """The ordered writer's programs wait for each other (mask.add_order ranks them for the programs a GPU holds at
+    once). Matmuls on another stream, at the default and at the highest priority, enqueued before its forward,
+    between its forward and backward, and while its backward runs, take multiprocessors it would hold: it still ends,
+    with the bits of a run alone."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", _BESIDE_OTHER_STREAMS], capture_output=True, text=True, env=env,
+                            timeout=240, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
