@@ -127,9 +127,11 @@ VARIANTS = [
     Variant("dq_writer", 64, "bits", group=1, long=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True),
     Variant("dq_writer", 64, "dense", causal=True, window=True, long=True),
-    # ... and with its adds in order (deterministic=True where config.ordered_dq_writer is set)
+    # ... and with its adds in order (deterministic=True where config.ordered_dq_writer is set), launched shortest
+    # list first (the causal flag, segment codes) and longest first (a bit mask without the flag)
     Variant("dq_writer", 128, "bits", causal=True, ordered=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True, ordered=True),
+    Variant("dq_writer", 128, "bits", ordered=True),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)(?:\.[a-z]+)*?\.global\."  # with or without memory-order qualifiers
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -536,7 +538,7 @@ def _main(out: Path, only: str = "") -> None:
     from mmsparse.attention import gluon_launch
     from mmsparse.attention.kernel_args import kernel_args
     from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
-    from mmsparse.mask.add_order import lists_add_ranks
+    from mmsparse.mask.add_order import adds_shortest_first, lists_add_ranks
     from mmsparse.runtime.arrival import KeysArrival
 
     current = {}
@@ -581,13 +583,15 @@ def _main(out: Path, only: str = "") -> None:
                                 variant.window)
         elif variant.kind == "dq_writer":
             order = None
+            shortest_first = adds_shortest_first(info.mode, info.causal)  # as the backward launches it
             if variant.ordered:
                 counts, indices = mask[0][0][3], mask[0][0][4]
                 query_blocks = -(-seq // tile.block_m)
                 order = (torch.zeros(batch * heads * query_blocks, dtype=torch.int32),
-                         lists_add_ranks(counts, indices, query_blocks, 132), query_blocks)
+                         lists_add_ranks(counts, indices, query_blocks, 132, shortest_first), query_blocks)
             gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
-                                           torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window, order=order)
+                                           torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window, order=order,
+                                           shortest_first=shortest_first)
         elif variant.head_dim == 256:
             gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                        *mask, 1.0, 1.0, tile, variant.window)
