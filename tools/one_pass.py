@@ -12,6 +12,7 @@ length here (``use_tuning(one_pass_max_keys=...)``); a call alone runs the tl on
     python -m tools.one_pass --sides two-pass,dq-writer-s3,dq-writer-s5 --configs mm13k_hub --head-dim 64
     python -m tools.one_pass --sides two-pass,dq-writer,dq-writer-m128-s3 --configs transfusion_16k --head-dim 64
     python -m tools.one_pass --sides two-pass,two-pass-s3,two-pass-s5 --configs mm13k_hub_d64
+    python -m tools.one_pass --sides two-pass,dq-writer-ordered,dq-writer-ordered-h4 --configs mm13k_cyclic
     python -m tools.one_pass --configs tiny_ab,tiny_pack --rounds 1   # CPU smoke test (interpreter)
 """
 
@@ -59,13 +60,25 @@ SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False, "dq-writer-ord
 # "two-pass-m<M>-s<N>" the two passes with the dK/dV pass's tile so changed.
 WRITER_SIDES = ("dq-writer", "dq-writer-ordered")  # "-ordered": deterministic, its adds in order
 _SIDE_TILE = re.compile(r"(dq-writer|two-pass)(?:-m(\d+))?(?:-s(\d+))?")
+# "dq-writer-ordered-h<K>": the ordered writer's programs taking each key block for K (batch, KV head)s in turn
+# (KernelConfig.ordered_head_section)
+_SIDE_SECTION = re.compile(r"dq-writer-ordered-h(\d+)")
 
 
 def side_kind(side: str) -> str:
     """The entry of SIDES a side name runs: itself, or "dq-writer" for "dq-writer-m<M>-s<N>" (and "two-pass" for
-    "two-pass-m<M>-s<N>")."""
+    "two-pass-m<M>-s<N>", "dq-writer-ordered" for "dq-writer-ordered-h<K>")."""
+    if _SIDE_SECTION.fullmatch(side):
+        return "dq-writer-ordered"
     found = _SIDE_TILE.fullmatch(side)
     return found.group(1) if found else side
+
+
+def side_head_section(side: str) -> int:
+    """The (batch, KV head)s a "dq-writer-ordered-h<K>" side's programs take each key block for (1: the config's
+    default)."""
+    found = _SIDE_SECTION.fullmatch(side)
+    return int(found.group(1)) if found else 1
 
 
 def side_stages(side: str) -> int | None:
@@ -109,7 +122,8 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
         # the side's tile at every length (the table's longer-call tile would take over there)
         return replace(device_config, gluon_dq_writer=writer, gluon_dq_writer_long=None)
     return replace(device_config, gluon_dq_writer=writer,
-                   ordered_dq_writer=side_kind(side) == "dq-writer-ordered")
+                   ordered_dq_writer=side_kind(side) == "dq-writer-ordered",
+                   ordered_head_section=side_head_section(side))
 
 
 def _side_tile(tile: Tile, kind: str, side: str, head_dim: int, dtype: torch.dtype) -> Tile:
@@ -257,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side_kind(side) not in SIDES for side in sides):
         ap.error(f"--sides takes two or more of {', '.join(SIDES)} (or dq-writer-m<M>-s<N>, two-pass-m<M>-s<N>: at M "
-                 f"query rows and N stages), the baseline first; got {args.sides!r}")
+                 f"query rows and N stages; dq-writer-ordered-h<K>: sections of K heads), the baseline first; got "
+                 f"{args.sides!r}")
     if args.head_dim is not None and args.head_dim < 1:
         ap.error(f"--head-dim takes a positive head dim; got {args.head_dim}")
     if not cuda and any(side_kind(side) in WRITER_SIDES or gluon_dkdv_side(side) for side in sides):

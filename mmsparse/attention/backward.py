@@ -79,9 +79,14 @@ class BackwardLaunch:
         # the ordered dQ writer (deterministic): a counter of adds per (batch * head, query block)
         self.ordered = plan.dkdv.ordered
         self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
-        # its programs that run at once (one a multiprocessor: each takes most of one's shared memory)
-        self.resident = sm_count(q.device) if self.ordered else 1
         self.shortest_first = adds_shortest_first(self.mode, self.causal)  # its launch direction
+        # its programs taking each key block for this many (batch, KV head)s in turn, where launched longest first:
+        # shortest first, a list starts at its own queries and the key block that reaches a query block first must
+        # also start first, which sections would undo (tools.ordered_waits models them 0.52-0.86x on causal masks)
+        self.head_section = 1 if self.shortest_first else plan.dkdv.head_section
+        # the rows of one (batch, KV head) whose programs run at once (a program a multiprocessor: each takes most
+        # of one's shared memory), shared with the section's other heads
+        self.resident = max(1, sm_count(q.device) // self.head_section) if self.ordered else 1
         self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
                                      ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
@@ -274,7 +279,7 @@ class _Passes:
                 order = (counters, ranks, launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,
                                        launch.has_window, bound=bound, order=order,
-                                       shortest_first=launch.shortest_first)
+                                       shortest_first=launch.shortest_first, head_section=launch.head_section)
         elif plan.dkdv.gluon and launch.dkdv_d256:
             _gluon().run_dkdv_d256(q, k, v, do, lse, delta, (dk, dv), mask, *args, plan.dkdv.tile,
                                    launch.has_window, bound=bound)

@@ -110,12 +110,21 @@ class KernelConfig:
     # float32 sum (1.8x the two passes' peak memory on a pack).
     ordered_samples: int = 1024
     ordered_dq_writer: bool = False
+    # Where its programs launch longest list first (a bit mask without the causal flag: mask.add_order), the
+    # ordered dQ writer's programs take each key block for this many consecutive (batch, KV head)s in turn instead
+    # of a (batch, KV head)'s key blocks one after the other, and rank their adds in groups of as many rows fewer:
+    # the key blocks of one head that reach a query block at the same step then run on fewer multiprocessors at
+    # once, and wait in shorter chains. 1 (the default): one head after the other. Up to MAX_ORDERED_HEAD_SECTION.
+    # On an H200, 4 ran the ordered writer 1.03x the two passes on mm13k_cyclic (0.91x at 1) and 1.11x on
+    # mm13k_hub_d64 (1.02x at 1) (docs/performance.md, "Backward").
+    ordered_head_section: int = 1
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:
             _check_tile(name, getattr(self, name), optional=name in _OPTIONAL_TILES)
         _check_bool("KernelConfig.use_tma", self.use_tma)
         _check_bool("KernelConfig.ordered_dq_writer", self.ordered_dq_writer)
+        _check_head_section(self.ordered_head_section)
         for name in THRESHOLDS:
             check_threshold(f"KernelConfig.{name}", name, getattr(self, name))
         for name, rows in _GLUON_ROWS.items():
@@ -257,6 +266,19 @@ def _check_int(label: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int; got {type(value).__name__} {value!r}")
     return value
+
+
+# Consecutive (batch, KV head)s whose programs the ordered dQ writer interleaves at most: each program holds a
+# multiprocessor, and each group of ranks holds the programs an H100 or H200 runs at once divided by this many rows.
+MAX_ORDERED_HEAD_SECTION = 16
+
+
+def _check_head_section(value: object) -> None:
+    _check_int("KernelConfig.ordered_head_section", value)
+    if not 1 <= value <= MAX_ORDERED_HEAD_SECTION:
+        raise ValueError(f"KernelConfig.ordered_head_section is the (batch, KV head)s whose programs the ordered dQ "
+                         f"writer takes key block by key block, from 1 (one head after the other) to "
+                         f"{MAX_ORDERED_HEAD_SECTION}; got {value}")
 
 
 def _check_bool(label: str, value: object) -> bool:

@@ -118,7 +118,7 @@ def run_bwd_dq_writer(
     dk_dv: tuple[torch.Tensor, torch.Tensor], dq_sum: torch.Tensor, mask: LaunchArgs, mode: int, causal: bool,
     qk_scale_log2: float, softmax_scale: float, tile: Tile, has_window: bool = False,
     bound: dict[str, Any] | None = None, order: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    shortest_first: bool = True,
+    shortest_first: bool = True, head_section: int = 1,
 ) -> None:
     """The one-pass backward by ``kernels.gluon.bwd_dq_writer`` (two MMA warpgroups, a producer warp and a dQ writer
     warp): dK and dV into ``dk_dv`` as :func:`run_dkdv`, and dQ times the softmax scale added into ``dq_sum`` (a
@@ -127,9 +127,13 @@ def run_bwd_dq_writer(
     ``order`` (deterministic): ``(counters, ranks, query_blocks)``, a zeroed int32 ``[B * Hq, query_blocks]``
     and the lists' ``mask.add_order.dq_add_ranks``: the adds into each query block then land in that fixed order.
     ``shortest_first``: the direction of the launch order those ranks were made for (read only with ``order``).
-    ``bound``: as :func:`run_dq`'s."""
-    name = "bwd_dq_writer" if order is None else f"bwd_dq_writer-ordered-{shortest_first}"
+    ``head_section``: the programs take each key block for this many consecutive (batch, KV head)s in turn (with
+    ``order``, whose ranks must be made for groups of that many times fewer rows: ``KernelConfig``'s
+    ``ordered_head_section``). ``bound``: as :func:`run_dq`'s."""
+    name = "bwd_dq_writer" if order is None else f"bwd_dq_writer-ordered-{shortest_first}-{head_section}"
     flags = {} if order is None else dict(ORDERED=True, SHORTEST_FIRST=shortest_first)
+    if head_section > 1:  # the default launch keeps its constexprs (and compiled kernel) as they were
+        flags["HEADS_SECTION"] = head_section
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value, "one-pass", mode,
                                                   causal, has_window, True, **flags))
     tail = (delta, delta, 0) if order is None else order  # unread without ORDERED: delta stands in

@@ -45,7 +45,8 @@ class BackwardPass:
     warp-specialised Gluon kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
     ``KernelConfig.gluon_dq_writer``), the one pass's only Gluon kernel; else it is the tl kernel, adding by atomics.
     ``ordered``: its adds into each query block land in a fixed order (deterministic:
-    ``KernelConfig.ordered_dq_writer``)."""
+    ``KernelConfig.ordered_dq_writer``), its programs taking each key block for ``head_section`` (batch, KV head)s
+    in turn (``KernelConfig.ordered_head_section``; 1 where not ordered)."""
 
     tile: Tile
     gluon: bool
@@ -53,6 +54,7 @@ class BackwardPass:
     one_pass: bool = False
     dq_writer: bool = False
     ordered: bool = False
+    head_section: int = 1
 
     def __post_init__(self) -> None:
         # A plan's text crosses the ops and may come from another release: a Gluon one pass that is not the dQ
@@ -62,6 +64,9 @@ class BackwardPass:
                              f"{self.gluon}, dq_writer={self.dq_writer}")
         if self.dq_writer and not self.one_pass:
             raise ValueError("the dQ-writer kernel is a one-pass backward: dq_writer needs one_pass")
+        if self.head_section != 1 and not (self.ordered and self.dq_writer):
+            raise ValueError(f"head_section is the ordered dQ writer's: a pass without it takes 1; got "
+                             f"{self.head_section}")
 
     @property
     def lists(self) -> TileKey:
@@ -142,7 +147,8 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
     if config.runs_one_pass(seq_k, deterministic, dropout, sample_len):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
                                 config.one_pass_runs_dq_writer(dropout), True, one_pass=True,
-                                dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic)
+                                dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic,
+                                head_section=config.ordered_head_section if deterministic else 1)
         return None, one_pass, False
     dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
     return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
@@ -214,7 +220,8 @@ def _plan_text(plan: CallPlan) -> str:
 
     def step(p: BackwardPass | None) -> tuple | None:
         return None if p is None else (("tile", tile(p.tile)), ("gluon", p.gluon), ("by_key", p.by_key),
-                                       ("one_pass", p.one_pass), ("dq_writer", p.dq_writer), ("ordered", p.ordered))
+                                       ("one_pass", p.one_pass), ("dq_writer", p.dq_writer), ("ordered", p.ordered),
+                                       ("head_section", p.head_section))
 
     return _text_of((("forward", tile(plan.forward)), ("dq", step(plan.dq)), ("dkdv", step(plan.dkdv)),
                      *((name, getattr(plan, name)) for name in _PLAN_SCALARS)))
@@ -240,7 +247,8 @@ def call_plan_from_text(text: str) -> CallPlan:
         def pass_of(step: dict | None) -> BackwardPass | None:
             return None if step is None else BackwardPass(Tile(**step["tile"]), bool(step["gluon"]),
                                                           bool(step["by_key"]), bool(step["one_pass"]),
-                                                          bool(step["dq_writer"]), bool(step["ordered"]))
+                                                          bool(step["dq_writer"]), bool(step["ordered"]),
+                                                          int(step.get("head_section", 1)))
 
         dkdv = pass_of(value["dkdv"])
         if dkdv is None:

@@ -19,10 +19,14 @@ longest list first, as the unordered one does: five such masks ran 0.92-1.03x th
 A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
 and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
 only for programs of its own group or of earlier ones. Every earlier group has started (the hardware starts
-programs in launch order), and once the programs before its group have finished, its whole group is resident. A
-kernel of higher stream priority (or of another process under MPS) may take multiprocessors the group needs; the
-group then waits until that kernel ends (``tests/kernels/test_hopper_ordered_writer.py`` runs matmuls beside it).
-Only a kernel that held them until this one ended would stall it for good.
+programs in launch order), and once the programs before its group have finished, its whole group is resident.
+Where the programs take each key block for a section of k (batch, KV head)s in turn
+(``KernelConfig.ordered_head_section``, launched longest first), a group holds the GPU's programs divided by k
+rows: the section's heads' groups of the same rows are then consecutive programs, as many as the GPU holds, and
+the argument stands. A kernel of higher stream priority (or of another process under MPS) may take
+multiprocessors the group needs; the group then waits until that kernel ends
+(``tests/kernels/test_hopper_ordered_writer.py`` runs matmuls beside it). Only a kernel that held them until this
+one ended would stall it for good.
 
 Built from the lists alone, on their device, with no read-back: one sort of the lists' entries.
 """

@@ -54,6 +54,7 @@ class Variant:
     long: bool = False  # dq_writer only: the tile of longer calls (config.GLUON_DQ_WRITER_LONG, 128 query rows)
     arrival: bool = False  # dkdv only: keys still landing (WAIT_ARRIVAL: a context-parallel rank's fetched keys)
     ordered: bool = False  # dq_writer only: its adds in the key blocks' launch order (ORDERED: deterministic)
+    head_section: int = 1  # ordered dq_writer only: key block by key block for this many heads (HEADS_SECTION)
 
     @property
     def name(self) -> str:
@@ -61,6 +62,7 @@ class Variant:
         kind = "dqwriter" if self.kind == "dq_writer" else self.kind
         kind += "-128rows" if self.long else "-arrival" if self.arrival else ""
         kind += "-ordered" if self.ordered else ""
+        kind += f"-sections{self.head_section}" if self.head_section > 1 else ""
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -128,10 +130,12 @@ VARIANTS = [
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True),
     Variant("dq_writer", 64, "dense", causal=True, window=True, long=True),
     # ... and with its adds in order (deterministic=True where config.ordered_dq_writer is set), launched shortest
-    # list first (the causal flag, segment codes) and longest first (a bit mask without the flag)
+    # list first (the causal flag, segment codes) and longest first (a bit mask without the flag), one head after
+    # the other and in sections of heads (config.ordered_head_section)
     Variant("dq_writer", 128, "bits", causal=True, ordered=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True, ordered=True),
     Variant("dq_writer", 128, "bits", ordered=True),
+    Variant("dq_writer", 64, "bits", long=True, ordered=True, head_section=4),
 ]
 ANY_GLOBAL_ATOMIC = r"\b(?:red|atom)(?:\.[a-z]+)*?\.global\."  # with or without memory-order qualifiers
 BULK_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.[a-z_.]*bulk_group\b"
@@ -588,10 +592,11 @@ def _main(out: Path, only: str = "") -> None:
                 counts, indices = mask[0][0][3], mask[0][0][4]
                 query_blocks = -(-seq // tile.block_m)
                 order = (torch.zeros(batch * heads * query_blocks, dtype=torch.int32),
-                         lists_add_ranks(counts, indices, query_blocks, 132, shortest_first), query_blocks)
+                         lists_add_ranks(counts, indices, query_blocks, 132 // variant.head_section, shortest_first),
+                         query_blocks)
             gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                            torch.zeros(q.shape), *mask, 1.0, 1.0, tile, variant.window, order=order,
-                                           shortest_first=shortest_first)
+                                           shortest_first=shortest_first, head_section=variant.head_section)
         elif variant.head_dim == 256:
             gluon_launch.run_dkdv_d256(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)),
                                        *mask, 1.0, 1.0, tile, variant.window)

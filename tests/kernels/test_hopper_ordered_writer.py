@@ -6,6 +6,7 @@ writer's cases: tests/kernels/test_hopper_dq_writer.py), and dQ, dK and dV bitwi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,50 @@ def test_the_plan_text_carries_the_order():
 def test_the_switch_is_a_bool():
     with pytest.raises(TypeError, match="ordered_dq_writer must be True or False"):
         dataclasses.replace(writer_config(128), ordered_dq_writer=1)
+
+
+def test_the_head_section_goes_to_the_ordered_plan_and_its_text():
+    """``ordered_head_section`` reaches the ordered writer's plan and the ops' plan text (a plan text without it,
+    from an older release, reads 1); the unordered writer and the two passes keep 1, and a pass that is not the
+    ordered writer refuses another."""
+    config = dataclasses.replace(ordered_config(128), ordered_head_section=4)
+    plan = plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=True)
+    assert plan.dkdv.ordered and plan.dkdv.head_section == 4
+    assert plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=False).dkdv.head_section == 1
+    two_passes = dataclasses.replace(writer_config(128), ordered_head_section=4)
+    assert plan_attention(two_passes, 1, 4, 2, 4096, 4096, CPU, deterministic=True).dkdv.head_section == 1
+    call = plan_call(config, 3000, 3000, CPU, None, False, True, MASK_BITS, False, None, 3)
+    assert call.dkdv.head_section == 4 and call_plan_from_text(call.text) == call
+    older = json.loads(call.text)
+    del older["dkdv"]["head_section"]
+    assert call_plan_from_text(json.dumps(older)).dkdv.head_section == 1
+    with pytest.raises(ValueError, match="head_section is the ordered dQ writer's"):
+        dataclasses.replace(plan.dkdv, ordered=False)
+
+
+def test_the_backward_ranks_a_section_in_groups_of_its_share_of_the_gpu(monkeypatch):
+    """The ranks' groups hold the programs a GPU runs at once divided by the heads a section (the section's heads'
+    groups of the same rows are then as many programs as the GPU holds: ``mask.add_order``); one head a section,
+    the GPU's whole count, as before."""
+    from mmsparse.attention import backward
+
+    monkeypatch.setattr(backward, "sm_count", lambda device: 132)
+    q, k = torch.zeros(1, 4, 4096, 128), torch.zeros(1, 2, 4096, 128)
+    for section, resident in ((1, 132), (4, 33), (16, 8)):
+        config = dataclasses.replace(ordered_config(128), ordered_head_section=section)
+        call = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, False, None, 3)
+        launch = backward.BackwardLaunch(q, k, call, call, 0.125, 0.0)
+        assert launch.ordered and launch.head_section == section and launch.resident == resident
+        # launched shortest first (the causal flag): one head after the other, whatever the config says
+        causal = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, True, None, 3)
+        launch = backward.BackwardLaunch(q, k, causal, causal, 0.125, 0.0)
+        assert launch.shortest_first and launch.head_section == 1 and launch.resident == 132
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (17, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_the_head_section_is_checked(value, error):
+    with pytest.raises(error, match="ordered_head_section"):
+        dataclasses.replace(ordered_config(128), ordered_head_section=value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,3 +273,65 @@ def test_ordered_writer_beside_kernels_on_other_streams():
     result = subprocess.run([sys.executable, "-c", _BESIDE_OTHER_STREAMS], capture_output=True, text=True, env=env,
                             timeout=240, cwd=REPO)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# In a child with a time limit, as above: the sections change which programs run side by side, which the waits'
+# ranks must follow.
+_HEAD_SECTIONS = """
+import dataclasses
+
+import torch
+from mmsparse import mbs_attention, reference_mask
+from mmsparse.attention import gluon_launch
+from mmsparse.tuning import use_tuning
+from tests.helpers import HUB, check_outputs, make_qkv, ordered_config
+
+launched = []
+real = gluon_launch.run_bwd_dq_writer
+
+
+def spy(*args, **kwargs):
+    launched.append((kwargs.get("order") is not None, kwargs.get("head_section", 1)))
+    return real(*args, **kwargs)
+
+
+gluon_launch.run_bwd_dq_writer = spy
+dev = torch.device("cuda")
+lens = (1500, 3000, 1700)
+seq = sum(lens)
+for head_dim, section, causal in ((128, 4, False), (128, 4, True), (64, 2, False), (128, 5, False)):
+    # 2 samples x 3 KV heads: sections of 4 leave a last one of 2, sections of 5 one of 1; 49 key blocks a head:
+    # 294 programs, more than an H200 holds at once
+    q, k, v = make_qkv(2, 6, 3, seq, seq, head_dim, torch.bfloat16, dev)
+    grad_out = torch.randn(2, 6, seq, head_dim, device=dev, dtype=torch.bfloat16)
+    config = dataclasses.replace(ordered_config(head_dim), ordered_head_section=section)
+    runs = []
+    launched.clear()
+    with use_tuning(config):
+        for _ in range(3):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = mbs_attention(*leaves, HUB, lens, causal=causal, deterministic=True)
+            out.backward(grad_out)
+            runs.append([t.grad for t in leaves])
+    # launched shortest first (the causal flag) the programs go one head after the other
+    assert launched == [(True, 1 if causal else section)] * 3, launched
+    for run in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(first, again), (name, head_dim, section, causal)
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, seq, causal=causal), grads=runs[0])
+    print(head_dim, section, causal, "ok", flush=True)
+print("ok")
+"""
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_ordered_writer_in_head_sections():
+    """``ordered_head_section``: the ordered writer's programs take each key block for 2, 4 or 5 (batch, KV head)s
+    in turn (the last section shorter) where launched longest list first, and one head after the other where the
+    causal flag launches them shortest first: it ends, repeats its bits over three backward passes and matches
+    float64."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", _HEAD_SECTIONS], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout + result.stderr)[-3000:]

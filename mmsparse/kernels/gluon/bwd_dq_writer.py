@@ -372,7 +372,7 @@ def attention_bwd_dq_writer_gluon(
     seq_q, seq_k, Q_START, stride_qstart_b, window, qk_scale, sm_scale, COUNTERS, RANKS, query_blocks,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    ORDERED: gl.constexpr = False, SHORTEST_FIRST: gl.constexpr = False,
+    ORDERED: gl.constexpr = False, SHORTEST_FIRST: gl.constexpr = False, HEADS_SECTION: gl.constexpr = 1,
 ):
     """One CTA per (128-key block, batch * kv head); arguments as ``gluon.dkdv.attention_dkdv_gluon``'s (Q, K, V,
     dO, dK and dV as ``host_tma`` descriptors), and DQ, the ``host_tma.head_rows_descriptor``
@@ -380,7 +380,9 @@ def attention_bwd_dq_writer_gluon(
     launcher, which dQ times the softmax scale is added into. ``ORDERED`` (deterministic): COUNTERS, a zeroed int32
     ``[B * Hq, query_blocks]``, counts the adds into each query block, and RANKS (``mask.add_order.dq_add_ranks``,
     the layout of INDICES) gives each list entry its turn; without it neither is read. ``SHORTEST_FIRST``: the
-    programs start shortest list first (``mask.add_order.adds_shortest_first``; the ranks' launch order)."""
+    programs start shortest list first (``mask.add_order.adds_shortest_first``; the ranks' launch order).
+    ``HEADS_SECTION``: the programs take each key block for that many (batch, KV head)s in turn
+    (``dkdv_rows.key_block_lists``; the ranks' groups hold that many times fewer rows)."""
     gl.static_assert(STAGES >= 2, "the producer refills a stage while the MMA warpgroups work on another")
     gl.static_assert(HEAD_DIM_PAD <= 128, "two 64 x D float32 accumulators a warpgroup: D=256 is gluon.dkdv_d256's")
     dtype: gl.constexpr = q_desc.dtype
@@ -388,7 +390,7 @@ def attention_bwd_dq_writer_gluon(
     b, hk, col0, n_full, n_total, idx_ptr, mask_args = key_block_lists(
         COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b, stride_mask_q,
         stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window, NUM_KV_HEADS, 2 * WG_KEYS,
-        SHORTEST_FIRST=SHORTEST_FIRST)
+        SHORTEST_FIRST=SHORTEST_FIRST, HEADS_SECTION=HEADS_SECTION)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)

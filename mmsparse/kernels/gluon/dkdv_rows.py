@@ -20,18 +20,21 @@ _MASK_DENSE = gl.constexpr(MASK_DENSE)
 def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
                     stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window,
                     NUM_KV_HEADS: gl.constexpr, KEYS: gl.constexpr, own_blocks=0, OWN_FIRST: gl.constexpr = False,
-                    SHORTEST_FIRST: gl.constexpr = False):
+                    SHORTEST_FIRST: gl.constexpr = False, HEADS_SECTION: gl.constexpr = 1):
     """This program's ``(b, hk, col0, n_full, n_total, idx_ptr, mask_args)``: of batch ``b`` and KV head ``hk``
     (``program_id(1)`` = b * NUM_KV_HEADS + hk), key block ``program_id(0)``'s place in the lists' launch order,
     longest list first (``lists.ordered_row``; ``KEYS`` keys from ``col0``), and its list
     (``common.program_lists``). With ``OWN_FIRST`` the programs take the key blocks in launch order so that the
     first ``own_blocks`` key blocks of every (batch, KV head) come before any other: those keys are present at the
     launch, the others are still landing (:func:`.common.wait_for_arrival`). With ``SHORTEST_FIRST`` the programs
-    take the launch order backwards: shortest list first (the ordered dQ adds, ``mask.add_order``)."""
+    take the launch order backwards: shortest list first (the ordered dQ adds, ``mask.add_order``). Past 1,
+    ``HEADS_SECTION`` (batch, KV head)s take each place in that order in turn (:func:`_heads_in_sections`)."""
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if OWN_FIRST:
         pid_n, pid_bh = _own_first(pid_n, pid_bh, own_blocks)
+    if HEADS_SECTION > 1:
+        pid_n, pid_bh = _heads_in_sections(pid_n, pid_bh, HEADS_SECTION)
     b = pid_bh // NUM_KV_HEADS
     hk = pid_bh % NUM_KV_HEADS
     if SHORTEST_FIRST:
@@ -42,6 +45,20 @@ def key_block_lists(COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits
         b, pid_n, COUNTS, INDICES, Q_BITS, K_BITS, MASK, Q_START, stride_qbits_b, stride_kbits_b, stride_mask_b,
         stride_mask_q, stride_cnt_b, stride_idx_b, seq_q, seq_k, stride_qstart_b, window)
     return b, hk, pid_n * KEYS, n_full, n_total, idx_ptr, mask_args
+
+
+@gluon.jit
+def _heads_in_sections(pid_n, pid_bh, SECTION: gl.constexpr):
+    """(place in the key blocks' order, batch * KV head) of the program at launch position pid_n + pid_bh * blocks
+    when the (batch, KV head)s go in sections of SECTION (the last may hold fewer), each section place by place,
+    its heads in turn at each place: a head's programs still start in its own order, SECTION times further apart
+    (the ordered dQ writer's ranks group its rows accordingly: ``mask.add_order``)."""
+    blocks = gl.num_programs(0)
+    linear = pid_n + pid_bh * blocks
+    first = (linear // (blocks * SECTION)) * SECTION  # the section's first (batch, KV head)
+    within = linear - first * blocks
+    heads = gl.minimum(gl.num_programs(1) - first, SECTION)
+    return within // heads, first + within % heads
 
 
 @gluon.jit
