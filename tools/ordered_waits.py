@@ -19,7 +19,7 @@ Sections are modelled in either launch direction; the backward takes them only w
 list first (``attention/backward.py``): shortest first, the model gave 0.52-0.86x on causal masks.
 
     python -m tools.ordered_waits --configs mm13k_cyclic,mm13k_hub_d64 --sections 1,2,4
-    python -m tools.ordered_waits --configs tiny_ab --sections 1,2 --sms 4    # small, as the tests run it
+    python -m tools.ordered_waits --configs seed --sections 1,2 --sms 8       # small, as the tests run it
 """
 
 from __future__ import annotations
