@@ -473,6 +473,9 @@ def test_lse_is_in_the_scores_before_their_matmul(ptx_dir, variant):
     assert shared_loads_before_exponentials(ptx) == 0, variant.name
 
 
+_SECTION_DIVISIONS = 2
+
+
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind in ("dkdv", "dq_writer") and not v.arrival],
                          ids=lambda v: v.name)
 def test_dkdv_steps_divide_no_integer(ptx_dir, variant):
@@ -482,7 +485,10 @@ def test_dkdv_steps_divide_no_integer(ptx_dir, variant):
     two-pass backward ran 1.003-1.032x without it)."""
     ptx = _compiled(ptx_dir, variant, ".ptx").read_text()
     divisions = re.findall(r"\b(?:rem|div)\.[su](?:32|64)\b", ptx)
-    assert not divisions, f"{variant.name}: {len(divisions)} integer divisions"
+    # in sections of heads, the program's place and head, worked out once before any step
+    # (dkdv_rows._heads_in_sections: its launch position by the section's programs, then by its heads)
+    allowed = _SECTION_DIVISIONS if variant.head_section > 1 else 0
+    assert len(divisions) == allowed, f"{variant.name}: {len(divisions)} integer divisions"
 
 
 # ---------------------------------------------------------------------------------------------------------------

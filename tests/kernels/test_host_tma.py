@@ -79,9 +79,9 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
             def launch(*args, **kwargs):
                 given = self.params[: len(args)] + [k for k in kwargs if k not in ("num_warps", "maxnreg")]
                 # defaulted flags a variant leaves off: the one pass's and the landing keys' (off in a plain two-pass
-                # launch), the forward's turns
+                # launch), the forward's turns, the ordered writer's order and sections of heads
                 optional = {"dkdv": ("WAIT_ARRIVAL",), "fwd": ("TURNS",),
-                            "dq_writer": ("ORDERED", "SHORTEST_FIRST")}.get(self.name, ())
+                            "dq_writer": ("ORDERED", "SHORTEST_FIRST", "HEADS_SECTION")}.get(self.name, ())
                 assert sorted(given) == sorted(p for p in self.params if p not in optional or p in kwargs), self.name
                 launched[self.name] = dict(zip(self.params, args)) | kwargs
 
@@ -158,6 +158,11 @@ def test_gluon_launchers_pass_what_the_kernels_take(monkeypatch):
     ordered = launched["dq_writer"]
     assert ordered["ORDERED"] and ordered["SHORTEST_FIRST"] is False
     assert ordered["COUNTERS"] is counters and ordered["RANKS"] is ranks and ordered["query_blocks"] == 5
+    assert "HEADS_SECTION" not in ordered  # one head after the other keeps its compile key
+    gluon_launch.run_bwd_dq_writer(q, k, v, q.clone(), rows, rows, (torch.empty_like(k), torch.empty_like(v)), dq_sum,
+                                   one_mask, *mask, 1.0, 1.0, writer_t, order=(counters, ranks, 5),
+                                   shortest_first=False, head_section=4)
+    assert launched["dq_writer"]["HEADS_SECTION"] == 4 and launched["dq_writer"]["ORDERED"]
     for run, tile in ((gluon_launch.run_dq, dq_t), (gluon_launch.run_dkdv, dkdv_t)):  # only the forward has turns
         launched.clear()
         outputs = torch.empty_like(q) if run is gluon_launch.run_dq else (torch.empty_like(k), torch.empty_like(v))
