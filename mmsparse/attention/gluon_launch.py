@@ -4,6 +4,7 @@ decides whether it is used."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -130,15 +131,24 @@ def run_bwd_dq_writer(
     ``head_section``: the programs take each key block for this many consecutive (batch, KV head)s in turn (with
     ``order``, whose ranks must be made for groups of that many times fewer rows: ``KernelConfig``'s
     ``ordered_head_section``). ``bound``: as :func:`run_dq`'s."""
-    name = "bwd_dq_writer" if order is None else f"bwd_dq_writer-ordered-{shortest_first}-{head_section}"
-    flags = {} if order is None else dict(ORDERED=True, SHORTEST_FIRST=shortest_first)
-    if head_section > 1:  # the default launch keeps its constexprs (and compiled kernel) as they were
-        flags["HEADS_SECTION"] = head_section
+    name, flags = _writer_flags(order is not None, shortest_first, head_section)
     s = _setup_of(bound, name, lambda: _key_setup(q, k, tile, DQ_WRITER_BLOCK_N, WG_KEYS.value, "one-pass", mode,
                                                   causal, has_window, True, **flags))
     tail = (delta, delta, 0) if order is None else order  # unread without ORDERED: delta stands in
     _launch_by_key(_DQ_WRITER, name, s, (q, k, v, do, *dk_dv), (lse, delta, dq_sum), mask, qk_scale_log2,
                    softmax_scale, bound, tail)
+
+
+@functools.cache
+def _writer_flags(ordered: bool, shortest_first: bool, head_section: int) -> tuple[str, dict[str, Any]]:
+    """(the launch's name in ``bound``, the dQ-writer kernel's own constexprs): its order and launch direction,
+    and its sections of heads, each left off where unused, so that the default launch keeps its constexprs (and
+    compiled kernel); the name holds them all (one relaunch and setup per set). Made once per set: a call reads
+    them (the dict is only unpacked, never changed)."""
+    flags: dict[str, Any] = dict(ORDERED=True, SHORTEST_FIRST=shortest_first) if ordered else {}
+    if head_section > 1:
+        flags["HEADS_SECTION"] = head_section
+    return "bwd_dq_writer" + "".join(f"-{key}={value}" for key, value in flags.items()), flags
 
 
 class _Setup(NamedTuple):
