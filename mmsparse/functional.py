@@ -109,8 +109,9 @@ def mbs_attention(
         window: a sliding window: a key is kept only when its position is past the query's minus ``window``
             (None: no window).
         deterministic: the backward. True: bitwise repeatable: two passes (dK/dV, then dQ), or where the one
-            pass below runs, over packs of samples of at most ``ordered_samples`` tokens on average (1,024), that
-            pass with its dQ adds in a fixed order (``KernelConfig.ordered_dq_writer``: everywhere). False: allows one
+            pass below runs, over packs of samples of at most ``ordered_samples`` tokens on average (1,024) and over
+            bit masks without the causal flag from ``short_keys`` keys (2,048), that pass with its dQ adds in a
+            fixed order (``KernelConfig.ordered_dq_writer``: everywhere). False: allows one
             pass that adds dQ into a float32 ``[B, Hq, Sq, D]`` buffer by atomic adds (5 matmuls per tile pair
             instead of 7; dQ's last bits vary from run to run), run where it was measured faster: at every length
             at head dims 40-128 on Hopper in half precision without dropout (the dQ-writer kernel,

@@ -60,8 +60,8 @@ SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False, "dq-writer-ord
 # "two-pass-m<M>-s<N>" the two passes with the dK/dV pass's tile so changed.
 WRITER_SIDES = ("dq-writer", "dq-writer-ordered")  # "-ordered": deterministic, its adds in order
 _SIDE_TILE = re.compile(r"(dq-writer|two-pass)(?:-m(\d+))?(?:-s(\d+))?")
-# "dq-writer-ordered-h<K>": the ordered writer's programs taking each key block for K (batch, KV head)s in turn
-# (KernelConfig.ordered_head_section)
+# "dq-writer-ordered-h<K>": the ordered writer's programs taking each key block in turn for the (batch, KV head)s of
+# K query heads (KernelConfig.ordered_head_section; "dq-writer-ordered": the config's)
 _SIDE_SECTION = re.compile(r"dq-writer-ordered-h(\d+)")
 
 
@@ -74,11 +74,11 @@ def side_kind(side: str) -> str:
     return found.group(1) if found else side
 
 
-def side_head_section(side: str) -> int:
-    """The (batch, KV head)s a "dq-writer-ordered-h<K>" side's programs take each key block for (1: the config's
-    default)."""
+def side_head_section(side: str) -> int | None:
+    """The query heads whose (batch, KV head)s a "dq-writer-ordered-h<K>" side's programs take each key block for
+    (None: the config's)."""
     found = _SIDE_SECTION.fullmatch(side)
-    return int(found.group(1)) if found else 1
+    return int(found.group(1)) if found else None
 
 
 def side_stages(side: str) -> int | None:
@@ -104,15 +104,15 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     table's tiles: ``cuda_kernel_config(..., gluon_dq_writer=True)``, or the side's query rows and stages at every
     length where it names them); for the two passes the device's config (with the side's dK/dV query rows and
     stages where it names them) without the ordered dQ writer, which is deterministic=True's default over packs of
-    short samples; the one-pass side the device's config without the dQ writer (the one pass it runs then: the tl
-    one)."""
+    short samples and masks it launches longest list first; the one-pass side the device's config without the dQ
+    writer (the one pass it runs then: the tl one)."""
     device_config = kernel_config(cfg.head_dim, dtype, device)
     if gluon_dkdv_side(side):  # the Gluon dK/dV kernel at the side's tile
         dkdv = _side_tile(cuda_kernel_config(cfg.head_dim, dtype).bwd_dkdv, "dkdv", side, cfg.head_dim, dtype)
-        return replace(device_config, bwd_dkdv=dkdv, ordered_samples=0)
+        return replace(device_config, bwd_dkdv=dkdv, ordered_samples=0, ordered_max_keys=0)
     if side_kind(side) not in WRITER_SIDES:
         if SIDES[side_kind(side)]:
-            return replace(device_config, ordered_samples=0)
+            return replace(device_config, ordered_samples=0, ordered_max_keys=0)
         return replace(device_config, gluon_dq_writer=None)
     writer = cuda_kernel_config(cfg.head_dim, dtype, gluon_dq_writer=True).gluon_dq_writer
     if writer is None:
@@ -121,9 +121,10 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
         writer = _side_tile(writer, "dq_writer", side, cfg.head_dim, dtype)
         # the side's tile at every length (the table's longer-call tile would take over there)
         return replace(device_config, gluon_dq_writer=writer, gluon_dq_writer_long=None)
+    section = side_head_section(side)
     return replace(device_config, gluon_dq_writer=writer,
                    ordered_dq_writer=side_kind(side) == "dq-writer-ordered",
-                   ordered_head_section=side_head_section(side))
+                   ordered_head_section=device_config.ordered_head_section if section is None else section)
 
 
 def _side_tile(tile: Tile, kind: str, side: str, head_dim: int, dtype: torch.dtype) -> Tile:
@@ -271,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = tuple(dict.fromkeys(n for n in args.sides.split(",") if n))
     if len(sides) < 2 or any(side_kind(side) not in SIDES for side in sides):
         ap.error(f"--sides takes two or more of {', '.join(SIDES)} (or dq-writer-m<M>-s<N>, two-pass-m<M>-s<N>: at M "
-                 f"query rows and N stages; dq-writer-ordered-h<K>: sections of K heads), the baseline first; got "
-                 f"{args.sides!r}")
+                 f"query rows and N stages; dq-writer-ordered-h<K>: sections of K query heads), the baseline "
+                 f"first; got {args.sides!r}")
     if args.head_dim is not None and args.head_dim < 1:
         ap.error(f"--head-dim takes a positive head dim; got {args.head_dim}")
     if not cuda and any(side_kind(side) in WRITER_SIDES or gluon_dkdv_side(side) for side in sides):

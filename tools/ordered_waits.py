@@ -15,8 +15,10 @@ of 1, 2 and 4 heads on mm13k_cyclic, and 0.863, 0.956 and 0.988 on mm13k_hub_d64
 0.961, 1.009 and 0.882, 0.922, 0.955 (each against the two passes of its own process, over the unordered writer's
 ratio: ``benchmarks/results/h200/ordered_head_sections.md``): the order of the schemes, not their figures.
 
-Sections are modelled in either launch direction; the backward takes them only where its programs launch longest
-list first (``attention/backward.py``): shortest first, the model gave 0.52-0.86x on causal masks.
+A section here counts (batch, KV head)s (``KernelConfig.ordered_head_section`` counts query heads: the backward takes
+that over the GQA group). Sections are modelled in either launch direction; the backward takes them only where its
+programs launch longest list first (``attention/backward.py``): shortest first, the model gave 0.52-0.86x on causal
+masks.
 
     python -m tools.ordered_waits --configs mm13k_cyclic,mm13k_hub_d64 --sections 1,2,4
     python -m tools.ordered_waits --configs seed --sections 1,2 --sms 8       # small, as the tests run it
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub,mm13k_hub_d64",
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
-    ap.add_argument("--sections", default="1,2,4", help="comma-separated heads a section (ordered_head_section)")
+    ap.add_argument("--sections", default="1,2,4",
+                    help="comma-separated (batch, KV head)s a section (the backward's: ordered_head_section query "
+                         "heads over the GQA group)")
     ap.add_argument("--sms", type=int, default=132, help="programs running at once (an H200's multiprocessors)")
     ap.add_argument("--step-us", type=float, default=Timing.step_us, help="a step's matmuls, µs")
     ap.add_argument("--add-us", type=float, default=Timing.add_us, help="an add's issue to its count, µs")

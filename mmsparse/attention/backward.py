@@ -80,10 +80,12 @@ class BackwardLaunch:
         self.ordered = plan.dkdv.ordered
         self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
         self.shortest_first = adds_shortest_first(self.mode, self.causal)  # its launch direction
-        # its programs taking each key block for this many (batch, KV head)s in turn, where launched longest first:
-        # shortest first, a list starts at its own queries and the key block that reaches a query block first must
-        # also start first, which sections would undo (tools.ordered_waits models them 0.52-0.86x on causal masks)
-        self.head_section = 1 if self.shortest_first else plan.dkdv.head_section
+        group = num_heads // num_kv_heads
+        # its programs taking each key block for this many (batch, KV head)s in turn (those of the plan's query heads
+        # a section), where launched longest first: shortest first, a list starts at its own queries and the key
+        # block that reaches a query block first must also start first, which sections would undo
+        # (tools.ordered_waits models them 0.52-0.86x on causal masks)
+        self.head_section = 1 if self.shortest_first else max(1, plan.dkdv.head_section // group)
         # the rows of one (batch, KV head) whose programs run at once (a program a multiprocessor: each takes most
         # of one's shared memory), shared with the section's other heads
         self.resident = max(1, sm_count(q.device) // self.head_section) if self.ordered else 1
@@ -95,7 +97,6 @@ class BackwardLaunch:
         flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MASK_MODE=self.mode, IS_CAUSAL=self.causal,
                      HAS_WINDOW=self.has_window, HAS_DROPOUT=dropout_p > 0.0, DOT_MODE=dot_mode(q),
                      USE_TMA=self.use_tma)
-        group = num_heads // num_kv_heads
         # The tl dQ pass computes delta itself where it runs before the dK/dV pass on one stream: no side stream,
         # no context-parallel exchange (whose dK/dV pass goes first: see __call__)
         self.dq_owns_delta = plan.dq is not None and not plan.dq.gluon and not plan.side_stream

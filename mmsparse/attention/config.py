@@ -24,7 +24,7 @@ TURN_SCHEMES = ("mbarrier", "named_release")  # Tile.turns
 EVERY_LENGTH = 1 << 62  # a key-count threshold no call reaches: the path runs at every length
 # The KernelConfig fields that switch a path, which use_tuning sets on every call's config.
 THRESHOLDS = ("decode_max_q", "short_keys", "short_samples", "compact_bytes", "one_pass_max_keys", "dq_writer_max_keys",
-              "ordered_samples")
+              "ordered_samples", "ordered_max_keys")
 
 
 @dataclass(frozen=True)
@@ -104,20 +104,26 @@ class KernelConfig:
     # deterministic=True runs the dQ-writer kernel too (where it runs: gluon_dq_writer, no dropout, below
     # dq_writer_max_keys keys), its adds into each query block in a fixed order, each waiting for the one before
     # (mask.add_order), instead of the two passes: over packs of samples of at most ordered_samples tokens on
-    # average, or everywhere with ordered_dq_writer. It beat the two passes on packs of 128 and 1,024 tokens a
-    # sample (1.03-1.42x) and lost at 2,048 (0.90x at D=128, 0.99x at D=64) and 4,096 (0.85-0.92x), lost on the
-    # cyclic and transfusion masks and tied on the hub masks (docs/performance.md, "Backward"); it holds dQ as a
-    # float32 sum (1.8x the two passes' peak memory on a pack).
+    # average; over masks whose programs it launches longest list first (a bit mask without the causal flag, not a
+    # pack) from short_keys keys and below ordered_max_keys (0: never); everywhere with ordered_dq_writer. Over packs
+    # it beat the two passes on samples of 128 and 1,024 tokens (1.03-1.42x) and lost at 2,048 (0.90x at D=128,
+    # 0.99x at D=64) and 4,096 (0.85-0.92x). Launched longest first, in sections of ordered_head_section query
+    # heads, it ran 0.99-1.12x the two passes on five masks of 13k-43k tokens at D=128 and D=64
+    # (benchmarks/results/h200/ordered_longest_first.md); launched shortest first (the causal flag, segment codes)
+    # it lost on the cyclic and transfusion masks (docs/performance.md, "Backward"). It holds dQ as a float32 sum
+    # (1.5x the two passes' peak memory at D=128, as deterministic=False does).
     ordered_samples: int = 1024
+    ordered_max_keys: int = EVERY_LENGTH
     ordered_dq_writer: bool = False
-    # Where its programs launch longest list first (a bit mask without the causal flag: mask.add_order), the
-    # ordered dQ writer's programs take each key block for this many consecutive (batch, KV head)s in turn instead
-    # of a (batch, KV head)'s key blocks one after the other, and rank their adds in groups of as many rows fewer:
-    # the key blocks of one head that reach a query block at the same step then run on fewer multiprocessors at
-    # once, and wait in shorter chains. 1 (the default): one head after the other. Up to MAX_ORDERED_HEAD_SECTION.
-    # On an H200, 4 ran the ordered writer 1.03x the two passes on mm13k_cyclic (0.91x at 1) and 1.11x on
-    # mm13k_hub_d64 (1.02x at 1) (docs/performance.md, "Backward").
-    ordered_head_section: int = 1
+    # Where its programs launch longest list first, the ordered dQ writer's programs take each key block in turn
+    # for a section of consecutive (batch, KV head)s, as many as hold this many query heads (this over the GQA
+    # group, at least 1), instead of a (batch, KV head)'s key blocks one after the other, and rank their adds in
+    # groups of as many rows fewer: the key blocks of one head that reach a query block at the same step then run
+    # on fewer multiprocessors at once, and wait in shorter chains. 1: one head after the other; up to
+    # MAX_ORDERED_HEAD_SECTION. On an H200 sections of 4 ran the ordered writer 0.95-1.12x the two passes without
+    # GQA, where one head after the other ran 0.80-1.05x; with GQA groups of 4, one KV head a section ran
+    # 1.03-1.07x and four 0.96-1.06x (benchmarks/results/h200/ordered_longest_first.md).
+    ordered_head_section: int = 4
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:
@@ -208,17 +214,23 @@ class KernelConfig:
         return seq_k < self.one_pass_max_keys
 
     def runs_one_pass(self, seq_k: int, deterministic: bool, dropout: bool = False,
-                      sample_len: int | None = None) -> bool:
+                      sample_len: int | None = None, longest_first: bool = False) -> bool:
         """The backward over ``seq_k`` keys (of samples of ``sample_len`` tokens on average in a pack; None: not
         a pack) runs in one pass (dQ added, not owned): where ``deterministic`` is False, below
         ``dq_writer_max_keys`` keys where the one pass is the dQ-writer kernel, else below ``one_pass_max_keys``;
         where it is True, only the dQ-writer kernel with ordered adds, below ``dq_writer_max_keys``, over packs of
-        samples of at most ``ordered_samples`` tokens or, with ``ordered_dq_writer``, any call."""
+        samples of at most ``ordered_samples`` tokens, over a mask whose programs it launches ``longest_first``
+        (``mask.add_order.adds_shortest_first``; not a pack) from ``short_keys`` keys and below
+        ``ordered_max_keys``, or, with ``ordered_dq_writer``, any call."""
         if deterministic:
             # the pack's length last: a traced graph guards on each comparison it makes
             if not (self.one_pass_runs_dq_writer(dropout) and seq_k < self.dq_writer_max_keys):
                 return False
-            return self.ordered_dq_writer or (sample_len is not None and sample_len <= self.ordered_samples)
+            if self.ordered_dq_writer:
+                return True
+            if sample_len is None:
+                return longest_first and not self.few_keys(seq_k) and seq_k < self.ordered_max_keys
+            return sample_len <= self.ordered_samples
         if self.one_pass_runs_dq_writer(dropout):
             return seq_k < self.dq_writer_max_keys
         return self.one_pass(seq_k)
@@ -258,7 +270,7 @@ _GLUON_ROWS = {"fwd": "block_m", "fwd_short": "block_m", "fwd_short_samples": "b
 _GLUON_BLOCKS = {"bwd_dkdv": (GLUON_BLOCK, GLUON_D256_DKDV_BLOCK)}
 _THRESHOLD_UNITS = {"decode_max_q": "queries", "short_keys": "keys", "short_samples": "tokens per sample",
                     "compact_bytes": "bytes", "one_pass_max_keys": "keys", "dq_writer_max_keys": "keys",
-                    "ordered_samples": "tokens per sample"}
+                    "ordered_samples": "tokens per sample", "ordered_max_keys": "keys"}
 
 
 def _check_int(label: str, value: object) -> int:
@@ -268,16 +280,16 @@ def _check_int(label: str, value: object) -> int:
     return value
 
 
-# Consecutive (batch, KV head)s whose programs the ordered dQ writer interleaves at most: each program holds a
-# multiprocessor, and each group of ranks holds the programs an H100 or H200 runs at once divided by this many rows.
+# The query heads whose programs the ordered dQ writer interleaves at most: each program holds a multiprocessor, and
+# each group of ranks holds the programs an H100 or H200 runs at once divided by the section's KV heads.
 MAX_ORDERED_HEAD_SECTION = 16
 
 
 def _check_head_section(value: object) -> None:
     _check_int("KernelConfig.ordered_head_section", value)
     if not 1 <= value <= MAX_ORDERED_HEAD_SECTION:
-        raise ValueError(f"KernelConfig.ordered_head_section is the (batch, KV head)s whose programs the ordered dQ "
-                         f"writer takes key block by key block, from 1 (one head after the other) to "
+        raise ValueError(f"KernelConfig.ordered_head_section is the query heads whose (batch, KV head)s' programs the "
+                         f"ordered dQ writer takes key block by key block, from 1 (one head after the other) to "
                          f"{MAX_ORDERED_HEAD_SECTION}; got {value}")
 
 
@@ -471,6 +483,14 @@ def intern_settings(settings: Settings) -> Settings:
         if known is None:
             known = _interned[settings] = replace(settings, text=_settings_json(settings))
         return known
+
+
+def with_threshold(settings: Settings, name: str, value: int) -> Settings:
+    """The interned ``settings`` with the threshold ``name`` (of ``THRESHOLDS``) set to ``value``, over any value
+    they held for it."""
+    check_threshold(name, name, value)
+    thresholds = tuple(pair for pair in settings.thresholds if pair[0] != name) + ((name, value),)
+    return intern_settings(replace(settings, thresholds=thresholds))
 
 
 @functools.lru_cache(maxsize=256)

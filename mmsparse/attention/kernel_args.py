@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..kernels.constants import MASK_DENSE, MASK_SEGMENTS
+from ..mask.add_order import adds_shortest_first
 from ..mask.bit_lists import kernel_window
 from ..mask.info import MaskInfo, TileKey
 from ..runtime.recent import RecentlyUsed
@@ -117,17 +118,19 @@ _CPU = torch.device("cpu")  # plans' lists do not depend on the device; its SM c
 
 def list_tiles(config: KernelConfig, seq_q: int, seq_k: int, sample_len: int | None = None,
                deterministic: bool = True, dropout: bool = False,
-               device: torch.device = _CPU) -> list[TileKey]:
+               device: torch.device = _CPU, longest_first: bool = False) -> list[TileKey]:
     """The (block_m, block_n, by_key) lists the kernels of a config read for seq_q queries over seq_k keys (in
-    packs of samples of ``sample_len`` tokens on average, if given), with or without dropout: those of the call's
-    plan (:func:`mmsparse.attention.plan.plan_attention`), whose lists do not depend on the batch or the heads."""
-    plan = plan_attention(config, 1, 1, 1, seq_q, seq_k, device, sample_len, dropout, deterministic=deterministic)
+    packs of samples of ``sample_len`` tokens on average, if given), with or without dropout, over a mask whose
+    programs the ordered dQ writer launches ``longest_first`` or not: those of the call's plan
+    (:func:`mmsparse.attention.plan.plan_attention`), whose lists do not depend on the batch or the heads."""
+    plan = plan_attention(config, 1, 1, 1, seq_q, seq_k, device, sample_len, dropout, deterministic=deterministic,
+                          longest_first=longest_first)
     return plan.list_tiles()
 
 
 def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True, dropout: bool = False) -> MaskInfo:
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; where the backward runs in one
     pass the one-pass backward's instead of the last two), e.g. before timing or CUDA-graph capture."""
-    plan = plan_attention(config, 1, 1, 1, info.seq_q, info.seq_k, info.device, info.sample_len, dropout,
-                          deterministic=deterministic)
-    return info.prepare(plan.list_tiles(), config.compact_bytes)
+    tiles = list_tiles(config, info.seq_q, info.seq_k, info.sample_len, deterministic, dropout, info.device,
+                       not adds_shortest_first(info.mode, info.causal))
+    return info.prepare(tiles, config.compact_bytes)

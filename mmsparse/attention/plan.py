@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..mask.add_order import adds_shortest_first
 from ..mask.blocks import cdiv
 from ..mask.info import TileKey
 from ..runtime.traced import assume_constant_result
@@ -45,8 +46,9 @@ class BackwardPass:
     warp-specialised Gluon kernel with a dQ writer warp (``kernels/gluon/bwd_dq_writer.py``,
     ``KernelConfig.gluon_dq_writer``), the one pass's only Gluon kernel; else it is the tl kernel, adding by atomics.
     ``ordered``: its adds into each query block land in a fixed order (deterministic:
-    ``KernelConfig.ordered_dq_writer``), its programs taking each key block for ``head_section`` (batch, KV head)s
-    in turn (``KernelConfig.ordered_head_section``; 1 where not ordered)."""
+    ``KernelConfig.ordered_dq_writer``), its programs taking each key block in turn for the (batch, KV head)s of
+    ``head_section`` query heads where launched longest first (``KernelConfig.ordered_head_section``; 1 where not
+    ordered)."""
 
     tile: Tile
     gluon: bool
@@ -108,7 +110,7 @@ class AttentionPlan:
 def plan_attention(
     config: KernelConfig, batch: int, num_heads: int, num_kv_heads: int, seq_q: int, seq_k: int,
     device: torch.device, sample_len: int | None = None, dropout: bool = False, sms: int | None = None,
-    deterministic: bool = True,
+    deterministic: bool = True, longest_first: bool = False,
 ) -> AttentionPlan:
     """The plan of a call with q ``[batch, num_heads, seq_q, D]`` over k/v ``[batch, num_kv_heads, seq_k, D]`` on
     ``device``, with the tiles of ``config`` (:func:`mmsparse.attention.config.kernel_config` of D, dtype and device).
@@ -127,7 +129,10 @@ def plan_attention(
             every config measured.
             True: the two passes (bitwise repeatable), or the dQ-writer kernel with its adds in order (bitwise
             repeatable too) where it runs, over packs of samples of at most ``config.ordered_samples`` tokens on
-            average or, with ``config.ordered_dq_writer``, any call.
+            average, over a mask whose programs it launches longest list first from ``config.short_keys`` keys and
+            below ``config.ordered_max_keys`` or, with ``config.ordered_dq_writer``, any call.
+        longest_first: the ordered dQ writer launches this mask's programs longest list first (a bit mask without
+            the causal flag: :func:`mmsparse.mask.add_order.adds_shortest_first`); False where unknown.
 
     Returns:
         :class:`AttentionPlan`. Kept per arguments: a small call is bound by host work.
@@ -135,16 +140,17 @@ def plan_attention(
     tile = config.forward_tile(seq_q, seq_k, sample_len)
     forward = forward_pass(tile, config.decode_max_q, batch, num_heads, num_kv_heads, seq_q, seq_k, device, dropout,
                            sms)
-    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len)
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len, longest_first)
     return AttentionPlan(forward=forward, dq=dq, dkdv=dkdv, side_stream=side_stream)
 
 
 def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, dropout: bool, deterministic: bool,
-                    sample_len: int | None = None) -> tuple[BackwardPass | None, BackwardPass, bool]:
+                    sample_len: int | None = None,
+                    longest_first: bool = False) -> tuple[BackwardPass | None, BackwardPass, bool]:
     """(dQ pass or None for the one pass, dK/dV pass, side stream) of :func:`plan_attention`: they depend on the
     key count and the samples' length only through the config's thresholds, so a traced call decides them once for
     every length on the same side of those (:func:`plan_call`)."""
-    if config.runs_one_pass(seq_k, deterministic, dropout, sample_len):
+    if config.runs_one_pass(seq_k, deterministic, dropout, sample_len, longest_first):
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
                                 config.one_pass_runs_dq_writer(dropout), True, one_pass=True,
                                 dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic,
@@ -265,7 +271,8 @@ def plan_call(config: KernelConfig, seq_q: int, seq_k: int, device: torch.device
               num_segments: int) -> CallPlan:
     """The :class:`CallPlan` of a call (the lengths may be a traced graph's symbols: they are only compared with
     the config's thresholds, which the graph then guards on)."""
-    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len)
+    dq, dkdv, side_stream = backward_passes(config, seq_k, device, dropout, deterministic, sample_len,
+                                            not adds_shortest_first(mode, causal))
     return CallPlan(forward=config.forward_tile(seq_q, seq_k, sample_len), dq=dq, dkdv=dkdv,
                     side_stream=side_stream, mode=mode, causal=causal, window=window, num_segments=num_segments,
                     dropout=dropout, use_tma=config.use_tma,

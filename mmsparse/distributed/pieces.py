@@ -27,7 +27,7 @@ import torch
 
 from ..attention.backward import ExchangeHooks
 from ..attention.call import CallLaunch
-from ..attention.config import Settings, current_settings
+from ..attention.config import Settings, current_settings, with_threshold
 from ..attention.custom_ops import TracedCall, attention_backward, attention_forward
 from ..attention.forward import combine_partials
 from ..mask.info import BitMask, CodeMask
@@ -105,11 +105,17 @@ def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
 @dataclass
 class PiecesCall:
     """What one call's pieces carry from its forward to its backward, by value: the settings the forward read (so
-    the backward runs with them on whichever thread and whenever it runs) and each piece's launches, which the
-    backward reuses instead of planning again."""
+    the backward runs with them on whichever thread and whenever it runs; the ordered dQ writer's longest-first
+    default off) and each piece's launches, which the backward reuses instead of planning again."""
 
     settings: Settings = field(default_factory=current_settings)
     launches: dict[int, CallLaunch | TracedCall] = field(default_factory=dict)  # by id of the piece
+
+    def __post_init__(self) -> None:
+        # The pieces' backward is the two passes, also over masks where a call alone runs the ordered dQ writer
+        # (KernelConfig.ordered_max_keys): its one pass would end the dK/dV pass's taking of keys as they land and
+        # the return of dK/dV beside the dQ pass
+        self.settings = with_threshold(self.settings, "ordered_max_keys", 0)
 
 
 def piece_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece, scale: float,

@@ -73,3 +73,24 @@ def test_pieces_run_their_backward_with_the_forwards_settings(monkeypatch, devic
     for t, g in zip((qd, kd, vd), (dq, dk, dv)):
         t.grad = g
     check_outputs(qd, kd, vd, out, do, reference_mask(TOPOLOGY, LENS, seq))
+
+
+def test_pieces_keep_the_two_passes_where_a_call_alone_runs_the_ordered_writer():
+    """A context-parallel call's pieces plan the two passes over a mask whose ordered dQ writer would launch
+    longest list first (where a call alone runs that writer by default: its one pass would end the landing of keys
+    and the return of dK/dV beside the dQ pass), with the thread's other settings kept."""
+    from mmsparse.attention.config import kernel_config
+    from mmsparse.attention.plan import plan_attention
+    from tests.helpers import writer_config
+
+    cpu = torch.device("cpu")
+    with use_tuning(writer_config(128), short_samples=1000):
+        alone, call = kernel_config(128, torch.bfloat16, cpu), PiecesCall()
+    pieces = kernel_config(128, torch.bfloat16, cpu, call.settings)
+    assert alone.ordered_max_keys > 0 and pieces.ordered_max_keys == 0
+    assert pieces.short_samples == 1000 and pieces.bwd_dkdv == alone.bwd_dkdv
+
+    def plan(config):
+        return plan_attention(config, 1, 4, 2, 8192, 8192, cpu, deterministic=True, longest_first=True)
+
+    assert plan(alone).dkdv.ordered and plan(pieces).dq is not None and not plan(pieces).dkdv.one_pass

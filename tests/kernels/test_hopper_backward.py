@@ -38,9 +38,11 @@ def gluon_calls(monkeypatch):
 
 def _with_gluon_backward(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     """The shipped Gluon tiles of the head dim, at every key length (by default D=64 runs the tl dQ tile over
-    short key lists: see config._GLUON_DQ)."""
+    short key lists: see config._GLUON_DQ), as two passes also where the ordered dQ writer would run instead (bit
+    masks without the causal flag: tests/kernels/test_hopper_ordered_writer.py)."""
     cfg, pad = kernel_config(head_dim, dtype, torch.device("cuda")), head_dim_pad(head_dim)
-    return replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad])
+    return replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad],
+                   ordered_max_keys=0)
 
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon

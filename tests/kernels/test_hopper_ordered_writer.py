@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mmsparse import mbs_attention, mbs_attention_varlen, reference_mask
+from mmsparse.attention.config import EVERY_LENGTH, kernel_config
 from mmsparse.attention.plan import call_plan_from_text, plan_attention, plan_call
 from mmsparse.kernels.constants import MASK_BITS
 from mmsparse.tuning import use_tuning
@@ -99,22 +100,80 @@ def test_the_head_section_goes_to_the_ordered_plan_and_its_text():
 
 
 def test_the_backward_ranks_a_section_in_groups_of_its_share_of_the_gpu(monkeypatch):
-    """The ranks' groups hold the programs a GPU runs at once divided by the heads a section (the section's heads'
-    groups of the same rows are then as many programs as the GPU holds: ``mask.add_order``); one head a section,
-    the GPU's whole count, as before."""
+    """A section holds ``ordered_head_section`` query heads: that over the GQA group (at least one) (batch, KV
+    head)s, whose programs take each key block in turn; the ranks' groups hold the programs a GPU runs at once
+    divided by those (the section's heads' groups of the same rows are then as many programs as the GPU holds:
+    ``mask.add_order``); one head a section, the GPU's whole count, as before."""
     from mmsparse.attention import backward
 
     monkeypatch.setattr(backward, "sm_count", lambda device: 132)
-    q, k = torch.zeros(1, 4, 4096, 128), torch.zeros(1, 2, 4096, 128)
-    for section, resident in ((1, 132), (4, 33), (16, 8)):
+    # (query heads, KV heads, query heads a section, KV heads a section, programs a group of ranks)
+    cases = ((4, 2, 1, 1, 132), (4, 2, 4, 2, 66), (4, 2, 16, 8, 16), (4, 4, 4, 4, 33), (16, 16, 16, 16, 8),
+             (16, 4, 4, 1, 132), (16, 2, 4, 1, 132), (16, 2, 16, 2, 66))
+    for heads, kv_heads, section, kv_section, resident in cases:
+        q, k = torch.zeros(1, heads, 4096, 128), torch.zeros(1, kv_heads, 4096, 128)
         config = dataclasses.replace(ordered_config(128), ordered_head_section=section)
         call = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, False, None, 3)
         launch = backward.BackwardLaunch(q, k, call, call, 0.125, 0.0)
-        assert launch.ordered and launch.head_section == section and launch.resident == resident
+        assert launch.ordered and (launch.head_section, launch.resident) == (kv_section, resident), (heads, section)
         # launched shortest first (the causal flag): one head after the other, whatever the config says
         causal = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, True, None, 3)
         launch = backward.BackwardLaunch(q, k, causal, causal, 0.125, 0.0)
         assert launch.shortest_first and launch.head_section == 1 and launch.resident == 132
+
+
+def _bits_mask(lengths, causal=False):
+    from mmsparse.mask.build import build_mask_info
+
+    return build_mask_info(CYCLIC, lengths, sum(lengths), sum(lengths), causal, CPU)
+
+
+def test_deterministic_plans_the_ordered_writer_where_it_launches_longest_first():
+    """By default deterministic=True plans the ordered dQ writer, in sections of 4 query heads, over a mask whose
+    programs it launches longest list first (a bit mask without the causal flag) from ``short_keys`` keys below
+    ``ordered_max_keys`` (every length), in eager (the call's launch) and traced (``plan_call``) alike, and builds
+    its lists ahead (``prepare``); the two passes stay below ``short_keys`` keys, with the causal flag or segment
+    codes (launched shortest first), over a pack of longer samples, with dropout, and from ``ordered_max_keys`` (0:
+    never)."""
+    from mmsparse.attention.call import CallLaunch
+    from mmsparse.attention.kernel_args import prepare
+    from mmsparse.kernels.constants import MASK_SEGMENTS
+
+    config = writer_config(128)
+    assert config.ordered_max_keys == EVERY_LENGTH and not config.ordered_dq_writer and config.ordered_head_section == 4
+
+    def plan(cfg=config, seq=4096, longest_first=True, **kwargs):
+        return plan_attention(cfg, 1, 4, 2, seq, seq, CPU, deterministic=True, longest_first=longest_first,
+                              **kwargs)
+
+    assert plan().dq is None and plan().dkdv.ordered and plan().dkdv.head_section == 4
+    assert plan().kernels()["dkdv"] == "gluon-dq-writer-ordered"
+    assert plan(seq=config.short_keys).dkdv.ordered and plan(seq=config.short_keys - 1).dq is not None
+    assert plan(longest_first=False).dq is not None and plan(dropout=True).dq is not None
+    assert plan(sample_len=2048).dq is not None  # a pack: its own threshold (ordered_samples)
+    capped = dataclasses.replace(config, ordered_max_keys=8192)
+    assert plan(capped, seq=8191).dkdv.ordered and plan(capped, seq=8192).dq is not None
+    assert plan(dataclasses.replace(config, ordered_max_keys=0)).dq is not None
+    with use_tuning(ordered_max_keys=0):  # a threshold of use_tuning's
+        assert kernel_config(128, torch.bfloat16, CPU).ordered_max_keys == 0
+    assert not plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=False).dkdv.ordered
+    traced = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, False, None, 3)
+    assert traced.dkdv.ordered and traced.dkdv.head_section == 4
+    for mode, causal in ((MASK_BITS, True), (MASK_SEGMENTS, False)):
+        assert plan_call(config, 4096, 4096, CPU, None, False, True, mode, causal, None, 3).dq is not None
+    info = _bits_mask((1000, 2000, 1096))
+    q = k = v = torch.zeros(1, 4, 4096, 128, dtype=torch.bfloat16)
+    launch = CallLaunch(q, k[:, :2], v[:, :2], info, config, 0.125, 0.0, None, True)
+    assert launch.plan.kernels()["dkdv"] == "gluon-dq-writer-ordered" and launch.call_plan.dkdv.ordered
+    causal = CallLaunch(q, k[:, :2], v[:, :2], _bits_mask((1000, 2000, 1096), causal=True), config, 0.125, 0.0,
+                        None, True)
+    assert causal.plan.dq is not None
+    # at D=64 the ordered writer's lists are a tile of their own (128 x 128 by key)
+    d64 = writer_config(64)
+    one_pass = plan_attention(d64, 1, 4, 2, 4096, 4096, CPU, deterministic=True, longest_first=True).dkdv.lists
+    assert one_pass not in plan_attention(d64, 1, 4, 2, 4096, 4096, CPU, deterministic=True).list_tiles()
+    assert prepare(_bits_mask((1001, 1999, 1096)), d64).lists_built(*one_pass) is not None
+    assert prepare(_bits_mask((1002, 1998, 1096), causal=True), d64).lists_built(*one_pass) is None
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (17, ValueError), (True, TypeError), (2.0, TypeError)])
@@ -299,9 +358,10 @@ gluon_launch.run_bwd_dq_writer = spy
 dev = torch.device("cuda")
 lens = (1500, 3000, 1700)
 seq = sum(lens)
-for head_dim, section, causal in ((128, 4, False), (128, 4, True), (64, 2, False), (128, 5, False)):
-    # 2 samples x 3 KV heads: sections of 4 leave a last one of 2, sections of 5 one of 1; 49 key blocks a head:
-    # 294 programs, more than an H200 holds at once
+for head_dim, section, causal in ((128, 8, False), (128, 8, True), (64, 4, False), (128, 10, False)):
+    # 2 samples x 3 KV heads in GQA groups of 2: sections of 8 query heads are 4 (batch, KV head)s and leave a last
+    # one of 2, sections of 10 are 5 and leave one of 1; 49 key blocks a head: 294 programs, more than an H200
+    # holds at once
     q, k, v = make_qkv(2, 6, 3, seq, seq, head_dim, torch.bfloat16, dev)
     grad_out = torch.randn(2, 6, seq, head_dim, device=dev, dtype=torch.bfloat16)
     config = dataclasses.replace(ordered_config(head_dim), ordered_head_section=section)
@@ -314,7 +374,7 @@ for head_dim, section, causal in ((128, 4, False), (128, 4, True), (64, 2, False
             out.backward(grad_out)
             runs.append([t.grad for t in leaves])
     # launched shortest first (the causal flag) the programs go one head after the other
-    assert launched == [(True, 1 if causal else section)] * 3, launched
+    assert launched == [(True, 1 if causal else section // 2)] * 3, launched
     for run in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
             assert torch.equal(first, again), (name, head_dim, section, causal)
@@ -328,9 +388,9 @@ print("ok")
 @pytest.mark.gpu
 def test_ordered_writer_in_head_sections():
     """``ordered_head_section``: the ordered writer's programs take each key block for 2, 4 or 5 (batch, KV head)s
-    in turn (the last section shorter) where launched longest list first, and one head after the other where the
-    causal flag launches them shortest first: it ends, repeats its bits over three backward passes and matches
-    float64."""
+    in turn (sections of 4, 8 or 10 query heads in GQA groups of 2; the last section shorter) where launched
+    longest list first, and one head after the other where the causal flag launches them shortest first: it ends,
+    repeats its bits over three backward passes and matches float64."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", _HEAD_SECTIONS], capture_output=True, text=True, env=env,
                             timeout=300, cwd=REPO)

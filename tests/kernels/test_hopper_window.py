@@ -52,9 +52,11 @@ def gluon_calls(monkeypatch):
 
 
 def _gluon_everywhere(head_dim: int, dtype: torch.dtype):
-    """The shipped Gluon tiles at every key length (short key ranges and D=64's dQ take tl tiles by default)."""
+    """The shipped Gluon tiles at every key length (short key ranges and D=64's dQ take tl tiles by default), as two
+    passes also where the ordered dQ writer would run instead (bit masks without the causal flag)."""
     cfg, pad = kernel_config(head_dim, dtype, torch.device("cuda")), head_dim_pad(head_dim)
-    cfg = replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad])
+    cfg = replace(cfg, bwd_dq=config._GLUON_DQ[pad], bwd_dq_short=None, bwd_dkdv=config._GLUON_DKDV[pad],
+                  ordered_max_keys=0)
     return use_tuning(cfg, short_keys=0)
 
 

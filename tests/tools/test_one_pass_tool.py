@@ -172,8 +172,10 @@ def test_the_two_pass_side_runs_two_passes_over_packs_of_short_samples(monkeypat
 
 
 def test_ordered_head_section_sides(monkeypatch):
-    """"dq-writer-ordered-h<K>" runs the ordered dQ writer with its programs taking each key block for K heads in
-    turn; K past the config's bound is refused with the reason."""
+    """"dq-writer-ordered-h<K>" runs the ordered dQ writer with its programs taking each key block for the KV
+    heads of K query heads in turn ("dq-writer-ordered": the config's sections, "-h1": one head after the other);
+    K past the config's bound is refused with the reason. The two passes stay two passes over a mask that
+    deterministic=True would otherwise run in the ordered writer (launched longest first)."""
     import torch
 
     from benchmarks.configs import ALL_CONFIGS
@@ -182,15 +184,18 @@ def test_ordered_head_section_sides(monkeypatch):
 
     monkeypatch.setattr(one_pass, "kernel_config", lambda head_dim, dtype, device: cuda_kernel_config(head_dim, dtype))
     assert one_pass.side_kind("dq-writer-ordered-h4") == "dq-writer-ordered"
-    assert one_pass.side_head_section("dq-writer-ordered-h4") == 4 and one_pass.side_head_section("dq-writer") == 1
+    assert one_pass.side_head_section("dq-writer-ordered-h4") == 4 and one_pass.side_head_section("dq-writer") is None
     assert one_pass.side_kind("dq-writer-h4") == "dq-writer-h4"  # the unordered writer has no sections: refused
     cfg = ALL_CONFIGS["mm13k_cyclic"]
-    config = one_pass.side_config(cfg, "dq-writer-ordered-h4", torch.device("cuda"), torch.bfloat16)
-    assert config.ordered_dq_writer and config.ordered_head_section == 4
-    plan = plan_attention(config, 1, cfg.heads_q, cfg.heads_kv, cfg.seq_k, cfg.seq_k, torch.device("cpu"),
-                          sms=132, deterministic=True)
-    assert plan.dkdv.ordered and plan.dkdv.head_section == 4
-    assert one_pass.side_config(cfg, "dq-writer-ordered", torch.device("cuda"),
-                                torch.bfloat16).ordered_head_section == 1
+
+    def plan(side):
+        config = one_pass.side_config(cfg, side, torch.device("cuda"), torch.bfloat16)
+        return plan_attention(config, 1, cfg.heads_q, cfg.heads_kv, cfg.seq_k, cfg.seq_k, torch.device("cpu"),
+                              sms=132, deterministic=True, longest_first=True)
+
+    assert plan("dq-writer-ordered-h8").dkdv.ordered and plan("dq-writer-ordered-h8").dkdv.head_section == 8
+    assert plan("dq-writer-ordered-h1").dkdv.head_section == 1
+    assert plan("dq-writer-ordered").dkdv.head_section == cuda_kernel_config(128, torch.bfloat16).ordered_head_section
+    assert plan("two-pass").dq is not None and plan("two-pass-s3").dq is not None
     with pytest.raises(ValueError, match="ordered_head_section"):
         one_pass.side_config(cfg, "dq-writer-ordered-h17", torch.device("cuda"), torch.bfloat16)
