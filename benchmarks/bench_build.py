@@ -25,7 +25,7 @@ import torch
 import mmsparse  # noqa: F401  (turns on Triton's interpreter without CUDA, before triton is imported)
 from mmsparse.attention.config import kernel_config
 from mmsparse.attention.kernel_args import list_tiles, prepare
-from mmsparse.mask.add_order import adds_shortest_first
+from mmsparse.mask.add_order import mask_adds_longest_first
 from mmsparse.mask.blocks import classify_blocks_from_bits, lists_from_classes
 from mmsparse.mask.build import build_mask_info
 
@@ -76,8 +76,7 @@ def build_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 def check_lists(info: Any, cfg: Any) -> bool:
     """The lists :func:`prepare` built for ``cfg`` against the pure-torch classification, row by row (counts and
     ids)."""
-    tiles = list_tiles(cfg, info.seq_q, info.seq_k, info.sample_len,
-                       longest_first=not adds_shortest_first(info.mode, info.causal))
+    tiles = list_tiles(cfg, info.seq_q, info.seq_k, info.sample_len, longest_first=mask_adds_longest_first(info))
     for bm, bn, by_key in dict.fromkeys(tiles):
         lists = info.built_lists(bm, bn, by_key)
         live, full = classify_blocks_from_bits(info.q_bits, info.k_bits, info.num_segments, bm, bn, info.causal,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mask.add_order import adds_shortest_first
+from ..mask.add_order import mask_adds_longest_first
 from ..mask.info import MaskInfo
 from ..runtime.recent import RecentlyUsed
 from .backward import BackwardLaunch, ExchangeHooks
@@ -51,7 +51,7 @@ class CallLaunch:
         self.cfg = cfg
         self.plan: AttentionPlan = plan_attention(cfg, batch, num_heads, k.shape[1], seq_q, info.seq_k, q.device,
                                                   info.sample_len, dropout_p > 0.0, deterministic=deterministic,
-                                                  longest_first=not adds_shortest_first(info.mode, info.causal))
+                                                  longest_first=mask_adds_longest_first(info))
         self.plan.check_head_dim(head_dim, q.element_size())
         self.call_plan = frozen_plan(self.plan, info, cfg, dropout_p > 0.0)
         self._scalars = (softmax_scale, dropout_p)

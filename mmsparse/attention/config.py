@@ -485,9 +485,10 @@ def intern_settings(settings: Settings) -> Settings:
         return known
 
 
+@functools.lru_cache(maxsize=64)
 def with_threshold(settings: Settings, name: str, value: int) -> Settings:
     """The interned ``settings`` with the threshold ``name`` (of ``THRESHOLDS``) set to ``value``, over any value
-    they held for it."""
+    they held for it. Kept per arguments: a context-parallel call asks each time."""
     check_threshold(name, name, value)
     thresholds = tuple(pair for pair in settings.thresholds if pair[0] != name) + ((name, value),)
     return intern_settings(replace(settings, thresholds=thresholds))

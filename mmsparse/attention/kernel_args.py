@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from ..kernels.constants import MASK_DENSE, MASK_SEGMENTS
-from ..mask.add_order import adds_shortest_first
+from ..mask.add_order import mask_adds_longest_first
 from ..mask.bit_lists import kernel_window
 from ..mask.info import MaskInfo, TileKey
 from ..runtime.recent import RecentlyUsed
@@ -132,5 +132,5 @@ def prepare(info: MaskInfo, config: KernelConfig, deterministic: bool = True, dr
     """Build the block lists of every kernel of ``config`` now (forward, dK/dV, dQ; where the backward runs in one
     pass the one-pass backward's instead of the last two), e.g. before timing or CUDA-graph capture."""
     tiles = list_tiles(config, info.seq_q, info.seq_k, info.sample_len, deterministic, dropout, info.device,
-                       not adds_shortest_first(info.mode, info.causal))
+                       mask_adds_longest_first(info))
     return info.prepare(tiles, config.compact_bytes)

@@ -42,6 +42,7 @@ from ..kernels.constants import MASK_BITS
 from ..runtime.launch import stream_key
 from ..runtime.streams import build_stream, on_build_stream
 from .blocks import BlockLists
+from .info import MaskInfo
 
 
 def adds_shortest_first(mode: int, causal: bool) -> bool:
@@ -49,6 +50,12 @@ def adds_shortest_first(mode: int, causal: bool) -> bool:
     without the causal flag (``mode`` a ``kernels.constants`` mask mode), where no key block's list starts at its own
     queries (a window only ends lists earlier). Segment codes mean causal pairs; a dense mask may hold anything."""
     return causal or mode != MASK_BITS
+
+
+def mask_adds_longest_first(info: MaskInfo) -> bool:
+    """Whether the ordered dQ writer launches ``info``'s programs longest list first (:func:`adds_shortest_first`):
+    what a call's plan is told of its mask (``plan_attention``'s ``longest_first``)."""
+    return not adds_shortest_first(info.mode, info.causal)
 
 
 def dq_add_ranks(lists: BlockLists, query_blocks: int, resident: int, shortest_first: bool = True) -> torch.Tensor:
