@@ -73,7 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, MASK_SEGMENTS
 from ..lists import WORDS_PER_ROW, block_id
 from ..rules import lse_in_scores
 from .common import (
@@ -93,8 +93,10 @@ from .common import (
 from .dkdv import WG_KEYS, key_block_producer
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
+from .key_runs import block_runs, key_values
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
+_MASK_SEGMENTS = gl.constexpr(MASK_SEGMENTS)
 BLOCK_N = 2 * WG_KEYS.value  # keys per CTA
 # Worker partitions: the second MMA warpgroup, the producer warp, the dQ writer warp.
 WORKER_WARPS = gl.constexpr([4, 1, 1])
@@ -113,9 +115,49 @@ _DS_FULL, _DS_READ = gl.constexpr(0), gl.constexpr(1)
 def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale,
                    sm_scale, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                    MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                   HEADS_INNER: gl.constexpr):
+                   HEADS_INNER: gl.constexpr, key_runs=None):
     """MMA warpgroup WG, keys col0 + 64 WG ..: dK and dV over every step, and its half of dQ's columns of each step
-    handed to the writer (the module's docstring has the order of a step)."""
+    handed to the writer (:func:`_mma_steps`); then dK and dV staged for the producer's stores. ``key_runs``: None,
+    or (segment codes) the key block's ``(key shifts, runs)`` (:func:`.key_runs.block_runs`): where its runs fit
+    the rows' words the steps read those, else the pair table, each in a loop of its own (``gluon.dkdv``'s
+    consumer says why)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
+    kv_bar, ready, empty, done = barriers
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
+    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
+    args = (buffers, barriers, dq_ring, n_full, n_total, mask_args, qk_scale, sm_scale, offs_n)
+    if key_runs is None:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, None, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _mma_steps(WG, args, k_bits, None, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                            HAS_WINDOW, HEADS_INNER)
+    elif key_runs[1] > 0:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, key_runs, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _mma_steps(WG, args, k_bits, key_runs, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                            HAS_WINDOW, HEADS_INNER)
+    else:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, None, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _mma_steps(WG, args, k_bits, None, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                            HAS_WINDOW, HEADS_INNER)
+    if GROUP * n_total > 0:
+        mbarrier.wait(ds_bars.index(_DS_READ), (GROUP * n_total - 1) & 1)  # the other warpgroup's last dQ read our K
+    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
+    k_smem.index(WG).store((dk * sm_scale).to(dtype))
+    v_smem.index(WG).store(dv.to(dtype))
+    fence_async_shared()
+    thread_barrier()  # every thread's stores and fence before the one arrival
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _mma_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+               BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               HAS_WINDOW: gl.constexpr, HEADS_INNER: gl.constexpr):
+    """:func:`_mma_warpgroup`'s steps (the module's docstring has the order of a step). ``k_bits`` and
+    ``key_runs``: the partial steps' mask (``common.scores_init``). Returns ``(dk, dv)`` with nothing in flight."""
+    buffers, barriers, dq_ring, n_full, n_total, mask_args, qk_scale, sm_scale, offs_n = args
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
@@ -127,13 +169,6 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     dtype: gl.constexpr = q_smem.dtype
     N: gl.constexpr = HEAD_DIM_PAD // 2  # dQ's columns a warpgroup computes
 
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
-    k_bits = offs_n  # a stand-in: only the bit and code masks read them
-    if MASK_MODE != _MASK_DENSE:
-        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
-    k_w = k_smem.index(WG)
-    v_w = v_smem.index(WG)
     stage_w = dq_stage.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -157,14 +192,14 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
         if BM > WG_ROWS:
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale,
                                   sm_scale, dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL,
-                                  HAS_WINDOW, LSE_FIRST)
+                                  HAS_WINDOW, LSE_FIRST, key_runs)
         else:
             first = key_step_zero(HEAD_DIM_PAD)  # past D=64 the tiles' descriptors are made in each step
             k_step = k_smem.index(WG + first)
             v_step = v_smem.index(WG + first)
             ds_step = ds_smem.index(WG + first)
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
-                                       mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                                       mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW, key_runs)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
             lse_s = lse_smem.index(stage)
@@ -197,14 +232,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
             mbarrier.arrive(dq_full.index(WG))
             dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
             mbarrier.arrive(empty.index(stage))
-    if total > 0:
-        mbarrier.wait(ds_bars.index(_DS_READ), (total - 1) & 1)  # the other warpgroup's last dQ has read our K
-    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
-    k_w.store((dk * sm_scale).to(dtype))
-    v_w.store(dv.to(dtype))
-    fence_async_shared()
-    thread_barrier()  # every thread's stores and fence before the one arrival
-    mbarrier.arrive(done)
+    return dk, dv
 
 
 @gluon.jit
@@ -226,7 +254,7 @@ def _entry_heads_inner(it, head, GROUP: gl.constexpr):
 def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale, sm_scale,
                  dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
                  MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                 LSE_FIRST: gl.constexpr):
+                 LSE_FIRST: gl.constexpr, key_runs=None):
     """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``): the stage's BM query rows as
     halves of 64 (``WG_ROWS``), each a 64-row step's S^T, dP^T, P^T, dV, dS^T and dK (so that only a half's S^T and
     dP^T, 64 x 64, are held: 64 x 128 of each spilled), dS^T of each half stored in its column half of the
@@ -263,7 +291,7 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
     for h in gl.static_range(BM // HALF):
         st0, partial = scores_init(it, n_full, rows_smem.index(stage).slice(h * HALF, HALF),
                                    qbits_smem.index(stage).slice(h * HALF, HALF), offs_n, k_bits, mask_args, st_zero,
-                                   MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                                   MASK_MODE, IS_CAUSAL, HAS_WINDOW, key_runs)
         q_h = q_s.slice(h * HALF, HALF, dim=0)
         do_h = do_s.slice(h * HALF, HALF, dim=0)
         lse_h = lse_smem.index(stage).slice(h * HALF, HALF)
@@ -400,6 +428,10 @@ def attention_bwd_dq_writer_gluon(
     ds_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BM], ds_layout)  # dS^T of each MMA warpgroup
     stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM_PAD // 2], gl.float32)
     dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM_PAD // 2], stage_layout)  # the writer's
+    mma_runs: gl.constexpr = None  # the partial steps' mask without the key block's runs (:mod:`.key_runs`)
+    producer_runs: gl.constexpr = None
+    if MASK_MODE == _MASK_SEGMENTS:
+        mma_runs, producer_runs = block_runs(mask_args, col0, 2 * WG_KEYS)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -431,12 +463,13 @@ def attention_bwd_dq_writer_gluon(
     gl.warp_specialize(
         [
             (_mma_warpgroup, (0, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
-                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED)),
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED, mma_runs)),
             (_mma_warpgroup, (1, buffers, barriers, dq_ring, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
-                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED)),
+                              GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, ORDERED, mma_runs)),
             (key_block_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers,
                                   idx_ptr, n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES,
-                                  MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0, None, False, ORDERED)),
+                                  MASK_MODE, PRODUCER_ROW_PART if BM > WG_ROWS else 0, None, False, ORDERED,
+                                  producer_runs)),
             (_dq_writer, (DQ, bh0, dq_stage, dq_full, dq_empty, idx_ptr, n_total, order_args, GROUP, BM,
                           HEAD_DIM_PAD, ORDERED)),
         ],

@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from ..constants import MASK_DENSE
 from ..lists import WORDS_PER_ROW, block_id
 from ..rules import allowed_pairs
+from .key_runs import allowed_by_runs
 
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
 # call them async_load / async_store (same arguments) and make the old names raise or drop them.
@@ -183,33 +184,40 @@ def masked_scores(s, offs_m, q_bits, n_blk, mask_args, BN: gl.constexpr, MASK_MO
 
 @gluon.jit
 def transposed_mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.constexpr, MASK_MODE: gl.constexpr,
-                         IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+                         IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, key_runs=None):
     """The dK/dV passes' exact token mask of one partial [keys, queries] tile
     (:func:`mmsparse.kernels.rules.allowed_pairs`) as the initial value of S^T: 0 where allowed, -inf elsewhere
-    (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0."""
+    (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0. ``n_runs`` (segment codes, the kernels
+    by key block): the key block's runs that the rows' words hold, ``k_bits`` the keys' shifts into them
+    (:mod:`.key_runs`); where it is 0 the rows hold codes, and the keys' codes are loaded here."""
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_m = rows_s.load(cols)
     q_bits = offs_m  # a stand-in: a dense mask reads no bits
     if MASK_MODE != _MASK_DENSE:
         q_bits = qbits_s.load(cols)
-    allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
-                            gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
-                            MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+    if key_runs is None:
+        allowed = allowed_pairs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
+                                gl.expand_dims(k_bits, 1), mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window,
+                                MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+    else:
+        allowed = allowed_by_runs(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), gl.expand_dims(q_bits, 0),
+                                  gl.expand_dims(k_bits, 1), q_start, window, IS_CAUSAL, HAS_WINDOW)
     return gl.where(allowed, 0.0, float("-inf"))
 
 
 @gluon.jit
 def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero, MASK_MODE: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+                IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, key_runs=None):
     """The accumulator the dK/dV passes issue S^T = K Q^T onto (list entry ``it``, the query indices and bits in
     the stage's ``rows_s`` and ``qbits_s``): the mask bias in the partial blocks (it >= n_full), nothing in
     the full ones: ``(initial value, use_acc)``. Built before the matmuls are issued, while only dK and dV hold
-    registers: as a where() on P^T it spilled at D=128, BM=64."""
+    registers: as a where() on P^T it spilled at D=128, BM=64. ``n_runs``: :func:`transposed_mask_bias`'s."""
     cols: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     partial = it >= n_full
     st0 = st_zero
     if partial:
-        st0 = transposed_mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+        st0 = transposed_mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                                   key_runs)
     return st0, partial
 
 

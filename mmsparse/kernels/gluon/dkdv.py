@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE
+from ..constants import DYNAMIC_ARGS, MASK_DENSE, MASK_SEGMENTS
 from ..rules import lse_in_scores
 from .common import (
     WORKER_REGS,
@@ -48,8 +48,10 @@ from .common import (
     wait_for_arrival,
 )
 from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
+from .key_runs import block_runs, key_values
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
+_MASK_SEGMENTS = gl.constexpr(MASK_SEGMENTS)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = 2 * WG_KEYS.value
 
@@ -58,13 +60,13 @@ BLOCK_N = 2 * WG_KEYS.value
 def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, col0, b, hk, mask_args,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
               MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0, arrival=None, WAIT_ARRIVAL: gl.constexpr = False,
-              HEADS_INNER: gl.constexpr = False):
+              HEADS_INNER: gl.constexpr = False, key_runs=None):
     """K and V of the key block once, then Q and dO (TMA) and the lse and delta rows (loads and shared stores) of
     every listed query block of every head of the group, with the block's query indices (for the partial blocks'
     token mask: held in registers across the consumers' loop, they spilled at D=128, BM=64); the rows ROW_PART at
     a time (``dkdv_rows.stage_query_blocks``; its step order: ``HEADS_INNER``). With ``WAIT_ARRIVAL``, ``arrival``
     is (flag, epoch, whether this key block's keys are still landing): such a block's K and V are loaded once the
-    flag reads the epoch."""
+    flag reads the epoch. ``key_runs``: ``dkdv_rows.stage_query_blocks``'s."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
@@ -76,7 +78,7 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
     load_resident_halves(k_desc, k_smem, v_desc, v_smem, kv_bar, b, hk, col0, WG_KEYS)
     stage_query_blocks(LSE, DELTA, q_desc, do_desc, (q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem),
                        ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr, seq_q, NUM_HEADS, GROUP, BM, STAGES,
-                       MASK_MODE, ROW_PART, HEADS_INNER)
+                       MASK_MODE, ROW_PART, HEADS_INNER, key_runs)
     # The consumers leave dK and dV in the K and V buffers. Stored from here, their descriptors need no registers
     # across the consumers' loop (they spilled at D=128, BM=64).
     mbarrier.wait(done, 0)
@@ -89,10 +91,48 @@ def _producer(LSE, DELTA, descs, buffers, barriers, idx_ptr, n_full, n_total, co
 @gluon.jit
 def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale,
               GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-              MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group, as one flat
-    sequence of steps i = g * n_total + it. Step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1} Q_{i-1}; the
-    exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does."""
+              MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, key_runs=None):
+    """One warpgroup, 64 keys: dK and dV over every listed query block of every head of the group
+    (:func:`_consumer_steps`), staged in its K and V tiles for the producer's stores. ``key_runs``: None, or
+    (segment codes) the key block's ``(key shifts, runs)`` (:func:`.key_runs.block_runs`): where its runs fit the
+    rows' words the steps read those, else the pair table, each in a loop of its own (one loop with both kept the
+    pair table's registers and spills in every step)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done = barriers
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
+    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
+    args = (buffers, barriers, n_full, n_total, mask_args, qk_scale, offs_n)
+    if key_runs is None:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, None, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _consumer_steps(WG, args, k_bits, None, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                                 HAS_WINDOW)
+    elif key_runs[1] > 0:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, key_runs, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _consumer_steps(WG, args, k_bits, key_runs, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                                 HAS_WINDOW)
+    else:
+        k_bits = key_values(offs_n, k_bits_ptr, seq_k, None, WG * WG_KEYS, MASK_MODE)
+        dk, dv = _consumer_steps(WG, args, k_bits, None, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
+                                 HAS_WINDOW)
+    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
+    k_smem.index(WG).store((dk * sm_scale).to(dtype))
+    v_smem.index(WG).store(dv.to(dtype))
+    fence_async_shared()
+    thread_barrier()  # every thread's stores and fence before the one arrival
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _consumer_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                    BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    HAS_WINDOW: gl.constexpr):
+    """:func:`_consumer`'s steps, i = g * n_total + it: step i issues S^T_i, dP^T_i and then dK += dS^T_{i-1}
+    Q_{i-1}; the exponentials of step i run while dP^T_i and dK_{i-1} do, and dS^T_i while dV += P^T_i dO_i does.
+    ``k_bits`` and ``key_runs``: the partial steps' mask (``common.scores_init``). Returns ``(dk, dv)`` with
+    nothing in flight."""
+    buffers, barriers, n_full, n_total, mask_args, qk_scale, offs_n = args
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -103,11 +143,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     dtype: gl.constexpr = q_smem.dtype
 
     COUNTED: gl.constexpr = STAGES & (STAGES - 1) != 0  # the ring's stage and phase counted (common.count_slot)
-    q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
-    offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
-    k_bits = offs_n  # a stand-in: only the bit and code masks read them
-    if MASK_MODE != _MASK_DENSE:
-        k_bits = gl.load(k_bits_ptr + offs_n, mask=offs_n < seq_k, other=0)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
@@ -121,7 +156,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         # Step 0: no dK of a previous step to issue.
         mbarrier.wait(ready.index(0), 0)
         st0, partial = scores_init(0, n_full, rows_smem.index(0), qbits_smem.index(0), offs_n, k_bits, mask_args,
-                                    st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                                    st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW, key_runs)
         do_s = do_smem.index(0)
         st = issue_scores(k_w, q_smem.index(0), st0, partial, lse_smem.index(0), inv_qk_scale, cols, LSE_FIRST)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -148,7 +183,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
             it = next_entry(it, n_total, GROUP)
             mbarrier.wait(ready.index(stage), phase if COUNTED else (i // STAGES) & 1)
             st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits,
-                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
+                                        mask_args, st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW, key_runs)
             do_s = do_smem.index(stage)
             first = key_step_zero(HEAD_DIM_PAD)  # past D=64 K's and V's descriptors are made in each step
             k_step = k_smem.index(WG + first)
@@ -175,12 +210,7 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
         dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
         mbarrier.arrive(empty.index(last))
-    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
-    k_w.store((dk * sm_scale).to(dtype))
-    v_w.store(dv.to(dtype))
-    fence_async_shared()
-    thread_barrier()  # every thread's stores and fence before the one arrival
-    mbarrier.arrive(done)
+    return dk, dv
 
 
 @gluon.jit(do_not_specialize=DYNAMIC_ARGS)
@@ -210,6 +240,10 @@ def attention_dkdv_gluon(
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_KEYS, HEAD_DIM_PAD], kv_layout)
     q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = allocate_query_stages(
         dtype, STAGES, BM, HEAD_DIM_PAD, MASK_MODE)
+    consumer_runs: gl.constexpr = None  # the partial steps' mask without the key block's runs (:mod:`.key_runs`)
+    producer_runs: gl.constexpr = None
+    if MASK_MODE == _MASK_SEGMENTS:
+        consumer_runs, producer_runs = block_runs(mask_args, col0, 2 * WG_KEYS)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -227,12 +261,12 @@ def attention_dkdv_gluon(
     gl.warp_specialize(
         [
             (_consumer, (0, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale, GROUP,
-                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, consumer_runs)),
             (_consumer, (1, buffers, barriers, n_full, n_total, col0, mask_args, qk_scale, sm_scale, GROUP,
-                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW)),
+                         HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL, HAS_WINDOW, consumer_runs)),
             (_producer, (LSE, DELTA, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc), buffers, barriers, idx_ptr,
                          n_full, n_total, col0, b, hk, mask_args, NUM_HEADS, GROUP, BM, STAGES, MASK_MODE, 0, arrival,
-                         WAIT_ARRIVAL)),
+                         WAIT_ARRIVAL, False, producer_runs)),
         ],
         WORKER_WARPS,
         WORKER_REGS,

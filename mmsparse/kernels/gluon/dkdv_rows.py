@@ -12,6 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from ..constants import MASK_DENSE
 from ..lists import block_id, ordered_row
 from .common import box, program_lists, thread_barrier, tma_load
+from .key_runs import row_words
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
 
@@ -106,33 +107,36 @@ def _part(row_smem, part, PART: gl.constexpr, BM: gl.constexpr):
 def stage_query_blocks(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, n_total, b, hk, q_bits_ptr,
                        seq_q, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
                        STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr = 0,
-                       HEADS_INNER: gl.constexpr = False):
+                       HEADS_INNER: gl.constexpr = False, key_runs=None):
     """``stages``: the ring's (q, do, lse, delta, rows, qbits) shared tiles; step ``g * n_total + it`` (head g of
     the group, list entry it; with ``HEADS_INNER`` step ``it * GROUP + g``: every head of an entry in turn) takes
     stage ``step % STAGES`` once the consumers have released it (``empty``). ``ROW_PART``: the rows are loaded and
     stored ROW_PART at a time (0: all BM at once), a warp barrier between parts; the first part's lse and delta
     are loaded before the wait for the stage, as whole rows are. At BM = 128 the one warp's whole rows (4
     registers each a lane) spilled at its 24 registers, and so did 64-row parts, whose loads ptxas hoisted above
-    the first part's stores without the barrier."""
+    the first part's stores without the barrier. ``key_runs`` (segment codes): ``(run_codes, n_runs, pair table,
+    its row stride)`` of :mod:`.key_runs`; where ``n_runs`` is not 0 a partial block's rows get their words over the
+    key block's runs instead of their codes."""
     if HEADS_INNER:
         for it in range(n_total):
             for g in range(GROUP):
                 h = hk * GROUP + g
                 _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, it * GROUP + g, h,
                             (b.to(gl.int64) * NUM_HEADS + h) * seq_q, it, b, q_bits_ptr, seq_q, BM, STAGES,
-                            MASK_MODE, ROW_PART)
+                            MASK_MODE, ROW_PART, key_runs)
     else:
         for g in range(GROUP):
             h = hk * GROUP + g
             row0 = (b.to(gl.int64) * NUM_HEADS + h) * seq_q
             for it in range(n_total):
                 _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, g * n_total + it, h,
-                            row0, it, b, q_bits_ptr, seq_q, BM, STAGES, MASK_MODE, ROW_PART)
+                            row0, it, b, q_bits_ptr, seq_q, BM, STAGES, MASK_MODE, ROW_PART, key_runs)
 
 
 @gluon.jit
 def _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_full, i, h, row0, it, b, q_bits_ptr,
-                seq_q, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr):
+                seq_q, BM: gl.constexpr, STAGES: gl.constexpr, MASK_MODE: gl.constexpr, ROW_PART: gl.constexpr,
+                key_runs=None):
     """Step i of :func:`stage_query_blocks`: head h's rows of list entry it (its lse and delta rows from ``row0``),
     into stage ``i % STAGES``."""
     q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = stages
@@ -154,6 +158,10 @@ def _stage_step(LSE, DELTA, q_desc, do_desc, stages, ready, empty, idx_ptr, n_fu
             if it >= n_full:
                 # Rows past the end get no bits (code 0 is masked by the row bound), hence no allowed pair.
                 bits = gl.load(q_bits_ptr + offs_m, mask=offs_m < seq_q, other=0)
+                if key_runs is not None:
+                    run_codes, n_runs, table_ptr, stride_table = key_runs
+                    if n_runs > 0:
+                        bits = row_words(bits, offs_m < seq_q, run_codes, n_runs, table_ptr, stride_table)
                 _part(qbits_smem.index(stage), part, PART, BM).store(bits)
         if part < BM // PART - 1:
             thread_barrier()  # the next part's loads after these stores (bar.warp.sync)
