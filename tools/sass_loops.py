@@ -8,7 +8,8 @@ and ``python -m tools.ptx_diff compile`` write them) this assembles the PTX with
 PTX's own ``.target``), disassembles it with Triton's nvdisasm, and prints one line per innermost loop that issues
 wgmmas (``--all-loops``: every innermost loop): its instructions, wgmmas (``HGMMA``), spill stores and loads
 (``STL``, ``LDL``), thread-index reads (``S2R SR_TID``: an address ptxas rebuilds from the thread index rather than
-keep it in a register, a short-scoreboard wait in the loop), and shared loads (``LDS``): the loop's code, counted
+keep it in a register, a short-scoreboard wait in the loop), shared loads (``LDS``) and global loads (``LDG``: the
+pair table's, in a segment-code mask's loop without the key block's runs): the loop's code, counted
 once, branches a step may skip included. A warp-specialised Gluon kernel's partitions are separate code, so each
 consumer warpgroup's step loop is a line of its own. No GPU is needed.
 """
@@ -30,6 +31,7 @@ COUNTED = {
     "ldl": r"\bLDL\b",
     "s2r_tid": r"\bS2R\b.*\bSR_TID",
     "lds": r"\bLDS\b",
+    "ldg": r"\bLDG\b",
 }
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`?\((\.L_x_\d+)\)")

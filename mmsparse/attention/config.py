@@ -738,10 +738,12 @@ GLUON_D256_ENABLED = True  # a source switch, read by cuda_kernel_config (tools 
 # The D=256 Gluon dK/dV pass (GLUON_D256["dkdv"]) where GLUON_D256_ENABLED, a source switch as that one
 # (tests/kernels/test_hopper_d256.py, tools/d256_probe.py); cuda_kernel_config(..., gluon_d256_dkdv=False) drops it.
 GLUON_D256_DKDV_ENABLED = True
-# What one CTA of an H100 or H200 may take, and what the Gluon forward and dQ pass hold beside their tiles (their
-# barriers and alignment: under 400 bytes measured).
+# What one CTA of an H100 or H200 may take, and what the Gluon kernels hold beside their tiles (their barriers and
+# alignment: under 400 bytes measured; under segment codes the kernels by key block also hold their key block's
+# runs, KEY_RUNS_BYTES).
 HOPPER_SHARED_BYTES = 227 * 1024
 _GLUON_SHARED_SLACK = 1024
+KEY_RUNS_BYTES = 4 * (128 + 16)  # int32 shift of each of 128 keys, codes of 16 runs (kernels/gluon/key_runs.py)
 GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's note says why)
 # Query rows a step of the D <= 128 Gluon dK/dV kernel (kernels/gluon/dkdv.py: S^T of a warpgroup's 64 keys by
 # them, one wgmma). 128 rows a step, each step whole rather than pipelined (at D=64 the pipeline's registers

@@ -288,17 +288,49 @@ def test_dkdv_wgmmas_are_not_serialized(ptx_dir, variant):
 # Spill stores of the two-pass dK/dV kernel at D=128, at most: with its K and V descriptors hoisted out of the loop
 # it spilled 140-168 B (Triton 3.9) and 40-104 B (3.6); made in each step, 20-32 and 0-68.
 D128_DKDV_MAX_SPILL_STORES = 72
+# Under segment codes: spill stores in each MMA warpgroup's step loop over the key block's runs (the loop of every
+# block of up to key_runs.RUN_SLOTS runs), at most (Triton 3.6 and 3.9: 2 and 4; 3.7.1: none). The kernel's other
+# step loop, the pair table's (blocks of more runs), spills as the one loop did before the runs (3.6: 7 and 8).
+D128_DKDV_MAX_RUNS_LOOP_SPILL_STORES = 4
+
+
+def _step_loops(ptx_dir, variant) -> list:
+    """The innermost loops that issue wgmmas in ``variant``'s SASS (``tools.sass_loops``: assembled by the ptxas of
+    this Triton), in the order of the code."""
+    import tempfile
+
+    from tools.sass_loops import disassemble, loops
+
+    with tempfile.TemporaryDirectory() as work:
+        sass = disassemble(_compiled(ptx_dir, variant, ".ptx"), Path(work))
+    return [loop for loop in loops(sass) if loop.counts["hgmma"]]
+
+
+def _runs_loops(ptx_dir, variant) -> list:
+    """A segment-code variant's step loops over the key block's runs: of its two loops per MMA warpgroup, the one
+    without global loads (the other reads the pair table)."""
+    step_loops = _step_loops(ptx_dir, variant)
+    runs = [loop for loop in step_loops if not loop.counts["ldg"]]
+    assert len(step_loops) == 4 and len(runs) == 2, f"{variant.name}: {step_loops}"
+    return runs
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dkdv" and v.head_dim == 128],
                          ids=lambda v: v.name)
 def test_d128_dkdv_spills_at_most_a_few_words(ptx_dir, variant):
     """The deterministic backward's dK/dV pass at D=128 (two 64 x 128 float32 accumulators a warpgroup) spills at most
-    a few words under any Triton from 3.6 on, and serializes no wgmma (C7512)."""
+    a few words under any Triton from 3.6 on, and serializes no wgmma (C7512). Under segment codes, whose kernel
+    has a second step loop per warpgroup for key blocks of many runs, the loops over the runs spill at most a few
+    stores each (the kernel's bytes are printed)."""
     report = _compiled(ptx_dir, variant, ".ptxas.txt").read_text()
     stores = [int(a) for a in re.findall(r"(\d+) bytes spill stores", report)]
-    assert stores and max(stores) <= D128_DKDV_MAX_SPILL_STORES, f"{variant.name}:\n{report}"
     assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+    if variant.mask != "codes":
+        assert stores and max(stores) <= D128_DKDV_MAX_SPILL_STORES, f"{variant.name}:\n{report}"
+        return
+    print(variant.name, "spill stores:", stores)
+    for loop in _runs_loops(ptx_dir, variant):
+        assert loop.counts["stl"] <= D128_DKDV_MAX_RUNS_LOOP_SPILL_STORES, f"{variant.name}: {loop}"
 
 
 # Spill stores of a D=256 variant, at most: with its resident Q / dO descriptors hoisted out of the loop
@@ -350,18 +382,29 @@ def test_dq_writer_does_not_spill(ptx_dir, variant):
     """The warp-specialised one-pass kernel keeps everything in registers at its split (kernels/gluon/bwd_dq_writer.py:
     both MMA warpgroups 240 a thread, the producer and the dQ writer warps 24): no stack frame, no spill, no
     serialized wgmma (C7512) nor ignored setmaxnreg (C7508); its shared memory is what
-    config.dq_writer_shared_bytes counts, plus the barriers and alignment."""
-    from mmsparse.attention.config import _GLUON_SHARED_SLACK, dq_writer_shared_bytes
+    config.dq_writer_shared_bytes counts, plus the barriers and alignment (and the key block's runs under segment
+    codes). Under segment codes, whose kernel has a second step loop per warpgroup for key blocks of many runs (the
+    pair table's, spilling a few words with the causal flag), the loops over the runs store no spill and reload at
+    most one word a step."""
+    from mmsparse.attention.config import _GLUON_SHARED_SLACK, KEY_RUNS_BYTES, dq_writer_shared_bytes
     from mmsparse.kernels.gluon.bwd_dq_writer import WORKER_REGS
 
-    report = _assert_no_spill(ptx_dir, variant)
+    if variant.mask == "codes":
+        report = _compiled(ptx_dir, variant, ".ptxas.txt").read_text()
+        assert "C7512" not in report and "C7508" not in report, f"{variant.name}:\n{report}"
+        print(variant.name, "spill stores:", re.findall(r"(\d+) bytes spill stores", report))
+        for loop in _runs_loops(ptx_dir, variant):
+            assert loop.counts["stl"] == 0 and loop.counts["ldl"] <= 1, f"{variant.name}: {loop}"
+    else:
+        report = _assert_no_spill(ptx_dir, variant)
     ptx = _compiled(ptx_dir, variant, ".ptx").read_text()
     regs = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert set(WORKER_REGS.value) <= regs, f"{variant.name}: setmaxnreg {sorted(regs)}"
     tile = _tile(variant)
     # the count holds a query-bit row per stage, which a dense mask does not read (one row stands in)
     unread = (tile.gluon_stages - 1) * tile.block_m * 4 if variant.mask == "dense" else 0
-    counted = dq_writer_shared_bytes(tile, variant.head_dim) - unread
+    runs = KEY_RUNS_BYTES if variant.mask == "codes" else 0
+    counted = dq_writer_shared_bytes(tile, variant.head_dim) - unread + runs
     shared = int(re.search(r"shared memory: (\d+) bytes", report).group(1))
     assert counted <= shared <= counted + _GLUON_SHARED_SLACK <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} B"
 

@@ -9,8 +9,8 @@ import pytest
 
 from tools import sass_loops
 
-# nvdisasm -c's form: an outer loop (.L_x_0) around an inner one (.L_x_1) that spills, re-reads the thread index
-# and issues a wgmma; a forward branch (.L_x_2) closes no loop.
+# nvdisasm -c's form: an outer loop (.L_x_0) around an inner one (.L_x_1) that spills, re-reads the thread index,
+# loads from global memory and issues a wgmma; a forward branch (.L_x_2) closes no loop.
 SASS = """\
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_0:
@@ -20,6 +20,7 @@ SASS = """\
         /*0030*/                   S2R R3, SR_TID.X ;
         /*0040*/                   LDS R4, [R3+0x100] ;
         /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*0058*/                   LDG.E.U8 R5, desc[UR6][R6.64] ;
         /*0060*/                   LDL.LU R2, [R1] ;
         /*0070*/               @P0 BRA `(.L_x_1) ;
         /*0080*/               @P1 BRA `(.L_x_2) ;
@@ -31,8 +32,8 @@ SASS = """\
 
 def test_innermost_loop_and_its_counts():
     (inner,) = sass_loops.loops(SASS)
-    assert inner.instructions == 6
-    assert inner.counts == {"hgmma": 1, "stl": 1, "ldl": 1, "s2r_tid": 1, "lds": 1}
+    assert inner.instructions == 7
+    assert inner.counts == {"hgmma": 1, "stl": 1, "ldl": 1, "s2r_tid": 1, "lds": 1, "ldg": 1}
     both = sass_loops.loops(SASS, innermost=False)
     assert len(both) == 2 and both[0].counts["s2r_tid"] == 2  # the outer loop holds the inner one
 

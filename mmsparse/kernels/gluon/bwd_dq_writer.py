@@ -30,8 +30,8 @@ The MMA warpgroups never wait for a reduce-add: the writer waits for each half t
 (``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
 after it filled the half.
 
-Shared memory a CTA (bytes; ``dq_writer_shared_bytes`` in ``mmsparse/attention/config.py`` counts the same; a CTA
-may take 232,448 on an H100 or H200):
+Shared memory a CTA (bytes; ``dq_writer_shared_bytes`` in ``mmsparse/attention/config.py`` counts the tiles, and
+its slack the barriers and the key block's runs; a CTA may take 232,448 on an H100 or H200):
 
 ====================================  ==================  ==================  ==================
 what                                  D=128, BM=64        D=64, BM=64         D=64, BM=128
@@ -42,6 +42,7 @@ lse, delta, query rows, bits / stage  1,024               1,024               2,
 dS^T, both warpgroups (bf16)          16,384              16,384              32,768
 dQ staging, ``[BM, D]`` float32       32,768              16,384              32,768
 barriers                              < 200               < 200               < 200
+key block's runs (segment codes)      576                 576                 576
 2 stages                              182,272             100,352             167,936
 3 stages (D=128's)                    216,064             117,760             202,752
 4 stages (D=64's)                     249,856 (no)        135,168             237,568 (no)

@@ -187,9 +187,9 @@ def transposed_mask_bias(offs_n, k_bits, rows_s, qbits_s, mask_args, cols: gl.co
                          IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, key_runs=None):
     """The dK/dV passes' exact token mask of one partial [keys, queries] tile
     (:func:`mmsparse.kernels.rules.allowed_pairs`) as the initial value of S^T: 0 where allowed, -inf elsewhere
-    (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0. ``n_runs`` (segment codes, the kernels
-    by key block): the key block's runs that the rows' words hold, ``k_bits`` the keys' shifts into them
-    (:mod:`.key_runs`); where it is 0 the rows hold codes, and the keys' codes are loaded here."""
+    (p = exp2(-inf) = 0). The bits of keys and queries past the end are 0. With ``key_runs`` (segment codes in a
+    kernel by key block whose key block's runs fit the rows' words: :mod:`.key_runs`) ``qbits_s`` holds the rows'
+    words and ``k_bits`` the keys' shifts into them."""
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_m = rows_s.load(cols)
     q_bits = offs_m  # a stand-in: a dense mask reads no bits
@@ -211,7 +211,7 @@ def scores_init(it, n_full, rows_s, qbits_s, offs_n, k_bits, mask_args, st_zero,
     """The accumulator the dK/dV passes issue S^T = K Q^T onto (list entry ``it``, the query indices and bits in
     the stage's ``rows_s`` and ``qbits_s``): the mask bias in the partial blocks (it >= n_full), nothing in
     the full ones: ``(initial value, use_acc)``. Built before the matmuls are issued, while only dK and dV hold
-    registers: as a where() on P^T it spilled at D=128, BM=64. ``n_runs``: :func:`transposed_mask_bias`'s."""
+    registers: as a where() on P^T it spilled at D=128, BM=64. ``key_runs``: :func:`transposed_mask_bias`'s."""
     cols: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     partial = it >= n_full
     st0 = st_zero
