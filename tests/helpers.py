@@ -126,6 +126,23 @@ def record_backward_passes(monkeypatch, events: list[str]) -> None:
         monkeypatch.setattr(backward._Passes, name, recorded)
 
 
+def spy_on_gluon_launchers(monkeypatch, names: tuple[str, ...]) -> list[str]:
+    """The names of the Gluon launchers ``gluon_launch.run_<name>`` that run from now on, in order: only a spy on
+    them tells which kernels ran (the tl ones agree within tolerance)."""
+    from mmsparse.attention import gluon_launch
+
+    calls: list[str] = []
+    for name in names:
+        real = getattr(gluon_launch, f"run_{name}")
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
+    return calls
+
+
 def reference_grads(q, k, v, mask, grad_out, softmax_scale=None, dtype=torch.float64, **kw):
     """Reference output and (dq, dk, dv) from plain torch attention computed in ``dtype``."""
     qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))

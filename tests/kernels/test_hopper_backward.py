@@ -15,25 +15,23 @@ from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config
 from mmsparse.attention.config import KernelConfig, Tile, head_dim_pad, kernel_config, use_tuning
 from mmsparse.attention.dropout import dropout_keep_mask, new_dropout_seed
-from tests.helpers import CYCLIC, HOPPER_CASES, HUB, check_against_reference, check_outputs, hopper_case_id, make_qkv
+from tests.helpers import (
+    CYCLIC,
+    HOPPER_CASES,
+    HUB,
+    check_against_reference,
+    check_outputs,
+    hopper_case_id,
+    make_qkv,
+    spy_on_gluon_launchers,
+)
 
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """Records which Gluon backward passes ran ("dkdv", "dq"). The tl passes give the same gradients within
     tolerance, so only a spy on the Gluon launchers tells which ones ran."""
-    from mmsparse.attention import gluon_launch
-
-    calls = []
-    for name in ("dkdv", "dq"):
-        real = getattr(gluon_launch, f"run_{name}")
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
-    return calls
+    return spy_on_gluon_launchers(monkeypatch, ("dkdv", "dq"))
 
 
 def _with_gluon_backward(head_dim: int, dtype: torch.dtype) -> KernelConfig:

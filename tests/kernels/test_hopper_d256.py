@@ -39,6 +39,7 @@ from tests.helpers import (
     check_outputs,
     forward_backward,
     make_qkv,
+    spy_on_gluon_launchers,
 )
 
 TEXT_IMAGE_TEXT = [[2, 0, 0], [1, 1, 0], [1, 1, 2]]  # Gemma 3: text causal, the image whole, both see the past
@@ -80,18 +81,7 @@ def d256_dkdv_config(dtype: torch.dtype):
 def gluon_calls(monkeypatch):
     """Records which Gluon passes ran: only a spy on their launchers tells (the tl ones agree within tolerance).
     ``dkdv_d256`` is the dK/dV kernel of head dims 129-256."""
-    from mmsparse.attention import gluon_launch
-
-    calls = []
-    for name in ("forward", "dkdv", "dkdv_d256", "dq"):
-        real = getattr(gluon_launch, f"run_{name}")
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
-    return calls
+    return spy_on_gluon_launchers(monkeypatch, ("forward", "dkdv", "dkdv_d256", "dq"))
 
 
 @pytest.mark.hopper  # tests/conftest.py skips it off sm_90 or without Gluon

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from mmsparse import CAUSAL, FULL, NONE, mbs_attention, mbs_attention_varlen
-from mmsparse.attention import gluon_launch
 from mmsparse.kernels.gluon.key_runs import RUN_SLOTS
 from mmsparse.reference import reference_mask, reference_packed_mask
 from mmsparse.tuning import use_tuning
-from tests.helpers import check_outputs, make_qkv, ordered_config, writer_config
+from tests.helpers import check_outputs, make_qkv, ordered_config, spy_on_gluon_launchers, writer_config
 
 CUDA = torch.device("cuda")
 KEYS = 128  # keys a program of the kernels by key block takes
@@ -51,16 +50,7 @@ def types(k: int, seed: int) -> list[list[int]]:
 @pytest.fixture
 def by_key_calls(monkeypatch):
     """The by-key Gluon kernels that ran ("dkdv", "bwd_dq_writer")."""
-    calls = []
-    for name in ("dkdv", "bwd_dq_writer"):
-        real = getattr(gluon_launch, f"run_{name}")
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
-    return calls
+    return spy_on_gluon_launchers(monkeypatch, ("dkdv", "bwd_dq_writer"))
 
 
 BACKWARDS = {

@@ -15,7 +15,7 @@ from mmsparse import mbs_attention, mbs_attention_varlen, reference_packed_mask
 from mmsparse.attention import config
 from mmsparse.attention.config import head_dim_pad, kernel_config, use_tuning
 from mmsparse.mask.build import build_mask_info
-from tests.helpers import CYCLIC, HUB, check_against_reference, check_outputs, make_qkv
+from tests.helpers import CYCLIC, HUB, check_against_reference, check_outputs, make_qkv, spy_on_gluon_launchers
 
 # (topology, seg_lens (or per-sample), causal, window, batch, heads, kv_heads, seq_q or None, head_dim, dtype)
 CASES = [
@@ -37,18 +37,7 @@ def _case_id(case) -> str:
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """Records which Gluon passes ran: only a spy on their launchers tells (the tl ones agree within tolerance)."""
-    from mmsparse.attention import gluon_launch
-
-    calls = []
-    for name in ("forward", "dkdv", "dq"):
-        real = getattr(gluon_launch, f"run_{name}")
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_launch, f"run_{name}", spy)
-    return calls
+    return spy_on_gluon_launchers(monkeypatch, ("forward", "dkdv", "dq"))
 
 
 def _gluon_everywhere(head_dim: int, dtype: torch.dtype):

@@ -87,11 +87,10 @@ from .common import (
     opaque_zero,
     probabilities,
     scores_init,
-    thread_barrier,
     tma_atomic_add,
     wait_for_arrival,
 )
-from .dkdv import WG_KEYS, key_block_producer
+from .dkdv import WG_KEYS, key_block_producer, stage_gradients
 from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
 from .key_runs import block_runs, key_values
@@ -126,7 +125,6 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
     ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
     kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    dtype: gl.constexpr = q_smem.dtype
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     args = (buffers, barriers, dq_ring, n_full, n_total, mask_args, qk_scale, sm_scale, offs_n)
@@ -144,12 +142,7 @@ def _mma_warpgroup(WG: gl.constexpr, buffers, barriers, dq_ring, n_full, n_total
                             HAS_WINDOW, HEADS_INNER)
     if GROUP * n_total > 0:
         mbarrier.wait(ds_bars.index(_DS_READ), (GROUP * n_total - 1) & 1)  # the other warpgroup's last dQ read our K
-    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
-    k_smem.index(WG).store((dk * sm_scale).to(dtype))
-    v_smem.index(WG).store(dv.to(dtype))
-    fence_async_shared()
-    thread_barrier()  # every thread's stores and fence before the one arrival
-    mbarrier.arrive(done)
+    stage_gradients(WG, k_smem, v_smem, dk, dv, sm_scale, done)
 
 
 @gluon.jit

@@ -100,7 +100,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
     kv_bar, ready, empty, done = barriers
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    dtype: gl.constexpr = q_smem.dtype
     q_bits_ptr, k_bits_ptr, mask_ptr, stride_mask_q, seq_q, seq_k, q_start, window = mask_args
     offs_n = col0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, st_layout))
     args = (buffers, barriers, n_full, n_total, mask_args, qk_scale, offs_n)
@@ -116,7 +115,14 @@ def _consumer(WG: gl.constexpr, buffers, barriers, n_full, n_total, col0, mask_a
         k_bits = key_values(offs_n, k_bits_ptr, seq_k, None, WG * WG_KEYS, MASK_MODE)
         dk, dv = _consumer_steps(WG, args, k_bits, None, GROUP, HEAD_DIM_PAD, BM, STAGES, MASK_MODE, IS_CAUSAL,
                                  HAS_WINDOW)
-    # K and V of this warpgroup are no longer read: stage dK and dV there for the producer's TMA stores.
+    stage_gradients(WG, k_smem, v_smem, dk, dv, sm_scale, done)
+
+
+@gluon.jit
+def stage_gradients(WG: gl.constexpr, k_smem, v_smem, dk, dv, sm_scale, done):
+    """Warpgroup WG's dK (times the softmax scale) and dV, in the input dtype, into its K and V tiles, which it no
+    longer reads, for the producer's TMA stores; then one arrival on ``done``."""
+    dtype: gl.constexpr = k_smem.dtype
     k_smem.index(WG).store((dk * sm_scale).to(dtype))
     v_smem.index(WG).store(dv.to(dtype))
     fence_async_shared()
