@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE, MASK_SEGMENTS
+from ..constants import DYNAMIC_ARGS, MASK_SEGMENTS
 from ..lists import WORDS_PER_ROW, block_id
 from ..rules import lse_in_scores
 from .common import (
@@ -95,7 +95,6 @@ from .dkdv_rows import allocate_query_stages, key_block_lists
 from .dq_adds import issue_dq
 from .key_runs import block_runs, key_values
 
-_MASK_DENSE = gl.constexpr(MASK_DENSE)
 _MASK_SEGMENTS = gl.constexpr(MASK_SEGMENTS)
 BLOCK_N = 2 * WG_KEYS.value  # keys per CTA
 # Worker partitions: the second MMA warpgroup, the producer warp, the dQ writer warp.

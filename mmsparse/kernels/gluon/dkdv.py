@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..constants import DYNAMIC_ARGS, MASK_DENSE, MASK_SEGMENTS
+from ..constants import DYNAMIC_ARGS, MASK_SEGMENTS
 from ..rules import lse_in_scores
 from .common import (
     WORKER_REGS,
@@ -50,7 +50,6 @@ from .common import (
 from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
 from .key_runs import block_runs, key_values
 
-_MASK_DENSE = gl.constexpr(MASK_DENSE)
 _MASK_SEGMENTS = gl.constexpr(MASK_SEGMENTS)
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = 2 * WG_KEYS.value

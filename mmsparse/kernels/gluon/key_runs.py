@@ -12,15 +12,16 @@ it (the pair type of the row's code against the run's). An MMA warpgroup then re
 word at its key's run, a shift it holds per key (:func:`allowed_by_runs`): a shift, a mask and compares, no load.
 
 A word holds ``RUN_SLOTS`` runs; its two top bits stay 0, and keys past the end shift to them (no pair). A key
-block that meets more runs (segments of under about 9 tokens) keeps the pair-table lookup: the flag
-:func:`find_key_runs` returns, read by the producer and the MMA warpgroups in each partial step.
+block that meets more runs (segments of under about 9 tokens) keeps the pair-table lookup: :func:`find_key_runs`
+then returns 0 runs, the MMA warpgroups run a step loop of their own with the gather (one loop holding both kept
+the gather's registers and spills in every step), and the producer stores the rows' codes.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..constants import FULL, MASK_DENSE, MASK_SEGMENTS, NONE, SEG_BITS
+from ..constants import FULL, MASK_DENSE, NONE, SEG_BITS
 
 RUN_SLOTS = gl.constexpr(15)  # runs a row's word holds, 2 bits each: bits 30 and 31 are those of keys past the end
 _SLOT_TILE = gl.constexpr(16)  # the run codes' shared tile: RUN_SLOTS rounded up to a power of two
@@ -29,7 +30,6 @@ _SEG_MASK = gl.constexpr((1 << SEG_BITS) - 1)
 _NONE = gl.constexpr(NONE)
 _FULL = gl.constexpr(FULL)
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
-_MASK_SEGMENTS = gl.constexpr(MASK_SEGMENTS)
 
 
 @gluon.jit
