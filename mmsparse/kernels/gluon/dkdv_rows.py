@@ -1,7 +1,8 @@
 """What the kernels by key block (the D <= 128 dK/dV kernel, the D=256 one, the one pass with a dQ writer) share: the
 program's key block and its list, the ring of query-side tiles, and the producer's query side: for every listed
 query block of every head of the KV group, its lse, delta and query-index rows (and, in a partial block, its query
-bits) stored into the stage, then Q and dO by TMA onto the stage's ready barrier."""
+bits or codes, or under segment codes its words over the key block's runs: :mod:`.key_runs`) stored into the stage,
+then Q and dO by TMA onto the stage's ready barrier."""
 
 from __future__ import annotations
 
