@@ -743,7 +743,8 @@ GLUON_D256_DKDV_ENABLED = True
 # runs, KEY_RUNS_BYTES).
 HOPPER_SHARED_BYTES = 227 * 1024
 _GLUON_SHARED_SLACK = 1024
-KEY_RUNS_BYTES = 4 * (128 + 16)  # int32 shift of each of 128 keys, codes of 16 runs (kernels/gluon/key_runs.py)
+# int32 shift of each key of a block, codes of 16 runs (kernels/gluon/key_runs.py)
+KEY_RUNS_BYTES = 4 * (GLUON_BLOCK + 16)
 GLUON_DKDV_MAX_HEAD_DIM = 128  # the D <= 128 Gluon dK/dV kernel's (GLUON_D256's note says why)
 # Query rows a step of the D <= 128 Gluon dK/dV kernel (kernels/gluon/dkdv.py: S^T of a warpgroup's 64 keys by
 # them, one wgmma). 128 rows a step, each step whole rather than pipelined (at D=64 the pipeline's registers
