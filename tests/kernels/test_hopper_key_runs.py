@@ -22,6 +22,7 @@ from tests.helpers import check_outputs, make_qkv, ordered_config, spy_on_gluon_
 
 CUDA = torch.device("cuda")
 KEYS = 128  # keys a program of the kernels by key block takes
+RUNS_BLOCKS_END = 31  # run_lengths' segments of its first two key blocks: 15 + 16
 
 
 def run_lengths(extra: int) -> list[int]:
@@ -104,3 +105,26 @@ def test_pack_with_doc_boundaries_inside_key_blocks(backward, by_key_calls):
         out.backward(grad_out)
     assert kernel in by_key_calls
     check_outputs(q, k, v, out, grad_out, reference_packed_mask(topology, lens, False))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+def test_runs_with_fewer_queries_empty_rows_and_a_padded_head_dim(backward, by_key_calls):
+    """Both kinds of key block with fewer queries than keys (the queries are the last Sq positions: the causal pair
+    types compare against their offset), a segment that sees nothing (its rows fully masked: zero output and
+    gradients), a zero-length segment, D=96 (padded to 128) and GQA 4:2."""
+    make_config, deterministic, kernel = BACKWARDS[backward]
+    lens = run_lengths(700)
+    lens.insert(RUNS_BLOCKS_END, 0)  # a zero-length segment where the two kinds of key block end
+    topology = types(len(lens), seed=96)
+    topology[20] = [NONE] * len(lens)  # a segment of the second key block sees no key
+    seq = sum(lens)
+    seq_q = seq - 100
+    q, k, v = make_qkv(1, 4, 2, seq_q, seq, 96, torch.bfloat16, CUDA)
+    with use_tuning(make_config(96)):
+        out = mbs_attention(q, k, v, topology, lens, deterministic=deterministic)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert kernel in by_key_calls
+    check_outputs(q, k, v, out, grad_out, reference_mask(topology, lens, seq, seq_q))
