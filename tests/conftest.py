@@ -1,6 +1,6 @@
 """Test set-up for every test below tests/: Triton's interpreter when there is no GPU (before triton is imported),
-NaN-poisoned outputs, the ``device`` and ``launches`` fixtures, and the skips of the ``gpu``, ``hopper``,
-``large`` and ``interpreter`` markers.
+NaN-poisoned outputs, the GPU memory each test leaves cached handed back, the ``device`` and ``launches`` fixtures,
+and the skips of the ``gpu``, ``hopper``, ``large`` and ``interpreter`` markers.
 
 Where the tests are (they mirror the package; no test file sits at the root of tests/):
   mask/         mmsparse/mask: lengths, segment codes, the torch tile classes, the list builders and token bits
@@ -56,6 +56,16 @@ def poison_empty():
     (``tests/poison.py``)."""
     with poisoned_empty():
         yield
+
+
+@pytest.fixture(autouse=True)
+def return_cached_gpu_memory():
+    """After each test the CUDA caching allocator's unused blocks go back to the driver: pytest-xdist's workers
+    share one GPU, and what one worker's allocator keeps from its last float64 reference (tens of GiB) otherwise
+    leaves another worker's test, or the fresh process a test starts, out of memory."""
+    yield
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
