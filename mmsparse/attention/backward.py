@@ -20,13 +20,14 @@ from ..mask.add_order import adds_shortest_first, lists_add_ranks
 from ..mask.blocks import cdiv
 from ..runtime.arrival import KeysArrival
 from ..runtime.launch import FastKernel, launch_bound
+from ..runtime.multiprocessors import usable_multiprocessors
 from ..runtime.scratch import ensure_tma_allocator
 from ..runtime.streams import kept_own_stream
 from .config import GLUON_DKDV_MAX_HEAD_DIM, cuda_index, head_dim_pad
 from .forward import _LOG2E, dot_mode
 from .kernel_args import LaunchArgs
 from .layouts import in_eights, kernel_layout, output_strides
-from .plan import AttentionPlan, CallPlan, sm_count
+from .plan import AttentionPlan, CallPlan
 
 _DELTA, _DKDV, _DQ = FastKernel(attention_delta_tl), FastKernel(attention_dkdv_tl), FastKernel(attention_dq_tl)
 
@@ -86,9 +87,6 @@ class BackwardLaunch:
         # block that reaches a query block first must also start first, which sections would undo
         # (tools.ordered_waits models them 0.52-0.86x on causal masks)
         self.head_section = 1 if self.shortest_first else max(1, plan.dkdv.head_section // group)
-        # the rows of one (batch, KV head) whose programs run at once (a program a multiprocessor: each takes most
-        # of one's shared memory), shared with the section's other heads
-        self.resident = max(1, sm_count(q.device) // self.head_section) if self.ordered else 1
         self.delta_constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BR=64,
                                      ZERO_DQ=self.one_pass)
         # Past D=128 the Gluon dK/dV pass is its own kernel (no one pass: plan.check_head_dim refuses that tile)
@@ -183,6 +181,13 @@ class BackwardLaunch:
             return self._one_pass_dq(dq_sum, passes.layout), dk, dv
         return passes.dq(dq_mask, passes.layout.new_dq(self)), dk, dv
 
+    def resident_rows(self, stream: int) -> int:
+        """The ordered dQ writer's rows of one (batch, KV head) whose programs run at once on ``stream`` (a program
+        a multiprocessor: each takes most of one's shared memory), shared with its section's other heads. Read at
+        each call: a stream of a green context, or an MPS limit, leaves fewer multiprocessors than the device has,
+        and ranks made for more would wait for programs that cannot start (``runtime.multiprocessors``)."""
+        return max(1, usable_multiprocessors(self.device, stream) // self.head_section)
+
     def _takes_landing_keys(self) -> bool:
         """The dK/dV pass can start before every key has landed: the Gluon dK/dV kernel of the two passes (head
         dims up to 128), which waits in each key block for the keys it reads (``WAIT_ARRIVAL``)."""
@@ -275,7 +280,8 @@ class _Passes:
             if launch.ordered:
                 counters = torch.zeros(launch.q_shape[0] * launch.q_shape[1] * launch.query_blocks, dtype=torch.int32,
                                        device=launch.device)
-                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks, launch.resident,
+                ranks = lists_add_ranks(mask[0][3], mask[0][4], launch.query_blocks,
+                                        launch.resident_rows(torch.cuda.current_stream(launch.device).cuda_stream),
                                         launch.shortest_first)
                 order = (counters, ranks, launch.query_blocks)
             _gluon().run_bwd_dq_writer(q, k, v, do, lse, delta, (dk, dv), dq_sum, mask, *args, plan.dkdv.tile,

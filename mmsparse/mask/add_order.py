@@ -17,9 +17,11 @@ longest list first, as the unordered one does: five such masks ran 0.92-1.03x th
 0.89-0.99x shortest first (``benchmarks/results/h200/ordered_dq_writer.md``).
 
 A program must never wait for one that cannot start. The programs of one (batch, KV head) start in launch order,
-and in groups of ``resident`` (the programs the GPU holds at once) the ranks go group by group: a program waits
-only for programs of its own group or of earlier ones. Every earlier group has started (the hardware starts
-programs in launch order), and once the programs before its group have finished, its whole group is resident.
+and in groups of ``resident`` (the programs the call's stream may run at once: the GPU's multiprocessors, or fewer
+under an MPS limit or on a green context's stream, ``runtime.multiprocessors``) the ranks go group by group: a
+program waits only for programs of its own group or of earlier ones. Every earlier group has started (the hardware
+starts programs in launch order), and once the programs before its group have finished, its whole group is
+resident. Ranked for more than run at once, a program could wait for one that starts only once it has ended.
 Where the programs take each key block for a section of k (batch, KV head)s in turn
 (``KernelConfig.ordered_head_section``, launched longest first), a group holds the GPU's programs divided by k
 rows: the section's heads' groups of the same rows are then consecutive programs, as many as the GPU holds, and

@@ -103,10 +103,12 @@ def test_the_backward_ranks_a_section_in_groups_of_its_share_of_the_gpu(monkeypa
     """A section holds ``ordered_head_section`` query heads: that over the GQA group (at least one) (batch, KV
     head)s, whose programs take each key block in turn; the ranks' groups hold the programs a GPU runs at once
     divided by those (the section's heads' groups of the same rows are then as many programs as the GPU holds:
-    ``mask.add_order``); one head a section, the GPU's whole count, as before."""
+    ``mask.add_order``); one head a section, the GPU's whole count, as before. The count is what the call's stream
+    may use (``runtime.multiprocessors``): under a limit, a section's groups shrink with it."""
     from mmsparse.attention import backward
 
-    monkeypatch.setattr(backward, "sm_count", lambda device: 132)
+    usable = {0: 132, 7: 64}  # stream handle -> its multiprocessors (7: a green context's stream, say)
+    monkeypatch.setattr(backward, "usable_multiprocessors", lambda device, stream: usable[stream])
     # (query heads, KV heads, query heads a section, KV heads a section, programs a group of ranks)
     cases = ((4, 2, 1, 1, 132), (4, 2, 4, 2, 66), (4, 2, 16, 8, 16), (4, 4, 4, 4, 33), (16, 16, 16, 16, 8),
              (16, 4, 4, 1, 132), (16, 2, 4, 1, 132), (16, 2, 16, 2, 66))
@@ -115,11 +117,14 @@ def test_the_backward_ranks_a_section_in_groups_of_its_share_of_the_gpu(monkeypa
         config = dataclasses.replace(ordered_config(128), ordered_head_section=section)
         call = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, False, None, 3)
         launch = backward.BackwardLaunch(q, k, call, call, 0.125, 0.0)
-        assert launch.ordered and (launch.head_section, launch.resident) == (kv_section, resident), (heads, section)
+        assert launch.ordered and (launch.head_section, launch.resident_rows(0)) == (kv_section, resident), (
+            heads, section)
+        assert launch.resident_rows(7) == max(1, 64 // kv_section)
         # launched shortest first (the causal flag): one head after the other, whatever the config says
         causal = plan_call(config, 4096, 4096, CPU, None, False, True, MASK_BITS, True, None, 3)
         launch = backward.BackwardLaunch(q, k, causal, causal, 0.125, 0.0)
-        assert launch.shortest_first and launch.head_section == 1 and launch.resident == 132
+        assert launch.shortest_first and launch.head_section == 1 and launch.resident_rows(0) == 132
+        assert launch.resident_rows(7) == 64
 
 
 def _bits_mask(lengths, causal=False):
