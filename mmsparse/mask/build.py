@@ -202,8 +202,10 @@ def topology_mask(
             raise
         raise ValueError(f"{e}. {hint}") from None
     if info.batch not in (1, q.shape[0]):
-        raise ValueError(f"per-sample seg_lens has {count(info.batch, 'row')} but the batch has "
-                         f"{count(q.shape[0], 'sample')}")
+        # the mask has a row per sample of the lengths or of q_start (checked against each other already)
+        rows = (f"q_start has {count(info.batch, 'entry', 'entries')}" if q_start is not None and
+                len(q_start) == info.batch else f"per-sample seg_lens has {count(info.batch, 'row')}")
+        raise ValueError(f"{rows} but the batch has {count(q.shape[0], 'sample')}")
     return info
 
 

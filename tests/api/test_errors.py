@@ -171,6 +171,11 @@ def test_counts_in_messages_agree_in_number(device):
         TritonMBSAttnKernel(CYCLIC, (5, 5, 10))(*qkv(device), seg_lens=rows)
     with pytest.raises(ValueError, match="q_start has 1 entry but seg_lens has 2 rows"):
         mbs_attention(*qkv(device, b=2), CYCLIC, rows, q_start=[0])
+    q, k, v = qkv(device, sq=4)
+    with pytest.raises(ValueError, match="^q_start has 2 entries but the batch has 1 sample$"):
+        mbs_attention(q, k, v, CYCLIC, (5, 5, 10), q_start=[1, 2])
+    with pytest.raises(ValueError, match="^q_start has 3 entries but the batch has 1 sample$"):
+        mbs_attention(q, k, v, CYCLIC, (5, 5, 10), q_start=torch.tensor([1, 2, 3], device=device))
 
 
 def test_negative_length_names_its_row(device):
