@@ -246,7 +246,14 @@ def prepare_mask(
         device = (seg_lens.device if isinstance(seg_lens, torch.Tensor) and seg_lens.device.type != "cpu"
                   else torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                   else torch.device("cpu"))
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cuda', 'cuda:1' or 'cpu'; got "
+                         f"{device!r}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {device}: the calls run on CUDA tensors (or on the CPU through "
+                         "Triton's interpreter)")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device}: this machine has no CUDA device (pass device='cpu' for the "

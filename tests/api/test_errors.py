@@ -282,3 +282,29 @@ def test_lengths_from_an_iterator_or_array_are_read_once(device):
             torch.testing.assert_close(mbs_attention(q, k, v, CYCLIC, given), shared, rtol=0, atol=0)
         packed = mbs_attention_varlen(*qkv(device, sq=38, sk=38), CYCLIC, iter(rows))
     assert packed.shape == (1, 2, 38, 16)
+
+
+@pytest.mark.parametrize("lengths, error, match", [
+    ((5, -1, 16), ValueError, ">= 0"),
+    ((5.0, 5, 10), TypeError, "integers"),
+    ((5, 15), ValueError, "3 lengths or \\[B, 3\\] rows"),
+    ([[[5, 5, 10]]], ValueError, "3 lengths or \\[B, 3\\] rows"),
+    ((5, 5, 11), ValueError, "more than the 20 key positions"),
+    ([(5, 5, 10), (5, 5, 11)], ValueError, "more than the 20 key positions"),
+])
+def test_the_reference_mask_refuses_bad_lengths(lengths, error, match):
+    """The float64 reference checks its lengths itself (it takes nothing from the kernels' path): a bad one is an
+    error, not a mask of something else."""
+    from mmsparse import reference_mask
+
+    with pytest.raises(error, match=match):
+        reference_mask(CYCLIC, lengths, 20)
+
+
+def test_the_packed_reference_mask_takes_rows_of_lengths():
+    from mmsparse import reference_packed_mask
+
+    with pytest.raises(ValueError, match="a row of lengths per sample"):
+        reference_packed_mask(CYCLIC, (5, 5, 10))
+    with pytest.raises(ValueError, match=">= 0"):
+        reference_packed_mask(CYCLIC, [(5, 5, 10), (5, -5, 10)])

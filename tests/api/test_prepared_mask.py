@@ -136,6 +136,10 @@ def test_a_call_it_was_not_prepared_for_is_refused(device):
             prepare_mask(HUB, LENS, bad)
     with pytest.raises(ValueError, match="q_len"):
         prepare_mask(HUB, LENS, S, q_len=61)
+    for bad, message in (("tpu", "a name such as 'cuda'"), (3.5, "a name such as 'cuda'"),
+                         ("meta", "unsupported device meta")):
+        with pytest.raises(ValueError, match=message):
+            prepare_mask(HUB, LENS, S, device=bad)
     for copy_of in (pickle.dumps, copy.deepcopy):
         with pytest.raises(TypeError, match="prepare one where it is used"):
             copy_of(mask)
