@@ -277,8 +277,7 @@ class MultiheadMBSAttention(_MBSAttentionCore):
                 raise ValueError(
                     f"the input has {x.shape[1]} positions but seg_lens {self.seg_lens} sum to {self.seq_len}"
                 )
-            keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask == 0
-            seg_lens = clip_seg_lens(self.seg_lens, valid_lens_from_padding(keep))
+            seg_lens = clip_seg_lens(self.seg_lens, valid_lens_from_padding(_kept_keys(key_padding_mask, x)))
         self._check_input_dtype(x, self.in_proj_weight)
         q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         out = self.out_proj(self._attend(q, k, v, seg_lens, self.causal or is_causal))
@@ -290,6 +289,25 @@ class MultiheadMBSAttention(_MBSAttentionCore):
             f"topology={self.topology.types.tolist()}, seg_lens={self.seg_lens}, causal={self.causal}, "
             f"dropout={self.dropout}{self._window_repr()}"
         )
+
+
+def _kept_keys(key_padding_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, S]``, True for a real token, from an MHA ``key_padding_mask`` for the batch-first input ``x``: bool
+    (True = padding), or float as torch adds it to the scores, of 0 (attend) and -inf (padding) only."""
+    expected = (x.shape[0], x.shape[1])
+    if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != expected:
+        shape = tuple(key_padding_mask.shape) if isinstance(key_padding_mask, torch.Tensor) else key_padding_mask
+        raise ValueError(f"key_padding_mask must be [batch, seq] = {list(expected)} (True = padding); got {shape}")
+    if key_padding_mask.dtype == torch.bool:
+        return ~key_padding_mask
+    if not key_padding_mask.is_floating_point():
+        raise TypeError(f"key_padding_mask must be bool (True = padding) or float (0 or -inf, added to the scores); "
+                        f"got {key_padding_mask.dtype}")
+    keep = key_padding_mask == 0
+    if not bool((keep | (key_padding_mask == float("-inf"))).all()):
+        raise ValueError("a float key_padding_mask is added to the scores: mmsparse takes one of 0 (attend) and -inf "
+                         "(padding) only; pass a bool mask (True = padding)")
+    return keep
 
 
 def _is_cross_attention(parent: nn.Module, attr: str) -> bool:

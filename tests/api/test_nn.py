@@ -149,6 +149,31 @@ def test_replace_encoder_stack_with_padding(device):
         model(x, src_key_padding_mask=pad.flip(-1))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_key_padding_mask_is_bool_or_zero_and_minus_inf_of_the_input_shape(batch_first, device):
+    """As torch's MHA takes it: ``[batch, seq]``, bool (True = padding) or float added to the scores; mmsparse takes
+    a float one of 0 and -inf only (another value would change the scores, not drop the key). Anything else is an
+    error that says so, not a mask read some other way."""
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first).to(device)
+    layer = MultiheadMBSAttention(mha, ALL, SEG)
+    S = sum(SEG)
+    x = torch.randn(2, S, E, device=device)
+    x = x if batch_first else x.transpose(0, 1)
+    pad = torch.arange(S, device=device)[None, :] >= torch.tensor([S, 30], device=device)[:, None]
+    as_float = torch.zeros(2, S, device=device).masked_fill(pad, float("-inf"))
+    assert torch.equal(layer(x, x, x, key_padding_mask=pad)[0], layer(x, x, x, key_padding_mask=as_float)[0])
+    cases = [
+        (pad[:, :-1], ValueError, r"\[batch, seq\] = \[2, 40\]"),
+        (pad[:1], ValueError, r"\[batch, seq\] = \[2, 40\]"),
+        (pad[:, None], ValueError, r"\[batch, seq\] = \[2, 40\]"),
+        (as_float.masked_fill(pad, -10.0), ValueError, "0 \\(attend\\) and -inf \\(padding\\) only"),
+        (pad.int(), TypeError, "bool \\(True = padding\\) or float"),
+    ]
+    for mask, error, match in cases:
+        with pytest.raises(error, match=match):
+            layer(x, x, x, key_padding_mask=mask)
+
+
 class _Block(nn.Module):
     """A custom block that calls an MHA directly, next to a decoder layer whose cross-attention must stay."""
 
