@@ -206,8 +206,9 @@ class MultiheadMBSAttention(_MBSAttentionCore):
 
     It keeps the MHA's call signature and parameter names (``in_proj_weight``, ``in_proj_bias``, ``out_proj``), so
     ``state_dict`` keys are unchanged. It does self-attention only (``query``, ``key`` and ``value`` must be the same
-    tensor); the mask comes from the topology. ``key_padding_mask`` may mark right padding (True = padding); padded
-    queries then output the output projection's bias. ``attn_mask`` is accepted only together with
+    tensor); the mask comes from the topology. ``key_padding_mask`` (``[batch, seq]``: bool, True = padding, or
+    float of 0 and -inf, as torch's encoder layers pass it) may mark right padding; padded queries then output the
+    output projection's bias. ``attn_mask`` is accepted only together with
     ``is_causal=True`` (it is then taken to be the causal mask). Attention weights are not computed: the second
     output is None.
 
