@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
-from ..checks import check_dropout, check_qkv, check_softmax_scale
+from ..checks import check_dropout, check_qkv, check_softmax_scale, count
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .fetch import Fetch
 from .local import RankProblem, backward_pieces, check_causal, forward_pieces
@@ -124,6 +124,7 @@ class ContextParallel(RankProblem):
     def shard(self, x: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """This rank's tokens of ``x``, a tensor whose dim ``seq_dim`` is the whole sequence (every rank holds
         the same ``x``): differentiable, a gather along that dim."""
+        seq_dim = _checked_dim("x", x, seq_dim)
         if x.shape[seq_dim] != self.seq_len:
             raise ValueError(f"x has {x.shape[seq_dim]} positions along dim {seq_dim}; expected the whole sequence "
                              f"({self.seq_len}) to shard")
@@ -132,6 +133,7 @@ class ContextParallel(RankProblem):
     def unshard(self, x_local: torch.Tensor, seq_dim: int = 2) -> torch.Tensor:
         """The whole sequence from every rank's shard, on every rank, in sequence order; differentiable (the
         gradient of each rank's copy flows back to the rank that holds the token, summed over ranks)."""
+        seq_dim = _checked_dim("x_local", x_local, seq_dim)
         if x_local.shape[seq_dim] != self.local_len:
             raise ValueError(f"x_local has {x_local.shape[seq_dim]} positions along dim {seq_dim}; this rank holds "
                              f"{self.local_len}")
@@ -155,7 +157,8 @@ class ContextParallel(RankProblem):
                 raise ValueError(f"{name} must be [B, H, S_local={self.local_len}, D] (this rank's tokens); got "
                                  f"{tuple(t.shape)}")
         if self._lens.shape[0] not in (1, q.shape[0]):
-            raise ValueError(f"seg_lens has {self._lens.shape[0]} rows but the batch has {q.shape[0]} samples")
+            raise ValueError(f"seg_lens has {count(self._lens.shape[0], 'row')} but the batch has "
+                             f"{count(q.shape[0], 'sample')}")
         softmax_scale = check_softmax_scale(softmax_scale)
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         with one_thread_on(self.group):
@@ -193,6 +196,18 @@ class ContextParallel(RankProblem):
         """
         with one_thread_on(self.group):
             return return_kv_grads(self, dkv_gathered, dkv_local, self.kv_grad_dtype(dkv_gathered.dtype))
+
+
+def _checked_dim(name: str, x: Any, dim: Any) -> int:
+    """``dim`` as a non-negative dim of the tensor ``x``, or a TypeError/ValueError that names ``name``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"seq_dim must be an int (the dim of {name} that holds the sequence); got "
+                        f"{type(dim).__name__} {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"seq_dim {dim} is not a dim of {name}, which has shape {tuple(x.shape)}")
+    return dim % x.dim()
 
 
 def _process_group(group: Any) -> Any:

@@ -46,3 +46,27 @@ def test_a_bad_softmax_scale_is_refused(one_rank_world):
         cp.attention(*_qkv(), softmax_scale=0.0)
     with pytest.raises(TypeError, match="softmax_scale must be a positive float or None"):
         cp.attention(*_qkv(), softmax_scale="x")
+
+
+def test_shard_and_unshard_check_their_sequence_dim(one_rank_world):
+    """A seq_dim that is not a dim of the tensor, or not an int, is named in a ValueError/TypeError (an IndexError
+    from inside before); a negative one counts from the end, as torch's dims do."""
+    cp = ContextParallel(HUB, LENS)
+    positions = torch.arange(S)[None]
+    assert torch.equal(cp.shard(positions, seq_dim=-1), cp.shard(positions, seq_dim=1))
+    local = cp.shard(positions, seq_dim=1)
+    assert torch.equal(cp.unshard(local, seq_dim=-1), positions)
+    with pytest.raises(ValueError, match=r"seq_dim 5 is not a dim of x, which has shape \(1, 42\)"):
+        cp.shard(positions, seq_dim=5)
+    with pytest.raises(ValueError, match="seq_dim -3 is not a dim of x_local"):
+        cp.unshard(local, seq_dim=-3)
+    with pytest.raises(TypeError, match="seq_dim must be an int"):
+        cp.shard(positions, seq_dim=1.0)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor; got list"):
+        cp.shard([0, 1], seq_dim=0)
+
+
+def test_lengths_of_other_samples_than_the_batch_are_refused(one_rank_world):
+    cp = ContextParallel(HUB, [LENS, LENS])
+    with pytest.raises(ValueError, match="seg_lens has 2 rows but the batch has 1 sample$"):
+        cp.attention(*_qkv())
