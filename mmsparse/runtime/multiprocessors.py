@@ -57,7 +57,7 @@ def device_multiprocessors(index: int) -> int:
 
 def mps_limit(count: int, percentage: str | None) -> int | None:
     """The SMs of ``count`` that an MPS client may use under ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=percentage``, in
-    whole TPCs, rounded down (at least one); None without a limit (unset, not a number, or not below 100)."""
+    whole TPCs, rounded down (at least one TPC); None without a limit (unset, not a number, or not below 100)."""
     try:
         share = float(percentage) if percentage else 100.0
     except ValueError:
