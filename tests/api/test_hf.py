@@ -156,6 +156,13 @@ def test_clear_errors(device):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=SEG)
     with pytest.raises(ValueError, match="packed sample 1 has 20 tokens"):
         mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=[(5, 10, 5), (5, 10, 4)])
+    # lengths that are not ints are refused as mbs_attention refuses them, not truncated (10.5 -> 10)
+    with pytest.raises(TypeError, match=r"mm_seg_lens\[1\] must be an int; got float 19.5"):
+        mm(ids, mm_topology=RING, mm_seg_lens=(5, 19.5, 15.5))
+    with pytest.raises(TypeError, match="mm_seg_lens must hold integers; got dtype torch.float32"):
+        mm(ids, mm_topology=RING, mm_seg_lens=torch.tensor([5.0, 20.0, 15.0]))
+    with pytest.raises(TypeError, match=r"mm_seg_lens\[1\]\[2\] must be an int; got float 4.5"):
+        mm(ids, position_ids=packed, use_cache=False, mm_topology=RING, mm_seg_lens=[(5, 10, 5), (5, 10, 4.5)])
     static = transformers.StaticCache(config=mm.config, max_cache_len=64)  # queries would not be the last keys
     with pytest.raises(NotImplementedError, match="last key positions"):
         mm(ids, **{CACHE: static}, mm_topology=RING, mm_seg_lens=SEG, mm_extend_last_segment=True)

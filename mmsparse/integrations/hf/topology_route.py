@@ -19,7 +19,13 @@ from einops import rearrange
 from torch import nn
 
 from ...functional import mbs_attention, mbs_attention_varlen
-from ...mask.lengths import clip_seg_lens, is_per_sample, seg_lens_argument, valid_lens_from_padding
+from ...mask.lengths import (
+    clip_seg_lens,
+    is_per_sample,
+    seg_lens_argument,
+    valid_lens_from_padding,
+    validate_seg_lens,
+)
 from .model_mask import MaskSpec
 
 
@@ -47,7 +53,7 @@ def _segments(module: nn.Module, kwargs: dict, kv_len: int) -> tuple[Any, Any]:
     seg_lens = seg_lens_argument(seg_lens, "mm_seg_lens")
     if is_per_sample(seg_lens):
         return topology, seg_lens
-    lens = [int(n) for n in seg_lens]
+    lens = list(validate_seg_lens(seg_lens, len(seg_lens), "mm_seg_lens"))  # ints: a float is not truncated
     total = sum(lens)
     if total < kv_len and _setting(module, kwargs, "mm_extend_last_segment", False):
         lens[-1] += kv_len - total
@@ -88,7 +94,7 @@ def _packed_rows(seg_lens: Any, samples: list[int]) -> list[list[int]]:
             "position_ids or cu_seq_lens): mm_seg_lens must give one row of segment lengths per sample, "
             f"[{len(samples)}, k]"
         )
-    rows = [[int(n) for n in r] for r in rows]
+    rows = [list(validate_seg_lens(r, len(r), f"mm_seg_lens[{i}]")) for i, r in enumerate(rows)]
     for i, (row, n) in enumerate(zip(rows, samples)):
         if sum(row) != n:
             raise ValueError(
