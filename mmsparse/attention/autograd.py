@@ -8,6 +8,7 @@ import torch
 from ..mask.info import MaskInfo
 from .config import Settings
 from .custom_ops import attention_backward, attention_forward
+from .first_order import first_order_gradients
 
 
 class MBSAttentionFunction(torch.autograd.Function):
@@ -31,4 +32,5 @@ class MBSAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, seed = ctx.saved_tensors
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, ctx.info, ctx.softmax_scale, ctx.dropout_p, seed,
                                         ctx.deterministic, ctx.settings, ctx.launch)
+        dq, dk, dv = first_order_gradients("mbs_attention", (dq, dk, dv), grad_out, q, k, v)
         return dq, dk, dv, None, None, None, None, None, None

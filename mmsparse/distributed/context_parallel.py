@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..attention.config import current_settings
 from ..attention.dropout import new_dropout_seed
+from ..attention.first_order import first_order_gradients
 from ..checks import check_dropout, check_qkv, check_softmax_scale, count
 from .exchange import TRANSPORTS, return_kv_grads, start_fetch, start_return
 from .fetch import Fetch
@@ -278,7 +279,9 @@ class _Attention(torch.autograd.Function):
                                    finish, ctx.call, on_kv_grads=start, arriving=arriving)
         dkv = returned[0]()
         hkv = k.shape[1]
-        return dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype), None, None, None, None
+        grads = first_order_gradients("ContextParallel.attention", (
+            dq.to(q.dtype), dkv[:, :hkv].to(k.dtype), dkv[:, hkv:].to(v.dtype)), grad_out, q, k, v)
+        return *grads, None, None, None, None
 
 
 class _Unshard(torch.autograd.Function):
@@ -310,4 +313,4 @@ class _Unshard(torch.autograd.Function):
         with one_thread_on(cp.group):
             dist.all_reduce(total, group=cp.group)  # every rank's use of every token
         local = total[cp._index.to(total.device)]
-        return local.movedim(0, ctx.seq_dim), None, None
+        return *first_order_gradients("ContextParallel.unshard", (local.movedim(0, ctx.seq_dim),), grad), None, None

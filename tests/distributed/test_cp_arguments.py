@@ -70,3 +70,19 @@ def test_lengths_of_other_samples_than_the_batch_are_refused(one_rank_world):
     cp = ContextParallel(HUB, [LENS, LENS])
     with pytest.raises(ValueError, match="seg_lens has 2 rows but the batch has 1 sample$"):
         cp.attention(*_qkv())
+
+
+def test_a_double_backward_through_attention_or_unshard_raises(one_rank_world):
+    """Their gradients are computed outside autograd (kernels, collectives): differentiated again (a gradient
+    penalty) they raise instead of dropping the terms through them (``mmsparse.attention.first_order``)."""
+    cp = ContextParallel(HUB, LENS)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = cp.attention(q, k, v)
+    grad_q, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="ContextParallel.attention's gradients .* cannot be differentiated again"):
+        grad_q.square().sum().backward()
+    local = torch.randn(1, 2, cp.local_len, 16, requires_grad=True)
+    whole = cp.unshard(local, seq_dim=2)
+    grad_local, = torch.autograd.grad(whole.square().sum(), local, create_graph=True)
+    with pytest.raises(RuntimeError, match="ContextParallel.unshard's gradients .* cannot be differentiated again"):
+        torch.autograd.grad(grad_local.sum(), local)
