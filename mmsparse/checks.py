@@ -12,8 +12,23 @@ from .runtime.limits import check_problem_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+def check_no_function_transform() -> None:
+    """A TypeError under a ``torch.func`` transform (grad, vmap, jacrev, ...): its tensors are wrappers that the
+    kernels cannot read, and a mask or table built from them and kept by value would fail every later call of the
+    process. Under torch.compile nothing is checked (Dynamo cannot trace the query, and traces the transforms
+    itself)."""
+    if torch.compiler.is_compiling():
+        return
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        raise TypeError("mmsparse's attention does not run under torch.func transforms (grad, vmap, jacrev, jacfwd, "
+                        "hessian, functionalize): its kernels take plain tensors. Differentiate it with torch.autograd "
+                        "(loss.backward(), torch.autograd.grad) and give it batches along the batch dim")
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise a ValueError/TypeError naming the problem when q, k, v cannot go to the kernels."""
+    check_no_function_transform()
     if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4
             and q.dtype == k.dtype == v.dtype and q.dtype in SUPPORTED_DTYPES):  # else: which argument is wrong
         for name, t in (("q", q), ("k", k), ("v", v)):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_flag, check_window, count, layout_hint
+from ..checks import check_flag, check_no_function_transform, check_window, count, layout_hint
 from .cache import CACHE
 from .info import MaskInfo
 from .keys import value_key
@@ -234,6 +234,7 @@ def prepare_mask(
     """
     if torch.compiler.is_compiling():
         raise ValueError("prepare_mask is for eager calls: under torch.compile pass the lengths to the calls")
+    check_no_function_transform()
     q_len = seq_len if q_len is None else q_len
     for name, value in (("seq_len", seq_len), ("q_len", q_len)):
         if isinstance(value, bool) or not isinstance(value, int):
