@@ -11,16 +11,16 @@ from .runtime.launch import interpreter_active
 from .runtime.limits import check_problem_size
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the innermost active torch.func transform, or None (looked up once: a call checks it on its host path)
+_FUNCTION_TRANSFORM = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+
 
 def check_no_function_transform() -> None:
     """A TypeError under a ``torch.func`` transform (grad, vmap, jacrev, ...): its tensors are wrappers that the
     kernels cannot read, and a mask or table built from them and kept by value would fail every later call of the
     process. Under torch.compile nothing is checked (Dynamo cannot trace the query, and traces the transforms
     itself)."""
-    if torch.compiler.is_compiling():
-        return
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
+    if not torch.compiler.is_compiling() and _FUNCTION_TRANSFORM() is not None:
         raise TypeError("mmsparse's attention does not run under torch.func transforms (grad, vmap, jacrev, jacfwd, "
                         "hessian, functionalize): its kernels take plain tensors. Differentiate it with torch.autograd "
                         "(loss.backward(), torch.autograd.grad) and give it batches along the batch dim")
