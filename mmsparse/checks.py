@@ -26,6 +26,26 @@ def check_no_function_transform() -> None:
                         "(loss.backward(), torch.autograd.grad) and give it batches along the batch dim")
 
 
+def check_device(device: Any) -> torch.device:
+    """``device`` (a torch.device, a name such as ``'cuda:1'``, or a CUDA index) as the torch.device of a CUDA GPU,
+    its index filled in, or of the CPU; else a ValueError that says what it must be."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cuda', 'cuda:1' or 'cpu'; got "
+                         f"{device!r}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {device}: the kernels run on CUDA tensors (or on the CPU through "
+                         "Triton's interpreter)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device}: this machine has no CUDA device (pass device='cpu' for the "
+                             "interpreter)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise a ValueError/TypeError naming the problem when q, k, v cannot go to the kernels."""
     check_no_function_transform()

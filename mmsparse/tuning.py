@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .attention.config import DEFAULT_SETTINGS, THRESHOLDS, KernelConfig, Tile, kernel_config, use_tuning
+from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_device, head_dim_supported
 
 __all__ = ["THRESHOLDS", "KernelConfig", "Tile", "default_config", "use_tuning"]
 
@@ -27,4 +28,10 @@ __all__ = ["THRESHOLDS", "KernelConfig", "Tile", "default_config", "use_tuning"]
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> KernelConfig:
     """The table's config for calls of this head dim and dtype on ``device`` (no thread's tuning applied): the
     starting point for a :func:`use_tuning` block."""
-    return kernel_config(head_dim, dtype, torch.device(device), DEFAULT_SETTINGS)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"head_dim must be an int; got {type(head_dim).__name__} {head_dim!r}")
+    if not head_dim_supported(head_dim):
+        raise ValueError(f"head_dim must be {SUPPORTED_HEAD_DIMS}; got {head_dim}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype!r}")
+    return kernel_config(head_dim, dtype, check_device(device), DEFAULT_SETTINGS)

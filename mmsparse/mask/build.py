@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_flag, check_no_function_transform, check_window, count, layout_hint
+from ..checks import check_device, check_flag, check_no_function_transform, check_window, count, layout_hint
 from .cache import CACHE
 from .info import MaskInfo
 from .keys import value_key
@@ -247,20 +247,7 @@ def prepare_mask(
         device = (seg_lens.device if isinstance(seg_lens, torch.Tensor) and seg_lens.device.type != "cpu"
                   else torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                   else torch.device("cpu"))
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a name such as 'cuda', 'cuda:1' or 'cpu'; got "
-                         f"{device!r}") from None
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"unsupported device {device}: the calls run on CUDA tensors (or on the CPU through "
-                         "Triton's interpreter)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device}: this machine has no CUDA device (pass device='cpu' for the "
-                             "interpreter)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = check_device(device)
     causal, packed = check_flag("causal", causal), check_flag("packed", packed)
     if isinstance(seg_lens, PreparedMask):
         raise TypeError("seg_lens is a prepared mask already: pass it to the calls")

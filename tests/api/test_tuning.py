@@ -91,3 +91,18 @@ def test_use_tuning_sets_the_tiles_and_thresholds_a_call_plans_with(device):
     check_outputs(q, k, v, out, grad_out, reference_mask(HUB, LENS, seq))
     assert kernel_config(16, torch.float32, device) == table
     assert set(THRESHOLDS) <= {f.name for f in dataclasses.fields(KernelConfig)}
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((12, torch.float32, "cpu"), ValueError, "head_dim must be a multiple of 8 between 16 and 256; got 12"),
+    (("128", torch.float32, "cpu"), TypeError, "head_dim must be an int; got str '128'"),
+    ((True, torch.float32, "cpu"), TypeError, "head_dim must be an int; got bool"),
+    ((128, torch.int32, "cpu"), TypeError, "dtype must be one of"),
+    ((128, torch.float32, "tpu"), ValueError, "a name such as 'cuda'"),
+    ((128, torch.float32, "meta"), ValueError, "unsupported device meta"),
+])
+def test_default_config_refuses_what_no_call_takes(args, error, match):
+    """A head dim, dtype or device no call takes is an error that says so (the table came back for any head dim
+    and dtype, and a device torch could not parse, or CUDA on a machine without it, failed inside torch)."""
+    with pytest.raises(error, match=match):
+        default_config(*args)
