@@ -43,10 +43,13 @@ class DevResource(ctypes.Structure):
 def usable_multiprocessors(device: torch.device, stream: int) -> int:
     """The SMs that a kernel launched on ``stream`` (a ``torch.cuda.Stream.cuda_stream`` handle) of the CUDA
     ``device`` may hold at once: the least of the device's count, an MPS limit in this process's environment, the
-    current context's execution affinity and the SMs of the stream's green context."""
+    current context's execution affinity and the SMs of the stream's green context. While the stream is captured
+    into a CUDA graph the driver is not asked (a call that capture does not allow would void the graph)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     count = device_multiprocessors(index)
-    limits = [count, mps_limit(count, os.environ.get(MPS_PERCENTAGE)), *driver_limits(index, stream)]
+    limits = [count, mps_limit(count, os.environ.get(MPS_PERCENTAGE))]
+    if not torch.cuda.is_current_stream_capturing():
+        limits += driver_limits(index, stream)
     return max(1, min(limit for limit in limits if limit))
 
 

@@ -48,6 +48,7 @@ def _fake_driver(monkeypatch, affinity=(0, 0), green=None, green_result=(0, mult
     monkeypatch.setattr(multiprocessors, "optional_calls", lambda: calls)
     monkeypatch.setattr(multiprocessors, "bind_context", lambda index: None)
     monkeypatch.setattr(multiprocessors, "device_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv(multiprocessors.MPS_PERCENTAGE, raising=False)
 
 
@@ -62,6 +63,15 @@ def test_the_least_of_what_is_known_counts(monkeypatch):
     _fake_driver(monkeypatch, affinity=(0, 132))
     monkeypatch.setenv(multiprocessors.MPS_PERCENTAGE, "25")
     assert multiprocessors.usable_multiprocessors(device, 1234) == 32
+
+
+def test_a_captured_stream_asks_the_driver_nothing(monkeypatch):
+    device = torch.device("cuda", 0)
+    _fake_driver(monkeypatch, affinity=(0, 40), green=8)
+    monkeypatch.setattr(multiprocessors, "driver_limits", lambda index, stream: pytest.fail("asked the driver"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setenv(multiprocessors.MPS_PERCENTAGE, "50")
+    assert multiprocessors.usable_multiprocessors(device, 1234) == 66
 
 
 def test_queries_that_fail_are_skipped(monkeypatch):
