@@ -17,6 +17,7 @@ import torch
 from ..mask.add_order import adds_shortest_first
 from ..mask.blocks import cdiv
 from ..mask.info import TileKey
+from ..runtime.multiprocessors import device_multiprocessors
 from ..runtime.traced import assume_constant_result
 from .config import KernelConfig, Tile, cuda_index, gluon_tile_problem, head_dim_pad
 
@@ -328,6 +329,6 @@ def num_splits(programs: int, key_blocks: int, device: torch.device, sms: int | 
     return max(1, min(cdiv(target, programs), key_blocks // min_blocks))
 
 
-@functools.cache
 def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(cuda_index(device)).multi_processor_count
+    """The CUDA ``device``'s multiprocessors (``runtime.multiprocessors`` keeps the count per device)."""
+    return device_multiprocessors(cuda_index(device))
