@@ -61,9 +61,8 @@ SIDES = {"two-pass": True, "one-pass": False, "dq-writer": False, "dq-writer-ord
 WRITER_SIDES = ("dq-writer", "dq-writer-ordered")  # "-ordered": deterministic, its adds in order
 _SIDE_TILE = re.compile(r"(dq-writer|two-pass)(?:-m(\d+))?(?:-s(\d+))?")
 # "dq-writer-ordered-h<K>": the ordered writer's programs taking each key block in turn for the (batch, KV head)s of
-# K query heads (KernelConfig.ordered_head_section; "dq-writer-ordered": the config's); "dq-writer-ordered-long" and
-# "dq-writer-ordered-long-h<K>": launched longest list first over any mask (KernelConfig.ordered_launch)
-_SIDE_SECTION = re.compile(r"dq-writer-ordered(-long)?(?:-h(\d+))?")
+# K query heads (KernelConfig.ordered_head_section; "dq-writer-ordered": the config's)
+_SIDE_SECTION = re.compile(r"dq-writer-ordered-h(\d+)")
 
 
 def side_kind(side: str) -> str:
@@ -79,13 +78,7 @@ def side_head_section(side: str) -> int | None:
     """The query heads whose (batch, KV head)s a "dq-writer-ordered-h<K>" side's programs take each key block for
     (None: the config's)."""
     found = _SIDE_SECTION.fullmatch(side)
-    return int(found.group(2)) if found and found.group(2) else None
-
-
-def side_longest_first(side: str) -> bool:
-    """Whether a "dq-writer-ordered-long[-h<K>]" side launches longest list first over any mask."""
-    found = _SIDE_SECTION.fullmatch(side)
-    return bool(found and found.group(1))
+    return int(found.group(1)) if found else None
 
 
 def side_stages(side: str) -> int | None:
@@ -131,8 +124,7 @@ def side_config(cfg: BenchConfig, side: str, device: torch.device, dtype: torch.
     section = side_head_section(side)
     return replace(device_config, gluon_dq_writer=writer,
                    ordered_dq_writer=side_kind(side) == "dq-writer-ordered",
-                   ordered_head_section=device_config.ordered_head_section if section is None else section,
-                   ordered_launch="longest_first" if side_longest_first(side) else device_config.ordered_launch)
+                   ordered_head_section=device_config.ordered_head_section if section is None else section)
 
 
 def _side_tile(tile: Tile, kind: str, side: str, head_dim: int, dtype: torch.dtype) -> Tile:

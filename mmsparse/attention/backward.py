@@ -80,8 +80,7 @@ class BackwardLaunch:
         # the ordered dQ writer (deterministic): a counter of adds per (batch * head, query block)
         self.ordered = plan.dkdv.ordered
         self.query_blocks = cdiv(seq_q, plan.dkdv.tile.block_m)
-        # its launch direction: the mask's, unless the plan launches longest first over any mask
-        self.shortest_first = not plan.dkdv.longest_first and adds_shortest_first(self.mode, self.causal)
+        self.shortest_first = adds_shortest_first(self.mode, self.causal)  # its launch direction
         group = num_heads // num_kv_heads
         # its programs taking each key block for this many (batch, KV head)s in turn (those of the plan's query heads
         # a section), where launched longest first: shortest first, a list starts at its own queries and the key

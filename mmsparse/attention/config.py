@@ -124,11 +124,6 @@ class KernelConfig:
     # GQA, where one head after the other ran 0.80-1.05x; with GQA groups of 4, one KV head a section ran
     # 1.03-1.07x and four 0.96-1.06x (benchmarks/results/h200/ordered_longest_first.md).
     ordered_head_section: int = 4
-    # Where the ordered dQ writer launches its programs: "by_mask", longest list first where no list starts at its
-    # own queries (a bit mask without the causal flag) and shortest first elsewhere (mask.add_order.
-    # adds_shortest_first), with sections only longest first; "longest_first", longest first over every mask, in
-    # sections (ranks built for either direction never wait for a program that cannot start).
-    ordered_launch: str = "by_mask"
 
     def __post_init__(self) -> None:
         for name in _TILE_FIELDS:
@@ -136,9 +131,6 @@ class KernelConfig:
         _check_bool("KernelConfig.use_tma", self.use_tma)
         _check_bool("KernelConfig.ordered_dq_writer", self.ordered_dq_writer)
         _check_head_section(self.ordered_head_section)
-        if self.ordered_launch not in ORDERED_LAUNCHES:
-            raise ValueError(f"KernelConfig.ordered_launch must be one of {list(ORDERED_LAUNCHES)}; got "
-                             f"{self.ordered_launch!r}")
         for name in THRESHOLDS:
             check_threshold(f"KernelConfig.{name}", name, getattr(self, name))
         for name, rows in _GLUON_ROWS.items():
@@ -291,7 +283,6 @@ def _check_int(label: str, value: object) -> int:
 # The query heads whose programs the ordered dQ writer interleaves at most: each program holds a multiprocessor, and
 # each group of ranks holds the programs an H100 or H200 runs at once divided by the section's KV heads.
 MAX_ORDERED_HEAD_SECTION = 16
-ORDERED_LAUNCHES = ("by_mask", "longest_first")  # KernelConfig.ordered_launch
 
 
 def _check_head_section(value: object) -> None:

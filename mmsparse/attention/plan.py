@@ -49,8 +49,7 @@ class BackwardPass:
     ``ordered``: its adds into each query block land in a fixed order (deterministic:
     ``KernelConfig.ordered_dq_writer``), its programs taking each key block in turn for the (batch, KV head)s of
     ``head_section`` query heads where launched longest first (``KernelConfig.ordered_head_section``; 1 where not
-    ordered). ``longest_first``: the ordered writer launches longest list first over any mask
-    (``KernelConfig.ordered_launch``); else the mask decides (:func:`mmsparse.mask.add_order.adds_shortest_first`)."""
+    ordered)."""
 
     tile: Tile
     gluon: bool
@@ -59,7 +58,6 @@ class BackwardPass:
     dq_writer: bool = False
     ordered: bool = False
     head_section: int = 1
-    longest_first: bool = False
 
     def __post_init__(self) -> None:
         # A plan's text crosses the ops and may come from another release: a Gluon one pass that is not the dQ
@@ -72,9 +70,6 @@ class BackwardPass:
         if self.head_section != 1 and not (self.ordered and self.dq_writer):
             raise ValueError(f"head_section is the ordered dQ writer's: a pass without it takes 1; got "
                              f"{self.head_section}")
-        if self.longest_first and not (self.ordered and self.dq_writer):
-            raise ValueError("longest_first is the ordered dQ writer's launch direction: a pass without it takes "
-                             "False")
 
     @property
     def lists(self) -> TileKey:
@@ -160,8 +155,7 @@ def backward_passes(config: KernelConfig, seq_k: int, device: torch.device, drop
         one_pass = BackwardPass(config.one_pass_kernel_tile(dropout, seq_k, sample_len),
                                 config.one_pass_runs_dq_writer(dropout), True, one_pass=True,
                                 dq_writer=config.one_pass_runs_dq_writer(dropout), ordered=deterministic,
-                                head_section=config.ordered_head_section if deterministic else 1,
-                                longest_first=deterministic and config.ordered_launch == "longest_first")
+                                head_section=config.ordered_head_section if deterministic else 1)
         return None, one_pass, False
     dq_tile, dkdv_tile = config.dq_tile(seq_k, dropout), config.dkdv_tile(dropout)
     return (BackwardPass(dq_tile, dq_tile.gluon and not dropout, False),
@@ -234,7 +228,7 @@ def _plan_text(plan: CallPlan) -> str:
     def step(p: BackwardPass | None) -> tuple | None:
         return None if p is None else (("tile", tile(p.tile)), ("gluon", p.gluon), ("by_key", p.by_key),
                                        ("one_pass", p.one_pass), ("dq_writer", p.dq_writer), ("ordered", p.ordered),
-                                       ("head_section", p.head_section), ("longest_first", p.longest_first))
+                                       ("head_section", p.head_section))
 
     return _text_of((("forward", tile(plan.forward)), ("dq", step(plan.dq)), ("dkdv", step(plan.dkdv)),
                      *((name, getattr(plan, name)) for name in _PLAN_SCALARS)))
@@ -261,8 +255,7 @@ def call_plan_from_text(text: str) -> CallPlan:
             return None if step is None else BackwardPass(Tile(**step["tile"]), bool(step["gluon"]),
                                                           bool(step["by_key"]), bool(step["one_pass"]),
                                                           bool(step["dq_writer"]), bool(step["ordered"]),
-                                                          int(step.get("head_section", 1)),
-                                                          bool(step.get("longest_first", False)))
+                                                          int(step.get("head_section", 1)))
 
         dkdv = pass_of(value["dkdv"])
         if dkdv is None:

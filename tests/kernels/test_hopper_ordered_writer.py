@@ -127,48 +127,6 @@ def test_the_backward_ranks_a_section_in_groups_of_its_share_of_the_gpu(monkeypa
         assert launch.resident_rows(7) == 64
 
 
-def test_the_launch_direction_goes_to_the_ordered_plan_and_its_text():
-    """``ordered_launch="longest_first"`` reaches the ordered writer's plan and the ops' plan text (a plan text
-    without it reads the mask's direction); the unordered writer and the two passes keep the mask's, and a pass that
-    is not the ordered writer refuses it."""
-    config = dataclasses.replace(ordered_config(128), ordered_launch="longest_first")
-    plan = plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=True)
-    assert plan.dkdv.ordered and plan.dkdv.longest_first
-    assert not plan_attention(ordered_config(128), 1, 4, 2, 4096, 4096, CPU, deterministic=True).dkdv.longest_first
-    assert not plan_attention(config, 1, 4, 2, 4096, 4096, CPU, deterministic=False).dkdv.longest_first
-    two_passes = dataclasses.replace(writer_config(128), ordered_launch="longest_first")
-    assert not plan_attention(two_passes, 1, 4, 2, 4096, 4096, CPU, deterministic=True).dkdv.longest_first
-    call = plan_call(config, 3000, 3000, CPU, None, False, True, MASK_BITS, True, None, 3)
-    assert call.dkdv.longest_first and call_plan_from_text(call.text) == call
-    older = json.loads(call.text)
-    del older["dkdv"]["longest_first"]
-    assert not call_plan_from_text(json.dumps(older)).dkdv.longest_first
-    with pytest.raises(ValueError, match="longest_first is the ordered dQ writer's"):
-        dataclasses.replace(plan.dkdv, ordered=False, head_section=1)
-
-
-@pytest.mark.parametrize("value", ["shortest_first", "longest", None])
-def test_the_launch_direction_is_checked(value):
-    with pytest.raises(ValueError, match="ordered_launch must be one of"):
-        dataclasses.replace(ordered_config(128), ordered_launch=value)
-
-
-def test_longest_first_launches_causal_and_code_masks_longest_first_in_sections():
-    """With ``ordered_launch="longest_first"`` the backward launches the programs of a causal bit mask and of
-    segment codes longest list first, in the plan's sections, and builds their ranks for that direction; by the
-    mask (the default) they launch shortest first, one head after the other."""
-    from mmsparse.attention import backward
-    from mmsparse.kernels.constants import MASK_SEGMENTS
-
-    q, k = torch.zeros(1, 8, 4096, 128), torch.zeros(1, 4, 4096, 128)
-    for launch_order, shortest_first, section in (("longest_first", False, 2), ("by_mask", True, 1)):
-        config = dataclasses.replace(ordered_config(128), ordered_launch=launch_order, ordered_head_section=4)
-        for mode, causal in ((MASK_BITS, True), (MASK_SEGMENTS, False)):
-            call = plan_call(config, 4096, 4096, CPU, None, False, True, mode, causal, None, 3)
-            launch = backward.BackwardLaunch(q, k, call, call, 0.125, 0.0)
-            assert (launch.shortest_first, launch.head_section) == (shortest_first, section), (launch_order, mode)
-
-
 def _bits_mask(lengths, causal=False):
     from mmsparse.mask.build import build_mask_info
 
@@ -273,20 +231,18 @@ def test_ordered_writer_over_a_pack_of_samples(switch, writer_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, launch_order", [(True, "by_mask"), (False, "by_mask"), (True, "longest_first")],
-                         ids=["causal-shortest-first", "full-longest-first", "causal-longest-first"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-shortest-first", "full-longest-first"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_ordered_writer_is_bitwise_repeatable(head_dim, causal, launch_order, writer_calls):
+def test_ordered_writer_is_bitwise_repeatable(head_dim, causal, writer_calls):
     """Many key blocks add into each query block (6k keys, 8 heads over 2 KV heads, 2 samples: 200+ CTAs, more than
     the GPU holds at once): dQ, dK and dV are bitwise equal over four backward passes, under
     torch.use_deterministic_algorithms(True), which the unordered kernel refuses; in both launch directions (the
-    causal mask's programs shortest list first, the bit mask's without the flag longest first) and the causal
-    mask's longest first in sections (``ordered_launch``)."""
+    causal mask's programs shortest list first, the bit mask's without the flag longest first)."""
     lens = (1500, 3000, 1700)
     seq = sum(lens)
     q, k, v = make_qkv(2, 8, 2, seq, seq, head_dim, torch.bfloat16, CUDA)
     grad_out = torch.randn(2, 8, seq, head_dim, device=CUDA, dtype=torch.bfloat16)
-    config = dataclasses.replace(ordered_config(head_dim), ordered_launch=launch_order)
+    config = ordered_config(head_dim)
     runs, outs = [], []
     with use_tuning(config):
         torch.use_deterministic_algorithms(True)
@@ -302,7 +258,7 @@ def test_ordered_writer_is_bitwise_repeatable(head_dim, causal, launch_order, wr
         finally:
             torch.use_deterministic_algorithms(False)
     assert writer_calls.ordered[:4] == [True] * 4 and len(writer_calls) >= 4
-    assert writer_calls.shortest_first == [causal and launch_order == "by_mask"] * 4
+    assert writer_calls.shortest_first == [causal] * 4
     for run in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
             assert torch.equal(first, again), f"{name} changed from run to run"
@@ -407,32 +363,28 @@ gluon_launch.run_bwd_dq_writer = spy
 dev = torch.device("cuda")
 lens = (1500, 3000, 1700)
 seq = sum(lens)
-CODES = [[2, 0, 1], [1, 2, 0], [1, 1, 2]]  # causal pairs: segment codes
-cases = ((128, 8, HUB, False, "by_mask"), (128, 8, HUB, True, "by_mask"), (64, 4, HUB, False, "by_mask"),
-         (128, 10, HUB, False, "by_mask"), (128, 8, HUB, True, "longest_first"), (64, 8, CODES, False, "longest_first"))
-for head_dim, section, topology, causal, launch_order in cases:
+for head_dim, section, causal in ((128, 8, False), (128, 8, True), (64, 4, False), (128, 10, False)):
     # 2 samples x 3 KV heads in GQA groups of 2: sections of 8 query heads are 4 (batch, KV head)s and leave a last
     # one of 2, sections of 10 are 5 and leave one of 1; 49 key blocks a head: 294 programs, more than an H200
     # holds at once
     q, k, v = make_qkv(2, 6, 3, seq, seq, head_dim, torch.bfloat16, dev)
     grad_out = torch.randn(2, 6, seq, head_dim, device=dev, dtype=torch.bfloat16)
-    config = dataclasses.replace(ordered_config(head_dim), ordered_head_section=section, ordered_launch=launch_order)
+    config = dataclasses.replace(ordered_config(head_dim), ordered_head_section=section)
     runs = []
     launched.clear()
     with use_tuning(config):
         for _ in range(3):
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = mbs_attention(*leaves, topology, lens, causal=causal, deterministic=True)
+            out = mbs_attention(*leaves, HUB, lens, causal=causal, deterministic=True)
             out.backward(grad_out)
             runs.append([t.grad for t in leaves])
-    # launched shortest first (the causal flag, by the mask) the programs go one head after the other
-    shortest_first = launch_order == "by_mask" and (causal or topology is CODES)
-    assert launched == [(True, 1 if shortest_first else section // 2)] * 3, launched
+    # launched shortest first (the causal flag) the programs go one head after the other
+    assert launched == [(True, 1 if causal else section // 2)] * 3, launched
     for run in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(first, again), (name, head_dim, section, causal, launch_order)
-    check_outputs(q, k, v, out, grad_out, reference_mask(topology, lens, seq, causal=causal), grads=runs[0])
-    print(head_dim, section, causal, launch_order, "ok", flush=True)
+            assert torch.equal(first, again), (name, head_dim, section, causal)
+    check_outputs(q, k, v, out, grad_out, reference_mask(HUB, lens, seq, causal=causal), grads=runs[0])
+    print(head_dim, section, causal, "ok", flush=True)
 print("ok")
 """
 
@@ -442,9 +394,8 @@ print("ok")
 def test_ordered_writer_in_head_sections():
     """``ordered_head_section``: the ordered writer's programs take each key block for 2, 4 or 5 (batch, KV head)s
     in turn (sections of 4, 8 or 10 query heads in GQA groups of 2; the last section shorter) where launched
-    longest list first (by the mask, or over a causal mask and segment codes with ``ordered_launch="longest_first"``),
-    and one head after the other where the causal flag launches them shortest first: it ends, repeats its bits over
-    three backward passes and matches float64."""
+    longest list first, and one head after the other where the causal flag launches them shortest first: it ends,
+    repeats its bits over three backward passes and matches float64."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", _HEAD_SECTIONS], capture_output=True, text=True, env=env,
                             timeout=300, cwd=REPO)

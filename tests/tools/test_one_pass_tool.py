@@ -195,13 +195,6 @@ def test_ordered_head_section_sides(monkeypatch):
 
     assert plan("dq-writer-ordered-h8").dkdv.ordered and plan("dq-writer-ordered-h8").dkdv.head_section == 8
     assert plan("dq-writer-ordered-h1").dkdv.head_section == 1
-    # "-long": launched longest first over any mask (ordered_launch), with the config's sections or its own
-    assert one_pass.side_kind("dq-writer-ordered-long-h8") == "dq-writer-ordered"
-    assert one_pass.side_longest_first("dq-writer-ordered-long")
-    assert not one_pass.side_longest_first("dq-writer-ordered")
-    long8 = plan("dq-writer-ordered-long-h8").dkdv
-    assert long8.ordered and long8.longest_first and long8.head_section == 8
-    assert plan("dq-writer-ordered-long").dkdv.longest_first and not plan("dq-writer-ordered-h8").dkdv.longest_first
     assert plan("dq-writer-ordered").dkdv.head_section == cuda_kernel_config(128, torch.bfloat16).ordered_head_section
     assert plan("two-pass").dq is not None and plan("two-pass-s3").dq is not None
     with pytest.raises(ValueError, match="ordered_head_section"):
