@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.configs import ALL_CONFIGS
+from benchmarks.timing import Timing
 from mmsparse.attention.config import cuda_kernel_config
 from tools import fwd_schedule
 from tools.fwd_schedule import launched_us, static_us, tile_lengths
@@ -42,3 +43,23 @@ def test_the_command(capsys):
     assert "| seed | 1920 |" in out  # 8 samples x 16 heads x 15 query blocks
     with pytest.raises(SystemExit):
         fwd_schedule.main(["--configs", "seed", "--sms", "0"])
+
+
+def test_the_fit_of_the_launch_costs():
+    """A line through µs a wave against key blocks a list: 2 µs a start and 1.5 a block, and refused from one
+    list length."""
+    start, block = fwd_schedule.fit_costs([(1, 3.5), (2, 5.0), (4, 8.0), (8, 14.0)])
+    assert start == pytest.approx(2.0) and block == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="two list lengths"):
+        fwd_schedule.fit_costs([(2, 5.0), (2, 5.1)])
+
+
+def test_the_measured_points_run_the_forward():
+    """On the CPU (the interpreter, the CPU tile 32x16) the packs' forward runs: a point per sample length, lists
+    of 2, 4 key blocks; tokens that do not fill the samples are refused."""
+    device = torch.device("cpu")
+    timing = Timing(device, warmup=0, rep=0, cpu_warmup=1, cpu_reps=1)
+    points = fwd_schedule.measured_points(device, 128, 1, 16, 4, (1, 2), timing)
+    assert [n for n, _ in points] == [2, 4] and all(t > 0 for _, t in points)
+    with pytest.raises(ValueError, match="--tokens must be a multiple"):
+        fwd_schedule.measured_points(device, 100, 1, 16, 4, (1, 2), timing)
