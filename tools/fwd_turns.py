@@ -39,8 +39,7 @@ DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k
 def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
     """Label -> config. The first is the reference of the ratios: the config's own tile without ping-pong at D=64
     and D=256, the turn mbarriers otherwise. The forward's tile and the short-samples tile change together; a tile
-    that does not fit a CTA's shared memory is left out. ``persistent``, last: the config's own tiles with a
-    persistent grid (``Tile.persistent``)."""
+    that does not fit a CTA's shared memory is left out."""
     if not base.fwd.pingpong:
         out = {"no_pingpong": base, **_without_pingpong(base, head_dim, (2, 3, 4))}
         for stages in (2, 3):
@@ -48,19 +47,12 @@ def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
                 tile = replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns)
                 if gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
                     out[f"pingpong_{stages}stages_{turns}"] = replace(base, fwd=tile)
-        return {**out, "persistent": _persistent(base)}
+        return out
     short = base.fwd_short_samples
     return {**{turns: replace(base, fwd=replace(base.fwd, turns=turns),
                               fwd_short_samples=short if short is None else replace(short, turns=turns))
                for turns in TURN_SCHEMES},
-            **_without_pingpong(base, head_dim, (2, 3)), "persistent": _persistent(base)}
-
-
-def _persistent(base: KernelConfig) -> KernelConfig:
-    """``base`` with its Gluon forward tiles (the forward's and the short samples') persistent."""
-    short = base.fwd_short_samples
-    return replace(base, fwd=replace(base.fwd, persistent=True),
-                   fwd_short_samples=short if short is None or not short.gluon else replace(short, persistent=True))
+            **_without_pingpong(base, head_dim, (2, 3))}
 
 
 def _without_pingpong(base: KernelConfig, head_dim: int, stages: tuple[int, ...]) -> dict[str, KernelConfig]:
