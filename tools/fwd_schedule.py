@@ -1,4 +1,6 @@
-"""A CPU model of the Gluon forward's launch, to weigh a persistent forward before building it.
+"""A CPU model of the Gluon forward's launch, to weigh a persistent forward (one built and measured:
+``benchmarks/results/h200/fwd_persistent.md``, where a persistent tile cost about what a launched program's start
+does).
 
 Today the forward launches a program (CTA) per (batch * head, query block), and an SM starts the next program in
 launch order once one ends (one program an SM: the D=128 forward's stages take 224 KB of shared memory); each
