@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import sys
 
 import torch
 
@@ -40,7 +41,7 @@ from mmsparse import mbs_attention_varlen
 from mmsparse.attention.config import cuda_kernel_config, kernel_config, use_tuning
 from mmsparse.mask.build import build_mask_info
 
-SAMPLE_BLOCKS = (1, 2, 4, 8)  # --measure: the key blocks of every list, one pack each
+SAMPLE_BLOCKS = (1, 2, 4, 8)  # --measure: the query blocks of every sample, a pack each
 
 
 def tile_lengths(cfg: BenchConfig) -> list[int]:
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="mm13k_cyclic,mm13k_hub,mm13k_hub_causal,mm43k_cyclic,transfusion_16k",
                     help="comma-separated benchmark config names (benchmarks/configs.py)")
     ap.add_argument("--sms", type=int, default=132, help="programs running at once (an H200's multiprocessors)")
-    ap.add_argument("--block-us", type=float, default=2.4, help="a key block's matmuls and softmax, µs")
-    ap.add_argument("--start-us", type=float, default=3.0, help="a launched program's start, µs")
+    # the defaults: --measure on an H200 (benchmarks/results/h200/fwd_persistent.md)
+    ap.add_argument("--block-us", type=float, default=1.62, help="a key block's matmuls and softmax, µs")
+    ap.add_argument("--start-us", type=float, default=4.22, help="a launched program's start, µs")
     ap.add_argument("--tile-us", type=float, default=1.0, help="a persistent program's cost a tile, µs")
     ap.add_argument("--measure", action="store_true",
                     help="fit --start-us and --block-us from the forward on this machine's GPU first")
@@ -140,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         if args.tokens < 1 or args.heads < 1:
             ap.error("--tokens and --heads take positive values")
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            print("tools.fwd_schedule --measure times the forward: it needs a GPU", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
         try:
             points = measured_points(device, args.tokens, args.heads, 128, args.sms)
         except ValueError as err:
             ap.error(str(err))
         args.start_us, args.block_us = fit_costs(points)
-        print(f"On {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, µs a wave by key blocks "
-              f"a list: " + ", ".join(f"{n}: {t:.2f}" for n, t in points)
+        print(f"On {torch.cuda.get_device_name(device)}, µs a wave by key blocks a list: "
+              + ", ".join(f"{n}: {t:.2f}" for n, t in points)
               + f"; fitted: {args.start_us:.2f} µs a program's start, {args.block_us:.3f} µs a key block")
         if args.block_us <= 0:
             ap.error("the fitted key block's cost is not positive: time again (--tokens more)")

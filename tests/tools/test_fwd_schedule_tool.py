@@ -45,6 +45,12 @@ def test_the_command(capsys):
         fwd_schedule.main(["--configs", "seed", "--sms", "0"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no GPU")
+def test_measure_without_a_gpu_says_so(capsys):
+    assert fwd_schedule.main(["--configs", "seed", "--measure"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
 def test_the_fit_of_the_launch_costs():
     """A line through µs a wave against key blocks a list: 2 µs a start and 1.5 a block, and refused from one
     list length."""
