@@ -47,9 +47,10 @@ def reference_mask(
     return mask
 
 
-def _lengths(seg_lens: SegLensArg, num_segments: int, seq_k: int) -> torch.Tensor:
+def _lengths(seg_lens: SegLensArg, num_segments: int, seq_k: int | None = None) -> torch.Tensor:
     """int64 ``[B, k]`` on the CPU from k lengths or ``[B, k]`` rows, checked here (the reference takes nothing
-    from the kernels' own checks): integers, one a segment, none negative, each row within the ``seq_k`` keys."""
+    from the kernels' own checks): integers, one a segment, none negative, each row within the ``seq_k`` keys (None:
+    packed samples, each as long as its row)."""
     lens = torch.as_tensor(seg_lens).cpu()
     if lens.dtype == torch.bool or lens.is_floating_point() or lens.is_complex():
         raise TypeError(f"seg_lens must hold integers; got {lens.dtype}")
@@ -59,7 +60,7 @@ def _lengths(seg_lens: SegLensArg, num_segments: int, seq_k: int) -> torch.Tenso
                          f"topology; got shape {tuple(lens.shape)}")
     if bool((lens < 0).any()):
         raise ValueError(f"segment lengths must be >= 0; got {lens.tolist()}")
-    if bool((lens.sum(-1) > seq_k).any()):
+    if seq_k is not None and bool((lens.sum(-1) > seq_k).any()):
         raise ValueError(f"a row of seg_lens sums to more than the {seq_k} key positions: {lens.tolist()}")
     return lens.to(torch.int64)
 
@@ -68,9 +69,10 @@ def reference_packed_mask(topology: Any, seg_lens: Any, causal: bool = False,
                           window: int | None = None) -> torch.Tensor:
     """Dense bool mask ``[1, S, S]`` of N samples packed end to end (``seg_lens`` ``[N, k]``, S the total): each
     sample's tokens see the tokens of the same sample per the topology (and the window), nothing else."""
-    lens = torch.as_tensor(seg_lens).cpu()
+    lens = torch.as_tensor(seg_lens)
     if lens.dim() != 2:
         raise ValueError(f"packed seg_lens are [N, k], a row of lengths per sample; got shape {tuple(lens.shape)}")
+    lens = _lengths(lens, Topology(topology).num_segments)
     totals = lens.sum(-1).tolist()
     seq = sum(totals)
     mask = torch.zeros(1, seq, seq, dtype=torch.bool)

@@ -308,3 +308,7 @@ def test_the_packed_reference_mask_takes_rows_of_lengths():
         reference_packed_mask(CYCLIC, (5, 5, 10))
     with pytest.raises(ValueError, match=">= 0"):
         reference_packed_mask(CYCLIC, [(5, 5, 10), (5, -5, 10)])
+    with pytest.raises(TypeError, match="seg_lens must hold integers"):  # not truncated, nor a size error
+        reference_packed_mask(CYCLIC, [(5, 5, 10), (5, 5.5, 10)])
+    with pytest.raises(ValueError, match="3 lengths or \\[B, 3\\] rows"):
+        reference_packed_mask(CYCLIC, [(5, 5), (5, 5)])
