@@ -33,5 +33,5 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device | str
     if not head_dim_supported(head_dim):
         raise ValueError(f"head_dim must be {SUPPORTED_HEAD_DIMS}; got {head_dim}")
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype!r}")
+        raise TypeError(f"dtype must be one of {', '.join(map(str, SUPPORTED_DTYPES))}; got {dtype!r}")
     return kernel_config(head_dim, dtype, check_device(device), DEFAULT_SETTINGS)

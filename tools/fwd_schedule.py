@@ -39,7 +39,8 @@ from benchmarks.configs import ALL_CONFIGS, BenchConfig
 from benchmarks.timing import Timing
 from mmsparse import mbs_attention_varlen
 from mmsparse.attention.config import cuda_kernel_config, kernel_config, use_tuning
-from mmsparse.mask.build import build_mask_info
+
+from .ordered_waits import config_mask
 
 SAMPLE_BLOCKS = (1, 2, 4, 8)  # --measure: the query blocks of every sample, a pack each
 
@@ -47,13 +48,9 @@ SAMPLE_BLOCKS = (1, 2, 4, 8)  # --measure: the query blocks of every sample, a p
 def tile_lengths(cfg: BenchConfig) -> list[int]:
     """The key blocks of every forward tile of ``cfg`` in launch order: each (batch, query head)'s query blocks,
     longest list first (the lists of the config's first sample stand for every sample)."""
-    seq = cfg.seq_k
-    lens = [list(r) for r in cfg.seg_lens] if cfg.packed else list(cfg.seg_lens)
-    info = build_mask_info([list(r) for r in cfg.topology], lens, seq, seq, cfg.causal, torch.device("cpu"),
-                           packed=cfg.packed, window=cfg.window)
-    sample_len = seq // len(cfg.seg_lens) if cfg.packed else None
+    info, sample_len = config_mask(cfg)
     config = cuda_kernel_config(cfg.head_dim, torch.bfloat16)
-    tile = config.forward_tile(seq, seq, sample_len)
+    tile = config.forward_tile(cfg.seq_k, cfg.seq_k, sample_len)
     counts = info.lists(tile.block_m, tile.block_n, False, config.compact_bytes).counts[0]
     length = (counts[:, 0] + counts[:, 1]).tolist()
     return [length[row] for row in counts[:, 3].tolist()] * (cfg.batch * cfg.heads_q)

@@ -41,6 +41,7 @@ from mmsparse.attention.config import cuda_kernel_config
 from mmsparse.mask.add_order import adds_shortest_first, dq_add_ranks
 from mmsparse.mask.blocks import BlockLists
 from mmsparse.mask.build import build_mask_info
+from mmsparse.mask.info import MaskInfo
 
 
 @dataclass(frozen=True)
@@ -161,14 +162,20 @@ def modelled_us(launch: Launch, sms: int, timing: Timing) -> float:
     return max(ends)
 
 
-def config_lists(cfg: BenchConfig) -> tuple[BlockLists, int, bool, int]:
-    """The by-key lists of ``cfg``'s first sample at the dQ writer's tile (the Hopper table's, bf16), its query
-    blocks, whether its programs launch shortest list first, and its GQA group."""
+def config_mask(cfg: BenchConfig) -> tuple[MaskInfo, int | None]:
+    """``cfg``'s mask built on the CPU, and its samples' average length where it is a pack (None: not a pack)."""
     seq = cfg.seq_k
     info = build_mask_info([list(r) for r in cfg.topology], [list(r) for r in cfg.seg_lens] if cfg.packed
                            else list(cfg.seg_lens), seq, seq, cfg.causal, torch.device("cpu"), packed=cfg.packed,
                            window=cfg.window)
-    sample_len = seq // len(cfg.seg_lens) if cfg.packed else None
+    return info, (seq // len(cfg.seg_lens) if cfg.packed else None)
+
+
+def config_lists(cfg: BenchConfig) -> tuple[BlockLists, int, bool, int]:
+    """The by-key lists of ``cfg``'s first sample at the dQ writer's tile (the Hopper table's, bf16), its query
+    blocks, whether its programs launch shortest list first, and its GQA group."""
+    seq = cfg.seq_k
+    info, sample_len = config_mask(cfg)
     config = cuda_kernel_config(cfg.head_dim, torch.bfloat16, gluon_dq_writer=True)
     tile = config.dq_writer_tile(seq, sample_len)
     if tile is None:
