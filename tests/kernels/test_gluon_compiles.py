@@ -182,7 +182,7 @@ def _tile(variant: Variant):
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage (two without ping-pong: K's and V's); dK/dV K and V once, done, ready and release per stage, and
+    stage (two without ping-pong and in a persistent forward: K's and V's); dK/dV K and V once, done, ready and release per stage, and
     the dQ writer's dS handshake and staging halves besides; the forward with ping-pong the two turns. Its named
     turns and releases (``turns="named_release"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
@@ -197,8 +197,9 @@ def expected_barriers(variant: Variant) -> int:
     q_slots = 3 if tile.persistent else 0  # a persistent CTA's two Q slots: each a ready and an empty for one
     if tile.pingpong and tile.turns == "named_release":
         return 1 + 2 * tile.gluon_stages + q_slots
-    # without ping-pong a stage's K and its V are released apart
-    return 1 + 3 * tile.gluon_stages + (2 if tile.pingpong else tile.gluon_stages) + q_slots
+    # without ping-pong, and in a persistent CTA, a stage's K and its V are released apart
+    releases = (1 if tile.pingpong and not tile.persistent else 2) * tile.gluon_stages
+    return 1 + 2 * tile.gluon_stages + releases + (2 if tile.pingpong else 0) + q_slots
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,8 @@ _ARRIVE_TURN_0 = named_barrier_asm("arrive", TURN_BARRIER_IDS[0], _CONSUMER_THRE
 _ARRIVE_TURN_1 = named_barrier_asm("arrive", TURN_BARRIER_IDS[1], _CONSUMER_THREADS)
 # Stage s is released through named barrier RELEASE_BARRIER_ID + s, counted over both consumer
 # warpgroups and the producer warp: the consumers arrive once they no longer read the stage, the producer waits
-# there (bar.sync) before refilling it.
+# there (bar.sync) before refilling it. A persistent CTA releases a stage's K there and its V at
+# RELEASE_BARRIER_ID + STAGES + s.
 RELEASE_BARRIER_ID = gl.constexpr(TURN_BARRIER_IDS[1] + 1)
 _RELEASE_THREADS = _CONSUMER_THREADS + 32
 _ARRIVE_RELEASE = named_barrier_asm("arrive", None, _RELEASE_THREADS)
@@ -135,9 +136,10 @@ def _tile_place(t, seq_q, NUM_HEADS: gl.constexpr):
 
 @gluon.jit
 def _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, j, g, b, hk,
-                BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr, V_APART: gl.constexpr):
-    """A persistent CTA's producer: list entry j of its tile as the CTA's block g (stage ``g % STAGES``), once
-    the block STAGES before it released the stage (``stream_kv_ring``'s and ``_stream_kv_named``'s waits)."""
+                BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+    """A persistent CTA's producer: list entry j of its tile as the CTA's block g (stage ``g % STAGES``), its K
+    once the block STAGES before it released the stage's K, its V once that block released its V (mbarriers, or
+    named barriers with ``NAMED_RELEASE``)."""
     stage = g % STAGES
     n_blk = block_id(idx_ptr, j)
     if NAMED_RELEASE:
@@ -147,7 +149,10 @@ def _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_
         mbarrier.wait(kv_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
     tma_load(k_desc, [b, hk, n_blk * BN, 0], k_ready.index(stage), box(k_smem.index(stage)))
-    if V_APART:
+    if NAMED_RELEASE:
+        if g >= STAGES:
+            named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + STAGES + stage)
+    else:
         mbarrier.wait(kv_empty.index(STAGES + stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
     tma_load(v_desc, [b, hk, n_blk * BN, 0], v_ready.index(stage), box(v_smem.index(stage)))
@@ -180,7 +185,7 @@ def _taken(words, j: gl.constexpr):
 @gluon.jit
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, tile_smem, k_ready,
                          v_ready, kv_empty, tiles, lists, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-                         BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr, V_APART: gl.constexpr):
+                         BN: gl.constexpr, STAGES: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """One warp of a persistent CTA: per tile from the counter, once the consumers have released its Q slot (slot
     k % 2 of the CTA's k-th tile, free once the output of tile k - 2 was read out of it), the tile's words and its
     Q into the slot, then its K/V blocks (each once the block STAGES before it released its stage). At the end a -1
@@ -211,7 +216,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready
         hk = h // GROUP
         for j in range(n_total):
             _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, idx_ptr, j, g + j, b, hk, BN,
-                        STAGES, NAMED_RELEASE, V_APART)
+                        STAGES, NAMED_RELEASE)
         g += n_total
         k += 1
         t = _next_tile(counter)
@@ -222,6 +227,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready
     if NAMED_RELEASE:
         for j in range(gl.maximum(g - STAGES, 0), g):
             named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + j % STAGES)
+            named_barrier_at(_SYNC_RELEASE, RELEASE_BARRIER_ID + STAGES + j % STAGES)
 
 
 @gluon.jit
@@ -282,26 +288,36 @@ def _hand_off(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr, TURNS: gl.const
 
 
 @gluon.jit
-def _release_keys(kv_empty, stage, PINGPONG: gl.constexpr):
-    """Without ping-pong: this warpgroup's scores of the block in ``stage`` are done, so it no longer reads the
-    stage's K: release it (``kv_empty`` ``stage``), and the producer loads the next block's K there while this
-    block's P V runs. Ping-pong tiles release the whole stage at once (:func:`_release_stage`)."""
+def _release_keys(kv_empty, stage, PINGPONG: gl.constexpr, TURNS: gl.constexpr = _TURNS_MBARRIER,
+                  PERSISTENT: gl.constexpr = False):
+    """This warpgroup's scores of the block in ``stage`` are done, so it no longer reads the stage's K: without
+    ping-pong, and in a persistent CTA (whose 2 stages at D=128 left each K load on the matmuls' path with
+    whole-stage releases), release it (``kv_empty`` ``stage``, or its named barrier), and the producer loads the
+    next block's K there while this block's P V runs. Other ping-pong tiles release the whole stage at once
+    (:func:`_release_stage`)."""
     if not PINGPONG:
         mbarrier.arrive(kv_empty.index(stage))
+    elif PERSISTENT:
+        if TURNS == _TURNS_NAMED_RELEASE:
+            named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
+        else:
+            mbarrier.arrive(kv_empty.index(stage))
 
 
 @gluon.jit
 def _release_stage(kv_empty, stage, block, n_total, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
-                   STAGES: gl.constexpr, EVERY_BLOCK: gl.constexpr = False):
-    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer (without ping-pong
-    its V, ``kv_empty`` STAGES + ``stage``: :func:`_release_keys` released its K). A named release only where the
-    producer waits for it (a block STAGES later exists): an arrive nobody syncs with would stay counted; with
-    ``EVERY_BLOCK`` (a persistent CTA, whose producer syncs with the last blocks' releases at its end) at every
-    block."""
+                   STAGES: gl.constexpr, PERSISTENT: gl.constexpr = False):
+    """This warpgroup no longer reads the K/V stage of ``block``: release it to the producer (without ping-pong and
+    in a persistent CTA its V, ``kv_empty`` STAGES + ``stage`` or the named barrier after the K ones:
+    :func:`_release_keys` released its K). A named release only where the producer waits for it (a block STAGES
+    later exists): an arrive nobody syncs with would stay counted; in a persistent CTA, whose producer syncs with
+    the last blocks' releases at its end, at every block."""
     if PINGPONG and TURNS == _TURNS_NAMED_RELEASE:
-        if EVERY_BLOCK or block + STAGES < n_total:
+        if PERSISTENT:
+            named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + STAGES + stage)
+        elif block + STAGES < n_total:
             named_barrier_at(_ARRIVE_RELEASE, RELEASE_BARRIER_ID + stage)
-    elif PINGPONG:
+    elif PINGPONG and not PERSISTENT:
         mbarrier.arrive(kv_empty.index(stage))
     else:
         mbarrier.arrive(kv_empty.index(STAGES + stage))
@@ -418,7 +434,7 @@ def _consumer_tile(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks,
         s = warpgroup_mma(q, k_smem.index(first_stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _hand_off(turn, WG, first_turn, PINGPONG, TURNS)
         s = warpgroup_mma_wait(0, deps=(s,))
-        _release_keys(kv_empty, first_stage, PINGPONG)
+        _release_keys(kv_empty, first_stage, PINGPONG, TURNS, PERSISTENT)
         if n_full == 0:
             s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, 0), mask_args, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
@@ -435,7 +451,7 @@ def _consumer_tile(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks,
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             _hand_off(turn, WG, first_turn + it, PINGPONG, TURNS)
             s = warpgroup_mma_wait(1, deps=(s,))
-            _release_keys(kv_empty, stage, PINGPONG)
+            _release_keys(kv_empty, stage, PINGPONG, TURNS, PERSISTENT)
             if it >= n_full:
                 s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
                                   HAS_WINDOW)
@@ -515,12 +531,12 @@ def _persistent_forward(q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MAS
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM_PAD], dtype)
     named_release: gl.constexpr = PINGPONG and TURNS == _TURNS_NAMED_RELEASE
     turn_mbarriers: gl.constexpr = PINGPONG and TURNS == _TURNS_MBARRIER
-    gl.static_assert(not named_release or RELEASE_BARRIER_ID + STAGES <= 16, "a CTA has 16 named barriers")
+    gl.static_assert(not named_release or RELEASE_BARRIER_ID + 2 * STAGES <= 16, "a CTA has 16 named barriers")
     q_smem = gl.allocate_shared_memory(dtype, [4, WG_ROWS, HEAD_DIM_PAD], q_layout)  # slot * 2 + warpgroup
     k_smem, v_smem = allocate_kv_ring(dtype, STAGES, BN, HEAD_DIM_PAD)
     tile_smem = gl.allocate_shared_memory(gl.int32, [2, _TILE_WORDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    v_apart: gl.constexpr = not PINGPONG
-    kv_sets: gl.constexpr = 2 if v_apart else 1
+    # A stage's K and its V are released apart, with or without ping-pong (named releases: 2 barrier ids a stage)
+    kv_sets: gl.constexpr = 2
     releases: gl.constexpr = 0 if named_release else kv_sets
     layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], layout)
@@ -552,7 +568,7 @@ def _persistent_forward(q_desc, k_desc, v_desc, o_desc, LSE, Q_BITS, K_BITS, MAS
             (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, tile_smem,
                                     k_ready, v_ready, kv_empty, (TILE_COUNTER, n_tiles, seq_q),
                                     (COUNTS, stride_cnt_b, INDICES, stride_idx_b, Q_START, stride_qstart_b),
-                                    NUM_HEADS, GROUP, BN, STAGES, named_release, v_apart)),
+                                    NUM_HEADS, GROUP, BN, STAGES, named_release)),
         ],
         WORKER_WARPS,
         WORKER_REGS,
