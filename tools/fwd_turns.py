@@ -30,14 +30,7 @@ from benchmarks.baselines import mmsparse_fn
 from benchmarks.configs import ALL_CONFIGS
 from benchmarks.env import git_commit, versions
 from benchmarks.inputs import make_inputs
-from mmsparse.attention.config import (
-    TURN_SCHEMES,
-    KernelConfig,
-    Tile,
-    gluon_tile_problem,
-    head_dim_pad,
-    kernel_config,
-)
+from mmsparse.attention.config import TURN_SCHEMES, KernelConfig, gluon_tile_problem, head_dim_pad, kernel_config
 from mmsparse.attention.dispatch import hopper_gluon_available
 
 DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k", "pack_64k_x512", "mm13k_hub_d64")
@@ -46,8 +39,7 @@ DEFAULT_CONFIGS = ("mm13k_cyclic", "mm13k_hub", "mm43k_cyclic", "transfusion_16k
 def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
     """Label -> config. The first is the reference of the ratios: the config's own tile without ping-pong at D=64
     and D=256, the turn mbarriers otherwise. The forward's tile and the short-samples tile change together; a tile
-    that does not fit a CTA's shared memory is left out. ``persistent``, last: the config's own tiles with a
-    persistent grid (``Tile.persistent``)."""
+    that does not fit a CTA's shared memory is left out."""
     if not base.fwd.pingpong:
         out = {"no_pingpong": base, **_without_pingpong(base, head_dim, (2, 3, 4))}
         for stages in (2, 3):
@@ -55,42 +47,12 @@ def settings(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
                 tile = replace(base.fwd, gluon_stages=stages, pingpong=True, turns=turns)
                 if gluon_tile_problem("fwd", tile, head_dim_pad(head_dim)) is None:
                     out[f"pingpong_{stages}stages_{turns}"] = replace(base, fwd=tile)
-        return {**out, **_persistent(base, head_dim)}
+        return out
     short = base.fwd_short_samples
     return {**{turns: replace(base, fwd=replace(base.fwd, turns=turns),
                               fwd_short_samples=short if short is None else replace(short, turns=turns))
                for turns in TURN_SCHEMES},
-            **_without_pingpong(base, head_dim, (2, 3)), **_persistent(base, head_dim)}
-
-
-def _persistent(base: KernelConfig, head_dim: int) -> dict[str, KernelConfig]:
-    """``base`` with its Gluon forward tiles (the forward's and the short samples') persistent, each at the most
-    stages up to its own that fit beside two slots of Q; where that is fewer than the config's own, the same tile
-    launched as well (``launched_<n>stages``), and for ping-pong tiles the persistent tile without ping-pong and
-    with the other turn scheme."""
-    d_pad = head_dim_pad(head_dim)
-
-    def fitted(tile: Tile | None) -> Tile | None:
-        if tile is None or not tile.gluon:
-            return tile
-        for stages in range(tile.gluon_stages, 1, -1):
-            fit = replace(tile, gluon_stages=stages, persistent=True)
-            if gluon_tile_problem("fwd", fit, d_pad) is None:
-                return fit
-        return None
-
-    fwd, short = fitted(base.fwd), fitted(base.fwd_short_samples)
-    if fwd is None or (base.fwd_short_samples is not None and short is None):
-        return {}
-    out = {"persistent": replace(base, fwd=fwd, fwd_short_samples=short)}
-    if fwd.gluon_stages < base.fwd.gluon_stages:
-        out[f"launched_{fwd.gluon_stages}stages"] = replace(base, fwd=replace(fwd, persistent=False))
-    if base.fwd.pingpong:
-        out["persistent_no_pingpong"] = replace(base, fwd=replace(fwd, pingpong=False), fwd_short_samples=short)
-        for turns in TURN_SCHEMES:
-            if turns != fwd.turns:
-                out[f"persistent_{turns}"] = replace(base, fwd=replace(fwd, turns=turns), fwd_short_samples=short)
-    return out
+            **_without_pingpong(base, head_dim, (2, 3))}
 
 
 def _without_pingpong(base: KernelConfig, head_dim: int, stages: tuple[int, ...]) -> dict[str, KernelConfig]:

@@ -44,9 +44,6 @@ class Tile:
     # mbarrier each, stages released apart: two arrives a key block) or "named_release" (hardware named barriers
     # for the turns and the releases: no mbarrier arrive in the consumer loop).
     turns: str = "mbarrier"
-    # The Gluon forward's CTAs stay on their SMs and take tiles from a counter, with two slots of Q (kernels/gluon/
-    # forward.py, PERSISTENT); a backward tile may not ask for it, nor a tile without a Gluon kernel.
-    persistent: bool = False
 
     def __post_init__(self) -> None:
         _check_block("block_m", self.block_m)
@@ -57,10 +54,6 @@ class Tile:
         _check_bool("Tile.pingpong", self.pingpong)
         if self.turns not in TURN_SCHEMES:
             raise ValueError(f"Tile.turns must be one of {list(TURN_SCHEMES)}; got {self.turns!r}")
-        _check_bool("Tile.persistent", self.persistent)
-        if self.persistent and not self.gluon:
-            raise ValueError(f"Tile.persistent is the Gluon forward's: give the tile gluon_stages (2 or more) or "
-                             f"persistent=False; got {self}")
 
     @property
     def gluon(self) -> bool:
@@ -152,9 +145,6 @@ class KernelConfig:
                 # said when the config is made rather than ignored: no backward kernel has ping-pong turns
                 raise ValueError(f"KernelConfig.{name} has pingpong=True, but only the Gluon forward takes ping-pong "
                                  f"turns; give the backward tiles pingpong=False")
-            if tile is not None and tile.persistent:
-                raise ValueError(f"KernelConfig.{name} has persistent=True, but only the Gluon forward has a "
-                                 f"persistent grid; give the backward tiles persistent=False")
         for name, tile in (("bwd_dkdv_dropout", self.bwd_dkdv_dropout), ("bwd_dq_dropout", self.bwd_dq_dropout)):
             if tile is not None and tile.gluon:
                 raise ValueError(f"KernelConfig.{name} is a tl kernel's tile with dropout, which no Gluon kernel "
@@ -845,8 +835,7 @@ def gluon_tile_problem(kind: str, tile: Tile, d_pad: int, itemsize: int = 2) -> 
     if kind == "dq_writer":
         return _dq_writer_problem(tile, d_pad, itemsize)
     row_bytes = itemsize * d_pad
-    # Q (a persistent forward's two slots of it: the next tile's loads under this one); Q and dO
-    resident = (2 if kind != "fwd" or tile.persistent else 1) * tile.block_m * row_bytes
+    resident = (1 if kind == "fwd" else 2) * tile.block_m * row_bytes  # Q; Q and dO
     need = resident + tile.gluon_stages * 2 * tile.block_n * row_bytes + _GLUON_SHARED_SLACK
     if need > HOPPER_SHARED_BYTES:
         return (f"the Gluon {kind} kernel at {tile} needs {need} bytes of shared memory at head dim {d_pad}, a CTA "

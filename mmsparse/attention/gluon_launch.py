@@ -26,7 +26,6 @@ from .config import Tile, head_dim_pad
 from .host_tma import HostBox
 from .kernel_args import LaunchArgs
 from .layouts import output_strides
-from .plan import sm_count
 
 # Registers per thread at launch, for the 9 warps of a CTA (two consumer warpgroups and the producer) before the
 # partitions set their own (kernels.gluon.common.WORKER_REGS): 168 x 288 threads fit an SM's 64K.
@@ -51,31 +50,16 @@ def run_forward(
     units)``. ``bound``: as :func:`run_dq`'s; ``out_strides``: ``layouts.output_strides(q)``, if the caller has
     them."""
     batch, num_heads, seq_q, head_dim = q.shape
-    s = _setup_of(bound, "forward", lambda: _forward_setup(q, k, tile, mode, causal, has_window))
+    s = _setup_of(bound, "forward", lambda: _query_setup(q, k, tile, mode, causal, has_window, None,
+                                                         PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns]))
     mask_tensors, mask_scalars = mask
     out = torch.empty_strided(q.shape, output_strides(q) if out_strides is None else out_strides, dtype=q.dtype,
                               device=q.device)
     lse = torch.empty_strided((batch, num_heads, seq_q), (num_heads * seq_q, seq_q, 1), dtype=torch.float32,
                               device=q.device)
-    # A persistent grid's tiles come from a counter of this launch's own (a CUDA graph captures its zeroing);
-    # without it the kernel reads neither, and lse stands in for the pointer.
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if tile.persistent else lse
-    n_tiles = cdiv(seq_q, BLOCK_M) * batch * num_heads
-    launch_bound(_FWD, s.grid, (q, k, v, out, lse, *mask_tensors, *mask_scalars, qk_scale_log2, counter, n_tiles),
-                 s.constexprs, bound, "forward", s.boxes)
+    launch_bound(_FWD, s.grid, (q, k, v, out, lse, *mask_tensors, *mask_scalars, qk_scale_log2), s.constexprs, bound,
+                 "forward", s.boxes)
     return out, lse
-
-
-def _forward_setup(q: torch.Tensor, k: torch.Tensor, tile: Tile, mode: int, causal: bool, has_window: bool) -> _Setup:
-    """The forward's setup: a persistent tile's grid holds a CTA per multiprocessor of the device (at most one per
-    tile), each taking tiles until none are left; else a CTA per tile."""
-    s = _query_setup(q, k, tile, mode, causal, has_window, None, PINGPONG=tile.pingpong, TURNS=TURNS[tile.turns],
-                     PERSISTENT=tile.persistent)
-    if not tile.persistent:
-        return s
-    tiles = s.grid[0] * s.grid[1]
-    sms = sm_count(q.device) if q.device.type == "cuda" else tiles  # (compiled, not run, off a GPU)
-    return s._replace(grid=(max(1, min(tiles, sms)), 1))
 
 
 def run_dq(

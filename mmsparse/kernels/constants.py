@@ -43,7 +43,7 @@ LISTS_WRITE = 2
 DYNAMIC_ARGS = ["stride_qb8", "stride_qh8", "stride_qm8", "stride_kb8", "stride_kh8", "stride_kn8", "stride_vb8",
                 "stride_vh8", "stride_vn8", "stride_qbits_b", "stride_kbits_b", "stride_mask_b", "stride_mask_q",
                 "stride_cnt_b", "stride_idx_b", "seq_q", "seq_k", "stride_qstart_b", "window", "arrival_epoch",
-                "own_blocks", "query_blocks", "n_tiles"]
+                "own_blocks", "query_blocks"]
 # The tl kernels' output and dO strides, in units of 8 elements as q's, k's and v's (outputs follow their inputs'
 # layout, dO is read as autograd hands it over; tl.common.element_strides): never specialised on either.
 IO_STRIDE_ARGS = ["stride_ob8", "stride_oh8", "stride_om8", "stride_os8", "stride_dob8", "stride_doh8", "stride_dom8",

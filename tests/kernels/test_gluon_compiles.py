@@ -55,7 +55,6 @@ class Variant:
     arrival: bool = False  # dkdv only: keys still landing (WAIT_ARRIVAL: a context-parallel rank's fetched keys)
     ordered: bool = False  # dq_writer only: its adds in the key blocks' launch order (ORDERED: deterministic)
     head_section: int = 1  # ordered dq_writer only: key block by key block for this many heads (HEADS_SECTION)
-    persistent: bool = False  # the forward's: CTAs that take tiles from a counter (Tile.persistent)
 
     @property
     def name(self) -> str:
@@ -64,7 +63,6 @@ class Variant:
         kind += "-128rows" if self.long else "-arrival" if self.arrival else ""
         kind += "-ordered" if self.ordered else ""
         kind += f"-sections{self.head_section}" if self.head_section > 1 else ""
-        kind += "-persistent" if self.persistent else ""
         turns = "" if self.turns is None else f"-{self.turns}"
         stages = "" if self.stages is None else f"-{self.stages}stages"
         return f"{kind}-D{self.head_dim}-{self.mask}{'-causal' if self.causal else ''}{pp}{turns}{stages}" + (
@@ -88,13 +86,6 @@ VARIANTS = [
     # are the D=128 tile's).
     Variant("fwd", 64, "codes", causal=True, pingpong=True, turns="named_release", stages=2),
     Variant("fwd", 64, "bits", causal=True, pingpong=True, turns="mbarrier", stages=2),
-    # The persistent forward (Tile.persistent, two slots of Q: 2 stages at D=128): each turn scheme, without
-    # ping-pong, the short samples' tile.
-    Variant("fwd", 128, "bits", causal=True, persistent=True, stages=2),
-    Variant("fwd", 128, "codes", turns="mbarrier", persistent=True, stages=2),
-    Variant("fwd", 128, "dense", pingpong=False, persistent=True, stages=2),
-    Variant("fwd", 64, "dense", persistent=True),
-    Variant("fwd_short", 128, "bits", causal=True, persistent=True),
     Variant("dq", 128, "bits", causal=True),
     Variant("dq", 128, "dense", causal=True),
     Variant("dq", 64, "bits"),
@@ -176,13 +167,12 @@ def _tile(variant: Variant):
         tile = table[variant.kind][variant.head_dim]
     tile = tile if variant.pingpong is None else replace(tile, pingpong=variant.pingpong)
     tile = tile if variant.stages is None else replace(tile, gluon_stages=variant.stages)
-    tile = tile if not variant.persistent else replace(tile, persistent=True)
     return tile if variant.turns is None else replace(tile, turns=variant.turns)
 
 
 def expected_barriers(variant: Variant) -> int:
     """The barriers the variant uses: the forward and dQ passes Q (and dO) once, K-ready, V-ready and release per
-    stage (two without ping-pong and in a persistent forward: K's and V's); dK/dV K and V once, done, ready and release per stage, and
+    stage (two without ping-pong: K's and V's); dK/dV K and V once, done, ready and release per stage, and
     the dQ writer's dS handshake and staging halves besides; the forward with ping-pong the two turns. Its named
     turns and releases (``turns="named_release"``) are hardware barriers, not mbarriers."""
     tile = _tile(variant)
@@ -194,12 +184,10 @@ def expected_barriers(variant: Variant) -> int:
         return 2 + 2 * tile.gluon_stages + 2 + 4  # the dS handshake; each dQ staging half's full and empty
     if variant.kind == "dq":
         return 1 + 3 * tile.gluon_stages
-    q_slots = 3 if tile.persistent else 0  # a persistent CTA's two Q slots: each a ready and an empty for one
     if tile.pingpong and tile.turns == "named_release":
-        return 1 + 2 * tile.gluon_stages + q_slots
-    # without ping-pong, and in a persistent CTA, a stage's K and its V are released apart
-    releases = (1 if tile.pingpong and not tile.persistent else 2) * tile.gluon_stages
-    return 1 + 2 * tile.gluon_stages + releases + (2 if tile.pingpong else 0) + q_slots
+        return 1 + 2 * tile.gluon_stages
+    # without ping-pong a stage's K and its V are released apart
+    return 1 + 3 * tile.gluon_stages + (2 if tile.pingpong else tile.gluon_stages)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from mmsparse import mbs_attention, mbs_attention_varlen, reference_mask
+from mmsparse import mbs_attention, reference_mask
 from mmsparse.attention import config, dispatch, forward, plan
 from mmsparse.attention.config import KernelConfig, Tile, kernel_config, use_tuning
 from mmsparse.attention.dispatch import hopper_gluon_available
@@ -137,94 +137,6 @@ def test_every_turn_scheme_gives_the_same_bits(head_dim, hopper_calls, gluon_at_
     tile = replace(base.fwd, gluon_stages=3, pingpong=True, turns="named_release")
     with use_tuning(replace(base, fwd=tile, fwd_short_samples=None)):
         check_against_reference(q, k, v, HUB, lens, causal=True)
-
-
-def persistent_config(base: KernelConfig) -> KernelConfig:
-    """``base`` with its Gluon forward tiles persistent: at most 2 stages for the forward's tile (D=128's 3 do not
-    fit beside Q's second slot), the short samples' tile as it is (its 64-key stages do)."""
-    short = base.fwd_short_samples
-    return replace(base, fwd=replace(base.fwd, persistent=True, gluon_stages=min(base.fwd.gluon_stages, 2)),
-                   fwd_short_samples=short if short is None else replace(short, persistent=True))
-
-
-@pytest.mark.hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_persistent_forward_gives_the_same_bits(head_dim, hopper_calls, gluon_at_every_length):
-    """Tile.persistent (CTAs on their SMs taking tiles from a counter, the next tile's Q loaded under this one)
-    gives the one-tile forward's output bit for bit: a ragged causal hub over GQA heads (2,048 tiles, many per CTA),
-    segment codes with a segment that sees nothing (empty lists), two samples with lengths of their own, fewer
-    queries than keys (each sample's query offset), and at D=128 a pack of short samples (the short-samples tile,
-    turn mbarriers); then matches float64 with its gradients (the backward reads its lse), and a CUDA graph of it
-    replayed on new queries gives the eager bits (the counter's zeroing is captured)."""
-    dev = torch.device("cuda")
-    base = kernel_config(head_dim, torch.bfloat16, dev)
-    persistent = persistent_config(base)
-    lens = (1000, 1700, 1300)
-    q, k, v = make_qkv(1, 64, 16, 4000, 4000, head_dim, torch.bfloat16, dev)
-    two = make_qkv(2, 32, 8, 4000, 4000, head_dim, torch.bfloat16, dev)
-    fewer_q = make_qkv(1, 64, 16, 3000, 4000, head_dim, torch.bfloat16, dev)
-    codes = [[2, 0, 1], [0, 0, 0], [1, 1, 2]]  # segment 1 sees nothing
-    cases = [(lambda qkv: mbs_attention(*qkv, HUB, lens, causal=True), (q, k, v)),
-             (lambda qkv: mbs_attention(*qkv, codes, lens), (q, k, v)),
-             (lambda qkv: mbs_attention(*qkv, CYCLIC, [[1000, 1700, 1300], [2200, 300, 1500]], causal=True), two),
-             (lambda qkv: mbs_attention(*qkv, HUB, lens, causal=True), fewer_q)]
-    if base.fwd_short_samples is not None:
-        rows = [[40, 50, 38]] * 31  # 3,968 tokens in samples of 128
-        cases.append((lambda qkv: mbs_attention_varlen(*qkv, HUB, rows, causal=True), (q[:, :, :3968],
-                      k[:, :, :3968], v[:, :, :3968])))
-    with torch.no_grad():
-        for i, (call, qkv) in enumerate(cases):
-            with use_tuning(base):
-                plain = call(qkv)
-            with use_tuning(persistent):
-                out = call(qkv)
-            assert torch.equal(out, plain), f"case {i}: {(out.float() - plain.float()).abs().max()}"
-    assert len(hopper_calls) == 2 * len(cases)
-    with use_tuning(persistent):
-        check_against_reference(*(t[:, :h].detach().requires_grad_() for t, h in ((q, 8), (k, 2), (v, 2))), HUB,
-                                lens, causal=True)
-        with torch.no_grad():
-            static_q = q.clone()
-            mbs_attention(static_q, k, v, HUB, lens, causal=True)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = mbs_attention(static_q, k, v, HUB, lens, causal=True)
-            for _ in range(2):
-                new_q = torch.randn_like(q)
-                static_q.copy_(new_q)
-                graph.replay()
-                assert torch.equal(static_out, mbs_attention(new_q, k, v, HUB, lens, causal=True))
-
-
-def test_persistent_is_the_gluon_forwards():
-    """Tile.persistent takes a bool, needs a Gluon tile, and is refused on a backward tile and where its second Q
-    slot does not fit beside the stages (D=128 at 3 stages, D=256 at any); the plan text that crosses the custom
-    ops carries it (a text without it, from an older release, reads False)."""
-    import json
-
-    from mmsparse.attention.plan import call_plan_from_text, plan_call
-    from mmsparse.kernels.constants import MASK_BITS
-
-    with pytest.raises(TypeError, match="Tile.persistent must be True or False"):
-        Tile(128, 128, gluon_stages=3, persistent=1)
-    with pytest.raises(ValueError, match="Tile.persistent is the Gluon forward's"):
-        Tile(128, 128, persistent=True)
-    base = config.cuda_kernel_config(128, torch.bfloat16)
-    with pytest.raises(ValueError, match="only the Gluon forward has a persistent grid"):
-        replace(base, bwd_dkdv=replace(base.bwd_dkdv, persistent=True))
-    assert config.gluon_tile_problem("fwd", base.fwd, 128) is None
-    for tile, d_pad in ((replace(base.fwd, persistent=True), 128), (replace(config.GLUON_D256["fwd"], persistent=True),
-                                                                    256)):
-        assert "bytes of shared memory" in config.gluon_tile_problem("fwd", tile, d_pad)
-    persistent = replace(base, fwd=replace(base.fwd, persistent=True, gluon_stages=2))
-    assert config.gluon_tile_problem("fwd", persistent.fwd, 128) is None
-    call = plan_call(persistent, 4096, 4096, torch.device("cpu"), None, False, True, MASK_BITS, False, None, 3)
-    assert call.forward.persistent and call_plan_from_text(call.text) == call
-    older = json.loads(call.text)
-    del older["forward"]["persistent"]
-    assert not call_plan_from_text(json.dumps(older)).forward.persistent
 
 
 def test_a_failing_gluon_forward_raises(monkeypatch, device):
