@@ -72,6 +72,7 @@ def test_ab_runs_against_head(tmp_path):
     assert "verdict" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.interpreter  # a CPU side in this process; a GPU's sides are the tool's own runs
 def test_nondet_side_digests_all_but_dq(monkeypatch):
     """--nondet: each side's worker calls deterministic=False and digests out, dK and dV, not dQ (the one pass adds
     it in any order, so its bits may differ between two runs of one tree)."""

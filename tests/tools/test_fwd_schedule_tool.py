@@ -60,6 +60,7 @@ def test_the_fit_of_the_launch_costs():
         fwd_schedule.fit_costs([(2, 5.0), (2, 5.1)])
 
 
+@pytest.mark.interpreter  # the CPU forward in this process; on a GPU --measure runs it at full size
 def test_the_measured_points_run_the_forward():
     """On the CPU (the interpreter, the CPU tile 32x16) the packs' forward runs: a point per sample length, lists
     of 2, 4 key blocks; tokens that do not fill the samples are refused."""
