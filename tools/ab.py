@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -87,6 +88,12 @@ def resolve_tree(spec: str | None, scratch: Path) -> Tree:
     return Tree(f"{spec} ({sha[:12]})", scratch)
 
 
+def child_env(device: str) -> dict[str, str] | None:
+    """The environment of a child process that runs mmsparse on ``device``: on the CPU with Triton's interpreter,
+    also on a host with a GPU (where mmsparse leaves it off); else the parent's (None)."""
+    return {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else None
+
+
 class Worker:
     """A worker process for one tree, spoken to in JSON lines."""
 
@@ -96,7 +103,7 @@ class Worker:
         cmd += ["--nondet"] if args.nondet else []
         self.tree = tree
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     cwd=tempfile.gettempdir())
+                                     cwd=tempfile.gettempdir(), env=child_env(args.device))
         self.info: dict[str, str] = {"label": tree.label}
 
     def wait_ready(self) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ from typing import Any
 from benchmarks.arguments import at_least_one
 from benchmarks.report import fmt, write_record
 
-from .ab import Tree, resolve_tree
+from .ab import Tree, child_env, resolve_tree
 
 CHILD = Path(__file__).resolve().parent / "host_ab_child.py"
 TOPIC = "host_ab"
@@ -41,13 +40,11 @@ TOPIC = "host_ab"
 
 def run_child(tree: Tree, device: str, calls: int, pin: str | None, *extra: str) -> dict[str, Any]:
     """One fresh process's figures (``host_ab_child``, with ``extra`` arguments), pinned to CPU ``pin`` when
-    given. On the CPU the child runs the kernels through Triton's interpreter, also on a host with a GPU (where
-    mmsparse leaves it off)."""
+    given (on the CPU through Triton's interpreter: ``ab.child_env``)."""
     cmd = [sys.executable, str(CHILD), "--tree", str(tree.path), "--device", device, "--calls", str(calls), *extra]
     if pin is not None:
         cmd = ["taskset", "-c", pin, *cmd]
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else None
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=child_env(device))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{tree.label}{'' if pin is None else f' pinned to {pin}'} failed "
