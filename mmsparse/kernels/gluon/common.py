@@ -125,33 +125,6 @@ def opaque_zero():
 
 
 @gluon.jit
-def issued_after(x):
-    """``x`` as the value of a side-effecting move, which LLVM keeps after the asynchronous wgmmas issued before it:
-    arithmetic on the result stays after them instead of being hoisted ahead of their issue."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
-
-
-# ptxas moves a wgmma wait up to the start of its basic block, past instructions that do not touch the matmul's
-# registers. :func:`wait_after` ends the block after a value: a branch on its bits around a memory fence, taken only
-# for a NaN payload that no arithmetic yields (the GPU's arithmetic returns the canonical 0x7FFFFFFF), so the fence
-# never runs, and if it ever did it would only order memory.
-_NEVER_BITS = 0x7FC00001
-_WAIT_AFTER_ASM = gl.constexpr(
-    "{\n\t.reg .pred taken;\n\t"
-    f"setp.eq.b32 taken, $1, {_NEVER_BITS};\n\t"
-    "@taken membar.cta;\n\tmov.u32 $0, 0;\n\t}"
-)
-
-
-@gluon.jit
-def wait_after(x):
-    """Keep the next ``warpgroup_mma_wait`` after the instructions that compute ``x`` (a float32 tensor): without
-    it the forward's wait for P V sat before the softmax that the source put ahead of it, so a warpgroup's softmax
-    never overlapped its own P V."""
-    gl.inline_asm_elementwise(_WAIT_AFTER_ASM, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def key_step_zero(HEAD_DIM_PAD: gl.constexpr):
     """The index offset of a dK/dV loop's K, V and dS^T tiles in each step: 0 up to D=64, else :func:`opaque_zero`,
     so that past D=64 their wgmma descriptors are made in each step. Hoisted out of the loop beside dK and dV (128

@@ -45,7 +45,6 @@ from .common import (
     scores_init,
     thread_barrier,
     tma_store,
-    wait_after,
     wait_for_arrival,
 )
 from .dkdv_rows import allocate_query_stages, key_block_lists, stage_query_blocks
@@ -210,9 +209,7 @@ def _consumer_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexp
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
             dst_op = gl.convert_layout(dst, op_layout)
             # dV_i is drained here rather than in the next step: a wgmma still in flight across the loop's back edge
-            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources"). Not
-            # before dS^T is made, so that dV's matmul runs under it.
-            wait_after(offs_n)
+            # makes ptxas serialize every wgmma of the kernel (C7512, "insufficient register resources").
             dv, pt_op = warpgroup_mma_wait(0, deps=(dv, pt_op))
         last = stage if COUNTED else (total - 1) % STAGES
         dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)

@@ -42,7 +42,6 @@ from .common import (
     resident_tile,
     stream_kv_ring,
     tma_store,
-    wait_after,
 )
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -139,7 +138,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, dq_desc, b, h, row_ptrs, bloc
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             ds = _score_grads(s, dp, neg_lse, delta, it >= n_full, offs_m, q_bits, block_id(idx_ptr, it), mask_args,
                               qk_scale, BN, MASK_MODE, IS_CAUSAL, HAS_WINDOW, LSE_FIRST)
-            wait_after(delta)
             dq, ds_prev = warpgroup_mma_wait(0, deps=(dq, ds_prev))
             mbarrier.arrive(kv_empty.index(prev))
             ds_prev = gl.convert_layout(ds.to(dtype), op_layout)

@@ -52,7 +52,6 @@ from .common import (
     init_barriers,
     invalidate_barriers,
     invalidate_ring,
-    issued_after,
     masked_scores,
     named_barrier,
     named_barrier_asm,
@@ -62,7 +61,6 @@ from .common import (
     stream_kv_ring,
     tma_load,
     tma_store,
-    wait_after,
 )
 
 _MASK_DENSE = gl.constexpr(MASK_DENSE)
@@ -245,10 +243,6 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             s = warpgroup_mma(resident_tile(q_smem, WG, HEAD_DIM_PAD), k_smem.index(stage).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            # O to the previous block's max while Q K^T runs (FlashAttention-3's order): after the P V wait
-            # below, only P's conversion is left before the next turn. The same products and sums as a rescale
-            # after that wait: O's rounding does not change.
-            acc = acc * gl.expand_dims(gl.convert_layout(issued_after(alpha), o_rows), 1)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             _hand_off(turn, WG, it, PINGPONG, TURNS)
@@ -258,13 +252,12 @@ def _consumer(WG: gl.constexpr, buffers, barriers, o_desc, lse_ptr, blocks, mask
                 s = masked_scores(s, offs_m, q_bits, block_id(idx_ptr, it), mask_args, BN, MASK_MODE, IS_CAUSAL,
                                   HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            wait_after(l_i)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             _release_stage(kv_empty, prev, it - 1, n_total, PINGPONG, TURNS, STAGES)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_total - 1) % STAGES
         _take_turn(turn, WG, n_total, PINGPONG, TURNS)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(last), ((n_total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         _hand_off(turn, WG, n_total, PINGPONG, TURNS, LAST=True)
