@@ -21,20 +21,19 @@ patched for the length of a launch and restored at its end), so interpreted laun
 from __future__ import annotations
 
 import inspect
-import threading
 from typing import Any, Callable
 
 import torch
 import triton
 
 from ..kernels.tl.token_bits import token_bits_kernel
+from .interpreter_probe import INTERPRETER_LOCK, interpreter_problem
 from .tma_args import Boxes, DescriptorLaunch
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISS = object()
 _knobs = getattr(triton, "knobs", None)
 fast_launches = 0  # counted for the tests: launches that skipped Triton's binding
-_INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time, from any thread
 # The current CUDA device without torch.cuda.current_device()'s lazy-init check, for code that runs inside or after a
 # launch (CUDA is initialised); torch.cuda.current_device where the binding is absent (a CPU build)
 current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -118,7 +117,10 @@ class FastKernel:
         kwargs = {**PINNED_OPTIONS, **kwargs}
         if not self._enabled:
             if self._interpreted:
-                with _INTERPRETER_LOCK:
+                with INTERPRETER_LOCK:
+                    problem = interpreter_problem()
+                    if problem is not None:
+                        raise RuntimeError(problem)
                     self.fn[grid](*args, **kwargs)
             else:
                 self.fn[grid](*args, **kwargs)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 from tools import host_ab
 from tools.host_ab import summarize
@@ -33,6 +35,7 @@ def test_each_pinning_gets_its_own_medians_and_ratio():
     assert [row["pinned"] for row in summarize(runs)][:2] == [True, True]  # the pinned rows, which compare, first
 
 
+@pytest.mark.interpreter  # CPU children through the interpreter; a GPU's children are the tool's own runs
 def test_host_ab_runs_against_an_exported_tree(tmp_path):
     """Each side's process imports mmsparse from its own tree and reports every figure (CPU: the interpreter, so the
     times mean nothing)."""
