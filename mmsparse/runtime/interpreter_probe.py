@@ -21,8 +21,8 @@ _answer: object = _UNASKED
 def interpreter_problem() -> str | None:
     """None if the interpreter runs a loop bounded by a kernel argument, else what failed and how to fix it.
 
-    Triton 3.6's interpreter (3.7's does not) passes a kernel's integer arguments as one-element NumPy arrays and
-    calls ``int()`` on one where it bounds a loop; NumPy has refused that since 2.4 (deprecated from 1.25). Every
+    Triton 3.6's interpreter (not 3.7's) passes a kernel's integer arguments as one-element NumPy arrays and calls
+    ``int()`` on one where it bounds a loop; NumPy has refused that since 2.4 (deprecated from 1.25). Every
     list and attention kernel has such a loop, so without this check a CPU call failed deep inside the
     interpreter with "only 0-dimensional arrays can be converted to Python scalars". Call it with
     :data:`INTERPRETER_LOCK` held."""
