@@ -44,9 +44,8 @@ def _probe() -> str | None:
         loop_probe_kernel[(1,)](out, _PROBE_STEPS)
     except Exception as err:  # the interpreter wraps what failed in its own error type
         return _problem_text(err)
-    if int(out.item()) != _PROBE_STEPS:
-        return _problem_text(f"the loop ran {int(out.item())} steps of {_PROBE_STEPS}")
-    return None
+    steps = int(out.item())
+    return None if steps == _PROBE_STEPS else _problem_text(f"the loop ran {steps} steps of {_PROBE_STEPS}")
 
 
 def _problem_text(failure: object) -> str:

@@ -15,7 +15,8 @@ launcher, every launch goes through Triton.
 
 Thread safety: a hit reads the cache without a lock; two threads missing on one key both go through Triton and
 store equal entries. Triton's interpreter is not thread-safe (one global grid index, and ``triton.language``
-patched for the length of a launch and restored at its end), so interpreted launches take a lock.
+patched for the length of a launch and restored at its end), so interpreted launches take a lock; the first
+of them asks whether this interpreter can run the kernels at all (``interpreter_probe``).
 """
 
 from __future__ import annotations
