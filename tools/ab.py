@@ -3,6 +3,7 @@
     python -m tools.ab --base REF                       # every benchmark config, 5 rounds
     python -m tools.ab --base REF --configs seed,mm13k_hub --rounds 9 --out ab.json
     python -m tools.ab --base REF --configs mm13k_hub --nondet    # deterministic=False's backward
+    python -m tools.ab --base REF --configs mm13k_hub_causal --head-dim 64   # the configs at another head dim
     python -m tools.ab --base DIR                       # a tree exported before (no .git needed here)
     python -m tools.ab --export REF DIR                 # write that tree: REF's files and DIR/.commit
 
@@ -101,6 +102,7 @@ class Worker:
         cmd = [sys.executable, str(WORKER), "--tree", str(tree.path), "--device", args.device, "--warmup",
                str(args.warmup), "--rep", str(args.rep), "--cpu-reps", str(args.cpu_reps)]
         cmd += ["--nondet"] if args.nondet else []
+        cmd += ["--head-dim", str(args.head_dim)] if args.head_dim else []
         self.tree = tree
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=tempfile.gettempdir(), env=child_env(args.device))
@@ -222,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--nondet", action="store_true",
                    help="time deterministic=False (the one-pass backward); dQ, added in any order, is not compared")
+    p.add_argument("--head-dim", type=at_least_one, default=None,
+                   help="run every config at this head dim instead of its own")
     p.add_argument("--export", nargs=2, metavar=("REF", "DIR"), help="only export REF's files into DIR, and exit")
     args = p.parse_args(argv)
     if not args.export and not args.base:
@@ -268,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.nondet:
         table = ("deterministic=False: the one-pass backward; out, dK and dV compared, dQ not (added in any "
                  "order).\n\n" + table)
+    if args.head_dim:
+        table = f"Every config at head dim {args.head_dim}.\n\n" + table
     print("\n" + table, end="")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {"base": info["base"], "new": info["new"], "device": args.device, "rounds": args.rounds,
-                  "workers": args.workers, "deterministic": not args.nondet,
+                  "workers": args.workers, "deterministic": not args.nondet, "head_dim": args.head_dim,
                   "configs": rows, "summary": summary}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(table)

@@ -55,13 +55,16 @@ class Side:
     """The inputs of every prepared config and the call that times them."""
 
     def __init__(self, mmsparse: Any, device: str, warmup: int, rep: int, cpu_reps: int,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True, head_dim: int | None = None) -> None:
+        from dataclasses import replace
+
         import torch
 
         from benchmarks.configs import ALL_CONFIGS
         from benchmarks.timing import Timing
 
-        self.torch, self.mmsparse, self.configs = torch, mmsparse, ALL_CONFIGS
+        self.torch, self.mmsparse = torch, mmsparse
+        self.configs = {name: replace(cfg, head_dim=head_dim) if head_dim else cfg for name, cfg in ALL_CONFIGS.items()}
         self.device = torch.device(device)
         self.timing = Timing(self.device, warmup, rep, cpu_warmup=1, cpu_reps=cpu_reps)
         self.cases: dict[str, tuple[Any, ...]] = {}
@@ -120,13 +123,14 @@ def main() -> int:
     ap.add_argument("--rep", type=int, required=True)
     ap.add_argument("--cpu-reps", type=int, default=3)
     ap.add_argument("--nondet", action="store_true", help="call with deterministic=False")
+    ap.add_argument("--head-dim", type=int, default=None, help="every config at this head dim")
     args = ap.parse_args()
     here = Path(__file__).resolve().parent  # run as a script, its folder leads sys.path: its modules must not
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]  # shadow anything by bare name
     replies = _protocol_stream()
     try:
         mmsparse = _import_mmsparse(args.tree)
-        side = Side(mmsparse, args.device, args.warmup, args.rep, args.cpu_reps, not args.nondet)
+        side = Side(mmsparse, args.device, args.warmup, args.rep, args.cpu_reps, not args.nondet, args.head_dim)
         from benchmarks.env import versions
 
         ready = {"mmsparse": str(Path(mmsparse.__file__).resolve().parent), **versions(side.device)}

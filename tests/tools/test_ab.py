@@ -98,3 +98,20 @@ def test_nondet_side_digests_all_but_dq(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert calls == [False]
+
+
+def test_head_dim_reaches_every_config_of_a_side():
+    """``--head-dim`` runs every config at that head dim on both sides (the worker script is this checkout's)."""
+    import torch
+
+    import mmsparse
+    from tools.ab import parse_args
+    from tools.ab_worker import Side
+
+    assert parse_args(["--base", "HEAD", "--head-dim", "64"]).head_dim == 64
+    threads = torch.get_num_threads()  # a CPU side runs single-threaded
+    try:
+        assert {cfg.head_dim for cfg in Side(mmsparse, "cpu", 0, 0, 1, head_dim=64).configs.values()} == {64}
+        assert Side(mmsparse, "cpu", 0, 0, 1).configs["mm13k_hub"].head_dim == 128
+    finally:
+        torch.set_num_threads(threads)
