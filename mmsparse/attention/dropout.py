@@ -7,7 +7,10 @@ import torch
 
 from ..kernels.tl.dropout import dropout_keep_mask_kernel
 from ..mask.blocks import cdiv
-from ..runtime.launch import PINNED_OPTIONS
+from ..runtime.launch import FastKernel
+
+# Through FastKernel like every other launch: on the CPU it takes the interpreter's lock and checks its probe.
+_KEEP_MASK = FastKernel(dropout_keep_mask_kernel)
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
@@ -40,8 +43,7 @@ def dropout_keep_rows(
         seed = torch.cat([seed.reshape(1), seed.new_zeros(2)])
     out = torch.empty((count, rows, seq_k), dtype=torch.int8, device=seed.device)
     grid = (cdiv(rows, 32), cdiv(seq_k, 32), count)
-    dropout_keep_mask_kernel[grid](seed, out, q_start, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32,
-                                   BN=32, **PINNED_OPTIONS)
+    _KEEP_MASK[grid](seed, out, q_start, bh0, row0, rows, seq_k, dropout_p, NUM_HEADS=num_heads, BM=32, BN=32)
     return out.bool()
 
 

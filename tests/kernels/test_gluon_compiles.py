@@ -129,6 +129,8 @@ VARIANTS = [
     Variant("dq_writer", 64, "bits", group=1, long=True),
     Variant("dq_writer", 64, "codes", causal=True, group=4, long=True),
     Variant("dq_writer", 64, "dense", causal=True, window=True, long=True),
+    # the 128-row tile's whole step under segment codes (lse in S^T without the causal flag; with it the halved step)
+    Variant("dq_writer", 64, "codes", long=True),
     # ... and with its adds in order (deterministic=True where config.ordered_dq_writer is set), launched shortest
     # list first (the causal flag, segment codes) and longest first (a bit mask without the flag), one head after
     # the other and in sections of heads (config.ordered_head_section)
@@ -221,10 +223,12 @@ def _compiled(ptx_dir, variant, suffix: str) -> Path:
     return path
 
 
-# The one spill Triton 3.6's code generation leaves (3.7 and later leave none): four words of the 128-row D=64
-# dQ-writer tile's segment-code variant, all outside its loops (the thread id across the partitions' dispatch, one
-# word of the producer's), as it was timed on the GPU image's Triton 3.6. Any other spill, or a larger one, fails.
-_TRITON_36_SPILL_STORES = {"dqwriter-128rows-D64-codes-causal-group4": 16}
+# The spills Triton 3.6's code generation leaves (3.7 and later leave none), all outside the loops (the thread id
+# across the partitions' dispatch, a word of the producer's), as they were timed on the GPU image's Triton 3.6: four
+# words of the 128-row D=64 dQ-writer tile's segment-code variant, two of its ordered variant in sections of heads.
+# Any other spill, or a larger one, fails.
+_TRITON_36_SPILL_STORES = {"dqwriter-128rows-D64-codes-causal-group4": 16,
+                           "dqwriter-128rows-ordered-sections4-D64-bits": 8}
 
 
 def _assert_no_spill(ptx_dir, variant) -> str:

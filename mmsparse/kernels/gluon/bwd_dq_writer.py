@@ -21,10 +21,9 @@ for in that step (one in flight across the loop's back edge makes ptxas serializ
 held for one step only, unlike ``gluon.dkdv``'s software pipeline (two steps): 3 stages leave the producer two steps
 of slack.
 
-Past 64 query rows a step (BM = 128: ``_halved_step``) a warpgroup takes the stage's rows in halves of 64: S^T,
-dP^T, P^T, dV, dS^T and dK of each half as above, dS^T of each half in its column half of the warpgroup's
-``[64, BM]`` tile; then one hand-over, one dQ matmul of all BM rows, one staging of dQ's half and one release of
-the stage, as a 64-row step. Its registers peak as a 64-row step's (a whole 64 x 128 S^T and dP^T spilled).
+Past 64 query rows a step (BM = 128) a warpgroup takes all the stage's rows at once where lse is in S^T's initial
+value (``_whole_step``: one 64 x BM S^T and dP^T in flight together, dS^T made before dV's matmul is issued), and
+elsewhere in halves of 64 (``_halved_step``: segment codes with the causal flag, whose whole step spilled).
 
 The MMA warpgroups never wait for a reduce-add: the writer waits for each half to be read
 (``cp.async.bulk.wait_group.read``) and only then frees it, and a warpgroup waits on that barrier one whole step
@@ -169,6 +168,7 @@ def _mma_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HE
     total = GROUP * n_total
     inv_qk_scale = 1.0 / qk_scale
     LSE_FIRST: gl.constexpr = lse_in_scores(MASK_MODE, IS_CAUSAL, HEAD_DIM_PAD)
+    WHOLE_STEPS: gl.constexpr = BM > WG_ROWS and LSE_FIRST
     stage = STAGES - 1  # count_slot's predecessor of stage 0
     phase = 1
     it = -1  # next_entry's predecessor of entry 0
@@ -182,7 +182,11 @@ def _mma_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HE
         else:
             it = next_entry(it, n_total, GROUP)
         mbarrier.wait(ready.index(stage), phase)
-        if BM > WG_ROWS:
+        if WHOLE_STEPS:
+            dk, dv = _whole_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale, sm_scale,
+                                 dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL, HAS_WINDOW,
+                                 LSE_FIRST, key_runs)
+        elif BM > WG_ROWS:
             dk, dv = _halved_step(WG, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale,
                                   sm_scale, dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD, BM, MASK_MODE, IS_CAUSAL,
                                   HAS_WINDOW, LSE_FIRST, key_runs)
@@ -244,13 +248,85 @@ def _entry_heads_inner(it, head, GROUP: gl.constexpr):
 
 
 @gluon.jit
+def _whole_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale, sm_scale,
+                dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
+                MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                LSE_FIRST: gl.constexpr, key_runs=None):
+    """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``) with lse in S^T's initial value
+    (``LSE_FIRST``): S^T and dP^T of all BM rows issued together (64 x BM each, the mask's bias built before, while
+    only dK and dV hold registers), P^T once S^T is done, then dS^T = P^T (dP^T - delta) with delta read once dP^T is
+    done, and only then dV += P^T dO (RS), so that P^T's float32 values die into their bf16 operand instead of being
+    held beside it; then the 64-row step's hand-over, dQ matmul, staging and release. Returns ``(dk, dv)`` with
+    nothing in flight.
+
+    Its register peak, P^T, dP^T, delta, dK and dV (224 a thread), fits the 240 without a spill in the step loop
+    under Triton 3.6, 3.7.1 and 3.9; dV issued before dS^T is made (the 64-row step's order) spilled 112-460 B.
+    An initial value on dP^T (-delta) issued while S^T is in flight made ptxas wait for S^T first (C7517). Whole
+    steps for the full blocks beside halved ones for the partial blocks, one runtime branch in the loop, made
+    ptxas 3.6 keep the two branches' wgmma descriptors in uniform registers written in one branch only: the other
+    read stale ones (an out-of-bounds shared read on the GPU)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, qbits_smem = buffers
+    kv_bar, ready, empty, done = barriers
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM_PAD, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    N: gl.constexpr = HEAD_DIM_PAD // 2
+    z = opaque_zero()
+    k_w = k_smem.index(WG + z)
+    v_w = v_smem.index(WG + z)
+    ds_w = ds_smem.index(WG + z)
+    q_s = q_smem.index(stage)
+    do_s = do_smem.index(stage)
+    lse_s = lse_smem.index(stage)
+    st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
+    st0, partial = scores_init(it, n_full, rows_smem.index(stage), qbits_smem.index(stage), offs_n, k_bits, mask_args,
+                               st_zero, MASK_MODE, IS_CAUSAL, HAS_WINDOW, key_runs)
+    st = issue_scores(k_w, q_s, st0, partial, lse_s, inv_qk_scale, cols, LSE_FIRST)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st,))
+    pt = probabilities(st, lse_s, qk_scale, cols, LSE_FIRST)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    delta = delta_smem.index(stage).load(cols)
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+    dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+    # The tile takes dS^T_i once both warpgroups' dQ_{i-1} have read it (step 0 waits for nothing).
+    mbarrier.wait(ds_bars.index(_DS_READ), (i & 1) ^ 1)
+    ds_w.store(dst)
+    fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
+    mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
+    dst_op = gl.convert_layout(dst, op_layout)
+    mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
+    dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, opaque_zero())
+    dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+    # Of dV, dQ (two groups), dK: all but dK are done.
+    dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
+    mbarrier.arrive(ds_bars.index(_DS_READ))
+    # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
+    mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
+    stage_w = dq_stage.index(WG)
+    stage_w.store(dq * sm_scale)
+    fence_async_shared()  # before the writer's TMA (async proxy) reads the half
+    mbarrier.arrive(dq_full.index(WG))
+    dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
+    mbarrier.arrive(empty.index(stage))
+    return dk, dv
+
+
+@gluon.jit
 def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_args, qk_scale, inv_qk_scale, sm_scale,
                  dk, dv, buffers, barriers, dq_ring, HEAD_DIM_PAD: gl.constexpr, BM: gl.constexpr,
                  MASK_MODE: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  LSE_FIRST: gl.constexpr, key_runs=None):
-    """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``): the stage's BM query rows as
-    halves of 64 (``WG_ROWS``), each a 64-row step's S^T, dP^T, P^T, dV, dS^T and dK (so that only a half's S^T and
-    dP^T, 64 x 64, are held: 64 x 128 of each spilled), dS^T of each half stored in its column half of the
+    """Step i of MMA warpgroup WG past BM = 64 (stage ``stage``, list entry ``it``) where lse is subtracted after
+    S^T's matmul (segment codes with the causal flag): the stage's BM query rows as halves of 64 (``WG_ROWS``), each
+    a 64-row step's S^T, dP^T, P^T, dV, dS^T and dK (so that only a half's S^T and dP^T, 64 x 64, are held: a
+    :func:`_whole_step` with lse loaded after S^T's wait spilled 100-176 B, 20-24 words a step in the pair table's
+    loop), dS^T of each half stored in its column half of the
     warpgroup's ``[64, BM]`` tile; then, as a 64-row step, one hand-over, one dQ matmul of all BM rows, one staging
     of dQ's half for the writer and one release of the stage. Returns ``(dk, dv)`` with nothing in flight.
 
