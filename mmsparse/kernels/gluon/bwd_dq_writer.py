@@ -161,7 +161,6 @@ def _mma_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HE
     dtype: gl.constexpr = q_smem.dtype
     N: gl.constexpr = HEAD_DIM_PAD // 2  # dQ's columns a warpgroup computes
 
-    stage_w = dq_stage.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM_PAD], gl.float32, acc_layout)
     st_zero = gl.zeros([WG_KEYS, BM], gl.float32, st_layout)
@@ -216,19 +215,8 @@ def _mma_steps(WG: gl.constexpr, args, k_bits, key_runs, GROUP: gl.constexpr, HE
             fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
             mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
             dst_op = gl.convert_layout(dst, op_layout)
-            mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-            dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, first)
-            dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-            # Of dV, dQ (two groups), dK: all but dK are done.
-            dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
-            mbarrier.arrive(ds_bars.index(_DS_READ))
-            # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
-            mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
-            stage_w.store(dq * sm_scale)
-            fence_async_shared()  # before the writer's TMA (async proxy) reads the half
-            mbarrier.arrive(dq_full.index(WG))
-            dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
-            mbarrier.arrive(empty.index(stage))
+            dk, dv = _dq_and_release(WG, i, stage, dst_op, q_s, dk, dv, pt_op, k_smem, dq_ring, empty, sm_scale, BM, N,
+                                     first)
     return dk, dv
 
 
@@ -300,21 +288,7 @@ def _whole_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_arg
     fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
     mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
     dst_op = gl.convert_layout(dst, op_layout)
-    mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-    dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, opaque_zero())
-    dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-    # Of dV, dQ (two groups), dK: all but dK are done.
-    dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
-    mbarrier.arrive(ds_bars.index(_DS_READ))
-    # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
-    mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
-    stage_w = dq_stage.index(WG)
-    stage_w.store(dq * sm_scale)
-    fence_async_shared()  # before the writer's TMA (async proxy) reads the half
-    mbarrier.arrive(dq_full.index(WG))
-    dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
-    mbarrier.arrive(empty.index(stage))
-    return dk, dv
+    return _dq_and_release(WG, i, stage, dst_op, q_s, dk, dv, pt_op, k_smem, dq_ring, empty, sm_scale, BM, N)
 
 
 @gluon.jit
@@ -383,16 +357,31 @@ def _halved_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_ar
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
     fence_async_shared()  # the generic-proxy stores, before the async proxy (wgmma) reads them
     mbarrier.arrive(ds_bars.index(_DS_FULL))  # a warpgroup barrier, then one arrival
+    return _dq_and_release(WG, i, stage, dst_op, q_s.slice(BM - HALF, HALF, dim=0), dk, dv, pt_op, k_smem, dq_ring,
+                           empty, sm_scale, BM, N)
+
+
+@gluon.jit
+def _dq_and_release(WG: gl.constexpr, i, stage, dst_op, q_rows, dk, dv, pt_op, k_smem, dq_ring, empty, sm_scale,
+                    BM: gl.constexpr, N: gl.constexpr, first=None):
+    """The end of every step of MMA warpgroup WG, once it has staged its dS^T_i and arrived on ``_DS_FULL``: wait
+    for the other warpgroup's; issue dQ's columns over both staged tiles and dK += dS^T Q (``q_rows``: the Q rows
+    ``dst_op`` spans); once dV (``pt_op``'s matmul) and dQ are done, free the tiles for the next dS^T and stage dQ's
+    half for the writer; once dK is done, release the stage. ``first``: the index of warpgroup 0's K and dS^T
+    tiles (None: ``common.opaque_zero()``, made here). Returns ``(dk, dv)`` with nothing in flight."""
+    ds_smem, ds_bars, dq_stage, dq_full, dq_empty = dq_ring
     mbarrier.wait(ds_bars.index(_DS_FULL), i & 1)  # both warpgroups' dS^T_i are staged
-    dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, opaque_zero())
-    dk = warpgroup_mma(dst_op, q_s.slice(BM - HALF, HALF, dim=0), dk, is_async=True)
+    if first is None:
+        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, opaque_zero())
+    else:
+        dq = issue_dq(ds_smem, k_smem, BM, WG * N, N, first)
+    dk = warpgroup_mma(dst_op, q_rows, dk, is_async=True)
     # Of dV, dQ (two groups), dK: all but dK are done.
     dv, pt_op, dq = warpgroup_mma_wait(1, deps=(dv, pt_op, dq))
     mbarrier.arrive(ds_bars.index(_DS_READ))
     # The writer has read this half's previous contents (a whole step ago; step 0 waits for nothing).
     mbarrier.wait(dq_empty.index(WG), (i & 1) ^ 1)
-    stage_w = dq_stage.index(WG)
-    stage_w.store(dq * sm_scale)
+    dq_stage.index(WG).store(dq * sm_scale)
     fence_async_shared()  # before the writer's TMA (async proxy) reads the half
     mbarrier.arrive(dq_full.index(WG))
     dk, dst_op = warpgroup_mma_wait(0, deps=(dk, dst_op))
