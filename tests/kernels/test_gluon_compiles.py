@@ -413,6 +413,20 @@ def test_dq_writer_does_not_spill(ptx_dir, variant):
     assert counted <= shared <= counted + _GLUON_SHARED_SLACK <= HOPPER_SHARED_BYTES, f"{variant.name}: {shared} B"
 
 
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind == "dq_writer" and v.long], ids=lambda v: v.name)
+def test_dq_writer_128_rows_take_whole_steps_where_lse_is_in_the_scores(ptx_dir, variant):
+    """The 128-row D=64 tile issues S^T and dP^T of all 128 rows at once (m64n128 wgmmas: no other matmul of the
+    kernel is 128 wide) where lse is in S^T's initial value, and 64-row halves where it is not (segment codes with
+    the causal flag, whose whole step spilled)."""
+    from mmsparse.kernels.constants import MASK_BITS, MASK_DENSE, MASK_SEGMENTS
+    from mmsparse.kernels.rules import lse_in_scores
+
+    mode = {"bits": MASK_BITS, "codes": MASK_SEGMENTS, "dense": MASK_DENSE}[variant.mask]
+    ptx = _compiled(ptx_dir, variant, ".ptx").read_text()
+    whole = "wgmma.mma_async.sync.aligned.m64n128k16." in ptx
+    assert whole == lse_in_scores(mode, variant.causal, variant.head_dim), variant.name
+
 FORWARD_VARIANTS = [v for v in VARIANTS if v.kind in ("fwd", "fwd_short")]
 
 
