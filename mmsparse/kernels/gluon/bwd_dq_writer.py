@@ -248,7 +248,9 @@ def _whole_step(WG: gl.constexpr, i, it, stage, n_full, offs_n, k_bits, mask_arg
     nothing in flight.
 
     Its register peak, P^T, dP^T, delta, dK and dV (224 a thread), fits the 240 without a spill in the step loop
-    under Triton 3.6, 3.7.1 and 3.9; dV issued before dS^T is made (the 64-row step's order) spilled 112-460 B.
+    under Triton 3.6, 3.7.1 and 3.9. Under 3.9, in the 64-row step's order (dV issued before dS^T is made) and with
+    its descriptors hoisted, the step spilled 200-692 B; dS^T first, 112-460 B; its descriptors made in each step
+    as well (``common.opaque_zero``), none.
     An initial value on dP^T (-delta) issued while S^T is in flight made ptxas wait for S^T first (C7517). Whole
     steps for the full blocks beside halved ones for the partial blocks, one runtime branch in the loop, made
     ptxas 3.6 keep the two branches' wgmma descriptors in uniform registers written in one branch only: the other
