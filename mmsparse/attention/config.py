@@ -696,7 +696,8 @@ GLUON_DQ_WRITER = {
     128: Tile(64, 128, num_warps=8, num_stages=2, gluon_stages=3),
 }
 # Its tile over SHORT_KEYS keys or more outside packs of short samples (KernelConfig.gluon_dq_writer_long): 128 query
-# rows a step, taken by each MMA warpgroup in halves of 64, and 3 stages (202,752 B; 4 would need 237,568). At D=64
+# rows a step, taken by each MMA warpgroup whole where lse is in the scores (else in halves of 64:
+# kernels/gluon/bwd_dq_writer.py), and 3 stages (202,752 B; 4 would need 237,568). At D=64
 # it beat the 64-row tile by 1.01-1.14x on 13k-64k keys (mm13k_hub, mm13k_cyclic, mm13k_hub_gqa, transfusion_16k,
 # video_64k), but lost 0.86x on a pack of 512-token samples, and at the seed's 925 keys (bound by host work) ran
 # 0.87x in one run (H200, tools.one_pass, benchmarks/results/h200/dq_writer_d64_bm128.md). Between 2,048 and 13k
