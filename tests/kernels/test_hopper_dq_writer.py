@@ -202,8 +202,7 @@ LONG_RUNS = {**{n: CASES[n] for n in CASES if head_dim_pad(CASES[n][7]) in GLUON
 @pytest.mark.parametrize("name", list(LONG_RUNS))
 def test_dq_writer_128_rows_matches_float64(name, ordered, writer_calls):
     """The same cases at the 128-row tile (each step's rows whole, or in two halves under segment codes with the
-    causal flag), at every length, and a few of its own;
-    with its adds unordered and ordered."""
+    causal flag), at every length, and a few of its own; with its adds unordered and ordered."""
     topo, lens, causal, batch, heads, kv_heads, seq_q, head_dim, dtype, window = LONG_RUNS[name]
     seq = sum(lens)
     seq_q = seq_q or seq
