@@ -219,20 +219,22 @@ def test_dq_writer_128_rows_matches_float64(name, ordered, writer_calls):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim,rows", [(64, 64), (128, 64), (64, 128)], ids=["D64", "D128", "D64-128rows"])
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
-def test_dq_writer_dense_mask(head_dim, ordered, writer_calls):
+def test_dq_writer_dense_mask(head_dim, rows, ordered, writer_calls):
     """A user's bool mask with an empty row and an empty column: zero gradients there, not NaN; with the adds
-    unordered and ordered."""
+    unordered and ordered, at the 64-row tile and the 128-row one (whole steps: lse in the scores)."""
     q, k, v = make_qkv(1, 4, 2, 1100, 1100, head_dim, torch.bfloat16, CUDA)
     mask = torch.rand(1100, 1100, device=CUDA) < 0.3
     mask[5] = False
     mask[:, 7] = False
-    with use_tuning(dataclasses.replace(writer_config(head_dim), ordered_dq_writer=ordered)):
+    tile = GLUON_DQ_WRITER_LONG[head_dim] if rows == 128 else GLUON_DQ_WRITER[head_dim]
+    config = dataclasses.replace(writer_config(head_dim), gluon_dq_writer=tile, ordered_dq_writer=ordered)
+    with use_tuning(config):
         out = mbs_attention(q, k, v, attn_mask=mask, deterministic=ordered)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-    assert writer_calls == [GLUON_DQ_WRITER[head_dim]] and writer_calls.ordered == [ordered]
+    assert writer_calls == [tile] and writer_calls.ordered == [ordered]
     check_outputs(q, k, v, out, grad_out, mask.cpu())
     assert not q.grad[:, :, 5].any() and not k.grad[:, :, 7].any()
 
